@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Installs everything mgpu needs on a Debian machine and builds it into .venv (idempotent):
+# system packages from Debian (compiler, CMake, OpenBLAS, zlib, GoogleTest, Fashion-MNIST),
+# Python packages from PyPI into a virtual environment, then `pip install .` (incremental).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+apt_packages=(g++ make cmake pkg-config libopenblas-dev zlib1g-dev libgtest-dev
+              dataset-fashion-mnist)
+missing=()
+for p in "${apt_packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  sudo=""
+  if [ "$(id -u)" -ne 0 ]; then sudo="sudo"; fi
+  echo "setup: installing Debian packages: ${missing[*]}"
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+
+python=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  echo "setup: creating .venv with $($python --version)"
+  "$python" -m venv .venv
+fi
+.venv/bin/python -m pip install -q --disable-pip-version-check \
+  "scikit-build-core>=0.10" "pybind11>=2.12" "numpy>=1.24" "tqdm>=4.60" "pytest>=7" \
+  "matplotlib>=3.5"
+echo "setup: building mgpu (pip install .)"
+.venv/bin/python -m pip install -q --disable-pip-version-check --no-build-isolation .

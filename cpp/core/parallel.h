@@ -1,0 +1,27 @@
+// cpp/core/parallel.h -- intra-op parallelism for CPU kernels.
+// A CPU device runs its queue on one worker thread; a kernel running there may fan out over
+// the device's share of the machine's cores with parallel_for. Cores are shared fairly: when k
+// CPU devices are busy at once, each gets cores/k, so k devices never oversubscribe the machine.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+
+namespace mgpu {
+
+// Calls fn(i) for every i in [0, n), possibly concurrently on several threads, and returns when
+// all calls have finished. fn must be safe to run concurrently for different i, and a kernel's
+// result must not depend on which thread runs which i or in which order: reductions across i
+// are done by the caller afterwards, in index order, so results are deterministic.
+// Exceptions thrown by fn are rethrown (the first one) on the calling thread.
+void parallel_for(int64_t n, const std::function<void(int64_t)>& fn);
+
+// The most calls of fn that may run at once (>= 1). Use it only to size per-thread scratch,
+// never to choose how work is split (that would make results depend on the thread count).
+int max_parallelism();
+
+// Total worker threads mgpu uses for CPU compute (default: hardware cores; env MGPU_NUM_THREADS).
+int num_threads();
+void set_num_threads(int n);
+
+}  // namespace mgpu

@@ -1,0 +1,174 @@
+// cpp/core/queue.cpp -- the CPU device worker thread and the device registry.
+#include "core/queue.h"
+
+#include <atomic>
+#include <map>
+#include <memory>
+#include <new>
+#include <stdexcept>
+
+#include "core/error.h"
+
+namespace mgpu {
+namespace {
+
+std::atomic<int> g_busy_cpu{0};
+
+struct Registry {
+  std::mutex mutex;
+  std::map<Device, std::unique_ptr<Queue>> queues;
+};
+
+Registry& registry() {
+  // Never destroyed: worker threads may still hold storage when static destructors run, and
+  // joining threads during interpreter shutdown is a classic hang.
+  static Registry* r = new Registry;
+  return *r;
+}
+
+}  // namespace
+
+int busy_cpu_devices() { return g_busy_cpu.load(std::memory_order_relaxed); }
+
+Queue::Queue(Device device) : device_(device) { worker_ = std::thread([this] { run(); }); }
+
+Queue::~Queue() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stopping_ = true;
+  }
+  has_work_.notify_all();
+  if (worker_.joinable()) worker_.join();
+}
+
+uint64_t Queue::enqueue(const char* name, std::function<void()> fn) {
+  uint64_t seq;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    tasks_.push_back(Task{name, std::move(fn)});
+    seq = ++enqueued_;
+  }
+  has_work_.notify_one();
+  return seq;
+}
+
+uint64_t Queue::last_enqueued() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return enqueued_;
+}
+
+void Queue::wait_done(uint64_t seq) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  progressed_.wait(lock, [&] { return done_ >= seq; });
+}
+
+void Queue::synchronize() {
+  std::exception_ptr error;
+  {
+    std::unique_lock<std::mutex> lock(mutex_);
+    uint64_t target = enqueued_;
+    progressed_.wait(lock, [&] { return done_ >= target; });
+    std::swap(error, error_);
+  }
+  if (error) std::rethrow_exception(error);
+}
+
+void Queue::record_error(const char* name, std::exception_ptr e) {
+  // Keep the exception's kind (a bad label is still a ValueError) but say where it happened:
+  // by the time the host sees it, the call that enqueued the op has long returned.
+  std::string where = std::string(name) + " on " + device_.str() + " failed: ";
+  std::exception_ptr wrapped;
+  try {
+    std::rethrow_exception(e);
+  } catch (const ValueError& x) {
+    wrapped = std::make_exception_ptr(ValueError(where + x.what()));
+  } catch (const TypeError& x) {
+    wrapped = std::make_exception_ptr(TypeError(where + x.what()));
+  } catch (const std::out_of_range& x) {
+    wrapped = std::make_exception_ptr(IndexError(where + x.what()));
+  } catch (const std::invalid_argument& x) {
+    wrapped = std::make_exception_ptr(ValueError(where + x.what()));
+  } catch (const std::bad_alloc&) {
+    wrapped = std::make_exception_ptr(std::bad_alloc());
+  } catch (const std::exception& x) {
+    wrapped = std::make_exception_ptr(DeviceError(where + x.what()));
+  } catch (...) {
+    wrapped = std::make_exception_ptr(DeviceError(where + "unknown error"));
+  }
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!error_) error_ = wrapped;  // the first error explains the rest
+}
+
+void Queue::run() {
+  for (;;) {
+    Task task;
+    {
+      std::unique_lock<std::mutex> lock(mutex_);
+      if (tasks_.empty() && busy_) {
+        busy_ = false;
+        if (device_.is_cpu()) g_busy_cpu.fetch_sub(1, std::memory_order_relaxed);
+      }
+      has_work_.wait(lock, [&] { return stopping_ || !tasks_.empty(); });
+      if (tasks_.empty()) return;  // stopping and drained
+      task = std::move(tasks_.front());
+      tasks_.pop_front();
+      if (!busy_) {
+        busy_ = true;
+        if (device_.is_cpu()) g_busy_cpu.fetch_add(1, std::memory_order_relaxed);
+      }
+    }
+    try {
+      task.fn();
+    } catch (...) {
+      record_error(task.name, std::current_exception());
+    }
+    // Drop the captured tensors before announcing completion, so a host that waited for this
+    // task sees their storage released (and wrapped memory handed back) already.
+    task.fn = nullptr;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      ++done_;
+    }
+    progressed_.notify_all();
+  }
+}
+
+Queue& queue_of(Device device) {
+  Registry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  auto& q = r.queues[device];
+  if (!q) q = std::make_unique<Queue>(device);
+  return *q;
+}
+
+Event record_event(Device device) {
+  Queue& q = queue_of(device);
+  return Event{&q, q.last_enqueued()};
+}
+
+void queue_wait_event(Device waiter, Event event) {
+  if (!event.queue || event.seq == 0) return;
+  if (event.queue == &queue_of(waiter)) return;  // a queue is ordered with itself
+  queue_of(waiter).enqueue("wait_event", [event] { event.queue->wait_done(event.seq); });
+}
+
+void waitall() {
+  std::vector<Queue*> all;
+  {
+    Registry& r = registry();
+    std::lock_guard<std::mutex> lock(r.mutex);
+    for (auto& [d, q] : r.queues) all.push_back(q.get());
+  }
+  // Wait for all before raising, so no device is still running when the error surfaces.
+  std::exception_ptr first;
+  for (Queue* q : all) {
+    try {
+      q->synchronize();
+    } catch (...) {
+      if (!first) first = std::current_exception();
+    }
+  }
+  if (first) std::rethrow_exception(first);
+}
+
+}  // namespace mgpu

@@ -1,0 +1,78 @@
+// cpp/core/queue.h -- every device has one ordered queue of work. On a CPU device it is a worker
+// thread; ops enqueue a task and return at once, and the host waits only where it needs a result
+// (numpy(), item(), waitall()). Tasks capture the tensors they use, so storage stays alive until
+// every queued task that touches it has run.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <exception>
+#include <functional>
+#include <mutex>
+#include <string>
+#include <thread>
+
+#include "core/device.h"
+
+namespace mgpu {
+
+class Queue {
+ public:
+  explicit Queue(Device device);
+  ~Queue();
+  Queue(const Queue&) = delete;
+  Queue& operator=(const Queue&) = delete;
+
+  Device device() const { return device_; }
+  // Appends a task and returns its sequence number (1, 2, ...). `name` (a string literal) names
+  // the op in error messages.
+  uint64_t enqueue(const char* name, std::function<void()> fn);
+  // The sequence number of the newest task (0 when none was ever enqueued).
+  uint64_t last_enqueued() const;
+  // Blocks until every task up to `seq` has run. Never throws; safe from any thread.
+  void wait_done(uint64_t seq);
+  // Waits for all enqueued work, then raises the first error a task hit since the last call
+  // (as the same exception kind, its message naming the op and the device).
+  void synchronize();
+
+ private:
+  struct Task {
+    const char* name;
+    std::function<void()> fn;
+  };
+  void run();
+  void record_error(const char* name, std::exception_ptr e);
+
+  Device device_;
+  mutable std::mutex mutex_;
+  std::condition_variable has_work_;
+  std::condition_variable progressed_;
+  std::deque<Task> tasks_;
+  uint64_t enqueued_ = 0;
+  uint64_t done_ = 0;
+  bool stopping_ = false;
+  bool busy_ = false;
+  std::exception_ptr error_;
+  std::thread worker_;
+};
+
+// The queue of a device (created on first use; check_device first for user input).
+Queue& queue_of(Device device);
+
+// A point in a queue's order: "every task enqueued so far".
+struct Event {
+  Queue* queue = nullptr;
+  uint64_t seq = 0;
+};
+Event record_event(Device device);
+// Makes `waiter`'s queue run nothing enqueued after this call until `event` has passed.
+void queue_wait_event(Device waiter, Event event);
+
+// Waits for every device and raises the first pending error.
+void waitall();
+
+// How many CPU device queues are running tasks right now (for fair sharing of cores).
+int busy_cpu_devices();
+
+}  // namespace mgpu
