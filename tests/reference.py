@@ -1,0 +1,278 @@
+"""Trusted NumPy references for every mgpu op and its backward, and for the chapter's LeNet step.
+
+The C++ ops are tested against these (test_ops.py), and these are tested against finite differences
+(test_reference.py). Everything computes in float64 and is written for clarity, not speed. Shapes:
+N batch, C in-channels, K out-channels, H/W image, R/S kernel, P/Q output height/width (D2L 12.5).
+"""
+
+import numpy as np
+
+
+def _f64(a):
+    return np.asarray(a, dtype=np.float64)
+
+
+def _pair(v):
+    """An int or an (h, w) pair, as (h, w)."""
+    return (v, v) if np.isscalar(v) else tuple(v)
+
+
+def _out_size(size, kernel, stride):
+    return (size - kernel) // stride + 1
+
+
+def _window_slices(r, s, P, Q, sh, sw):
+    """Index of the (N, C, P, Q) view whose [n, c, p, q] is the image at (p*sh + r, q*sw + s)."""
+    return (slice(None), slice(None),
+            slice(r, r + sh * (P - 1) + 1, sh), slice(s, s + sw * (Q - 1) + 1, sw))
+
+
+def _pad_hw(x, ph, pw):
+    return np.pad(x, ((0, 0), (0, 0), (ph, ph), (pw, pw)))
+
+
+# ---------------------------------------------------------------------------------------------
+# conv2d: cross-correlation with zero padding, like PyTorch F.conv2d.
+# y[n, k, p, q] = b[k] + sum_{c, r, s} w[k, c, r, s] * xpad[n, c, p*sh + r, q*sw + s]
+# ---------------------------------------------------------------------------------------------
+
+def conv2d_forward(x, w, b=None, stride=1, padding=0):
+    """x (N, C, H, W), w (K, C, R, S), b (K,) or None -> y (N, K, P, Q),
+    P = (H + 2*ph - R) // sh + 1, Q = (W + 2*pw - S) // sw + 1. stride, padding: int or (h, w)."""
+    x, w = _f64(x), _f64(w)
+    (sh, sw), (ph, pw) = _pair(stride), _pair(padding)
+    N, C, H, W = x.shape
+    K, C_w, R, S = w.shape
+    if C != C_w:
+        raise ValueError(f"conv2d_forward: x has {C} channels but w expects {C_w}")
+    P, Q = _out_size(H + 2 * ph, R, sh), _out_size(W + 2 * pw, S, sw)
+    xpad = _pad_hw(x, ph, pw)
+    y = np.zeros((N, K, P, Q))
+    for r in range(R):
+        for s in range(S):
+            y += np.einsum("ncpq,kc->nkpq", xpad[_window_slices(r, s, P, Q, sh, sw)], w[:, :, r, s])
+    if b is not None:
+        y += _f64(b)[None, :, None, None]
+    return y
+
+
+def conv2d_backward(x, w, dy, stride=1, padding=0, has_bias=True):
+    """x (N, C, H, W), w (K, C, R, S), dy (N, K, P, Q) -> (dx (N, C, H, W), dw (K, C, R, S),
+    db (K,) or None when has_bias is False). Input positions no window reaches get dx = 0."""
+    x, w, dy = _f64(x), _f64(w), _f64(dy)
+    (sh, sw), (ph, pw) = _pair(stride), _pair(padding)
+    H, W = x.shape[2:]
+    R, S = w.shape[2:]
+    P, Q = dy.shape[2:]
+    xpad = _pad_hw(x, ph, pw)
+    dxpad = np.zeros_like(xpad)
+    dw = np.zeros_like(w)
+    for r in range(R):
+        for s in range(S):
+            window = _window_slices(r, s, P, Q, sh, sw)
+            dw[:, :, r, s] = np.einsum("ncpq,nkpq->kc", xpad[window], dy)
+            dxpad[window] += np.einsum("nkpq,kc->ncpq", dy, w[:, :, r, s])
+    dx = dxpad[:, :, ph:ph + H, pw:pw + W]
+    db = dy.sum(axis=(0, 2, 3)) if has_bias else None
+    return dx, dw, db
+
+
+# ---------------------------------------------------------------------------------------------
+# avg_pool2d: no padding, floor output size, so trailing rows/columns no window covers are dropped.
+# y[n, c, p, q] = mean_{i < kh, j < kw} x[n, c, p*sh + i, q*sw + j]
+# ---------------------------------------------------------------------------------------------
+
+def _pool_geometry(H, W, kernel_size, stride):
+    kh, kw = _pair(kernel_size)
+    sh, sw = _pair(kernel_size if stride is None else stride)
+    return kh, kw, sh, sw, _out_size(H, kh, sh), _out_size(W, kw, sw)
+
+
+def avg_pool2d_forward(x, kernel_size, stride=None):
+    """x (N, C, H, W) -> y (N, C, P, Q), P = (H - kh) // sh + 1, Q = (W - kw) // sw + 1.
+    kernel_size, stride: int or (h, w); stride defaults to kernel_size."""
+    x = _f64(x)
+    N, C, H, W = x.shape
+    kh, kw, sh, sw, P, Q = _pool_geometry(H, W, kernel_size, stride)
+    y = np.zeros((N, C, P, Q))
+    for i in range(kh):
+        for j in range(kw):
+            y += x[_window_slices(i, j, P, Q, sh, sw)]
+    return y / (kh * kw)
+
+
+def avg_pool2d_backward(x_shape, dy, kernel_size, stride=None):
+    """x_shape (N, C, H, W), dy (N, C, P, Q) -> dx (N, C, H, W); each output spreads dy / (kh*kw)
+    over its window, and positions no window covers get 0."""
+    dy = _f64(dy)
+    H, W = x_shape[2:]
+    kh, kw, sh, sw, P, Q = _pool_geometry(H, W, kernel_size, stride)
+    dx = np.zeros(x_shape)
+    for i in range(kh):
+        for j in range(kw):
+            dx[_window_slices(i, j, P, Q, sh, sw)] += dy / (kh * kw)
+    return dx
+
+
+# ---------------------------------------------------------------------------------------------
+# Elementwise, matrix product, linear layer.
+# ---------------------------------------------------------------------------------------------
+
+def relu_forward(x):
+    """x (any shape) -> y = max(x, 0), same shape."""
+    x = _f64(x)
+    return np.where(x > 0, x, 0.0)
+
+
+def relu_backward(x, dy):
+    """x, dy (same shape) -> dx = dy where x > 0 else 0 (so the gradient at exactly 0 is 0)."""
+    x, dy = _f64(x), _f64(dy)
+    return np.where(x > 0, dy, 0.0)
+
+
+def mm_forward(a, b):
+    """a (M, J), b (J, L) -> a @ b (M, L)."""
+    return np.einsum("mj,jl->ml", _f64(a), _f64(b))
+
+
+def mm_backward(a, b, dy):
+    """a (M, J), b (J, L), dy (M, L) -> (da = dy @ b.T (M, J), db = a.T @ dy (J, L))."""
+    a, b, dy = _f64(a), _f64(b), _f64(dy)
+    return np.einsum("ml,jl->mj", dy, b), np.einsum("mj,ml->jl", a, dy)
+
+
+def bias_add_rows_forward(x, b):
+    """x (N, M), b (M,) -> x + b, b added to every row."""
+    return _f64(x) + _f64(b)[None, :]
+
+
+def bias_add_rows_backward(dy):
+    """dy (N, M) -> (dx = dy (N, M), db = dy summed over rows (M,))."""
+    dy = _f64(dy)
+    return dy, dy.sum(axis=0)
+
+
+def linear_forward(x, w, b):
+    """x (N, in), w (in, out) as in the chapter (W3 is (800, 128)), b (out,)
+    -> x @ w + b (N, out)."""
+    return bias_add_rows_forward(mm_forward(x, w), b)
+
+
+def linear_backward(x, w, dy):
+    """x (N, in), w (in, out), dy (N, out) -> (dx (N, in), dw (in, out), db (out,))."""
+    dx, dw = mm_backward(x, w, dy)
+    _, db = bias_add_rows_backward(dy)
+    return dx, dw, db
+
+
+# ---------------------------------------------------------------------------------------------
+# Softmax + cross-entropy as one op (reduction none), argmax, SGD.
+# ---------------------------------------------------------------------------------------------
+
+def _log_softmax(logits):
+    """Row-wise log-softmax; subtracting the row max first keeps exp from overflowing."""
+    z = logits - logits.max(axis=1, keepdims=True)
+    return z - np.log(np.exp(z).sum(axis=1, keepdims=True))
+
+
+def _check_labels(labels, N, M):
+    labels = np.asarray(labels)
+    if labels.shape != (N,) or not np.issubdtype(labels.dtype, np.integer):
+        raise ValueError(f"softmax_cross_entropy: labels must be ({N},) integers, "
+                         f"got {labels.dtype} {labels.shape}")
+    if labels.min() < 0 or labels.max() >= M:
+        raise ValueError(f"softmax_cross_entropy: labels must lie in [0, {M}), "
+                         f"got range [{labels.min()}, {labels.max()}]")
+    return labels
+
+
+def softmax_cross_entropy_forward(logits, labels):
+    """logits (N, M), labels (N,) ints in [0, M) -> per-example losses (N,):
+    loss[n] = logsumexp(logits[n]) - logits[n, labels[n]]."""
+    logits = _f64(logits)
+    N, M = logits.shape
+    labels = _check_labels(labels, N, M)
+    return -_log_softmax(logits)[np.arange(N), labels]
+
+
+def softmax_cross_entropy_backward(logits, labels, dloss):
+    """logits (N, M), labels (N,), dloss (N,)
+    -> dlogits (N, M) = (softmax(logits) - onehot(labels)) * dloss[:, None]."""
+    logits, dloss = _f64(logits), _f64(dloss)
+    N, M = logits.shape
+    labels = _check_labels(labels, N, M)
+    onehot = np.zeros((N, M))
+    onehot[np.arange(N), labels] = 1.0
+    return (np.exp(_log_softmax(logits)) - onehot) * dloss[:, None]
+
+
+def argmax(x, axis):
+    """Index of the largest entry along axis (the first one on ties), as np.argmax."""
+    return np.argmax(_f64(x), axis=axis)
+
+
+def sgd_update(params, grads, lr, batch_size):
+    """The chapter's d2l.sgd: p - lr * g / batch_size for each (p, g), as new arrays."""
+    if len(params) != len(grads):
+        raise ValueError(f"sgd_update: {len(params)} params but {len(grads)} grads")
+    return [_f64(p) - lr * _f64(g) / batch_size for p, g in zip(params, grads)]
+
+
+# ---------------------------------------------------------------------------------------------
+# The chapter's LeNet, params [W1 (20, 1, 3, 3), b1 (20,), W2 (50, 20, 5, 5), b2 (50,),
+# W3 (800, 128), b3 (128,), W4 (128, 10), b4 (10,)], X (N, 1, 28, 28):
+# conv 3x3 -> relu -> avgpool 2/2 -> conv 5x5 -> relu -> avgpool 2/2 -> flatten 800
+# -> linear -> relu -> linear -> logits (N, 10).
+# ---------------------------------------------------------------------------------------------
+
+_POOL = 2
+
+
+def lenet_forward_cache(X, params):
+    """X (N, 1, 28, 28), params (8 arrays) -> (logits (N, 10), cache), where cache holds every
+    intermediate backward re-reads, including the three ReLU inputs "z1", "z2", "z3"."""
+    W1, b1, W2, b2, W3, b3, W4, b4 = params
+    X = _f64(X)
+    z1 = conv2d_forward(X, W1, b1)
+    h1 = relu_forward(z1)
+    p1 = avg_pool2d_forward(h1, _POOL)
+    z2 = conv2d_forward(p1, W2, b2)
+    h2 = relu_forward(z2)
+    p2 = avg_pool2d_forward(h2, _POOL)
+    f2 = p2.reshape(p2.shape[0], -1)
+    z3 = linear_forward(f2, W3, b3)
+    h3 = relu_forward(z3)
+    logits = linear_forward(h3, W4, b4)
+    cache = dict(X=X, z1=z1, h1=h1, p1=p1, z2=z2, h2=h2, p2=p2, f2=f2, z3=z3, h3=h3)
+    return logits, cache
+
+
+def lenet_forward(X, params):
+    """X (N, 1, 28, 28), params (8 arrays) -> logits (N, 10)."""
+    return lenet_forward_cache(X, params)[0]
+
+
+def lenet_loss_and_grads(X, y, params):
+    """X (N, 1, 28, 28), y (N,) labels, params (8 arrays) -> (sum of the N per-example losses,
+    [dW1, db1, dW2, db2, dW3, db3, dW4, db4]), the gradient of that sum (not of the mean)."""
+    W1, b1, W2, b2, W3, b3, W4, b4 = params
+    logits, c = lenet_forward_cache(X, params)
+    losses = softmax_cross_entropy_forward(logits, y)
+    dlogits = softmax_cross_entropy_backward(logits, y, np.ones_like(losses))
+    dh3, dW4, db4 = linear_backward(c["h3"], W4, dlogits)
+    dz3 = relu_backward(c["z3"], dh3)
+    df2, dW3, db3 = linear_backward(c["f2"], W3, dz3)
+    dp2 = df2.reshape(c["p2"].shape)
+    dh2 = avg_pool2d_backward(c["h2"].shape, dp2, _POOL)
+    dz2 = relu_backward(c["z2"], dh2)
+    dp1, dW2, db2 = conv2d_backward(c["p1"], W2, dz2)
+    dh1 = avg_pool2d_backward(c["h1"].shape, dp1, _POOL)
+    dz1 = relu_backward(c["z1"], dh1)
+    _, dW1, db1 = conv2d_backward(c["X"], W1, dz1)
+    return losses.sum(), [dW1, db1, dW2, db2, dW3, db3, dW4, db4]
+
+
+def train_step_reference(X, y, params, lr):
+    """One SGD step of the chapter's train_batch on one device: params - lr * grads / N."""
+    _, grads = lenet_loss_and_grads(X, y, params)
+    return sgd_update(params, grads, lr, np.shape(X)[0])
