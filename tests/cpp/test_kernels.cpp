@@ -1,0 +1,619 @@
+// tests/cpp/test_kernels.cpp -- the raw CPU kernels (cpp/ops/kernels_cpu.h, gemm.h) against naive
+// direct-loop references in double precision, over shapes with batch 1, odd and non-square sizes,
+// stride, padding and LeNet's own; plus the contracts: outputs are written (never accumulated),
+// labels are checked, and the bits do not depend on the thread count.
+// Shape letters: N batch, C in-channels, K out-channels, H/W image, R/S kernel, P/Q output.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <ostream>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "core/parallel.h"
+#include "ops/gemm.h"
+#include "ops/kernels_cpu.h"
+
+namespace {
+
+using namespace mgpu::ops::cpu;
+using Floats = std::vector<float>;
+using Doubles = std::vector<double>;
+
+constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
+
+// ---- tolerances: one table ----
+// Element-wise kernels round once per element, so they match the double reference to 1e-6.
+// Sums over many float terms (conv, pool, loss, matmul, batch sums) round once per term, in an
+// order the reference does not share: rtol 1e-4 with atol 1e-5 for results that cancel to ~0.
+struct Tol {
+  double rtol, atol;
+};
+constexpr Tol kElementwise{1e-6, 1e-6};
+constexpr Tol kSum{1e-4, 1e-5};
+
+// Deterministic data: a fixed splitmix64 stream, so failures reproduce on every platform.
+class Rng {
+ public:
+  explicit Rng(uint64_t seed) : state_(seed) {}
+  float uniform(float lo, float hi) {
+    state_ += 0x9E3779B97F4A7C15ull;
+    uint64_t z = state_;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    z ^= z >> 31;
+    return lo + (hi - lo) * static_cast<float>(z >> 40) / static_cast<float>(1ull << 24);
+  }
+  Floats floats(size_t n, float lo = -1.0f, float hi = 1.0f) {
+    Floats v(n);
+    for (float& e : v) e = uniform(lo, hi);
+    return v;
+  }
+
+ private:
+  uint64_t state_;
+};
+
+// Compares got with want elementwise: |got - want| <= atol + rtol * |want|. On failure names the
+// op, the worst index, expected vs got, and the max abs and rel errors.
+::testing::AssertionResult all_close(const std::string& what, const Floats& got,
+                                     const Doubles& want, Tol tol) {
+  if (got.size() != want.size()) {
+    return ::testing::AssertionFailure()
+           << what << ": got " << got.size() << " values, expected " << want.size();
+  }
+  double worst_excess = 0.0, max_abs = 0.0, max_rel = 0.0;
+  size_t worst = 0;
+  bool bad = false;
+  for (size_t i = 0; i < got.size(); ++i) {
+    const double err = std::fabs(static_cast<double>(got[i]) - want[i]);
+    const double allowed = tol.atol + tol.rtol * std::fabs(want[i]);
+    if (!(err <= allowed)) {  // also catches NaN
+      bad = true;
+      const double excess =
+          std::isnan(err) ? std::numeric_limits<double>::infinity() : err - allowed;
+      if (excess >= worst_excess) {
+        worst_excess = excess;
+        worst = i;
+      }
+    }
+    if (!std::isnan(err)) {
+      max_abs = std::max(max_abs, err);
+      if (want[i] != 0.0) max_rel = std::max(max_rel, err / std::fabs(want[i]));
+    }
+  }
+  if (!bad) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure()
+         << what << ": worst at index " << worst << ": expected " << want[worst] << ", got "
+         << got[worst] << " (max abs err " << max_abs << ", max rel err " << max_rel << ", rtol "
+         << tol.rtol << ", atol " << tol.atol << ")";
+}
+
+bool same_bits(const Floats& a, const Floats& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
+// ---- references: plain loops in double ----
+
+int64_t numel(const Conv2dShape& s) { return s.N * s.C * s.H * s.W; }
+int64_t out_numel(const Conv2dShape& s) { return s.N * s.K * s.P() * s.Q(); }
+int64_t w_numel(const Conv2dShape& s) { return s.K * s.C * s.R * s.S; }
+
+// Calls fn(y_index, w_index, x_index) for every (output, tap) pair that reads inside the image.
+template <class F>
+void for_each_tap(const Conv2dShape& s, F&& fn) {
+  const int64_t P = s.P(), Q = s.Q();
+  for (int64_t n = 0; n < s.N; ++n)
+    for (int64_t k = 0; k < s.K; ++k)
+      for (int64_t p = 0; p < P; ++p)
+        for (int64_t q = 0; q < Q; ++q)
+          for (int64_t c = 0; c < s.C; ++c)
+            for (int64_t r = 0; r < s.R; ++r)
+              for (int64_t t = 0; t < s.S; ++t) {
+                const int64_t h = p * s.stride - s.pad + r, w = q * s.stride - s.pad + t;
+                if (h < 0 || h >= s.H || w < 0 || w >= s.W) continue;
+                fn(((n * s.K + k) * P + p) * Q + q, ((k * s.C + c) * s.R + r) * s.S + t,
+                   ((n * s.C + c) * s.H + h) * s.W + w);
+              }
+}
+
+Doubles ref_conv_forward(const Conv2dShape& s, const Floats& x, const Floats& w, const Floats* b) {
+  Doubles y(static_cast<size_t>(out_numel(s)));
+  const int64_t PQ = s.P() * s.Q();
+  for (size_t i = 0; i < y.size(); ++i) y[i] = b ? (*b)[(i / PQ) % s.K] : 0.0;
+  for_each_tap(
+      s, [&](int64_t yi, int64_t wi, int64_t xi) { y[yi] += static_cast<double>(w[wi]) * x[xi]; });
+  return y;
+}
+
+struct ConvGrads {
+  Doubles dx, dw, db;
+};
+ConvGrads ref_conv_backward(const Conv2dShape& s, const Floats& x, const Floats& w,
+                            const Floats& dy) {
+  ConvGrads g{Doubles(x.size()), Doubles(w.size()), Doubles(static_cast<size_t>(s.K))};
+  const int64_t PQ = s.P() * s.Q();
+  for (size_t i = 0; i < dy.size(); ++i) g.db[(i / PQ) % s.K] += dy[i];
+  for_each_tap(s, [&](int64_t yi, int64_t wi, int64_t xi) {
+    g.dx[xi] += static_cast<double>(w[wi]) * dy[yi];
+    g.dw[wi] += static_cast<double>(x[xi]) * dy[yi];
+  });
+  return g;
+}
+
+struct PoolShape {
+  int64_t N, C, H, W, kh, kw, sh, sw;
+  int64_t P() const { return (H - kh) / sh + 1; }
+  int64_t Q() const { return (W - kw) / sw + 1; }
+};
+
+// Calls fn(y_index, x_index) for every window element.
+template <class F>
+void for_each_window_elem(const PoolShape& s, F&& fn) {
+  const int64_t P = s.P(), Q = s.Q();
+  for (int64_t nc = 0; nc < s.N * s.C; ++nc)
+    for (int64_t p = 0; p < P; ++p)
+      for (int64_t q = 0; q < Q; ++q)
+        for (int64_t i = 0; i < s.kh; ++i)
+          for (int64_t j = 0; j < s.kw; ++j)
+            fn((nc * P + p) * Q + q, (nc * s.H + p * s.sh + i) * s.W + q * s.sw + j);
+}
+
+Doubles ref_pool_forward(const PoolShape& s, const Floats& x) {
+  Doubles y(static_cast<size_t>(s.N * s.C * s.P() * s.Q()));
+  const double area = static_cast<double>(s.kh * s.kw);
+  for_each_window_elem(s, [&](int64_t yi, int64_t xi) { y[yi] += x[xi] / area; });
+  return y;
+}
+
+Doubles ref_pool_backward(const PoolShape& s, const Floats& dy) {
+  Doubles dx(static_cast<size_t>(s.N * s.C * s.H * s.W));
+  const double area = static_cast<double>(s.kh * s.kw);
+  for_each_window_elem(s, [&](int64_t yi, int64_t xi) { dx[xi] += dy[yi] / area; });
+  return dx;
+}
+
+// loss_i and dlogits_i in double; the max shift keeps exp finite for logits near +-1000.
+template <class Label>
+void ref_softmax_ce(int64_t n, int64_t m, const Floats& z, const std::vector<Label>& labels,
+                    const Floats& dloss, Doubles* loss, Doubles* dz) {
+  loss->assign(static_cast<size_t>(n), 0.0);
+  dz->assign(static_cast<size_t>(n * m), 0.0);
+  for (int64_t i = 0; i < n; ++i) {
+    double mx = -std::numeric_limits<double>::infinity();
+    for (int64_t j = 0; j < m; ++j) mx = std::max(mx, static_cast<double>(z[i * m + j]));
+    double sum = 0.0;
+    for (int64_t j = 0; j < m; ++j) sum += std::exp(z[i * m + j] - mx);
+    const int64_t y = static_cast<int64_t>(labels[i]);
+    (*loss)[i] = std::log(sum) + mx - z[i * m + y];
+    for (int64_t j = 0; j < m; ++j) {
+      const double p = std::exp(z[i * m + j] - mx) / sum;
+      (*dz)[i * m + j] = (p - (j == y ? 1.0 : 0.0)) * dloss[i];
+    }
+  }
+}
+
+// Sets the thread count for one scope and restores it after.
+class ThreadCount {
+ public:
+  explicit ThreadCount(int n) : saved_(mgpu::num_threads()) { mgpu::set_num_threads(n); }
+  ~ThreadCount() { mgpu::set_num_threads(saved_); }
+
+ private:
+  int saved_;
+};
+
+// ================================ sgemm ================================
+
+// Row-major matrices with padded rows (ld > cols), so wrong strides show up.
+struct Padded {
+  int64_t rows, cols, ld;
+  Floats v;
+  Padded(int64_t r, int64_t c, int64_t pad, Rng& rng)
+      : rows(r), cols(c), ld(c + pad), v(rng.floats(static_cast<size_t>(r * (c + pad)))) {}
+  double at(int64_t i, int64_t j) const { return v[i * ld + j]; }
+};
+
+TEST(Sgemm, AllTransposesWithPaddedStrides) {
+  const int64_t m = 5, n = 7, k = 6;
+  const float alpha = 0.75f, beta = -0.5f;
+  for (bool ta : {false, true}) {
+    for (bool tb : {false, true}) {
+      Rng rng(11 + 2 * ta + tb);
+      const Padded a = ta ? Padded(k, m, 3, rng) : Padded(m, k, 3, rng);
+      const Padded b = tb ? Padded(n, k, 2, rng) : Padded(k, n, 2, rng);
+      Padded c(m, n, 4, rng);
+      Doubles want(c.v.begin(), c.v.end());
+      for (int64_t i = 0; i < m; ++i) {
+        for (int64_t j = 0; j < n; ++j) {
+          double sum = 0.0;
+          for (int64_t l = 0; l < k; ++l)
+            sum += (ta ? a.at(l, i) : a.at(i, l)) * (tb ? b.at(j, l) : b.at(l, j));
+          want[i * c.ld + j] = alpha * sum + beta * c.at(i, j);
+        }
+      }
+      // Padding columns of C must be left alone: want keeps their old values.
+      sgemm(ta, tb, m, n, k, alpha, a.v.data(), a.ld, b.v.data(), b.ld, beta, c.v.data(), c.ld);
+      EXPECT_TRUE(all_close(
+          std::string("sgemm trans_a=") + (ta ? "1" : "0") + " trans_b=" + (tb ? "1" : "0"), c.v,
+          want, kSum));
+    }
+  }
+}
+
+TEST(Sgemm, BetaZeroOverwritesNaN) {
+  Rng rng(3);
+  const Floats a = rng.floats(4 * 3), b = rng.floats(3 * 2);
+  Floats c(4 * 2, kNaN);
+  sgemm(false, false, 4, 2, 3, 1.0f, a.data(), 3, b.data(), 2, 0.0f, c.data(), 2);
+  Doubles want(c.size());
+  for (int i = 0; i < 4; ++i)
+    for (int j = 0; j < 2; ++j)
+      for (int l = 0; l < 3; ++l)
+        want[i * 2 + j] += static_cast<double>(a[i * 3 + l]) * b[l * 2 + j];
+  EXPECT_TRUE(all_close("sgemm beta=0", c, want, kSum));
+}
+
+TEST(Sgemm, EmptyInnerDimensionScalesC) {
+  Floats c = {1.0f, -2.0f, 3.0f, kNaN};
+  sgemm(false, false, 1, 3, 0, 1.0f, nullptr, 1, nullptr, 3, 2.0f, c.data(), 4);
+  EXPECT_EQ(c[0], 2.0f);
+  EXPECT_EQ(c[1], -4.0f);
+  EXPECT_EQ(c[2], 6.0f);
+  EXPECT_TRUE(std::isnan(c[3]));  // outside the 1x3 matrix
+  // beta == 0 never reads C, so a NaN there is overwritten.
+  c[0] = kNaN;
+  sgemm(false, false, 1, 3, 0, 1.0f, nullptr, 1, nullptr, 3, 0.0f, c.data(), 4);
+  EXPECT_EQ(c[0], 0.0f);
+  sgemm(false, false, 0, 3, 2, 1.0f, nullptr, 2, nullptr, 3, 0.0f, nullptr, 3);  // m == 0: no-op
+}
+
+TEST(Sgemm, BadStrideThrowsInsteadOfPrinting) {
+  Floats a(6), b(6), c(4);
+  EXPECT_THROW(sgemm(false, false, 2, 2, 3, 1.0f, a.data(), 2, b.data(), 2, 0.0f, c.data(), 2),
+               std::invalid_argument);
+}
+
+// ================================ conv2d ================================
+
+struct ConvCase {
+  const char* name;
+  Conv2dShape s;
+};
+
+// N=19 spans two full blocks of 8 images and a partial one (the dw/db batch sum).
+const ConvCase kConvCases[] = {
+    {"batch1_3x3", {1, 1, 5, 5, 1, 3, 3, 1, 0}},
+    {"odd_nonsquare_pad1", {2, 3, 7, 5, 4, 3, 3, 1, 1}},
+    {"stride2_pad1", {3, 2, 9, 11, 5, 3, 3, 2, 1}},
+    {"pad2_5x5", {2, 3, 8, 7, 2, 5, 5, 1, 2}},
+    {"rect_kernel_stride2_pad2", {1, 2, 6, 9, 3, 2, 4, 2, 2}},
+    {"kernel_1x1", {3, 4, 5, 6, 3, 1, 1, 1, 0}},
+    {"kernel_wider_than_image", {2, 2, 3, 2, 3, 5, 4, 1, 2}},
+    {"stride3_floor", {2, 2, 10, 8, 3, 3, 2, 3, 1}},
+    {"c1_pad1_batch17", {17, 1, 9, 7, 4, 3, 3, 1, 1}},
+    {"lenet_conv1", {19, 1, 28, 28, 20, 3, 3, 1, 0}},
+    {"lenet_conv2", {19, 20, 13, 13, 50, 5, 5, 1, 0}},
+};
+
+void PrintTo(const ConvCase& c, std::ostream* os) { *os << c.name; }
+
+class Conv2dTest : public ::testing::TestWithParam<ConvCase> {};
+
+// Data at training scale: x ~ 1, weights scaled by fan-in, dy by the number of terms dw sums, so
+// every result is O(1). (Unit data in all three would make LeNet's sums of ~1500 unit-sized terms,
+// whose rounding near a zero result approaches atol for reasons unrelated to the kernel.)
+struct ConvData {
+  Floats x, w, b, dy;
+  ConvData(const Conv2dShape& s, uint64_t seed) {
+    Rng rng(seed);
+    const float w_scale = 1.0f / std::sqrt(static_cast<float>(s.C * s.R * s.S));
+    const float dy_scale =
+        1.0f / std::sqrt(static_cast<float>(std::max<int64_t>(1, s.N * s.P() * s.Q())));
+    x = rng.floats(numel(s));
+    w = rng.floats(w_numel(s), -w_scale, w_scale);
+    b = rng.floats(s.K);
+    dy = rng.floats(out_numel(s), -dy_scale, dy_scale);
+  }
+};
+
+TEST_P(Conv2dTest, ForwardMatchesReference) {
+  const Conv2dShape s = GetParam().s;
+  const ConvData d(s, 1);
+  const Floats &x = d.x, &w = d.w, &b = d.b;
+  Floats y(out_numel(s), kNaN);  // NaN survives anywhere the kernel fails to write
+  conv2d_forward(s, x.data(), w.data(), b.data(), y.data());
+  EXPECT_TRUE(all_close("conv2d_forward", y, ref_conv_forward(s, x, w, &b), kSum));
+
+  Floats y_nobias(out_numel(s), kNaN);
+  conv2d_forward(s, x.data(), w.data(), nullptr, y_nobias.data());
+  EXPECT_TRUE(
+      all_close("conv2d_forward without bias", y_nobias, ref_conv_forward(s, x, w, nullptr), kSum));
+}
+
+TEST_P(Conv2dTest, BackwardMatchesReference) {
+  const Conv2dShape s = GetParam().s;
+  const ConvData d(s, 2);
+  const Floats &x = d.x, &w = d.w, &dy = d.dy;
+  Floats dx(numel(s), kNaN), dw(w_numel(s), kNaN), db(s.K, kNaN);
+  conv2d_backward(s, x.data(), w.data(), dy.data(), dx.data(), dw.data(), db.data());
+  const ConvGrads want = ref_conv_backward(s, x, w, dy);
+  EXPECT_TRUE(all_close("conv2d_backward dx", dx, want.dx, kSum));
+  EXPECT_TRUE(all_close("conv2d_backward dw", dw, want.dw, kSum));
+  EXPECT_TRUE(all_close("conv2d_backward db", db, want.db, kSum));
+
+  // Skipping dx and db (LeNet's first layer) leaves dw's bits unchanged.
+  Floats dw_only(w_numel(s), kNaN);
+  conv2d_backward(s, x.data(), w.data(), dy.data(), nullptr, dw_only.data(), nullptr);
+  EXPECT_TRUE(same_bits(dw_only, dw));
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, Conv2dTest, ::testing::ValuesIn(kConvCases),
+                         [](const ::testing::TestParamInfo<ConvCase>& param) {
+                           return std::string(param.param.name);
+                         });
+
+TEST(Conv2d, BackwardOfEmptyBatchWritesZeroGradients) {
+  const Conv2dShape s{0, 2, 5, 5, 3, 3, 3, 1, 0};
+  Floats w(w_numel(s), 1.0f), dw(w_numel(s), kNaN), db(s.K, kNaN);
+  conv2d_backward(s, nullptr, w.data(), nullptr, nullptr, dw.data(), db.data());
+  EXPECT_TRUE(all_close("conv2d_backward dw, N=0", dw, Doubles(dw.size()), kElementwise));
+  EXPECT_TRUE(all_close("conv2d_backward db, N=0", db, Doubles(db.size()), kElementwise));
+}
+
+// ================================ avg_pool2d ================================
+
+struct PoolCase {
+  const char* name;
+  PoolShape s;
+};
+
+const PoolCase kPoolCases[] = {
+    {"batch1_2x2s2", {1, 1, 4, 4, 2, 2, 2, 2}},
+    {"lenet_pool2_floor_9_to_4", {2, 3, 9, 9, 2, 2, 2, 2}},
+    {"lenet_pool1", {3, 20, 26, 26, 2, 2, 2, 2}},
+    {"k3x2_s2x1_overlap", {2, 3, 7, 6, 3, 2, 2, 1}},
+    {"k3_s1_overlap_nonsquare", {1, 2, 5, 8, 3, 3, 1, 1}},
+    {"stride_beyond_kernel_gaps", {2, 2, 11, 7, 2, 3, 3, 2}},
+    {"global", {2, 3, 5, 4, 5, 4, 1, 1}},
+};
+
+void PrintTo(const PoolCase& c, std::ostream* os) { *os << c.name; }
+
+class AvgPool2dTest : public ::testing::TestWithParam<PoolCase> {};
+
+TEST_P(AvgPool2dTest, ForwardAndBackwardMatchReference) {
+  const PoolShape s = GetParam().s;
+  Rng rng(4);
+  const Floats x = rng.floats(s.N * s.C * s.H * s.W), dy = rng.floats(s.N * s.C * s.P() * s.Q());
+  Floats y(dy.size(), kNaN), dx(x.size(), kNaN);
+  avg_pool2d_forward(s.N, s.C, s.H, s.W, s.kh, s.kw, s.sh, s.sw, x.data(), y.data());
+  avg_pool2d_backward(s.N, s.C, s.H, s.W, s.kh, s.kw, s.sh, s.sw, dy.data(), dx.data());
+  EXPECT_TRUE(all_close("avg_pool2d_forward", y, ref_pool_forward(s, x), kSum));
+  EXPECT_TRUE(all_close("avg_pool2d_backward", dx, ref_pool_backward(s, dy), kSum));
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, AvgPool2dTest, ::testing::ValuesIn(kPoolCases),
+                         [](const ::testing::TestParamInfo<PoolCase>& param) {
+                           return std::string(param.param.name);
+                         });
+
+TEST(AvgPool2d, FloorDropsLastRowAndColumn) {
+  // 3x3 input, 2x2 stride 2: one window over the top-left 2x2; row 2 and column 2 get no gradient.
+  const Floats x = {1, 2, 100, 3, 4, 100, 100, 100, 100};
+  Floats y(1, kNaN);
+  avg_pool2d_forward(1, 1, 3, 3, 2, 2, 2, 2, x.data(), y.data());
+  EXPECT_EQ(y[0], 2.5f);
+  const Floats dy = {8.0f};
+  Floats dx(9, kNaN);
+  avg_pool2d_backward(1, 1, 3, 3, 2, 2, 2, 2, dy.data(), dx.data());
+  EXPECT_EQ(dx, (Floats{2, 2, 0, 2, 2, 0, 0, 0, 0}));
+}
+
+// ================================ bias ================================
+
+TEST(Bias, GradRowsSumsInRowOrder) {
+  for (auto [n, m] : {std::pair<int64_t, int64_t>{1, 1}, {7, 10}, {256, 128}, {33, 5}}) {
+    Rng rng(7);
+    const Floats dy = rng.floats(n * m);
+    Floats db(m, kNaN);
+    bias_grad_rows(n, m, dy.data(), db.data());
+    Doubles want(m);
+    Floats in_order(m, 0.0f);
+    for (int64_t i = 0; i < n; ++i) {
+      for (int64_t j = 0; j < m; ++j) {
+        want[j] += dy[i * m + j];
+        in_order[j] += dy[i * m + j];
+      }
+    }
+    EXPECT_TRUE(all_close("bias_grad_rows n=" + std::to_string(n), db, want, kSum));
+    EXPECT_TRUE(same_bits(db, in_order)) << "bias_grad_rows must add rows in i order";
+  }
+}
+
+// ================================ softmax cross-entropy ================================
+
+template <class Label>
+void check_softmax_ce(int64_t n, int64_t m, const Floats& z, const std::vector<Label>& labels,
+                      const Floats& dloss, const std::string& what) {
+  Floats loss(n, kNaN), dz(n * m, kNaN);
+  softmax_ce_forward(n, m, z.data(), labels.data(), loss.data());
+  softmax_ce_backward(n, m, z.data(), labels.data(), dloss.data(), dz.data());
+  Doubles want_loss, want_dz;
+  ref_softmax_ce(n, m, z, labels, dloss, &want_loss, &want_dz);
+  EXPECT_TRUE(all_close("softmax_ce_forward " + what, loss, want_loss, kSum));
+  EXPECT_TRUE(all_close("softmax_ce_backward " + what, dz, want_dz, kSum));
+}
+
+TEST(SoftmaxCe, MatchesReferenceForBothLabelTypes) {
+  const int64_t n = 150, m = 10;  // several row blocks, LeNet's 10 classes
+  Rng rng(8);
+  const Floats z = rng.floats(n * m, -5.0f, 5.0f), dloss = rng.floats(n, 0.5f, 2.0f);
+  std::vector<int64_t> labels64(n);
+  std::vector<int32_t> labels32(n);
+  for (int64_t i = 0; i < n; ++i) {
+    labels64[i] = static_cast<int64_t>(rng.uniform(0.0f, 1.0f) * m) % m;
+    labels32[i] = static_cast<int32_t>(labels64[i]);
+  }
+  check_softmax_ce(n, m, z, labels64, dloss, "int64");
+  check_softmax_ce(n, m, z, labels32, dloss, "int32");
+  check_softmax_ce(1, 1, Floats{3.0f}, std::vector<int64_t>{0}, Floats{1.0f}, "one class");
+}
+
+TEST(SoftmaxCe, StableForLogitsNearPlusMinus1000) {
+  const int64_t m = 4;
+  const Floats z = {1000.0f,  1001.0f,  999.5f,  1000.25f,  // all large: naive exp overflows
+                    -1000.0f, -1001.0f, -999.0f, -1000.5f,  // all very negative: naive sum is 0
+                    1000.0f,  -1000.0f, 0.0f,    999.0f,    // huge spread: loss ~2000 for label 1
+                    1000.0f,  1000.0f,  1000.0f, 1000.0f};  // ties: loss = log(4)
+  const std::vector<int64_t> labels = {1, 0, 1, 3};
+  const Floats dloss = {1.0f, 1.0f, 1.0f, 1.0f};
+  check_softmax_ce(4, m, z, labels, dloss, "large logits");
+  Floats loss(4);
+  softmax_ce_forward(4, m, z.data(), labels.data(), loss.data());
+  for (float l : loss) EXPECT_TRUE(std::isfinite(l));
+  EXPECT_NEAR(loss[3], std::log(4.0), 1e-6);
+}
+
+TEST(SoftmaxCe, TinyLossKeepsItsDigits) {
+  // The label's logit beats the rest by 30: loss = log1p(9 e^-30) ~ 8.4e-13, which
+  // log(sum) would round to 0 in float.
+  Floats z(10, 0.0f);
+  z[2] = 30.0f;
+  const std::vector<int64_t> labels = {2};
+  Floats loss(1);
+  softmax_ce_forward(1, 10, z.data(), labels.data(), loss.data());
+  EXPECT_NEAR(loss[0], 9.0 * std::exp(-30.0), 1e-4 * 9.0 * std::exp(-30.0));
+}
+
+template <class Label>
+void expect_bad_label_throws(Label bad, int64_t row) {
+  const int64_t n = 5, m = 10;
+  Floats z(n * m, 0.5f), dloss(n, 1.0f), loss(n, 7.0f), dz(n * m, 7.0f);
+  std::vector<Label> labels(n, Label{1});
+  labels[row] = bad;
+  const std::string want = "label " + std::to_string(static_cast<int64_t>(bad)) + " in row " +
+                           std::to_string(row) + " is out of range for 10 classes";
+  try {
+    softmax_ce_forward(n, m, z.data(), labels.data(), loss.data());
+    ADD_FAILURE() << "softmax_ce_forward accepted label " << static_cast<int64_t>(bad);
+  } catch (const std::out_of_range& e) {
+    EXPECT_NE(std::string(e.what()).find("softmax_ce_forward: " + want), std::string::npos)
+        << e.what();
+  }
+  try {
+    softmax_ce_backward(n, m, z.data(), labels.data(), dloss.data(), dz.data());
+    ADD_FAILURE() << "softmax_ce_backward accepted label " << static_cast<int64_t>(bad);
+  } catch (const std::out_of_range& e) {
+    EXPECT_NE(std::string(e.what()).find("softmax_ce_backward: " + want), std::string::npos)
+        << e.what();
+  }
+  // Checked before anything is written.
+  EXPECT_EQ(loss, Floats(n, 7.0f));
+  EXPECT_EQ(dz, Floats(n * m, 7.0f));
+}
+
+TEST(SoftmaxCe, OutOfRangeLabelThrowsNamingLabelRowAndClasses) {
+  expect_bad_label_throws<int64_t>(10, 3);
+  expect_bad_label_throws<int64_t>(-1, 0);
+  expect_bad_label_throws<int64_t>(int64_t{1} << 40, 4);
+  expect_bad_label_throws<int32_t>(10, 2);
+  expect_bad_label_throws<int32_t>(-7, 4);
+}
+
+// ================================ argmax ================================
+
+TEST(Argmax, FirstMaximumWinsAndNaNCountsAsMaximum) {
+  const Floats x = {1,    3,  3,    2,   // tie: first wins
+                    -4,   -2, -3,   -2,  // negatives, tie
+                    5,    5,  5,    5,   // all equal
+                    0,    9,  kNaN, 9,   // NaN wins, as in NumPy
+                    kNaN, 1,  2,    3};  // NaN first
+  std::vector<int64_t> out(5, -1);
+  argmax_rows(5, 4, x.data(), out.data());
+  EXPECT_EQ(out, (std::vector<int64_t>{1, 1, 0, 2, 0}));
+
+  const Floats single = {-1.0f, 2.0f};
+  std::vector<int64_t> out1(2, -1);
+  argmax_rows(2, 1, single.data(), out1.data());
+  EXPECT_EQ(out1, (std::vector<int64_t>{0, 0}));
+}
+
+TEST(Argmax, MatchesReferenceOnRandomRows) {
+  const int64_t n = 300, m = 10;
+  Rng rng(9);
+  const Floats x = rng.floats(n * m);
+  std::vector<int64_t> out(n, -1);
+  argmax_rows(n, m, x.data(), out.data());
+  for (int64_t i = 0; i < n; ++i) {
+    const auto row = x.begin() + i * m;
+    EXPECT_EQ(out[i], std::max_element(row, row + m) - row) << "row " << i;
+  }
+}
+
+// ================================ determinism ================================
+
+// Every kernel with parallel work, run at several thread counts: the bits must not change.
+// (With the serial stand-in for the pool every count runs serially; with the real pool, or a
+// test pool that runs indices in reverse on several threads, this is the contract's check.)
+TEST(Determinism, BitsDoNotDependOnThreadCount) {
+  const Conv2dShape convs[] = {{19, 20, 13, 13, 50, 5, 5, 1, 0},
+                               {37, 1, 28, 28, 20, 3, 3, 1, 0},
+                               {21, 3, 9, 11, 5, 3, 3, 2, 1}};
+  const PoolShape pool{7, 20, 26, 26, 2, 2, 2, 2};
+
+  auto run_all = [&]() {
+    std::vector<Floats> out;
+    for (const Conv2dShape& s : convs) {
+      Rng data(13);
+      const Floats x = data.floats(numel(s)), w = data.floats(w_numel(s)), b = data.floats(s.K),
+                   dy = data.floats(out_numel(s));
+      Floats y(out_numel(s)), dx(numel(s)), dw(w_numel(s)), db(s.K);
+      conv2d_forward(s, x.data(), w.data(), b.data(), y.data());
+      conv2d_backward(s, x.data(), w.data(), dy.data(), dx.data(), dw.data(), db.data());
+      out.insert(out.end(), {y, dx, dw, db});
+    }
+    Rng data(14);
+    const Floats px = data.floats(pool.N * pool.C * pool.H * pool.W),
+                 pdy = data.floats(pool.N * pool.C * pool.P() * pool.Q());
+    Floats py(pdy.size()), pdx(px.size());
+    avg_pool2d_forward(pool.N, pool.C, pool.H, pool.W, pool.kh, pool.kw, pool.sh, pool.sw,
+                       px.data(), py.data());
+    avg_pool2d_backward(pool.N, pool.C, pool.H, pool.W, pool.kh, pool.kw, pool.sh, pool.sw,
+                        pdy.data(), pdx.data());
+    out.insert(out.end(), {py, pdx});
+
+    const int64_t n = 200, m = 10;
+    const Floats z = data.floats(n * m, -5.0f, 5.0f), dloss = data.floats(n);
+    std::vector<int64_t> labels(n);
+    for (int64_t i = 0; i < n; ++i) labels[i] = i % m;
+    Floats loss(n), dz(n * m);
+    softmax_ce_forward(n, m, z.data(), labels.data(), loss.data());
+    softmax_ce_backward(n, m, z.data(), labels.data(), dloss.data(), dz.data());
+    out.insert(out.end(), {loss, dz});
+    return out;
+  };
+
+  std::vector<Floats> serial;
+  {
+    ThreadCount one(1);
+    serial = run_all();
+  }
+  for (int threads : {2, 3, 4}) {
+    ThreadCount count(threads);
+    const std::vector<Floats> parallel = run_all();
+    ASSERT_EQ(parallel.size(), serial.size());
+    for (size_t i = 0; i < serial.size(); ++i) {
+      EXPECT_TRUE(same_bits(parallel[i], serial[i]))
+          << "output " << i << " differs between 1 and " << threads << " threads";
+    }
+  }
+}
+
+}  // namespace
