@@ -1,0 +1,72 @@
+// cpp/ops/conv2d.cpp -- validate, allocate, dispatch to the CPU kernels (kernels_cpu.h).
+#include "ops/conv2d.h"
+
+#include "ops/kernels_cpu.h"
+
+namespace mgpu::ops {
+namespace {
+
+cpu::Conv2dShape check_conv(const char* op, const Tensor& x, const Tensor& w, int64_t stride,
+                            int64_t pad) {
+  require_dtype(op, "x", x, DType::F32);
+  require_dtype(op, "w", w, DType::F32);
+  require_same_device(op, {&x, &w});
+  MGPU_CHECK_VALUE(x.dim() == 4, op, ": x must have 4 dims (N, C, H, W), got shape ", x.shape(),
+                   x.dim() == 2 ? "; add batch and channel axes, e.g. x.reshape(1, 1, H, W)"
+                   : x.dim() == 3 ? "; add a batch axis, e.g. x.reshape(1, C, H, W)" : "");
+  MGPU_CHECK_VALUE(w.dim() == 4, op, ": w must have 4 dims (K, C, R, S), got shape ", w.shape());
+  MGPU_CHECK_VALUE(w.size(1) == x.size(1), op, ": x has ", x.size(1), " channels (shape ",
+                   x.shape(), ") but w expects ", w.size(1), " (shape ", w.shape(), ")");
+  MGPU_CHECK_VALUE(stride >= 1, op, ": stride must be >= 1, got ", stride);
+  MGPU_CHECK_VALUE(pad >= 0, op, ": padding must be >= 0, got ", pad);
+  cpu::Conv2dShape s{x.size(0), x.size(1), x.size(2), x.size(3), w.size(0), w.size(2), w.size(3),
+                     stride, pad};
+  MGPU_CHECK_VALUE(x.size(2) + 2 * pad >= w.size(2) && x.size(3) + 2 * pad >= w.size(3), op,
+                   ": the ", w.size(2), "x", w.size(3), " kernel is larger than the padded ",
+                   x.size(2) + 2 * pad, "x", x.size(3) + 2 * pad, " image");
+  return s;
+}
+
+}  // namespace
+
+Tensor conv2d_forward(const Tensor& x, const Tensor& w, const Tensor& b, int64_t stride,
+                      int64_t pad) {
+  const char* op = "conv2d_forward";
+  cpu::Conv2dShape s = check_conv(op, x, w, stride, pad);
+  if (b.defined()) {
+    require_dtype(op, "b", b, DType::F32);
+    require_same_device(op, {&x, &b});
+    MGPU_CHECK_VALUE(b.dim() == 1 && b.size(0) == s.K, op, ": b must have shape (", s.K,
+                     ",), one per output channel, got ", b.shape());
+  }
+  Tensor y = Tensor::empty({s.N, s.K, s.P(), s.Q()}, DType::F32, x.device());
+  const float* bp = b.defined() ? b.f32() : nullptr;
+  enqueue_on(x.device(), op, [s, xp = x.f32(), wp = w.f32(), bp, yp = y.f32()] {
+    cpu::conv2d_forward(s, xp, wp, bp, yp);
+  }, x, w, b, y);
+  return y;
+}
+
+Conv2dGrads conv2d_backward(const Tensor& x, const Tensor& w, const Tensor& dy, int64_t stride,
+                            int64_t pad, bool need_dx, bool has_bias) {
+  const char* op = "conv2d_backward";
+  cpu::Conv2dShape s = check_conv(op, x, w, stride, pad);
+  require_dtype(op, "dy", dy, DType::F32);
+  require_same_device(op, {&x, &dy});
+  Shape want{s.N, s.K, s.P(), s.Q()};
+  MGPU_CHECK_VALUE(dy.shape() == want, op, ": dy must have the output's shape ", want, ", got ",
+                   dy.shape());
+  Conv2dGrads g;
+  if (need_dx) g.dx = Tensor::empty_like(x);
+  g.dw = Tensor::empty_like(w);
+  if (has_bias) g.db = Tensor::empty({s.K}, DType::F32, x.device());
+  float* dxp = need_dx ? g.dx.f32() : nullptr;
+  float* dbp = has_bias ? g.db.f32() : nullptr;
+  enqueue_on(x.device(), op, [s, xp = x.f32(), wp = w.f32(), dyp = dy.f32(), dxp,
+                              dwp = g.dw.f32(), dbp] {
+    cpu::conv2d_backward(s, xp, wp, dyp, dxp, dwp, dbp);
+  }, x, w, dy, g.dx, g.dw, g.db);
+  return g;
+}
+
+}  // namespace mgpu::ops

@@ -1,0 +1,220 @@
+// cpp/ops/elementwise.cpp -- checks, allocation and dispatch for elementwise.h.
+#include "ops/elementwise.h"
+
+#include "ops/kernels_cpu.h"
+
+#include <algorithm>
+#include <cstring>
+
+namespace mgpu::ops {
+namespace {
+
+const char* op_name(BinaryOp op) {
+  switch (op) {
+    case BinaryOp::Add: return "add";
+    case BinaryOp::Sub: return "subtract";
+    case BinaryOp::Mul: return "multiply";
+    case BinaryOp::Div: return "divide";
+  }
+  return "?";
+}
+
+bool is_suffix(const Shape& small, const Shape& big) {
+  if (small.size() > big.size()) return false;
+  return std::equal(small.begin(), small.end(), big.end() - static_cast<int64_t>(small.size()));
+}
+
+void check_float_operands(BinaryOp op, const Tensor& a, const Tensor& b) {
+  require_dtype(op_name(op), "the left operand", a, DType::F32);
+  require_dtype(op_name(op), "the right operand", b, DType::F32);
+  require_same_device(op_name(op), {&a, &b});
+}
+
+template <BinaryOp op>
+void launch_binary(const Tensor& a, const Tensor& b, const Tensor& out) {
+  int64_t n = out.numel();
+  if (a.numel() == n && b.numel() == n)
+    for_each_index(op_name(op), out.device(), n, BinarySameOut<op>{a.f32(), b.f32(), out.f32()},
+                   a, b, out);
+  else
+    for_each_index(op_name(op), out.device(), n,
+                   BinaryOut<op>{a.f32(), b.f32(), out.f32(), a.numel(), b.numel()}, a, b, out);
+}
+
+void dispatch_binary(BinaryOp op, const Tensor& a, const Tensor& b, const Tensor& out) {
+  switch (op) {
+    case BinaryOp::Add: return launch_binary<BinaryOp::Add>(a, b, out);
+    case BinaryOp::Sub: return launch_binary<BinaryOp::Sub>(a, b, out);
+    case BinaryOp::Mul: return launch_binary<BinaryOp::Mul>(a, b, out);
+    case BinaryOp::Div: return launch_binary<BinaryOp::Div>(a, b, out);
+  }
+}
+
+template <BinaryOp op>
+void launch_scalar(const Tensor& a, float s, bool scalar_first, const Tensor& out) {
+  for_each_index(op_name(op), out.device(), out.numel(),
+                 BinaryScalarOut<op>{a.f32(), s, out.f32(), scalar_first}, a, out);
+}
+
+void dispatch_scalar(BinaryOp op, const Tensor& a, float s, bool first, const Tensor& out) {
+  switch (op) {
+    case BinaryOp::Add: return launch_scalar<BinaryOp::Add>(a, s, first, out);
+    case BinaryOp::Sub: return launch_scalar<BinaryOp::Sub>(a, s, first, out);
+    case BinaryOp::Mul: return launch_scalar<BinaryOp::Mul>(a, s, first, out);
+    case BinaryOp::Div: return launch_scalar<BinaryOp::Div>(a, s, first, out);
+  }
+}
+
+template <typename To, typename From>
+void convert(const Tensor& x, const Tensor& out) {
+  const From* src = x.data<From>();
+  To* dst = out.data<To>();
+  enqueue_on(out.device(), "astype", [src, dst, n = x.numel()] {
+    for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<To>(src[i]);
+  }, x, out);
+}
+
+template <typename To>
+void convert_from(const Tensor& x, const Tensor& out) {
+  switch (x.dtype()) {
+    case DType::F32: return convert<To, float>(x, out);
+    case DType::I32: return convert<To, int32_t>(x, out);
+    case DType::I64: return convert<To, int64_t>(x, out);
+    case DType::U8: return convert<To, uint8_t>(x, out);
+  }
+}
+
+}  // namespace
+
+Tensor binary(BinaryOp op, const Tensor& a, const Tensor& b) {
+  check_float_operands(op, a, b);
+  const Tensor* big = &a;
+  if (a.shape() != b.shape()) {
+    if (is_suffix(b.shape(), a.shape())) big = &a;
+    else if (is_suffix(a.shape(), b.shape())) big = &b;
+    else
+      MGPU_CHECK_VALUE(false, op_name(op), ": shapes ", a.shape(), " and ", b.shape(),
+                       " do not match; operands must have equal shapes, or one must be the "
+                       "other's trailing shape (a bias broadcast over rows)");
+  }
+  Tensor out = Tensor::empty_like(*big);
+  dispatch_binary(op, a, b, out);
+  return out;
+}
+
+Tensor binary_scalar(BinaryOp op, const Tensor& a, float s, bool scalar_first) {
+  require_dtype(op_name(op), "the tensor operand", a, DType::F32);
+  Tensor out = Tensor::empty_like(a);
+  dispatch_scalar(op, a, s, scalar_first, out);
+  return out;
+}
+
+void binary_inplace(BinaryOp op, const Tensor& a, const Tensor& b) {
+  check_float_operands(op, a, b);
+  MGPU_CHECK_VALUE(a.shape() == b.shape() || is_suffix(b.shape(), a.shape()), op_name(op),
+                   " in place: the right operand's shape ", b.shape(),
+                   " must equal the target's shape ", a.shape(), " or be its trailing shape");
+  dispatch_binary(op, a, b, a);
+}
+
+void binary_scalar_inplace(BinaryOp op, const Tensor& a, float s) {
+  require_dtype(op_name(op), "the tensor operand", a, DType::F32);
+  dispatch_scalar(op, a, s, false, a);
+}
+
+Tensor sum_to_shape(const Tensor& dy, const Shape& shape) {
+  require_dtype("sum_to_shape", "dy", dy, DType::F32);
+  MGPU_CHECK_VALUE(is_suffix(shape, dy.shape()), "sum_to_shape: ", shape,
+                   " is not a trailing shape of ", dy.shape());
+  Tensor out = Tensor::empty(shape, DType::F32, dy.device());
+  int64_t m = out.numel(), rows = m ? dy.numel() / m : 0;
+  const float* src = dy.f32();
+  float* dst = out.f32();
+  enqueue_on(out.device(), "sum_to_shape", [src, dst, m, rows] {
+    cpu::bias_grad_rows(rows, m, src, dst);  // rows added in order: thread-count independent
+  }, dy, out);
+  return out;
+}
+
+Tensor sum(const Tensor& x) {
+  require_dtype("sum", "x", x, DType::F32);
+  Tensor out = Tensor::empty({}, DType::F32, x.device());
+  const float* src = x.f32();
+  float* dst = out.f32();
+  enqueue_on(out.device(), "sum", [src, dst, n = x.numel()] {
+    double acc = 0.0;
+    for (int64_t i = 0; i < n; ++i) acc += src[i];
+    *dst = static_cast<float>(acc);
+  }, x, out);
+  return out;
+}
+
+void fill(const Tensor& t, double value) {
+  switch (t.dtype()) {
+    case DType::F32:
+      for_each_index("fill", t.device(), t.numel(), FillOut{t.f32(), static_cast<float>(value)}, t);
+      return;
+    default: {
+      Tensor f = Tensor::empty(t.shape(), DType::F32, t.device());
+      fill(f, value);
+      copy(t, astype(f, t.dtype()));
+    }
+  }
+}
+
+void copy(const Tensor& dst, const Tensor& src) {
+  MGPU_CHECK_VALUE(dst.numel() == src.numel(), "copy: cannot copy ", src.numel(),
+                   " elements (shape ", src.shape(), ") into ", dst.numel(), " (shape ",
+                   dst.shape(), ")");
+  MGPU_CHECK_TYPE(dst.dtype() == src.dtype(), "copy: dtypes differ (", dtype_name(src.dtype()),
+                  " into ", dtype_name(dst.dtype()), ")");
+  if (dst.nbytes() == 0 || (dst.storage() == src.storage() && dst.offset() == src.offset()))
+    return;
+  void* to = dst.raw();
+  const void* from = src.raw();
+  size_t n = dst.nbytes();
+  if (dst.device() == src.device()) {
+    enqueue_on(dst.device(), "copy", [to, from, n] { std::memmove(to, from, n); }, dst, src);
+    return;
+  }
+  // Between two devices the copy runs on the destination's queue once the source's earlier
+  // work is done; then the source's queue waits for the copy, so no later write to the source
+  // can race with it. Both queues stay ordered and neither blocks the host.
+  Event src_ready = record_event(src.device());
+  Queue& dq = queue_of(dst.device());
+  uint64_t seq = dq.enqueue("copy", [to, from, n, src_ready, dst, src] {
+    src_ready.queue->wait_done(src_ready.seq);
+    std::memcpy(to, from, n);
+  });
+  queue_wait_event(src.device(), Event{&dq, seq});
+}
+
+Tensor to_device(const Tensor& src, Device device, bool force_copy) {
+  if (src.device() == device && !force_copy) return src;
+  Tensor out = Tensor::empty(src.shape(), src.dtype(), device);
+  copy(out, src);
+  return out;
+}
+
+Tensor astype(const Tensor& x, DType dtype) {
+  Tensor out = Tensor::empty(x.shape(), dtype, x.device());
+  switch (dtype) {
+    case DType::F32: convert_from<float>(x, out); break;
+    case DType::I32: convert_from<int32_t>(x, out); break;
+    case DType::I64: convert_from<int64_t>(x, out); break;
+    case DType::U8: convert_from<uint8_t>(x, out); break;
+  }
+  return out;
+}
+
+void sgd_update(const Tensor& param, const Tensor& grad, float scale) {
+  require_dtype("sgd", "param", param, DType::F32);
+  require_dtype("sgd", "grad", grad, DType::F32);
+  require_same_device("sgd", {&param, &grad});
+  MGPU_CHECK_VALUE(param.shape() == grad.shape(), "sgd: grad has shape ", grad.shape(),
+                   " but the parameter has shape ", param.shape());
+  for_each_index("sgd", param.device(), param.numel(),
+                 SgdUpdate{param.f32(), grad.f32(), scale}, param, grad);
+}
+
+}  // namespace mgpu::ops

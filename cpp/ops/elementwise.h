@@ -1,0 +1,71 @@
+// cpp/ops/elementwise.h -- arithmetic on float32 tensors: a op b with equal shapes, with one
+// operand broadcast over the other's rows (b's shape is a's trailing shape, as a bias is), or
+// with a scalar; in-place forms for `t[:] += u`; fills, copies between devices, sums.
+// The backward of a broadcast is sum_to_shape (summing dy over the broadcast leading axes).
+#pragma once
+
+#include <cstdint>
+
+#include "core/tensor.h"
+#include "ops/launch.h"
+
+namespace mgpu::ops {
+
+enum class BinaryOp : int8_t { Add, Sub, Mul, Div };
+
+template <BinaryOp op>
+MGPU_HD inline float apply(float a, float b) {
+  if constexpr (op == BinaryOp::Add) return a + b;
+  if constexpr (op == BinaryOp::Sub) return a - b;
+  if constexpr (op == BinaryOp::Mul) return a * b;
+  return a / b;
+}
+
+// out[i] = a[i % na] op b[i % nb]: na, nb are n or the length of a broadcast row.
+template <BinaryOp op>
+struct BinaryOut {
+  const float* a; const float* b; float* out; int64_t na, nb;
+  MGPU_HD void operator()(int64_t i) const { out[i] = apply<op>(a[i % na], b[i % nb]); }
+};
+template <BinaryOp op>
+struct BinarySameOut {
+  const float* a; const float* b; float* out;
+  MGPU_HD void operator()(int64_t i) const { out[i] = apply<op>(a[i], b[i]); }
+};
+// out[i] = a[i] op s, or s op a[i] when scalar_first.
+template <BinaryOp op>
+struct BinaryScalarOut {
+  const float* a; float s; float* out; bool scalar_first;
+  MGPU_HD void operator()(int64_t i) const {
+    out[i] = scalar_first ? apply<op>(s, a[i]) : apply<op>(a[i], s);
+  }
+};
+struct FillOut {
+  float* out; float value;
+  MGPU_HD void operator()(int64_t i) const { out[i] = value; }
+};
+// param -= scale * grad: the SGD step with scale = lr / batch_size.
+struct SgdUpdate {
+  float* param; const float* grad; float scale;
+  MGPU_HD void operator()(int64_t i) const { param[i] -= scale * grad[i]; }
+};
+
+Tensor binary(BinaryOp op, const Tensor& a, const Tensor& b);
+Tensor binary_scalar(BinaryOp op, const Tensor& a, float s, bool scalar_first);
+// a op= b in place (b equal-shaped or broadcast over a's rows).
+void binary_inplace(BinaryOp op, const Tensor& a, const Tensor& b);
+void binary_scalar_inplace(BinaryOp op, const Tensor& a, float s);
+// dy summed over its leading axes down to `shape` (a trailing part of dy's shape).
+Tensor sum_to_shape(const Tensor& dy, const Shape& shape);
+// The sum of all elements, as a 0-d tensor (accumulated in double, in index order).
+Tensor sum(const Tensor& x);
+void fill(const Tensor& t, double value);
+// dst[...] = src[...]: same number of elements and dtype, any two devices.
+void copy(const Tensor& dst, const Tensor& src);
+// A copy of src on `device` (src itself if it is already there and copy is false).
+Tensor to_device(const Tensor& src, Device device, bool force_copy = false);
+// Elementwise dtype conversion (float32 <-> int32/int64/uint8).
+Tensor astype(const Tensor& x, DType dtype);
+void sgd_update(const Tensor& param, const Tensor& grad, float scale);
+
+}  // namespace mgpu::ops

@@ -1,0 +1,43 @@
+// cpp/ops/linear.cpp -- validate, allocate, dispatch to sgemm (OpenBLAS on CPU devices).
+#include "ops/linear.h"
+
+#include <algorithm>
+
+#include "core/parallel.h"
+#include "ops/gemm.h"
+
+namespace mgpu::ops {
+
+Tensor mm(const Tensor& a, const Tensor& b, bool trans_a, bool trans_b) {
+  const char* op = "mm";
+  require_dtype(op, "a", a, DType::F32);
+  require_dtype(op, "b", b, DType::F32);
+  require_same_device(op, {&a, &b});
+  MGPU_CHECK_VALUE(a.dim() == 2 && b.dim() == 2, op, ": both operands must be matrices (2 dims), "
+                   "got shapes ", a.shape(), " and ", b.shape(),
+                   a.dim() > 2 ? "; flatten a first, e.g. a.reshape(a.shape[0], -1)" : "");
+  int64_t m = trans_a ? a.size(1) : a.size(0), k = trans_a ? a.size(0) : a.size(1);
+  int64_t k2 = trans_b ? b.size(1) : b.size(0), n = trans_b ? b.size(0) : b.size(1);
+  MGPU_CHECK_VALUE(k == k2, op, ": inner dimensions differ: ", a.shape(), trans_a ? "^T" : "",
+                   " @ ", b.shape(), trans_b ? "^T" : "", " (", k, " vs ", k2, ")");
+  Tensor y = Tensor::empty({m, n}, DType::F32, a.device());
+  enqueue_on(a.device(), op, [=, ap = a.f32(), bp = b.f32(), yp = y.f32()] {
+    if (k == 0) {
+      for (int64_t i = 0; i < m * n; ++i) yp[i] = 0.0f;
+      return;
+    }
+    // Split the rows of y over the device's cores in fixed blocks; each block is an
+    // independent product, so the result does not depend on the thread count.
+    constexpr int64_t kRows = 64;
+    int64_t blocks = (m + kRows - 1) / kRows;
+    parallel_for(blocks, [&](int64_t blk) {
+      int64_t r0 = blk * kRows, rows = std::min(kRows, m - r0);
+      const float* ablk = trans_a ? ap + r0 : ap + r0 * a.size(1);
+      cpu::sgemm(trans_a, trans_b, rows, n, k, 1.0f, ablk, a.size(1), bp, b.size(1), 0.0f,
+            yp + r0 * n, n);
+    });
+  }, a, b, y);
+  return y;
+}
+
+}  // namespace mgpu::ops

@@ -1,0 +1,22 @@
+// cpp/ops/relu.h -- y = max(x, 0). x, y, dy, dx share one contiguous shape, seen as (n,).
+// Backward writes dx (it never adds into it) and re-reads x, so forward caches nothing.
+#pragma once
+
+#include "core/tensor.h"
+#include "ops/launch.h"
+
+namespace mgpu::ops {
+
+struct ReluOut {
+  const float* x; float* y;
+  MGPU_HD void operator()(int64_t i) const { y[i] = x[i] > 0.0f ? x[i] : 0.0f; }
+};
+struct ReluGradInput {
+  const float* x; const float* dy; float* dx;
+  MGPU_HD void operator()(int64_t i) const { dx[i] = x[i] > 0.0f ? dy[i] : 0.0f; }
+};
+
+Tensor relu_forward(const Tensor& x);
+Tensor relu_backward(const Tensor& x, const Tensor& dy);  // returns dx
+
+}  // namespace mgpu::ops

@@ -1,0 +1,96 @@
+// cpp/ops/softmax_ce.cpp -- validate, allocate, dispatch to the CPU kernels.
+#include "ops/softmax_ce.h"
+
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "ops/kernels_cpu.h"
+
+namespace mgpu::ops {
+namespace {
+
+void check_ce(const char* op, const Tensor& logits, const Tensor& labels) {
+  require_dtype(op, "y_hat (the logits)", logits, DType::F32);
+  require_same_device(op, {&logits, &labels});
+  MGPU_CHECK_VALUE(logits.dim() == 2, op, ": y_hat must have 2 dims (N, M) -- one row of ",
+                   "class scores per example -- got shape ", logits.shape());
+  MGPU_CHECK_TYPE(labels.dtype() == DType::I64 || labels.dtype() == DType::I32, op,
+                  ": labels y must be int32 or int64 class indices, got ",
+                  dtype_name(labels.dtype()));
+  MGPU_CHECK_VALUE(labels.dim() == 1 && labels.size(0) == logits.size(0), op,
+                   ": labels y must have shape (", logits.size(0), ",) to match y_hat ",
+                   logits.shape(), ", got ", labels.shape());
+}
+
+// Calls fn with the labels' typed pointer.
+template <typename Fn>
+void with_labels(const Tensor& labels, Fn&& fn) {
+  if (labels.dtype() == DType::I64) fn(labels.data<int64_t>());
+  else fn(labels.data<int32_t>());
+}
+
+}  // namespace
+
+Tensor softmax_ce_forward(const Tensor& logits, const Tensor& labels) {
+  const char* op = "cross_entropy";
+  check_ce(op, logits, labels);
+  Tensor loss = Tensor::empty({logits.size(0)}, DType::F32, logits.device());
+  with_labels(labels, [&](auto* yp) {
+    enqueue_on(logits.device(), op,
+               [n = logits.size(0), m = logits.size(1), zp = logits.f32(), yp, lp = loss.f32()] {
+                 cpu::softmax_ce_forward(n, m, zp, yp, lp);
+               }, logits, labels, loss);
+  });
+  return loss;
+}
+
+Tensor softmax_ce_backward(const Tensor& logits, const Tensor& labels, const Tensor& dloss) {
+  const char* op = "cross_entropy_backward";
+  check_ce(op, logits, labels);
+  require_dtype(op, "dloss", dloss, DType::F32);
+  require_same_device(op, {&logits, &dloss});
+  MGPU_CHECK_VALUE(dloss.shape() == Shape{logits.size(0)}, op, ": dloss must have shape (",
+                   logits.size(0), ",), got ", dloss.shape());
+  Tensor dz = Tensor::empty_like(logits);
+  with_labels(labels, [&](auto* yp) {
+    enqueue_on(logits.device(), op,
+               [n = logits.size(0), m = logits.size(1), zp = logits.f32(), yp,
+                dlp = dloss.f32(), dzp = dz.f32()] {
+                 cpu::softmax_ce_backward(n, m, zp, yp, dlp, dzp);
+               }, logits, labels, dloss, dz);
+  });
+  return dz;
+}
+
+Tensor argmax(const Tensor& x) {
+  require_dtype("argmax", "x", x, DType::F32);
+  MGPU_CHECK_VALUE(x.dim() == 1 || x.dim() == 2, "argmax: x must have 1 or 2 dims, got shape ",
+                   x.shape());
+  MGPU_CHECK_VALUE(x.size(-1) > 0, "argmax: the reduced axis is empty in shape ", x.shape());
+  int64_t rows = x.dim() == 2 ? x.size(0) : 1;
+  Tensor out = Tensor::empty(x.dim() == 2 ? Shape{rows} : Shape{}, DType::I64, x.device());
+  enqueue_on(x.device(), "argmax", [rows, m = x.size(-1), xp = x.f32(), op = out.data<int64_t>()] {
+    cpu::argmax_rows(rows, m, xp, op);
+  }, x, out);
+  return out;
+}
+
+Tensor correct_count(const Tensor& logits, const Tensor& labels) {
+  const char* op = "correct_count";
+  check_ce(op, logits, labels);
+  Tensor out = Tensor::empty({}, DType::F32, logits.device());
+  with_labels(labels, [&](auto* yp) {
+    enqueue_on(logits.device(), op,
+               [n = logits.size(0), m = logits.size(1), zp = logits.f32(), yp, cp = out.f32()] {
+                 std::vector<int64_t> pred(static_cast<size_t>(n));
+                 cpu::argmax_rows(n, m, zp, pred.data());
+                 int64_t hits = 0;
+                 for (int64_t i = 0; i < n; ++i) hits += pred[i] == static_cast<int64_t>(yp[i]);
+                 *cp = static_cast<float>(hits);
+               }, logits, labels, out);
+  });
+  return out;
+}
+
+}  // namespace mgpu::ops
