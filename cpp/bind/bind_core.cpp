@@ -1,0 +1,222 @@
+// cpp/bind/bind_core.cpp -- devices, tensors (NumPy and DLPack in and out), queues, build info.
+#include <pybind11/numpy.h>
+
+#include <cstring>
+#include <thread>
+
+#include "bind/bind.h"
+#include "bind/dlpack.h"
+#include "core/parallel.h"
+#include "core/queue.h"
+#include "core/tensor.h"
+#include "ops/elementwise.h"
+
+namespace py = pybind11;
+
+namespace mgpu::bind {
+namespace {
+
+DType dtype_from_numpy(const py::dtype& dt) {
+  if (dt.is(py::dtype::of<float>())) return DType::F32;
+  if (dt.is(py::dtype::of<int32_t>())) return DType::I32;
+  if (dt.is(py::dtype::of<int64_t>())) return DType::I64;
+  if (dt.is(py::dtype::of<uint8_t>())) return DType::U8;
+  throw TypeError("unsupported dtype " + std::string(py::str(dt)) +
+                  "; mgpu tensors hold float32, int32, int64 or uint8");
+}
+
+py::dtype numpy_dtype(DType t) {
+  switch (t) {
+    case DType::F32: return py::dtype::of<float>();
+    case DType::I32: return py::dtype::of<int32_t>();
+    case DType::I64: return py::dtype::of<int64_t>();
+    case DType::U8: return py::dtype::of<uint8_t>();
+  }
+  throw InternalError("unknown dtype");
+}
+
+DType dtype_from_name(const std::string& name) {
+  for (DType t : {DType::F32, DType::I32, DType::I64, DType::U8})
+    if (name == dtype_name(t)) return t;
+  throw TypeError("unknown dtype '" + name + "'; use float32, int32, int64 or uint8");
+}
+
+// Waits (without the GIL) until the tensor's device has finished all queued work.
+void wait_ready(const Tensor& t) {
+  py::gil_scoped_release nogil;
+  queue_of(t.device()).synchronize();
+}
+
+Tensor from_numpy(const py::array& arr, Device device) {
+  MGPU_CHECK_VALUE(arr.flags() & py::array::c_style, "from_numpy: the array must be C-contiguous");
+  check_device(device);
+  Shape shape(arr.shape(), arr.shape() + arr.ndim());
+  Tensor t = Tensor::empty(shape, dtype_from_numpy(arr.dtype()), device);
+  // Fresh storage is touched by no queued task yet, so the host may fill it directly.
+  if (t.nbytes()) std::memcpy(t.raw(), arr.data(), t.nbytes());
+  return t;
+}
+
+py::array to_numpy(const Tensor& t) {
+  wait_ready(t);
+  py::array out(numpy_dtype(t.dtype()), std::vector<py::ssize_t>(t.shape().begin(), t.shape().end()));
+  if (t.nbytes()) std::memcpy(out.mutable_data(), t.raw(), t.nbytes());
+  return out;
+}
+
+// --- DLPack -----------------------------------------------------------------------------------
+
+struct Exported {
+  dlpack::ManagedTensor managed;
+  Tensor tensor;  // keeps the storage alive until the consumer calls the deleter
+  std::vector<int64_t> shape;
+};
+
+dlpack::DataType dl_dtype(DType t) {
+  switch (t) {
+    case DType::F32: return {dlpack::kFloat, 32, 1};
+    case DType::I32: return {dlpack::kInt, 32, 1};
+    case DType::I64: return {dlpack::kInt, 64, 1};
+    case DType::U8: return {dlpack::kUInt, 8, 1};
+  }
+  throw InternalError("unknown dtype");
+}
+
+py::capsule to_dlpack(const Tensor& t) {
+  // The consumer reads the memory right away and knows nothing of our queues.
+  wait_ready(t);
+  auto* e = new Exported{{}, t, t.shape()};
+  e->managed.dl_tensor = {t.raw(), {dlpack::kCPU, 0}, static_cast<int32_t>(t.dim()),
+                          dl_dtype(t.dtype()), e->shape.data(), nullptr, 0};
+  e->managed.manager_ctx = e;
+  e->managed.deleter = [](dlpack::ManagedTensor* self) {
+    delete static_cast<Exported*>(self->manager_ctx);
+  };
+  // If no consumer ever takes the capsule, its destructor frees the export.
+  return py::capsule(&e->managed, "dltensor", [](PyObject* cap) {
+    if (PyCapsule_IsValid(cap, "dltensor")) {
+      auto* m = static_cast<dlpack::ManagedTensor*>(PyCapsule_GetPointer(cap, "dltensor"));
+      m->deleter(m);
+    }
+  });
+}
+
+Tensor from_dlpack_capsule(py::capsule cap) {
+  MGPU_CHECK_TYPE(PyCapsule_IsValid(cap.ptr(), "dltensor"), "from_dlpack: expected an unused "
+                  "'dltensor' capsule (a capsule can be consumed only once)");
+  auto* m = static_cast<dlpack::ManagedTensor*>(PyCapsule_GetPointer(cap.ptr(), "dltensor"));
+  const dlpack::Tensor& dl = m->dl_tensor;
+  MGPU_CHECK_VALUE(dl.device.device_type == dlpack::kCPU, "from_dlpack: only CPU memory can be "
+                   "imported in this build (got DLPack device type ", dl.device.device_type, ")");
+  DType dtype;
+  if (dl.dtype.code == dlpack::kFloat && dl.dtype.bits == 32) dtype = DType::F32;
+  else if (dl.dtype.code == dlpack::kInt && dl.dtype.bits == 32) dtype = DType::I32;
+  else if (dl.dtype.code == dlpack::kInt && dl.dtype.bits == 64) dtype = DType::I64;
+  else if (dl.dtype.code == dlpack::kUInt && dl.dtype.bits == 8) dtype = DType::U8;
+  else
+    throw TypeError("from_dlpack: unsupported element type (code " +
+                    std::to_string(dl.dtype.code) + ", " + std::to_string(dl.dtype.bits) +
+                    " bits); mgpu holds float32, int32, int64 or uint8");
+  MGPU_CHECK_VALUE(dl.dtype.lanes == 1, "from_dlpack: vector element types are not supported");
+  Shape shape(dl.shape, dl.shape + dl.ndim);
+  if (dl.strides) {
+    int64_t expect = 1;
+    for (int32_t i = dl.ndim - 1; i >= 0; --i) {
+      MGPU_CHECK_VALUE(shape[i] == 1 || dl.strides[i] == expect, "from_dlpack: the tensor is not "
+                       "contiguous; make it contiguous first (e.g. .contiguous() or np.ascontiguousarray)");
+      expect *= shape[i];
+    }
+  }
+  PyCapsule_SetName(cap.ptr(), "used_dltensor");
+  size_t nbytes = static_cast<size_t>(numel(shape)) * dtype_size(dtype);
+  void* data = static_cast<char*>(dl.data) + dl.byte_offset;
+  // The producer's deleter may touch Python objects (NumPy's does), and the last reference can
+  // be dropped on a device thread, so it runs with the GIL -- unless Python is already gone.
+  auto storage = Storage::wrap(Device{DeviceKind::CPU, 0}, data, nbytes, [m] {
+    if (!m->deleter) return;
+    if (!Py_IsInitialized()) return;
+    py::gil_scoped_acquire gil;
+    m->deleter(m);
+  });
+  return Tensor(storage, shape, dtype, 0);
+}
+
+py::dict build_info() {
+  py::dict info;
+  info["version"] = "0.1.0";
+  info["cpu_devices"] = true;
+  info["cpu_threads"] = num_threads();
+  info["blas"] = "OpenBLAS (single-threaded calls; mgpu schedules the cores)";
+  info["cuda"] = MGPU_BUILT_CUDA ? "built" : "not built (CUDA backend: issue 3)";
+  info["cudnn"] = MGPU_BUILT_CUDNN ? "built" : "not built";
+  info["nccl"] = MGPU_BUILT_NCCL ? "built" : "not built";
+  info["mpi"] = MGPU_BUILT_MPI ? "built" : "not built (MPI back end: issue 4)";
+  info["cuda_emulation"] = static_cast<bool>(MGPU_CUDA_EMULATION_BUILD);
+  return info;
+}
+
+}  // namespace
+
+void bind_core(py::module_& m) {
+  py::enum_<DeviceKind>(m, "DeviceKind").value("CPU", DeviceKind::CPU).value("CUDA", DeviceKind::CUDA);
+
+  py::class_<Device>(m, "Device", "A device: cpu(i) (virtual) or gpu(i).")
+      .def(py::init([](DeviceKind kind, int index) {
+             Device d{kind, index};
+             check_device(d);
+             return d;
+           }), py::arg("kind"), py::arg("index") = 0)
+      .def_readonly("kind", &Device::kind)
+      .def_readonly("index", &Device::index)
+      .def("__repr__", &Device::str)
+      .def("__eq__", [](const Device& a, const Device& b) { return a == b; })
+      .def("__eq__", [](const Device&, const py::object&) { return false; })
+      .def("__hash__", [](const Device& d) { return std::hash<Device>()(d); })
+      .def(py::pickle([](const Device& d) { return py::make_tuple(d.kind, d.index); },
+                      [](py::tuple t) { return Device{t[0].cast<DeviceKind>(), t[1].cast<int>()}; }));
+
+  py::class_<Tensor>(m, "Tensor", "A contiguous tensor on a device (engine handle).")
+      .def_property_readonly("shape", [](const Tensor& t) {
+        py::tuple s(t.dim());
+        for (int64_t i = 0; i < t.dim(); ++i) s[i] = t.shape()[i];
+        return s;
+      })
+      .def_property_readonly("dtype", [](const Tensor& t) { return std::string(dtype_name(t.dtype())); })
+      .def_property_readonly("device", &Tensor::device)
+      .def_property_readonly("nbytes", &Tensor::nbytes)
+      .def("reshape", &Tensor::reshape, "A view with a new shape (one extent may be -1).")
+      .def("slice_rows", &Tensor::slice_rows, "Rows [begin, end) along axis 0, as a view.")
+      .def("same_memory", [](const Tensor& a, const Tensor& b) {
+        return a.storage() == b.storage() && a.offset() == b.offset() && a.nbytes() == b.nbytes();
+      }, "True when both handles view exactly the same bytes.")
+      .def("numpy", &to_numpy, "A NumPy copy (waits for the device).")
+      .def("to_dlpack", &to_dlpack, "A DLPack capsule sharing the memory (waits for the device).")
+      .def_static("from_numpy", &from_numpy, py::arg("array"), py::arg("device"),
+                  "Copies a C-contiguous float32/int32/int64/uint8 array onto a device.")
+      .def_static("from_dlpack", &from_dlpack_capsule, "Wraps a DLPack capsule without copying.")
+      .def_static("empty", [](std::vector<int64_t> shape, const std::string& dtype, Device d) {
+        return Tensor::empty(shape, dtype_from_name(dtype), d);
+      }, "Uninitialised memory of a shape, dtype name and device.");
+
+  m.def("synchronize", [](Device d) {
+    check_device(d);
+    py::gil_scoped_release nogil;
+    queue_of(d).synchronize();
+  }, "Waits for one device's queued work and raises its first error.");
+  m.def("waitall", [] {
+    py::gil_scoped_release nogil;
+    waitall();
+  }, "Waits for every device's queued work and raises the first error.");
+  m.def("num_gpus", &num_gpus, "Number of usable GPUs (0 without a CUDA build or GPU).");
+  m.def("num_threads", &num_threads, "Threads mgpu uses for CPU compute.");
+  m.def("set_num_threads", &set_num_threads, "Sets the threads mgpu uses for CPU compute.");
+  m.def("cpu_cached_bytes", &cpu_cached_bytes, "Bytes held by the CPU caching allocator.");
+  m.def("empty_cache", [] {
+    py::gil_scoped_release nogil;
+    waitall();
+    cpu_empty_cache();
+  }, "Waits for all devices, then returns cached CPU memory to the system.");
+  m.def("build_info", &build_info, "What this build of mgpu contains.");
+}
+
+}  // namespace mgpu::bind

@@ -1,0 +1,69 @@
+// cpp/bind/bind_ops.cpp -- the ops, forward and backward, plus all-reduce and split.
+#include <optional>
+#include <tuple>
+
+#include "bind/bind.h"
+#include "comm/allreduce.h"
+#include "ops/avg_pool2d.h"
+#include "ops/conv2d.h"
+#include "ops/elementwise.h"
+#include "ops/linear.h"
+#include "ops/relu.h"
+#include "ops/softmax_ce.h"
+#include "train/split_batch.h"
+
+namespace py = pybind11;
+
+namespace mgpu::bind {
+
+void bind_ops(py::module_& m) {
+  using ops::BinaryOp;
+  // Ops may block while their device's queue is full, so they run without the GIL.
+  using nogil = py::call_guard<py::gil_scoped_release>;
+  py::enum_<BinaryOp>(m, "BinaryOp")
+      .value("Add", BinaryOp::Add).value("Sub", BinaryOp::Sub)
+      .value("Mul", BinaryOp::Mul).value("Div", BinaryOp::Div);
+
+  m.def("binary", &ops::binary, nogil(), "a op b (equal shapes or a row-broadcast operand).");
+  m.def("binary_scalar", &ops::binary_scalar, nogil(), "a op s, or s op a when scalar_first.");
+  m.def("binary_inplace", &ops::binary_inplace, nogil(), "a op= b in place.");
+  m.def("binary_scalar_inplace", &ops::binary_scalar_inplace, nogil(), "a op= s in place.");
+  m.def("sum_to_shape", &ops::sum_to_shape, nogil(), "dy summed over leading axes down to shape.");
+  m.def("sum", &ops::sum, nogil(), "Sum of all elements as a 0-d tensor.");
+  m.def("fill", &ops::fill, nogil(), "Sets every element to a value.");
+  m.def("copy", &ops::copy, nogil(), "dst[...] = src[...] across any two devices.");
+  m.def("to_device", &ops::to_device, py::arg("src"), py::arg("device"),
+        py::arg("force_copy") = false, nogil(), "A copy of src on device (src itself if already there).");
+  m.def("astype", [](const Tensor& x, const std::string& name) {
+    for (DType t : {DType::F32, DType::I32, DType::I64, DType::U8})
+      if (name == dtype_name(t)) return ops::astype(x, t);
+    throw TypeError("astype: unknown dtype '" + name + "'; use float32, int32, int64 or uint8");
+  }, nogil(), "Elementwise dtype conversion.");
+  m.def("sgd_update", &ops::sgd_update, nogil(), "param -= scale * grad.");
+  m.def("relu_forward", &ops::relu_forward, nogil(), "max(x, 0).");
+  m.def("relu_backward", &ops::relu_backward, nogil(), "dx = dy where x > 0.");
+  m.def("conv2d_forward", [](const Tensor& x, const Tensor& w, const std::optional<Tensor>& b,
+                             int64_t stride, int64_t pad) {
+    return ops::conv2d_forward(x, w, b.value_or(Tensor()), stride, pad);
+  }, nogil(), "2-D cross-correlation with stride and padding (b may be None).");
+  m.def("conv2d_backward", [](const Tensor& x, const Tensor& w, const Tensor& dy, int64_t stride,
+                              int64_t pad, bool need_dx, bool has_bias) {
+    ops::Conv2dGrads g = ops::conv2d_backward(x, w, dy, stride, pad, need_dx, has_bias);
+    auto opt = [](const Tensor& t) { return t.defined() ? std::optional<Tensor>(t) : std::nullopt; };
+    return std::make_tuple(opt(g.dx), g.dw, opt(g.db));
+  }, nogil(), "(dx or None, dw, db or None).");
+  m.def("avg_pool2d_forward", &ops::avg_pool2d_forward, nogil(), "Average pooling, floor output size.");
+  m.def("avg_pool2d_backward", &ops::avg_pool2d_backward, nogil(), "dx of average pooling.");
+  m.def("mm", &ops::mm, py::arg("a"), py::arg("b"), py::arg("trans_a") = false,
+        py::arg("trans_b") = false, nogil(), "Matrix product op(a) @ op(b).");
+  m.def("softmax_ce_forward", &ops::softmax_ce_forward, nogil(), "Per-example softmax cross-entropy.");
+  m.def("softmax_ce_backward", &ops::softmax_ce_backward, nogil(), "(softmax - onehot) * dloss.");
+  m.def("argmax", &ops::argmax, nogil(), "Index of the maximum along the last axis.");
+  m.def("correct_count", &ops::correct_count, nogil(), "Rows whose argmax equals the label (0-d).");
+  m.def("allreduce", [](const std::vector<std::vector<Tensor>>& data) {
+    comm::allreduce(data);
+  }, nogil(), "In-place sum across devices; data[d] is device d's list of tensors.");
+  m.def("split_rows", &train::split_rows, nogil(), "Shards along axis 0, one per device, copied there.");
+}
+
+}  // namespace mgpu::bind

@@ -1,0 +1,56 @@
+"""mgpu: the chapter "Training on Multiple GPUs" as fast software.
+
+Devices (``cpu``, ``gpu``, ``try_gpu``, ``try_all_gpus``), tensors with autograd, the LeNet ops
+with their backward passes, the chapter's helpers (``get_params``, ``allreduce``, ``split_batch``,
+``sgd``), a fused data-parallel ``train_batch``, Fashion-MNIST and ``train``. The engine is C++
+(``mgpu._core``); every device runs its work asynchronously on its own queue.
+"""
+from . import _core
+from . import autograd, random
+from ._core import DeviceError
+from .autograd import no_grad
+from .data import DataLoader, get_fashion_mnist_labels, load_data_fashion_mnist
+from .device import Device, cpu, gpu, num_gpus, try_all_gpus, try_gpu
+from .nn import (CrossEntropyLoss, SoftmaxCrossEntropyLoss, argmax, avg_pool2d, conv2d,
+                 cross_entropy, dot, lenet, lenet_params, mm, relu)
+from .parallel import allreduce, get_params, sgd, split_and_load, split_batch, train_batch
+from .random import randn
+from .tensor import (Tensor, arange, array, from_dlpack, full, ones, ones_like, tensor, zeros,
+                     zeros_like)
+from .train import (Timer, TrainResult, evaluate_accuracy, evaluate_accuracy_gpu, train,
+                    train_op_by_op)
+
+__version__ = "0.1.0"
+
+
+def waitall() -> None:
+    """Waits until every device has finished its queued work; raises the first error."""
+    _core.waitall()
+
+
+def build_info() -> dict:
+    """What this build contains: devices, BLAS, CUDA/cuDNN/NCCL/MPI parts."""
+    return dict(_core.build_info())
+
+
+def set_num_threads(n: int) -> None:
+    """Threads mgpu uses for CPU compute (shared fairly by the busy CPU devices)."""
+    _core.set_num_threads(int(n))
+
+
+def num_threads() -> int:
+    return _core.num_threads()
+
+
+__all__ = [
+    "Device", "DeviceError", "Tensor", "CrossEntropyLoss", "SoftmaxCrossEntropyLoss", "DataLoader",
+    "Timer", "TrainResult",
+    "cpu", "gpu", "try_gpu", "try_all_gpus", "num_gpus",
+    "array", "tensor", "zeros", "ones", "full", "zeros_like", "ones_like", "arange", "randn",
+    "from_dlpack", "random", "autograd", "no_grad",
+    "conv2d", "avg_pool2d", "relu", "mm", "dot", "cross_entropy", "argmax",
+    "lenet", "lenet_params", "get_params", "allreduce", "split_batch", "split_and_load", "sgd",
+    "train_batch", "load_data_fashion_mnist", "get_fashion_mnist_labels",
+    "evaluate_accuracy", "evaluate_accuracy_gpu", "train", "train_op_by_op",
+    "waitall", "build_info", "set_num_threads", "num_threads",
+]

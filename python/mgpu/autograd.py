@@ -1,0 +1,109 @@
+"""Reverse-mode automatic differentiation over mgpu's ops (a tape of recorded nodes).
+
+An op whose inputs require grad records a :class:`Node` holding its backward function.
+``loss.backward()`` walks the nodes in reverse topological order and adds each leaf's gradient
+into ``leaf.grad`` (for a non-scalar loss it back-propagates the sum, as the chapter's MXNet code
+relies on). Recording is on by default (PyTorch's behaviour); ``with mgpu.autograd.record():`` is
+accepted so the MXNet flavour of the chapter runs too, and ``mgpu.no_grad()`` turns it off.
+In-place operations are never recorded.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Callable, List, Optional, Sequence
+
+_state = threading.local()
+
+
+def is_recording() -> bool:
+    """Whether ops on tensors that require grad are being recorded (per thread)."""
+    return getattr(_state, "enabled", True)
+
+
+@contextlib.contextmanager
+def _recording(flag: bool):
+    old = is_recording()
+    _state.enabled = flag
+    try:
+        yield
+    finally:
+        _state.enabled = old
+
+
+def record():
+    """Context manager that records ops for backward (already the default)."""
+    return _recording(True)
+
+
+def no_grad():
+    """Context manager under which nothing is recorded."""
+    return _recording(False)
+
+
+class Node:
+    """One recorded op: its inputs and a function from the output's gradient to theirs."""
+
+    __slots__ = ("inputs", "backward_fn")
+
+    def __init__(self, inputs: Sequence, backward_fn: Callable):
+        self.inputs = tuple(inputs)
+        self.backward_fn = backward_fn  # dy -> tuple of gradients (None where not needed)
+
+
+def attach(out, inputs: Sequence, backward_fn: Callable):
+    """Records ``out = op(*inputs)`` when any input requires grad; returns ``out``."""
+    if is_recording() and any(t is not None and t.requires_grad for t in inputs):
+        out.requires_grad = True
+        out._node = Node(inputs, backward_fn)
+    return out
+
+
+def _topological(root) -> List:
+    order, seen, stack = [], set(), [(root, False)]
+    while stack:
+        t, done = stack.pop()
+        if done:
+            order.append(t)
+            continue
+        if id(t) in seen or t._node is None:
+            continue
+        seen.add(id(t))
+        stack.append((t, True))
+        for x in t._node.inputs:
+            if x is not None and x.requires_grad and x._node is not None and id(x) not in seen:
+                stack.append((x, False))
+    return order
+
+
+def backward(root, grad: Optional[object] = None) -> None:
+    """Back-propagates from ``root``; ``grad`` defaults to ones (the gradient of a sum)."""
+    from .tensor import Tensor, ones_like
+
+    if not root.requires_grad:
+        raise RuntimeError("backward: this tensor does not require grad; call requires_grad_() or "
+                           "attach_grad() on the parameters before computing it")
+    grads = {id(root): grad if grad is not None else ones_like(root)}
+    with no_grad():
+        for t in reversed(_topological(root)):
+            dy = grads.pop(id(t))
+            for x, g in zip(t._node.inputs, t._node.backward_fn(dy)):
+                if x is None or g is None or not x.requires_grad:
+                    continue
+                if x._node is None:
+                    _accumulate_leaf(x, g)
+                elif id(x) in grads:
+                    grads[id(x)] = grads[id(x)] + g
+                else:
+                    grads[id(x)] = g
+        if root._node is None:
+            _accumulate_leaf(root, grads.pop(id(root)))
+    assert isinstance(root, Tensor)
+
+
+def _accumulate_leaf(x, g) -> None:
+    if x.grad is None:
+        # A copy: g may be shared with another input's gradient (an add passes dy to both).
+        x.grad = g.copyto(x.device)
+    else:
+        x.grad += g

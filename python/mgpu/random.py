@@ -1,0 +1,39 @@
+"""Random tensors, seeded like NumPy: ``mgpu.random.seed(n)``, ``mgpu.random.normal(...)``.
+
+Values are drawn on the host with NumPy's PCG64 generator and copied to the device, so a seed
+gives the same numbers on every device and machine.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+
+_rng = np.random.default_rng()
+
+
+def seed(n: int) -> None:
+    """Makes every following draw reproducible."""
+    global _rng
+    _rng = np.random.default_rng(int(n))
+
+
+def normal(loc: float = 0.0, scale: float = 1.0, size=None, device=None, ctx=None,
+           rng: Optional[np.random.Generator] = None):
+    """Samples of N(loc, scale^2) with shape ``size``, as a float32 tensor on ``device``."""
+    from .tensor import array
+    g = rng if rng is not None else _rng
+    return array(g.normal(loc, scale, size=size), device=device or ctx, dtype=np.float32)
+
+
+def uniform(low: float = 0.0, high: float = 1.0, size=None, device=None, ctx=None):
+    """Samples of U[low, high) with shape ``size``, as a float32 tensor on ``device``."""
+    from .tensor import array
+    return array(_rng.uniform(low, high, size=size), device=device or ctx, dtype=np.float32)
+
+
+def randn(*shape, device=None):
+    """Standard normal samples of the given shape (PyTorch's ``torch.randn``)."""
+    if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
+        shape = tuple(shape[0])
+    return normal(size=shape, device=device)

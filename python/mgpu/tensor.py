@@ -1,0 +1,396 @@
+"""mgpu's tensor: a contiguous array on a device, with the autograd fields the chapter uses.
+
+Just what the chapter's code needs: ``shape``, ``dtype``, ``device``, ``reshape``, ``.to(device)`` /
+``copyto``, ``t[:] = u``, ``t[:] += u``, ``+ - * /`` (equal shapes, a bias broadcast over rows, or
+scalars), ``.sum()``, ``.grad``, ``requires_grad_()`` / ``attach_grad()``, ``zero_()``; NumPy and
+DLPack in and out. Work is asynchronous: an op returns at once and the host waits only in
+``numpy()``, ``item()``, ``repr()`` and ``mgpu.waitall()``.
+"""
+from __future__ import annotations
+
+import numbers
+from typing import Optional, Sequence, Tuple, Union
+
+import numpy as np
+
+from . import _core
+from . import autograd
+from .device import Device, as_device, cpu
+
+Shape = Tuple[int, ...]
+_Op = _core.BinaryOp
+
+
+class Tensor:
+    """A tensor on a device. Create one with :func:`array`, :func:`zeros`, :func:`ones` ..."""
+
+    __slots__ = ("_t", "grad", "requires_grad", "_node", "__weakref__")
+    __array_priority__ = 1000  # so ndarray (op) Tensor defers to Tensor's reflected operators
+
+    def __init__(self, handle: "_core.Tensor", requires_grad: bool = False):
+        self._t = handle
+        self.grad: Optional[Tensor] = None
+        self.requires_grad = requires_grad
+        self._node = None
+
+    # --- description ---------------------------------------------------------------------
+    @property
+    def shape(self) -> Shape:
+        return self._t.shape
+
+    @property
+    def dtype(self) -> np.dtype:
+        return np.dtype(self._t.dtype)
+
+    @property
+    def device(self) -> Device:
+        return self._t.device
+
+    ctx = device  # MXNet's name, used by the chapter's allreduce
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    def __len__(self) -> int:
+        if not self.shape:
+            raise TypeError("len() of a 0-d tensor")
+        return self.shape[0]
+
+    # --- host access ---------------------------------------------------------------------
+    def numpy(self) -> np.ndarray:
+        """A NumPy copy of the values (waits for the device)."""
+        return self._t.numpy()
+
+    def __array__(self, dtype=None, copy=None):
+        a = self.numpy()
+        return a if dtype is None else a.astype(dtype, copy=False)
+
+    def item(self) -> Union[float, int]:
+        """The value of a one-element tensor as a Python number (waits for the device)."""
+        if self.size != 1:
+            raise ValueError(f"item(): the tensor has {self.size} elements (shape {self.shape}); "
+                             "only a one-element tensor converts to a Python number")
+        return self.numpy().reshape(()).item()
+
+    def tolist(self):
+        return self.numpy().tolist()
+
+    def __float__(self) -> float:
+        return float(self.item())
+
+    def __repr__(self) -> str:
+        return f"{np.array2string(self.numpy(), separator=' ')} @{self.device}"
+
+    __str__ = __repr__
+
+    # --- DLPack --------------------------------------------------------------------------
+    def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):
+        if copy:
+            return self._t.numpy().__dlpack__()
+        return self._t.to_dlpack()
+
+    def __dlpack_device__(self) -> Tuple[int, int]:
+        return (1, 0)  # kDLCPU; GPU tensors arrive with the CUDA backend
+
+    # --- autograd ------------------------------------------------------------------------
+    def requires_grad_(self, requires_grad: bool = True) -> "Tensor":
+        """Marks this tensor as a parameter whose gradient backward() computes (PyTorch style)."""
+        self._check_float("requires_grad_")
+        self.requires_grad = requires_grad
+        return self
+
+    def attach_grad(self) -> "Tensor":
+        """Requires grad and allocates ``.grad`` as zeros (MXNet style)."""
+        self.requires_grad_()
+        self.grad = zeros(self.shape, device=self.device)
+        self._node = None
+        return self
+
+    def backward(self, grad: Optional["Tensor"] = None) -> None:
+        """Adds d(self)/d(leaf) into every leaf's ``.grad``; a non-scalar back-propagates its sum."""
+        autograd.backward(self, grad)
+
+    def detach(self) -> "Tensor":
+        """The same values, cut from the graph (shares memory)."""
+        return Tensor(self._t)
+
+    def _check_float(self, what: str) -> None:
+        if self._t.dtype != "float32":
+            raise TypeError(f"{what}: only float32 tensors take part in autograd, "
+                            f"this one is {self._t.dtype}")
+
+    # --- moving and copying --------------------------------------------------------------
+    def to(self, device) -> "Tensor":
+        """This tensor on ``device`` (itself if it is already there), recorded for autograd."""
+        device = as_device(device)
+        out = Tensor(_core.to_device(self._t, device))
+        src_device = self.device
+        return autograd.attach(out, [self], lambda dy: (dy.to(src_device),))
+
+    def copyto(self, other) -> "Tensor":
+        """MXNet's copyto: a new copy on a device, or copies into an existing tensor."""
+        if isinstance(other, Tensor):
+            _core.copy(other._t, self._t)
+            return other
+        return Tensor(_core.to_device(self._t, as_device(other), True))
+
+    def copy(self) -> "Tensor":
+        return self.copyto(self.device)
+
+    def astype(self, dtype) -> "Tensor":
+        return Tensor(_core.astype(self._t, np.dtype(dtype).name))
+
+    def reshape(self, *shape) -> "Tensor":
+        """A view with a new shape; one extent may be -1."""
+        if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
+            shape = tuple(shape[0])
+        old = self.shape
+        out = Tensor(self._t.reshape([int(s) for s in shape]))
+        return autograd.attach(out, [self], lambda dy: (dy.reshape(old),))
+
+    # --- in place ------------------------------------------------------------------------
+    def zero_(self) -> "Tensor":
+        _core.fill(self._t, 0.0)
+        return self
+
+    def fill_(self, value: float) -> "Tensor":
+        _core.fill(self._t, float(value))
+        return self
+
+    def __getitem__(self, key) -> "Tensor":
+        begin, end = self._rows(key)
+        out = Tensor(self._t.slice_rows(begin, end))
+        if isinstance(key, numbers.Integral):
+            out = Tensor(out._t.reshape(list(self.shape[1:])))
+        return out
+
+    def __setitem__(self, key, value) -> None:
+        begin, end = self._rows(key)
+        target = self._t if (begin, end) == (0, self.shape[0] if self.shape else 1) \
+            else self._t.slice_rows(begin, end)
+        if isinstance(value, Tensor):
+            if value._t.same_memory(target):
+                return  # t[:] += u already wrote into t itself
+            _core.copy(target, value._t)
+        elif isinstance(value, numbers.Number):
+            _core.fill(target, float(value))
+        else:
+            src = array(value, device=self.device, dtype=self.dtype)
+            _core.copy(target, src._t)
+
+    def _rows(self, key) -> Tuple[int, int]:
+        """Rows [begin, end) selected by ``:``, an integer, or a step-1 slice along axis 0."""
+        if not self.shape:
+            if key == slice(None) or key is Ellipsis:
+                return 0, 1
+            raise IndexError("a 0-d tensor can only be indexed with [:]")
+        n = self.shape[0]
+        if isinstance(key, numbers.Integral):
+            i = int(key) + (n if key < 0 else 0)
+            if not 0 <= i < n:
+                raise IndexError(f"index {key} is out of range for axis 0 of size {n}")
+            return i, i + 1
+        if key is Ellipsis:
+            return 0, n
+        if isinstance(key, slice):
+            begin, end, step = key.indices(n)
+            if step != 1:
+                raise IndexError("mgpu tensors support only step-1 slices along axis 0")
+            return begin, max(begin, end)
+        raise IndexError(f"unsupported index {key!r}: use t[:], t[i] or t[a:b] (axis 0)")
+
+    # --- arithmetic ----------------------------------------------------------------------
+    def _binary(self, other, op: "_core.BinaryOp", reverse: bool = False) -> "Tensor":
+        if isinstance(other, numbers.Number) and not isinstance(other, bool):
+            return _scalar_op(self, float(other), op, reverse)
+        if not isinstance(other, Tensor):
+            if isinstance(other, np.ndarray) or isinstance(other, (list, tuple)):
+                other = array(other, device=self.device)
+            else:
+                return NotImplemented
+        a, b = (other, self) if reverse else (self, other)
+        return _tensor_op(a, b, op)
+
+    def __add__(self, o): return self._binary(o, _Op.Add)
+    def __radd__(self, o): return self._binary(o, _Op.Add, True)
+    def __sub__(self, o): return self._binary(o, _Op.Sub)
+    def __rsub__(self, o): return self._binary(o, _Op.Sub, True)
+    def __mul__(self, o): return self._binary(o, _Op.Mul)
+    def __rmul__(self, o): return self._binary(o, _Op.Mul, True)
+    def __truediv__(self, o): return self._binary(o, _Op.Div)
+    def __rtruediv__(self, o): return self._binary(o, _Op.Div, True)
+    def __neg__(self): return self._binary(-1.0, _Op.Mul)
+
+    def _inplace(self, other, op: "_core.BinaryOp") -> "Tensor":
+        if isinstance(other, numbers.Number):
+            _core.binary_scalar_inplace(op, self._t, float(other))
+        elif isinstance(other, Tensor):
+            _core.binary_inplace(op, self._t, other._t)
+        else:
+            return NotImplemented
+        return self
+
+    def __iadd__(self, o): return self._inplace(o, _Op.Add)
+    def __isub__(self, o): return self._inplace(o, _Op.Sub)
+    def __imul__(self, o): return self._inplace(o, _Op.Mul)
+    def __itruediv__(self, o): return self._inplace(o, _Op.Div)
+
+    def sum(self) -> "Tensor":
+        """The sum of all elements, a 0-d tensor."""
+        self._check_float("sum")
+        out = Tensor(_core.sum(self._t))
+        shape, device = self.shape, self.device
+        return autograd.attach(out, [self],
+                               lambda dy: (_tensor_op(ones(shape, device=device), dy, _Op.Mul),))
+
+    def mean(self) -> "Tensor":
+        return self.sum() / max(1, self.size)
+
+    def argmax(self, axis: int = -1) -> "Tensor":
+        from .nn import argmax
+        return argmax(self, axis)
+
+    def __matmul__(self, other: "Tensor") -> "Tensor":
+        from .nn import mm
+        return mm(self, other)
+
+    # Elementwise equality of labels is not a tensor op here: compare with numpy() or use
+    # mgpu.evaluate_accuracy. Identity semantics keep tensors usable as dict keys.
+    __hash__ = object.__hash__
+
+
+def _unbroadcast(g: Tensor, shape: Shape) -> Tensor:
+    return g if g.shape == tuple(shape) else Tensor(_core.sum_to_shape(g._t, list(shape)))
+
+
+def _tensor_op(a: Tensor, b: Tensor, op: "_core.BinaryOp") -> Tensor:
+    out = Tensor(_core.binary(op, a._t, b._t))
+    if not (autograd.is_recording() and (a.requires_grad or b.requires_grad)):
+        return out
+    sa, sb = a.shape, b.shape
+
+    def backward(dy):
+        if op == _Op.Add:
+            return _unbroadcast(dy, sa), _unbroadcast(dy, sb)
+        if op == _Op.Sub:
+            return _unbroadcast(dy, sa), _unbroadcast(-dy, sb)
+        if op == _Op.Mul:
+            return _unbroadcast(dy * b.detach(), sa), _unbroadcast(dy * a.detach(), sb)
+        bd = b.detach()
+        return _unbroadcast(dy / bd, sa), _unbroadcast(-(dy * a.detach()) / (bd * bd), sb)
+
+    return autograd.attach(out, [a, b], backward)
+
+
+def _scalar_op(a: Tensor, s: float, op: "_core.BinaryOp", scalar_first: bool) -> Tensor:
+    out = Tensor(_core.binary_scalar(op, a._t, s, scalar_first))
+
+    def backward(dy):
+        if op in (_Op.Add,):
+            return (dy,)
+        if op == _Op.Sub:
+            return (-dy if scalar_first else dy,)
+        if op == _Op.Mul:
+            return (dy * s,)
+        if scalar_first:  # d(s / a) = -s / a^2
+            ad = a.detach()
+            return ((dy * -s) / (ad * ad),)
+        return (dy / s,)
+
+    return autograd.attach(out, [a], backward)
+
+
+# --- construction --------------------------------------------------------------------------
+
+_DTYPES = {np.dtype(np.float32), np.dtype(np.int32), np.dtype(np.int64), np.dtype(np.uint8)}
+
+
+def _default_dtype(a: np.ndarray) -> np.dtype:
+    if a.dtype in _DTYPES:
+        return a.dtype
+    if a.dtype.kind == "f":
+        return np.dtype(np.float32)
+    if a.dtype.kind in "iub":
+        return np.dtype(np.int64)
+    raise TypeError(f"cannot make an mgpu tensor from {a.dtype} data; "
+                    "use float32, int32, int64 or uint8 values")
+
+
+def array(obj, device: Optional[Device] = None, dtype=None, ctx: Optional[Device] = None) -> Tensor:
+    """A tensor copied from a NumPy array, a (nested) list, a number or another tensor.
+
+    Floating data becomes float32 and integer data int64 unless ``dtype`` says otherwise.
+    """
+    device = as_device(device or ctx or cpu(0))
+    if isinstance(obj, Tensor):
+        t = obj.copyto(device)
+        return t if dtype is None else t.astype(dtype)
+    a = np.asarray(obj)
+    want = np.dtype(dtype) if dtype is not None else _default_dtype(a)
+    if want not in _DTYPES:
+        raise TypeError(f"unsupported dtype {want}; mgpu tensors hold float32, int32, int64 or uint8")
+    a = np.ascontiguousarray(a, dtype=want)
+    return Tensor(_core.Tensor.from_numpy(a, device))
+
+
+def tensor(obj, device: Optional[Device] = None, dtype=None) -> Tensor:
+    """PyTorch's name for :func:`array`."""
+    return array(obj, device=device, dtype=dtype)
+
+
+def _shape(shape) -> list:
+    if isinstance(shape, numbers.Integral):
+        return [int(shape)]
+    return [int(s) for s in shape]
+
+
+def full(shape, value: float, device: Optional[Device] = None, dtype=np.float32,
+         ctx: Optional[Device] = None) -> Tensor:
+    """A tensor of ``shape`` filled with ``value``."""
+    t = Tensor(_core.Tensor.empty(_shape(shape), np.dtype(dtype).name, as_device(device or ctx or cpu(0))))
+    _core.fill(t._t, float(value))
+    return t
+
+
+def zeros(shape, device: Optional[Device] = None, dtype=np.float32,
+          ctx: Optional[Device] = None) -> Tensor:
+    """A tensor of zeros."""
+    return full(shape, 0.0, device=device, dtype=dtype, ctx=ctx)
+
+
+def ones(shape, device: Optional[Device] = None, dtype=np.float32,
+         ctx: Optional[Device] = None) -> Tensor:
+    """A tensor of ones."""
+    return full(shape, 1.0, device=device, dtype=dtype, ctx=ctx)
+
+
+def zeros_like(t: Tensor) -> Tensor:
+    return zeros(t.shape, device=t.device, dtype=t.dtype)
+
+
+def ones_like(t: Tensor) -> Tensor:
+    return ones(t.shape, device=t.device, dtype=t.dtype)
+
+
+def arange(n: int, device: Optional[Device] = None, dtype=np.float32,
+           ctx: Optional[Device] = None) -> Tensor:
+    """0, 1, ..., n-1 (float32 by default, as MXNet's ``np.arange`` in the chapter)."""
+    return array(np.arange(int(n)), device=device or ctx, dtype=dtype)
+
+
+def from_dlpack(obj) -> Tensor:
+    """A tensor sharing memory with any DLPack producer (NumPy array, PyTorch CPU tensor, ...)."""
+    if hasattr(obj, "__dlpack__"):
+        try:
+            capsule = obj.__dlpack__()
+        except (TypeError, BufferError) as e:
+            raise ValueError(f"from_dlpack: the object refused to export: {e}") from e
+    else:
+        capsule = obj
+    return Tensor(_core.Tensor.from_dlpack(capsule))
+

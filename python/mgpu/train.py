@@ -1,0 +1,192 @@
+"""The chapter's training loop (sec. 12.5.6) and accuracy on all devices (its last exercise).
+
+``train(num_gpus, batch_size, lr)`` loads Fashion-MNIST, replicates LeNet on
+``[try_gpu(i) for i in range(num_gpus)]``, runs the fused ``train_batch`` over every minibatch,
+evaluates on all devices after each epoch, and prints the chapter's line
+``test acc: 0.85, 3.1 sec/epoch on [cpu(0), cpu(1)]``.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Callable, List, Optional, Sequence
+
+import numpy as np
+
+from . import _core
+from .data import DataLoader, load_data_fashion_mnist
+from .device import Device, as_device, try_gpu
+from .nn import lenet, lenet_params
+from .parallel import evaluate_counts, get_params, train_batch
+from .tensor import Tensor
+
+
+class Timer:
+    """Records elapsed times (d2l's Timer)."""
+
+    def __init__(self):
+        self.times: List[float] = []
+        self._start = time.perf_counter()
+
+    def start(self) -> None:
+        self._start = time.perf_counter()
+
+    def stop(self) -> float:
+        self.times.append(time.perf_counter() - self._start)
+        return self.times[-1]
+
+    def avg(self) -> float:
+        return sum(self.times) / len(self.times) if self.times else 0.0
+
+    def sum(self) -> float:
+        return sum(self.times)
+
+
+def evaluate_accuracy(net_or_params, data_iter, devices: Optional[Sequence[Device]] = None) -> float:
+    """Test accuracy, computed on all ``devices`` at once.
+
+    ``net_or_params`` is either one parameter list per device (LeNet replicas, as ``train`` keeps
+    them; each batch is split over the devices) or a callable ``net(X) -> logits`` run on
+    ``devices[0]``.
+    """
+    counts: List[Tensor] = []
+    seen = 0
+    if callable(net_or_params):
+        device = as_device(devices[0]) if devices else None
+        for X, y in data_iter:
+            if device is not None:
+                X, y = X.to(device), y.to(device)
+            counts.append(Tensor(_core.correct_count(net_or_params(X)._t, y._t)))
+            seen += X.shape[0]
+    else:
+        if devices is None:
+            devices = [ps[0].device for ps in net_or_params]
+        for X, y in data_iter:
+            counts.extend(evaluate_counts(X, y, net_or_params, devices))
+            seen += X.shape[0]
+    if seen == 0:
+        raise ValueError("evaluate_accuracy: the data iterator yielded no examples")
+    return sum(c.item() for c in counts) / seen
+
+
+def evaluate_accuracy_gpu(net: Callable, data_iter, device: Optional[Device] = None) -> float:
+    """d2l's name: accuracy of ``net`` on one device."""
+    return evaluate_accuracy(net, data_iter, [device] if device is not None else None)
+
+
+@dataclass
+class TrainResult:
+    """What ``train`` measured: one entry per epoch."""
+    devices: List[Device]
+    test_acc: List[float] = field(default_factory=list)
+    train_loss: List[float] = field(default_factory=list)
+    epoch_times: List[float] = field(default_factory=list)
+    eval_times: List[float] = field(default_factory=list)
+
+    @property
+    def sec_per_epoch(self) -> float:
+        return float(np.mean(self.epoch_times)) if self.epoch_times else 0.0
+
+    def summary(self) -> str:
+        """The chapter's closing line."""
+        return (f"test acc: {self.test_acc[-1]:.2f}, {self.sec_per_epoch:.1f} sec/epoch "
+                f"on {self.devices}")
+
+
+def _in_notebook() -> bool:
+    shell = sys.modules.get("IPython")
+    if shell is None or "ipykernel" not in sys.modules:
+        return False
+    ip = shell.get_ipython()
+    return ip is not None and type(ip).__name__ == "ZMQInteractiveShell"
+
+
+def train(num_gpus: int, batch_size: int, lr: float, num_epochs: int = 10,
+          data_dir: Optional[str] = None, limit_batches: Optional[int] = None, seed: int = 0,
+          params: Optional[Sequence[Tensor]] = None, progress: Optional[bool] = None,
+          plot: Optional[bool] = None, data=None) -> TrainResult:
+    """Trains the chapter's LeNet data-parallel on ``num_gpus`` devices and prints its line.
+
+    Devices are ``[try_gpu(i) for i in range(num_gpus)]``: GPUs where they exist, virtual CPU
+    devices otherwise. ``limit_batches`` shortens every epoch (quick runs), ``seed`` fixes the
+    initial parameters and the shuffles, ``params`` starts from given parameters instead,
+    ``data`` is a (train_iter, test_iter) pair to use instead of Fashion-MNIST. ``progress``
+    shows a progress bar (default: when stderr is a terminal); ``plot`` draws the accuracy curve
+    (default: in a notebook). Returns the per-epoch accuracies, losses and times.
+    """
+    if int(num_gpus) < 1:
+        raise ValueError(f"train: num_gpus must be >= 1, got {num_gpus}")
+    if int(num_epochs) < 1:
+        raise ValueError(f"train: num_epochs must be >= 1, got {num_epochs}")
+    train_iter, test_iter = data if data is not None else load_data_fashion_mnist(
+        batch_size, data_dir=data_dir, seed=seed, limit_batches=limit_batches)
+    devices = [try_gpu(i) for i in range(int(num_gpus))]
+    if params is None:
+        params = lenet_params(seed=seed)
+    device_params = [get_params(params, d) for d in devices]
+    result = TrainResult(devices=devices)
+    animator = None
+    if plot if plot is not None else _in_notebook():
+        from .plot import Animator
+        animator = Animator(xlabel="epoch", ylabel="test acc", xlim=[1, num_epochs])
+    show_bar = progress if progress is not None else (sys.stderr.isatty() and animator is None)
+    timer = Timer()
+    for epoch in range(int(num_epochs)):
+        bar = _progress_bar(len(train_iter), f"epoch {epoch + 1}/{num_epochs}") if show_bar else None
+        losses: List[Tensor] = []
+        seen = 0
+        timer.start()
+        for X, y in train_iter:
+            losses.extend(train_batch(X, y, device_params, devices, lr))
+            seen += X.shape[0]
+            if bar is not None:
+                bar.update(1)
+        _core.waitall()
+        result.epoch_times.append(timer.stop())
+        t0 = time.perf_counter()
+        result.test_acc.append(evaluate_accuracy(device_params, test_iter, devices))
+        result.eval_times.append(time.perf_counter() - t0)
+        result.train_loss.append(sum(l.item() for l in losses) / max(1, seen))
+        if bar is not None:
+            bar.set_postfix(loss=f"{result.train_loss[-1]:.3f}", test_acc=f"{result.test_acc[-1]:.3f}")
+            bar.close()
+        if animator is not None:
+            animator.add(epoch + 1, (result.test_acc[-1],))
+    print(result.summary())
+    return result
+
+
+def _progress_bar(total: int, desc: str):
+    from tqdm.auto import tqdm
+    return tqdm(total=total, desc=desc, unit="batch", leave=False, file=sys.stderr)
+
+
+def train_op_by_op(num_gpus: int, batch_size: int, lr: float, num_epochs: int = 10, **kw) -> TrainResult:
+    """The same loop with the chapter's Python-level train_batch (autograd, op by op)."""
+    from .chapter import train_batch as chapter_train_batch
+    return _train_with(chapter_train_batch, num_gpus, batch_size, lr, num_epochs, **kw)
+
+
+def _train_with(step, num_gpus, batch_size, lr, num_epochs, data_dir=None, limit_batches=None,
+                seed=0, data=None) -> TrainResult:
+    train_iter, test_iter = data if data is not None else load_data_fashion_mnist(
+        batch_size, data_dir=data_dir, seed=seed, limit_batches=limit_batches)
+    devices = [try_gpu(i) for i in range(int(num_gpus))]
+    device_params = [get_params(lenet_params(seed=seed), d) for d in devices]
+    result = TrainResult(devices=devices)
+    timer = Timer()
+    for _ in range(int(num_epochs)):
+        timer.start()
+        for X, y in train_iter:
+            step(X, y, device_params, devices, lr)
+        _core.waitall()
+        result.epoch_times.append(timer.stop())
+        result.test_acc.append(evaluate_accuracy(
+            lambda x: lenet(x, device_params[0]), test_iter, [devices[0]]))
+    print(result.summary())
+    return result
+
+
+__all__ = ["Timer", "TrainResult", "evaluate_accuracy", "evaluate_accuracy_gpu", "train",
+           "train_op_by_op", "DataLoader"]
