@@ -1,0 +1,74 @@
+"""Shared fixtures and the comparison helper for mgpu's Python tests.
+
+Tests import the installed ``mgpu`` package (run them from tests/, as .ci/test.sh does), never
+the source tree, so they exercise exactly what ``pip install .`` built.
+"""
+import os
+
+import numpy as np
+import pytest
+
+import mgpu
+
+# Tolerances, one row per kind of op, float32 results against float64 references:
+#  - elementwise ops round once per element: 1e-6 relative;
+#  - sums over many terms (conv, mm, pooling, softmax cross-entropy, whole LeNet steps) round once
+#    per term, and float32 has a 6e-8 unit roundoff: rtol 1e-4 with atol 1e-5 for values near 0.
+TOL = {
+    "elementwise": dict(rtol=1e-6, atol=1e-7),
+    "sum": dict(rtol=1e-4, atol=1e-5),
+}
+
+
+def assert_close(got, expected, kind="sum", what="", device=None):
+    """Asserts float32 ``got`` matches ``expected``; on failure reports the worst element."""
+    got = np.asarray(got, dtype=np.float64)
+    expected = np.asarray(expected, dtype=np.float64)
+    label = f"{what} on {device}" if device is not None else what
+    assert got.shape == expected.shape, f"{label}: shape {got.shape} != expected {expected.shape}"
+    tol = TOL[kind]
+    if np.allclose(got, expected, **tol):
+        return
+    err = np.abs(got - expected)
+    bound = tol["atol"] + tol["rtol"] * np.abs(expected)
+    worst = np.unravel_index(np.argmax(err - bound), err.shape)
+    rel = err / np.maximum(np.abs(expected), 1e-30)
+    raise AssertionError(
+        f"{label}: mismatch at index {tuple(int(i) for i in worst)}: expected "
+        f"{expected[worst]!r}, got {got[worst]!r}; max abs err {err.max():.3g}, "
+        f"max rel err {rel.max():.3g} (rtol {tol['rtol']}, atol {tol['atol']})")
+
+
+def _devices():
+    devs = [mgpu.cpu(0), mgpu.cpu(1)]
+    params = [pytest.param(d, id=str(d)) for d in devs]
+    if mgpu.num_gpus() > 0:
+        params.append(pytest.param(mgpu.gpu(0), id="gpu(0)"))
+    else:
+        params.append(pytest.param(None, id="gpu(0)", marks=pytest.mark.skip(
+            reason="no GPU in this build or machine (mgpu.num_gpus() == 0)")))
+    return params
+
+
+@pytest.fixture(params=_devices())
+def device(request):
+    """Every device an op must work on: cpu(0), cpu(1), and gpu(0) when there is one."""
+    return request.param
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(1234)
+
+
+def fashion_mnist_available() -> bool:
+    try:
+        mgpu.data.find_data_dir()
+        return True
+    except FileNotFoundError:
+        return False
+
+
+requires_fashion_mnist = pytest.mark.skipif(
+    not fashion_mnist_available() and not os.environ.get("CI"),
+    reason="Fashion-MNIST not installed (apt-get install dataset-fashion-mnist)")
