@@ -44,7 +44,10 @@ Queue::~Queue() {
 uint64_t Queue::enqueue(const char* name, std::function<void()> fn) {
   uint64_t seq;
   {
-    std::lock_guard<std::mutex> lock(mutex_);
+    std::unique_lock<std::mutex> lock(mutex_);
+    // Safe to wait: every queued task depends only on work enqueued before it, which is all
+    // already in some queue, so the backlog always drains.
+    progressed_.wait(lock, [&] { return enqueued_ - done_ < kMaxPending; });
     tasks_.push_back(Task{name, std::move(fn)});
     seq = ++enqueued_;
   }

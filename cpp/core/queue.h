@@ -19,6 +19,8 @@ namespace mgpu {
 
 class Queue {
  public:
+  static constexpr uint64_t kMaxPending = 256;
+
   explicit Queue(Device device);
   ~Queue();
   Queue(const Queue&) = delete;
@@ -26,7 +28,9 @@ class Queue {
 
   Device device() const { return device_; }
   // Appends a task and returns its sequence number (1, 2, ...). `name` (a string literal) names
-  // the op in error messages.
+  // the op in error messages. Blocks while kMaxPending tasks are waiting, so a host loop cannot
+  // run arbitrarily far ahead of the device (each queued step holds its activations' memory).
+  // Callers must not hold the GIL (the bindings release it), since a finishing task may need it.
   uint64_t enqueue(const char* name, std::function<void()> fn);
   // The sequence number of the newest task (0 when none was ever enqueued).
   uint64_t last_enqueued() const;

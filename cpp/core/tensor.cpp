@@ -1,6 +1,7 @@
 // cpp/core/tensor.cpp -- tensor construction, views and the shared argument checks.
 #include "core/tensor.h"
 
+#include <algorithm>
 #include <sstream>
 
 namespace mgpu {
@@ -31,7 +32,14 @@ Tensor Tensor::reshape(Shape shape) const {
       known *= shape[i];
     }
   }
-  if (infer >= 0) {
+  if (infer >= 0 && known == 0 && infer + 1 == static_cast<int64_t>(shape.size()) &&
+      infer <= dim() && std::equal(shape.begin(), shape.begin() + infer, shape_.begin())) {
+    // An empty batch flattened as x.reshape(x.shape[0], -1): -1 is ambiguous by element count,
+    // but the leading extents are kept, so -1 stands for the product of the rest (a data-parallel
+    // shard can be empty when a batch has fewer examples than there are devices).
+    shape[infer] = 1;
+    for (int64_t i = infer; i < dim(); ++i) shape[infer] *= shape_[i];
+  } else if (infer >= 0) {
     MGPU_CHECK_VALUE(known > 0 && numel() % known == 0, "reshape: cannot view shape ", shape_,
                      " (", numel(), " elements) as ", shape);
     shape[infer] = numel() / known;
