@@ -14,23 +14,14 @@
 #include <thread>
 #include <utility>
 
+#include "core/error.h"
+
 namespace mgpu::data {
 namespace {
 
-template <typename... Parts>
-std::string cat(const Parts&... parts) {
-  std::ostringstream os;
-  (os << ... << parts);
-  return os.str();
-}
+using ::mgpu::detail::cat;  // message building shared with the engine (core/error.h)
 
-std::string shape_str(const std::vector<int64_t>& dims) {
-  std::ostringstream os;
-  os << '(';
-  for (size_t i = 0; i < dims.size(); ++i) os << (i ? ", " : "") << dims[i];
-  os << (dims.size() == 1 ? ",)" : ")");
-  return os.str();
-}
+std::string shape_str(const std::vector<int64_t>& dims) { return cat(dims); }
 
 uint64_t splitmix64(uint64_t& state) {
   uint64_t z = (state += 0x9E3779B97F4A7C15ull);

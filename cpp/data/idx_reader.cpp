@@ -17,6 +17,8 @@
 #include <system_error>
 #include <utility>
 
+#include "core/error.h"
+
 namespace mgpu::data {
 namespace {
 
@@ -30,20 +32,9 @@ const char* const kHowToGet =
     "train-labels-idx1-ubyte, t10k-images-idx3-ubyte, t10k-labels-idx1-ubyte, each raw or .gz) in "
     "a directory and pass data_dir= or set MGPU_DATA to it.";
 
-template <typename... Parts>
-std::string cat(const Parts&... parts) {
-  std::ostringstream os;
-  (os << ... << parts);
-  return os.str();
-}
+using ::mgpu::detail::cat;  // message building shared with the engine (core/error.h)
 
-std::string shape_str(const std::vector<int64_t>& dims) {
-  std::ostringstream os;
-  os << '(';
-  for (size_t i = 0; i < dims.size(); ++i) os << (i ? ", " : "") << dims[i];
-  os << (dims.size() == 1 ? ",)" : ")");
-  return os.str();
-}
+std::string shape_str(const std::vector<int64_t>& dims) { return cat(dims); }
 
 std::string hex_byte(unsigned v) {
   char buf[8];
