@@ -65,6 +65,12 @@ void Queue::wait_done(uint64_t seq) {
   progressed_.wait(lock, [&] { return done_ >= seq; });
 }
 
+void Queue::wait_done_or_rethrow(uint64_t seq) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  progressed_.wait(lock, [&] { return done_ >= seq; });
+  if (error_ && error_seq_ <= seq) std::rethrow_exception(error_);
+}
+
 void Queue::synchronize() {
   std::exception_ptr error;
   {
@@ -72,11 +78,12 @@ void Queue::synchronize() {
     uint64_t target = enqueued_;
     progressed_.wait(lock, [&] { return done_ >= target; });
     std::swap(error, error_);
+    error_seq_ = 0;
   }
   if (error) std::rethrow_exception(error);
 }
 
-void Queue::record_error(const char* name, std::exception_ptr e) {
+void Queue::record_error(const char* name, uint64_t seq, std::exception_ptr e) {
   // Keep the exception's kind (a bad label is still a ValueError) but say where it happened:
   // by the time the host sees it, the call that enqueued the op has long returned.
   std::string where = std::string(name) + " on " + device_.str() + " failed: ";
@@ -99,7 +106,10 @@ void Queue::record_error(const char* name, std::exception_ptr e) {
     wrapped = std::make_exception_ptr(DeviceError(where + "unknown error"));
   }
   std::lock_guard<std::mutex> lock(mutex_);
-  if (!error_) error_ = wrapped;  // the first error explains the rest
+  if (!error_) {  // the first error explains the rest
+    error_ = wrapped;
+    error_seq_ = seq;
+  }
 }
 
 void Queue::run() {
@@ -123,7 +133,7 @@ void Queue::run() {
     try {
       task.fn();
     } catch (...) {
-      record_error(task.name, std::current_exception());
+      record_error(task.name, done_ + 1, std::current_exception());
     }
     // Drop the captured tensors before announcing completion, so a host that waited for this
     // task sees their storage released (and wrapped memory handed back) already.
@@ -152,7 +162,8 @@ Event record_event(Device device) {
 void queue_wait_event(Device waiter, Event event) {
   if (!event.queue || event.seq == 0) return;
   if (event.queue == &queue_of(waiter)) return;  // a queue is ordered with itself
-  queue_of(waiter).enqueue("wait_event", [event] { event.queue->wait_done(event.seq); });
+  queue_of(waiter).enqueue("wait_event",
+                           [event] { event.queue->wait_done_or_rethrow(event.seq); });
 }
 
 void waitall() {

@@ -36,6 +36,10 @@ class Queue {
   uint64_t last_enqueued() const;
   // Blocks until every task up to `seq` has run. Never throws; safe from any thread.
   void wait_done(uint64_t seq);
+  // For a task on another queue that consumes this queue's results: waits like wait_done, then
+  // rethrows this queue's unreported failure if it happened at or before `seq`, so a result
+  // computed from a failed op fails too instead of silently reading garbage.
+  void wait_done_or_rethrow(uint64_t seq);
   // Waits for all enqueued work, then raises the first error a task hit since the last call
   // (as the same exception kind, its message naming the op and the device).
   void synchronize();
@@ -46,7 +50,7 @@ class Queue {
     std::function<void()> fn;
   };
   void run();
-  void record_error(const char* name, std::exception_ptr e);
+  void record_error(const char* name, uint64_t seq, std::exception_ptr e);
 
   Device device_;
   mutable std::mutex mutex_;
@@ -57,7 +61,8 @@ class Queue {
   uint64_t done_ = 0;
   bool stopping_ = false;
   bool busy_ = false;
-  std::exception_ptr error_;
+  std::exception_ptr error_;     // first failure not yet raised on the host
+  uint64_t error_seq_ = 0;       // the task that hit it
   std::thread worker_;
 };
 

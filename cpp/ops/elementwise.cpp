@@ -183,7 +183,7 @@ void copy(const Tensor& dst, const Tensor& src) {
   Event src_ready = record_event(src.device());
   Queue& dq = queue_of(dst.device());
   uint64_t seq = dq.enqueue("copy", [to, from, n, src_ready, dst, src] {
-    src_ready.queue->wait_done(src_ready.seq);
+    src_ready.queue->wait_done_or_rethrow(src_ready.seq);
     std::memcpy(to, from, n);
   });
   queue_wait_event(src.device(), Event{&dq, seq});

@@ -5,6 +5,8 @@ with their backward passes, the chapter's helpers (``get_params``, ``allreduce``
 ``sgd``), a fused data-parallel ``train_batch``, Fashion-MNIST and ``train``. The engine is C++
 (``mgpu._core``); every device runs its work asynchronously on its own queue.
 """
+import atexit
+
 from . import _core
 from . import autograd, random
 from ._core import DeviceError
@@ -21,6 +23,18 @@ from .train import (Timer, TrainResult, evaluate_accuracy, evaluate_accuracy_gpu
                     train_op_by_op)
 
 __version__ = "0.1.0"
+
+
+def _drain_at_exit() -> None:
+    # Work still queued at exit would keep running on device threads while the process tears
+    # down the libraries it calls (OpenBLAS): finish it first. Errors were the program's to see.
+    try:
+        _core.waitall()
+    except Exception:
+        pass
+
+
+atexit.register(_drain_at_exit)
 
 
 def waitall() -> None:

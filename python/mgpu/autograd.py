@@ -83,6 +83,12 @@ def backward(root, grad: Optional[object] = None) -> None:
     if not root.requires_grad:
         raise RuntimeError("backward: this tensor does not require grad; call requires_grad_() or "
                            "attach_grad() on the parameters before computing it")
+    if grad is not None:
+        if not isinstance(grad, Tensor):
+            raise TypeError(f"backward: grad must be an mgpu tensor, got {type(grad).__name__}")
+        if grad.shape != root.shape or grad.device != root.device:
+            raise ValueError(f"backward: grad has shape {grad.shape} on {grad.device} but the "
+                             f"tensor has shape {root.shape} on {root.device}; they must match")
     grads = {id(root): grad if grad is not None else ones_like(root)}
     with no_grad():
         for t in reversed(_topological(root)):
@@ -98,7 +104,6 @@ def backward(root, grad: Optional[object] = None) -> None:
                     grads[id(x)] = g
         if root._node is None:
             _accumulate_leaf(root, grads.pop(id(root)))
-    assert isinstance(root, Tensor)
 
 
 def _accumulate_leaf(x, g) -> None:

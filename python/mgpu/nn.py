@@ -139,6 +139,9 @@ def lenet_params(scale: float = 0.01, seed: Optional[int] = None, device=None) -
 
 def lenet(X: Tensor, params: Sequence[Tensor]) -> Tensor:
     """The chapter's LeNet: X (N, 1, 28, 28) -> logits (N, 10), written op by op."""
+    if len(params) != len(LENET_SHAPES):
+        raise ValueError(f"lenet: LeNet takes {len(LENET_SHAPES)} parameter arrays [W1, b1, W2, "
+                         f"b2, W3, b3, W4, b4], got {len(params)}")
     h1_conv = conv2d(X, params[0], params[1])
     h1_activation = relu(h1_conv)
     h1 = avg_pool2d(h1_activation, kernel_size=(2, 2), stride=(2, 2))

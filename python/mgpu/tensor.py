@@ -128,6 +128,8 @@ class Tensor:
     def to(self, device) -> "Tensor":
         """This tensor on ``device`` (itself if it is already there), recorded for autograd."""
         device = as_device(device)
+        if device == self.device:
+            return self
         out = Tensor(_core.to_device(self._t, device))
         src_device = self.device
         return autograd.attach(out, [self], lambda dy: (dy.to(src_device),))
@@ -135,6 +137,9 @@ class Tensor:
     def copyto(self, other) -> "Tensor":
         """MXNet's copyto: a new copy on a device, or copies into an existing tensor."""
         if isinstance(other, Tensor):
+            if other.shape != self.shape:
+                raise ValueError(f"copyto: the target has shape {other.shape} but this tensor has "
+                                 f"shape {self.shape}; reshape one of them first")
             _core.copy(other._t, self._t)
             return other
         return Tensor(_core.to_device(self._t, as_device(other), True))
@@ -176,6 +181,10 @@ class Tensor:
         if isinstance(value, Tensor):
             if value._t.same_memory(target):
                 return  # t[:] += u already wrote into t itself
+            want = self.shape[1:] if isinstance(key, numbers.Integral) else tuple(target.shape)
+            if value.shape != want and value.shape != tuple(target.shape):
+                raise ValueError(f"cannot assign a tensor of shape {value.shape} to a selection "
+                                 f"of shape {want}; shapes must match (reshape the value first)")
             _core.copy(target, value._t)
         elif isinstance(value, numbers.Number):
             _core.fill(target, float(value))
@@ -334,7 +343,7 @@ def array(obj, device: Optional[Device] = None, dtype=None, ctx: Optional[Device
     want = np.dtype(dtype) if dtype is not None else _default_dtype(a)
     if want not in _DTYPES:
         raise TypeError(f"unsupported dtype {want}; mgpu tensors hold float32, int32, int64 or uint8")
-    a = np.ascontiguousarray(a, dtype=want)
+    a = np.asarray(a, dtype=want, order="C")  # keeps 0-d values 0-d
     return Tensor(_core.Tensor.from_numpy(a, device))
 
 
@@ -390,7 +399,10 @@ def from_dlpack(obj) -> Tensor:
             capsule = obj.__dlpack__()
         except (TypeError, BufferError) as e:
             raise ValueError(f"from_dlpack: the object refused to export: {e}") from e
-    else:
+    elif type(obj).__name__ == "PyCapsule":
         capsule = obj
+    else:
+        raise TypeError(f"from_dlpack: expected an object with __dlpack__ (a NumPy array, a "
+                        f"PyTorch tensor, ...) or a DLPack capsule, got {type(obj).__name__}")
     return Tensor(_core.Tensor.from_dlpack(capsule))
 
