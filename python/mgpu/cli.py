@@ -25,6 +25,95 @@ def _info(args) -> int:
     return 0
 
 
+def _ints(text: str) -> List[int]:
+    try:
+        return [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}") from None
+
+
+def _sizes(text: str) -> List[int]:
+    from .bench import parse_size
+    try:
+        return [parse_size(v) for v in text.split(",") if v.strip()]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _bench(args) -> int:
+    from . import bench
+    log = None if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
+    if args.bench == "train":
+        result = bench.bench_train(
+            devices=args.devices, batch_size=args.batch_size, lr=args.lr, epochs=args.epochs,
+            limit_batches=args.limit_batches, warmup=args.warmup, repeat=args.repeat,
+            data_dir=args.data_dir, synthetic=args.synthetic, seed=args.seed,
+            compare=args.compare, torch_python=args.torch_python, torch_threads=args.torch_threads,
+            parts=args.parts.split(","), gemm_size=args.gemm_size, log=log)
+    elif args.bench == "ops":
+        result = bench.bench_ops(batch_sizes=args.batch_sizes, warmup=args.warmup,
+                                 repeat=args.repeat, log=log)
+    else:
+        result = bench.bench_allreduce(devices=args.devices,
+                                       sizes=args.sizes or bench.DEFAULT_SIZES,
+                                       warmup=args.warmup, repeat=args.repeat, log=log)
+    print(bench.format_result(result))
+    if args.json:
+        bench.save(result, args.json)
+        print(f"results written to {args.json}")
+    if args.plot:
+        bench.plot(result, args.plot)
+        print(f"plot written to {args.plot}")
+    return 0
+
+
+def _bench_parser(sub) -> None:
+    from .bench import TRAIN_PARTS
+    b = sub.add_parser("bench", help="benchmarks: the training step, LeNet's ops, all-reduce")
+    kinds = b.add_subparsers(dest="bench", required=True)
+
+    def common(p, warmup, repeat, warmup_help="untimed calls first",
+               repeat_help="timed samples (median and spread are over these)"):
+        p.add_argument("--warmup", type=int, default=warmup, help=warmup_help)
+        p.add_argument("--repeat", type=int, default=repeat, help=repeat_help)
+        p.add_argument("--json", metavar="PATH", help="write every raw timing as JSON")
+        p.add_argument("--plot", metavar="PATH.png", help="draw the results (needs matplotlib)")
+        p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+        p.set_defaults(run=_bench)
+
+    t = kinds.add_parser("train", help="sec/epoch of LeNet training: fused, op by op, PyTorch")
+    common(t, 3, 3, "untimed batches before each training configuration",
+           "samples of the side measurements (input pipeline, evaluation, sgemm)")
+    t.add_argument("--epochs", type=int, default=3,
+                   help="timed epochs per training configuration (after --warmup batches)")
+    t.add_argument("--limit-batches", type=int, default=20,
+                   help="batches per timed epoch; sec/epoch is then extrapolated (0: whole epochs)")
+    t.add_argument("--devices", type=_ints, default=[1, 2], help="device counts, e.g. 1,2")
+    t.add_argument("--batch-size", type=int, default=256, help="global minibatch size")
+    t.add_argument("--lr", type=float, default=0.2, help="learning rate")
+    t.add_argument("--data-dir", default=None, help="directory with the Fashion-MNIST IDX files")
+    t.add_argument("--synthetic", type=int, default=0, metavar="N",
+                   help="train on N random images instead of Fashion-MNIST")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--parts", default=",".join(TRAIN_PARTS),
+                   help="what to measure, from: " + ",".join(TRAIN_PARTS))
+    t.add_argument("--gemm-size", type=int, default=1024, help="n of the n x n sgemm reference")
+    t.add_argument("--compare", choices=["torch"], default=None,
+                   help="also time the chapter's PyTorch code (in another interpreter)")
+    t.add_argument("--torch-python", metavar="PATH", default=None,
+                   help="interpreter with torch (default: this one, else /usr/bin/python3)")
+    t.add_argument("--torch-threads", type=int, default=2, help="torch.set_num_threads")
+    o = kinds.add_parser("ops", help="forward/backward time of each LeNet op on cpu(0)")
+    common(o, 2, 10)
+    o.add_argument("--batch-sizes", type=_ints, default=[128, 256], help="e.g. 128,256")
+    a = kinds.add_parser("allreduce", help="all-reduce time, algbw and busbw over sizes")
+    common(a, 3, 10)
+    a.add_argument("--devices", type=_ints, default=[2], help="device counts k, e.g. 2,3,4")
+    a.add_argument("--sizes", type=_sizes, default=None,
+                   help="bytes per device, e.g. 1K,64K,4M (default: 1 KiB to 64 MiB, x4 steps)")
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mgpu", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -43,6 +132,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     t.set_defaults(run=_train)
     i = sub.add_parser("info", help="what this build contains (mgpu.build_info())")
     i.set_defaults(run=_info)
+    _bench_parser(sub)
     args = parser.parse_args(argv)
     try:
         return args.run(args)

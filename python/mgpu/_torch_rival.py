@@ -1,0 +1,269 @@
+"""The chapter's PyTorch code (sec. 12.5), timed on CPU for ``mgpu bench train --compare torch``.
+
+Runs in a separate interpreter (any Python with torch and NumPy) and must never import mgpu: it
+reads the Fashion-MNIST IDX files itself and prints one JSON object on stdout. Two variants:
+``chapter`` is the section's code (lenet, get_params, allreduce, split_batch, train_batch) with
+k "devices" that are all the CPU, so the shards run one after the other; ``idiomatic`` is
+nn.Sequential + optim.SGD on one device. Both see batches (B, 1, 28, 28) float32 in [0, 1].
+"""
+import argparse
+import gzip
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+import numpy as np
+
+_FILES = {"train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
+          "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")}
+
+
+def read_idx(path):
+    """An IDX file (raw, or gzip when the name ends in .gz) as a NumPy array."""
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rb") as f:
+        raw = f.read()
+    zero, dtype_code, ndim = raw[0] * 256 + raw[1], raw[2], raw[3]
+    if zero != 0 or dtype_code != 0x08:
+        raise ValueError(f"{path}: not an unsigned-byte IDX file")
+    dims = [int.from_bytes(raw[4 + 4 * i:8 + 4 * i], "big") for i in range(ndim)]
+    return np.frombuffer(raw, dtype=np.uint8, offset=4 + 4 * ndim).reshape(dims)
+
+
+def load_split(data_dir, split):
+    out = []
+    for name in _FILES[split]:
+        for candidate in (name + ".gz", name):
+            path = os.path.join(data_dir, candidate)
+            if os.path.exists(path):
+                out.append(read_idx(path))
+                break
+        else:
+            raise FileNotFoundError(f"{name}[.gz] not found in {data_dir}")
+    return out
+
+
+def synthetic_split(n, seed):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, size=(n, 28, 28), dtype=np.uint8),
+            rng.integers(0, 10, size=n, dtype=np.uint8)]
+
+
+# --- the chapter's code (sec. 12.5.3-12.5.6), PyTorch flavour --------------------------------
+
+def make_chapter(torch, nn, F):
+    """The section's functions, as the book writes them; CPU-only changes are marked."""
+    loss = nn.CrossEntropyLoss(reduction='none')
+
+    def lenet(X, params):
+        h1_conv = F.conv2d(input=X, weight=params[0], bias=params[1])
+        h1_activation = F.relu(h1_conv)
+        h1 = F.avg_pool2d(input=h1_activation, kernel_size=(2, 2), stride=(2, 2))
+        h2_conv = F.conv2d(input=h1, weight=params[2], bias=params[3])
+        h2_activation = F.relu(h2_conv)
+        h2 = F.avg_pool2d(input=h2_activation, kernel_size=(2, 2), stride=(2, 2))
+        h2 = h2.reshape(h2.shape[0], -1)
+        h3_linear = torch.mm(h2, params[4]) + params[5]
+        h3 = F.relu(h3_linear)
+        y_hat = torch.mm(h3, params[6]) + params[7]
+        return y_hat
+
+    def get_params(params, device):
+        # CPU change: p.to('cpu') returns p itself, which would make every "device" share one
+        # replica; copy=True gives each its own, as a second GPU would.
+        new_params = [p.to(device, copy=True) for p in params]
+        for p in new_params:
+            p.requires_grad_()
+        return new_params
+
+    def allreduce(data):
+        for i in range(1, len(data)):
+            data[0][:] += data[i].to(data[0].device)
+        for i in range(1, len(data)):
+            data[i][:] = data[0].to(data[i].device)
+
+    def split_batch(X, y, devices):
+        # CPU change: nn.parallel.scatter needs CUDA; tensor_split cuts the same shards.
+        assert X.shape[0] == y.shape[0]
+        return (list(torch.tensor_split(X, len(devices))),
+                list(torch.tensor_split(y, len(devices))))
+
+    def sgd(params, lr, batch_size):  # d2l.sgd
+        with torch.no_grad():
+            for param in params:
+                param -= lr * param.grad / batch_size
+                param.grad.zero_()
+
+    def train_batch(X, y, device_params, devices, lr):
+        X_shards, y_shards = split_batch(X, y, devices)
+        # Loss is calculated separately on each GPU
+        ls = [loss(lenet(X_shard, device_W), y_shard).sum()
+              for X_shard, y_shard, device_W in zip(
+                  X_shards, y_shards, device_params)]
+        for l in ls:  # Backpropagation is performed separately on each GPU
+            l.backward()
+        # Sum all gradients from each GPU and broadcast them to all GPUs
+        with torch.no_grad():
+            for i in range(len(device_params[0])):
+                allreduce([device_params[c][i].grad for c in range(len(devices))])
+        # The model parameters are updated separately on each GPU
+        for param in device_params:
+            sgd(param, lr, X.shape[0])  # Here, we use a full-size batch
+        return ls
+
+    return get_params, train_batch
+
+
+def chapter_params(torch, seed):
+    torch.manual_seed(seed)
+    scale = 0.01
+    W1 = torch.randn(size=(20, 1, 3, 3)) * scale
+    b1 = torch.zeros(20)
+    W2 = torch.randn(size=(50, 20, 5, 5)) * scale
+    b2 = torch.zeros(50)
+    W3 = torch.randn(size=(800, 128)) * scale
+    b3 = torch.zeros(128)
+    W4 = torch.randn(size=(128, 10)) * scale
+    b4 = torch.zeros(10)
+    return [W1, b1, W2, b2, W3, b3, W4, b4]
+
+
+def idiomatic_model(torch, nn, seed):
+    """The same LeNet as nn.Sequential, initialised as the chapter does: N(0, 0.01^2), zero bias."""
+    torch.manual_seed(seed)
+    net = nn.Sequential(
+        nn.Conv2d(1, 20, kernel_size=3), nn.ReLU(), nn.AvgPool2d(kernel_size=2, stride=2),
+        nn.Conv2d(20, 50, kernel_size=5), nn.ReLU(), nn.AvgPool2d(kernel_size=2, stride=2),
+        nn.Flatten(), nn.Linear(800, 128), nn.ReLU(), nn.Linear(128, 10))
+    for m in net:
+        if isinstance(m, (nn.Conv2d, nn.Linear)):
+            nn.init.normal_(m.weight, std=0.01)
+            nn.init.zeros_(m.bias)
+    return net
+
+
+# --- timing --------------------------------------------------------------------------------
+
+class Batches:
+    """Shuffled minibatches over tensors already in memory (the gather is part of each step)."""
+
+    def __init__(self, torch, images, labels, batch_size, limit, seed):
+        self.torch = torch
+        pixels = images.astype(np.float32) / np.float32(255.0)
+        self.X = torch.from_numpy(pixels).reshape(-1, 1, 28, 28)
+        self.y = torch.from_numpy(labels.astype(np.int64))
+        self.batch_size = batch_size
+        n = len(labels)
+        full = (n + batch_size - 1) // batch_size
+        self.full_batches = full
+        self.num_batches = min(full, limit) if limit else full
+        self.rng = np.random.default_rng(seed)
+
+    def epoch(self, num_batches=None):
+        order = self.torch.from_numpy(self.rng.permutation(len(self.y)))
+        for i in range(num_batches or self.num_batches):
+            idx = order[i * self.batch_size:(i + 1) * self.batch_size]
+            yield self.X[idx], self.y[idx]
+
+
+def run_config(name, step, batches, epochs, warmup):
+    """Warm-up batches, then ``epochs`` timed epochs (each cut at the batch limit)."""
+    if warmup > 0:
+        for X, y in batches.epoch(warmup):
+            step(X, y)
+    times, losses, seen = [], [], 0
+    for _ in range(epochs):
+        total, seen = 0.0, 0
+        t0 = time.perf_counter()
+        for X, y in batches.epoch():
+            total += float(step(X, y))
+            seen += X.shape[0]
+        times.append(time.perf_counter() - t0)
+        losses.append(total / max(1, seen))
+    steps = batches.num_batches
+    per_step = [t / steps for t in times]
+    return {
+        "name": name, "epoch_times": times, "steps_per_epoch": steps,
+        "full_batches": batches.full_batches,
+        "sec_per_step": statistics.median(per_step),
+        "sec_per_epoch": statistics.median(per_step) * batches.full_batches,
+        "extrapolated": steps != batches.full_batches,
+        "train_loss": losses,
+    }
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--data-dir", help="directory with the Fashion-MNIST IDX files")
+    p.add_argument("--synthetic", type=int, default=0, help="use N random images instead")
+    p.add_argument("--batch-size", type=int, default=256)
+    p.add_argument("--lr", type=float, default=0.2)
+    p.add_argument("--devices", default="1,2", help="chapter variant: numbers of CPU 'devices'")
+    p.add_argument("--variants", default="chapter,idiomatic")
+    p.add_argument("--epochs", type=int, default=3, help="timed epochs per configuration")
+    p.add_argument("--limit-batches", type=int, default=0, help="batches per epoch (0: all)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed batches first")
+    p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+
+    import torch
+    from torch import nn
+    from torch.nn import functional as F
+
+    torch.set_num_threads(args.threads)
+    t0 = time.perf_counter()
+    if args.synthetic:
+        images, labels = synthetic_split(args.synthetic, args.seed)
+    else:
+        images, labels = load_split(args.data_dir, "train")
+    batches = Batches(torch, images, labels, args.batch_size, args.limit_batches, args.seed)
+    load_sec = time.perf_counter() - t0
+
+    results = []
+    variants = [v for v in args.variants.split(",") if v]
+    if "chapter" in variants:
+        get_params, train_batch = make_chapter(torch, nn, F)
+        for k in [int(s) for s in args.devices.split(",") if s]:
+            devices = [torch.device("cpu")] * k
+            device_params = [get_params(chapter_params(torch, args.seed), d) for d in devices]
+
+            def step(X, y, device_params=device_params, devices=devices):
+                ls = train_batch(X, y, device_params, devices, args.lr)
+                return sum(l.item() for l in ls)
+
+            r = run_config(f"torch chapter, {k} device{'s' if k > 1 else ''}", step, batches,
+                           args.epochs, args.warmup)
+            r.update(variant="chapter", num_devices=k, global_batch=args.batch_size)
+            results.append(r)
+    if "idiomatic" in variants:
+        net = idiomatic_model(torch, nn, args.seed)
+        opt = torch.optim.SGD(net.parameters(), lr=args.lr)
+        mean_loss = nn.CrossEntropyLoss()
+
+        def step(X, y):
+            opt.zero_grad()
+            l = mean_loss(net(X), y)
+            l.backward()
+            opt.step()
+            return l.item() * X.shape[0]
+
+        r = run_config("torch nn.Sequential + optim.SGD", step, batches, args.epochs, args.warmup)
+        r.update(variant="idiomatic", num_devices=1, global_batch=args.batch_size)
+        results.append(r)
+
+    json.dump({
+        "torch_version": torch.__version__, "numpy_version": np.__version__,
+        "python": sys.executable, "python_version": platform.python_version(),
+        "threads": torch.get_num_threads(), "data_load_sec": load_sec,
+        "results": results,
+    }, sys.stdout)
+    sys.stdout.write("\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

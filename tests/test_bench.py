@@ -1,0 +1,257 @@
+"""``python -m mgpu bench {train,ops,allreduce}``: each runs in-process at tiny sizes, and its JSON
+holds every field, positive times, and derived numbers that agree with the raw ones (busbw =
+algbw * 2(k-1)/k, sec/epoch = median sec/step * batches, ratios = torch / mgpu medians).
+"""
+import contextlib
+import gzip
+import io
+import json
+
+import numpy as np
+import pytest
+
+import mgpu
+from mgpu import bench, cli
+from mgpu import _torch_rival
+
+
+def _run(argv, tmp_path, name):
+    """Runs the CLI in-process; returns (exit code, stdout, the JSON it wrote)."""
+    path = tmp_path / f"{name}.json"
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = cli.main(argv + ["--quiet", "--json", str(path)])
+    return code, out.getvalue(), json.loads(path.read_text()) if path.exists() else None
+
+
+def _check_stats(s):
+    assert s["n"] == len(s["times"]) >= 1
+    assert all(t > 0 for t in s["times"])
+    assert s["min"] <= s["median"] <= s["max"]
+    assert s["spread"] == pytest.approx((s["max"] - s["min"]) / s["median"])
+
+
+def _check_machine(r):
+    m = r["machine"]
+    assert r["schema"] == bench.SCHEMA
+    assert m["nproc"] >= 1 and m["cpu_model"] and m["build_info"]["version"] == mgpu.__version__
+
+
+@pytest.fixture(scope="module")
+def train_result(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("bench")
+    code, text, r = _run(["bench", "train", "--synthetic", "1200", "--limit-batches", "3",
+                          "--epochs", "1", "--warmup", "1", "--repeat", "1",
+                          "--batch-size", "64", "--gemm-size", "128"], tmp, "train")
+    assert code == 0
+    return text, r
+
+
+def test_train_reports_every_configuration(train_result):
+    text, r = train_result
+    _check_machine(r)
+    assert "ms/step" in text and "sgemm" in text and "extrapolated" in text
+    names = [(x["impl"], x["num_devices"]) for x in r["results"]]
+    assert names == [("mgpu fused", 1), ("mgpu fused", 2), ("mgpu op-by-op", 1),
+                     ("mgpu op-by-op", 2)]
+    for x in r["results"] + r["scaling"]["runs"]:
+        _check_stats(x["sec_per_step"])
+        full = -(-1200 // x["global_batch"])  # batches in a whole epoch: 19 at 64, 10 at 128
+        assert x["steps_per_epoch"] == 3 and x["full_batches"] == full
+        assert x["extrapolated"]
+        assert len(x["epoch_times"]) == 1
+        assert x["sec_per_step"]["times"][0] == pytest.approx(x["epoch_times"][0] / 3)
+        assert x["sec_per_epoch"] == pytest.approx(x["sec_per_step"]["median"] * full)
+        assert x["images_per_sec"] == pytest.approx(x["global_batch"] / x["sec_per_step"]["median"])
+        step_flops = bench.lenet_step_flops(x["global_batch"])
+        assert x["gflops"] == pytest.approx(step_flops / x["sec_per_step"]["median"] / 1e9)
+    fused = r["results"][0]
+    assert len(fused["train_loss"]) == 1 and 0 < fused["train_loss"][0] < 10
+
+
+def test_train_scaling_pipeline_eval_and_flops_agree_with_the_raw_times(train_result):
+    _, r = train_result
+    two, one = r["scaling"]["runs"]
+    assert (two["num_devices"], two["global_batch"]) == (2, 128)
+    assert (one["num_devices"], one["global_batch"], one["threads"]) == (1, 64, 1)
+    assert r["scaling"]["efficiency"] == pytest.approx(
+        one["sec_per_step"]["median"] / two["sec_per_step"]["median"])
+    assert mgpu.num_threads() == r["machine"]["mgpu_threads"], "the thread count is restored"
+
+    fused = {x["num_devices"]: x for x in r["results"] if x["impl"] == "mgpu fused"}
+    p = r["pipeline"]
+    _check_stats(p["pass_time"])
+    assert p["sec_per_epoch"] == pytest.approx(p["pass_time"]["median"] / 3 * 19)
+    for k, pct in p["percent_of_epoch"].items():
+        assert pct == pytest.approx(100 * p["sec_per_epoch"] / fused[int(k)]["sec_per_epoch"])
+
+    assert [e["num_devices"] for e in r["evaluation"]] == [1, 2]
+    for e in r["evaluation"]:
+        _check_stats(e["pass_time"])
+        assert e["full_batches"] == 4  # 1200 // 6 = 200 test images in batches of 64
+        assert e["sec_per_eval"] == pytest.approx(e["pass_time"]["median"] / 3 * 4)
+        assert e["percent_of_epoch"] == pytest.approx(
+            100 * e["sec_per_eval"] / fused[e["num_devices"]]["sec_per_epoch"])
+
+    f = r["flops"]
+    _check_stats(f["sgemm"]["time"])
+    assert f["sgemm"]["gflops"] == pytest.approx(2 * 128 ** 3 / f["sgemm"]["time"]["median"] / 1e9)
+    assert f["per_step"] == bench.lenet_step_flops(64)
+    assert f["per_epoch"] == f["per_image"] * 1200
+    for a in f["achieved"]:
+        assert a["percent_of_sgemm"] == pytest.approx(100 * a["gflops"] / f["sgemm"]["gflops"])
+
+
+def test_lenet_flops_come_from_the_layer_shapes():
+    # Written out by hand: conv1 20x26x26 outputs of 1x3x3, conv2 50x9x9 of 20x5x5, fc 800->128->10.
+    conv1, conv2 = 2 * 20 * 26 * 26 * 9, 2 * 50 * 9 * 9 * 20 * 25
+    fc1, fc2 = 2 * 800 * 128, 2 * 128 * 10
+    forward = conv1 + conv2 + fc1 + fc2
+    backward = conv1 + 2 * (conv2 + fc1 + fc2)  # X needs no gradient: conv1 computes dw only
+    assert bench.lenet_step_flops(1) == forward + backward
+    assert bench.lenet_step_flops(256) == 256 * (forward + backward)
+    assert 60000 * bench.lenet_step_flops(1) / 1e12 == pytest.approx(0.80, abs=0.01)
+
+
+def test_ops_times_every_lenet_op(tmp_path):
+    code, text, r = _run(["bench", "ops", "--batch-sizes", "2,5", "--warmup", "1",
+                          "--repeat", "2"], tmp_path, "ops")
+    assert code == 0
+    _check_machine(r)
+    assert "conv2" in text and "fused train_batch" in text
+    ops = [x["op"].split(" (")[0] for x in r["ops"] if x["batch"] == 5]
+    assert ops == ["conv1", "relu1", "avg_pool1", "conv2", "relu2", "avg_pool2", "fc1 mm",
+                   "fc1 bias", "relu3", "fc2 mm", "fc2 bias", "softmax_ce"]
+    flops_at = {n: {l["layer"]: l for l in bench.lenet_layer_flops(n)} for n in (2, 5)}
+    for x in r["ops"]:
+        label = x["op"].split(" (")[0]
+        for phase in ("forward", "backward"):
+            _check_stats(x[phase])
+            assert len(x[phase]["times"]) == 2
+            if label in ("conv1", "conv2", "fc1 mm", "fc2 mm"):
+                layer = flops_at[x["batch"]][label.split()[0]]
+                assert x["gflops_" + phase] == pytest.approx(
+                    layer[phase] / x[phase]["median"] / 1e9)
+            else:
+                assert x["gflops_" + phase] is None
+    for s in r["steps"]:
+        _check_stats(s["fused_step"])
+        assert s["sum_of_ops"] == pytest.approx(sum(
+            x["forward"]["median"] + x["backward"]["median"] for x in r["ops"]
+            if x["batch"] == s["batch"]))
+
+
+def test_allreduce_reports_algbw_and_busbw(tmp_path):
+    code, text, r = _run(["bench", "allreduce", "--devices", "2,3", "--sizes", "1K,64K",
+                          "--warmup", "1", "--repeat", "2"], tmp_path, "allreduce")
+    assert code == 0
+    _check_machine(r)
+    assert "busbw" in text and "k = 3 devices" in text
+    assert [(x["devices"], x["bytes"]) for x in r["results"]] == [
+        (2, 1024), (2, 65536), (3, 1024), (3, 65536)]
+    for x in r["results"]:
+        k = x["devices"]
+        _check_stats(x["time"])
+        assert x["algbw"] == x["bytes"] / x["time"]["median"]
+        assert x["busbw"] == x["algbw"] * (2 * (k - 1) / k)
+    names = [b["name"] for b in r["baselines"]]
+    assert names == ["copy cpu(0) -> cpu(1)", "numpy copyto (host memcpy)"]
+    for b in r["baselines"]:
+        assert b["bytes"] == 65536 and b["bandwidth"] == b["bytes"] / b["time"]["median"]
+
+
+def test_plots_every_result_kind(tmp_path):
+    pytest.importorskip("matplotlib")
+    for name, argv in (("ops", ["ops", "--batch-sizes", "2", "--warmup", "0", "--repeat", "1"]),
+                       ("allreduce", ["allreduce", "--sizes", "1K,4K", "--warmup", "0",
+                                      "--repeat", "1"])):
+        png = tmp_path / f"{name}.png"
+        code, _, r = _run(["bench"] + argv + ["--plot", str(png)], tmp_path, name)
+        assert code == 0 and png.stat().st_size > 1000
+        assert bench.load(str(tmp_path / f"{name}.json")) == r
+
+
+def test_plot_train_result(train_result, tmp_path):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "train.png"
+    fig = bench.plot(train_result[1], str(png))
+    assert png.stat().st_size > 1000 and fig.axes
+
+
+def test_summarize_and_sizes():
+    s = bench.summarize([3.0, 1.0, 2.0])
+    assert (s["median"], s["min"], s["max"], s["spread"]) == (2.0, 1.0, 3.0, 1.0)
+    assert [bench.parse_size(t) for t in ("1K", "4KiB", "16M", "1G", "4096")] == [
+        1024, 4096, 16 << 20, 1 << 30, 4096]
+    assert bench.format_size(64 << 20) == "64 MiB"
+    assert bench.bus_factor(2) == 1.0 and bench.bus_factor(4) == 1.5
+    with pytest.raises(ValueError, match="cannot read the size"):
+        bench.parse_size("lots")
+
+
+def test_bad_arguments_fail_with_a_message(capsys):
+    assert cli.main(["bench", "allreduce", "--devices", "1", "--sizes", "1K"]) == 2
+    assert "every device count must be >= 2" in capsys.readouterr().err
+    assert cli.main(["bench", "train", "--synthetic", "100", "--parts", "fused,magic"]) == 2
+    assert "unknown parts" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "allreduce", "--sizes", "huge"])
+    assert cli.main(["bench", "train", "--synthetic", "100", "--parts", "fused", "--compare",
+                     "torch", "--torch-python", "/nonexistent/python"]) == 2
+    assert "cannot import torch" in capsys.readouterr().err
+
+
+def test_torch_comparison_is_skipped_without_torch(tmp_path, monkeypatch):
+    monkeypatch.setattr(bench, "find_torch_python", lambda explicit=None: (None, "no torch here"))
+    code, text, r = _run(["bench", "train", "--synthetic", "300", "--batch-size", "64",
+                          "--limit-batches", "1", "--epochs", "1", "--warmup", "0",
+                          "--parts", "fused", "--devices", "1", "--compare", "torch"],
+                         tmp_path, "skip")
+    assert code == 0
+    assert r["torch"] == {"skipped": "no torch here"} and r["comparisons"] == []
+    assert "PyTorch comparison skipped: no torch here" in text
+
+
+def test_torch_rival_reads_idx_like_mgpu(tmp_path):
+    """The PyTorch side parses IDX itself (it cannot import mgpu); both must see the same bytes."""
+    rng = np.random.default_rng(0)
+    images = rng.integers(0, 256, size=(7, 5, 3), dtype=np.uint8)
+    header = bytes([0, 0, 8, 3]) + b"".join(int(d).to_bytes(4, "big") for d in images.shape)
+    for name, opener in (("x-idx3-ubyte.gz", gzip.open), ("x-idx3-ubyte", open)):
+        with opener(tmp_path / name, "wb") as f:
+            f.write(header + images.tobytes())
+        np.testing.assert_array_equal(_torch_rival.read_idx(str(tmp_path / name)), images)
+        np.testing.assert_array_equal(mgpu._core.read_idx(str(tmp_path / name)), images)
+
+
+def test_train_compare_torch(tmp_path):
+    py, info = bench.find_torch_python()
+    if py is None:
+        pytest.skip(info)
+    code, text, r = _run(["bench", "train", "--synthetic", "600", "--batch-size", "64",
+                          "--limit-batches", "2", "--epochs", "1", "--warmup", "0",
+                          "--parts", "fused,op-by-op", "--compare", "torch"], tmp_path, "torch")
+    assert code == 0
+    assert r["torch"]["python"] == py and r["torch"]["threads"] == 2
+    impls = [(x["impl"], x["num_devices"]) for x in r["results"]]
+    assert ("torch chapter", 1) in impls and ("torch chapter", 2) in impls
+    assert ("torch idiomatic", 1) in impls
+    by = {(x["impl"], x["num_devices"]): x for x in r["results"]}
+    for x in r["results"]:
+        _check_stats(x["sec_per_step"])
+    pairs = {(c["mgpu"], c["torch"]) for c in r["comparisons"]}
+    assert len(r["comparisons"]) == 5
+    for c in r["comparisons"]:
+        assert c["ratio"] == c["torch_sec_per_step"] / c["mgpu_sec_per_step"]
+    for mine, theirs, k in (("mgpu fused", "torch chapter", 1), ("mgpu fused", "torch chapter", 2),
+                            ("mgpu op-by-op", "torch chapter", 2),
+                            ("mgpu fused", "torch idiomatic", 1)):
+        a, b = by[(mine, k)], by[(theirs, k)]
+        assert (a["name"], b["name"]) in pairs
+        c = [c for c in r["comparisons"] if (c["mgpu"], c["torch"]) == (a["name"], b["name"])][0]
+        assert c["mgpu_sec_per_step"] == a["sec_per_step"]["median"]
+        assert c["torch_sec_per_step"] == b["sec_per_step"]["median"]
+    for x in r["results"]:
+        if x["impl"].startswith("torch"):
+            assert 0 < x["train_loss"][0] < 10, "the PyTorch code trains on the same data"
+    assert "ratio" in text
