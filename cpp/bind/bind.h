@@ -11,5 +11,6 @@ void bind_core(pybind11::module_& m);
 void bind_ops(pybind11::module_& m);
 void bind_train(pybind11::module_& m);
 void bind_data(pybind11::module_& m);
+void bind_distributed(pybind11::module_& m);
 
 }  // namespace mgpu::bind

@@ -150,7 +150,7 @@ py::dict build_info() {
   info["cuda"] = MGPU_BUILT_CUDA ? "built" : "not built (CUDA backend: issue 3)";
   info["cudnn"] = MGPU_BUILT_CUDNN ? "built" : "not built";
   info["nccl"] = MGPU_BUILT_NCCL ? "built" : "not built";
-  info["mpi"] = MGPU_BUILT_MPI ? "built" : "not built (MPI back end: issue 4)";
+  info["mpi"] = MGPU_BUILT_MPI ? "built" : "not built (needs Open MPI: libopenmpi-dev)";
   info["cuda_emulation"] = static_cast<bool>(MGPU_CUDA_EMULATION_BUILD);
   return info;
 }

@@ -30,4 +30,5 @@ PYBIND11_MODULE(_core, m) {
   mgpu::bind::bind_ops(m);
   mgpu::bind::bind_train(m);
   mgpu::bind::bind_data(m);
+  mgpu::bind::bind_distributed(m);
 }

@@ -137,5 +137,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         return args.run(args)
     except (ValueError, TypeError, IndexError, FileNotFoundError, RuntimeError) as e:
-        print(f"mgpu: error: {e}", file=sys.stderr)
+        from . import distributed
+        where = f" (rank {distributed.rank()})" if distributed.world_size() > 1 else ""
+        print(f"mgpu: error{where}: {e}", file=sys.stderr)
+        distributed._mark_failed()  # under mpirun: end every rank now, none waits for this one
         return 2

@@ -9,6 +9,7 @@ from typing import List, Sequence, Tuple
 import numpy as np
 
 from . import _core
+from . import distributed as _dist
 from .device import Device, as_device
 from .tensor import Tensor
 
@@ -92,8 +93,11 @@ def train_batch(X: Tensor, y: Tensor, device_params, devices: Sequence[Device],
 
     Splits the minibatch over ``devices``, computes each shard's loss and gradients on its
     device, sums the gradients across devices, and updates every replica in place with
-    p -= lr * grad / X.shape[0]. Returns each device's summed loss (0-d tensors).
+    p -= lr * grad / X.shape[0]. Returns each device's summed loss (0-d tensors). Under mpirun
+    (``mgpu.distributed``) X, y are the global batch on every rank: each rank trains on its slice
+    and gradients are summed across processes too, so all ranks take the global step.
     """
+    _dist._auto_init()
     handles, devices = _replicas(device_params, devices)
     return [Tensor(t) for t in _core.train_batch(X._t, y._t, handles, devices, float(lr))]
 

@@ -3,7 +3,8 @@
 ``train(num_gpus, batch_size, lr)`` loads Fashion-MNIST, replicates LeNet on
 ``[try_gpu(i) for i in range(num_gpus)]``, runs the fused ``train_batch`` over every minibatch,
 evaluates on all devices after each epoch, and prints the chapter's line
-``test acc: 0.85, 3.1 sec/epoch on [cpu(0), cpu(1)]``.
+``test acc: 0.85, 3.1 sec/epoch on [cpu(0), cpu(1)]``. Under ``mpirun`` the same call trains one
+process per device (see ``mgpu.distributed``): same global batches, same step, rank 0 prints.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from typing import Callable, List, Optional, Sequence
 import numpy as np
 
 from . import _core
+from . import distributed as _dist
 from .data import DataLoader, load_data_fashion_mnist
 from .device import Device, as_device, try_gpu
 from .nn import lenet, lenet_params
@@ -67,7 +69,17 @@ def evaluate_accuracy(net_or_params, data_iter, devices: Optional[Sequence[Devic
             seen += X.shape[0]
     if seen == 0:
         raise ValueError("evaluate_accuracy: the data iterator yielded no examples")
-    return sum(c.item() for c in counts) / seen
+    correct = sum(c.item() for c in counts)
+    if not callable(net_or_params) and _dist.world_size() > 1:
+        correct = _sum_over_ranks(correct)  # each rank counted its slice of every batch
+    return correct / seen
+
+
+def _sum_over_ranks(value: float) -> float:
+    from .tensor import array
+    t = array(np.array([value], dtype=np.float32))
+    _dist.allreduce(t)
+    return float(t.numpy()[0])
 
 
 def evaluate_accuracy_gpu(net: Callable, data_iter, device: Optional[Device] = None) -> float:
@@ -79,6 +91,7 @@ def evaluate_accuracy_gpu(net: Callable, data_iter, device: Optional[Device] = N
 class TrainResult:
     """What ``train`` measured: one entry per epoch."""
     devices: List[Device]
+    world_size: int = 1  # processes that trained together (mgpu.distributed)
     test_acc: List[float] = field(default_factory=list)
     train_loss: List[float] = field(default_factory=list)
     epoch_times: List[float] = field(default_factory=list)
@@ -90,8 +103,9 @@ class TrainResult:
 
     def summary(self) -> str:
         """The chapter's closing line."""
+        procs = f" x {self.world_size} processes" if self.world_size > 1 else ""
         return (f"test acc: {self.test_acc[-1]:.2f}, {self.sec_per_epoch:.1f} sec/epoch "
-                f"on {self.devices}")
+                f"on {self.devices}{procs}")
 
 
 def _in_notebook() -> bool:
@@ -121,16 +135,23 @@ def train(num_gpus: int, batch_size: int, lr: float, num_epochs: int = 10,
         raise ValueError(f"train: num_epochs must be >= 1, got {num_epochs}")
     train_iter, test_iter = data if data is not None else load_data_fashion_mnist(
         batch_size, data_dir=data_dir, seed=seed, limit_batches=limit_batches)
-    devices = [try_gpu(i) for i in range(int(num_gpus))]
+    _dist._auto_init()
+    world, is_root = _dist.world_size(), _dist.rank() == 0
+    devices = _local_devices(int(num_gpus))
     if params is None:
         params = lenet_params(seed=seed)
+    if world > 1:
+        # Every rank starts from rank 0's parameters (copies: the caller's stay untouched).
+        params = [p.copyto(p.device) for p in params]
+        _dist.broadcast(params, root=0)
     device_params = [get_params(params, d) for d in devices]
-    result = TrainResult(devices=devices)
+    result = TrainResult(devices=devices, world_size=world)
     animator = None
-    if plot if plot is not None else _in_notebook():
+    if is_root and (plot if plot is not None else _in_notebook()):
         from .plot import Animator
         animator = Animator(xlabel="epoch", ylabel="test acc", xlim=[1, num_epochs])
-    show_bar = progress if progress is not None else (sys.stderr.isatty() and animator is None)
+    show_bar = is_root and (progress if progress is not None
+                            else (sys.stderr.isatty() and animator is None))
     timer = Timer()
     for epoch in range(int(num_epochs)):
         bar = _progress_bar(len(train_iter), f"epoch {epoch + 1}/{num_epochs}") if show_bar else None
@@ -147,14 +168,25 @@ def train(num_gpus: int, batch_size: int, lr: float, num_epochs: int = 10,
         t0 = time.perf_counter()
         result.test_acc.append(evaluate_accuracy(device_params, test_iter, devices))
         result.eval_times.append(time.perf_counter() - t0)
-        result.train_loss.append(sum(l.item() for l in losses) / max(1, seen))
+        loss_sum = sum(l.item() for l in losses)
+        if world > 1:
+            loss_sum = _sum_over_ranks(loss_sum)
+        result.train_loss.append(loss_sum / max(1, seen))
         if bar is not None:
             bar.set_postfix(loss=f"{result.train_loss[-1]:.3f}", test_acc=f"{result.test_acc[-1]:.3f}")
             bar.close()
         if animator is not None:
             animator.add(epoch + 1, (result.test_acc[-1],))
-    print(result.summary())
+    if is_root:
+        print(result.summary())
     return result
+
+
+def _local_devices(n: int) -> List[Device]:
+    """This process's n devices: try_gpu(0..n-1), offset by the local rank when processes share
+    a machine's GPUs (CPU devices are per process, so every process counts from cpu(0))."""
+    base = _dist.local_rank() * n if _dist.world_size() > 1 and _core.num_gpus() > 0 else 0
+    return [try_gpu(base + i) for i in range(n)]
 
 
 def _progress_bar(total: int, desc: str):
@@ -170,6 +202,10 @@ def train_op_by_op(num_gpus: int, batch_size: int, lr: float, num_epochs: int = 
 
 def _train_with(step, num_gpus, batch_size, lr, num_epochs, data_dir=None, limit_batches=None,
                 seed=0, data=None) -> TrainResult:
+    _dist._auto_init()
+    if _dist.world_size() > 1:
+        raise ValueError("train_op_by_op: the chapter's op-by-op step runs in one process; under "
+                         "mpirun use the fused train (drop --op-by-op)")
     train_iter, test_iter = data if data is not None else load_data_fashion_mnist(
         batch_size, data_dir=data_dir, seed=seed, limit_batches=limit_batches)
     devices = [try_gpu(i) for i in range(int(num_gpus))]

@@ -1,0 +1,212 @@
+"""Beyond one process: data parallelism over MPI, one process per device, on one or many machines.
+
+Start the same program once per device with ``mpirun``::
+
+    mpirun -np 2 python -m mgpu train --batch-size 256      # two processes on this machine
+    mpirun -H a,b -np 2 python -m mgpu train ...            # one on machine a, one on b
+
+``init()`` reads the MPI environment (rank, world size, local rank, which chooses this process's
+device); outside ``mpirun`` the world is this one process (``world_size() == 1``) and every
+collective only checks its arguments. ``train`` and ``train_batch`` call ``init()`` themselves
+under ``mpirun``: every rank reads the same shuffled global batch, trains on its slice, starts
+from rank 0's parameters, and sums gradients across processes, so the result is the step of one
+process with the same global batch.
+
+Failures are loud: a collective that waits longer than ``timeout`` seconds (``MGPU_DIST_TIMEOUT``,
+default 60) raises ``mgpu.DeviceError`` naming the rank, the collective and the ranks it waits
+for; with ``check=True`` (``MGPU_DIST_CHECK=1``) the ranks first compare what they are about to
+call (operation, size, dtype, root, sequence number) and all raise at once if they disagree. An
+uncaught exception on one rank ends every rank (``MPI_Abort`` at exit), so a job never hangs.
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import sys
+from typing import Optional, Sequence, Union
+
+from . import _core
+from .device import Device, cpu, gpu, num_gpus
+from .tensor import Tensor
+
+_BACKENDS = ("auto", "mpi", "nccl")
+_state = {"backend": None, "failed": False, "hooked": False}
+
+
+def _env_float(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not a number of seconds") from None
+    if value <= 0:
+        raise ValueError(f"{name}={raw!r} must be > 0 seconds")
+    return value
+
+
+def _env_flag(name: str, default: bool) -> bool:
+    raw = os.environ.get(name, "").strip().lower()
+    if raw == "":
+        return default
+    if raw in ("1", "true", "yes", "on"):
+        return True
+    if raw in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{name}={raw!r}: use 1 or 0")
+
+
+def launched() -> bool:
+    """True when this process was started by ``mpirun`` (or another MPI launcher)."""
+    return _core.dist_launched()
+
+
+def init(backend: str = "auto", timeout: Optional[float] = None, check: Optional[bool] = None,
+         algorithm: Optional[str] = None) -> None:
+    """Joins the world of processes; call once per process (later calls only check agreement).
+
+    ``backend``: ``"auto"`` uses MPI when started by ``mpirun`` and is a one-process world
+    otherwise; ``"mpi"`` requires MPI (a one-process MPI world outside ``mpirun``); ``"nccl"``
+    is NCCL for GPUs with its unique id broadcast over MPI (needs the CUDA backend).
+    ``timeout`` (seconds a collective may wait, env ``MGPU_DIST_TIMEOUT``, default 60),
+    ``check`` (compare every collective across ranks first, env ``MGPU_DIST_CHECK``, default
+    off) and ``algorithm`` (``"ordered"``: rank-ordered sums, bitwise the in-process result;
+    ``"mpi"``: MPI_Allreduce; env ``MGPU_DIST_ALGORITHM``) may be changed at any time later.
+    """
+    if backend not in _BACKENDS:
+        raise ValueError(f"init: backend must be one of {', '.join(_BACKENDS)}, got {backend!r}")
+    if backend == "nccl":
+        raise _core.DeviceError(
+            "init: the NCCL backend needs GPU devices, and this build has no CUDA backend yet "
+            "(issue 3; build_info()['cuda']). Its MPI bootstrap is compiled and linked in CI "
+            "(cpp/comm/nccl_bootstrap.cpp). Use backend='mpi' for CPU devices.")
+    in_mpirun = launched()
+    if backend == "mpi" and not _core.dist_built():
+        raise _core.DeviceError("init: this build of mgpu has no MPI back end "
+                                f"(build_info()['mpi'] = {_build_mpi()!r}); install Open MPI "
+                                "(apt-get install openmpi-bin libopenmpi-dev) and reinstall mgpu")
+    if backend == "auto" and in_mpirun and not _core.dist_built():
+        raise _core.DeviceError("init: started by mpirun, but this build of mgpu has no MPI back "
+                                "end, so every process would train alone; install Open MPI "
+                                "(apt-get install openmpi-bin libopenmpi-dev) and reinstall mgpu")
+    use_mpi = backend == "mpi" or (backend == "auto" and in_mpirun)
+    previous = _state["backend"]
+    if previous is not None and previous != ("mpi" if use_mpi else "single"):
+        raise ValueError(f"init: already initialised as {previous!r}; call init once per process")
+    _core.dist_set_timeout(float(timeout) if timeout is not None
+                           else _env_float("MGPU_DIST_TIMEOUT", _core.dist_timeout()))
+    _core.dist_set_check(bool(check) if check is not None
+                         else _env_flag("MGPU_DIST_CHECK", _core.dist_check()))
+    _core.dist_set_algorithm(algorithm if algorithm is not None
+                             else os.environ.get("MGPU_DIST_ALGORITHM", _core.dist_algorithm()))
+    _core.dist_init(use_mpi)
+    _state["backend"] = "mpi" if use_mpi else "single"
+    if use_mpi and not _state["hooked"]:
+        _state["hooked"] = True
+        atexit.register(_finalize_at_exit)
+        previous_hook = sys.excepthook
+
+        def _excepthook(kind, value, tb):
+            # The traceback first, then (at exit) MPI_Abort: the launcher ends every rank now,
+            # instead of peers waiting for this one until their timeout.
+            _state["failed"] = True
+            previous_hook(kind, value, tb)
+
+        sys.excepthook = _excepthook
+
+
+def _build_mpi() -> str:
+    return str(dict(_core.build_info()).get("mpi"))
+
+
+def _auto_init() -> None:
+    """What ``train`` and ``train_batch`` call: join the MPI world when started by mpirun."""
+    if _state["backend"] is None and launched():
+        init("auto")
+
+
+def is_initialized() -> bool:
+    return _core.dist_initialized()
+
+
+def backend() -> Optional[str]:
+    """``"mpi"``, ``"single"`` (one process), or ``None`` before ``init``."""
+    return _state["backend"]
+
+
+def rank() -> int:
+    """This process's rank in [0, world_size()); 0 outside mpirun."""
+    return _core.dist_rank()
+
+
+def world_size() -> int:
+    """How many processes train together; 1 outside mpirun."""
+    return _core.dist_world_size()
+
+
+def local_rank() -> int:
+    """Rank among the processes on this machine (it chooses this process's GPU)."""
+    return _core.dist_local_rank()
+
+
+def local_world_size() -> int:
+    """How many processes run on this machine (they share its cores)."""
+    return _core.dist_local_size()
+
+
+def device() -> Device:
+    """This process's device: ``gpu(local_rank)`` on a machine with GPUs, else ``cpu(0)``."""
+    n = num_gpus()
+    return gpu(local_rank() % n) if n else cpu(0)
+
+
+def _handles(op: str, tensors) -> list:
+    items = list(tensors) if isinstance(tensors, (list, tuple)) else [tensors]
+    for t in items:
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{op}: expected mgpu tensors, got {type(t).__name__}")
+    if not items:
+        raise ValueError(f"{op}: got an empty list; pass a tensor or a list of tensors")
+    return [t._t for t in items]
+
+
+def allreduce(tensors: Union[Tensor, Sequence[Tensor]]) -> None:
+    """Sums a float32 tensor (or a list, reduced as one buffer) across ranks, in place.
+
+    The tensors live on one CPU device; the work is queued on it in order with the compute, so
+    this returns at once (read the result with ``.numpy()``). Every rank must call it with the
+    same shapes, in the same order as its other collectives.
+    """
+    _core.dist_allreduce(_handles("allreduce", tensors))
+
+
+def broadcast(tensors: Union[Tensor, Sequence[Tensor]], root: int = 0) -> None:
+    """Overwrites every rank's tensors with ``root``'s, in place (any dtype, same shapes)."""
+    _core.dist_broadcast(_handles("broadcast", tensors), int(root))
+
+
+def barrier() -> None:
+    """Returns when every rank has called ``barrier`` (and this rank's queued work is done)."""
+    _core.dist_barrier(device())
+
+
+def finalize() -> None:
+    """Leaves the world (MPI_Finalize after checking every rank got here); also runs at exit."""
+    _core.dist_finalize(False)
+
+
+def _mark_failed() -> None:
+    """Makes exit end every rank (MPI_Abort) instead of finalizing: this rank has failed."""
+    _state["failed"] = True
+
+
+def _finalize_at_exit() -> None:
+    try:
+        _core.dist_finalize(bool(_state["failed"]) and world_size() > 1)
+    except Exception as e:  # never let exit hang or raise; the job's exit code tells the story
+        print(f"mgpu.distributed: finalize failed on rank {rank()}: {e}", file=sys.stderr)
+
+
+__all__ = ["init", "launched", "is_initialized", "backend", "rank", "world_size", "local_rank",
+           "local_world_size", "device", "barrier", "allreduce", "broadcast", "finalize"]
