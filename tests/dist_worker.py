@@ -1,0 +1,196 @@
+"""One rank of the multi-process tests (tests/test_distributed.py starts it under mpirun).
+
+    mpirun -np N python dist_worker.py MODE OUTDIR [ARGS...]
+
+Each mode writes what it computed to OUTDIR/<mode>.rank<r>.npz (or prints), so the test can
+compare every rank with the others and with an in-process run of the same step.
+"""
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+import mgpu
+from mgpu import distributed as dist
+from mgpu.data import array_loader
+
+
+def problem(n, seed=0):
+    """The same global batch and initial parameters as test_train._problem (and the test)."""
+    rng = np.random.default_rng(seed)
+    X = rng.random((n, 1, 28, 28)).astype(np.float32)
+    y = rng.integers(0, 10, size=n)
+    return X, y, mgpu.lenet_params(scale=0.1, seed=seed)
+
+
+def synthetic(n, seed=1):
+    """Images whose label shows in them, so a few hundred steps really learn something."""
+    rng = np.random.default_rng(seed)
+    labels = rng.integers(0, 10, size=n).astype(np.uint8)
+    images = rng.integers(0, 96, size=(n, 28, 28)).astype(np.uint8)
+    for i, c in enumerate(labels):
+        images[i, 2 * c:2 * c + 6, 4:24] += 150
+    return images, labels
+
+
+def save(out, name, arrays):
+    np.savez(os.path.join(out, f"{name}.rank{dist.rank()}.npz"), *arrays)
+
+
+def basics(out, *steps):
+    """allreduce of known values and random data, lists, broadcast from every root, barrier;
+    then the fused steps given as "L:n" (L devices per rank, global batch n)."""
+    r, w = dist.rank(), dist.world_size()
+    results = {}
+    for n in (1, 7, 1009):  # 1009 is prime: chunks of uneven size on every rank count
+        x = mgpu.array(np.full(n, r + 1, dtype=np.float32))
+        dist.allreduce(x)
+        results[f"known{n}"] = x.numpy()
+    rngs = [np.random.default_rng(100 + q) for q in range(w)]
+    data = [g.standard_normal(333).astype(np.float32) for g in rngs]
+    t = mgpu.array(data[r])
+    dist.allreduce(t)
+    results["random"] = t.numpy()
+    results["random_expected"] = np.sum(np.stack(data), axis=0)
+    pair = [mgpu.array(np.full((2, 3), r, np.float32)), mgpu.array(np.full(5, 10.0 * r, np.float32))]
+    dist.allreduce(pair)
+    results["list0"], results["list1"] = pair[0].numpy(), pair[1].numpy()
+    for root in range(w):
+        b = [mgpu.array(np.arange(6, dtype=np.float32) * (r + 1)),
+             mgpu.array(np.array([r, 2 * r], dtype=np.int64))]
+        dist.broadcast(b, root=root)
+        results[f"bcast{root}_f"], results[f"bcast{root}_i"] = b[0].numpy(), b[1].numpy()
+    dist.barrier()
+    np.savez(os.path.join(out, f"basics.rank{r}.npz"), **results)
+    for spec in steps:
+        local_devices, n = (int(v) for v in spec.split(":"))
+        step(out, local_devices, n)
+
+
+def step(out, local_devices, n):
+    """One fused step on this rank's slice of a global batch of n, with `local_devices` each."""
+    X, y, params = problem(n)
+    devices = [mgpu.cpu(i) for i in range(local_devices)]
+    replicas = [mgpu.get_params(params, d) for d in devices]
+    losses = mgpu.train_batch(mgpu.array(X), mgpu.array(y), replicas, devices, lr=0.2)
+    loss = np.array([sum(l.item() for l in losses)], np.float32)
+    lt = mgpu.array(loss)
+    dist.allreduce(lt)
+    save(out, f"step_L{local_devices}_n{n}",
+         [p.numpy() for replica in replicas for p in replica] + [lt.numpy()])
+
+
+def train_steps(out, steps, batch_size, local_devices):
+    """`steps` fused steps over a shuffled loader, the same order on every rank."""
+    images, labels = synthetic(steps * batch_size // 2)
+    it = array_loader(images, labels, batch_size, shuffle=True, seed=3)
+    params = mgpu.lenet_params(seed=0)
+    devices = [mgpu.cpu(i) for i in range(local_devices)]
+    replicas = [mgpu.get_params(params, d) for d in devices]
+    done = 0
+    t0 = time.perf_counter()
+    while done < steps:
+        for X, y in it:
+            mgpu.train_batch(X, y, replicas, devices, lr=0.1)
+            done += 1
+            if done == steps:
+                break
+    mgpu.waitall()
+    elapsed = time.perf_counter() - t0
+    save(out, f"train_L{local_devices}", [p.numpy() for p in replicas[0]] + [np.array([elapsed])])
+
+
+def train_api(out, epochs, batch_size):
+    """mgpu.train itself: parameters from rank 0, sharded batches, summed accuracy, one print."""
+    images, labels = synthetic(640)
+    test_images, test_labels = synthetic(300, seed=2)
+    data = (array_loader(images, labels, batch_size, shuffle=True, seed=5),
+            array_loader(test_images, test_labels, 64))
+    params = mgpu.lenet_params(seed=dist.rank() + 7)  # differs per rank: rank 0's must win
+    result = mgpu.train(1, batch_size, 0.3, num_epochs=epochs, params=params, data=data,
+                        progress=False)
+    with open(os.path.join(out, f"train_api.rank{dist.rank()}.json"), "w") as f:
+        json.dump({"test_acc": result.test_acc, "train_loss": result.train_loss,
+                   "world_size": result.world_size}, f)
+
+
+def mismatch(out, kind):
+    """Ranks that call different collectives: they must fail loudly, never hang."""
+    r = dist.rank()
+    x = mgpu.array(np.ones(4 + (r if kind == "size" else 0), np.float32))
+    if kind == "op" and r == 1:
+        dist.broadcast(x, root=0)
+    else:
+        dist.allreduce(x)
+    x.numpy()
+    print(f"rank {r}: the mismatched collective returned", flush=True)
+
+
+def die(out, how):
+    """Rank 1 dies (or hangs) after a first collective; the others wait in the second."""
+    x = mgpu.array(np.ones(4, np.float32))
+    dist.allreduce(x)
+    x.numpy()
+    if dist.rank() == 1:
+        if how == "exit":
+            os._exit(3)
+        time.sleep(600)
+    dist.allreduce(x)
+    x.numpy()
+
+
+def bench(out, kind, *args):
+    """Step time or all-reduce bandwidth; rank 0 prints one JSON line."""
+    if kind == "step":
+        batch, steps, local = int(args[0]), int(args[1]), int(args[2])
+        X, y, params = problem(batch)
+        devices = [mgpu.cpu(i) for i in range(local)]
+        replicas = [mgpu.get_params(params, d) for d in devices]
+        Xt, yt = mgpu.array(X), mgpu.array(y)
+        for _ in range(5):
+            mgpu.train_batch(Xt, yt, replicas, devices, lr=0.01)
+        mgpu.waitall()
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            mgpu.train_batch(Xt, yt, replicas, devices, lr=0.01)
+        mgpu.waitall()
+        dist.barrier()
+        res = {"step_ms": 1e3 * (time.perf_counter() - t0) / steps}
+    else:
+        res = {}
+        w = dist.world_size()
+        for nbytes in [int(a) for a in args]:
+            x = mgpu.array(np.ones(nbytes // 4, np.float32))
+            reps = max(5, min(200, (1 << 26) // nbytes))
+            for _ in range(3):
+                dist.allreduce(x)
+            x.numpy()
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                dist.allreduce(x)
+            x.numpy()
+            t = (time.perf_counter() - t0) / reps
+            res[nbytes] = {"us": 1e6 * t, "algbw_GBps": nbytes / t / 1e9,
+                           "busbw_GBps": 2 * (w - 1) / w * nbytes / t / 1e9}
+    res["world_size"] = dist.world_size()
+    res["threads"] = mgpu.num_threads()
+    res["algorithm"] = mgpu._core.dist_algorithm()
+    res["check"] = mgpu._core.dist_check()
+    if dist.rank() == 0:
+        print(json.dumps(res), flush=True)
+
+
+MODES = {"basics": basics, "train_steps": train_steps, "train_api": train_api,
+         "mismatch": mismatch, "die": die, "bench": bench}
+
+if __name__ == "__main__":
+    mode, outdir, rest = sys.argv[1], sys.argv[2], sys.argv[3:]
+    dist.init()
+    fn = MODES[mode]
+    if mode in ("train_steps", "train_api"):
+        rest = [int(a) for a in rest]
+    fn(outdir, *rest)

@@ -1,0 +1,227 @@
+"""Beyond one process (mgpu.distributed): the same training as one process per device over MPI.
+
+Each multi-process test starts `mpirun -np N` on tests/dist_worker.py with a timeout, so a hang is
+a failure, never a stuck CI. Open MPI runs as root only when told (OMPI_ALLOW_RUN_AS_ROOT*) and
+more ranks than cores only with --oversubscribe. Without mpirun or an MPI build these tests are
+skipped -- except in CI (CI=true), where that is a failure: CI installs Open MPI.
+"""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import mgpu
+from mgpu import distributed as dist
+from conftest import assert_close, requires_fashion_mnist
+import dist_worker
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+MPIRUN = shutil.which("mpirun")
+HAVE_MPI = MPIRUN is not None and mgpu.build_info()["mpi"] == "built"
+if not HAVE_MPI and os.environ.get("CI"):
+    raise RuntimeError("CI must run the MPI tests: mpirun or the MPI build is missing "
+                       "(.ci/setup.sh installs openmpi-bin and libopenmpi-dev)")
+needs_mpi = pytest.mark.skipif(not HAVE_MPI, reason="needs mpirun and an mgpu built with MPI "
+                               "(apt-get install openmpi-bin libopenmpi-dev, then reinstall)")
+
+
+def mpirun(np_, mode, outdir, *args, timeout=60, env=None, limit=90):
+    """Runs the worker on np_ ranks; returns (returncode, stdout, stderr, seconds)."""
+    full_env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+                    MGPU_DIST_CHECK="1", MGPU_DIST_TIMEOUT=str(timeout))
+    full_env.pop("MGPU_NUM_THREADS", None)
+    full_env.update(env or {})
+    cmd = [MPIRUN, "-np", str(np_), "--oversubscribe", sys.executable,
+           os.path.join(HERE, "dist_worker.py"), mode, str(outdir), *map(str, args)]
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=HERE, env=full_env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=limit)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"mpirun {mode} hung for {limit} s (it must fail or finish)\n{out}\n{err}")
+    return proc.returncode, out, err, time.perf_counter() - t0
+
+
+def load(outdir, name, rank):
+    return np.load(os.path.join(outdir, f"{name}.rank{rank}.npz"))
+
+
+def params_of(npz, count=8):
+    return [npz[f"arr_{i}"] for i in range(count)]
+
+
+# --- one process: the world of size 1 ---------------------------------------------------------
+
+def test_single_process_world_is_clear_and_collectives_check_arguments():
+    if dist.launched():
+        pytest.skip("this pytest itself runs under mpirun")
+    dist.init()
+    assert (dist.rank(), dist.world_size(), dist.local_rank(), dist.backend()) == (0, 1, 0, "single")
+    x = mgpu.array(np.arange(5, dtype=np.float32))
+    dist.allreduce(x)
+    dist.broadcast(x, root=0)
+    dist.barrier()
+    assert np.array_equal(x.numpy(), np.arange(5, dtype=np.float32))
+    with pytest.raises(IndexError, match="root 1 is not a rank; the world has 1 process"):
+        dist.broadcast(x, root=1)
+    with pytest.raises(TypeError, match="allreduce"):
+        dist.allreduce(mgpu.array(np.arange(3, dtype=np.int32)))
+    with pytest.raises(TypeError, match="expected mgpu tensors"):
+        dist.allreduce(np.ones(3, np.float32))
+    with pytest.raises(ValueError, match="one call reduces the tensors of one device"):
+        dist.allreduce([mgpu.ones((2,), device=mgpu.cpu(0)), mgpu.ones((2,), device=mgpu.cpu(1))])
+    with pytest.raises(ValueError, match="backend must be one of"):
+        dist.init("gloo")
+    with pytest.raises(mgpu.DeviceError, match="NCCL backend needs GPU devices"):
+        dist.init("nccl")
+
+
+# --- collectives and one step across processes ------------------------------------------------
+
+STEPS = ["1:13", "2:13", "1:2", "2:2"]  # L devices per rank : global batch (uneven; tiny)
+
+
+@needs_mpi
+@pytest.mark.parametrize("world", [2, 3])
+def test_collectives_and_one_step_match_one_process(world, tmp_path):
+    rc, out, err, _ = mpirun(world, "basics", tmp_path, *STEPS)
+    assert rc == 0, f"mpirun -np {world} failed:\n{out}\n{err}"
+    for r in range(world):
+        got = load(tmp_path, "basics", r)
+        for n in (1, 7, 1009):  # rank r holds r + 1
+            assert np.array_equal(got[f"known{n}"], np.full(n, world * (world + 1) / 2)), n
+        assert_close(got["random"], got["random_expected"], "elementwise", f"rank {r} random")
+        assert np.array_equal(got["list0"], np.full((2, 3), sum(range(world))))
+        assert np.array_equal(got["list1"], np.full(5, 10.0 * sum(range(world))))
+        for root in range(world):
+            assert np.array_equal(got[f"bcast{root}_f"], np.arange(6) * (root + 1))
+            assert np.array_equal(got[f"bcast{root}_i"], [root, 2 * root])
+            assert got[f"bcast{root}_i"].dtype == np.int64
+    for spec in STEPS:
+        L, n = (int(v) for v in spec.split(":"))
+        Xn, yn, params = dist_worker.problem(n)
+        devices = [mgpu.cpu(i) for i in range(world * L)]
+        replicas = [mgpu.get_params(params, d) for d in devices]
+        losses = mgpu.train_batch(mgpu.array(Xn), mgpu.array(yn), replicas, devices, lr=0.2)
+        expected = [p.numpy() for p in replicas[0]]
+        ranks = [params_of(load(tmp_path, f"step_L{L}_n{n}", r), 8 * L + 1) for r in range(world)]
+        for r, got in enumerate(ranks):
+            for i in range(8 * L):  # every local replica of every rank
+                what = f"param {i % 8} of replica {i // 8} on rank {r}, {world}x{L} devices, n={n}"
+                if L == 1:
+                    # W processes x 1 device sum in the order of 1 process x W devices: bitwise.
+                    assert np.array_equal(got[i], expected[i % 8]), what
+                else:
+                    assert_close(got[i], expected[i % 8], "sum", what)
+            assert_close(got[-1][0], sum(l.item() for l in losses), "sum", f"loss on rank {r}")
+
+
+@needs_mpi
+def test_a_few_hundred_steps_give_the_in_process_parameters(tmp_path):
+    """300 shuffled steps: 2 processes equal 1 process x 2 devices bitwise and 1 device closely."""
+    steps, batch = 300, 32
+    rc, out, err, _ = mpirun(2, "train_steps", tmp_path, steps, batch, 1)
+    assert rc == 0, f"{out}\n{err}"
+    ranks = [params_of(load(tmp_path, "train_L1", r)) for r in range(2)]
+    for k in (2, 1):
+        images, labels = dist_worker.synthetic(steps * batch // 2)
+        it = mgpu.data.array_loader(images, labels, batch, shuffle=True, seed=3)
+        params = mgpu.lenet_params(seed=0)
+        devices = [mgpu.cpu(i) for i in range(k)]
+        replicas = [mgpu.get_params(params, d) for d in devices]
+        done = 0
+        while done < steps:
+            for X, y in it:
+                mgpu.train_batch(X, y, replicas, devices, lr=0.1)
+                done += 1
+                if done == steps:
+                    break
+        for r, got in enumerate(ranks):
+            for i, p in enumerate(replicas[0]):
+                if k == 2:
+                    assert np.array_equal(got[i], p.numpy()), f"param {i} on rank {r}"
+                else:
+                    assert_close(got[i], p.numpy(), "sum", f"param {i} on rank {r} vs 1 device")
+        initial = mgpu.lenet_params(seed=0)
+        assert not np.allclose(ranks[0][4], initial[4].numpy()), "training did not move W3"
+
+
+@needs_mpi
+def test_train_api_broadcasts_rank0_params_sums_accuracy_and_prints_once(tmp_path):
+    rc, out, err, _ = mpirun(2, "train_api", tmp_path, 2, 32)
+    assert rc == 0, f"{out}\n{err}"
+    lines = [l for l in out.splitlines() if l.startswith("test acc:")]
+    assert len(lines) == 1 and lines[0].endswith("on [cpu(0)] x 2 processes"), out
+    got = [json.load(open(tmp_path / f"train_api.rank{r}.json")) for r in range(2)]
+    assert got[0] == got[1] and got[0]["world_size"] == 2
+    # One process with 2 devices, starting from what rank 0 had, sees the same numbers.
+    images, labels = dist_worker.synthetic(640)
+    test_images, test_labels = dist_worker.synthetic(300, seed=2)
+    data = (mgpu.data.array_loader(images, labels, 32, shuffle=True, seed=5),
+            mgpu.data.array_loader(test_images, test_labels, 64))
+    ref = mgpu.train(2, 32, 0.3, num_epochs=2, params=mgpu.lenet_params(seed=7), data=data,
+                     progress=False)
+    assert got[0]["test_acc"] == pytest.approx(ref.test_acc, abs=1e-9)
+    assert got[0]["train_loss"] == pytest.approx(ref.train_loss, rel=1e-5)
+    assert ref.train_loss[-1] < ref.train_loss[0], "two epochs should lower the loss"
+
+
+@needs_mpi
+@requires_fashion_mnist
+def test_cli_train_under_mpirun_prints_once_like_one_process(tmp_path):
+    args = ["train", "--batch-size", "128", "--lr", "0.2", "--epochs", "1", "--limit-batches", "8"]
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    single = subprocess.run([sys.executable, "-m", "mgpu", *args, "--num-gpus", "2"], cwd=HERE,
+                            env=env, capture_output=True, text=True, timeout=120)
+    assert single.returncode == 0, single.stderr
+    multi = subprocess.run([MPIRUN, "-np", "2", "--oversubscribe", sys.executable, "-m", "mgpu",
+                            *args], cwd=HERE, env=env, capture_output=True, text=True, timeout=120)
+    assert multi.returncode == 0, multi.stderr
+    lines = [l for l in multi.stdout.splitlines() if l.startswith("test acc:")]
+    assert len(lines) == 1, multi.stdout
+    assert lines[0].split(",")[0] == single.stdout.strip().split(",")[0], (lines, single.stdout)
+
+
+# --- failures are loud and fast ----------------------------------------------------------------
+
+@needs_mpi
+@pytest.mark.parametrize("kind", ["size", "op"])
+def test_mismatched_collectives_fail_on_every_rank_naming_them(kind, tmp_path):
+    rc, out, err, secs = mpirun(2, "mismatch", tmp_path, kind, timeout=60)
+    assert rc != 0 and "returned" not in out
+    assert secs < 30, f"took {secs:.1f} s: the fingerprint check should fail at once"
+    assert "the ranks called different collectives" in err, err
+    if kind == "size":
+        assert "rank 0 called allreduce of 4 float32" in err
+        assert "rank 1 called allreduce of 5 float32" in err
+    else:
+        assert "rank 1 called broadcast of 16 bytes from root 0" in err
+
+
+@needs_mpi
+def test_without_the_check_a_mismatch_times_out_naming_rank_and_op(tmp_path):
+    rc, out, err, secs = mpirun(2, "mismatch", tmp_path, "op", timeout=2,
+                                env={"MGPU_DIST_CHECK": "0"})
+    assert rc != 0 and "returned" not in out
+    assert secs < 25, f"took {secs:.1f} s with a 2 s timeout"
+    assert "timed out after 2 s" in err and "still waiting for rank" in err, err
+    assert "allreduce of 4 float32" in err or "broadcast of 16 bytes" in err
+
+
+@needs_mpi
+@pytest.mark.parametrize("how", ["exit", "hang"])
+def test_a_dead_or_hung_rank_ends_the_job_nonzero_within_the_timeout(how, tmp_path):
+    rc, out, err, secs = mpirun(2, "die", tmp_path, how, timeout=3)
+    assert rc != 0
+    assert secs < 25, f"took {secs:.1f} s with a 3 s timeout"
+    if how == "hang":
+        assert "rank 0: timed out after 3 s" in err and "still waiting for rank 1" in err, err
