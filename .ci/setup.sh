@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Installs everything mgpu needs on a Debian machine and builds it into .venv (idempotent):
-# system packages from Debian (compiler, CMake, OpenBLAS, zlib, GoogleTest, Fashion-MNIST),
+# system packages from Debian (compiler, CMake, OpenBLAS, zlib, GoogleTest, Fashion-MNIST,
+# Open MPI for multi-process training),
 # Python packages from PyPI into a virtual environment, then `pip install .` (incremental).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 apt_packages=(g++ make cmake pkg-config libopenblas-dev zlib1g-dev libgtest-dev
-              dataset-fashion-mnist)
+              dataset-fashion-mnist openmpi-bin libopenmpi-dev)
 missing=()
 for p in "${apt_packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
