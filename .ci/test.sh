@@ -5,8 +5,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash .ci/setup.sh
 
-echo "== C++ unit tests (ctest)"
-cmake -S . -B build/cpp-tests -DMGPU_BUILD_TESTS=ON -DMGPU_BUILD_PYTHON=OFF \
+echo "== C++ unit tests (ctest), CUDA emulator tests, nvcc compile check of the emulated kernels"
+cmake -S . -B build/cpp-tests -DMGPU_BUILD_TESTS=ON -DMGPU_BUILD_PYTHON=OFF -DMGPU_CUDA_EMULATION=ON \
   -DCMAKE_BUILD_TYPE=Release >/dev/null
 cmake --build build/cpp-tests -j "$(nproc)" >/dev/null
 (cd build/cpp-tests && ctest --output-on-failure -j 2)
