@@ -98,3 +98,16 @@ def test_real_fashion_mnist_shapes_and_labels():
     assert set(np.unique(test_labels).tolist()) == set(range(10))
     train_iter, test_iter = mgpu.load_data_fashion_mnist(256)
     assert len(train_iter) == 235 and len(test_iter) == 40
+
+
+def test_fused_and_op_by_op_training_reach_the_same_accuracy(tiny_dataset):
+    """The same seed, data and steps: the fused and the chapter's op-by-op step train alike."""
+    data_dir, _ = tiny_dataset
+    runs = []
+    for fn in (mgpu.train, mgpu.train_op_by_op):
+        data = mgpu.load_data_fashion_mnist(8, data_dir=str(data_dir), seed=1)
+        runs.append(fn(2, 8, 0.5, num_epochs=2, data=data, progress=False,
+                       params=mgpu.lenet_params(scale=0.3, seed=1)))
+    fused, op_by_op = runs
+    assert fused.test_acc == op_by_op.test_acc
+    assert np.isfinite(fused.train_loss).all() and np.isnan(op_by_op.train_loss).all()

@@ -9,7 +9,7 @@ DLPack in and out. Work is asynchronous: an op returns at once and the host wait
 from __future__ import annotations
 
 import numbers
-from typing import Optional, Sequence, Tuple, Union
+from typing import Optional, Tuple, Union
 
 import numpy as np
 

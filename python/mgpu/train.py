@@ -19,7 +19,7 @@ from . import _core
 from . import distributed as _dist
 from .data import DataLoader, load_data_fashion_mnist
 from .device import Device, as_device, try_gpu
-from .nn import lenet, lenet_params
+from .nn import lenet_params
 from .parallel import evaluate_counts, get_params, train_batch
 from .tensor import Tensor
 
@@ -119,7 +119,7 @@ def _in_notebook() -> bool:
 def train(num_gpus: int, batch_size: int, lr: float, num_epochs: int = 10,
           data_dir: Optional[str] = None, limit_batches: Optional[int] = None, seed: int = 0,
           params: Optional[Sequence[Tensor]] = None, progress: Optional[bool] = None,
-          plot: Optional[bool] = None, data=None) -> TrainResult:
+          plot: Optional[bool] = None, data=None, step: Optional[Callable] = None) -> TrainResult:
     """Trains the chapter's LeNet data-parallel on ``num_gpus`` devices and prints its line.
 
     Devices are ``[try_gpu(i) for i in range(num_gpus)]``: GPUs where they exist, virtual CPU
@@ -127,7 +127,9 @@ def train(num_gpus: int, batch_size: int, lr: float, num_epochs: int = 10,
     initial parameters and the shuffles, ``params`` starts from given parameters instead,
     ``data`` is a (train_iter, test_iter) pair to use instead of Fashion-MNIST. ``progress``
     shows a progress bar (default: when stderr is a terminal); ``plot`` draws the accuracy curve
-    (default: in a notebook). Returns the per-epoch accuracies, losses and times.
+    (default: in a notebook). ``step(X, y, device_params, devices, lr)`` takes one minibatch
+    step: mgpu's fused ``train_batch`` by default, or e.g. the chapter's own
+    ``mgpu.chapter.train_batch``. Returns the per-epoch accuracies, losses and times.
     """
     if int(num_gpus) < 1:
         raise ValueError(f"train: num_gpus must be >= 1, got {num_gpus}")
@@ -159,7 +161,9 @@ def train(num_gpus: int, batch_size: int, lr: float, num_epochs: int = 10,
         seen = 0
         timer.start()
         for X, y in train_iter:
-            losses.extend(train_batch(X, y, device_params, devices, lr))
+            step_losses = (step or train_batch)(X, y, device_params, devices, lr)
+            if step_losses is not None:
+                losses.extend(step_losses)
             seen += X.shape[0]
             if bar is not None:
                 bar.update(1)
@@ -171,9 +175,11 @@ def train(num_gpus: int, batch_size: int, lr: float, num_epochs: int = 10,
         loss_sum = sum(l.item() for l in losses)
         if world > 1:
             loss_sum = _sum_over_ranks(loss_sum)
-        result.train_loss.append(loss_sum / max(1, seen))
+        # A step that reports no losses (the chapter's) leaves the training loss unknown.
+        result.train_loss.append(loss_sum / max(1, seen) if losses else float("nan"))
         if bar is not None:
-            bar.set_postfix(loss=f"{result.train_loss[-1]:.3f}", test_acc=f"{result.test_acc[-1]:.3f}")
+            bar.set_postfix(loss=f"{result.train_loss[-1]:.3f}",
+                            test_acc=f"{result.test_acc[-1]:.3f}")
             bar.close()
         if animator is not None:
             animator.add(epoch + 1, (result.test_acc[-1],))
@@ -194,34 +200,15 @@ def _progress_bar(total: int, desc: str):
     return tqdm(total=total, desc=desc, unit="batch", leave=False, file=sys.stderr)
 
 
-def train_op_by_op(num_gpus: int, batch_size: int, lr: float, num_epochs: int = 10, **kw) -> TrainResult:
-    """The same loop with the chapter's Python-level train_batch (autograd, op by op)."""
-    from .chapter import train_batch as chapter_train_batch
-    return _train_with(chapter_train_batch, num_gpus, batch_size, lr, num_epochs, **kw)
-
-
-def _train_with(step, num_gpus, batch_size, lr, num_epochs, data_dir=None, limit_batches=None,
-                seed=0, data=None) -> TrainResult:
+def train_op_by_op(num_gpus: int, batch_size: int, lr: float, num_epochs: int = 10,
+                   **kw) -> TrainResult:
+    """``train`` with the chapter's Python-level train_batch (autograd, op by op)."""
     _dist._auto_init()
     if _dist.world_size() > 1:
         raise ValueError("train_op_by_op: the chapter's op-by-op step runs in one process; under "
                          "mpirun use the fused train (drop --op-by-op)")
-    train_iter, test_iter = data if data is not None else load_data_fashion_mnist(
-        batch_size, data_dir=data_dir, seed=seed, limit_batches=limit_batches)
-    devices = [try_gpu(i) for i in range(int(num_gpus))]
-    device_params = [get_params(lenet_params(seed=seed), d) for d in devices]
-    result = TrainResult(devices=devices)
-    timer = Timer()
-    for _ in range(int(num_epochs)):
-        timer.start()
-        for X, y in train_iter:
-            step(X, y, device_params, devices, lr)
-        _core.waitall()
-        result.epoch_times.append(timer.stop())
-        result.test_acc.append(evaluate_accuracy(
-            lambda x: lenet(x, device_params[0]), test_iter, [devices[0]]))
-    print(result.summary())
-    return result
+    from .chapter import train_batch as chapter_train_batch
+    return train(num_gpus, batch_size, lr, num_epochs, step=chapter_train_batch, **kw)
 
 
 __all__ = ["Timer", "TrainResult", "evaluate_accuracy", "evaluate_accuracy_gpu", "train",
