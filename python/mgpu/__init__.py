@@ -8,7 +8,7 @@ with their backward passes, the chapter's helpers (``get_params``, ``allreduce``
 import atexit
 
 from . import _core
-from . import autograd, distributed, random
+from . import autograd, chapter, distributed, plot, random
 from ._core import DeviceError
 from .autograd import no_grad
 from .data import DataLoader, get_fashion_mnist_labels, load_data_fashion_mnist
@@ -61,7 +61,7 @@ __all__ = [
     "Timer", "TrainResult",
     "cpu", "gpu", "try_gpu", "try_all_gpus", "num_gpus",
     "array", "tensor", "zeros", "ones", "full", "zeros_like", "ones_like", "arange", "randn",
-    "from_dlpack", "random", "autograd", "distributed", "no_grad",
+    "from_dlpack", "random", "autograd", "chapter", "distributed", "plot", "no_grad",
     "conv2d", "avg_pool2d", "relu", "mm", "dot", "cross_entropy", "argmax",
     "lenet", "lenet_params", "get_params", "allreduce", "split_batch", "split_and_load", "sgd",
     "train_batch", "load_data_fashion_mnist", "get_fashion_mnist_labels",

@@ -15,6 +15,7 @@ class Animator:
         self.xlim, self.ylim = xlim, ylim
         self.X: List[List[float]] = []
         self.Y: List[List[float]] = []
+        self._handle = None  # the notebook output this figure lives in, updated in place
         plt.close(self.fig)  # shown through display() only, never twice
 
     def add(self, x: float, ys: Sequence[float]) -> None:
@@ -38,7 +39,11 @@ class Animator:
         self.ax.grid(True)
         try:
             from IPython import display
-            display.display(self.fig)
-            display.clear_output(wait=True)
         except ImportError:
-            pass
+            return
+        # One output, updated in place: text printed after the loop (the chapter's summary
+        # line) then appears below the final figure instead of wiping it.
+        if self._handle is None:
+            self._handle = display.display(self.fig, display_id=True)
+        else:
+            self._handle.update(self.fig)

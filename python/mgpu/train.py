@@ -17,6 +17,7 @@ import numpy as np
 
 from . import _core
 from . import distributed as _dist
+from .autograd import no_grad
 from .data import DataLoader, load_data_fashion_mnist
 from .device import Device, as_device, try_gpu
 from .nn import lenet_params
@@ -56,11 +57,12 @@ def evaluate_accuracy(net_or_params, data_iter, devices: Optional[Sequence[Devic
     seen = 0
     if callable(net_or_params):
         device = as_device(devices[0]) if devices else None
-        for X, y in data_iter:
-            if device is not None:
-                X, y = X.to(device), y.to(device)
-            counts.append(Tensor(_core.correct_count(net_or_params(X)._t, y._t)))
-            seen += X.shape[0]
+        with no_grad():  # evaluation needs no backward graph
+            for X, y in data_iter:
+                if device is not None:
+                    X, y = X.to(device), y.to(device)
+                counts.append(Tensor(_core.correct_count(net_or_params(X)._t, y._t)))
+                seen += X.shape[0]
     else:
         if devices is None:
             devices = [ps[0].device for ps in net_or_params]
