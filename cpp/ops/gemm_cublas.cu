@@ -1,0 +1,37 @@
+// cpp/ops/gemm_cublas.cu -- cuda::sgemm's contract (row-major, kernels_cuda.h) through cuBLAS, the
+// matrix product of real GPU builds (linear, and conv's products if ever lowered to gemm). Real
+// CUDA builds only: compiled and linked by nvcc, never run (no GPU here; the emulated build uses
+// our own tiled kernel in linear.cu instead).
+#include <cublas_v2.h>
+
+#include "ops/kernels_cuda_impl.cuh"
+
+namespace mgpu::ops::cuda {
+
+void sgemm_cublas(cublasContext* handle, bool trans_a, bool trans_b, int64_t m, int64_t n,
+                  int64_t k, float alpha, const float* a, int64_t lda, const float* b, int64_t ldb,
+                  float beta, float* c, int64_t ldc) {
+  const char* op = "cuda::sgemm_cublas";
+  if (m <= 0 || n <= 0) return;
+  if (k < 0) k = 0;
+  const int64_t a_cols = trans_a ? m : k, b_cols = trans_b ? k : n;
+  detail::require(lda >= a_cols && ldb >= b_cols && ldc >= n, op,
+                  "row strides lda=" + std::to_string(lda) + ", ldb=" + std::to_string(ldb) +
+                      ", ldc=" + std::to_string(ldc) + " are smaller than the rows they step over");
+  using detail::as_int;
+  // cuBLAS is column-major. A row-major (r, c) matrix with row stride ld is the column-major
+  // (c, r) matrix with leading dimension ld, its transpose: so row-major C = op(A) op(B) is
+  // column-major C^T = op(B)^T op(A)^T, i.e. the same call with A and B swapped.
+  // cuBLAS (like any BLAS) takes k == 0 as C = beta C and never reads C when beta == 0.
+  const cublasStatus_t status =
+      cublasSgemm(handle, trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, trans_a ? CUBLAS_OP_T : CUBLAS_OP_N,
+                  as_int(op, "n", n), as_int(op, "m", m), as_int(op, "k", k), &alpha, b,
+                  as_int(op, "ldb", ldb > 0 ? ldb : 1), a, as_int(op, "lda", lda > 0 ? lda : 1),
+                  &beta, c, as_int(op, "ldc", ldc));
+  if (status != CUBLAS_STATUS_SUCCESS) {
+    throw ::mgpu::DeviceError(std::string(op) +
+                              ": cublasSgemm failed: " + cublasGetStatusString(status));
+  }
+}
+
+}  // namespace mgpu::ops::cuda

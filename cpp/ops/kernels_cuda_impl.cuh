@@ -1,0 +1,65 @@
+// cpp/ops/kernels_cuda_impl.cuh -- what the kernel sources (ops/*.cu) share: the CUDA runtime or
+// emulator (launch_cuda.cuh, with failures thrown as mgpu::DeviceError), the launchers' argument
+// checks, and the grid-stride kernel behind cuda::for_each_index, which op.cu files instantiate
+// for their per-element bodies. Included only by .cu files (nvcc, or g++ -DMGPU_CUDA_EMULATION).
+#pragma once
+
+#include <climits>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#include "core/error.h"
+#define MGPU_CUDA_ERROR_TYPE ::mgpu::DeviceError
+#include "ops/kernels_cuda.h"
+#include "ops/launch_cuda.cuh"
+
+namespace mgpu::ops::cuda::detail {
+
+// Kernels index with int (half the registers and integer work of int64 on a GPU); launchers
+// refuse counts that do not fit, naming the kernel and the count.
+inline int as_int(const char* op, const char* what, int64_t value) {
+  if (value < 0 || value > INT_MAX) {
+    throw std::invalid_argument(std::string(op) + ": " + what + " = " + std::to_string(value) +
+                                " does not fit the CUDA kernels' int indexing (0 to " +
+                                std::to_string(INT_MAX) + ")");
+  }
+  return static_cast<int>(value);
+}
+
+inline void require(bool ok, const char* op, const std::string& what) {
+  if (!ok) throw std::invalid_argument(std::string(op) + ": " + what);
+}
+
+__host__ __device__ inline int ceil_div(int a, int b) { return (a + b - 1) / b; }
+
+// Grid-stride loop: a bounded grid covers any n, each thread taking i, i + grid size, ...
+// 64-bit i: the per-element ops also run on tensors larger than 2^31 elements.
+template <class Body>
+__global__ void elementwise_kernel(int64_t n, Body body) {
+  const int64_t step = static_cast<int64_t>(blockDim.x) * gridDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += step) {
+    body(i);
+  }
+}
+
+constexpr int kElementThreads = 256;
+// Enough blocks to fill a large GPU several times over; more would only add scheduling.
+constexpr int64_t kMaxElementBlocks = 4096;
+
+}  // namespace mgpu::ops::cuda::detail
+
+namespace mgpu::ops::cuda {
+
+template <class Body>
+void for_each_index(int64_t n, const Body& body, cudaStream_t stream) {
+  if (n <= 0) return;
+  const int64_t wanted = (n + detail::kElementThreads - 1) / detail::kElementThreads;
+  const int blocks =
+      static_cast<int>(wanted < detail::kMaxElementBlocks ? wanted : detail::kMaxElementBlocks);
+  auto* kernel = detail::elementwise_kernel<Body>;
+  MGPU_LAUNCH(kernel, blocks, detail::kElementThreads, 0, stream)(n, body);
+  MGPU_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace mgpu::ops::cuda

@@ -1,0 +1,506 @@
+// tests/cpp/emu_test_kernels_cuda.cpp -- the CUDA kernels (cpp/ops/*.cu, kernels_cuda.h) executed
+// on emulated GPUs (cpp/emu/) and compared with the CPU kernels (kernels_cpu.h, gemm.h) on the same
+// random inputs: sums (conv, pool, loss, sgemm) within rel 1e-4 / abs 1e-5, per-element bodies
+// and argmax exactly. Shapes include batch 1, odd and non-square images, stride 2, padding 1 and 2,
+// and LeNet's real layers at small batches (each CUDA thread is a fiber: keep them small). Fiber
+// order comes from MGPU_EMU_SEED (ctest runs the suite under two seeds), so a missing barrier
+// shows. Not named test_*.cpp: it needs -DMGPU_CUDA_EMULATION and cpp/emu/.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <ostream>
+#include <random>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "ops/elementwise.h"
+#include "ops/gemm.h"
+#include "ops/kernels_cpu.h"
+#include "ops/kernels_cuda.h"
+#include "ops/launch_cuda.cuh"
+#include "ops/relu.h"
+
+namespace {
+
+namespace cpu = mgpu::ops::cpu;
+namespace gpu = mgpu::ops::cuda;
+using Floats = std::vector<float>;
+using Conv2dShape = cpu::Conv2dShape;
+
+constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
+
+// Device memory holding a copy of a host vector; frees itself.
+template <typename T>
+class DeviceVector {
+ public:
+  explicit DeviceVector(size_t n) : n_(n) {
+    MGPU_CUDA_CHECK(cudaMalloc(&p_, (n > 0 ? n : 1) * sizeof(T)));
+  }
+  explicit DeviceVector(const std::vector<T>& host) : DeviceVector(host.size()) {
+    MGPU_CUDA_CHECK(cudaMemcpy(p_, host.data(), n_ * sizeof(T), cudaMemcpyHostToDevice));
+  }
+  ~DeviceVector() { cudaFree(p_); }
+  DeviceVector(const DeviceVector&) = delete;
+  DeviceVector& operator=(const DeviceVector&) = delete;
+  T* get() const { return p_; }
+  std::vector<T> download() const {
+    std::vector<T> host(n_);
+    MGPU_CUDA_CHECK(cudaMemcpy(host.data(), p_, n_ * sizeof(T), cudaMemcpyDeviceToHost));
+    return host;
+  }
+
+ private:
+  size_t n_;
+  T* p_ = nullptr;
+};
+
+Floats random_floats(size_t n, unsigned seed, float lo = -1.0f, float hi = 1.0f) {
+  std::mt19937 gen(seed);
+  std::uniform_real_distribution<float> dist(lo, hi);
+  Floats v(n);
+  for (float& x : v) x = dist(gen);
+  return v;
+}
+
+// Sums: rel 1e-4, abs 1e-5 (the GPU adds in another order than the CPU). Elementwise: exact.
+struct Tolerance {
+  double rel, abs;
+};
+constexpr Tolerance kSum{1e-4, 1e-5};
+constexpr Tolerance kExact{0.0, 0.0};
+
+// Compares element by element (NaN equals NaN); on failure names the worst index.
+::testing::AssertionResult close(const std::string& what, const Floats& got, const Floats& want,
+                                 Tolerance tol) {
+  if (got.size() != want.size()) {
+    return ::testing::AssertionFailure()
+           << what << ": " << got.size() << " elements, want " << want.size();
+  }
+  size_t bad = 0, worst = 0;
+  double worst_err = -1.0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    if (std::isnan(got[i]) && std::isnan(want[i])) continue;
+    const double err = std::fabs(static_cast<double>(got[i]) - want[i]);
+    const bool ok = err <= tol.abs + tol.rel * std::fabs(static_cast<double>(want[i]));
+    if (!ok || std::isnan(err)) {
+      ++bad;
+      if (std::isnan(err) || err > worst_err) {
+        worst_err = std::isnan(err) ? INFINITY : err;
+        worst = i;
+      }
+    }
+  }
+  if (bad == 0) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure()
+         << what << ": " << bad << " of " << got.size() << " elements differ; worst at index "
+         << worst << ": got " << got[worst] << ", want " << want[worst];
+}
+
+class CudaKernels : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    mgpu::emu::reset_from_env();  // MGPU_EMU_SEED decides the fiber order
+    MGPU_CUDA_CHECK(cudaSetDevice(0));
+    MGPU_CUDA_CHECK(cudaStreamCreate(&stream_));
+  }
+  void TearDown() override {
+    cudaStreamDestroy(stream_);
+    cudaGetLastError();
+    mgpu::emu::reset_from_env();
+  }
+  void sync() { MGPU_CUDA_CHECK(cudaStreamSynchronize(stream_)); }
+  cudaStream_t stream_ = nullptr;
+};
+
+// ================================ conv2d ================================
+
+struct ConvCase {
+  const char* name;
+  Conv2dShape s;  // N, C, H, W, K, R, S, stride, pad
+};
+
+const ConvCase kConvCases[] = {
+    {"lenet_conv1_n2_14x14_pad2", {2, 1, 14, 14, 6, 5, 5, 1, 2}},
+    {"lenet_conv1_real_n2", {2, 1, 28, 28, 6, 5, 5, 1, 2}},
+    {"lenet_conv2_real_n2", {2, 6, 14, 14, 16, 5, 5, 1, 0}},
+    {"batch1_odd_nonsquare_pad1", {1, 3, 9, 7, 5, 3, 3, 1, 1}},
+    {"stride2_pad1", {2, 2, 11, 8, 3, 3, 3, 2, 1}},
+    {"stride2_pad2_rect_kernel", {1, 3, 10, 13, 4, 3, 5, 2, 2}},
+    {"stride3_1x1", {3, 5, 7, 6, 7, 1, 1, 3, 0}},
+    {"several_tiles_20x35", {1, 2, 20, 35, 3, 3, 3, 1, 1}},
+    {"kernel_larger_than_stride_gap_s2", {2, 1, 19, 21, 2, 5, 4, 2, 1}},
+};
+
+// gtest (and ctest's test names) print a parameter by its name, not its bytes.
+void PrintTo(const ConvCase& c, std::ostream* out) { *out << c.name; }
+
+class Conv2dCuda : public CudaKernels, public ::testing::WithParamInterface<ConvCase> {};
+
+int64_t x_numel(const Conv2dShape& s) { return s.N * s.C * s.H * s.W; }
+int64_t w_numel(const Conv2dShape& s) { return s.K * s.C * s.R * s.S; }
+int64_t y_numel(const Conv2dShape& s) { return s.N * s.K * s.P() * s.Q(); }
+
+TEST_P(Conv2dCuda, ForwardMatchesCpu) {
+  const Conv2dShape s = GetParam().s;
+  const Floats x = random_floats(x_numel(s), 1), w = random_floats(w_numel(s), 2),
+               b = random_floats(s.K, 3);
+  Floats want(y_numel(s)), want_nobias(y_numel(s));
+  cpu::conv2d_forward(s, x.data(), w.data(), b.data(), want.data());
+  cpu::conv2d_forward(s, x.data(), w.data(), nullptr, want_nobias.data());
+
+  DeviceVector<float> dx_(x), dw_(w), db_(b), dy_(Floats(y_numel(s), kNaN));
+  gpu::conv2d_forward(s, dx_.get(), dw_.get(), db_.get(), dy_.get(), stream_);
+  sync();
+  EXPECT_TRUE(close("conv2d_forward y", dy_.download(), want, kSum));
+  gpu::conv2d_forward(s, dx_.get(), dw_.get(), nullptr, dy_.get(), stream_);
+  sync();
+  EXPECT_TRUE(close("conv2d_forward y (no bias)", dy_.download(), want_nobias, kSum));
+}
+
+TEST_P(Conv2dCuda, BackwardMatchesCpu) {
+  const Conv2dShape s = GetParam().s;
+  const Floats x = random_floats(x_numel(s), 4), w = random_floats(w_numel(s), 5),
+               dy = random_floats(y_numel(s), 6);
+  Floats want_dx(x_numel(s)), want_dw(w_numel(s)), want_db(s.K);
+  cpu::conv2d_backward(s, x.data(), w.data(), dy.data(), want_dx.data(), want_dw.data(),
+                       want_db.data());
+
+  DeviceVector<float> x_(x), w_(w), dy_(dy), dx_(Floats(x_numel(s), kNaN)),
+      dw_(Floats(w_numel(s), kNaN)), db_(Floats(s.K, kNaN));
+  gpu::conv2d_backward(s, x_.get(), w_.get(), dy_.get(), dx_.get(), dw_.get(), db_.get(), stream_);
+  sync();
+  EXPECT_TRUE(close("conv2d_backward dx", dx_.download(), want_dx, kSum));
+  const Floats dw = dw_.download();
+  EXPECT_TRUE(close("conv2d_backward dw", dw, want_dw, kSum));
+  EXPECT_TRUE(close("conv2d_backward db", db_.download(), want_db, kSum));
+
+  // Skipping dx and db (LeNet's first layer) leaves dw's bits unchanged, and a second run gives
+  // the same bits: the sums have a fixed order.
+  DeviceVector<float> dw_only(Floats(w_numel(s), kNaN));
+  gpu::conv2d_backward(s, x_.get(), w_.get(), dy_.get(), nullptr, dw_only.get(), nullptr, stream_);
+  sync();
+  EXPECT_TRUE(close("conv2d_backward dw (dx, db skipped)", dw_only.download(), dw, kExact));
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, Conv2dCuda, ::testing::ValuesIn(kConvCases),
+                         [](const ::testing::TestParamInfo<ConvCase>& param) {
+                           return std::string(param.param.name);
+                         });
+
+TEST_F(CudaKernels, Conv2dBackwardOfEmptyBatchWritesZeroGradients) {
+  const Conv2dShape s{0, 2, 5, 5, 3, 3, 3, 1, 0};
+  DeviceVector<float> w_(Floats(w_numel(s), 1.0f)), dw_(Floats(w_numel(s), kNaN)),
+      db_(Floats(s.K, kNaN));
+  gpu::conv2d_backward(s, nullptr, w_.get(), nullptr, nullptr, dw_.get(), db_.get(), stream_);
+  sync();
+  EXPECT_TRUE(close("dw, N=0", dw_.download(), Floats(w_numel(s), 0.0f), kExact));
+  EXPECT_TRUE(close("db, N=0", db_.download(), Floats(s.K, 0.0f), kExact));
+}
+
+TEST_F(CudaKernels, Conv2dRejectsWhatItCannotLaunch) {
+  const Conv2dShape too_wide{1, 1, 20, 20, 1, 9, 9, 1, 0};  // R * S = 81 > 64
+  DeviceVector<float> buf(Floats(400, 0.0f));
+  EXPECT_THROW(gpu::conv2d_backward(too_wide, buf.get(), buf.get(), buf.get(), nullptr, buf.get(),
+                                    nullptr, stream_),
+               std::invalid_argument);
+  EXPECT_THROW(gpu::conv2d_backward(Conv2dShape{1, 1, 5, 5, 1, 3, 3, 1, 0}, buf.get(), buf.get(),
+                                    buf.get(), nullptr, nullptr, nullptr, stream_),
+               std::invalid_argument);
+}
+
+// ================================ avg_pool2d ================================
+
+struct PoolCase {
+  const char* name;
+  int64_t N, C, H, W, kh, kw, sh, sw;
+};
+
+const PoolCase kPoolCases[] = {
+    {"lenet_pool1_n2", 2, 6, 28, 28, 2, 2, 2, 2},
+    {"lenet_pool2_n2", 2, 16, 10, 10, 2, 2, 2, 2},
+    {"batch1_floor_9_to_4", 1, 3, 9, 9, 2, 2, 2, 2},
+    {"overlapping_3x2_s1x2_nonsquare", 2, 2, 7, 5, 3, 2, 1, 2},
+    {"gaps_2x3_s3x2", 1, 1, 8, 7, 2, 3, 3, 2},
+};
+
+void PrintTo(const PoolCase& c, std::ostream* out) { *out << c.name; }
+
+class AvgPool2dCuda : public CudaKernels, public ::testing::WithParamInterface<PoolCase> {};
+
+TEST_P(AvgPool2dCuda, ForwardAndBackwardMatchCpu) {
+  const PoolCase c = GetParam();
+  const int64_t P = (c.H - c.kh) / c.sh + 1, Q = (c.W - c.kw) / c.sw + 1;
+  const size_t nx = c.N * c.C * c.H * c.W, ny = c.N * c.C * P * Q;
+  const Floats x = random_floats(nx, 7), dy = random_floats(ny, 8);
+  Floats want_y(ny), want_dx(nx);
+  cpu::avg_pool2d_forward(c.N, c.C, c.H, c.W, c.kh, c.kw, c.sh, c.sw, x.data(), want_y.data());
+  cpu::avg_pool2d_backward(c.N, c.C, c.H, c.W, c.kh, c.kw, c.sh, c.sw, dy.data(), want_dx.data());
+
+  DeviceVector<float> x_(x), dy_(dy), y_(Floats(ny, kNaN)), dx_(Floats(nx, kNaN));
+  gpu::avg_pool2d_forward(c.N, c.C, c.H, c.W, c.kh, c.kw, c.sh, c.sw, x_.get(), y_.get(), stream_);
+  gpu::avg_pool2d_backward(c.N, c.C, c.H, c.W, c.kh, c.kw, c.sh, c.sw, dy_.get(), dx_.get(),
+                           stream_);
+  sync();
+  EXPECT_TRUE(close("avg_pool2d_forward y", y_.download(), want_y, kSum));
+  EXPECT_TRUE(close("avg_pool2d_backward dx", dx_.download(), want_dx, kSum));
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, AvgPool2dCuda, ::testing::ValuesIn(kPoolCases),
+                         [](const ::testing::TestParamInfo<PoolCase>& param) {
+                           return std::string(param.param.name);
+                         });
+
+// ================================ softmax cross-entropy ================================
+
+template <class Label>
+std::vector<Label> random_labels(size_t n, int64_t m, unsigned seed) {
+  std::mt19937 gen(seed);
+  std::uniform_int_distribution<int64_t> dist(0, m - 1);
+  std::vector<Label> v(n);
+  for (Label& y : v) y = static_cast<Label>(dist(gen));
+  return v;
+}
+
+template <class Label>
+void check_softmax_ce(cudaStream_t stream, int64_t n, int64_t m, float scale, unsigned seed) {
+  SCOPED_TRACE("n=" + std::to_string(n) + " m=" + std::to_string(m) +
+               " scale=" + std::to_string(scale) + " label bytes=" + std::to_string(sizeof(Label)));
+  const Floats z = random_floats(n * m, seed, -scale, scale);
+  const std::vector<Label> y = random_labels<Label>(n, m, seed + 1);
+  const Floats dloss = random_floats(n, seed + 2);
+  Floats want_loss(n), want_dz(n * m);
+  cpu::softmax_ce_forward(n, m, z.data(), y.data(), want_loss.data());
+  cpu::softmax_ce_backward(n, m, z.data(), y.data(), dloss.data(), want_dz.data());
+
+  DeviceVector<float> z_(z), dloss_(dloss), loss_(Floats(n, kNaN)), dz_(Floats(n * m, kNaN));
+  DeviceVector<Label> y_(y);
+  DeviceVector<int32_t> bad_(std::vector<int32_t>{-5});
+  gpu::softmax_ce_forward(n, m, z_.get(), y_.get(), loss_.get(), bad_.get(), stream);
+  MGPU_CUDA_CHECK(cudaStreamSynchronize(stream));
+  EXPECT_EQ(bad_.download()[0], gpu::kNoBadRow);
+  gpu::softmax_ce_backward(n, m, z_.get(), y_.get(), dloss_.get(), dz_.get(), nullptr, stream);
+  MGPU_CUDA_CHECK(cudaStreamSynchronize(stream));
+  EXPECT_TRUE(close("softmax_ce_forward loss", loss_.download(), want_loss, kSum));
+  EXPECT_TRUE(close("softmax_ce_backward dlogits", dz_.download(), want_dz, kSum));
+}
+
+TEST_F(CudaKernels, SoftmaxCeMatchesCpuForBothLabelTypes) {
+  // m = 10 (LeNet), m = 37 (more columns than a warp's lanes), m = 1; rows not a multiple of a
+  // block's 4; logits near +-1000 must neither overflow nor lose the small terms.
+  for (const auto& [n, m, scale] : {std::tuple<int64_t, int64_t, float>{5, 10, 3.0f},
+                                    {1, 10, 1.0f},
+                                    {9, 37, 5.0f},
+                                    {3, 1, 1.0f},
+                                    {4, 10, 1000.0f}}) {
+    check_softmax_ce<int64_t>(stream_, n, m, scale, 11);
+    check_softmax_ce<int32_t>(stream_, n, m, scale, 21);
+  }
+}
+
+TEST_F(CudaKernels, SoftmaxCeOutOfRangeLabelGivesNaNRowAndFlagsTheFirstBadRow) {
+  const int64_t n = 6, m = 10;
+  const Floats z = random_floats(n * m, 31);
+  // Row 2: m (would read row 3's first logit); row 4: -1; row 5: 2^40 + 3 (3 if truncated to
+  // int32: it must be compared as int64).
+  const std::vector<int64_t> y = {1, 9, m, 0, -1, (int64_t{1} << 40) + 3};
+  DeviceVector<float> z_(z), dloss_(Floats(n, 1.0f)), loss_(Floats(n, 0.0f)),
+      dz_(Floats(n * m, 0.0f));
+  DeviceVector<int64_t> y_(y);
+  DeviceVector<int32_t> bad_(1);
+  gpu::softmax_ce_forward(n, m, z_.get(), y_.get(), loss_.get(), bad_.get(), stream_);
+  sync();
+  const Floats loss = loss_.download();
+  const int32_t bad = bad_.download()[0];
+  EXPECT_EQ(bad, 2);
+  for (int64_t i = 0; i < n; ++i) {
+    const bool bad_label = y[i] < 0 || y[i] >= m;
+    EXPECT_EQ(std::isnan(loss[i]), bad_label) << "row " << i;
+  }
+  EXPECT_THROW(gpu::check_bad_row("softmax_ce_forward", bad, y[bad], m), std::out_of_range);
+  EXPECT_NO_THROW(gpu::check_bad_row("softmax_ce_forward", gpu::kNoBadRow, 0, m));
+  try {
+    gpu::check_bad_row("softmax_ce_forward", bad, y[bad], m);
+  } catch (const std::out_of_range& e) {
+    EXPECT_EQ(std::string(e.what()),
+              "softmax_ce_forward: label 10 in row 2 is out of range for 10 classes; labels must "
+              "be class indices in [0, 10)");
+  }
+
+  gpu::softmax_ce_backward(n, m, z_.get(), y_.get(), dloss_.get(), dz_.get(), bad_.get(), stream_);
+  sync();
+  const Floats dz = dz_.download();
+  EXPECT_EQ(bad_.download()[0], 2);
+  for (int64_t i = 0; i < n; ++i) {
+    const bool bad_label = y[i] < 0 || y[i] >= m;
+    for (int64_t j = 0; j < m; ++j)
+      EXPECT_EQ(std::isnan(dz[i * m + j]), bad_label) << i << "," << j;
+  }
+}
+
+// ================================ linear: argmax, bias grad, sgemm
+// ================================
+
+TEST_F(CudaKernels, ArgmaxMatchesCpuWithTiesAndNaN) {
+  const int64_t m = 40;  // more columns than lanes: the warp combines strided scans
+  Floats x = random_floats(7 * m, 41);
+  x[0 * m + 3] = 5.0f;  // row 0: a tie, the first maximum wins
+  x[0 * m + 35] = 5.0f;
+  x[1 * m + 38] = kNaN;  // row 1: NaN counts as the maximum, the first one wins
+  x[1 * m + 39] = kNaN;
+  x[2 * m + 0] = kNaN;
+  for (int64_t j = 0; j < m; ++j) x[3 * m + j] = 1.0f;  // row 3: all equal -> column 0
+  x[4 * m + 33] = 9.0f;                                 // row 4: the max in lane 1's second pass
+  for (const int64_t cols : {m, int64_t{1}, int64_t{10}}) {
+    const int64_t n = static_cast<int64_t>(x.size()) / cols;
+    std::vector<int64_t> want(n);
+    cpu::argmax_rows(n, cols, x.data(), want.data());
+    DeviceVector<float> x_(x);
+    DeviceVector<int64_t> out_(std::vector<int64_t>(n, -7));
+    gpu::argmax_rows(n, cols, x_.get(), out_.get(), stream_);
+    sync();
+    EXPECT_EQ(out_.download(), want) << "m=" << cols;
+  }
+}
+
+TEST_F(CudaKernels, BiasGradRowsMatchesCpu) {
+  for (const auto& [n, m] : {std::pair<int64_t, int64_t>{1, 10}, {37, 10}, {9, 70}, {0, 5}}) {
+    const Floats dy = random_floats(n * m, 51);
+    Floats want(m);
+    cpu::bias_grad_rows(n, m, dy.data(), want.data());
+    DeviceVector<float> dy_(dy), db_(Floats(m, kNaN));
+    gpu::bias_grad_rows(n, m, dy_.get(), db_.get(), stream_);
+    sync();
+    EXPECT_TRUE(close("bias_grad_rows n=" + std::to_string(n) + " m=" + std::to_string(m),
+                      db_.download(), want, kSum));
+  }
+}
+
+TEST_F(CudaKernels, SgemmAllTransposesStridesAlphaBeta) {
+  // Sizes that are not multiples of the 16 x 16 tile, padded row strides, alpha and beta.
+  const int64_t m = 19, n = 23, k = 37, pad = 3;
+  for (const bool ta : {false, true}) {
+    for (const bool tb : {false, true}) {
+      for (const auto& [alpha, beta] : {std::pair<float, float>{1.0f, 0.0f}, {0.5f, -2.0f}}) {
+        SCOPED_TRACE(std::string("trans_a=") + (ta ? "1" : "0") + " trans_b=" + (tb ? "1" : "0") +
+                     " alpha=" + std::to_string(alpha) + " beta=" + std::to_string(beta));
+        const int64_t a_rows = ta ? k : m, a_cols = ta ? m : k;
+        const int64_t b_rows = tb ? n : k, b_cols = tb ? k : n;
+        const int64_t lda = a_cols + pad, ldb = b_cols + pad, ldc = n + pad;
+        const Floats a = random_floats(a_rows * lda, 61), b = random_floats(b_rows * ldb, 62);
+        Floats c = random_floats(m * ldc, 63);
+        if (beta == 0.0f) {
+          for (float& v : c) v = kNaN;  // beta == 0 must not read C
+        }
+        Floats want = c;
+        cpu::sgemm(ta, tb, m, n, k, alpha, a.data(), lda, b.data(), ldb, beta, want.data(), ldc);
+        DeviceVector<float> a_(a), b_(b), c_(c);
+        gpu::sgemm(ta, tb, m, n, k, alpha, a_.get(), lda, b_.get(), ldb, beta, c_.get(), ldc,
+                   stream_);
+        sync();
+        Floats got = c_.download();
+        // The padding columns of C are not part of the product: both leave them alone.
+        EXPECT_TRUE(close("sgemm C", got, want, kSum));
+      }
+    }
+  }
+}
+
+TEST_F(CudaKernels, SgemmEdgeCases) {
+  // k == 0: C = beta C; m == 0: nothing happens; a short row stride throws before launching.
+  Floats c = random_floats(6, 71), want = c;
+  for (float& v : want) v *= 3.0f;
+  DeviceVector<float> c_(c), one(Floats(1, 0.0f));
+  gpu::sgemm(false, false, 2, 3, 0, 1.0f, one.get(), 1, one.get(), 3, 3.0f, c_.get(), 3, stream_);
+  gpu::sgemm(false, false, 0, 3, 4, 1.0f, nullptr, 4, nullptr, 3, 0.0f, nullptr, 3, stream_);
+  sync();
+  EXPECT_TRUE(close("sgemm k=0", c_.download(), want, kSum));
+  EXPECT_THROW(gpu::sgemm(false, false, 2, 3, 4, 1.0f, one.get(), 3, one.get(), 3, 0.0f, c_.get(),
+                          3, stream_),
+               std::invalid_argument);
+}
+
+// ================================ per-element bodies ================================
+// The same body runs on both sides: the CUDA grid-stride kernel must give exactly the host loop's
+// bits. n = 1000 crosses a block (256 threads) boundary mid-way; n = 3 leaves most threads idle.
+
+template <class MakeBody>
+void check_body(cudaStream_t stream, const std::string& what, int64_t n, int num_inputs,
+                MakeBody make_body) {
+  SCOPED_TRACE(what + " n=" + std::to_string(n));
+  std::vector<Floats> in;
+  for (int i = 0; i < num_inputs; ++i) in.push_back(random_floats(n, 81 + i, -2.0f, 2.0f));
+  Floats want = random_floats(n, 99);  // also the initial output, for in-place bodies
+  std::vector<const float*> host_in;
+  for (const Floats& v : in) host_in.push_back(v.data());
+  const auto host_body = make_body(host_in, want.data());
+  for (int64_t i = 0; i < n; ++i) host_body(i);
+
+  std::vector<DeviceVector<float>*> dev;
+  std::vector<const float*> dev_in;
+  for (const Floats& v : in) {
+    dev.push_back(new DeviceVector<float>(v));
+    dev_in.push_back(dev.back()->get());
+  }
+  DeviceVector<float> out(random_floats(n, 99));
+  gpu::for_each_index(n, make_body(dev_in, out.get()), stream);
+  MGPU_CUDA_CHECK(cudaStreamSynchronize(stream));
+  EXPECT_TRUE(close(what, out.download(), want, kExact));
+  for (DeviceVector<float>* d : dev) delete d;
+}
+
+template <mgpu::ops::BinaryOp op>
+void check_binary(cudaStream_t stream, const std::string& name) {
+  using namespace mgpu::ops;
+  for (const int64_t n : {int64_t{1000}, int64_t{3}}) {
+    check_body(stream, name + " same", n, 2, [](const std::vector<const float*>& in, float* out) {
+      return BinarySameOut<op>{in[0], in[1], out};
+    });
+    // b broadcast over rows of 5 (a bias); n = 1000 and 3 are not both multiples: na = n.
+    check_body(stream, name + " broadcast", n, 2,
+               [n](const std::vector<const float*>& in, float* out) {
+                 return BinaryOut<op>{in[0], in[1], out, n, n % 5 == 0 ? 5 : 1};
+               });
+    for (const bool first : {false, true}) {
+      check_body(stream, name + " scalar", n, 1,
+                 [first](const std::vector<const float*>& in, float* out) {
+                   return BinaryScalarOut<op>{in[0], 0.75f, out, first};
+                 });
+    }
+  }
+}
+
+TEST_F(CudaKernels, PerElementBodiesEqualTheHostLoopExactly) {
+  using namespace mgpu::ops;
+  for (const int64_t n : {int64_t{1000}, int64_t{3}}) {
+    check_body(stream_, "relu", n, 1, [](const std::vector<const float*>& in, float* out) {
+      return ReluOut{in[0], out};
+    });
+    check_body(stream_, "relu grad", n, 2, [](const std::vector<const float*>& in, float* out) {
+      return ReluGradInput{in[0], in[1], out};
+    });
+    check_body(stream_, "sgd", n, 1, [](const std::vector<const float*>& in, float* out) {
+      return SgdUpdate{out, in[0], 0.1f / 256.0f};
+    });
+    check_body(stream_, "fill", n, 0, [](const std::vector<const float*>&, float* out) {
+      return FillOut{out, -1.5f};
+    });
+  }
+  check_binary<BinaryOp::Add>(stream_, "add");
+  check_binary<BinaryOp::Sub>(stream_, "sub");
+  check_binary<BinaryOp::Mul>(stream_, "mul");
+  check_binary<BinaryOp::Div>(stream_, "div");
+}
+
+TEST_F(CudaKernels, LaunchersRunOnTheGivenStreamAndDefaultStream) {
+  // for_each_index with n == 0 launches nothing; the default stream (0) works like any other.
+  DeviceVector<float> y(Floats(4, 0.0f));
+  gpu::for_each_index(0, mgpu::ops::FillOut{y.get(), 1.0f}, stream_);
+  gpu::for_each_index(4, mgpu::ops::FillOut{y.get(), 2.0f}, nullptr);
+  MGPU_CUDA_CHECK(cudaDeviceSynchronize());
+  EXPECT_EQ(y.download(), Floats(4, 2.0f));
+}
+
+}  // namespace
