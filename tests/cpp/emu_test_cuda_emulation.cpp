@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "ops/launch_cuda.cuh"
+#include "emu_test_util.h"
 
 namespace mgpu_test {  // tests/cpp/emu_kernels.cu
 void matmul(const float* a, const float* b, float* c, int m, int n, int k, cudaStream_t stream);
@@ -34,31 +35,8 @@ void gather(const float* x, const int* index, float* out, int n, int m, cudaStre
 namespace {
 
 using mgpu::emu::last_error_detail;
+using mgpu_test::DeviceVector;
 using ::testing::HasSubstr;
-
-// Device memory holding a copy of a host vector; frees itself.
-template <typename T>
-class DeviceVector {
- public:
-  explicit DeviceVector(size_t n) : n_(n) { MGPU_CUDA_CHECK(cudaMalloc(&p_, n * sizeof(T))); }
-  explicit DeviceVector(const std::vector<T>& host) : DeviceVector(host.size()) {
-    MGPU_CUDA_CHECK(cudaMemcpy(p_, host.data(), n_ * sizeof(T), cudaMemcpyHostToDevice));
-  }
-  ~DeviceVector() { cudaFree(p_); }
-  DeviceVector(const DeviceVector&) = delete;
-  DeviceVector& operator=(const DeviceVector&) = delete;
-  T* get() const { return p_; }
-  size_t bytes() const { return n_ * sizeof(T); }
-  std::vector<T> download() const {
-    std::vector<T> host(n_);
-    MGPU_CUDA_CHECK(cudaMemcpy(host.data(), p_, n_ * sizeof(T), cudaMemcpyDeviceToHost));
-    return host;
-  }
-
- private:
-  size_t n_;
-  T* p_ = nullptr;
-};
 
 std::vector<float> random_floats(size_t n, unsigned seed) {
   std::mt19937 gen(seed);

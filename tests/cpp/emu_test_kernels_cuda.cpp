@@ -22,40 +22,17 @@
 #include "ops/kernels_cuda.h"
 #include "ops/launch_cuda.cuh"
 #include "ops/relu.h"
+#include "emu_test_util.h"
 
 namespace {
 
 namespace cpu = mgpu::ops::cpu;
 namespace gpu = mgpu::ops::cuda;
+using mgpu_test::DeviceVector;
 using Floats = std::vector<float>;
 using Conv2dShape = cpu::Conv2dShape;
 
 constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
-
-// Device memory holding a copy of a host vector; frees itself.
-template <typename T>
-class DeviceVector {
- public:
-  explicit DeviceVector(size_t n) : n_(n) {
-    MGPU_CUDA_CHECK(cudaMalloc(&p_, (n > 0 ? n : 1) * sizeof(T)));
-  }
-  explicit DeviceVector(const std::vector<T>& host) : DeviceVector(host.size()) {
-    MGPU_CUDA_CHECK(cudaMemcpy(p_, host.data(), n_ * sizeof(T), cudaMemcpyHostToDevice));
-  }
-  ~DeviceVector() { cudaFree(p_); }
-  DeviceVector(const DeviceVector&) = delete;
-  DeviceVector& operator=(const DeviceVector&) = delete;
-  T* get() const { return p_; }
-  std::vector<T> download() const {
-    std::vector<T> host(n_);
-    MGPU_CUDA_CHECK(cudaMemcpy(host.data(), p_, n_ * sizeof(T), cudaMemcpyDeviceToHost));
-    return host;
-  }
-
- private:
-  size_t n_;
-  T* p_ = nullptr;
-};
 
 Floats random_floats(size_t n, unsigned seed, float lo = -1.0f, float hi = 1.0f) {
   std::mt19937 gen(seed);
