@@ -6,7 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-apt_packages=(g++ make cmake pkg-config libopenblas-dev zlib1g-dev libgtest-dev
+apt_packages=(g++ make cmake pkg-config libopenblas-dev zlib1g-dev libgtest-dev libgmock-dev
               dataset-fashion-mnist openmpi-bin libopenmpi-dev)
 missing=()
 for p in "${apt_packages[@]}"; do
