@@ -82,8 +82,9 @@ def step(out, local_devices, n):
          [p.numpy() for replica in replicas for p in replica] + [lt.numpy()])
 
 
-def train_steps(out, steps, batch_size, local_devices):
-    """`steps` fused steps over a shuffled loader, the same order on every rank."""
+def fused_steps(steps, batch_size, local_devices):
+    """`steps` fused steps over a shuffled loader, the same order on every rank (and in the
+    single-process reference of test_distributed.py). Returns the replicas and the loop's time."""
     images, labels = synthetic(steps * batch_size // 2)
     it = array_loader(images, labels, batch_size, shuffle=True, seed=3)
     params = mgpu.lenet_params(seed=0)
@@ -98,7 +99,11 @@ def train_steps(out, steps, batch_size, local_devices):
             if done == steps:
                 break
     mgpu.waitall()
-    elapsed = time.perf_counter() - t0
+    return replicas, time.perf_counter() - t0
+
+
+def train_steps(out, steps, batch_size, local_devices):
+    replicas, elapsed = fused_steps(steps, batch_size, local_devices)
     save(out, f"train_L{local_devices}", [p.numpy() for p in replicas[0]] + [np.array([elapsed])])
 
 

@@ -133,18 +133,7 @@ def test_a_few_hundred_steps_give_the_in_process_parameters(tmp_path):
     assert rc == 0, f"{out}\n{err}"
     ranks = [params_of(load(tmp_path, "train_L1", r)) for r in range(2)]
     for k in (2, 1):
-        images, labels = dist_worker.synthetic(steps * batch // 2)
-        it = mgpu.data.array_loader(images, labels, batch, shuffle=True, seed=3)
-        params = mgpu.lenet_params(seed=0)
-        devices = [mgpu.cpu(i) for i in range(k)]
-        replicas = [mgpu.get_params(params, d) for d in devices]
-        done = 0
-        while done < steps:
-            for X, y in it:
-                mgpu.train_batch(X, y, replicas, devices, lr=0.1)
-                done += 1
-                if done == steps:
-                    break
+        replicas, _ = dist_worker.fused_steps(steps, batch, k)
         for r, got in enumerate(ranks):
             for i, p in enumerate(replicas[0]):
                 if k == 2:
