@@ -1,6 +1,8 @@
 // cpp/ops/elementwise.cu -- the per-element bodies of elementwise.h as CUDA grid-stride kernels:
-// a op b (equal shapes, broadcast rows, scalar) for every BinaryOp, fills and the SGD step.
-// Executed on emulated GPUs in tests; compiled by nvcc.
+// a op b (equal shapes, broadcast rows, scalar) for every BinaryOp, fills and the SGD step; dtype
+// conversion (astype) for every pair of float, int32, int64, uint8; and the sum of all elements.
+// Executed on emulated GPUs in tests (tests/cpp/emu_test_kernels_cuda.cpp, including sum_all and
+// all 16 conversions); compiled by nvcc for real GPUs, never run on one.
 #include "ops/elementwise.h"
 #include "ops/kernels_cuda_impl.cuh"
 
@@ -20,5 +22,59 @@ MGPU_INSTANTIATE_BINARY(BinaryOp::Sub)
 MGPU_INSTANTIATE_BINARY(BinaryOp::Mul)
 MGPU_INSTANTIATE_BINARY(BinaryOp::Div)
 #undef MGPU_INSTANTIATE_BINARY
+
+namespace {
+
+// ---- astype: y[i] = To(x[i]) ----
+template <class To, class From>
+struct ConvertOut {
+  const From* x; To* y;
+  __host__ __device__ void operator()(int64_t i) const { y[i] = static_cast<To>(x[i]); }
+};
+
+// ---- sum of all elements ----
+// One block: ops::sum serves losses and metrics of a batch (thousands of elements), where a second
+// pass over per-block partials would cost more than it saves. Double partial sums, as the CPU
+// accumulates: a float tree over 10^5 terms would drift visibly from the CPU's result.
+constexpr int kSumThreads = 256;  // a power of two: the tree halves it down to 1
+
+__global__ void sum_all_kernel(int n, const float* __restrict__ x, float* __restrict__ out) {
+  __shared__ double part[kSumThreads];
+  const int t = threadIdx.x;
+  double acc = 0.0;
+  for (int i = t; i < n; i += kSumThreads) acc += x[i];  // consecutive threads, consecutive floats
+  part[t] = acc;
+  __syncthreads();  // every partial sum is in place
+  for (int half = kSumThreads / 2; half > 0; half /= 2) {
+    if (t < half) part[t] += part[t + half];
+    __syncthreads();  // this level is complete before the next reads it
+  }
+  if (t == 0) *out = static_cast<float>(part[0]);
+}
+
+}  // namespace
+
+void sum_all(int64_t n, const float* x, float* out, cudaStream_t stream) {
+  const int ni = detail::as_int("cuda::sum_all", "n", n);
+  // Launched for n == 0 too: the kernel writes the 0.
+  MGPU_LAUNCH(sum_all_kernel, 1, kSumThreads, 0, stream)(ni, x, out);
+  MGPU_CUDA_CHECK_LAUNCH();
+}
+
+template <class To, class From>
+void convert(int64_t n, const From* x, To* y, cudaStream_t stream) {
+  for_each_index(n, ConvertOut<To, From>{x, y}, stream);
+}
+
+#define MGPU_INSTANTIATE_CONVERT(To)                                              \
+  template void convert<To, float>(int64_t, const float*, To*, cudaStream_t);     \
+  template void convert<To, int32_t>(int64_t, const int32_t*, To*, cudaStream_t); \
+  template void convert<To, int64_t>(int64_t, const int64_t*, To*, cudaStream_t); \
+  template void convert<To, uint8_t>(int64_t, const uint8_t*, To*, cudaStream_t);
+MGPU_INSTANTIATE_CONVERT(float)
+MGPU_INSTANTIATE_CONVERT(int32_t)
+MGPU_INSTANTIATE_CONVERT(int64_t)
+MGPU_INSTANTIATE_CONVERT(uint8_t)
+#undef MGPU_INSTANTIATE_CONVERT
 
 }  // namespace mgpu::ops::cuda

@@ -79,6 +79,15 @@ void check_bad_row(const char* op, int32_t bad_row_value, int64_t label, int64_t
 // argmax over x (n, m) -> out (n): first maximum wins ties, the first NaN counts as the maximum.
 // One warp per row. Precondition: m >= 1.
 void argmax_rows(int64_t n, int64_t m, const float* x, int64_t* out, cudaStream_t stream);
+// *out = the number of rows i of logits (n, m) whose argmax (argmax_rows's rule) equals labels[i],
+// as a float (ops::correct_count's 0-d result); n == 0 gives 0. A label outside [0, m) never
+// matches (compared as int64, never used as an index). One block: a warp per row as in
+// argmax_rows, each warp counting its hits, then the warps' counts added in warp order (integers:
+// exact and reproducible). Precondition: m >= 1 when n > 0.
+void correct_count(int64_t n, int64_t m, const float* logits, const int64_t* labels, float* out,
+                   cudaStream_t stream);
+void correct_count(int64_t n, int64_t m, const float* logits, const int32_t* labels, float* out,
+                   cudaStream_t stream);
 // db[j] = sum_i dy[i, j] over dy (n, m): a block of 32 columns x 8 row slices, slices added in
 // order.
 void bias_grad_rows(int64_t n, int64_t m, const float* dy, float* db, cudaStream_t stream);
@@ -97,6 +106,19 @@ void sgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float al
 // FillOut, BinaryOut<op>, BinarySameOut<op>, BinaryScalarOut<op> (every BinaryOp).
 template <class Body>
 void for_each_index(int64_t n, const Body& body, cudaStream_t stream);
+
+// ---- reductions and conversions (elementwise.cu) ----
+// *out = sum of x[0, n) (n == 0 gives 0), as ops::sum: accumulated in double, rounded to float
+// once. One block of 256 threads: thread t adds x[t], x[t + 256], ... in order, then a
+// shared-memory tree of fixed shape adds the 256 partial sums, so the result is bitwise
+// reproducible (though not bitwise equal to the CPU's index order).
+void sum_all(int64_t n, const float* x, float* out, cudaStream_t stream);
+// y[i] = static_cast<To>(x[i]) for i in [0, n) (ops::astype), To and From each one of float,
+// int32_t, int64_t, uint8_t (all 16 pairs are instantiated). Integer to integer wraps as on the
+// CPU; float to an integer type truncates toward zero, and a value outside the target's range
+// (or NaN) is undefined behaviour in C++ and differs between CPU (x86) and GPU (saturating).
+template <class To, class From>
+void convert(int64_t n, const From* x, To* y, cudaStream_t stream);
 
 }  // namespace mgpu::ops::cuda
 

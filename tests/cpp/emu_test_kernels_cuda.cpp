@@ -1,7 +1,8 @@
 // tests/cpp/emu_test_kernels_cuda.cpp -- the CUDA kernels (cpp/ops/*.cu, kernels_cuda.h) executed
 // on emulated GPUs (cpp/emu/) and compared with the CPU kernels (kernels_cpu.h, gemm.h) on the same
-// random inputs: sums (conv, pool, loss, sgemm) within rel 1e-4 / abs 1e-5, per-element bodies
-// and argmax exactly. Shapes include batch 1, odd and non-square images, stride 2, padding 1 and 2,
+// random inputs: sums (conv, pool, loss, sgemm) within rel 1e-4 / abs 1e-5, per-element bodies,
+// dtype conversions, argmax and correct counts exactly, sum_all within float rounding of a double
+// sum. Shapes include batch 1, odd and non-square images, stride 2, padding 1 and 2,
 // and LeNet's real layers at small batches (each CUDA thread is a fiber: keep them small). Fiber
 // order comes from MGPU_EMU_SEED (ctest runs the suite under two seeds), so a missing barrier
 // shows. Not named test_*.cpp: it needs -DMGPU_CUDA_EMULATION and cpp/emu/.
@@ -9,11 +10,14 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <ostream>
 #include <random>
 #include <stdexcept>
 #include <string>
+#include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "ops/elementwise.h"
@@ -478,6 +482,229 @@ TEST_F(CudaKernels, LaunchersRunOnTheGivenStreamAndDefaultStream) {
   gpu::for_each_index(4, mgpu::ops::FillOut{y.get(), 2.0f}, nullptr);
   MGPU_CUDA_CHECK(cudaDeviceSynchronize());
   EXPECT_EQ(y.download(), Floats(4, 2.0f));
+}
+
+// ================================ sum_all ================================
+// One block of 256 threads: n = 255, 256, 257 straddle "every thread has one element"; 100000
+// gives each thread ~390 in-order terms. The reference is a double sum in index order (ops::sum's
+// CPU order); the GPU adds the same doubles in another order, so the two differ by double rounding
+// (~n * 2^-53 * sum |x|) before both round to float (half an ulp of the result each way).
+
+::testing::AssertionResult sum_close(const Floats& x, float got) {
+  double want = 0.0, abs_sum = 0.0;
+  for (const float v : x) {
+    want += v;
+    abs_sum += std::fabs(v);
+  }
+  const double tol = std::ldexp(std::fabs(want), -23) + 1e-12 * abs_sum;
+  if (std::fabs(got - want) <= tol) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << "sum_all of " << x.size() << " elements: got " << got
+                                       << ", want " << want << " (tolerance " << tol << ")";
+}
+
+float run_sum_all(cudaStream_t stream, const Floats& x) {
+  DeviceVector<float> x_(x), out_(Floats(1, kNaN));  // the NaN shows an unwritten result
+  gpu::sum_all(static_cast<int64_t>(x.size()), x_.get(), out_.get(), stream);
+  MGPU_CUDA_CHECK(cudaStreamSynchronize(stream));
+  return out_.download()[0];
+}
+
+uint32_t bits_of(float v) {
+  uint32_t b;
+  std::memcpy(&b, &v, sizeof b);
+  return b;
+}
+
+TEST_F(CudaKernels, SumAllMatchesADoubleSum) {
+  for (const int64_t n : {0, 1, 2, 255, 256, 257, 1000, 100000}) {
+    const Floats x = random_floats(n, 91 + static_cast<unsigned>(n % 97), -3.0f, 5.0f);
+    const float got = run_sum_all(stream_, x);
+    EXPECT_TRUE(sum_close(x, got)) << "n=" << n;
+    if (n == 0) {
+      EXPECT_EQ(bits_of(got), bits_of(0.0f));
+    }
+  }
+  // Accumulated in double, as on the CPU: in float the 1s would vanish next to 1e8 (sum 0).
+  Floats big(1002, 1.0f);
+  big.front() = 1e8f;
+  big.back() = -1e8f;
+  EXPECT_EQ(run_sum_all(stream_, big), 1000.0f);
+}
+
+TEST_F(CudaKernels, SumAllIsBitwiseReproducibleWhateverTheFiberOrder) {
+  const Floats x = random_floats(100000, 92, -1.0f, 1.0f);
+  const uint32_t first = bits_of(run_sum_all(stream_, x));
+  EXPECT_EQ(bits_of(run_sum_all(stream_, x)), first) << "second run, same seed";
+  // The tree is fixed, so the fiber order (MGPU_EMU_SEED) must not change a bit. TearDown
+  // restores the environment's seed.
+  for (const uint64_t seed : {0, 3, 1234567}) {
+    mgpu::emu::set_seed(seed);
+    EXPECT_EQ(bits_of(run_sum_all(stream_, x)), first) << "fiber seed " << seed;
+  }
+  EXPECT_THROW(gpu::sum_all(-1, nullptr, nullptr, stream_), std::invalid_argument);
+}
+
+// ================================ convert (astype) ================================
+// All 16 pairs of float, int32, int64, uint8, exactly (bytes compared, so NaN, -0 and rounding
+// show): the same static_cast as the CPU's loop. Integer sources include negatives and values
+// that wrap in a narrower type (defined behaviour, wraps alike on both). A float source keeps to
+// values the target can hold: outside that range C++ leaves the result undefined, and x86 and
+// GPUs do differ there (the GPU saturates). 300 elements (the list repeated) cross a 256-thread
+// block.
+
+// The values converted from From to To; float sources depend on what To can hold.
+template <class From, class To>
+std::vector<From> convert_source() {
+  std::vector<double> v;
+  if constexpr (std::is_same_v<From, float>) {
+    if constexpr (std::is_same_v<To, uint8_t>) {
+      v = {0.0, 0.5, 0.99, 1.0, 1.5, 2.5, 37.25, 127.9, 128.0, 200.75, 254.99, 255.0};
+    } else if constexpr (std::is_same_v<To, int32_t>) {
+      v = {0.0, -0.0, 0.4, -0.6, 1.5, -1.5, 2.5, -2.7, 1e6 + 0.5, -16777216.0,
+           2147483520.0 /* the largest float below 2^31 */, -2147483648.0};
+    } else if constexpr (std::is_same_v<To, int64_t>) {
+      v = {0.0, -0.0, 0.4, -0.6, 1.5, -2.5, 3.75, -1e6 - 0.25, 16777216.0, 1e12, -9.2e18,
+           2147483648.0};
+    } else {  // float to float: the bits survive, NaN, infinities, -0 and subnormals included
+      v = {0.0, -0.0, 1.5, -2.5, 1e-40, -1e-45, 3.4e38, HUGE_VAL, -HUGE_VAL, NAN, 1e12, -7.0};
+    }
+  } else if constexpr (std::is_same_v<From, uint8_t>) {
+    v = {0, 1, 2, 127, 128, 200, 254, 255};
+  } else if constexpr (std::is_same_v<From, int32_t>) {
+    // Negatives, and values that wrap in uint8 or round in float.
+    v = {0, 1, -1, 2, -128, 127, 255, 256, -257, 16777217, 2147483647.0, -2147483648.0};
+  } else {
+    // Also values that wrap in int32 (2^31, 2^40 + 5) and 2^53 + 1 below (not a double).
+    v = {0, 1, -1, 255, -256, 300, 16777217, 2147483647.0, 2147483648.0, -2147483649.0,
+         1099511627781.0, 0};
+  }
+  std::vector<From> out;
+  for (size_t i = 0; i < 300; ++i) out.push_back(static_cast<From>(v[i % v.size()]));
+  if constexpr (std::is_same_v<From, int64_t>) out[11] = -((int64_t{1} << 53) + 1);
+  return out;
+}
+
+template <class To, class From>
+void check_convert(cudaStream_t stream, const char* name) {
+  SCOPED_TRACE(name);
+  const std::vector<From> x = convert_source<From, To>();
+  std::vector<To> want(x.size());
+  for (size_t i = 0; i < x.size(); ++i) want[i] = static_cast<To>(x[i]);
+  DeviceVector<From> x_(x);
+  DeviceVector<To> y_(x.size());
+  MGPU_CUDA_CHECK(cudaMemset(y_.get(), 0x5a, y_.bytes()));  // garbage where nothing is written
+  gpu::convert<To, From>(static_cast<int64_t>(x.size()), x_.get(), y_.get(), stream);
+  MGPU_CUDA_CHECK(cudaStreamSynchronize(stream));
+  const std::vector<To> got = y_.download();
+  for (size_t i = 0; i < x.size(); ++i) {
+    ASSERT_EQ(std::memcmp(&got[i], &want[i], sizeof(To)), 0)
+        << "index " << i << ": from " << +x[i] << " got " << +got[i] << ", want " << +want[i];
+  }
+  gpu::convert<To, From>(0, nullptr, nullptr, stream);  // n == 0 launches nothing
+  MGPU_CUDA_CHECK(cudaStreamSynchronize(stream));
+}
+
+template <class To>
+void check_convert_to(cudaStream_t stream, const std::string& to) {
+  check_convert<To, float>(stream, (to + " <- float").c_str());
+  check_convert<To, int32_t>(stream, (to + " <- int32").c_str());
+  check_convert<To, int64_t>(stream, (to + " <- int64").c_str());
+  check_convert<To, uint8_t>(stream, (to + " <- uint8").c_str());
+}
+
+TEST_F(CudaKernels, ConvertAllSixteenDtypePairsExactly) {
+  check_convert_to<float>(stream_, "float");
+  check_convert_to<int32_t>(stream_, "int32");
+  check_convert_to<int64_t>(stream_, "int64");
+  check_convert_to<uint8_t>(stream_, "uint8");
+}
+
+// ================================ correct_count ================================
+// The reference is the CPU op's: cpu::argmax_rows, then count the rows whose label matches. Rows
+// with ties (first maximum wins), NaNs (the first NaN is the maximum), labels that match by
+// construction, and labels that must never match (-1, m, and for int64 2^32 + the argmax).
+
+template <class Label>
+void check_correct_count(cudaStream_t stream, int64_t n, int64_t m, unsigned seed) {
+  SCOPED_TRACE("n=" + std::to_string(n) + " m=" + std::to_string(m) +
+               " label bytes=" + std::to_string(sizeof(Label)));
+  Floats z = random_floats(n * m, seed, -2.0f, 2.0f);
+  for (int64_t i = 0; i < n; ++i) {
+    float* row = z.data() + i * m;
+    switch (i % 6) {
+      case 1:  // a tie between a column early and one late in the row
+        row[m / 3] = row[m - 1] = 7.0f;
+        break;
+      case 2:  // two NaNs: the first counts
+        row[m - 1] = kNaN;
+        row[m / 2] = kNaN;
+        break;
+      case 3:  // all equal: column 0
+        for (int64_t j = 0; j < m; ++j) row[j] = 0.25f;
+        break;
+      default:
+        break;
+    }
+  }
+  std::vector<int64_t> pred(n);
+  if (n > 0) cpu::argmax_rows(n, m, z.data(), pred.data());
+  std::mt19937 gen(seed + 1);
+  std::vector<Label> y(n);
+  for (int64_t i = 0; i < n; ++i) {
+    switch (i % 5) {
+      case 0:
+      case 1:  // right
+        y[i] = static_cast<Label>(pred[i]);
+        break;
+      case 2:  // random: right one time in m
+        y[i] = static_cast<Label>(gen() % m);
+        break;
+      case 3:  // out of range: never right
+        y[i] = static_cast<Label>(i % 2 == 0 ? -1 : m);
+        break;
+      default:  // wrong, or for int64 right only if truncated to 32 bits
+        y[i] = std::is_same_v<Label, int64_t> ? static_cast<Label>((int64_t{1} << 32) + pred[i])
+                                              : static_cast<Label>((pred[i] + 1) % (m + 1));
+        break;
+    }
+  }
+  int64_t hits = 0;
+  for (int64_t i = 0; i < n; ++i) hits += pred[i] == static_cast<int64_t>(y[i]);
+
+  DeviceVector<float> z_(z), out_(Floats(1, kNaN));
+  DeviceVector<Label> y_(y);
+  gpu::correct_count(n, m, z_.get(), y_.get(), out_.get(), stream);
+  MGPU_CUDA_CHECK(cudaStreamSynchronize(stream));
+  const float got = out_.download()[0];
+  EXPECT_EQ(got, static_cast<float>(hits));
+  if (n > 0) {
+    EXPECT_GT(hits, 0);  // the test itself: some rows do match
+  }
+}
+
+TEST_F(CudaKernels, CorrectCountMatchesCpuArgmaxWithTiesNaNAndBothLabelTypes) {
+  // m = 10 (LeNet), 40 (more columns than lanes), 1; n not a multiple of the block's 8 warps,
+  // and n = 1000 (many rows per warp).
+  for (const auto& [n, m] : {std::pair<int64_t, int64_t>{37, 10}, {1000, 10}, {9, 40}, {5, 1},
+                             {1, 10}, {8, 3}}) {
+    check_correct_count<int64_t>(stream_, n, m, 101);
+    check_correct_count<int32_t>(stream_, n, m, 111);
+  }
+}
+
+TEST_F(CudaKernels, CorrectCountOfNoRowsIsZero) {
+  DeviceVector<float> out_(Floats(1, kNaN));
+  gpu::correct_count(0, 10, nullptr, static_cast<const int64_t*>(nullptr), out_.get(), stream_);
+  sync();
+  EXPECT_EQ(bits_of(out_.download()[0]), bits_of(0.0f));
+  DeviceVector<float> out32_(Floats(1, kNaN));
+  gpu::correct_count(0, 10, nullptr, static_cast<const int32_t*>(nullptr), out32_.get(), stream_);
+  sync();
+  EXPECT_EQ(bits_of(out32_.download()[0]), bits_of(0.0f));
+  DeviceVector<float> z_(Floats(4, 0.0f));
+  DeviceVector<int64_t> y_(std::vector<int64_t>(4, 0));
+  EXPECT_THROW(gpu::correct_count(4, 0, z_.get(), y_.get(), out32_.get(), stream_),
+               std::invalid_argument);
 }
 
 }  // namespace
