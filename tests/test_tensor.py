@@ -358,6 +358,17 @@ def test_integer_tensors_cannot_require_grad():
 def test_numpy_from_dlpack_of_a_tensor(device, dtype):
     src = np.arange(12).reshape(3, 4).astype(dtype)
     t = mgpu.array(src, device=device)
+    if str(device).startswith("gpu"):
+        # GPU memory is exported as CUDA memory, which NumPy refuses (as for a torch CUDA tensor);
+        # it comes back into mgpu without a copy, on its GPU.
+        assert t.__dlpack_device__() == (2, device.index)
+        with pytest.raises((RuntimeError, BufferError)):
+            np.from_dlpack(t)
+        back = mgpu.from_dlpack(t)
+        assert back.device == device and back.dtype == dtype
+        t[:] = mgpu.array(src + 1, device=device)
+        np.testing.assert_array_equal(back.numpy(), src + 1)
+        return
     a = np.from_dlpack(t)
     assert a.dtype == dtype and a.shape == (3, 4)
     np.testing.assert_array_equal(a, t.numpy())

@@ -6,6 +6,7 @@
 
 #include "bind/bind.h"
 #include "bind/dlpack.h"
+#include "core/gpu.h"
 #include "core/parallel.h"
 #include "core/queue.h"
 #include "core/tensor.h"
@@ -52,15 +53,35 @@ Tensor from_numpy(const py::array& arr, Device device) {
   check_device(device);
   Shape shape(arr.shape(), arr.shape() + arr.ndim());
   Tensor t = Tensor::empty(shape, dtype_from_numpy(arr.dtype()), device);
-  // Fresh storage is touched by no queued task yet, so the host may fill it directly.
-  if (t.nbytes()) std::memcpy(t.raw(), arr.data(), t.nbytes());
+  // Fresh storage is touched by no queued task yet, so the host may fill it directly. A GPU's
+  // copy goes through its queue instead (after the work already queued there, which may still
+  // use the recycled block, or be capturing a graph), and the host waits for it.
+  if (!t.nbytes()) return t;
+  if (device.is_cpu()) {
+    std::memcpy(t.raw(), arr.data(), t.nbytes());
+  } else {
+    py::gil_scoped_release nogil;
+    Queue& q = queue_of(device);
+    uint64_t seq = q.enqueue("array", [dst = t.raw(), src = arr.data(), n = t.nbytes(),
+                                       index = device.index] {
+      gpu::copy_from_host(index, dst, src, n);
+    });
+    q.wait_done_or_rethrow(seq);
+  }
   return t;
 }
 
 py::array to_numpy(const Tensor& t) {
   wait_ready(t);
   py::array out(numpy_dtype(t.dtype()), std::vector<py::ssize_t>(t.shape().begin(), t.shape().end()));
-  if (t.nbytes()) std::memcpy(out.mutable_data(), t.raw(), t.nbytes());
+  if (!t.nbytes()) return out;
+  if (t.device().is_cpu()) {
+    std::memcpy(out.mutable_data(), t.raw(), t.nbytes());
+  } else {
+    void* dst = out.mutable_data();
+    py::gil_scoped_release nogil;
+    gpu::read_to_host(t.device().index, dst, t.raw(), t.nbytes());  // waited for above
+  }
   return out;
 }
 
@@ -86,7 +107,9 @@ py::capsule to_dlpack(const Tensor& t) {
   // The consumer reads the memory right away and knows nothing of our queues.
   wait_ready(t);
   auto* e = new Exported{{}, t, t.shape()};
-  e->managed.dl_tensor = {t.raw(), {dlpack::kCPU, 0}, static_cast<int32_t>(t.dim()),
+  dlpack::Device where = t.device().is_cpu() ? dlpack::Device{dlpack::kCPU, 0}
+                                              : dlpack::Device{dlpack::kCUDA, t.device().index};
+  e->managed.dl_tensor = {t.raw(), where, static_cast<int32_t>(t.dim()),
                           dl_dtype(t.dtype()), e->shape.data(), nullptr, 0};
   e->managed.manager_ctx = e;
   e->managed.deleter = [](dlpack::ManagedTensor* self) {
@@ -106,8 +129,14 @@ Tensor from_dlpack_capsule(py::capsule cap) {
                   "'dltensor' capsule (a capsule can be consumed only once)");
   auto* m = static_cast<dlpack::ManagedTensor*>(PyCapsule_GetPointer(cap.ptr(), "dltensor"));
   const dlpack::Tensor& dl = m->dl_tensor;
-  MGPU_CHECK_VALUE(dl.device.device_type == dlpack::kCPU, "from_dlpack: only CPU memory can be "
-                   "imported in this build (got DLPack device type ", dl.device.device_type, ")");
+  const bool on_gpu = dl.device.device_type == dlpack::kCUDA;
+  MGPU_CHECK_VALUE(dl.device.device_type == dlpack::kCPU ||
+                   (on_gpu && dl.device.device_id >= 0 && dl.device.device_id < num_gpus()),
+                   "from_dlpack: cannot import memory of DLPack device (type ",
+                   dl.device.device_type, ", id ", dl.device.device_id, "): mgpu imports CPU "
+                   "memory and CUDA memory of its own GPUs (mgpu.num_gpus() == ", num_gpus(), ")");
+  const Device device = on_gpu ? Device{DeviceKind::CUDA, dl.device.device_id}
+                               : Device{DeviceKind::CPU, 0};
   DType dtype;
   if (dl.dtype.code == dlpack::kFloat && dl.dtype.bits == 32) dtype = DType::F32;
   else if (dl.dtype.code == dlpack::kInt && dl.dtype.bits == 32) dtype = DType::I32;
@@ -132,7 +161,7 @@ Tensor from_dlpack_capsule(py::capsule cap) {
   void* data = static_cast<char*>(dl.data) + dl.byte_offset;
   // The producer's deleter may touch Python objects (NumPy's does), and the last reference can
   // be dropped on a device thread, so it runs with the GIL -- unless Python is already gone.
-  auto storage = Storage::wrap(Device{DeviceKind::CPU, 0}, data, nbytes, [m] {
+  auto storage = Storage::wrap(device, data, nbytes, [m] {
     if (!m->deleter) return;
     if (!Py_IsInitialized()) return;
     py::gil_scoped_acquire gil;
@@ -147,9 +176,25 @@ py::dict build_info() {
   info["cpu_devices"] = true;
   info["cpu_threads"] = num_threads();
   info["blas"] = "OpenBLAS (single-threaded calls; mgpu schedules the cores)";
-  info["cuda"] = MGPU_BUILT_CUDA ? "built" : "not built (CUDA backend: issue 3)";
-  info["cudnn"] = MGPU_BUILT_CUDNN ? "built" : "not built";
-  info["nccl"] = MGPU_BUILT_NCCL ? "built" : "not built";
+  info["cuda"] = MGPU_CUDA_EMULATION_BUILD ? "emulated (cpp/emu: GPUs run on the CPU, for tests)"
+                 : MGPU_BUILT_CUDA          ? "built (" + gpu::runtime_name() + ")"
+                                            : std::string("not built (nvcc was not found)");
+  info["gpus"] = num_gpus();
+  info["cudnn"] = MGPU_BUILT_CUDNN ? "built"
+                  : MGPU_CUDA_EMULATION_BUILD ? "not in the emulated build (our conv kernels run)"
+                                              : "not built";
+  info["nccl"] = MGPU_BUILT_NCCL ? "built"
+                 : MGPU_CUDA_EMULATION_BUILD ? "not in the emulated build (our peer-copy "
+                                               "all-reduce runs)"
+                                             : "not built";
+  info["gpu_gemm"] = !MGPU_GPU_BUILD ? std::string("none")
+                     : MGPU_CUDA_EMULATION_BUILD ? std::string("native (our tiled kernel)")
+                                                 : "cublas by default; MGPU_GEMM=native|cublas";
+  info["gpu_conv"] = !MGPU_GPU_BUILD ? std::string("none")
+                     : "native (our kernels) by default" +
+                           std::string(MGPU_BUILT_CUDNN && !MGPU_CUDA_EMULATION_BUILD
+                                           ? "; MGPU_CONV=cudnn selects cuDNN"
+                                           : "");
   info["mpi"] = MGPU_BUILT_MPI ? "built" : "not built (needs Open MPI: libopenmpi-dev)";
   info["cuda_emulation"] = static_cast<bool>(MGPU_CUDA_EMULATION_BUILD);
   return info;
@@ -211,11 +256,23 @@ void bind_core(py::module_& m) {
   m.def("num_threads", &num_threads, "Threads mgpu uses for CPU compute.");
   m.def("set_num_threads", &set_num_threads, "Sets the threads mgpu uses for CPU compute.");
   m.def("cpu_cached_bytes", &cpu_cached_bytes, "Bytes held by the CPU caching allocator.");
+  m.def("gpu_memory_stats", [](Device d) {
+    MGPU_CHECK_VALUE(!d.is_cpu(), "gpu_memory_stats: ", d, " is not a GPU");
+    check_device(d);
+    gpu::MemoryStats s = gpu::memory_stats(d.index);
+    py::dict out;
+    out["allocated"] = s.allocated;
+    out["cached"] = s.cached;
+    out["peak_allocated"] = s.peak_allocated;
+    out["device_mallocs"] = s.device_mallocs;
+    return out;
+  }, "Bytes of a GPU's caching allocator: allocated, cached, peak_allocated, device_mallocs.");
   m.def("empty_cache", [] {
     py::gil_scoped_release nogil;
     waitall();
     cpu_empty_cache();
-  }, "Waits for all devices, then returns cached CPU memory to the system.");
+    for (int i = 0; i < num_gpus(); ++i) gpu::empty_cache(i);
+  }, "Waits for all devices, then returns cached CPU and GPU memory to the system.");
   m.def("build_info", &build_info, "What this build of mgpu contains.");
 }
 

@@ -11,6 +11,7 @@ namespace py = pybind11;
 PYBIND11_MODULE(_core, m) {
   m.doc() = "mgpu's C++ engine (private: use the mgpu package)";
   static py::exception<mgpu::DeviceError> device_error(m, "DeviceError", PyExc_RuntimeError);
+  static py::exception<mgpu::OutOfMemoryError> oom_error(m, "OutOfMemoryError", PyExc_MemoryError);
   py::register_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);
@@ -20,6 +21,8 @@ PYBIND11_MODULE(_core, m) {
       PyErr_SetString(PyExc_IndexError, e.what());
     } catch (const mgpu::data::DataNotFoundError& e) {
       PyErr_SetString(PyExc_FileNotFoundError, e.what());
+    } catch (const mgpu::OutOfMemoryError& e) {
+      PyErr_SetString(oom_error.ptr(), e.what());
     } catch (const mgpu::DeviceError& e) {
       PyErr_SetString(device_error.ptr(), e.what());
     } catch (const mgpu::InternalError& e) {

@@ -2,10 +2,11 @@
 #include "core/device.h"
 
 #include "core/error.h"
+#include "core/gpu.h"
 
 namespace mgpu {
 
-int num_gpus() { return 0; }  // CUDA devices arrive with the GPU backend (issue 3)
+int num_gpus() { return gpu::device_count(); }
 
 void check_device(const Device& d) {
   if (d.is_cpu()) {

@@ -1,6 +1,7 @@
 // cpp/core/error.h -- the exceptions mgpu throws and the checks that build their messages.
 // Each exception maps to the Python exception a Python user expects (see cpp/bind/module.cpp):
-// ValueError, TypeError, IndexError, FileNotFoundError, and mgpu.DeviceError (a RuntimeError).
+// ValueError, TypeError, IndexError, FileNotFoundError, mgpu.DeviceError (a RuntimeError) and
+// mgpu.OutOfMemoryError (a MemoryError).
 #pragma once
 
 #include <cstdint>
@@ -16,6 +17,8 @@ struct TypeError : std::invalid_argument { using std::invalid_argument::invalid_
 struct IndexError : std::out_of_range { using std::out_of_range::out_of_range; };
 // A device or library failure (CUDA, NCCL, MPI, a failed task on a device queue).
 struct DeviceError : std::runtime_error { using std::runtime_error::runtime_error; };
+// A device ran out of memory (Python: mgpu.OutOfMemoryError, a subclass of MemoryError).
+struct OutOfMemoryError : std::runtime_error { using std::runtime_error::runtime_error; };
 // A broken invariant of mgpu itself: always a bug worth reporting.
 struct InternalError : std::logic_error { using std::logic_error::logic_error; };
 

@@ -8,6 +8,7 @@
 #include <stdexcept>
 
 #include "core/error.h"
+#include "core/gpu.h"
 
 namespace mgpu {
 namespace {
@@ -61,29 +62,94 @@ uint64_t Queue::last_enqueued() const {
 }
 
 void Queue::wait_done(uint64_t seq) {
-  std::unique_lock<std::mutex> lock(mutex_);
-  progressed_.wait(lock, [&] { return done_ >= seq; });
+  {
+    std::unique_lock<std::mutex> lock(mutex_);
+    progressed_.wait(lock, [&] { return done_ >= seq; });
+  }
+  try {
+    finish_device_work();
+  } catch (...) {
+    record_error("a kernel", seq, std::current_exception());
+  }
 }
 
 void Queue::wait_done_or_rethrow(uint64_t seq) {
-  std::unique_lock<std::mutex> lock(mutex_);
-  progressed_.wait(lock, [&] { return done_ >= seq; });
-  if (error_ && error_seq_ <= seq) std::rethrow_exception(error_);
+  {
+    std::unique_lock<std::mutex> lock(mutex_);
+    progressed_.wait(lock, [&] { return done_ >= seq; });
+    if (error_ && error_seq_ <= seq) std::rethrow_exception(error_);
+  }
+  finish_device_work();
 }
 
 void Queue::synchronize() {
-  std::exception_ptr error;
+  uint64_t target;
   {
     std::unique_lock<std::mutex> lock(mutex_);
-    uint64_t target = enqueued_;
+    target = enqueued_;
     progressed_.wait(lock, [&] { return done_ >= target; });
+  }
+  try {
+    finish_device_work();
+  } catch (...) {
+    record_error("a kernel", target, std::current_exception());
+  }
+  std::exception_ptr error;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
     std::swap(error, error_);
     error_seq_ = 0;
   }
   if (error) std::rethrow_exception(error);
 }
 
-void Queue::record_error(const char* name, uint64_t seq, std::exception_ptr e) {
+void Queue::finish_device_work() {
+  // A GPU task returns once its kernels are launched; they finish on the device's stream.
+  if (device_.is_cpu()) return;
+  std::vector<DeferredCheck> checks;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    checks.swap(checks_);  // taken before the wait: their kernels are all behind it
+  }
+  gpu::synchronize(device_.index);
+  std::exception_ptr first;
+  for (DeferredCheck& c : checks) {
+    try {
+      c.fn();
+    } catch (...) {
+      std::exception_ptr wrapped = record_error(c.name, c.seq, std::current_exception());
+      if (!first) first = wrapped;
+    }
+  }
+  if (first) std::rethrow_exception(first);
+}
+
+void Queue::defer_check(std::function<void()> check) {
+  if (capturing_checks_) {
+    graph_checks_.push_back(DeferredCheck{running_name_, running_seq_, std::move(check)});
+    return;
+  }
+  std::lock_guard<std::mutex> lock(mutex_);
+  checks_.push_back(DeferredCheck{running_name_, running_seq_, std::move(check)});
+}
+
+void Queue::begin_graph_checks() {
+  capturing_checks_ = true;
+  graph_checks_.clear();
+}
+
+std::vector<Queue::DeferredCheck> Queue::end_graph_checks() {
+  capturing_checks_ = false;
+  return std::move(graph_checks_);
+}
+
+void Queue::defer_checks(const std::vector<DeferredCheck>& checks) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (const DeferredCheck& c : checks)
+    checks_.push_back(DeferredCheck{c.name, running_seq_, c.fn});
+}
+
+std::exception_ptr Queue::record_error(const char* name, uint64_t seq, std::exception_ptr e) {
   // Keep the exception's kind (a bad label is still a ValueError) but say where it happened:
   // by the time the host sees it, the call that enqueued the op has long returned.
   std::string where = std::string(name) + " on " + device_.str() + " failed: ";
@@ -98,6 +164,8 @@ void Queue::record_error(const char* name, uint64_t seq, std::exception_ptr e) {
     wrapped = std::make_exception_ptr(IndexError(where + x.what()));
   } catch (const std::invalid_argument& x) {
     wrapped = std::make_exception_ptr(ValueError(where + x.what()));
+  } catch (const OutOfMemoryError& x) {
+    wrapped = std::make_exception_ptr(OutOfMemoryError(where + x.what()));
   } catch (const std::bad_alloc&) {
     wrapped = std::make_exception_ptr(std::bad_alloc());
   } catch (const std::exception& x) {
@@ -110,9 +178,20 @@ void Queue::record_error(const char* name, uint64_t seq, std::exception_ptr e) {
     error_ = wrapped;
     error_seq_ = seq;
   }
+  return wrapped;
 }
 
 void Queue::run() {
+  // A GPU's worker makes its device current once: every task it runs launches there.
+  std::exception_ptr start_error;
+  if (!device_.is_cpu()) {
+    try {
+      gpu::set_device(device_.index);
+      gpu::compute_stream(device_.index);
+    } catch (...) {
+      start_error = std::current_exception();
+    }
+  }
   for (;;) {
     Task task;
     {
@@ -130,7 +209,10 @@ void Queue::run() {
         if (device_.is_cpu()) g_busy_cpu.fetch_add(1, std::memory_order_relaxed);
       }
     }
+    running_name_ = task.name;
+    running_seq_ = done_ + 1;
     try {
+      if (start_error) std::rethrow_exception(start_error);
       task.fn();
     } catch (...) {
       record_error(task.name, done_ + 1, std::current_exception());

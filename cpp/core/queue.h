@@ -1,7 +1,8 @@
-// cpp/core/queue.h -- every device has one ordered queue of work. On a CPU device it is a worker
-// thread; ops enqueue a task and return at once, and the host waits only where it needs a result
-// (numpy(), item(), waitall()). Tasks capture the tensors they use, so storage stays alive until
-// every queued task that touches it has run.
+// cpp/core/queue.h -- every device has one ordered queue of work: a worker thread. On a CPU device
+// the thread computes; on a GPU it launches onto the device's compute stream (core/gpu.h), and
+// waiting for a GPU task also waits for that stream. Ops enqueue a task and return at once, and
+// the host waits only where it needs a result (numpy(), item(), waitall()). Tasks capture the
+// tensors they use, so storage stays alive until every queued task that touches it has run.
 #pragma once
 
 #include <condition_variable>
@@ -12,6 +13,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "core/device.h"
 
@@ -43,6 +45,21 @@ class Queue {
   // Waits for all enqueued work, then raises the first error a task hit since the last call
   // (as the same exception kind, its message naming the op and the device).
   void synchronize();
+  // For a running GPU task: `check` runs once the device has finished the task's kernels, at the
+  // next wait on this queue (from the waiting thread); if it throws, the queue fails as if the
+  // task had thrown. How a kernel's verdict (a bad label) reaches the host without stalling.
+  void defer_check(std::function<void()> check);
+  // While the worker captures a CUDA graph its kernels do not run, so their checks are kept for
+  // the graph instead: begin_graph_checks() / end_graph_checks() (worker only) collect them, and
+  // after every replay the launching task hands them back with defer_checks().
+  struct DeferredCheck {
+    const char* name;
+    uint64_t seq;
+    std::function<void()> fn;
+  };
+  void begin_graph_checks();
+  std::vector<DeferredCheck> end_graph_checks();
+  void defer_checks(const std::vector<DeferredCheck>& checks);
 
  private:
   struct Task {
@@ -50,7 +67,11 @@ class Queue {
     std::function<void()> fn;
   };
   void run();
-  void record_error(const char* name, uint64_t seq, std::exception_ptr e);
+  // GPU queues: waits for the device's stream (a task's kernels may still be running after it
+  // returned); throws DeviceError for a failed kernel. CPU queues: nothing to do.
+  void finish_device_work();
+  // Keeps the first error (wrapped to name the op and device) and returns the wrapped form.
+  std::exception_ptr record_error(const char* name, uint64_t seq, std::exception_ptr e);
 
   Device device_;
   mutable std::mutex mutex_;
@@ -62,6 +83,11 @@ class Queue {
   bool stopping_ = false;
   bool busy_ = false;
   std::exception_ptr error_;     // first failure not yet raised on the host
+  std::vector<DeferredCheck> checks_;  // deferred checks of GPU tasks (guarded by mutex_)
+  bool capturing_checks_ = false;      // worker thread only
+  std::vector<DeferredCheck> graph_checks_;
+  const char* running_name_ = "";  // the task the worker runs (worker thread only)
+  uint64_t running_seq_ = 0;
   uint64_t error_seq_ = 0;       // the task that hit it
   std::thread worker_;
 };

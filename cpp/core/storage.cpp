@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "core/gpu.h"
 
 namespace mgpu {
 namespace {
@@ -41,7 +42,11 @@ CpuCache& cache() {
 }  // namespace
 
 std::shared_ptr<Storage> Storage::allocate(Device device, size_t nbytes) {
-  MGPU_CHECK_VALUE(device.is_cpu(), "allocation on ", device, " is not supported by this build");
+  if (!device.is_cpu()) {
+    size_t capacity = 0;
+    void* p = gpu::allocate(device.index, nbytes, &capacity);
+    return std::shared_ptr<Storage>(new Storage(device, p, nbytes, capacity, nullptr));
+  }
   size_t cap = size_class(nbytes);
   void* p = nullptr;
   {
@@ -76,6 +81,10 @@ Storage::~Storage() {
     return;
   }
   if (capacity_ == 0) return;
+  if (!device_.is_cpu()) {
+    gpu::release(device_.index, data_, capacity_);
+    return;
+  }
   CpuCache& c = cache();
   std::lock_guard<std::mutex> lock(c.mutex);
   c.free_lists[capacity_].push_back(data_);

@@ -9,7 +9,7 @@ import atexit
 
 from . import _core
 from . import autograd, chapter, distributed, plot, random
-from ._core import DeviceError
+from ._core import DeviceError, OutOfMemoryError
 from .autograd import no_grad
 from .data import DataLoader, get_fashion_mnist_labels, load_data_fashion_mnist
 from .device import Device, cpu, gpu, num_gpus, try_all_gpus, try_gpu
@@ -56,8 +56,21 @@ def num_threads() -> int:
     return _core.num_threads()
 
 
+def gpu_memory_stats(device) -> dict:
+    """A GPU's caching allocator in bytes: ``allocated`` (live tensors), ``cached`` (kept for
+    reuse), ``peak_allocated``, and ``device_mallocs`` (cudaMalloc calls so far: flat once a
+    training loop reaches its steady state)."""
+    from .device import as_device
+    return dict(_core.gpu_memory_stats(as_device(device)))
+
+
+def empty_cache() -> None:
+    """Waits for every device, then returns the memory cached by mgpu's allocators."""
+    _core.empty_cache()
+
+
 __all__ = [
-    "Device", "DeviceError", "Tensor", "CrossEntropyLoss", "SoftmaxCrossEntropyLoss", "DataLoader",
+    "Device", "DeviceError", "OutOfMemoryError", "Tensor", "CrossEntropyLoss", "SoftmaxCrossEntropyLoss", "DataLoader",
     "Timer", "TrainResult",
     "cpu", "gpu", "try_gpu", "try_all_gpus", "num_gpus",
     "array", "tensor", "zeros", "ones", "full", "zeros_like", "ones_like", "arange", "randn",
@@ -66,5 +79,5 @@ __all__ = [
     "lenet", "lenet_params", "get_params", "allreduce", "split_batch", "split_and_load", "sgd",
     "train_batch", "load_data_fashion_mnist", "get_fashion_mnist_labels",
     "evaluate_accuracy", "evaluate_accuracy_gpu", "train", "train_op_by_op",
-    "waitall", "build_info", "set_num_threads", "num_threads",
+    "waitall", "build_info", "set_num_threads", "num_threads", "gpu_memory_stats", "empty_cache",
 ]

@@ -90,12 +90,19 @@ class Tensor:
 
     # --- DLPack --------------------------------------------------------------------------
     def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):
-        if copy:
+        on_gpu = self.device.kind == _core.DeviceKind.CUDA
+        wants_host = dl_device is not None and tuple(dl_device)[0] == 1
+        if copy or (on_gpu and wants_host):
+            if copy is False:
+                raise BufferError(f"__dlpack__: a tensor on {self.device} cannot be shared with "
+                                  "the CPU without a copy; pass copy=True or use .numpy()")
             return self._t.numpy().__dlpack__()
-        return self._t.to_dlpack()
+        return self._t.to_dlpack()  # waits for the device first, so any stream may read it
 
     def __dlpack_device__(self) -> Tuple[int, int]:
-        return (1, 0)  # kDLCPU; GPU tensors arrive with the CUDA backend
+        if self.device.kind == _core.DeviceKind.CUDA:
+            return (2, self.device.index)  # kDLCUDA
+        return (1, 0)  # kDLCPU
 
     # --- autograd ------------------------------------------------------------------------
     def requires_grad_(self, requires_grad: bool = True) -> "Tensor":
