@@ -1,7 +1,10 @@
-// cpp/ops/conv2d.cpp -- validate, allocate, dispatch to the CPU kernels (kernels_cpu.h).
+// cpp/ops/conv2d.cpp -- validate, allocate, dispatch: the CPU kernels (kernels_cpu.h) on CPU
+// devices; on GPUs our CUDA kernels (kernels_cuda.h), or cuDNN when MGPU_CONV=cudnn.
 #include "ops/conv2d.h"
 
 #include "ops/kernels_cpu.h"
+#include "ops/launch.h"
+#include "ops/vendor_gpu.h"
 
 namespace mgpu::ops {
 namespace {
@@ -27,6 +30,24 @@ cpu::Conv2dShape check_conv(const char* op, const Tensor& x, const Tensor& w, in
   return s;
 }
 
+#if MGPU_GPU_BUILD && MGPU_BUILT_CUDNN && !MGPU_CUDA_EMULATION_BUILD
+// A cuDNN workspace from the caching allocator, handed back once the call is enqueued (a later
+// user of the block is ordered after it on the same stream).
+struct Workspace {
+  int device;
+  size_t bytes, capacity = 0;
+  void* ptr = nullptr;
+  Workspace(int d, size_t n) : device(d), bytes(n) {
+    if (n) ptr = gpu::allocate(d, n, &capacity);
+  }
+  ~Workspace() {
+    if (ptr) gpu::release(device, ptr, capacity);
+  }
+  Workspace(const Workspace&) = delete;
+  Workspace& operator=(const Workspace&) = delete;
+};
+#endif
+
 }  // namespace
 
 Tensor conv2d_forward(const Tensor& x, const Tensor& w, const Tensor& b, int64_t stride,
@@ -41,6 +62,26 @@ Tensor conv2d_forward(const Tensor& x, const Tensor& w, const Tensor& b, int64_t
   }
   Tensor y = Tensor::empty({s.N, s.K, s.P(), s.Q()}, DType::F32, x.device());
   const float* bp = b.defined() ? b.f32() : nullptr;
+#if MGPU_GPU_BUILD
+  if (!x.device().is_cpu()) {
+    const ConvPath path = conv_path();
+    enqueue_gpu(x.device(), op, [s, xp = x.f32(), wp = w.f32(), bp, yp = y.f32(), path,
+                                 index = x.device().index](cudaStream_t stream) {
+#if MGPU_BUILT_CUDNN && !MGPU_CUDA_EMULATION_BUILD
+      if (path == ConvPath::Cudnn) {
+        cudnnContext* h = cuda::cudnn_handle(index);
+        Workspace ws(index, cuda::conv2d_cudnn_workspace_bytes(h, s));
+        cuda::conv2d_cudnn_forward(h, s, xp, wp, bp, yp, ws.ptr, ws.bytes);
+        return;
+      }
+#endif
+      (void)path;
+      (void)index;
+      cuda::conv2d_forward(s, xp, wp, bp, yp, stream);
+    }, x, w, b, y);
+    return y;
+  }
+#endif
   enqueue_on(x.device(), op, [s, xp = x.f32(), wp = w.f32(), bp, yp = y.f32()] {
     cpu::conv2d_forward(s, xp, wp, bp, yp);
   }, x, w, b, y);
@@ -62,6 +103,27 @@ Conv2dGrads conv2d_backward(const Tensor& x, const Tensor& w, const Tensor& dy, 
   if (has_bias) g.db = Tensor::empty({s.K}, DType::F32, x.device());
   float* dxp = need_dx ? g.dx.f32() : nullptr;
   float* dbp = has_bias ? g.db.f32() : nullptr;
+#if MGPU_GPU_BUILD
+  if (!x.device().is_cpu()) {
+    const ConvPath path = conv_path();
+    enqueue_gpu(x.device(), op, [s, xp = x.f32(), wp = w.f32(), dyp = dy.f32(), dxp,
+                                 dwp = g.dw.f32(), dbp, path,
+                                 index = x.device().index](cudaStream_t stream) {
+#if MGPU_BUILT_CUDNN && !MGPU_CUDA_EMULATION_BUILD
+      if (path == ConvPath::Cudnn) {
+        cudnnContext* h = cuda::cudnn_handle(index);
+        Workspace ws(index, cuda::conv2d_cudnn_workspace_bytes(h, s));
+        cuda::conv2d_cudnn_backward(h, s, xp, wp, dyp, dxp, dwp, dbp, ws.ptr, ws.bytes);
+        return;
+      }
+#endif
+      (void)path;
+      (void)index;
+      cuda::conv2d_backward(s, xp, wp, dyp, dxp, dwp, dbp, stream);
+    }, x, w, dy, g.dx, g.dw, g.db);
+    return g;
+  }
+#endif
   enqueue_on(x.device(), op, [s, xp = x.f32(), wp = w.f32(), dyp = dy.f32(), dxp,
                               dwp = g.dw.f32(), dbp] {
     cpu::conv2d_backward(s, xp, wp, dyp, dxp, dwp, dbp);

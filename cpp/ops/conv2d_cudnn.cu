@@ -8,8 +8,11 @@
 #include <cudnn.h>
 
 #include <algorithm>
+#include <mutex>
 
+#include "core/gpu.h"
 #include "ops/kernels_cuda_impl.cuh"
+#include "ops/vendor_gpu.h"
 
 namespace mgpu::ops::cuda {
 
@@ -85,6 +88,20 @@ void require_workspace(size_t have, size_t need) {
 }
 
 }  // namespace
+
+cudnnContext* cudnn_handle(int device) {
+  static std::mutex mutex;
+  static cudnnHandle_t handles[gpu::kMaxGpus] = {};
+  std::lock_guard<std::mutex> lock(mutex);
+  if (!handles[device]) {
+    gpu::set_device(device);
+    cudnnHandle_t h = nullptr;
+    check(cudnnCreate(&h), "cudnnCreate");
+    check(cudnnSetStream(h, gpu::compute_stream(device)), "cudnnSetStream");
+    handles[device] = h;
+  }
+  return handles[device];
+}
 
 size_t conv2d_cudnn_workspace_bytes(cudnnContext* handle, const Conv2dShape& s) {
   const Descriptors d(s);

@@ -69,6 +69,14 @@ template <typename To, typename From>
 void convert(const Tensor& x, const Tensor& out) {
   const From* src = x.data<From>();
   To* dst = out.data<To>();
+#if MGPU_GPU_BUILD
+  if (!out.device().is_cpu()) {
+    enqueue_gpu(out.device(), "astype", [src, dst, n = x.numel()](cudaStream_t stream) {
+      cuda::convert<To, From>(n, src, dst, stream);
+    }, x, out);
+    return;
+  }
+#endif
   enqueue_on(out.device(), "astype", [src, dst, n = x.numel()] {
     for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<To>(src[i]);
   }, x, out);
@@ -130,6 +138,14 @@ Tensor sum_to_shape(const Tensor& dy, const Shape& shape) {
   int64_t m = out.numel(), rows = m ? dy.numel() / m : 0;
   const float* src = dy.f32();
   float* dst = out.f32();
+#if MGPU_GPU_BUILD
+  if (!out.device().is_cpu()) {
+    enqueue_gpu(out.device(), "sum_to_shape", [src, dst, m, rows](cudaStream_t stream) {
+      cuda::bias_grad_rows(rows, m, src, dst, stream);  // fixed order on the GPU too
+    }, dy, out);
+    return out;
+  }
+#endif
   enqueue_on(out.device(), "sum_to_shape", [src, dst, m, rows] {
     cpu::bias_grad_rows(rows, m, src, dst);  // rows added in order: thread-count independent
   }, dy, out);
@@ -141,6 +157,14 @@ Tensor sum(const Tensor& x) {
   Tensor out = Tensor::empty({}, DType::F32, x.device());
   const float* src = x.f32();
   float* dst = out.f32();
+#if MGPU_GPU_BUILD
+  if (!out.device().is_cpu()) {
+    enqueue_gpu(out.device(), "sum", [src, dst, n = x.numel()](cudaStream_t stream) {
+      cuda::sum_all(n, src, dst, stream);
+    }, x, out);
+    return out;
+  }
+#endif
   enqueue_on(out.device(), "sum", [src, dst, n = x.numel()] {
     double acc = 0.0;
     for (int64_t i = 0; i < n; ++i) acc += src[i];
@@ -173,20 +197,40 @@ void copy(const Tensor& dst, const Tensor& src) {
   void* to = dst.raw();
   const void* from = src.raw();
   size_t n = dst.nbytes();
-  if (dst.device() == src.device()) {
-    enqueue_on(dst.device(), "copy", [to, from, n] { std::memmove(to, from, n); }, dst, src);
+  const Device dd = dst.device(), sd = src.device();
+  if (dd == sd) {
+#if MGPU_GPU_BUILD
+    if (!dd.is_cpu()) {
+      enqueue_gpu(dd, "copy", [to, from, n, i = dd.index](cudaStream_t) {
+        gpu::copy_within(i, to, from, n);
+      }, dst, src);
+      return;
+    }
+#endif
+    enqueue_on(dd, "copy", [to, from, n] { std::memmove(to, from, n); }, dst, src);
     return;
   }
-  // Between two devices the copy runs on the destination's queue once the source's earlier
-  // work is done; then the source's queue waits for the copy, so no later write to the source
-  // can race with it. Both queues stay ordered and neither blocks the host.
-  Event src_ready = record_event(src.device());
-  Queue& dq = queue_of(dst.device());
-  uint64_t seq = dq.enqueue("copy", [to, from, n, src_ready, dst, src] {
-    src_ready.queue->wait_done_or_rethrow(src_ready.seq);
-    std::memcpy(to, from, n);
+  // Between two devices the copy runs on one queue -- the GPU's if one side is a GPU (its stream
+  // does the transfer), else the destination's -- once the other device's earlier work is done
+  // (for a GPU: finished on its stream). Then the other queue waits for the copy, so no later
+  // write on either side can race with it. Both queues stay ordered; neither blocks the host.
+  const Device exec = !dd.is_cpu() || sd.is_cpu() ? dd : sd;
+  const Device other = exec == dd ? sd : dd;
+  Event other_ready = record_event(other);
+  Queue& eq = queue_of(exec);
+  uint64_t seq = eq.enqueue("copy", [to, from, n, dd, sd, other_ready, dst, src] {
+    other_ready.queue->wait_done_or_rethrow(other_ready.seq);
+    if (dd.is_cpu() && sd.is_cpu()) {
+      std::memcpy(to, from, n);
+    } else if (sd.is_cpu()) {
+      gpu::copy_from_host(dd.index, to, from, n);
+    } else if (dd.is_cpu()) {
+      gpu::copy_to_host(sd.index, to, from, n);
+    } else {
+      gpu::copy_from_peer(dd.index, to, sd.index, from, n);
+    }
   });
-  queue_wait_event(src.device(), Event{&dq, seq});
+  queue_wait_event(other, Event{&eq, seq});
 }
 
 Tensor to_device(const Tensor& src, Device device, bool force_copy) {

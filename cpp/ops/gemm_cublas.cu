@@ -4,9 +4,33 @@
 // our own tiled kernel in linear.cu instead).
 #include <cublas_v2.h>
 
+#include <mutex>
+
+#include "core/gpu.h"
 #include "ops/kernels_cuda_impl.cuh"
+#include "ops/vendor_gpu.h"
 
 namespace mgpu::ops::cuda {
+
+cublasContext* cublas_handle(int device) {
+  static std::mutex mutex;
+  static cublasHandle_t handles[gpu::kMaxGpus] = {};
+  std::lock_guard<std::mutex> lock(mutex);
+  if (!handles[device]) {
+    gpu::set_device(device);
+    cublasHandle_t h = nullptr;
+    cublasStatus_t status = cublasCreate(&h);
+    if (status != CUBLAS_STATUS_SUCCESS) {
+      throw ::mgpu::DeviceError("gpu(" + std::to_string(device) +
+                                "): cublasCreate failed: " + cublasGetStatusString(status));
+    }
+    cublasSetStream(h, gpu::compute_stream(device));
+    // Plain FP32 products (no TF32), so results match our kernels to float tolerance.
+    cublasSetMathMode(h, CUBLAS_DEFAULT_MATH);
+    handles[device] = h;
+  }
+  return handles[device];
+}
 
 void sgemm_cublas(cublasContext* handle, bool trans_a, bool trans_b, int64_t m, int64_t n,
                   int64_t k, float alpha, const float* a, int64_t lda, const float* b, int64_t ldb,

@@ -1,10 +1,13 @@
-// cpp/ops/linear.cpp -- validate, allocate, dispatch to sgemm (OpenBLAS on CPU devices).
+// cpp/ops/linear.cpp -- validate, allocate, dispatch to sgemm: OpenBLAS on CPU devices; on GPUs
+// cuBLAS in real CUDA builds, or our tiled kernel (emulated builds, MGPU_GEMM=native).
 #include "ops/linear.h"
 
 #include <algorithm>
 
 #include "core/parallel.h"
 #include "ops/gemm.h"
+#include "ops/launch.h"
+#include "ops/vendor_gpu.h"
 
 namespace mgpu::ops {
 
@@ -21,6 +24,29 @@ Tensor mm(const Tensor& a, const Tensor& b, bool trans_a, bool trans_b) {
   MGPU_CHECK_VALUE(k == k2, op, ": inner dimensions differ: ", a.shape(), trans_a ? "^T" : "",
                    " @ ", b.shape(), trans_b ? "^T" : "", " (", k, " vs ", k2, ")");
   Tensor y = Tensor::empty({m, n}, DType::F32, a.device());
+#if MGPU_GPU_BUILD
+  if (!a.device().is_cpu()) {
+    const GemmPath path = gemm_path();
+    enqueue_gpu(a.device(), op, [=, ap = a.f32(), bp = b.f32(), yp = y.f32(), lda = a.size(1),
+                                 ldb = b.size(1), index = a.device().index](cudaStream_t stream) {
+      if (m == 0 || n == 0) return;
+      if (k == 0) {
+        gpu::memset_async(index, yp, 0, static_cast<size_t>(m * n) * sizeof(float));
+        return;
+      }
+#if MGPU_BUILT_CUDA && !MGPU_CUDA_EMULATION_BUILD
+      if (path == GemmPath::Cublas) {
+        cuda::sgemm_cublas(cuda::cublas_handle(index), trans_a, trans_b, m, n, k, 1.0f, ap, lda,
+                           bp, ldb, 0.0f, yp, n);
+        return;
+      }
+#endif
+      (void)path;
+      cuda::sgemm(trans_a, trans_b, m, n, k, 1.0f, ap, lda, bp, ldb, 0.0f, yp, n, stream);
+    }, a, b, y);
+    return y;
+  }
+#endif
   enqueue_on(a.device(), op, [=, ap = a.f32(), bp = b.f32(), yp = y.f32()] {
     if (k == 0) {
       for (int64_t i = 0; i < m * n; ++i) yp[i] = 0.0f;

@@ -1,11 +1,16 @@
-// cpp/ops/softmax_ce.cpp -- validate, allocate, dispatch to the CPU kernels.
+// cpp/ops/softmax_ce.cpp -- validate, allocate, dispatch to the CPU or CUDA kernels.
+// On a GPU the labels are device memory, checked by the kernel: it flags the first bad row, and the
+// queue reads the flag after the kernels finished (Queue::defer_check), raising the same
+// IndexError the CPU raises at the next wait.
 #include "ops/softmax_ce.h"
 
 #include <stdexcept>
 #include <string>
 #include <vector>
 
+#include "core/gpu.h"
 #include "ops/kernels_cpu.h"
+#include "ops/launch.h"
 
 namespace mgpu::ops {
 namespace {
@@ -30,12 +35,47 @@ void with_labels(const Tensor& labels, Fn&& fn) {
   else fn(labels.data<int32_t>());
 }
 
+#if MGPU_GPU_BUILD
+// Called by a GPU task after it launched a kernel that flags bad labels in `flag`.
+void check_labels_later(const char* op, Device dev, const Tensor& flag, const Tensor& labels,
+                        int64_t m) {
+  queue_of(dev).defer_check([op, dev, flag, labels, m] {
+    int32_t row = cuda::kNoBadRow;
+    gpu::read_to_host(dev.index, &row, flag.raw(), sizeof row);  // the queue has synchronised
+    if (row == cuda::kNoBadRow) return;
+    int64_t label = 0;
+    if (labels.dtype() == DType::I64) {
+      gpu::read_to_host(dev.index, &label, labels.data<int64_t>() + row, sizeof label);
+    } else {
+      int32_t narrow = 0;
+      gpu::read_to_host(dev.index, &narrow, labels.data<int32_t>() + row, sizeof narrow);
+      label = narrow;
+    }
+    cuda::check_bad_row(op, row, label, m);
+  });
+}
+#endif
+
 }  // namespace
 
 Tensor softmax_ce_forward(const Tensor& logits, const Tensor& labels) {
   const char* op = "cross_entropy";
   check_ce(op, logits, labels);
   Tensor loss = Tensor::empty({logits.size(0)}, DType::F32, logits.device());
+#if MGPU_GPU_BUILD
+  if (!logits.device().is_cpu()) {
+    Tensor flag = Tensor::empty({}, DType::I32, logits.device());
+    with_labels(labels, [&](auto* yp) {
+      enqueue_gpu(logits.device(), op,
+                  [op, n = logits.size(0), m = logits.size(1), zp = logits.f32(), yp,
+                   lp = loss.f32(), flag, labels, dev = logits.device()](cudaStream_t stream) {
+                    cuda::softmax_ce_forward(n, m, zp, yp, lp, flag.data<int32_t>(), stream);
+                    check_labels_later(op, dev, flag, labels, m);
+                  }, logits, labels, loss);
+    });
+    return loss;
+  }
+#endif
   with_labels(labels, [&](auto* yp) {
     enqueue_on(logits.device(), op,
                [n = logits.size(0), m = logits.size(1), zp = logits.f32(), yp, lp = loss.f32()] {
@@ -53,6 +93,22 @@ Tensor softmax_ce_backward(const Tensor& logits, const Tensor& labels, const Ten
   MGPU_CHECK_VALUE(dloss.shape() == Shape{logits.size(0)}, op, ": dloss must have shape (",
                    logits.size(0), ",), got ", dloss.shape());
   Tensor dz = Tensor::empty_like(logits);
+#if MGPU_GPU_BUILD
+  if (!logits.device().is_cpu()) {
+    Tensor flag = Tensor::empty({}, DType::I32, logits.device());
+    with_labels(labels, [&](auto* yp) {
+      enqueue_gpu(logits.device(), op,
+                  [op, n = logits.size(0), m = logits.size(1), zp = logits.f32(), yp,
+                   dlp = dloss.f32(), dzp = dz.f32(), flag, labels,
+                   dev = logits.device()](cudaStream_t stream) {
+                    cuda::softmax_ce_backward(n, m, zp, yp, dlp, dzp, flag.data<int32_t>(),
+                                              stream);
+                    check_labels_later(op, dev, flag, labels, m);
+                  }, logits, dloss, dz);
+    });
+    return dz;
+  }
+#endif
   with_labels(labels, [&](auto* yp) {
     enqueue_on(logits.device(), op,
                [n = logits.size(0), m = logits.size(1), zp = logits.f32(), yp,
@@ -70,6 +126,15 @@ Tensor argmax(const Tensor& x) {
   MGPU_CHECK_VALUE(x.size(-1) > 0, "argmax: the reduced axis is empty in shape ", x.shape());
   int64_t rows = x.dim() == 2 ? x.size(0) : 1;
   Tensor out = Tensor::empty(x.dim() == 2 ? Shape{rows} : Shape{}, DType::I64, x.device());
+#if MGPU_GPU_BUILD
+  if (!x.device().is_cpu()) {
+    enqueue_gpu(x.device(), "argmax", [rows, m = x.size(-1), xp = x.f32(),
+                                       op = out.data<int64_t>()](cudaStream_t stream) {
+      cuda::argmax_rows(rows, m, xp, op, stream);
+    }, x, out);
+    return out;
+  }
+#endif
   enqueue_on(x.device(), "argmax", [rows, m = x.size(-1), xp = x.f32(), op = out.data<int64_t>()] {
     cpu::argmax_rows(rows, m, xp, op);
   }, x, out);
@@ -80,6 +145,17 @@ Tensor correct_count(const Tensor& logits, const Tensor& labels) {
   const char* op = "correct_count";
   check_ce(op, logits, labels);
   Tensor out = Tensor::empty({}, DType::F32, logits.device());
+#if MGPU_GPU_BUILD
+  if (!logits.device().is_cpu()) {
+    with_labels(labels, [&](auto* yp) {
+      enqueue_gpu(logits.device(), op, [n = logits.size(0), m = logits.size(1),
+                                        zp = logits.f32(), yp, cp = out.f32()](cudaStream_t s) {
+        cuda::correct_count(n, m, zp, yp, cp, s);
+      }, logits, labels, out);
+    });
+    return out;
+  }
+#endif
   with_labels(labels, [&](auto* yp) {
     enqueue_on(logits.device(), op,
                [n = logits.size(0), m = logits.size(1), zp = logits.f32(), yp, cp = out.f32()] {
