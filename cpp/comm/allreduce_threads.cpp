@@ -10,6 +10,7 @@
 #include <mutex>
 
 #include "comm/allreduce.h"
+#include "comm/allreduce_gpu.h"
 #include "core/parallel.h"
 
 namespace mgpu::comm {
@@ -118,10 +119,15 @@ void allreduce(const std::vector<std::vector<Tensor>>& data) {
     for (const Device& seen : devices)
       MGPU_CHECK_VALUE(seen != dev, "allreduce: two tensors are on ", dev,
                        "; pass exactly one per device (add same-device tensors first)");
-    MGPU_CHECK_VALUE(dev.is_cpu(), "allreduce: ", dev, " is not supported by this build");
+    MGPU_CHECK_VALUE(dev.is_cpu() == data[0][0].device().is_cpu(), "allreduce: entries on ",
+                     data[0][0].device(), " and ", dev, " mix CPU and GPU devices; all-reduce "
+                     "across one kind, or copy the tensors to one kind of device first");
     devices.push_back(dev);
   }
   if (k == 1) return;  // the sum over one device is itself
+#if MGPU_GPU_BUILD
+  if (!devices[0].is_cpu()) return allreduce_gpu(data, devices);
+#endif
 
   auto coll = std::make_shared<Collective>(static_cast<int>(k));
   coll->ptr.assign(k, std::vector<float*>(m));

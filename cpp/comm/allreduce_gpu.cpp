@@ -1,0 +1,240 @@
+// cpp/comm/allreduce_gpu.cpp -- all-reduce across the GPUs of one process (allreduce.h's contract).
+// Each GPU's queue runs its part of one collective; the parts meet at barriers (host threads).
+//   - NCCL (real CUDA builds with NCCL): the k devices' tensors are packed into one flat buffer
+//     per device on its compute stream, handed to its communication stream, summed by one grouped
+//     ncclAllReduce over a communicator from ncclCommInitAll, and unpacked after. Compiled and
+//     linked only: no GPU here.
+//   - Our fallback (emulated builds, builds without NCCL, MGPU_ALLREDUCE=peer): reduce-scatter +
+//     all-gather over peer copies. Device j owns chunk j of the flat buffer: it fetches chunk j of
+//     every device's buffer and adds them with a kernel in device order 0, 1, ..., k-1 -- the
+//     order of the CPU devices' all-reduce, so the sums are bitwise those of cpu(0..k-1) -- then
+//     every device copies the other chunks from their owners. Executed on emulated GPUs in tests.
+#include "comm/allreduce_gpu.h"
+
+#if MGPU_GPU_BUILD
+
+#include <algorithm>
+#include <condition_variable>
+#include <cstdlib>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include "core/gpu.h"
+#include "ops/elementwise.h"
+#include "ops/kernels_cuda.h"
+#define MGPU_CUDA_ERROR_TYPE ::mgpu::DeviceError
+#include "ops/launch_cuda.cuh"
+
+#if MGPU_BUILT_NCCL && !MGPU_CUDA_EMULATION_BUILD
+#define MGPU_ALLREDUCE_NCCL 1
+#include <nccl.h>
+#else
+#define MGPU_ALLREDUCE_NCCL 0
+#endif
+
+namespace mgpu::comm {
+namespace {
+
+class Barrier {
+ public:
+  explicit Barrier(int count) : count_(count) {}
+  void arrive_and_wait() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    int gen = generation_;
+    if (++arrived_ == count_) {
+      arrived_ = 0;
+      ++generation_;
+      lock.unlock();
+      cv_.notify_all();
+      return;
+    }
+    cv_.wait(lock, [&] { return generation_ != gen; });
+  }
+
+ private:
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  int count_;
+  int arrived_ = 0;
+  int generation_ = 0;
+};
+
+bool use_nccl() {
+  if (!MGPU_ALLREDUCE_NCCL) return false;
+  const char* v = std::getenv("MGPU_ALLREDUCE");
+  return !(v && std::string(v) == "peer");
+}
+
+#if MGPU_ALLREDUCE_NCCL
+void nccl_check(ncclResult_t r, const char* call) {
+  if (r != ncclSuccess) {
+    throw DeviceError(std::string("allreduce: ") + call + " failed: " + ncclGetErrorString(r));
+  }
+}
+
+// One communicator per GPU for each set of devices, made once by ncclCommInitAll.
+std::vector<ncclComm_t>& communicators(const std::vector<int>& gpus) {
+  static std::mutex mutex;
+  static auto* comms = new std::map<std::vector<int>, std::vector<ncclComm_t>>;
+  std::lock_guard<std::mutex> lock(mutex);
+  auto& c = (*comms)[gpus];
+  if (c.empty()) {
+    c.resize(gpus.size());
+    nccl_check(ncclCommInitAll(c.data(), static_cast<int>(gpus.size()), gpus.data()),
+               "ncclCommInitAll");
+  }
+  return c;
+}
+#endif
+
+struct Collective {
+  std::vector<int> gpu;                  // gpu[d]: the CUDA index of entry d
+  std::vector<std::vector<Tensor>> data;  // the caller's tensors (kept alive)
+  std::vector<Tensor> flat;              // flat[d]: entry d packed, `total` floats on gpu[d]
+  std::vector<Tensor> scratch;           // two chunks per device for the peer path
+  int64_t total = 0;
+  bool nccl = false;
+  Barrier barrier;
+  explicit Collective(int k) : barrier(k) {}
+
+  int k() const { return static_cast<int>(gpu.size()); }
+  int64_t chunk_begin(int j) const { return total * j / k(); }
+
+  void pack(int me, cudaStream_t) {
+    int64_t at = 0;
+    for (const Tensor& t : data[me]) {
+      gpu::copy_within(gpu[me], flat[me].f32() + at, t.f32(), t.nbytes());
+      at += t.numel();
+    }
+  }
+  void unpack(int me, cudaStream_t) {
+    int64_t at = 0;
+    for (const Tensor& t : data[me]) {
+      gpu::copy_within(gpu[me], t.f32(), flat[me].f32() + at, t.nbytes());
+      at += t.numel();
+    }
+  }
+
+  void run(int me) {
+    cudaStream_t stream = gpu::compute_stream(gpu[me]);
+    pack(me, stream);
+#if MGPU_ALLREDUCE_NCCL
+    if (nccl) {
+      run_nccl(me, stream);
+      unpack(me, stream);
+      return;
+    }
+#endif
+    run_peer(me, stream);
+    unpack(me, stream);
+  }
+
+  void run_peer(int me, cudaStream_t stream) {
+    // Every device's buffer must be complete before anyone reads it.
+    gpu::synchronize(gpu[me]);
+    barrier.arrive_and_wait();
+    const int64_t lo = chunk_begin(me), n = chunk_begin(me + 1) - lo;
+    const size_t bytes = static_cast<size_t>(n) * sizeof(float);
+    float* acc = scratch[me].f32();
+    float* fetched = acc + n;
+    float* mine = flat[me].f32() + lo;
+    if (n > 0) {
+      fetch(me, 0, acc, lo, bytes);
+      for (int d = 1; d < k(); ++d) {
+        const float* x = mine;
+        if (d != me) {
+          fetch(me, d, fetched, lo, bytes);
+          x = fetched;
+        }
+        ops::cuda::for_each_index(n, ops::BinarySameOut<ops::BinaryOp::Add>{acc, x, acc},
+                                  stream);
+      }
+      gpu::copy_within(gpu[me], mine, acc, bytes);
+    }
+    gpu::synchronize(gpu[me]);
+    barrier.arrive_and_wait();
+    // All-gather: every other chunk from the device that owns it.
+    for (int j = 0; j < k(); ++j) {
+      if (j == me) continue;
+      const int64_t jlo = chunk_begin(j), jn = chunk_begin(j + 1) - jlo;
+      if (jn > 0) fetch(me, j, flat[me].f32() + jlo, jlo, static_cast<size_t>(jn) * sizeof(float));
+    }
+    // No buffer may be released (and reused) while a peer still reads it.
+    gpu::synchronize(gpu[me]);
+    barrier.arrive_and_wait();
+  }
+
+  // Copies floats [lo, lo + bytes/4) of device d's flat buffer to `to` on device me.
+  void fetch(int me, int d, float* to, int64_t lo, size_t bytes) {
+    const float* from = flat[d].f32() + lo;
+    if (d == me) gpu::copy_within(gpu[me], to, from, bytes);
+    else gpu::copy_from_peer(gpu[me], to, gpu[d], from, bytes);
+  }
+
+#if MGPU_ALLREDUCE_NCCL
+  std::vector<ncclComm_t>* comms = nullptr;
+  std::vector<cudaEvent_t> packed, reduced;  // per device, made by the host before the tasks
+
+  void run_nccl(int me, cudaStream_t stream) {
+    // The communication stream takes the packed buffer from the compute stream, and hands it back.
+    cudaStream_t comm = gpu::comm_stream(gpu[me]);
+    MGPU_CUDA_CHECK(cudaEventRecord(packed[me], stream));
+    MGPU_CUDA_CHECK(cudaStreamWaitEvent(comm, packed[me], 0));
+    barrier.arrive_and_wait();  // every device's pack is enqueued
+    if (me == 0) {
+      // One grouped call launches the reduction on all devices' communication streams.
+      nccl_check(ncclGroupStart(), "ncclGroupStart");
+      for (int d = 0; d < k(); ++d) {
+        nccl_check(ncclAllReduce(flat[d].f32(), flat[d].f32(), static_cast<size_t>(total),
+                                 ncclFloat, ncclSum, (*comms)[d], gpu::comm_stream(gpu[d])),
+                   "ncclAllReduce");
+      }
+      nccl_check(ncclGroupEnd(), "ncclGroupEnd");
+    }
+    barrier.arrive_and_wait();  // the reduction is enqueued on every communication stream
+    MGPU_CUDA_CHECK(cudaEventRecord(reduced[me], comm));
+    MGPU_CUDA_CHECK(cudaStreamWaitEvent(stream, reduced[me], 0));
+  }
+#endif
+};
+
+}  // namespace
+
+void allreduce_gpu(const std::vector<std::vector<Tensor>>& data,
+                   const std::vector<Device>& devices) {
+  const int k = static_cast<int>(devices.size());
+  auto coll = std::make_shared<Collective>(k);
+  coll->data = data;
+  for (const Device& d : devices) coll->gpu.push_back(d.index);
+  for (const Tensor& t : data[0]) coll->total += t.numel();
+  coll->nccl = use_nccl();
+  for (int d = 0; d < k; ++d) {
+    coll->flat.push_back(Tensor::empty({coll->total}, DType::F32, devices[d]));
+    if (!coll->nccl) {
+      const int64_t chunk = coll->chunk_begin(d + 1) - coll->chunk_begin(d);
+      coll->scratch.push_back(Tensor::empty({2 * chunk}, DType::F32, devices[d]));
+    }
+  }
+#if MGPU_ALLREDUCE_NCCL
+  if (coll->nccl) {
+    coll->comms = &communicators(coll->gpu);
+    for (int d = 0; d < k; ++d) {
+      gpu::set_device(coll->gpu[d]);
+      cudaEvent_t a = nullptr, b = nullptr;
+      MGPU_CUDA_CHECK(cudaEventCreateWithFlags(&a, cudaEventDisableTiming));
+      MGPU_CUDA_CHECK(cudaEventCreateWithFlags(&b, cudaEventDisableTiming));
+      coll->packed.push_back(a);
+      coll->reduced.push_back(b);
+    }
+  }
+#endif
+  // Every queue gets its part in the same host order, so the barriers cannot deadlock.
+  for (int d = 0; d < k; ++d)
+    enqueue_on(devices[d], "allreduce", [coll, d] { coll->run(d); });
+}
+
+}  // namespace mgpu::comm
+
+#endif  // MGPU_GPU_BUILD
