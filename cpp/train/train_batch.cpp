@@ -1,10 +1,20 @@
 // cpp/train/train_batch.cpp -- the fused step: everything enqueued from one call, no GIL.
 #include "train/train_batch.h"
 
+#include <cstdlib>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <tuple>
+
 #include "comm/allreduce.h"
 #include "comm/allreduce_mpi.h"
+#include "core/gpu.h"
 #include "ops/elementwise.h"
 #include "ops/softmax_ce.h"
+#include "ops/vendor_gpu.h"
 #include "train/lenet.h"
 #include "train/split_batch.h"
 
@@ -31,17 +41,115 @@ void check_replicas(const char* op, const Tensor& X, const Tensor& y,
 // In a multi-process world (mgpu.distributed, W ranks of L devices each) X and y are the global
 // batch, the same on every rank, and this rank takes shards rank*L .. rank*L+L-1 of its split over
 // W*L devices: the shards of one process's split over W*L devices, so both compute one step.
-std::vector<Tensor> rank_rows(const Tensor& x, const std::vector<Device>& devices) {
-  const int world = comm::dist::world_size();
-  if (world == 1) return split_rows(x, devices);
-  const size_t L = devices.size();
-  auto ranges = shard_ranges(x.size(0), L * static_cast<size_t>(world));
+// The rows of x this rank's devices take, as views of x (wherever x lives).
+std::vector<Tensor> rank_slices(const Tensor& x, size_t L) {
+  const size_t world = static_cast<size_t>(comm::dist::world_size());
+  auto ranges = shard_ranges(x.size(0), L * world);
   std::vector<Tensor> shards;
   for (size_t d = 0; d < L; ++d) {
     auto [begin, end] = ranges[static_cast<size_t>(comm::dist::rank()) * L + d];
-    shards.push_back(ops::to_device(x.slice_rows(begin, end), devices[d]));
+    shards.push_back(x.slice_rows(begin, end));
   }
   return shards;
+}
+
+std::vector<Tensor> rank_rows(const Tensor& x, const std::vector<Device>& devices) {
+  if (comm::dist::world_size() == 1) return split_rows(x, devices);
+  std::vector<Tensor> shards = rank_slices(x, devices.size());
+  for (size_t d = 0; d < devices.size(); ++d) shards[d] = ops::to_device(shards[d], devices[d]);
+  return shards;
+}
+
+// ---- CUDA graphs: on GPUs the steady-state forward + backward of a replica is one graph ----------
+// Captured the first time a (device, shard shape, replica) is seen and replayed after: the step's
+// ~40 kernels cost one launch. Inputs are copied into the graph's own buffers, the gradients land
+// in its own buffers (reduced and applied right after, outside the graph), and the loss is copied
+// out, so nothing the caller keeps is overwritten by a later replay. MGPU_CUDA_GRAPH=0 turns it
+// off; it is off with MGPU_CONV=cudnn (cuDNN's workspace is allocated per call).
+// Executed on emulated GPUs (single-stream capture and replay, cpp/emu); on real GPUs only compiled.
+
+bool graphs_enabled(const std::vector<Device>& devices) {
+  if (!MGPU_GPU_BUILD) return false;
+  for (const Device& d : devices)
+    if (d.is_cpu()) return false;
+  const char* v = std::getenv("MGPU_CUDA_GRAPH");
+  if (v && std::string(v) == "0") return false;
+  return ops::conv_path() != ops::ConvPath::Cudnn;
+}
+
+struct CapturedStep {
+  Tensor x, y;                               // the graph's input buffers
+  LeNetStep out;                             // its gradient and loss buffers
+  std::shared_ptr<gpu::Graph> graph;         // set by the capturing task
+  std::vector<Queue::DeferredCheck> checks;  // the label checks, re-armed at every replay
+  std::shared_ptr<gpu::GraphPool> pool;      // the intermediates' memory
+};
+
+using StepKey = std::tuple<int, Shape, Shape, DType, std::vector<const void*>>;
+constexpr size_t kMaxCapturedSteps = 16;
+
+std::shared_ptr<CapturedStep> captured_step(const Tensor& xs, const Tensor& ys,
+                                            const std::vector<Tensor>& params, Device dev) {
+  static std::mutex mutex;
+  static auto* cache = new std::map<StepKey, std::shared_ptr<CapturedStep>>;  // never destroyed
+  static auto* order = new std::deque<StepKey>;
+  std::vector<const void*> where;
+  for (const Tensor& p : params) where.push_back(p.raw());
+  StepKey key{dev.index, xs.shape(), ys.shape(), ys.dtype(), where};
+  std::lock_guard<std::mutex> lock(mutex);
+  auto it = cache->find(key);
+  if (it != cache->end()) return it->second;
+
+  auto g = std::make_shared<CapturedStep>();
+  g->x = Tensor::empty(xs.shape(), DType::F32, dev);
+  g->y = Tensor::empty(ys.shape(), ys.dtype(), dev);
+  Queue& q = queue_of(dev);
+  q.enqueue("train_batch (capturing a CUDA graph)", [dev, &q] {
+    gpu::begin_capture(dev.index);
+    q.begin_graph_checks();
+  });
+  gpu::begin_graph_pool(dev.index);
+  auto end = [g, dev, &q] {
+    g->checks = q.end_graph_checks();
+    g->graph = gpu::end_capture(dev.index);
+  };
+  try {
+    g->out = lenet_loss_and_grads(g->x, g->y, params);
+  } catch (...) {
+    g->pool = gpu::end_graph_pool();
+    q.enqueue("train_batch (capturing a CUDA graph)", end);
+    throw;
+  }
+  g->pool = gpu::end_graph_pool();
+  q.enqueue("train_batch (capturing a CUDA graph)", end);
+  (*cache)[key] = g;
+  order->push_back(key);
+  if (order->size() > kMaxCapturedSteps) {
+    cache->erase(order->front());
+    order->pop_front();
+  }
+  return g;
+}
+
+// One replica's forward + backward through its graph; returns the gradients and the loss.
+LeNetStep graph_step(const Tensor& xs, const Tensor& ys, const std::vector<Tensor>& params,
+                     Device dev) {
+  std::shared_ptr<CapturedStep> g = captured_step(xs, ys, params, dev);
+  ops::copy(g->x, xs);
+  ops::copy(g->y, ys);
+  Queue& q = queue_of(dev);
+  q.enqueue("train_batch (CUDA graph)", [g, dev, &q] {
+    if (!g->graph) {
+      throw DeviceError("the CUDA graph of this step could not be captured (see the first error "
+                        "on this device); set MGPU_CUDA_GRAPH=0 to run train_batch without graphs");
+    }
+    gpu::launch(*g->graph, dev.index);
+    q.defer_checks(g->checks);
+  });
+  LeNetStep out;
+  out.grads = g->out.grads;
+  out.loss_sum = ops::to_device(g->out.loss_sum, dev, /*force_copy=*/true);
+  return out;
 }
 
 }  // namespace
@@ -51,13 +159,25 @@ std::vector<Tensor> train_batch(const Tensor& X, const Tensor& y,
                                 const std::vector<Device>& devices, float lr) {
   check_replicas("train_batch", X, y, params, devices);
   MGPU_CHECK_VALUE(X.size(0) > 0, "train_batch: the minibatch is empty");
-  std::vector<Tensor> xs = rank_rows(X, devices), ys = rank_rows(y, devices);
   std::vector<std::vector<Tensor>> grads;
   std::vector<Tensor> losses;
-  for (size_t d = 0; d < devices.size(); ++d) {
-    LeNetStep step = lenet_loss_and_grads(xs[d], ys[d], params[d]);
-    grads.push_back(std::move(step.grads));
-    losses.push_back(step.loss_sum);
+  // Graphs want every shard non-empty (an empty one takes the plain path's zero gradients).
+  bool graphs = graphs_enabled(devices) &&
+                X.size(0) >= static_cast<int64_t>(devices.size()) * comm::dist::world_size();
+  if (graphs) {
+    std::vector<Tensor> xs = rank_slices(X, devices.size()), ys = rank_slices(y, devices.size());
+    for (size_t d = 0; d < devices.size(); ++d) {
+      LeNetStep step = graph_step(xs[d], ys[d], params[d], devices[d]);
+      grads.push_back(std::move(step.grads));
+      losses.push_back(step.loss_sum);
+    }
+  } else {
+    std::vector<Tensor> xs = rank_rows(X, devices), ys = rank_rows(y, devices);
+    for (size_t d = 0; d < devices.size(); ++d) {
+      LeNetStep step = lenet_loss_and_grads(xs[d], ys[d], params[d]);
+      grads.push_back(std::move(step.grads));
+      losses.push_back(step.loss_sum);
+    }
   }
   comm::allreduce(grads);
   if (comm::dist::world_size() > 1) {
