@@ -1,16 +1,26 @@
 #!/usr/bin/env bash
-# Sets everything up (.ci/setup.sh), then runs every test: the C++ unit tests through ctest and
-# the Python suite through pytest (which imports the installed package, not the source tree).
+# Sets everything up (.ci/setup.sh: the installed build, with real CUDA where nvcc is found), then
+# runs every test:
+#   1. the C++ unit tests through ctest, from a build whose GPU backend runs on mgpu's CUDA
+#      emulator (cpp/emu), plus the nvcc compile check of the kernels;
+#   2. the Python suite against the installed package (no GPU here: GPU tests skip);
+#   3. the Python GPU tests again against the emulated build's package, where gpu(0) and gpu(1)
+#      are emulated GPUs running our CUDA kernels.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash .ci/setup.sh
 
-echo "== C++ unit tests (ctest), CUDA emulator tests, nvcc compile check of the emulated kernels"
-cmake -S . -B build/cpp-tests -DMGPU_BUILD_TESTS=ON -DMGPU_BUILD_PYTHON=OFF -DMGPU_CUDA_EMULATION=ON \
-  -DCMAKE_BUILD_TYPE=Release >/dev/null
+echo "== C++ unit tests (ctest): engine, CUDA emulator, CUDA kernels on emulated GPUs"
+cmake -S . -B build/cpp-tests -DMGPU_BUILD_TESTS=ON -DMGPU_BUILD_PYTHON=ON -DMGPU_CUDA_EMULATION=ON \
+  -DCMAKE_BUILD_TYPE=Release -DPython_EXECUTABLE="$PWD/.venv/bin/python" \
+  -Dpybind11_DIR="$(.venv/bin/python -m pybind11 --cmakedir)" >/dev/null
 cmake --build build/cpp-tests -j "$(nproc)" >/dev/null
 (cd build/cpp-tests && ctest --output-on-failure -j 2)
 
-echo "== Python tests (pytest)"
+echo "== Python tests (pytest) of the installed package"
 # Run from tests/ so `import mgpu` finds the installed package, never python/mgpu.
-cd tests && ../.venv/bin/python -m pytest -q -p no:cacheprovider "$@"
+(cd tests && ../.venv/bin/python -m pytest -q -p no:cacheprovider "$@")
+
+echo "== Python GPU tests on emulated GPUs (the emulated build's package)"
+(cd tests && PYTHONPATH="$PWD/../build/cpp-tests/python" \
+  ../.venv/bin/python -m pytest -q -p no:cacheprovider -k "gpu" "$@")

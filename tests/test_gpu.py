@@ -1,0 +1,312 @@
+"""GPU devices: allocator, copies, all-reduce, the fused step, errors.
+
+These run wherever ``mgpu.num_gpus() > 0``. In CI that is the emulated build (``.ci/test.sh`` runs
+this suite a second time with ``PYTHONPATH=build/cpp-tests/python``): gpu(0), gpu(1) are mgpu's
+emulated GPUs, every kernel a real CUDA kernel run by cpp/emu. The tests marked ``real_gpu`` need
+NVIDIA's libraries (cuBLAS, cuDNN, NCCL), which cannot run emulated: they are skipped here and are
+ready for a machine with GPUs. Every op test in the other files also runs on gpu(0) through the
+``device`` fixture.
+"""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import mgpu
+from conftest import assert_close
+
+NUM_GPUS = mgpu.num_gpus()
+EMULATED = bool(mgpu.build_info()["cuda_emulation"])
+
+
+def needs_gpus(k):
+    return pytest.mark.skipif(
+        NUM_GPUS < k, reason=f"needs {k} GPU(s), mgpu.num_gpus() == {NUM_GPUS} (the emulated "
+        "build of .ci/test.sh provides 2)")
+
+
+real_gpu = pytest.mark.skipif(
+    NUM_GPUS == 0 or EMULATED,
+    reason="needs a real NVIDIA GPU: cuBLAS, cuDNN and NCCL cannot run on emulated GPUs")
+
+G0 = mgpu.gpu(0) if NUM_GPUS > 0 else None
+G1 = mgpu.gpu(1) if NUM_GPUS > 1 else None
+C0, C1 = mgpu.cpu(0), mgpu.cpu(1)
+
+
+def test_build_info_says_what_runs_gpus():
+    info = mgpu.build_info()
+    assert info["gpus"] == NUM_GPUS
+    if EMULATED:
+        assert info["cuda"].startswith("emulated")
+        assert "emulated" in info["cudnn"] and "peer-copy" in info["nccl"]
+        assert info["gpu_gemm"].startswith("native")
+    elif NUM_GPUS == 0:
+        assert mgpu.try_gpu(0) == C0 and mgpu.try_all_gpus() == [C0]
+        with pytest.raises(IndexError, match=r"gpu\(0\).*num_gpus\(\) == 0.*try_gpu"):
+            mgpu.gpu(0)
+
+
+@needs_gpus(1)
+def test_try_gpu_gives_the_gpu():
+    assert mgpu.try_gpu(0) == G0
+    assert mgpu.try_all_gpus() == [mgpu.gpu(i) for i in range(NUM_GPUS)]
+    with pytest.raises(IndexError, match=f"gpu\\({NUM_GPUS}\\)"):
+        mgpu.gpu(NUM_GPUS)
+
+
+@needs_gpus(1)
+def test_caching_allocator_reaches_a_steady_state():
+    x = mgpu.ones((4096,), device=G0)
+
+    def step():
+        return float(((x * 2.0 + 1.0) - x).sum().item())
+
+    for _ in range(3):
+        step()
+    before = mgpu.gpu_memory_stats(G0)
+    for _ in range(20):
+        assert step() == 4096 * 2.0
+    after = mgpu.gpu_memory_stats(G0)
+    assert after["device_mallocs"] == before["device_mallocs"], "steady state called cudaMalloc"
+    assert after["allocated"] >= 4096 * 4 and after["peak_allocated"] >= after["allocated"]
+    del x
+    mgpu.empty_cache()
+    assert mgpu.gpu_memory_stats(G0)["cached"] == 0
+
+
+@needs_gpus(1)
+def test_out_of_memory_is_a_memory_error_naming_device_and_size():
+    huge = 1 << 40  # 4 TiB of float32: more than any GPU (an emulated one has 16 GiB)
+    with pytest.raises(mgpu.OutOfMemoryError, match=r"gpu\(0\) is out of memory.*MiB.*"
+                       r"empty_cache") as err:
+        mgpu.zeros((huge,), device=G0)
+    assert isinstance(err.value, MemoryError)
+    # The device still works afterwards.
+    np.testing.assert_array_equal(mgpu.full((3,), 2.0, device=G0).numpy(), [2.0, 2.0, 2.0])
+
+
+@needs_gpus(2)
+def test_copies_between_every_kind_of_device_keep_order():
+    src = np.arange(10_000, dtype=np.float32)
+    t = mgpu.array(src, device=C0)
+    a = t.to(G0)            # host -> device (pinned staging)
+    for _ in range(20):
+        a += 1.0            # queued on gpu(0)
+    b = a.to(G1)            # peer copy: sees all 20 updates
+    a += 100.0              # must not reach b
+    c = b.to(C1)            # device -> host
+    b *= 0.0
+    np.testing.assert_array_equal(c.numpy(), src + 20)
+    np.testing.assert_array_equal(a.numpy(), src + 120)
+    np.testing.assert_array_equal(b.numpy(), np.zeros_like(src))
+    d = mgpu.zeros((10_000,), device=G0)
+    d[:] = b.to(G0) + a     # same-device copy through setitem
+    np.testing.assert_array_equal(d.numpy(), src + 120)
+
+
+@needs_gpus(1)
+def test_large_host_to_device_copy_crosses_staging_chunks(rng):
+    src = rng.normal(size=(3, 1024, 1024)).astype(np.float32)  # 12 MiB > the 8 MiB staging
+    t = mgpu.array(src, device=C0).to(G0)
+    np.testing.assert_array_equal(t.numpy(), src)
+    np.testing.assert_array_equal(mgpu.array(src, device=G0).numpy(), src)
+
+
+@needs_gpus(2)
+@pytest.mark.parametrize("shapes", [[(7,)], [(3, 5), (1,), (129,), (2, 2, 2)], [(1,)]])
+def test_allreduce_on_gpus_is_bitwise_the_cpu_devices(rng, shapes):
+    k = 2
+    values = [[rng.normal(size=s).astype(np.float32) for s in shapes] for _ in range(k)]
+    on_gpus = [[mgpu.array(v, device=mgpu.gpu(d)) for v in values[d]] for d in range(k)]
+    on_cpus = [[mgpu.array(v, device=mgpu.cpu(d)) for v in values[d]] for d in range(k)]
+    mgpu.allreduce(on_gpus)
+    mgpu.allreduce(on_cpus)
+    for j in range(len(shapes)):
+        expected = sum(values[d][j].astype(np.float64) for d in range(k))
+        for d in range(k):
+            got = on_gpus[d][j].numpy()
+            assert_close(got, expected, "elementwise", what=f"tensor {j}", device=mgpu.gpu(d))
+            np.testing.assert_array_equal(got, on_cpus[d][j].numpy())
+
+
+@needs_gpus(2)
+def test_allreduce_refuses_to_mix_cpus_and_gpus():
+    with pytest.raises(ValueError, match="mix CPU and GPU"):
+        mgpu.allreduce([mgpu.ones((2,), device=C0), mgpu.ones((2,), device=G0)])
+
+
+def _batch(n, seed=0):
+    rng = np.random.default_rng(seed)
+    X = rng.random((n, 1, 28, 28), dtype=np.float32)
+    y = rng.integers(0, 10, n).astype(np.int64)
+    return mgpu.array(X), mgpu.array(y)
+
+
+def _fused_steps(devices, X, y, steps, lr=0.2):
+    params = mgpu.lenet_params(seed=3)
+    replicas = [mgpu.get_params(params, d) for d in devices]
+    losses = None
+    for _ in range(steps):
+        losses = mgpu.train_batch(X, y, replicas, devices, lr)
+    return [[p.numpy() for p in r] for r in replicas], losses
+
+
+@needs_gpus(2)
+def test_fused_step_on_two_gpus_equals_one_cpu_device():
+    X, y = _batch(8)
+    cpu_params, _ = _fused_steps([C0], X, y, steps=2)
+    gpu_params, losses = _fused_steps([G0, G1], X, y, steps=2)
+    names = ["W1", "b1", "W2", "b2", "W3", "b3", "W4", "b4"]
+    for name, ref, a, b in zip(names, cpu_params[0], gpu_params[0], gpu_params[1]):
+        assert_close(a, ref, what=name, device=G0)
+        np.testing.assert_array_equal(a, b, err_msg=f"{name}: the two GPU replicas differ")
+    assert len(losses) == 2
+
+
+@needs_gpus(1)
+def test_fused_step_on_one_gpu_equals_one_cpu_device():
+    X, y = _batch(4, seed=1)
+    (ref,), _ = _fused_steps([C0], X, y, steps=1)
+    (got,), _ = _fused_steps([G0], X, y, steps=1)
+    for r, g in zip(ref, got):
+        assert_close(g, r)
+
+
+@needs_gpus(2)
+def test_cuda_graph_replays_equal_the_step_without_graphs(monkeypatch):
+    """The fused step on GPUs is captured once as a CUDA graph per replica and replayed; the
+    replays must compute exactly what the plain launches compute, and each step's loss must stay
+    its own (the graph's loss buffer is overwritten by the next replay)."""
+    X, y = _batch(6, seed=2)
+    devices = [G0, G1]
+
+    def steps(graph):
+        monkeypatch.setenv("MGPU_CUDA_GRAPH", "1" if graph else "0")
+        params = mgpu.lenet_params(seed=5)
+        replicas = [mgpu.get_params(params, d) for d in devices]
+        losses = [mgpu.train_batch(X, y, replicas, devices, 0.1) for _ in range(3)]
+        mallocs = mgpu.gpu_memory_stats(G0)["device_mallocs"]
+        mgpu.train_batch(X, y, replicas, devices, 0.1)
+        mgpu.waitall()
+        steady = mgpu.gpu_memory_stats(G0)["device_mallocs"] == mallocs
+        return ([p.numpy() for p in replicas[0]], [[float(v.item()) for v in l] for l in losses],
+                steady)
+
+    plain_params, plain_losses, _ = steps(graph=False)
+    graph_params, graph_losses, steady = steps(graph=True)
+    for a, b in zip(plain_params, graph_params):
+        np.testing.assert_array_equal(a, b)
+    assert graph_losses == plain_losses
+    assert len({tuple(l) for l in graph_losses}) == 3, "every step's loss should differ"
+    assert steady, "a replayed step called cudaMalloc"
+
+
+@needs_gpus(1)
+def test_bad_label_inside_a_replayed_graph_is_an_index_error(monkeypatch):
+    monkeypatch.delenv("MGPU_CUDA_GRAPH", raising=False)
+    X, y = _batch(4, seed=4)
+    params = [mgpu.get_params(mgpu.lenet_params(seed=1), G0)]
+    mgpu.train_batch(X, y, params, [G0], 0.1)  # captured here
+    mgpu.waitall()
+    bad = mgpu.array(np.array([1, 2, 10, 3], dtype=np.int64))
+    mgpu.train_batch(X, bad, params, [G0], 0.1)  # replayed with a label out of range
+    with pytest.raises(IndexError, match=r"label 10.*row 2"):
+        mgpu.waitall()
+    mgpu.train_batch(X, y, params, [G0], 0.1)  # the device recovers
+    mgpu.waitall()
+
+
+@needs_gpus(1)
+def test_bad_label_on_a_gpu_is_an_index_error_at_the_next_wait():
+    logits = mgpu.zeros((3, 4), device=G0)
+    labels = mgpu.array(np.array([0, 7, 1], dtype=np.int64), device=G0)
+    loss = mgpu.cross_entropy(logits, labels)  # enqueued: the check happens on the device
+    with pytest.raises(IndexError, match=r"label 7.*row 1"):
+        loss.numpy()
+    good = mgpu.array(np.array([0, 3, 1], dtype=np.int64), device=G0)
+    assert_close(mgpu.cross_entropy(logits, good).numpy(), np.full(3, np.log(4.0)))
+
+
+@pytest.mark.skipif(not EMULATED, reason="checks the emulated build's refusals")
+@pytest.mark.parametrize("var,value", [("MGPU_CONV", "cudnn"), ("MGPU_GEMM", "cublas"),
+                                       ("MGPU_CONV", "fast"), ("MGPU_GEMM", "mkl")])
+def test_vendor_paths_are_refused_by_the_emulated_build(monkeypatch, var, value):
+    monkeypatch.setenv(var, value)
+    x = mgpu.ones((1, 1, 4, 4), device=G0)
+    w = mgpu.ones((1, 1, 3, 3), device=G0)
+    with pytest.raises(ValueError, match=f"{var}={value}"):
+        if var == "MGPU_CONV":
+            mgpu.conv2d(x, w)
+        else:
+            mgpu.mm(x.reshape(4, 4), x.reshape(4, 4))
+
+
+@needs_gpus(2)
+def test_the_main_command_trains_on_two_gpus(tmp_path):
+    """`python -m mgpu train --num-gpus 2` on (emulated) GPUs, a short run on the real data."""
+    data = Path("/usr/share/datasets/fashion-mnist")
+    if not data.exists() and not os.environ.get("MGPU_DATA"):
+        pytest.skip("Fashion-MNIST is not installed (apt-get install dataset-fashion-mnist)")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(Path(mgpu.__file__).parent.parent)
+    out = subprocess.run(
+        [sys.executable, "-m", "mgpu", "train", "--num-gpus", "2", "--batch-size", "16",
+         "--limit-batches", "2", "--epochs", "1", "--lr", "0.2"],
+        env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "on [gpu(0), gpu(1)]" in out.stdout and "test acc:" in out.stdout, out.stdout
+
+
+# ---- real GPUs only: the vendor libraries against our kernels ---------------------------------
+
+@real_gpu
+def test_cublas_matches_our_gemm_kernel(monkeypatch, rng):
+    a = rng.normal(size=(67, 45)).astype(np.float32)
+    b = rng.normal(size=(45, 33)).astype(np.float32)
+    monkeypatch.setenv("MGPU_GEMM", "cublas")
+    vendor = mgpu.mm(mgpu.array(a, device=G0), mgpu.array(b, device=G0)).numpy()
+    monkeypatch.setenv("MGPU_GEMM", "native")
+    ours = mgpu.mm(mgpu.array(a, device=G0), mgpu.array(b, device=G0)).numpy()
+    assert_close(vendor, ours)
+    assert_close(ours, a.astype(np.float64) @ b.astype(np.float64))
+
+
+@real_gpu
+@pytest.mark.skipif("built" != mgpu.build_info()["cudnn"], reason="this build has no cuDNN")
+def test_cudnn_conv_matches_our_kernels(monkeypatch, rng):
+    x = mgpu.array(rng.normal(size=(4, 20, 13, 13)).astype(np.float32), device=G0)
+    w = mgpu.array(rng.normal(size=(50, 20, 5, 5)).astype(np.float32), device=G0)
+    b = mgpu.array(rng.normal(size=(50,)).astype(np.float32), device=G0)
+    results = {}
+    for path in ("cudnn", "native"):
+        monkeypatch.setenv("MGPU_CONV", path)
+        xs, ws, bs = (t.copyto(G0) for t in (x, w, b))
+        for t in (xs, ws, bs):
+            t.attach_grad()
+        with mgpu.autograd.record():
+            out = mgpu.conv2d(xs, ws, bs, padding=1)
+        out.backward()
+        results[path] = [out.numpy(), xs.grad.numpy(), ws.grad.numpy(), bs.grad.numpy()]
+    for v, o in zip(results["cudnn"], results["native"]):
+        assert_close(v, o)
+
+
+@real_gpu
+@needs_gpus(2)
+def test_nccl_matches_the_peer_copy_allreduce(monkeypatch, rng):
+    values = [rng.normal(size=(1000, 3)).astype(np.float32) for _ in range(2)]
+    out = {}
+    for algo in ("peer", "nccl"):
+        if algo == "peer":
+            monkeypatch.setenv("MGPU_ALLREDUCE", "peer")
+        else:
+            monkeypatch.delenv("MGPU_ALLREDUCE", raising=False)
+        ts = [mgpu.array(v, device=mgpu.gpu(d)) for d, v in enumerate(values)]
+        mgpu.allreduce(ts)
+        out[algo] = [t.numpy() for t in ts]
+    for a, b in zip(out["peer"], out["nccl"]):
+        assert_close(a, b, "elementwise")
