@@ -72,7 +72,9 @@ def basics(out, *steps):
 def step(out, local_devices, n):
     """One fused step on this rank's slice of a global batch of n, with `local_devices` each."""
     X, y, params = problem(n)
-    devices = [mgpu.cpu(i) for i in range(local_devices)]
+    # MGPU_TEST_ON_GPUS=1: the same steps on gpu(0..L-1) (test_gpu.py, emulated GPUs).
+    on_gpus = os.environ.get("MGPU_TEST_ON_GPUS") == "1"
+    devices = [mgpu.gpu(i) if on_gpus else mgpu.cpu(i) for i in range(local_devices)]
     replicas = [mgpu.get_params(params, d) for d in devices]
     losses = mgpu.train_batch(mgpu.array(X), mgpu.array(y), replicas, devices, lr=0.2)
     loss = np.array([sum(l.item() for l in losses)], np.float32)
@@ -88,7 +90,9 @@ def fused_steps(steps, batch_size, local_devices):
     images, labels = synthetic(steps * batch_size // 2)
     it = array_loader(images, labels, batch_size, shuffle=True, seed=3)
     params = mgpu.lenet_params(seed=0)
-    devices = [mgpu.cpu(i) for i in range(local_devices)]
+    # MGPU_TEST_ON_GPUS=1: the same steps on gpu(0..L-1) (test_gpu.py, emulated GPUs).
+    on_gpus = os.environ.get("MGPU_TEST_ON_GPUS") == "1"
+    devices = [mgpu.gpu(i) if on_gpus else mgpu.cpu(i) for i in range(local_devices)]
     replicas = [mgpu.get_params(params, d) for d in devices]
     done = 0
     t0 = time.perf_counter()

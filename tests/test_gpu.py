@@ -261,6 +261,29 @@ def test_the_main_command_trains_on_two_gpus(tmp_path):
     assert "on [gpu(0), gpu(1)]" in out.stdout and "test acc:" in out.stdout, out.stdout
 
 
+@needs_gpus(2)
+def test_two_processes_on_gpus_equal_one_process_with_two_gpus(tmp_path, monkeypatch):
+    """mpirun -np 2, one GPU each (GPU gradients cross processes through host memory): bitwise
+    the parameters of one process stepping on two GPUs."""
+    import test_distributed as td
+    import dist_worker
+    if not td.HAVE_MPI:
+        pytest.skip("needs mpirun and an mgpu built with MPI")
+    if mgpu.distributed.launched():
+        pytest.skip("this pytest itself runs under mpirun")
+    steps, batch = 2, 8
+    env = {"MGPU_TEST_ON_GPUS": "1", "PYTHONPATH": str(Path(mgpu.__file__).parent.parent)}
+    rc, out, err, _ = td.mpirun(2, "train_steps", tmp_path, steps, batch, 1, env=env,
+                                timeout=300, limit=600)
+    assert rc == 0, f"{out}\n{err}"
+    monkeypatch.setenv("MGPU_TEST_ON_GPUS", "1")
+    replicas, _ = dist_worker.fused_steps(steps, batch, 2)
+    for r in range(2):
+        got = td.params_of(td.load(tmp_path, "train_L1", r))
+        for i, p in enumerate(replicas[0]):
+            np.testing.assert_array_equal(got[i], p.numpy(), err_msg=f"param {i} on rank {r}")
+
+
 # ---- real GPUs only: the vendor libraries against our kernels ---------------------------------
 
 @real_gpu

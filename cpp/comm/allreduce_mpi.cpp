@@ -25,6 +25,7 @@
 
 #include "core/parallel.h"
 #include "core/queue.h"
+#include "ops/elementwise.h"
 
 #if MGPU_BUILT_MPI
 #define OMPI_SKIP_MPICXX 1
@@ -131,8 +132,19 @@ void validate(const char* op, const std::vector<Tensor>& tensors, bool float_onl
                      "; one call reduces the tensors of one device (sum devices with "
                      "mgpu.allreduce first)");
   }
-  MGPU_CHECK_VALUE(dev.is_cpu(), op, ": ", dev, " is not supported across processes in this "
-                   "build; GPUs use NCCL, which needs the CUDA backend");
+}
+
+// GPU tensors cross processes through host memory: copied to cpu(0), reduced (or broadcast)
+// there, copied back; every copy is ordered by the queues. (An NCCL communicator across processes
+// would skip the host: cpp/comm/nccl_bootstrap.cpp, compiled but not used yet.)
+template <typename Fn>
+bool staged_through_host(const std::vector<Tensor>& tensors, Fn&& collective) {
+  if (tensors.empty() || tensors[0].device().is_cpu()) return false;
+  std::vector<Tensor> host;
+  for (const Tensor& t : tensors) host.push_back(ops::to_device(t, Device{DeviceKind::CPU, 0}));
+  collective(host);
+  for (size_t i = 0; i < tensors.size(); ++i) ops::copy(tensors[i], host[i]);
+  return true;
 }
 
 int64_t total_elements(const std::vector<Tensor>& ts) {
@@ -601,6 +613,8 @@ std::string algorithm() { return state().ordered.load() ? "ordered" : "mpi"; }
 void allreduce(const std::vector<Tensor>& tensors, Op op, int64_t tag) {
   validate("allreduce", tensors, true);
   if (!multi_process("allreduce")) return;  // the sum over one process is its own value
+  if (staged_through_host(tensors, [&](const std::vector<Tensor>& h) { allreduce(h, op, tag); }))
+    return;
 #if MGPU_BUILT_MPI
   Call call;
   call.op = static_cast<int64_t>(op);
@@ -620,6 +634,8 @@ void broadcast(const std::vector<Tensor>& tensors, int root) {
   MGPU_CHECK_INDEX(root >= 0 && root < size, "broadcast: root ", root, " is not a rank; the "
                    "world has ", size, " process", size == 1 ? "" : "es");
   if (size == 1) return;
+  if (staged_through_host(tensors, [&](const std::vector<Tensor>& h) { broadcast(h, root); }))
+    return;
 #if MGPU_BUILT_MPI
   Call call;
   call.op = static_cast<int64_t>(Op::Broadcast);

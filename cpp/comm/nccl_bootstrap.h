@@ -1,8 +1,9 @@
 // cpp/comm/nccl_bootstrap.h -- NCCL across processes, bootstrapped over MPI: rank 0 makes the
 // NCCL unique id, MPI broadcasts it, every rank joins the NCCL communicator on its own GPU.
 // Built only when MPI, the CUDA runtime and NCCL are all found (CMake: mgpu_nccl_bootstrap) and
-// kept out of mgpu._core until the CUDA backend exists (issue 3). In CI it is compiled and linked
-// (tests/cpp/nccl_bootstrap_check.cpp), never executed: that machine has no GPU.
+// not part of mgpu._core yet (training across processes reduces GPU gradients through MPI on the
+// host). In CI it is compiled and linked (tests/cpp/nccl_bootstrap_check.cpp), never executed:
+// that machine has no GPU.
 #pragma once
 
 #define OMPI_SKIP_MPICXX 1

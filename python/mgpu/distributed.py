@@ -78,9 +78,9 @@ def init(backend: str = "auto", timeout: Optional[float] = None, check: Optional
         raise ValueError(f"init: backend must be one of {', '.join(_BACKENDS)}, got {backend!r}")
     if backend == "nccl":
         raise _core.DeviceError(
-            "init: the NCCL backend needs GPU devices, and this build has no CUDA backend yet "
-            "(issue 3; build_info()['cuda']). Its MPI bootstrap is compiled and linked in CI "
-            "(cpp/comm/nccl_bootstrap.cpp). Use backend='mpi' for CPU devices.")
+            "init: the NCCL backend across processes is not available yet (its MPI bootstrap is "
+            "compiled and linked: cpp/comm/nccl_bootstrap.cpp). Use backend='mpi': it serves CPU "
+            "devices and GPUs alike (GPU tensors cross processes through host memory).")
     in_mpirun = launched()
     if backend == "mpi" and not _core.dist_built():
         raise _core.DeviceError("init: this build of mgpu has no MPI back end "
