@@ -175,13 +175,24 @@ struct Collective {
 
 #if MGPU_ALLREDUCE_NCCL
   std::vector<ncclComm_t>* comms = nullptr;
-  std::vector<cudaEvent_t> packed, reduced;  // per device, made by the host before the tasks
+
+  // The hand-over events of a device, made once by its worker and reused: its collectives run
+  // one after another on that worker, so a record is always waited on before the next one.
+  static std::pair<cudaEvent_t, cudaEvent_t> handover_events(int device) {
+    static cudaEvent_t packed[gpu::kMaxGpus] = {}, reduced[gpu::kMaxGpus] = {};
+    if (!packed[device]) {
+      MGPU_CUDA_CHECK(cudaEventCreateWithFlags(&packed[device], cudaEventDisableTiming));
+      MGPU_CUDA_CHECK(cudaEventCreateWithFlags(&reduced[device], cudaEventDisableTiming));
+    }
+    return {packed[device], reduced[device]};
+  }
 
   void run_nccl(int me, cudaStream_t stream) {
     // The communication stream takes the packed buffer from the compute stream, and hands it back.
     cudaStream_t comm = gpu::comm_stream(gpu[me]);
-    MGPU_CUDA_CHECK(cudaEventRecord(packed[me], stream));
-    MGPU_CUDA_CHECK(cudaStreamWaitEvent(comm, packed[me], 0));
+    auto [packed, reduced] = handover_events(gpu[me]);
+    MGPU_CUDA_CHECK(cudaEventRecord(packed, stream));
+    MGPU_CUDA_CHECK(cudaStreamWaitEvent(comm, packed, 0));
     barrier.arrive_and_wait();  // every device's pack is enqueued
     if (me == 0) {
       // One grouped call launches the reduction on all devices' communication streams.
@@ -192,10 +203,13 @@ struct Collective {
                    "ncclAllReduce");
       }
       nccl_check(ncclGroupEnd(), "ncclGroupEnd");
+      // NCCL switched devices to launch on the others: make this worker's GPU current again
+      // (directly: gpu::set_device's per-thread cache still says it is).
+      MGPU_CUDA_CHECK(cudaSetDevice(gpu[me]));
     }
     barrier.arrive_and_wait();  // the reduction is enqueued on every communication stream
-    MGPU_CUDA_CHECK(cudaEventRecord(reduced[me], comm));
-    MGPU_CUDA_CHECK(cudaStreamWaitEvent(stream, reduced[me], 0));
+    MGPU_CUDA_CHECK(cudaEventRecord(reduced, comm));
+    MGPU_CUDA_CHECK(cudaStreamWaitEvent(stream, reduced, 0));
   }
 #endif
 };
@@ -218,17 +232,7 @@ void allreduce_gpu(const std::vector<std::vector<Tensor>>& data,
     }
   }
 #if MGPU_ALLREDUCE_NCCL
-  if (coll->nccl) {
-    coll->comms = &communicators(coll->gpu);
-    for (int d = 0; d < k; ++d) {
-      gpu::set_device(coll->gpu[d]);
-      cudaEvent_t a = nullptr, b = nullptr;
-      MGPU_CUDA_CHECK(cudaEventCreateWithFlags(&a, cudaEventDisableTiming));
-      MGPU_CUDA_CHECK(cudaEventCreateWithFlags(&b, cudaEventDisableTiming));
-      coll->packed.push_back(a);
-      coll->reduced.push_back(b);
-    }
-  }
+  if (coll->nccl) coll->comms = &communicators(coll->gpu);
 #endif
   // Every queue gets its part in the same host order, so the barriers cannot deadlock.
   for (int d = 0; d < k; ++d)
