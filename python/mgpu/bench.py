@@ -24,7 +24,7 @@ import numpy as np
 
 from . import _core
 from .data import DataLoader, find_data_dir
-from .device import cpu, try_gpu
+from .device import as_device, cpu, try_gpu
 from .nn import LENET_SHAPES, lenet_params
 from .parallel import allreduce, get_params, train_batch
 from .tensor import array, zeros
@@ -520,9 +520,9 @@ def _comparisons(results: List[Dict]) -> List[Dict]:
 
 # --- bench ops -----------------------------------------------------------------------------
 
-def _lenet_op_cases(n: int, rng) -> List[Dict]:
+def _lenet_op_cases(n: int, rng, dev=None) -> List[Dict]:
     """LeNet's ops in forward order at batch n, each with forward and backward closures."""
-    dev = cpu(0)
+    dev = cpu(0) if dev is None else dev
 
     def t(shape, scale=1.0):
         return array(rng.standard_normal(shape) * scale, device=dev)._t
@@ -577,8 +577,9 @@ def _lenet_op_cases(n: int, rng) -> List[Dict]:
 
 
 def bench_ops(batch_sizes: Sequence[int] = (128, 256), warmup: int = 2, repeat: int = 10,
-              min_time: float = 0.005, log: Log = None) -> Dict:
-    """Forward and backward time of each LeNet op on cpu(0), with GFLOP/s for conv and mm.
+              min_time: float = 0.005, log: Log = None, device="cpu:0") -> Dict:
+    """Forward and backward time of each LeNet op on one device (cpu(0) by default; a GPU is
+    timed the same way, a wait for its stream ending every sample), with GFLOP/s for conv and mm.
 
     A sample is enough back-to-back calls to last ``min_time`` seconds, then one wait; the
     fused step on one device at the same batch is timed too, to compare with the ops' sum.
@@ -588,16 +589,16 @@ def bench_ops(batch_sizes: Sequence[int] = (128, 256), warmup: int = 2, repeat: 
         raise ValueError(f"bench ops: batch sizes must be >= 1, got {batch_sizes}")
     if int(repeat) < 1:
         raise ValueError(f"bench ops: repeat must be >= 1, got {repeat}")
+    dev = as_device(device)
     out = _header("ops", dict(batch_sizes=batch_sizes, warmup=warmup, repeat=repeat,
-                              min_time=min_time, device="cpu(0)"))
-    dev = cpu(0)
+                              min_time=min_time, device=str(dev)))
     sync = lambda: _core.synchronize(dev)  # noqa: E731
     rng = np.random.default_rng(0)
     rows = []
     steps = []
     for n in batch_sizes:
-        _say(log, f"bench ops: LeNet's ops at batch {n} on cpu(0) ...")
-        for case in _lenet_op_cases(n, rng):
+        _say(log, f"bench ops: LeNet's ops at batch {n} on {dev} ...")
+        for case in _lenet_op_cases(n, rng, dev):
             row = {"op": case["op"], "batch": n}
             for phase in ("forward", "backward"):
                 m = measure(case[phase], warmup, repeat, sync, min_time)
@@ -793,7 +794,8 @@ def format_train(r: Dict) -> str:
 
 
 def format_ops(r: Dict) -> str:
-    lines = ["mgpu bench ops: LeNet's ops on cpu(0), forward and backward"]
+    lines = [f"mgpu bench ops: LeNet's ops on {r['settings'].get('device', 'cpu(0)')}, "
+             "forward and backward"]
     lines += _machine_lines(r)
     s = r["settings"]
     lines.append(f"{s['warmup']} warm-up calls, {s['repeat']} samples of >= "

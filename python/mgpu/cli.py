@@ -53,7 +53,7 @@ def _bench(args) -> int:
             parts=args.parts.split(","), gemm_size=args.gemm_size, log=log)
     elif args.bench == "ops":
         result = bench.bench_ops(batch_sizes=args.batch_sizes, warmup=args.warmup,
-                                 repeat=args.repeat, log=log)
+                                 repeat=args.repeat, log=log, device=args.device)
     else:
         result = bench.bench_allreduce(devices=args.devices,
                                        sizes=args.sizes or bench.DEFAULT_SIZES,
@@ -104,9 +104,10 @@ def _bench_parser(sub) -> None:
     t.add_argument("--torch-python", metavar="PATH", default=None,
                    help="interpreter with torch (default: this one, else /usr/bin/python3)")
     t.add_argument("--torch-threads", type=int, default=2, help="torch.set_num_threads")
-    o = kinds.add_parser("ops", help="forward/backward time of each LeNet op on cpu(0)")
+    o = kinds.add_parser("ops", help="forward/backward time of each LeNet op on one device")
     common(o, 2, 10)
     o.add_argument("--batch-sizes", type=_ints, default=[128, 256], help="e.g. 128,256")
+    o.add_argument("--device", default="cpu:0", help="the device to time, e.g. cpu:0 or gpu:0")
     a = kinds.add_parser("allreduce", help="all-reduce time, algbw and busbw over sizes")
     common(a, 3, 10)
     a.add_argument("--devices", type=_ints, default=[2], help="device counts k, e.g. 2,3,4")
