@@ -89,15 +89,17 @@ std::vector<ncclComm_t>& communicators(const std::vector<int>& gpus) {
 }
 #endif
 
-struct Collective {
+}  // namespace
+
+struct GpuCollective {
   std::vector<int> gpu;                  // gpu[d]: the CUDA index of entry d
-  std::vector<std::vector<Tensor>> data;  // the caller's tensors (kept alive)
   std::vector<Tensor> flat;              // flat[d]: entry d packed, `total` floats on gpu[d]
   std::vector<Tensor> scratch;           // two chunks per device for the peer path
   int64_t total = 0;
   bool nccl = false;
   Barrier barrier;
-  explicit Collective(int k) : barrier(k) {}
+  std::vector<std::vector<Tensor>> data;  // data[d]: set when device d joins (kept alive)
+  explicit GpuCollective(int k) : barrier(k), data(static_cast<size_t>(k)) {}
 
   int k() const { return static_cast<int>(gpu.size()); }
   int64_t chunk_begin(int j) const { return total * j / k(); }
@@ -214,15 +216,13 @@ struct Collective {
 #endif
 };
 
-}  // namespace
-
-void allreduce_gpu(const std::vector<std::vector<Tensor>>& data,
-                   const std::vector<Device>& devices) {
+GpuAllReduce::GpuAllReduce(const std::vector<Device>& devices, const std::vector<Shape>& shapes)
+    : shapes_(shapes) {
   const int k = static_cast<int>(devices.size());
-  auto coll = std::make_shared<Collective>(k);
-  coll->data = data;
+  auto coll = std::make_shared<GpuCollective>(k);
+  coll_ = coll;
   for (const Device& d : devices) coll->gpu.push_back(d.index);
-  for (const Tensor& t : data[0]) coll->total += t.numel();
+  for (const Shape& s : shapes) coll->total += numel(s);
   coll->nccl = use_nccl();
   for (int d = 0; d < k; ++d) {
     coll->flat.push_back(Tensor::empty({coll->total}, DType::F32, devices[d]));
@@ -234,9 +234,25 @@ void allreduce_gpu(const std::vector<std::vector<Tensor>>& data,
 #if MGPU_ALLREDUCE_NCCL
   if (coll->nccl) coll->comms = &communicators(coll->gpu);
 #endif
+}
+
+void GpuAllReduce::join(size_t d, const std::vector<Tensor>& tensors) {
+  MGPU_ASSERT(d < coll_->gpu.size() && coll_->data[d].empty(), "device ", d, " joins twice");
+  MGPU_ASSERT(tensors.size() == shapes_.size(), "a bucket of ", tensors.size(), " tensors");
+  for (size_t i = 0; i < tensors.size(); ++i)
+    MGPU_ASSERT(tensors[i].shape() == shapes_[i] && tensors[i].device().index == coll_->gpu[d]);
+  coll_->data[d] = tensors;
+  Device dev{DeviceKind::CUDA, coll_->gpu[d]};
+  enqueue_on(dev, "allreduce", [coll = coll_, me = static_cast<int>(d)] { coll->run(me); });
+}
+
+void allreduce_gpu(const std::vector<std::vector<Tensor>>& data,
+                   const std::vector<Device>& devices) {
+  std::vector<Shape> shapes;
+  for (const Tensor& t : data[0]) shapes.push_back(t.shape());
+  GpuAllReduce all(devices, shapes);
   // Every queue gets its part in the same host order, so the barriers cannot deadlock.
-  for (int d = 0; d < k; ++d)
-    enqueue_on(devices[d], "allreduce", [coll, d] { coll->run(d); });
+  for (size_t d = 0; d < devices.size(); ++d) all.join(d, data[d]);
 }
 
 }  // namespace mgpu::comm

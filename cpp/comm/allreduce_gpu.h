@@ -4,6 +4,7 @@
 // MGPU_ALLREDUCE=peer selects our path in a build with NCCL. Only in GPU builds (MGPU_GPU_BUILD).
 #pragma once
 
+#include <memory>
 #include <vector>
 
 #include "core/gpu.h"
@@ -14,5 +15,22 @@ namespace mgpu::comm {
 // data and devices already checked by comm::allreduce: k >= 2 distinct GPUs, equal float32 lists.
 void allreduce_gpu(const std::vector<std::vector<Tensor>>& data,
                    const std::vector<Device>& devices);
+
+struct GpuCollective;
+
+// One all-reduce whose devices join one at a time, so a step can start reducing a bucket of
+// gradients on each device as soon as that device's backward has produced it: made by the host for
+// k distinct GPUs and the shapes every device will pass, then join(d, tensors) enqueues device d's
+// part on its queue. The parts meet on the devices; every device must join, in the same order
+// relative to other collectives on every queue (the host's program order gives that).
+class GpuAllReduce {
+ public:
+  GpuAllReduce(const std::vector<Device>& devices, const std::vector<Shape>& shapes);
+  void join(size_t d, const std::vector<Tensor>& tensors);
+
+ private:
+  std::shared_ptr<GpuCollective> coll_;
+  std::vector<Shape> shapes_;
+};
 
 }  // namespace mgpu::comm

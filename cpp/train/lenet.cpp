@@ -71,7 +71,8 @@ Tensor lenet_forward(const Tensor& X, const std::vector<Tensor>& params) {
   return forward(X, params).z4;
 }
 
-LeNetStep lenet_loss_and_grads(const Tensor& X, const Tensor& y, const std::vector<Tensor>& p) {
+LeNetStep lenet_loss_and_grads(const Tensor& X, const Tensor& y, const std::vector<Tensor>& p,
+                               const DenseGradsReady& dense_ready) {
   check_input("train_batch", X, p);
   LeNetStep out;
   if (X.size(0) == 0) {
@@ -79,6 +80,7 @@ LeNetStep lenet_loss_and_grads(const Tensor& X, const Tensor& y, const std::vect
       out.grads.push_back(Tensor::empty_like(w));
       ops::fill(out.grads.back(), 0.0);
     }
+    if (dense_ready) dense_ready({out.grads[4], out.grads[5], out.grads[6], out.grads[7]});
     out.loss_sum = Tensor::empty({}, DType::F32, X.device());
     ops::fill(out.loss_sum, 0.0);
     return out;
@@ -97,6 +99,7 @@ LeNetStep lenet_loss_and_grads(const Tensor& X, const Tensor& y, const std::vect
   Tensor db3 = ops::sum_to_shape(dz3, p[5].shape());
   Tensor dW3 = ops::mm(t.flat, dz3, true, false);
   Tensor dflat = ops::mm(dz3, p[4], false, true);
+  if (dense_ready) dense_ready({dW3, db3, dW4, db4});
   Shape pooled{t.a2.size(0), t.a2.size(1), (t.a2.size(2) - 2) / 2 + 1, (t.a2.size(3) - 2) / 2 + 1};
   Tensor da2 = ops::avg_pool2d_backward(t.a2, dflat.reshape(pooled), 2, 2, 2, 2);
   Tensor dc2 = ops::relu_backward(t.c2, da2);

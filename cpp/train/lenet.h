@@ -6,6 +6,7 @@
 // the fused step and the chapter's op-by-op step compute the same numbers.
 #pragma once
 
+#include <functional>
 #include <vector>
 
 #include "core/tensor.h"
@@ -22,8 +23,12 @@ struct LeNetStep {
   std::vector<Tensor> grads;  // d(sum of per-example losses)/d(param), one per parameter
   Tensor loss_sum;            // 0-d
 };
+// Called once in the middle of backward, as soon as the dense layers' gradients (W3, b3, W4, b4)
+// are enqueued and before the conv layers' are: a step can start reducing them meanwhile.
+using DenseGradsReady = std::function<void(const std::vector<Tensor>& dense_grads)>;
 // Forward, per-example softmax cross-entropy, backward of the summed loss. Enqueued on the
 // params' device; returns at once. An empty batch gives zero gradients.
-LeNetStep lenet_loss_and_grads(const Tensor& X, const Tensor& y, const std::vector<Tensor>& params);
+LeNetStep lenet_loss_and_grads(const Tensor& X, const Tensor& y, const std::vector<Tensor>& params,
+                               const DenseGradsReady& dense_ready = nullptr);
 
 }  // namespace mgpu::train

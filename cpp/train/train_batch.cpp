@@ -10,6 +10,7 @@
 #include <tuple>
 
 #include "comm/allreduce.h"
+#include "comm/allreduce_gpu.h"
 #include "comm/allreduce_mpi.h"
 #include "core/gpu.h"
 #include "ops/elementwise.h"
@@ -32,6 +33,8 @@ void check_replicas(const char* op, const Tensor& X, const Tensor& y,
                    ": X and y must hold the same number of examples, got X ", X.shape(),
                    " and y ", y.shape());
   for (size_t d = 0; d < devices.size(); ++d) {
+    MGPU_CHECK_VALUE(devices[d].is_cpu() == devices[0].is_cpu(), op, ": devices ", devices[0],
+                     " and ", devices[d], " mix CPU and GPU devices; train on one kind");
     check_lenet_params(op, params[d]);
     MGPU_CHECK_VALUE(params[d][0].device() == devices[d], op, ": replica ", d, " lives on ",
                      params[d][0].device(), " but devices[", d, "] is ", devices[d]);
@@ -60,12 +63,14 @@ std::vector<Tensor> rank_rows(const Tensor& x, const std::vector<Device>& device
   return shards;
 }
 
-// ---- CUDA graphs: on GPUs the steady-state forward + backward of a replica is one graph ----------
+// ---- CUDA graphs: on GPUs the steady-state forward + backward of a replica is two graphs ---------
 // Captured the first time a (device, shard shape, replica) is seen and replayed after: the step's
-// ~40 kernels cost one launch. Inputs are copied into the graph's own buffers, the gradients land
-// in its own buffers (reduced and applied right after, outside the graph), and the loss is copied
-// out, so nothing the caller keeps is overwritten by a later replay. MGPU_CUDA_GRAPH=0 turns it
-// off; it is off with MGPU_CONV=cudnn (cuDNN's workspace is allocated per call).
+// ~40 kernels cost two launches. Graph A is forward, loss and the dense layers' backward; graph B
+// the conv layers' backward, so the dense gradients' all-reduce (on the communication stream with
+// NCCL) runs while B computes. Inputs are copied into the graphs' own buffers, the gradients land
+// in their own buffers (reduced and applied right after, outside the graphs), and the loss is
+// copied out, so nothing the caller keeps is overwritten by a later replay. MGPU_CUDA_GRAPH=0
+// turns it off; it is off with MGPU_CONV=cudnn (cuDNN's workspace is allocated per call).
 // Executed on emulated GPUs (single-stream capture and replay, cpp/emu); on real GPUs only compiled.
 
 bool graphs_enabled(const std::vector<Device>& devices) {
@@ -78,9 +83,10 @@ bool graphs_enabled(const std::vector<Device>& devices) {
 }
 
 struct CapturedStep {
-  Tensor x, y;                               // the graph's input buffers
-  LeNetStep out;                             // its gradient and loss buffers
-  std::shared_ptr<gpu::Graph> graph;         // set by the capturing task
+  Tensor x, y;                               // the graphs' input buffers
+  LeNetStep out;                             // their gradient and loss buffers
+  std::shared_ptr<gpu::Graph> graph_a;       // set by the capturing tasks
+  std::shared_ptr<gpu::Graph> graph_b;
   std::vector<Queue::DeferredCheck> checks;  // the label checks, re-armed at every replay
   std::shared_ptr<gpu::GraphPool> pool;      // the intermediates' memory
 };
@@ -111,10 +117,17 @@ std::shared_ptr<CapturedStep> captured_step(const Tensor& xs, const Tensor& ys,
   gpu::begin_graph_pool(dev.index);
   auto end = [g, dev, &q] {
     g->checks = q.end_graph_checks();
-    g->graph = gpu::end_capture(dev.index);
+    g->graph_b = gpu::end_capture(dev.index);
+  };
+  // Between the dense and the conv layers' backward: graph A ends, graph B begins.
+  auto split = [g, dev, &q](const std::vector<Tensor>&) {
+    q.enqueue("train_batch (capturing a CUDA graph)", [g, dev] {
+      g->graph_a = gpu::end_capture(dev.index);
+      gpu::begin_capture(dev.index);
+    });
   };
   try {
-    g->out = lenet_loss_and_grads(g->x, g->y, params);
+    g->out = lenet_loss_and_grads(g->x, g->y, params, split);
   } catch (...) {
     g->pool = gpu::end_graph_pool();
     q.enqueue("train_batch (capturing a CUDA graph)", end);
@@ -131,20 +144,28 @@ std::shared_ptr<CapturedStep> captured_step(const Tensor& xs, const Tensor& ys,
   return g;
 }
 
-// One replica's forward + backward through its graph; returns the gradients and the loss.
+[[noreturn]] void capture_failed() {
+  throw DeviceError("the CUDA graphs of this step could not be captured (see the first error on "
+                    "this device); set MGPU_CUDA_GRAPH=0 to run train_batch without graphs");
+}
+
+// One replica's forward + backward through its graphs; returns the gradients and the loss.
 LeNetStep graph_step(const Tensor& xs, const Tensor& ys, const std::vector<Tensor>& params,
-                     Device dev) {
+                     Device dev, const DenseGradsReady& dense_ready) {
   std::shared_ptr<CapturedStep> g = captured_step(xs, ys, params, dev);
   ops::copy(g->x, xs);
   ops::copy(g->y, ys);
   Queue& q = queue_of(dev);
-  q.enqueue("train_batch (CUDA graph)", [g, dev, &q] {
-    if (!g->graph) {
-      throw DeviceError("the CUDA graph of this step could not be captured (see the first error "
-                        "on this device); set MGPU_CUDA_GRAPH=0 to run train_batch without graphs");
-    }
-    gpu::launch(*g->graph, dev.index);
+  q.enqueue("train_batch (CUDA graph A)", [g, dev, &q] {
+    if (!g->graph_a) capture_failed();
+    gpu::launch(*g->graph_a, dev.index);
     q.defer_checks(g->checks);
+  });
+  const std::vector<Tensor>& grads = g->out.grads;
+  if (dense_ready) dense_ready({grads[4], grads[5], grads[6], grads[7]});
+  q.enqueue("train_batch (CUDA graph B)", [g, dev] {
+    if (!g->graph_b) capture_failed();
+    gpu::launch(*g->graph_b, dev.index);
   });
   LeNetStep out;
   out.grads = g->out.grads;
@@ -162,24 +183,40 @@ std::vector<Tensor> train_batch(const Tensor& X, const Tensor& y,
   std::vector<std::vector<Tensor>> grads;
   std::vector<Tensor> losses;
   // Graphs want every shard non-empty (an empty one takes the plain path's zero gradients).
-  bool graphs = graphs_enabled(devices) &&
-                X.size(0) >= static_cast<int64_t>(devices.size()) * comm::dist::world_size();
-  if (graphs) {
-    std::vector<Tensor> xs = rank_slices(X, devices.size()), ys = rank_slices(y, devices.size());
-    for (size_t d = 0; d < devices.size(); ++d) {
-      LeNetStep step = graph_step(xs[d], ys[d], params[d], devices[d]);
-      grads.push_back(std::move(step.grads));
-      losses.push_back(step.loss_sum);
-    }
-  } else {
-    std::vector<Tensor> xs = rank_rows(X, devices), ys = rank_rows(y, devices);
-    for (size_t d = 0; d < devices.size(); ++d) {
-      LeNetStep step = lenet_loss_and_grads(xs[d], ys[d], params[d]);
-      grads.push_back(std::move(step.grads));
-      losses.push_back(step.loss_sum);
-    }
+  const bool graphs = graphs_enabled(devices) &&
+                      X.size(0) >= static_cast<int64_t>(devices.size()) * comm::dist::world_size();
+  // Several GPUs reduce in two buckets: the dense layers' gradients as soon as each device's
+  // backward has produced them (while it goes on with the conv layers), then the conv layers'.
+  // CPU devices reduce one flat buffer after backward: their reduction runs on the same worker
+  // threads as backward, so starting it early would gain nothing.
+  const bool buckets = MGPU_GPU_BUILD && !devices[0].is_cpu() && devices.size() > 1;
+#if MGPU_GPU_BUILD
+  std::unique_ptr<comm::GpuAllReduce> dense_bucket, conv_bucket;
+  if (buckets) {
+    const std::vector<Tensor>& p = params[0];
+    dense_bucket = std::make_unique<comm::GpuAllReduce>(
+        devices, std::vector<Shape>{p[4].shape(), p[5].shape(), p[6].shape(), p[7].shape()});
+    conv_bucket = std::make_unique<comm::GpuAllReduce>(
+        devices, std::vector<Shape>{p[0].shape(), p[1].shape(), p[2].shape(), p[3].shape()});
   }
-  comm::allreduce(grads);
+#endif
+  std::vector<Tensor> xs = graphs ? rank_slices(X, devices.size()) : rank_rows(X, devices);
+  std::vector<Tensor> ys = graphs ? rank_slices(y, devices.size()) : rank_rows(y, devices);
+  for (size_t d = 0; d < devices.size(); ++d) {
+    DenseGradsReady dense_ready;
+#if MGPU_GPU_BUILD
+    if (buckets)
+      dense_ready = [&dense_bucket, d](const std::vector<Tensor>& g) { dense_bucket->join(d, g); };
+#endif
+    LeNetStep step = graphs ? graph_step(xs[d], ys[d], params[d], devices[d], dense_ready)
+                            : lenet_loss_and_grads(xs[d], ys[d], params[d], dense_ready);
+#if MGPU_GPU_BUILD
+    if (buckets) conv_bucket->join(d, {step.grads[0], step.grads[1], step.grads[2], step.grads[3]});
+#endif
+    grads.push_back(std::move(step.grads));
+    losses.push_back(step.loss_sum);
+  }
+  if (!buckets) comm::allreduce(grads);
   if (comm::dist::world_size() > 1) {
     // Across processes: device 0 holds this process's sum; reduce it with the other ranks',
     // then hand the result to the other local devices. The tag lets ranks check the geometry.
