@@ -97,6 +97,10 @@ struct GpuCollective {
   std::vector<Tensor> scratch;           // two chunks per device for the peer path
   int64_t total = 0;
   bool nccl = false;
+  // NCCL only: leave the result on the communication stream (unpacked there); a later
+  // collective's end, which makes the compute stream wait for that stream, covers it.
+  bool finish_on_comm = false;
+  std::shared_ptr<GpuCollective> earlier;  // kept alive until this one has made compute wait
   Barrier barrier;
   std::vector<std::vector<Tensor>> data;  // data[d]: set when device d joins (kept alive)
   explicit GpuCollective(int k) : barrier(k), data(static_cast<size_t>(k)) {}
@@ -125,7 +129,6 @@ struct GpuCollective {
 #if MGPU_ALLREDUCE_NCCL
     if (nccl) {
       run_nccl(me, stream);
-      unpack(me, stream);
       return;
     }
 #endif
@@ -210,17 +213,31 @@ struct GpuCollective {
       MGPU_CUDA_CHECK(cudaSetDevice(gpu[me]));
     }
     barrier.arrive_and_wait();  // the reduction is enqueued on every communication stream
+    // Unpacked on the communication stream, so the compute stream need not wait here: with
+    // finish_on_comm it goes on (the conv layers' backward) while the reduction runs.
+    int64_t at = 0;
+    for (const Tensor& t : data[me]) {
+      MGPU_CUDA_CHECK(cudaMemcpyAsync(t.f32(), flat[me].f32() + at, t.nbytes(),
+                                      cudaMemcpyDeviceToDevice, comm));
+      at += t.numel();
+    }
+    if (finish_on_comm) return;
+    // Everything on the communication stream so far -- this reduction and any earlier one left
+    // there -- happens before the compute stream's next work.
     MGPU_CUDA_CHECK(cudaEventRecord(reduced, comm));
     MGPU_CUDA_CHECK(cudaStreamWaitEvent(stream, reduced, 0));
   }
 #endif
 };
 
-GpuAllReduce::GpuAllReduce(const std::vector<Device>& devices, const std::vector<Shape>& shapes)
+GpuAllReduce::GpuAllReduce(const std::vector<Device>& devices, const std::vector<Shape>& shapes,
+                           bool overlap, const GpuAllReduce* earlier)
     : shapes_(shapes) {
   const int k = static_cast<int>(devices.size());
   auto coll = std::make_shared<GpuCollective>(k);
   coll_ = coll;
+  coll->finish_on_comm = overlap;
+  if (earlier) coll->earlier = earlier->coll_;
   for (const Device& d : devices) coll->gpu.push_back(d.index);
   for (const Shape& s : shapes) coll->total += numel(s);
   coll->nccl = use_nccl();

@@ -23,9 +23,15 @@ struct GpuCollective;
 // k distinct GPUs and the shapes every device will pass, then join(d, tensors) enqueues device d's
 // part on its queue. The parts meet on the devices; every device must join, in the same order
 // relative to other collectives on every queue (the host's program order gives that).
+//
+// overlap = true lets the compute stream go on while the reduction runs (NCCL on the
+// communication stream; our peer-copy path always finishes in place): a later GpuAllReduce made
+// with `earlier` pointing here must then follow on the same devices -- its end makes the compute
+// streams wait for both, and it keeps this one's buffers alive until then.
 class GpuAllReduce {
  public:
-  GpuAllReduce(const std::vector<Device>& devices, const std::vector<Shape>& shapes);
+  GpuAllReduce(const std::vector<Device>& devices, const std::vector<Shape>& shapes,
+               bool overlap = false, const GpuAllReduce* earlier = nullptr);
   void join(size_t d, const std::vector<Tensor>& tensors);
 
  private:

@@ -195,9 +195,11 @@ std::vector<Tensor> train_batch(const Tensor& X, const Tensor& y,
   if (buckets) {
     const std::vector<Tensor>& p = params[0];
     dense_bucket = std::make_unique<comm::GpuAllReduce>(
-        devices, std::vector<Shape>{p[4].shape(), p[5].shape(), p[6].shape(), p[7].shape()});
+        devices, std::vector<Shape>{p[4].shape(), p[5].shape(), p[6].shape(), p[7].shape()},
+        /*overlap=*/true);
     conv_bucket = std::make_unique<comm::GpuAllReduce>(
-        devices, std::vector<Shape>{p[0].shape(), p[1].shape(), p[2].shape(), p[3].shape()});
+        devices, std::vector<Shape>{p[0].shape(), p[1].shape(), p[2].shape(), p[3].shape()},
+        /*overlap=*/false, dense_bucket.get());
   }
 #endif
   std::vector<Tensor> xs = graphs ? rank_slices(X, devices.size()) : rank_rows(X, devices);
