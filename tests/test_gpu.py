@@ -167,6 +167,21 @@ def test_fused_step_on_two_gpus_equals_one_cpu_device():
     assert len(losses) == 2
 
 
+@needs_gpus(2)
+def test_chapter_op_by_op_step_on_gpus_equals_the_fused_step():
+    """The book's train_batch (autograd, allreduce through gpu(0)) on two GPUs."""
+    X, y = _batch(8, seed=6)
+    devices = [G0, G1]
+    params = mgpu.lenet_params(seed=0)
+    book = [mgpu.get_params(params, d) for d in devices]
+    fused = [mgpu.get_params(params, d) for d in devices]
+    mgpu.chapter.train_batch(X, y, book, devices, 0.1)
+    mgpu.train_batch(X, y, fused, devices, 0.1)
+    for d in range(2):
+        for a, b in zip(book[d], fused[d]):
+            assert_close(a.numpy(), b.numpy(), device=devices[d])
+
+
 @needs_gpus(1)
 def test_fused_step_on_one_gpu_equals_one_cpu_device():
     X, y = _batch(4, seed=1)
