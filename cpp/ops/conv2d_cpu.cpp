@@ -26,8 +26,8 @@ constexpr int64_t kBlock = 8;
 constexpr int64_t kReduceChunk = 4096;
 
 // Per-thread scratch, grown once to the largest shape seen and then reused, so steady-state
-// training never allocates here. Workers use col and mat; the calling thread holds the slots.
-thread_local std::vector<float> tl_col, tl_mat, tl_slots;
+// training never allocates here. Workers use col, mat and row; the calling thread holds the slots.
+thread_local std::vector<float> tl_col, tl_mat, tl_row, tl_slots;
 
 float* scratch(std::vector<float>& buf, int64_t n) {
   if (static_cast<int64_t>(buf.size()) < n) buf.resize(static_cast<size_t>(n));
@@ -166,34 +166,31 @@ float sum_lanes(const float* __restrict x, int64_t n) {
   return acc[0];
 }
 
-}  // namespace
-
-void conv2d_forward(const Conv2dShape& s, const float* x, const float* w, const float* b,
-                    float* y) {
+// The forward product, block by block: unfolds each block of B images, multiplies, and hands
+// the block's (K, B*P*Q) product (image-major columns, ld = B*P*Q) to emit(out, ld, n0, B), which
+// runs on the worker that computed it while the product is still in its cache.
+template <class Emit>
+void forward_blocks(const Conv2dShape& s, const float* x, const float* w, const Emit& emit) {
   const int64_t PQ = s.P() * s.Q(), CRS = s.C * s.R * s.S, CHW = s.C * s.H * s.W;
-  const int64_t KPQ = s.K * PQ;
   const Unfold u(s);
   parallel_for((s.N + kBlock - 1) / kBlock, [&](int64_t blk) {
     const int64_t n0 = blk * kBlock, B = std::min(s.N - n0, kBlock), ld = B * PQ;
     float* col = scratch(tl_col, CRS * ld);
-    float* out = scratch(tl_mat, s.K * ld);  // (K, B*P*Q): image-major columns
+    float* out = scratch(tl_mat, s.K * ld);
     for (int64_t i = 0; i < B; ++i) im2col(u, x + (n0 + i) * CHW, col + i * PQ, ld);
     sgemm(false, false, s.K, ld, CRS, 1.0f, w, CRS, col, ld, 0.0f, out, ld);
-    for (int64_t i = 0; i < B; ++i) {
-      for (int64_t k = 0; k < s.K; ++k) {
-        const float* __restrict src = out + k * ld + i * PQ;
-        float* __restrict dst = y + (n0 + i) * KPQ + k * PQ;
-        const float bias = b ? b[k] : 0.0f;
-        for (int64_t j = 0; j < PQ; ++j) dst[j] = src[j] + bias;
-      }
-    }
+    emit(out, ld, n0, B);
   });
 }
 
-void conv2d_backward(const Conv2dShape& s, const float* x, const float* w, const float* dy,
+// The backward products, block by block: load(dyb, ld, n0, B) writes the block's dy as (K, B*P*Q)
+// (image-major columns, ld = B*P*Q); then dw and db of the block go to their slot and dx is
+// scattered back from dcol. The slots are added in block order at the end (see kBlock).
+template <class Load>
+void backward_blocks(const Conv2dShape& s, const float* x, const float* w, const Load& load,
                      float* dx, float* dw, float* db) {
   const int64_t PQ = s.P() * s.Q(), CRS = s.C * s.R * s.S, CHW = s.C * s.H * s.W;
-  const int64_t KPQ = s.K * PQ, KCRS = s.K * CRS;
+  const int64_t KCRS = s.K * CRS;
   const Unfold u(s);
   if (s.N == 0) {
     std::fill(dw, dw + KCRS, 0.0f);
@@ -212,13 +209,8 @@ void conv2d_backward(const Conv2dShape& s, const float* x, const float* w, const
     const int64_t n0 = blk * kBlock, B = std::min(s.N - n0, kBlock), ld = B * PQ;
     float* col = scratch(tl_col, CRS * ld);  // col, then reused for dcol
     float* dyb = scratch(tl_mat, s.K * ld);  // dy of the block as (K, B*P*Q)
-    for (int64_t i = 0; i < B; ++i) {
-      for (int64_t k = 0; k < s.K; ++k) {
-        const float* src = dy + (n0 + i) * KPQ + k * PQ;
-        copy_floats(dyb + k * ld + i * PQ, src, PQ);
-      }
-      im2col(u, x + (n0 + i) * CHW, col + i * PQ, ld);
-    }
+    load(dyb, ld, n0, B);
+    for (int64_t i = 0; i < B; ++i) im2col(u, x + (n0 + i) * CHW, col + i * PQ, ld);
     sgemm(false, true, s.K, CRS, ld, 1.0f, dyb, ld, col, ld, 0.0f, dw_slot(blk), CRS);
     if (db) {
       float* dbs = db_slot(blk);
@@ -246,6 +238,128 @@ void conv2d_backward(const Conv2dShape& s, const float* x, const float* w, const
       }
     }
   }
+}
+
+// One plane of the fused forward: y = v + bias (P, Q) and pooled = avg_pool(relu(y)) over
+// pool x pool windows with stride pool (Pp, Qp). The sums run in avg_pool2d_forward's order
+// (the window's rows first, then its columns), so the bits equal relu_forward then
+// avg_pool2d_forward. y may be null.
+void bias_relu_pool_plane(const float* __restrict v, float bias, int64_t P, int64_t Q, int64_t pool,
+                          float* __restrict y, float* __restrict pooled, float* __restrict acc) {
+  const int64_t Pp = P / pool, Qp = Q / pool;
+  const float area = static_cast<float>(pool * pool);
+  if (y) {
+    for (int64_t j = 0; j < P * Q; ++j) y[j] = v[j] + bias;
+  }
+  for (int64_t pp = 0; pp < Pp; ++pp) {
+    const float* __restrict v0 = v + pp * pool * Q;
+    for (int64_t q = 0; q < Q; ++q) {
+      const float a = v0[q] + bias;
+      acc[q] = a > 0.0f ? a : 0.0f;
+    }
+    for (int64_t i = 1; i < pool; ++i) {
+      const float* __restrict vi = v0 + i * Q;
+      for (int64_t q = 0; q < Q; ++q) {
+        const float a = vi[q] + bias;
+        acc[q] += a > 0.0f ? a : 0.0f;
+      }
+    }
+    for (int64_t qq = 0; qq < Qp; ++qq) {
+      const float* a = acc + qq * pool;
+      float sum = a[0];
+      for (int64_t j = 1; j < pool; ++j) sum += a[j];
+      pooled[pp * Qp + qq] = sum / area;
+    }
+  }
+}
+
+// One plane of the fused backward: dy = (y > 0) * upsample(dpooled) / area, 0 in the rows and
+// columns no window covers -- avg_pool2d_backward then relu_backward, bit for bit.
+void relu_pool_grad_plane(const float* __restrict y, const float* __restrict dpooled, int64_t P,
+                          int64_t Q, int64_t pool, float* __restrict dy, float* __restrict up) {
+  const int64_t Pp = P / pool, Qp = Q / pool;
+  const float area = static_cast<float>(pool * pool);
+  for (int64_t q = Qp * pool; q < Q; ++q) up[q] = 0.0f;
+  for (int64_t p = 0; p < P; ++p) {
+    const float* __restrict yr = y + p * Q;
+    float* __restrict dr = dy + p * Q;
+    if (p >= Pp * pool) {
+      for (int64_t q = 0; q < Q; ++q) dr[q] = 0.0f;
+      continue;
+    }
+    if (p % pool == 0) {
+      const float* __restrict dp = dpooled + (p / pool) * Qp;
+      for (int64_t qq = 0; qq < Qp; ++qq) {
+        const float g = dp[qq] / area;
+        for (int64_t j = 0; j < pool; ++j) up[qq * pool + j] = g;
+      }
+    }
+    for (int64_t q = 0; q < Q; ++q) dr[q] = yr[q] > 0.0f ? up[q] : 0.0f;
+  }
+}
+
+}  // namespace
+
+void conv2d_forward(const Conv2dShape& s, const float* x, const float* w, const float* b,
+                    float* y) {
+  const int64_t PQ = s.P() * s.Q(), KPQ = s.K * PQ;
+  forward_blocks(s, x, w, [&](const float* out, int64_t ld, int64_t n0, int64_t B) {
+    for (int64_t i = 0; i < B; ++i) {
+      for (int64_t k = 0; k < s.K; ++k) {
+        const float* __restrict src = out + k * ld + i * PQ;
+        float* __restrict dst = y + (n0 + i) * KPQ + k * PQ;
+        const float bias = b ? b[k] : 0.0f;
+        for (int64_t j = 0; j < PQ; ++j) dst[j] = src[j] + bias;
+      }
+    }
+  });
+}
+
+void conv2d_backward(const Conv2dShape& s, const float* x, const float* w, const float* dy,
+                     float* dx, float* dw, float* db) {
+  const int64_t PQ = s.P() * s.Q(), KPQ = s.K * PQ;
+  auto load = [&](float* dyb, int64_t ld, int64_t n0, int64_t B) {
+    for (int64_t i = 0; i < B; ++i) {
+      for (int64_t k = 0; k < s.K; ++k) {
+        copy_floats(dyb + k * ld + i * PQ, dy + (n0 + i) * KPQ + k * PQ, PQ);
+      }
+    }
+  };
+  backward_blocks(s, x, w, load, dx, dw, db);
+}
+
+void conv2d_relu_pool_forward(const Conv2dShape& s, int64_t pool, const float* x, const float* w,
+                              const float* b, float* y, float* pooled) {
+  const int64_t P = s.P(), Q = s.Q(), PQ = P * Q;
+  const int64_t pooled_plane = (P / pool) * (Q / pool);
+  forward_blocks(s, x, w, [&](const float* out, int64_t ld, int64_t n0, int64_t B) {
+    float* acc = scratch(tl_row, Q);
+    for (int64_t i = 0; i < B; ++i) {
+      for (int64_t k = 0; k < s.K; ++k) {
+        const int64_t plane = (n0 + i) * s.K + k;
+        bias_relu_pool_plane(out + k * ld + i * PQ, b ? b[k] : 0.0f, P, Q, pool,
+                             y ? y + plane * PQ : nullptr, pooled + plane * pooled_plane, acc);
+      }
+    }
+  });
+}
+
+void conv2d_relu_pool_backward(const Conv2dShape& s, int64_t pool, const float* x, const float* w,
+                               const float* y, const float* dpooled, float* dx, float* dw,
+                               float* db) {
+  const int64_t P = s.P(), Q = s.Q(), PQ = P * Q;
+  const int64_t pooled_plane = (P / pool) * (Q / pool);
+  auto load = [&](float* dyb, int64_t ld, int64_t n0, int64_t B) {
+    float* up = scratch(tl_row, Q);
+    for (int64_t i = 0; i < B; ++i) {
+      for (int64_t k = 0; k < s.K; ++k) {
+        const int64_t plane = (n0 + i) * s.K + k;
+        relu_pool_grad_plane(y + plane * PQ, dpooled + plane * pooled_plane, P, Q, pool,
+                             dyb + k * ld + i * PQ, up);
+      }
+    }
+  };
+  backward_blocks(s, x, w, load, dx, dw, db);
 }
 
 }  // namespace mgpu::ops::cpu
