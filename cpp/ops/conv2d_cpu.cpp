@@ -240,19 +240,40 @@ void backward_blocks(const Conv2dShape& s, const float* x, const float* w, const
   }
 }
 
+// Divides by a window's area. x / 4 and x * 0.25f are the same float (a power of two scales
+// exactly), so LeNet's 2x2 windows multiply instead: a division per pooled value cost more than
+// the rest of the pooling.
+struct DivideByArea {
+  float area, inverse;
+  bool exact;
+  explicit DivideByArea(int64_t n)
+      : area(static_cast<float>(n)), inverse(1.0f / area), exact((n & (n - 1)) == 0) {}
+  float operator()(float x) const { return exact ? x * inverse : x / area; }
+};
+
 // One plane of the fused forward: y = v + bias (P, Q) and pooled = avg_pool(relu(y)) over
 // pool x pool windows with stride pool (Pp, Qp). The sums run in avg_pool2d_forward's order
 // (the window's rows first, then its columns), so the bits equal relu_forward then
-// avg_pool2d_forward. y may be null.
+// avg_pool2d_forward. y may be null; acc holds Q floats.
 void bias_relu_pool_plane(const float* __restrict v, float bias, int64_t P, int64_t Q, int64_t pool,
                           float* __restrict y, float* __restrict pooled, float* __restrict acc) {
   const int64_t Pp = P / pool, Qp = Q / pool;
-  const float area = static_cast<float>(pool * pool);
+  const DivideByArea divide(pool * pool);
   if (y) {
     for (int64_t j = 0; j < P * Q; ++j) y[j] = v[j] + bias;
   }
   for (int64_t pp = 0; pp < Pp; ++pp) {
     const float* __restrict v0 = v + pp * pool * Q;
+    float* __restrict out = pooled + pp * Qp;
+    if (pool == 2) {  // LeNet's windows: the same sums, in loops of fixed shape that vectorize
+      const float* __restrict v1 = v0 + Q;
+      for (int64_t q = 0; q < 2 * Qp; ++q) {
+        const float a0 = v0[q] + bias, a1 = v1[q] + bias;
+        acc[q] = (a0 > 0.0f ? a0 : 0.0f) + (a1 > 0.0f ? a1 : 0.0f);
+      }
+      for (int64_t qq = 0; qq < Qp; ++qq) out[qq] = (acc[2 * qq] + acc[2 * qq + 1]) * 0.25f;
+      continue;
+    }
     for (int64_t q = 0; q < Q; ++q) {
       const float a = v0[q] + bias;
       acc[q] = a > 0.0f ? a : 0.0f;
@@ -268,34 +289,40 @@ void bias_relu_pool_plane(const float* __restrict v, float bias, int64_t P, int6
       const float* a = acc + qq * pool;
       float sum = a[0];
       for (int64_t j = 1; j < pool; ++j) sum += a[j];
-      pooled[pp * Qp + qq] = sum / area;
+      out[qq] = divide(sum);
     }
   }
 }
 
 // One plane of the fused backward: dy = (y > 0) * upsample(dpooled) / area, 0 in the rows and
-// columns no window covers -- avg_pool2d_backward then relu_backward, bit for bit.
+// columns no window covers -- avg_pool2d_backward then relu_backward, bit for bit. up holds Q
+// floats.
 void relu_pool_grad_plane(const float* __restrict y, const float* __restrict dpooled, int64_t P,
                           int64_t Q, int64_t pool, float* __restrict dy, float* __restrict up) {
   const int64_t Pp = P / pool, Qp = Q / pool;
-  const float area = static_cast<float>(pool * pool);
+  const DivideByArea divide(pool * pool);
   for (int64_t q = Qp * pool; q < Q; ++q) up[q] = 0.0f;
-  for (int64_t p = 0; p < P; ++p) {
-    const float* __restrict yr = y + p * Q;
-    float* __restrict dr = dy + p * Q;
-    if (p >= Pp * pool) {
-      for (int64_t q = 0; q < Q; ++q) dr[q] = 0.0f;
-      continue;
-    }
-    if (p % pool == 0) {
-      const float* __restrict dp = dpooled + (p / pool) * Qp;
+  for (int64_t pp = 0; pp < Pp; ++pp) {
+    const float* __restrict dp = dpooled + pp * Qp;
+    if (pool == 2) {  // LeNet's windows, without the inner loops of length 2
       for (int64_t qq = 0; qq < Qp; ++qq) {
-        const float g = dp[qq] / area;
+        const float g = dp[qq] * 0.25f;
+        up[2 * qq] = g;
+        up[2 * qq + 1] = g;
+      }
+    } else {
+      for (int64_t qq = 0; qq < Qp; ++qq) {
+        const float g = divide(dp[qq]);
         for (int64_t j = 0; j < pool; ++j) up[qq * pool + j] = g;
       }
     }
-    for (int64_t q = 0; q < Q; ++q) dr[q] = yr[q] > 0.0f ? up[q] : 0.0f;
+    for (int64_t i = 0; i < pool; ++i) {
+      const float* __restrict yr = y + (pp * pool + i) * Q;
+      float* __restrict dr = dy + (pp * pool + i) * Q;
+      for (int64_t q = 0; q < Q; ++q) dr[q] = yr[q] > 0.0f ? up[q] : 0.0f;
+    }
   }
+  std::fill(dy + Pp * pool * Q, dy + P * Q, 0.0f);
 }
 
 }  // namespace
