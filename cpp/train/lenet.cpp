@@ -52,8 +52,9 @@ bool fused_shapes(const Tensor& X, const std::vector<Tensor>& p, FusedShapes* f)
 }
 
 // The activations backward needs. On a CPU device each conv, relu and pool run as one fused
-// kernel (conv2d_relu_pool_*, kernels_cpu.h) with the same bits, so a1 and a2 stay undefined:
-// the pre-relu outputs c1, c2 are relu's mask and average pooling needs no activations.
+// kernel (conv2d_relu_pool_*, kernels_cpu.h) with the same bits: c1 and c2 then hold relu's
+// mask (uint8, c > 0) instead of the conv outputs, and a1, a2 stay undefined (average pooling
+// needs no activations).
 struct Trace {
   Tensor X, c1, a1, p1, c2, a2, flat, z3, a3, z4;
   bool fused = false;
@@ -61,21 +62,21 @@ struct Trace {
 };
 
 // conv (stride 1, no padding) + bias, relu, avg-pool 2x2/2 in one kernel: returns the pooled
-// output and keeps the pre-relu output in *c.
+// output and keeps relu's mask in *mask.
 Tensor conv_relu_pool(const ops::cpu::Conv2dShape& s, const Tensor& x, const Tensor& w,
-                      const Tensor& b, Tensor* c) {
-  *c = Tensor::empty({s.N, s.K, s.P(), s.Q()}, DType::F32, x.device());
+                      const Tensor& b, Tensor* mask) {
+  *mask = Tensor::empty({s.N, s.K, s.P(), s.Q()}, DType::U8, x.device());
   Tensor pooled = Tensor::empty({s.N, s.K, s.P() / 2, s.Q() / 2}, DType::F32, x.device());
   enqueue_on(x.device(), "conv2d_relu_pool_forward",
-             [s, xp = x.f32(), wp = w.f32(), bp = b.f32(), cp = c->f32(), pp = pooled.f32()] {
-               ops::cpu::conv2d_relu_pool_forward(s, 2, xp, wp, bp, cp, pp);
-             }, x, w, b, *c, pooled);
+             [s, xp = x.f32(), wp = w.f32(), bp = b.f32(), mp = mask->data<uint8_t>(),
+              pp = pooled.f32()] { ops::cpu::conv2d_relu_pool_forward(s, 2, xp, wp, bp, mp, pp); },
+             x, w, b, *mask, pooled);
   return pooled;
 }
 
 // The backward of conv_relu_pool given d(pooled): returns dx (when need_dx), dw, db.
 ops::Conv2dGrads conv_relu_pool_backward(const ops::cpu::Conv2dShape& s, const Tensor& x,
-                                         const Tensor& w, const Tensor& c, const Tensor& dpooled,
+                                         const Tensor& w, const Tensor& mask, const Tensor& dpooled,
                                          bool need_dx) {
   ops::Conv2dGrads g;
   if (need_dx) g.dx = Tensor::empty_like(x);
@@ -83,10 +84,10 @@ ops::Conv2dGrads conv_relu_pool_backward(const ops::cpu::Conv2dShape& s, const T
   g.db = Tensor::empty({s.K}, DType::F32, x.device());
   float* dxp = need_dx ? g.dx.f32() : nullptr;
   enqueue_on(x.device(), "conv2d_relu_pool_backward",
-             [s, xp = x.f32(), wp = w.f32(), cp = c.f32(), dp = dpooled.f32(), dxp,
+             [s, xp = x.f32(), wp = w.f32(), mp = mask.data<uint8_t>(), dp = dpooled.f32(), dxp,
               dwp = g.dw.f32(), dbp = g.db.f32()] {
-               ops::cpu::conv2d_relu_pool_backward(s, 2, xp, wp, cp, dp, dxp, dwp, dbp);
-             }, x, w, c, dpooled, g.dx, g.dw, g.db);
+               ops::cpu::conv2d_relu_pool_backward(s, 2, xp, wp, mp, dp, dxp, dwp, dbp);
+             }, x, w, mask, dpooled, g.dx, g.dw, g.db);
   return g;
 }
 
