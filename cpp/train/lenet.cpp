@@ -62,15 +62,17 @@ struct Trace {
 };
 
 // conv (stride 1, no padding) + bias, relu, avg-pool 2x2/2 in one kernel: returns the pooled
-// output and keeps relu's mask in *mask.
+// output and, unless mask is null (inference), keeps relu's mask in *mask.
 Tensor conv_relu_pool(const ops::cpu::Conv2dShape& s, const Tensor& x, const Tensor& w,
                       const Tensor& b, Tensor* mask) {
-  *mask = Tensor::empty({s.N, s.K, s.P(), s.Q()}, DType::U8, x.device());
+  Tensor m;
+  if (mask) m = *mask = Tensor::empty({s.N, s.K, s.P(), s.Q()}, DType::U8, x.device());
   Tensor pooled = Tensor::empty({s.N, s.K, s.P() / 2, s.Q() / 2}, DType::F32, x.device());
   enqueue_on(x.device(), "conv2d_relu_pool_forward",
-             [s, xp = x.f32(), wp = w.f32(), bp = b.f32(), mp = mask->data<uint8_t>(),
-              pp = pooled.f32()] { ops::cpu::conv2d_relu_pool_forward(s, 2, xp, wp, bp, mp, pp); },
-             x, w, b, *mask, pooled);
+             [s, xp = x.f32(), wp = w.f32(), bp = b.f32(),
+              mp = mask ? m.data<uint8_t>() : nullptr, pp = pooled.f32()] {
+               ops::cpu::conv2d_relu_pool_forward(s, 2, xp, wp, bp, mp, pp);
+             }, x, w, b, m, pooled);
   return pooled;
 }
 
@@ -91,14 +93,15 @@ ops::Conv2dGrads conv_relu_pool_backward(const ops::cpu::Conv2dShape& s, const T
   return g;
 }
 
-Trace forward(const Tensor& X, const std::vector<Tensor>& p) {
+// for_backward = false (inference) skips what only backward needs: relu's masks.
+Trace forward(const Tensor& X, const std::vector<Tensor>& p, bool for_backward) {
   Trace t;
   t.X = X;
   Tensor p2;
   t.fused = fused_shapes(X, p, &t.shapes);
   if (t.fused) {
-    t.p1 = conv_relu_pool(t.shapes.s1, X, p[0], p[1], &t.c1);
-    p2 = conv_relu_pool(t.shapes.s2, t.p1, p[2], p[3], &t.c2);
+    t.p1 = conv_relu_pool(t.shapes.s1, X, p[0], p[1], for_backward ? &t.c1 : nullptr);
+    p2 = conv_relu_pool(t.shapes.s2, t.p1, p[2], p[3], for_backward ? &t.c2 : nullptr);
   } else {
     t.c1 = ops::conv2d_forward(X, p[0], p[1], 1, 0);
     t.a1 = ops::relu_forward(t.c1);
@@ -128,7 +131,7 @@ void check_input(const char* op, const Tensor& X, const std::vector<Tensor>& p) 
 
 Tensor lenet_forward(const Tensor& X, const std::vector<Tensor>& params) {
   check_input("lenet", X, params);
-  return forward(X, params).z4;
+  return forward(X, params, false).z4;
 }
 
 LeNetStep lenet_loss_and_grads(const Tensor& X, const Tensor& y, const std::vector<Tensor>& p) {
@@ -143,7 +146,7 @@ LeNetStep lenet_loss_and_grads(const Tensor& X, const Tensor& y, const std::vect
     ops::fill(out.loss_sum, 0.0);
     return out;
   }
-  Trace t = forward(X, p);
+  Trace t = forward(X, p, true);
   Tensor losses = ops::softmax_ce_forward(t.z4, y);
   out.loss_sum = ops::sum(losses);
   // Backward of sum(losses): every per-example loss gets gradient one.
