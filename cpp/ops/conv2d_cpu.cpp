@@ -2,6 +2,8 @@
 // x (N, C, H, W), w (K, C, R, S) seen as a (K, C*R*S) matrix, b (K), y and dy (N, K, P, Q).
 // A block of B images is unfolded (im2col) into col (C*R*S, B*P*Q), so y = w * col,
 // dw = dy * col^T and dcol = w^T * dy are single sgemm calls and dx = col2im(dcol).
+// conv2d_relu_pool_* (LeNet's conv + relu + avg-pool blocks) share those block loops and apply
+// relu and the pooling to each block's product, or build its dy, while it is in cache.
 #include <algorithm>
 #include <array>
 #include <cstring>
