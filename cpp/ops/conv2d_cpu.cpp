@@ -140,32 +140,34 @@ void add_rect(float* __restrict d, int64_t dstride, const float* __restrict s, i
   }
 }
 
-// Unfolds one image x (C, H, W) into the columns of col that belong to it; col's rows are ld
-// floats apart. Row (c, r, t), column p*Q + q holds x[c, p*stride - pad + r, q*stride - pad + t],
-// or 0 in the padding. For each (c, r, t) the valid outputs form a rectangle (rows x cols spans),
-// so padding is written as zeros first and then the rectangle is copied.
-void im2col(const Unfold& u, const float* __restrict x, float* __restrict col, int64_t ld) {
+// Unfolds B images x (B, C, H, W) into col (C*R*S, B*P*Q); image i owns columns
+// [i*P*Q, (i+1)*P*Q). Row (c, r, t), column i*P*Q + p*Q + q holds
+// x[i, c, p*stride - pad + r, q*stride - pad + t], or 0 in the padding.
+void im2col(const Unfold& u, const float* __restrict x, int64_t B, float* __restrict col,
+            int64_t ld) {
   const int64_t C = u.s.C, H = u.s.H, W = u.s.W, R = u.s.R, S = u.s.S;
-  const int64_t stride = u.s.stride, pad = u.s.pad, P = u.P, Q = u.Q;
+  const int64_t stride = u.s.stride, pad = u.s.pad, P = u.P, Q = u.Q, CHW = C * H * W;
   for (int64_t c = 0; c < C; ++c) {
     for (int64_t r = 0; r < R; ++r) {
       const Span rows = u.rows[r];
       for (int64_t t = 0; t < S; ++t) {
         const Span cols = u.cols[t];
-        float* __restrict d = col + ((c * R + r) * S + t) * ld;
+        float* __restrict row = col + ((c * R + r) * S + t) * ld;
         if (rows.lo > 0 || rows.hi < P || cols.lo > 0 || cols.hi < Q) {
-          std::fill(d, d + P * Q, 0.0f);
+          std::fill(row, row + B * P * Q, 0.0f);
         }
         if (rows.lo == rows.hi || cols.lo == cols.hi) continue;
-        const float* xs =
-            x + (c * H + rows.lo * stride - pad + r) * W + cols.lo * stride + (t - pad);
-        float* ds = d + rows.lo * Q + cols.lo;
         const int64_t nrows = rows.hi - rows.lo, n = cols.hi - cols.lo;
-        if (stride == 1) {
-          copy_rect(ds, Q, xs, W, nrows, n);
-        } else {
-          for (int64_t p = 0; p < nrows; ++p) {
-            for (int64_t q = 0; q < n; ++q) ds[p * Q + q] = xs[(p * W + q) * stride];
+        for (int64_t i = 0; i < B; ++i) {
+          const float* xs = x + i * CHW + (c * H + rows.lo * stride - pad + r) * W +
+                            cols.lo * stride + (t - pad);
+          float* ds = row + i * P * Q + rows.lo * Q + cols.lo;
+          if (stride == 1) {
+            copy_rect(ds, Q, xs, W, nrows, n);
+          } else {
+            for (int64_t p = 0; p < nrows; ++p) {
+              for (int64_t q = 0; q < n; ++q) ds[p * Q + q] = xs[(p * W + q) * stride];
+            }
           }
         }
       }
@@ -230,7 +232,7 @@ void forward_blocks(const Conv2dShape& s, const float* x, const float* w, const 
     const int64_t n0 = blk * kBlock, B = std::min(s.N - n0, kBlock), ld = B * PQ;
     float* col = scratch(tl_col, CRS * ld);
     float* out = scratch(tl_mat, s.K * ld);
-    for (int64_t i = 0; i < B; ++i) im2col(u, x + (n0 + i) * CHW, col + i * PQ, ld);
+    im2col(u, x + n0 * CHW, B, col, ld);
     sgemm(false, false, s.K, ld, CRS, 1.0f, w, CRS, col, ld, 0.0f, out, ld);
     emit(out, ld, n0, B);
   });
@@ -263,7 +265,7 @@ void backward_blocks(const Conv2dShape& s, const float* x, const float* w, const
     float* col = scratch(tl_col, CRS * ld);  // col, then reused for dcol
     float* dyb = scratch(tl_mat, s.K * ld);  // dy of the block as (K, B*P*Q)
     load(dyb, ld, n0, B);
-    for (int64_t i = 0; i < B; ++i) im2col(u, x + (n0 + i) * CHW, col + i * PQ, ld);
+    im2col(u, x + n0 * CHW, B, col, ld);
     sgemm(false, true, s.K, CRS, ld, 1.0f, dyb, ld, col, ld, 0.0f, dw_slot(blk), CRS);
     if (db) {
       float* dbs = db_slot(blk);
