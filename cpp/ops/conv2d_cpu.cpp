@@ -175,30 +175,36 @@ void im2col(const Unfold& u, const float* __restrict x, int64_t B, float* __rest
   }
 }
 
-// Writes dx (C, H, W) for one image from its columns of dcol (rows ld floats apart): the
-// scatter-add inverse of im2col. One thread owns the image, so its adds happen in the fixed
-// (c, r, t, p, q) order whatever the thread count.
-void col2im(const Unfold& u, const float* __restrict dcol, int64_t ld, float* __restrict dx) {
+// Writes dx (B, C, H, W) for B images from dcol (C*R*S, B*P*Q, rows ld floats apart): the
+// scatter-add inverse of im2col, a row of dcol at a time for all images in turn. One thread owns
+// the block, and each dx element gets its adds in the fixed (r, t, p, q) order of its channel
+// whatever the thread count.
+void col2im(const Unfold& u, const float* __restrict dcol, int64_t ld, int64_t B,
+            float* __restrict dx) {
   const Conv2dShape& s = u.s;
-  const int64_t Q = u.Q;
-  std::fill(dx, dx + s.C * s.H * s.W, 0.0f);
+  const int64_t Q = u.Q, PQ = u.P * u.Q, CHW = s.C * s.H * s.W;
+  std::fill(dx, dx + B * CHW, 0.0f);
   for (int64_t c = 0; c < s.C; ++c) {
     for (int64_t r = 0; r < s.R; ++r) {
       const Span rows = u.rows[r];
       for (int64_t t = 0; t < s.S; ++t) {
         const Span cols = u.cols[t];
         const int64_t off = t - s.pad;
-        const float* src = dcol + ((c * s.R + r) * s.S + t) * ld;
+        const float* row = dcol + ((c * s.R + r) * s.S + t) * ld;
         if (rows.lo == rows.hi || cols.lo == cols.hi) continue;
-        if (s.stride == 1) {
-          add_rect(dx + (c * s.H + rows.lo - s.pad + r) * s.W + cols.lo + off, s.W,
-                   src + rows.lo * Q + cols.lo, Q, rows.hi - rows.lo, cols.hi - cols.lo);
-          continue;
-        }
-        for (int64_t p = rows.lo; p < rows.hi; ++p) {
-          float* __restrict dxrow = dx + (c * s.H + p * s.stride - s.pad + r) * s.W;
-          const float* __restrict d = src + p * Q;
-          for (int64_t q = cols.lo; q < cols.hi; ++q) dxrow[q * s.stride + off] += d[q];
+        for (int64_t i = 0; i < B; ++i) {
+          const float* src = row + i * PQ;
+          float* dxi = dx + i * CHW;
+          if (s.stride == 1) {
+            add_rect(dxi + (c * s.H + rows.lo - s.pad + r) * s.W + cols.lo + off, s.W,
+                     src + rows.lo * Q + cols.lo, Q, rows.hi - rows.lo, cols.hi - cols.lo);
+            continue;
+          }
+          for (int64_t p = rows.lo; p < rows.hi; ++p) {
+            float* __restrict dxrow = dxi + (c * s.H + p * s.stride - s.pad + r) * s.W;
+            const float* __restrict d = src + p * Q;
+            for (int64_t q = cols.lo; q < cols.hi; ++q) dxrow[q * s.stride + off] += d[q];
+          }
         }
       }
     }
@@ -273,7 +279,7 @@ void backward_blocks(const Conv2dShape& s, const float* x, const float* w, const
     }
     if (dx) {
       sgemm(true, false, CRS, ld, s.K, 1.0f, w, CRS, dyb, ld, 0.0f, col, ld);
-      for (int64_t i = 0; i < B; ++i) col2im(u, col + i * PQ, ld, dx + (n0 + i) * CHW);
+      col2im(u, col, ld, B, dx + n0 * CHW);
     }
   });
 
