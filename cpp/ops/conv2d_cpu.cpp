@@ -141,9 +141,11 @@ void add_rect(float* __restrict d, int64_t dstride, const float* __restrict s, i
   }
 }
 
-// Unfolds B images x (B, C, H, W) into col (C*R*S, B*P*Q); image i owns columns
-// [i*P*Q, (i+1)*P*Q). Row (c, r, t), column i*P*Q + p*Q + q holds
-// x[i, c, p*stride - pad + r, q*stride - pad + t], or 0 in the padding.
+// Unfolds B images x (B, C, H, W) into col (C*R*S, B*P*Q, rows ld floats apart); image i owns
+// columns [i*P*Q, (i+1)*P*Q). Row (c, r, t), column i*P*Q + p*Q + q holds
+// x[i, c, p*stride - pad + r, q*stride - pad + t], or 0 in the padding. For each (c, r, t) the
+// valid outputs form a rectangle (rows x cols spans), so padding is written as zeros first and
+// then the rectangle is copied; a row of col is filled for all B images before the next.
 void im2col(const Unfold& u, const float* __restrict x, int64_t B, float* __restrict col,
             int64_t ld) {
   const int64_t C = u.s.C, H = u.s.H, W = u.s.W, R = u.s.R, S = u.s.S;
