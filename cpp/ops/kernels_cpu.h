@@ -28,6 +28,21 @@ void conv2d_forward(const Conv2dShape& s, const float* x, const float* w, const 
 void conv2d_backward(const Conv2dShape& s, const float* x, const float* w, const float* dy,
                      float* dx, float* dw, float* db);
 
+// ---- conv2d + bias + relu + avg_pool2d, fused (LeNet's two conv blocks) ----
+// With y = conv(x, w) + b (N, K, P, Q): pooled (N, K, P / pool, Q / pool) = avg_pool2d(relu(y),
+// pool x pool windows, stride pool) and mask (N, K, P, Q) = (y > 0), relu's derivative, kept
+// for backward instead of y (a quarter of the memory traffic). Computed block by block while the
+// conv's product is in cache; pooled has the bits of conv2d_forward, then relu, then
+// avg_pool2d_forward. mask and b may be null. Preconditions: 1 <= pool <= min(P, Q).
+void conv2d_relu_pool_forward(const Conv2dShape& s, int64_t pool, const float* x, const float* w,
+                              const float* b, uint8_t* mask, float* pooled);
+// Given dpooled, writes dx, dw and db as conv2d_backward does for
+// dy = relu_backward(y, avg_pool2d_backward(dpooled)), bit for bit, without materialising dy.
+// dx and db may be null.
+void conv2d_relu_pool_backward(const Conv2dShape& s, int64_t pool, const float* x, const float* w,
+                               const uint8_t* mask, const float* dpooled, float* dx, float* dw,
+                               float* db);
+
 // ---- avg_pool2d: x, dx (N, C, H, W); y, dy (N, C, P, Q) ----
 // P = (H - kh) / sh + 1, Q = (W - kw) / sw + 1: no padding, and rows and columns that no window
 // reaches are dropped (9x9, 2x2 stride 2 -> 4x4). Preconditions: 1 <= kh <= H, 1 <= kw <= W,

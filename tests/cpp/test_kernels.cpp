@@ -367,6 +367,84 @@ TEST(Conv2d, BackwardOfEmptyBatchWritesZeroGradients) {
   EXPECT_TRUE(all_close("conv2d_backward db, N=0", db, Doubles(db.size()), kElementwise));
 }
 
+// ================================ conv2d + relu + avg_pool2d, fused ================================
+
+struct FusedCase {
+  const char* name;
+  Conv2dShape s;
+  int64_t pool;
+};
+
+// Odd P and Q leave a row and a column that no window covers; N=19 spans partial blocks.
+const FusedCase kFusedCases[] = {
+    {"batch1_pool2_odd", {1, 2, 7, 8, 3, 3, 3, 1, 0}, 2},
+    {"pool3_nonsquare", {3, 2, 10, 9, 4, 2, 3, 1, 0}, 3},
+    {"pool1", {2, 3, 6, 6, 2, 3, 3, 1, 0}, 1},
+    {"lenet_conv1", {19, 1, 28, 28, 20, 3, 3, 1, 0}, 2},
+    {"lenet_conv2", {19, 20, 13, 13, 50, 5, 5, 1, 0}, 2},
+};
+
+void PrintTo(const FusedCase& c, std::ostream* os) { *os << c.name; }
+
+class ConvReluPoolTest : public ::testing::TestWithParam<FusedCase> {};
+
+Floats relu(Floats v) {
+  for (float& e : v) e = e > 0.0f ? e : 0.0f;
+  return v;
+}
+
+// The fused kernels promise the bits of the op-by-op chain, at any thread count.
+TEST_P(ConvReluPoolTest, EqualsConvReluPoolChainBitForBit) {
+  const Conv2dShape s = GetParam().s;
+  const int64_t k = GetParam().pool;
+  const PoolShape ps{s.N, s.K, s.P(), s.Q(), k, k, k, k};
+  const ConvData d(s, 5);
+  Rng rng(6);
+  const Floats dpooled = rng.floats(s.N * s.K * ps.P() * ps.Q());
+
+  // The chain: conv2d_forward, relu, avg_pool2d_forward; then the backward in reverse.
+  Floats y(out_numel(s)), pooled(dpooled.size());
+  conv2d_forward(s, d.x.data(), d.w.data(), d.b.data(), y.data());
+  const Floats a = relu(y);
+  avg_pool2d_forward(ps.N, ps.C, ps.H, ps.W, k, k, k, k, a.data(), pooled.data());
+  Floats da(y.size()), dy(y.size()), dx(numel(s)), dw(w_numel(s)), db(s.K);
+  avg_pool2d_backward(ps.N, ps.C, ps.H, ps.W, k, k, k, k, dpooled.data(), da.data());
+  for (size_t i = 0; i < dy.size(); ++i) dy[i] = y[i] > 0.0f ? da[i] : 0.0f;
+  conv2d_backward(s, d.x.data(), d.w.data(), dy.data(), dx.data(), dw.data(), db.data());
+  EXPECT_TRUE(all_close("chain vs reference", pooled, ref_pool_forward(ps, relu(y)), kSum));
+
+  for (int threads : {1, 3}) {
+    ThreadCount count(threads);
+    std::vector<uint8_t> mask(y.size(), 7);
+    Floats fpooled(pooled.size(), kNaN), fpooled_only(pooled.size(), kNaN);
+    conv2d_relu_pool_forward(s, k, d.x.data(), d.w.data(), d.b.data(), mask.data(),
+                             fpooled.data());
+    conv2d_relu_pool_forward(s, k, d.x.data(), d.w.data(), d.b.data(), nullptr,
+                             fpooled_only.data());
+    for (size_t i = 0; i < y.size(); ++i) {
+      ASSERT_EQ(mask[i], y[i] > 0.0f ? 1 : 0) << "mask[" << i << "], " << threads << " threads";
+    }
+    EXPECT_TRUE(same_bits(fpooled, pooled)) << threads << " threads";
+    EXPECT_TRUE(same_bits(fpooled_only, pooled)) << threads << " threads";
+
+    Floats fdx(dx.size(), kNaN), fdw(dw.size(), kNaN), fdb(db.size(), kNaN);
+    conv2d_relu_pool_backward(s, k, d.x.data(), d.w.data(), mask.data(), dpooled.data(),
+                              fdx.data(), fdw.data(), fdb.data());
+    EXPECT_TRUE(same_bits(fdx, dx)) << threads << " threads";
+    EXPECT_TRUE(same_bits(fdw, dw)) << threads << " threads";
+    EXPECT_TRUE(same_bits(fdb, db)) << threads << " threads";
+    Floats fdw_only(dw.size(), kNaN);
+    conv2d_relu_pool_backward(s, k, d.x.data(), d.w.data(), mask.data(), dpooled.data(),
+                              nullptr, fdw_only.data(), nullptr);
+    EXPECT_TRUE(same_bits(fdw_only, dw)) << threads << " threads";
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, ConvReluPoolTest, ::testing::ValuesIn(kFusedCases),
+                         [](const ::testing::TestParamInfo<FusedCase>& param) {
+                           return std::string(param.param.name);
+                         });
+
 // ================================ avg_pool2d ================================
 
 struct PoolCase {
