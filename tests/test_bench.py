@@ -235,17 +235,18 @@ def test_train_compare_torch(tmp_path):
     assert r["torch"]["python"] == py and r["torch"]["threads"] == 2
     impls = [(x["impl"], x["num_devices"]) for x in r["results"]]
     assert ("torch chapter", 1) in impls and ("torch chapter", 2) in impls
-    assert ("torch idiomatic", 1) in impls
+    assert ("torch idiomatic", 1) in impls and ("torch chapter + loader", 1) in impls
     by = {(x["impl"], x["num_devices"]): x for x in r["results"]}
     for x in r["results"]:
         _check_stats(x["sec_per_step"])
     pairs = {(c["mgpu"], c["torch"]) for c in r["comparisons"]}
-    assert len(r["comparisons"]) == 5
+    assert len(r["comparisons"]) == 6
     for c in r["comparisons"]:
         assert c["ratio"] == c["torch_sec_per_step"] / c["mgpu_sec_per_step"]
     for mine, theirs, k in (("mgpu fused", "torch chapter", 1), ("mgpu fused", "torch chapter", 2),
                             ("mgpu op-by-op", "torch chapter", 2),
-                            ("mgpu fused", "torch idiomatic", 1)):
+                            ("mgpu fused", "torch idiomatic", 1),
+                            ("mgpu fused", "torch chapter + loader", 1)):
         a, b = by[(mine, k)], by[(theirs, k)]
         assert (a["name"], b["name"]) in pairs
         c = [c for c in r["comparisons"] if (c["mgpu"], c["torch"]) == (a["name"], b["name"])][0]

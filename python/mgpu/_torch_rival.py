@@ -4,7 +4,12 @@ Runs in a separate interpreter (any Python with torch and NumPy) and must never 
 reads the Fashion-MNIST IDX files itself and prints one JSON object on stdout. Two variants:
 ``chapter`` is the section's code (lenet, get_params, allreduce, split_batch, train_batch) with
 k "devices" that are all the CPU, so the shards run one after the other; ``idiomatic`` is
-nn.Sequential + optim.SGD on one device. Both see batches (B, 1, 28, 28) float32 in [0, 1].
+nn.Sequential + optim.SGD on one device. Both see batches (B, 1, 28, 28) float32 in [0, 1],
+gathered from tensors already in memory, so they time the training step alone. ``loader`` is the
+chapter's code on one device fed as the chapter feeds it: d2l.load_data_fashion_mnist's
+DataLoader (shuffled, 4 worker processes, each image converted to a float tensor one at a time as
+ToTensor does; torchvision itself is not needed), timed in its steady state (workers kept alive
+across epochs, so their start-up is not counted).
 """
 import argparse
 import gzip
@@ -169,6 +174,39 @@ class Batches:
             yield self.X[idx], self.y[idx]
 
 
+class LoaderBatches:
+    """Batches from torch's DataLoader over per-image items, as the chapter's d2l loader makes
+    them (ToTensor: uint8 (28, 28) -> float32 (1, 28, 28) in [0, 1], one image per __getitem__)."""
+
+    def __init__(self, torch, images, labels, batch_size, limit, seed, workers=4):
+        class Images(torch.utils.data.Dataset):
+            def __len__(self):
+                return len(labels)
+
+            def __getitem__(self, i):
+                x = torch.from_numpy(images[i]).to(torch.float32).div(255.0).unsqueeze(0)
+                return x, int(labels[i])
+
+        g = torch.Generator()
+        g.manual_seed(seed)
+        self.loader = torch.utils.data.DataLoader(
+            Images(), batch_size, shuffle=True, num_workers=workers, generator=g,
+            persistent_workers=True)
+        full = (len(labels) + batch_size - 1) // batch_size
+        self.full_batches = full
+        self.num_batches = min(full, limit) if limit else full
+        self._it = None
+
+    def epoch(self, num_batches=None):
+        n = num_batches or self.num_batches
+        for _ in range(n):
+            try:
+                yield next(self._it)
+            except (StopIteration, TypeError):  # first use, or the data went round once
+                self._it = iter(self.loader)
+                yield next(self._it)
+
+
 def run_config(name, step, batches, epochs, warmup):
     """Warm-up batches, then ``epochs`` timed epochs (each cut at the batch limit)."""
     if warmup > 0:
@@ -202,7 +240,7 @@ def main(argv=None):
     p.add_argument("--batch-size", type=int, default=256)
     p.add_argument("--lr", type=float, default=0.2)
     p.add_argument("--devices", default="1,2", help="chapter variant: numbers of CPU 'devices'")
-    p.add_argument("--variants", default="chapter,idiomatic")
+    p.add_argument("--variants", default="chapter,idiomatic,loader")
     p.add_argument("--epochs", type=int, default=3, help="timed epochs per configuration")
     p.add_argument("--limit-batches", type=int, default=0, help="batches per epoch (0: all)")
     p.add_argument("--warmup", type=int, default=3, help="untimed batches first")
@@ -239,6 +277,19 @@ def main(argv=None):
                            args.epochs, args.warmup)
             r.update(variant="chapter", num_devices=k, global_batch=args.batch_size)
             results.append(r)
+    if "loader" in variants:
+        get_params, train_batch = make_chapter(torch, nn, F)
+        device_params = [get_params(chapter_params(torch, args.seed), torch.device("cpu"))]
+        fed = LoaderBatches(torch, images, labels, args.batch_size, args.limit_batches, args.seed)
+
+        def step(X, y):
+            ls = train_batch(X, y, device_params, [torch.device("cpu")], args.lr)
+            return sum(l.item() for l in ls)
+
+        r = run_config("torch chapter + its DataLoader (4 workers), 1 device", step, fed,
+                       args.epochs, args.warmup)
+        r.update(variant="loader", num_devices=1, global_batch=args.batch_size)
+        results.append(r)
     if "idiomatic" in variants:
         net = idiomatic_model(torch, nn, args.seed)
         opt = torch.optim.SGD(net.parameters(), lr=args.lr)
