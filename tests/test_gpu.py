@@ -236,6 +236,56 @@ def test_bad_label_inside_a_replayed_graph_is_an_index_error(monkeypatch):
 
 
 @needs_gpus(1)
+def test_a_bad_label_survives_a_later_replay_before_the_wait(monkeypatch):
+    """Every replay of a graph writes the same flag buffer: a clean replay must not erase the
+    verdict of an earlier one that nobody has waited for yet (inputs already on the GPU, so no
+    copy makes the host wait in between)."""
+    monkeypatch.delenv("MGPU_CUDA_GRAPH", raising=False)
+    params = mgpu.get_params(mgpu.lenet_params(seed=0), G0)
+    rng = np.random.default_rng(0)
+    X = mgpu.array(rng.random((4, 1, 28, 28), dtype=np.float32), device=G0)
+    y = mgpu.array(np.array([1, 2, 3, 4], dtype=np.int64), device=G0)
+    bad = mgpu.array(np.array([1, 2, 99, 4], dtype=np.int64), device=G0)
+    mgpu.train_batch(X, y, [params], [G0], 0.1)  # captured
+    mgpu.waitall()
+    mgpu.train_batch(X, bad, [params], [G0], 0.1)
+    mgpu.train_batch(X, y, [params], [G0], 0.1)
+    with pytest.raises(IndexError, match=r"label 99 in row 2"):
+        mgpu.waitall()
+
+
+_BATCH_ON_GPU = """
+import os, sys, numpy as np, mgpu
+os.environ["MGPU_CUDA_GRAPH"] = sys.argv[1]
+G0, G1 = mgpu.gpu(0), mgpu.gpu(1)
+rng = np.random.default_rng(8)
+X = mgpu.array(rng.random((4, 1, 28, 28), dtype=np.float32), device=G0)
+y = mgpu.array(rng.integers(0, 10, 4).astype(np.int64), device=G0)
+replicas = [mgpu.get_params(mgpu.lenet_params(seed=0), d) for d in (G0, G1)]
+losses = mgpu.train_batch(X, y, replicas, [G0, G1], 0.1)
+print(repr([float(l.item()) for l in losses] + [float(replicas[1][0].numpy().sum())]))
+"""
+
+
+@needs_gpus(2)
+def test_fused_step_with_the_batch_already_on_a_gpu(tmp_path):
+    """X and y on gpu(0): gpu(1)'s shard is copied from gpu(0)'s queue, which must not wait
+    behind gpu(0)'s part of the all-reduce (that part waits for gpu(1): a deadlock). Run in a
+    subprocess with a time limit, so a regression fails instead of hanging the suite."""
+    env = dict(os.environ, PYTHONPATH=str(Path(mgpu.__file__).parent.parent))
+    outs = []
+    for graph in ("0", "1"):
+        try:
+            r = subprocess.run([sys.executable, "-c", _BATCH_ON_GPU, graph], env=env,
+                               capture_output=True, text=True, timeout=300, cwd=tmp_path)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"train_batch with X on gpu(0) hung (MGPU_CUDA_GRAPH={graph})")
+        assert r.returncode == 0, r.stderr
+        outs.append(r.stdout.strip().splitlines()[-1])
+    assert outs[0] == outs[1]
+
+
+@needs_gpus(1)
 def test_bad_label_on_a_gpu_is_an_index_error_at_the_next_wait():
     logits = mgpu.zeros((3, 4), device=G0)
     labels = mgpu.array(np.array([0, 7, 1], dtype=np.int64), device=G0)

@@ -40,8 +40,11 @@ namespace {
 class Barrier {
  public:
   explicit Barrier(int count) : count_(count) {}
+  // Throws once a party has called abort(): a device whose part failed must not leave the
+  // others (and so their queues, and the host waiting on them) blocked forever.
   void arrive_and_wait() {
     std::unique_lock<std::mutex> lock(mutex_);
+    if (aborted_) throw_aborted();
     int gen = generation_;
     if (++arrived_ == count_) {
       arrived_ = 0;
@@ -50,15 +53,28 @@ class Barrier {
       cv_.notify_all();
       return;
     }
-    cv_.wait(lock, [&] { return generation_ != gen; });
+    cv_.wait(lock, [&] { return generation_ != gen || aborted_; });
+    if (generation_ == gen) throw_aborted();
+  }
+  void abort() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      aborted_ = true;
+    }
+    cv_.notify_all();
   }
 
  private:
+  [[noreturn]] static void throw_aborted() {
+    throw DeviceError("allreduce: another device's part of this all-reduce failed (its error is "
+                      "raised too)");
+  }
   std::mutex mutex_;
   std::condition_variable cv_;
   int count_;
   int arrived_ = 0;
   int generation_ = 0;
+  bool aborted_ = false;
 };
 
 bool use_nccl() {
@@ -124,16 +140,21 @@ struct GpuCollective {
   }
 
   void run(int me) {
-    cudaStream_t stream = gpu::compute_stream(gpu[me]);
-    pack(me, stream);
+    try {
+      cudaStream_t stream = gpu::compute_stream(gpu[me]);
+      pack(me, stream);
 #if MGPU_ALLREDUCE_NCCL
-    if (nccl) {
-      run_nccl(me, stream);
-      return;
-    }
+      if (nccl) {
+        run_nccl(me, stream);
+        return;
+      }
 #endif
-    run_peer(me, stream);
-    unpack(me, stream);
+      run_peer(me, stream);
+      unpack(me, stream);
+    } catch (...) {
+      barrier.abort();  // release the devices waiting for this one
+      throw;
+    }
   }
 
   void run_peer(int me, cudaStream_t stream) {
@@ -200,7 +221,9 @@ struct GpuCollective {
     MGPU_CUDA_CHECK(cudaStreamWaitEvent(comm, packed, 0));
     barrier.arrive_and_wait();  // every device's pack is enqueued
     if (me == 0) {
-      // One grouped call launches the reduction on all devices' communication streams.
+      // One grouped call launches the reduction on all devices' communication streams (no
+      // cudaFree meanwhile: see gpu::device_wide_mutex).
+      std::lock_guard<std::mutex> lock(gpu::device_wide_mutex());
       nccl_check(ncclGroupStart(), "ncclGroupStart");
       for (int d = 0; d < k(); ++d) {
         nccl_check(ncclAllReduce(flat[d].f32(), flat[d].f32(), static_cast<size_t>(total),

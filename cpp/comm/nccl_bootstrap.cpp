@@ -46,7 +46,15 @@ NcclWorld::NcclWorld(MPI_Comm comm, int gpu, double timeout_s) : gpu_(gpu), time
   ncclResult_t r = ncclCommInitRankConfig(&comm_, size_, id, rank_, &config);
   if (r != ncclSuccess && r != ncclInProgress)
     fail(std::string("ncclCommInitRankConfig: ") + ncclGetErrorString(r));
-  wait_ready("ncclCommInitRankConfig");
+  try {
+    wait_ready("ncclCommInitRankConfig");
+  } catch (...) {
+    // A throwing constructor runs no destructor: abort here, or NCCL's proxy threads and the
+    // half-made communicator outlive us.
+    if (comm_) ncclCommAbort(comm_);
+    comm_ = nullptr;
+    throw;
+  }
 }
 
 NcclWorld::~NcclWorld() {

@@ -42,9 +42,10 @@ struct DeviceState {
   std::unordered_map<size_t, std::vector<void*>> free_lists;
   MemoryStats stats;
 
-  std::mutex staging_mutex;  // one pinned buffer per device, reused once its last copy is done
-  void* staging = nullptr;
-  cudaEvent_t staging_done = nullptr;
+  std::mutex staging_mutex;  // two pinned buffers per device, each reused once its copy is done
+  void* staging[2] = {nullptr, nullptr};
+  cudaEvent_t staging_done[2] = {nullptr, nullptr};
+  int staging_next = 0;
 };
 
 DeviceState& state(int device) {
@@ -88,6 +89,7 @@ std::string mib(size_t bytes) {
 }
 
 void free_cached_locked(int device, DeviceState& s) {
+  std::lock_guard<std::mutex> lock(device_wide_mutex());
   for (auto& [cap, list] : s.free_lists)
     for (void* p : list) cudaFree(p);  // a failure here leaves the block to the driver at exit
   s.free_lists.clear();
@@ -123,6 +125,11 @@ void set_device(int device) {
   t_current = device;
 }
 
+std::mutex& device_wide_mutex() {
+  static std::mutex* m = new std::mutex;
+  return *m;
+}
+
 namespace {
 DeviceState& with_streams(int device) {
   DeviceState& s = state(device);
@@ -130,6 +137,17 @@ DeviceState& with_streams(int device) {
     DeviceGuard guard(device);
     MGPU_CUDA_CHECK(cudaStreamCreateWithFlags(&s.compute, cudaStreamNonBlocking));
     MGPU_CUDA_CHECK(cudaStreamCreateWithFlags(&s.comm, cudaStreamNonBlocking));
+    // Direct access to the other GPUs where the hardware allows it: peer copies (and NCCL's
+    // fallbacks) then go over NVLink/PCIe instead of through host memory. Where it is not
+    // possible, cudaMemcpyPeerAsync still works, staged by the driver.
+    for (int j = 0; j < device_count(); ++j) {
+      int ok = 0;
+      if (j == device || cudaDeviceCanAccessPeer(&ok, device, j) != cudaSuccess || !ok) {
+        cudaGetLastError();
+        continue;
+      }
+      if (cudaDeviceEnablePeerAccess(j, 0) != cudaSuccess) cudaGetLastError();  // e.g. already on
+    }
   });
   return s;
 }
@@ -174,8 +192,16 @@ void* allocate(int device, size_t nbytes, size_t* capacity) {
   if (e == cudaErrorMemoryAllocation) {
     cudaGetLastError();
     // Blocks this device no longer uses may be pending on the stream: finish it, give the cache
-    // back to the driver, and try once more.
-    cudaStreamSynchronize(compute_stream(device));
+    // back to the driver, and try once more. Not cudaStreamSynchronize while the worker captures
+    // a graph (this thread may be the host allocating for that capture): synchronising a
+    // capturing stream is illegal and invalidates the capture.
+    {
+      DeviceState& ss = with_streams(device);
+      std::lock_guard<std::mutex> lock(ss.capture_mutex);
+      if (ss.capturing) cudaEventSynchronize(ss.before_capture);
+      else cudaStreamSynchronize(ss.compute);
+    }
+    cudaGetLastError();
     {
       std::lock_guard<std::mutex> lock(s.mutex);
       free_cached_locked(device, s);
@@ -246,21 +272,26 @@ void copy_from_host(int device, void* dst, const void* src, size_t nbytes) {
   DeviceGuard guard(device);
   DeviceState& s = with_streams(device);
   std::lock_guard<std::mutex> lock(s.staging_mutex);
-  if (!s.staging) {
-    MGPU_CUDA_CHECK(cudaMallocHost(&s.staging, kStagingBytes));
-    MGPU_CUDA_CHECK(cudaEventCreateWithFlags(&s.staging_done, cudaEventDisableTiming));
-    MGPU_CUDA_CHECK(cudaEventRecord(s.staging_done, s.compute));
+  if (!s.staging[0]) {
+    for (int i = 0; i < 2; ++i) {
+      MGPU_CUDA_CHECK(cudaMallocHost(&s.staging[i], kStagingBytes));
+      MGPU_CUDA_CHECK(cudaEventCreateWithFlags(&s.staging_done[i], cudaEventDisableTiming));
+    }
   }
   auto* to = static_cast<char*>(dst);
   auto* from = static_cast<const char*>(src);
   for (size_t done = 0; done < nbytes;) {
     size_t n = std::min(kStagingBytes, nbytes - done);
-    // The previous chunk's DMA must have left the buffer before it is refilled.
-    MGPU_CUDA_CHECK(cudaEventSynchronize(s.staging_done));
-    std::memcpy(s.staging, from + done, n);
+    const int b = s.staging_next;
+    s.staging_next ^= 1;
+    // This buffer's previous DMA must have left it before it is refilled. It was issued two
+    // copies ago, so the wait no longer drains everything queued since the last copy (x then y
+    // of one step used to wait for the whole previous step on the stream).
+    MGPU_CUDA_CHECK(cudaEventSynchronize(s.staging_done[b]));
+    std::memcpy(s.staging[b], from + done, n);
     MGPU_CUDA_CHECK(
-        cudaMemcpyAsync(to + done, s.staging, n, cudaMemcpyHostToDevice, s.compute));
-    MGPU_CUDA_CHECK(cudaEventRecord(s.staging_done, s.compute));
+        cudaMemcpyAsync(to + done, s.staging[b], n, cudaMemcpyHostToDevice, s.compute));
+    MGPU_CUDA_CHECK(cudaEventRecord(s.staging_done[b], s.compute));
     done += n;
   }
 }
@@ -394,6 +425,10 @@ void synchronize(int) { not_built(); }
 void* allocate(int, size_t, size_t*) { not_built(); }
 void release(int, void*, size_t) { not_built(); }
 MemoryStats memory_stats(int) { return {}; }
+std::mutex& device_wide_mutex() {
+  static std::mutex m;
+  return m;
+}
 void empty_cache(int) {}
 void copy_from_host(int, void*, const void*, size_t) { not_built(); }
 void copy_to_host(int, void*, const void*, size_t) { not_built(); }

@@ -12,12 +12,15 @@
 // queue (the host, another device) first waits for the task, then for the stream
 // (synchronize()), so "done" means finished on the GPU. Memory goes back to the cache when its
 // last Tensor is gone, possibly before queued kernels have run: that is safe because every later
-// user of the block is ordered after them on the same stream.
+// user of the block is ordered after them on the same stream. Work of another stream or device
+// on a block (a peer copy, the communication stream) must keep the block alive until that work
+// is finished or the compute stream waits for it (ops::copy and the all-reduce do).
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
 
 #ifndef MGPU_GPU_BUILD
@@ -62,9 +65,12 @@ struct MemoryStats {
 MemoryStats memory_stats(int device);
 // Waits for the device, then returns its cached blocks to the driver.
 void empty_cache(int device);
+// Held around calls that synchronise a whole device (cudaFree) and around NCCL's grouped
+// launches: a cudaFree while NCCL launches its kernels on several devices can hang both.
+std::mutex& device_wide_mutex();
 
-// Copies issued on `device`'s compute stream. copy_from_host and copy_to_host may be called from
-// any thread; the others from the device's worker (its current device):
+// Copies issued on `device`'s compute stream, by the device's worker (what it issues while it
+// captures a graph would be captured):
 // host -> device through a pinned staging buffer: `src` may be reused as soon as this returns;
 void copy_from_host(int device, void* dst, const void* src, size_t nbytes);
 // device -> host on the stream, complete when it returns;

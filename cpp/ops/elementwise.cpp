@@ -230,7 +230,13 @@ void copy(const Tensor& dst, const Tensor& src) {
       gpu::copy_from_peer(dd.index, to, sd.index, from, n);
     }
   });
-  queue_wait_event(other, Event{&eq, seq});
+  // The other queue waits for the copy, holding both tensors until then: the copy runs on the
+  // exec device's stream, asynchronously to all work on the other device, so neither block may
+  // return to the other device's cache (where its worker could reuse it at once, e.g. for a
+  // cuDNN workspace) before the copy has finished.
+  queue_of(other).enqueue("wait_event", [done = Event{&eq, seq}, dst, src] {
+    done.queue->wait_done_or_rethrow(done.seq);
+  });
 }
 
 Tensor to_device(const Tensor& src, Device device, bool force_copy) {

@@ -24,9 +24,25 @@ cublasContext* cublas_handle(int device) {
       throw ::mgpu::DeviceError("gpu(" + std::to_string(device) +
                                 "): cublasCreate failed: " + cublasGetStatusString(status));
     }
-    cublasSetStream(h, gpu::compute_stream(device));
-    // Plain FP32 products (no TF32), so results match our kernels to float tolerance.
-    cublasSetMathMode(h, CUBLAS_DEFAULT_MATH);
+    // Our own workspace, set after the stream (cublasSetStream resets it to the default pool):
+    // gemms captured into train_batch's graphs then use fixed memory instead of adding
+    // cudaMallocAsync/cudaFreeAsync nodes, and one workspace on one stream keeps results
+    // bitwise reproducible. 32 MiB covers cuBLAS's recommendation up to Hopper. Never freed.
+    constexpr size_t kWorkspaceBytes = size_t(32) << 20;
+    void* workspace = nullptr;
+    MGPU_CUDA_CHECK(cudaMalloc(&workspace, kWorkspaceBytes));
+    const cublasStatus_t set[] = {
+        cublasSetStream(h, gpu::compute_stream(device)),
+        cublasSetWorkspace(h, workspace, kWorkspaceBytes),
+        // Plain FP32 products (no TF32), so results match our kernels to float tolerance.
+        cublasSetMathMode(h, CUBLAS_DEFAULT_MATH)};
+    for (cublasStatus_t st : set) {
+      if (st != CUBLAS_STATUS_SUCCESS) {
+        throw ::mgpu::DeviceError("gpu(" + std::to_string(device) +
+                                  "): configuring the cuBLAS handle failed: " +
+                                  cublasGetStatusString(st));
+      }
+    }
     handles[device] = h;
   }
   return handles[device];

@@ -39,24 +39,40 @@ void with_labels(const Tensor& labels, Fn&& fn) {
 // Called by a GPU task after it launched a kernel that flags bad labels in `flag`.
 void check_labels_later(const char* op, Device dev, const Tensor& flag, const Tensor& labels,
                         int64_t m) {
-  queue_of(dev).defer_check([op, dev, flag, labels, m] {
-    int32_t row = cuda::kNoBadRow;
-    gpu::read_to_host(dev.index, &row, flag.raw(), sizeof row);  // the queue has synchronised
-    if (row == cuda::kNoBadRow) return;
-    int64_t label = 0;
-    if (labels.dtype() == DType::I64) {
-      gpu::read_to_host(dev.index, &label, labels.data<int64_t>() + row, sizeof label);
-    } else {
-      int32_t narrow = 0;
-      gpu::read_to_host(dev.index, &narrow, labels.data<int32_t>() + row, sizeof narrow);
-      label = narrow;
-    }
-    cuda::check_bad_row(op, row, label, m);
-  });
+  queue_of(dev).defer_check(LabelCheck{op, dev, flag, labels, m});
 }
 #endif
 
 }  // namespace
+
+#if MGPU_GPU_BUILD
+void LabelCheck::operator()() const {
+  const int index = device.index;
+  int32_t row = cuda::kNoBadRow;
+  gpu::read_to_host(index, &row, flag.raw(), sizeof row);  // the queue has synchronised
+  if (row == cuda::kNoBadRow) return;
+  int64_t label = 0;
+  if (labels.dtype() == DType::I64) {
+    gpu::read_to_host(index, &label, labels.data<int64_t>() + row, sizeof label);
+  } else {
+    int32_t narrow = 0;
+    gpu::read_to_host(index, &narrow, labels.data<int32_t>() + row, sizeof narrow);
+    label = narrow;
+  }
+  cuda::check_bad_row(op, row, label, m);
+}
+
+LabelCheck LabelCheck::snapshot() const {
+  LabelCheck copy{op, device, Tensor::empty_like(flag), Tensor::empty_like(labels), m};
+  gpu::copy_within(device.index, copy.flag.raw(), flag.raw(), flag.nbytes());
+  if (labels.nbytes())
+    gpu::copy_within(device.index, copy.labels.raw(), labels.raw(), labels.nbytes());
+  return copy;
+}
+#else
+void LabelCheck::operator()() const {}
+LabelCheck LabelCheck::snapshot() const { return *this; }
+#endif
 
 Tensor softmax_ce_forward(const Tensor& logits, const Tensor& labels) {
   const char* op = "cross_entropy";

@@ -17,4 +17,17 @@ Tensor argmax(const Tensor& x);
 // How many rows of logits have their argmax equal to the label, as a 0-d float32 tensor.
 Tensor correct_count(const Tensor& logits, const Tensor& labels);
 
+// A GPU cross-entropy's label check, deferred to the queue's next wait (Queue::defer_check): the
+// kernel's bad-row flag and the labels it read. Calling it raises IndexError as the CPU would.
+// snapshot() -- on the device's worker, after the kernel was issued -- copies both on the stream,
+// so a CUDA graph replayed again before anyone waits keeps each replay's own verdict.
+struct LabelCheck {
+  const char* op;
+  Device device;
+  Tensor flag, labels;
+  int64_t m;
+  void operator()() const;
+  LabelCheck snapshot() const;
+};
+
 }  // namespace mgpu::ops

@@ -110,7 +110,14 @@ std::shared_ptr<CapturedStep> captured_step(const Tensor& xs, const Tensor& ys,
   g->x = Tensor::empty(xs.shape(), DType::F32, dev);
   g->y = Tensor::empty(ys.shape(), ys.dtype(), dev);
   Queue& q = queue_of(dev);
-  q.enqueue("train_batch (capturing a CUDA graph)", [dev, &q] {
+  const bool cublas = ops::gemm_path() == ops::GemmPath::Cublas;
+  q.enqueue("train_batch (capturing a CUDA graph)", [dev, &q, cublas] {
+#if MGPU_BUILT_CUDA && !MGPU_CUDA_EMULATION_BUILD
+    // cublasCreate allocates device memory (cudaMalloc), which the capturing thread may not do:
+    // make the handle before the capture, not at the first mm inside it.
+    if (cublas) ops::cuda::cublas_handle(dev.index);
+#endif
+    (void)cublas;
     gpu::begin_capture(dev.index);
     q.begin_graph_checks();
   });
@@ -149,17 +156,34 @@ std::shared_ptr<CapturedStep> captured_step(const Tensor& xs, const Tensor& ys,
                     "this device); set MGPU_CUDA_GRAPH=0 to run train_batch without graphs");
 }
 
-// One replica's forward + backward through its graphs; returns the gradients and the loss.
-LeNetStep graph_step(const Tensor& xs, const Tensor& ys, const std::vector<Tensor>& params,
-                     Device dev, const DenseGradsReady& dense_ready) {
+// Captures a replica's graphs (the first time) and copies its shard into their input buffers.
+// train_batch does this for every device before any device joins an all-reduce: a shard living
+// on another GPU (X on gpu(0)) is copied by this device's queue once *everything* enqueued on
+// that GPU has run -- which must not include its all-reduce parts, since those wait at a barrier
+// for this device's part, queued behind the copy.
+std::shared_ptr<CapturedStep> load_graph_step(const Tensor& xs, const Tensor& ys,
+                                              const std::vector<Tensor>& params, Device dev) {
   std::shared_ptr<CapturedStep> g = captured_step(xs, ys, params, dev);
   ops::copy(g->x, xs);
   ops::copy(g->y, ys);
+  return g;
+}
+
+// One replica's forward + backward through its graphs; returns the gradients and the loss.
+LeNetStep graph_step(const std::shared_ptr<CapturedStep>& g, Device dev,
+                     const DenseGradsReady& dense_ready) {
   Queue& q = queue_of(dev);
   q.enqueue("train_batch (CUDA graph A)", [g, dev, &q] {
     if (!g->graph_a) capture_failed();
     gpu::launch(*g->graph_a, dev.index);
-    q.defer_checks(g->checks);
+    // Every replay writes the same flag and label buffers: check copies of this replay's, so
+    // a later replay cannot overwrite its verdict before the host waits.
+    std::vector<Queue::DeferredCheck> mine;
+    for (const Queue::DeferredCheck& c : g->checks) {
+      const auto* labels = c.fn.target<ops::LabelCheck>();
+      mine.push_back(labels ? Queue::DeferredCheck{c.name, c.seq, labels->snapshot()} : c);
+    }
+    q.defer_checks(mine);
   });
   const std::vector<Tensor>& grads = g->out.grads;
   if (dense_ready) dense_ready({grads[4], grads[5], grads[6], grads[7]});
@@ -204,13 +228,17 @@ std::vector<Tensor> train_batch(const Tensor& X, const Tensor& y,
 #endif
   std::vector<Tensor> xs = graphs ? rank_slices(X, devices.size()) : rank_rows(X, devices);
   std::vector<Tensor> ys = graphs ? rank_slices(y, devices.size()) : rank_rows(y, devices);
+  std::vector<std::shared_ptr<CapturedStep>> loaded;
+  if (graphs)
+    for (size_t d = 0; d < devices.size(); ++d)
+      loaded.push_back(load_graph_step(xs[d], ys[d], params[d], devices[d]));
   for (size_t d = 0; d < devices.size(); ++d) {
     DenseGradsReady dense_ready;
 #if MGPU_GPU_BUILD
     if (buckets)
       dense_ready = [&dense_bucket, d](const std::vector<Tensor>& g) { dense_bucket->join(d, g); };
 #endif
-    LeNetStep step = graphs ? graph_step(xs[d], ys[d], params[d], devices[d], dense_ready)
+    LeNetStep step = graphs ? graph_step(loaded[d], devices[d], dense_ready)
                             : lenet_loss_and_grads(xs[d], ys[d], params[d], dense_ready);
 #if MGPU_GPU_BUILD
     if (buckets) conv_bucket->join(d, {step.grads[0], step.grads[1], step.grads[2], step.grads[3]});
