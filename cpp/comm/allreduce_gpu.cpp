@@ -14,13 +14,13 @@
 #if MGPU_GPU_BUILD
 
 #include <algorithm>
-#include <condition_variable>
 #include <cstdlib>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <string>
 
+#include "comm/barrier.h"
 #include "core/gpu.h"
 #include "ops/elementwise.h"
 #include "ops/kernels_cuda.h"
@@ -36,46 +36,6 @@
 
 namespace mgpu::comm {
 namespace {
-
-class Barrier {
- public:
-  explicit Barrier(int count) : count_(count) {}
-  // Throws once a party has called abort(): a device whose part failed must not leave the
-  // others (and so their queues, and the host waiting on them) blocked forever.
-  void arrive_and_wait() {
-    std::unique_lock<std::mutex> lock(mutex_);
-    if (aborted_) throw_aborted();
-    int gen = generation_;
-    if (++arrived_ == count_) {
-      arrived_ = 0;
-      ++generation_;
-      lock.unlock();
-      cv_.notify_all();
-      return;
-    }
-    cv_.wait(lock, [&] { return generation_ != gen || aborted_; });
-    if (generation_ == gen) throw_aborted();
-  }
-  void abort() {
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      aborted_ = true;
-    }
-    cv_.notify_all();
-  }
-
- private:
-  [[noreturn]] static void throw_aborted() {
-    throw DeviceError("allreduce: another device's part of this all-reduce failed (its error is "
-                      "raised too)");
-  }
-  std::mutex mutex_;
-  std::condition_variable cv_;
-  int count_;
-  int arrived_ = 0;
-  int generation_ = 0;
-  bool aborted_ = false;
-};
 
 bool use_nccl() {
   if (!MGPU_ALLREDUCE_NCCL) return false;

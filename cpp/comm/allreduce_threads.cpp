@@ -4,53 +4,16 @@
 // chunks from their owners. Each device does 1/k of the additions, so the work is spread evenly
 // and no device is a bottleneck (the chapter's exercise on a more efficient allreduce).
 #include <algorithm>
-#include <atomic>
-#include <condition_variable>
 #include <cstring>
 #include <memory>
-#include <mutex>
-#include <thread>
 
 #include "comm/allreduce.h"
 #include "comm/allreduce_gpu.h"
+#include "comm/barrier.h"
 #include "core/parallel.h"
 
 namespace mgpu::comm {
 namespace {
-
-// A reusable barrier for the k device threads of one collective. A thread that arrives early
-// spins briefly before it sleeps: the device threads of one step arrive within microseconds of
-// each other, and a condition-variable wake-up alone costs tens of microseconds each time.
-class Barrier {
- public:
-  explicit Barrier(int count) : count_(count) {}
-  void arrive_and_wait() {
-    const int gen = generation_.load(std::memory_order_acquire);
-    if (arrived_.fetch_add(1, std::memory_order_acq_rel) + 1 == count_) {
-      arrived_.store(0, std::memory_order_relaxed);  // before the release below
-      {
-        std::lock_guard<std::mutex> lock(mutex_);
-        generation_.fetch_add(1, std::memory_order_release);
-      }
-      cv_.notify_all();
-      return;
-    }
-    for (int i = 0; i < kSpins; ++i) {
-      if (generation_.load(std::memory_order_acquire) != gen) return;
-      std::this_thread::yield();
-    }
-    std::unique_lock<std::mutex> lock(mutex_);
-    cv_.wait(lock, [&] { return generation_.load(std::memory_order_acquire) != gen; });
-  }
-
- private:
-  static constexpr int kSpins = 2000;  // a few tens of microseconds of yields
-  std::mutex mutex_;
-  std::condition_variable cv_;
-  const int count_;
-  std::atomic<int> arrived_{0};
-  std::atomic<int> generation_{0};
-};
 
 // One tensor's place in the flat buffer: elements [begin, begin + n).
 struct Segment {
@@ -151,8 +114,14 @@ void allreduce(const std::vector<std::vector<Tensor>>& data) {
   // Every queue gets its part in the same host order, so the barriers inside cannot deadlock:
   // each queue reaches this collective after all work enqueued on it before.
   for (size_t d = 0; d < k; ++d)
-    enqueue_on(devices[d], "allreduce", [coll, me = static_cast<int>(d)] { coll->run(me); },
-               data[d]);
+    enqueue_on(devices[d], "allreduce", [coll, me = static_cast<int>(d)] {
+      try {
+        coll->run(me);
+      } catch (...) {
+        coll->barrier.abort();  // release the devices waiting for this one
+        throw;
+      }
+    }, data[d]);
 }
 
 }  // namespace mgpu::comm

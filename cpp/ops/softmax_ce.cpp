@@ -36,10 +36,19 @@ void with_labels(const Tensor& labels, Fn&& fn) {
 }
 
 #if MGPU_GPU_BUILD
-// Called by a GPU task after it launched a kernel that flags bad labels in `flag`.
-void check_labels_later(const char* op, Device dev, const Tensor& flag, const Tensor& labels,
-                        int64_t m) {
-  queue_of(dev).defer_check(LabelCheck{op, dev, flag, labels, m});
+// Enqueues launch(labels, flag, stream) -- a kernel that flags the first bad label in `flag` --
+// on the logits' GPU, then hands the queue the check that reads the flag after the kernel ran.
+template <typename Launch, typename... Keep>
+void enqueue_with_label_check(const char* op, const Tensor& logits, const Tensor& labels,
+                              Launch launch, const Keep&... keep) {
+  Tensor flag = Tensor::empty({}, DType::I32, logits.device());
+  with_labels(labels, [&](auto* yp) {
+    enqueue_gpu(logits.device(), op, [op, yp, launch, flag, labels, m = logits.size(1),
+                                      dev = logits.device()](cudaStream_t stream) {
+      launch(yp, flag.data<int32_t>(), stream);
+      queue_of(dev).defer_check(LabelCheck{op, dev, flag, labels, m});
+    }, keep...);
+  });
 }
 #endif
 
@@ -80,15 +89,11 @@ Tensor softmax_ce_forward(const Tensor& logits, const Tensor& labels) {
   Tensor loss = Tensor::empty({logits.size(0)}, DType::F32, logits.device());
 #if MGPU_GPU_BUILD
   if (!logits.device().is_cpu()) {
-    Tensor flag = Tensor::empty({}, DType::I32, logits.device());
-    with_labels(labels, [&](auto* yp) {
-      enqueue_gpu(logits.device(), op,
-                  [op, n = logits.size(0), m = logits.size(1), zp = logits.f32(), yp,
-                   lp = loss.f32(), flag, labels, dev = logits.device()](cudaStream_t stream) {
-                    cuda::softmax_ce_forward(n, m, zp, yp, lp, flag.data<int32_t>(), stream);
-                    check_labels_later(op, dev, flag, labels, m);
-                  }, logits, labels, loss);
-    });
+    enqueue_with_label_check(op, logits, labels,
+        [n = logits.size(0), m = logits.size(1), zp = logits.f32(), lp = loss.f32()](
+            auto* yp, int32_t* flag, cudaStream_t stream) {
+          cuda::softmax_ce_forward(n, m, zp, yp, lp, flag, stream);
+        }, logits, labels, loss);
     return loss;
   }
 #endif
@@ -111,17 +116,11 @@ Tensor softmax_ce_backward(const Tensor& logits, const Tensor& labels, const Ten
   Tensor dz = Tensor::empty_like(logits);
 #if MGPU_GPU_BUILD
   if (!logits.device().is_cpu()) {
-    Tensor flag = Tensor::empty({}, DType::I32, logits.device());
-    with_labels(labels, [&](auto* yp) {
-      enqueue_gpu(logits.device(), op,
-                  [op, n = logits.size(0), m = logits.size(1), zp = logits.f32(), yp,
-                   dlp = dloss.f32(), dzp = dz.f32(), flag, labels,
-                   dev = logits.device()](cudaStream_t stream) {
-                    cuda::softmax_ce_backward(n, m, zp, yp, dlp, dzp, flag.data<int32_t>(),
-                                              stream);
-                    check_labels_later(op, dev, flag, labels, m);
-                  }, logits, dloss, dz);
-    });
+    enqueue_with_label_check(op, logits, labels,
+        [n = logits.size(0), m = logits.size(1), zp = logits.f32(), dlp = dloss.f32(),
+         dzp = dz.f32()](auto* yp, int32_t* flag, cudaStream_t stream) {
+          cuda::softmax_ce_backward(n, m, zp, yp, dlp, dzp, flag, stream);
+        }, logits, dloss, dz);
     return dz;
   }
 #endif
