@@ -129,7 +129,12 @@ std::shared_ptr<CapturedStep> captured_step(const Tensor& xs, const Tensor& ys,
   // Between the dense and the conv layers' backward: graph A ends, graph B begins.
   auto split = [g, dev, &q](const std::vector<Tensor>&) {
     q.enqueue("train_batch (capturing a CUDA graph)", [g, dev] {
-      g->graph_a = gpu::end_capture(dev.index);
+      try {
+        g->graph_a = gpu::end_capture(dev.index);
+      } catch (...) {
+        gpu::begin_capture(dev.index);  // B is still captured (and ended), so the state stays
+        throw;                          // consistent; the step raises capture_failed() after
+      }
       gpu::begin_capture(dev.index);
     });
   };
