@@ -1,7 +1,8 @@
 // cpp/ops/conv2d_cpu.cpp -- conv2d forward and backward on the CPU (LeNet's two convolutions).
 // x (N, C, H, W), w (K, C, R, S) seen as a (K, C*R*S) matrix, b (K), y and dy (N, K, P, Q).
 // A block of B images is unfolded (im2col) into col (C*R*S, B*P*Q), so y = w * col,
-// dw = dy * col^T and dcol = w^T * dy are single sgemm calls and dx = col2im(dcol).
+// dw = dy * col^T and dcol = w^T * dy are single sgemm calls and dx = col2im(dcol); for wide
+// patches backward unfolds into the transpose of col (im2col_rows), from which dw is faster.
 // conv2d_relu_pool_* (LeNet's conv + relu + avg-pool blocks) share those block loops and apply
 // relu and the pooling to each block's product, or build its dy, while it is in cache.
 #include <algorithm>
@@ -22,9 +23,14 @@ namespace {
 // block sums its images into its own slot and the slots are added in block order afterwards. The
 // size is a constant, never derived from the thread count, so every thread count adds the same
 // numbers in the same order and gives bitwise-equal results (shards that are multiples of it
-// also keep their blocks when a batch is split across devices). 8 images of LeNet's conv2 make
-// the products 648 columns wide, where OpenBLAS runs ~20% faster than one image at a time.
-constexpr int64_t kBlock = 8;
+// also keep their blocks when a batch is split across devices). 4 images of LeNet's conv2 make
+// the products 324 columns wide and col 650 KB, which stays in a core's L2 cache between im2col,
+// the products and col2im: the training step ran ~5% faster than with blocks of 8 (1.3 MB), and
+// blocks of 16 were slower still.
+constexpr int64_t kBlock = 4;
+
+// The shortest patch (C*R*S floats) for which backward builds dw from im2col_rows (see there).
+constexpr int64_t kPatchRowsMin = 64;
 
 // Elements per task when adding the dw slots together; any size gives the same result.
 constexpr int64_t kReduceChunk = 4096;
@@ -178,6 +184,40 @@ void im2col(const Unfold& u, const float* __restrict x, int64_t B, float* __rest
   }
 }
 
+// The transpose of im2col: patches (B*P*Q, C*R*S), row i*P*Q + p*Q + q holding that output's
+// receptive field in (c, r, t) order. dw = dy * col^T runs ~17% faster from this layout on
+// LeNet's conv2 (OpenBLAS multiplies it untransposed instead of gathering strided columns).
+// Without padding and with stride 1 each (c, r) of a patch is S contiguous floats of x.
+void im2col_rows(const Unfold& u, const float* __restrict x, int64_t B, float* __restrict rows) {
+  const int64_t C = u.s.C, H = u.s.H, W = u.s.W, R = u.s.R, S = u.s.S;
+  const int64_t stride = u.s.stride, pad = u.s.pad, P = u.P, Q = u.Q, CHW = C * H * W;
+  const int64_t CRS = C * R * S;
+  for (int64_t i = 0; i < B; ++i) {
+    const float* xi = x + i * CHW;
+    for (int64_t p = 0; p < P; ++p) {
+      for (int64_t q = 0; q < Q; ++q) {
+        float* __restrict patch = rows + ((i * P + p) * Q + q) * CRS;
+        if (stride == 1 && pad == 0) {
+          for (int64_t c = 0; c < C; ++c) {
+            copy_rect(patch + c * R * S, S, xi + (c * H + p) * W + q, W, R, S);
+          }
+          continue;
+        }
+        for (int64_t c = 0; c < C; ++c) {
+          for (int64_t r = 0; r < R; ++r) {
+            const int64_t h = p * stride - pad + r;
+            for (int64_t t = 0; t < S; ++t) {
+              const int64_t v = q * stride - pad + t;
+              patch[(c * R + r) * S + t] =
+                  h >= 0 && h < H && v >= 0 && v < W ? xi[(c * H + h) * W + v] : 0.0f;
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
 // Writes dx (B, C, H, W) for B images from dcol (C*R*S, B*P*Q, rows ld floats apart): the
 // scatter-add inverse of im2col, a row of dcol at a time for all images in turn. One thread owns
 // the block, and each dx element gets its adds in the fixed (r, t, p, q) order of its channel
@@ -270,6 +310,10 @@ void backward_blocks(const Conv2dShape& s, const float* x, const float* w, const
       for (int64_t j = 0; j < CRS; ++j) wt[j * s.K + k] = w[k * CRS + j];
     }
   }
+  // dw from patch rows (im2col_rows) where a patch is long enough to fill cache lines (conv2's
+  // 500 floats); LeNet's conv1 (9-float patches) is faster from col with the transpose flag.
+  // A function of the shape alone, so every thread count takes the same path.
+  const bool patch_rows = CRS >= kPatchRowsMin;
   // Block 0 writes straight into dw and db; blocks 1.. into slots in this thread's scratch.
   const int64_t blocks = (s.N + kBlock - 1) / kBlock;
   float* slots = scratch(tl_slots, (blocks - 1) * (KCRS + s.K));
@@ -280,11 +324,16 @@ void backward_blocks(const Conv2dShape& s, const float* x, const float* w, const
 
   parallel_for(blocks, [&](int64_t blk) {
     const int64_t n0 = blk * kBlock, B = std::min(s.N - n0, kBlock), ld = B * PQ;
-    float* col = scratch(tl_col, CRS * ld);  // col, then reused for dcol
+    float* col = scratch(tl_col, CRS * ld);  // col (or its transpose), then reused for dcol
     float* dyb = scratch(tl_mat, s.K * ld);  // dy of the block as (K, B*P*Q)
     load(dyb, ld, n0, B);
-    im2col(u, x + n0 * CHW, B, col, ld);
-    sgemm(false, true, s.K, CRS, ld, 1.0f, dyb, ld, col, ld, 0.0f, dw_slot(blk), CRS);
+    if (patch_rows) {
+      im2col_rows(u, x + n0 * CHW, B, col);
+      sgemm(false, false, s.K, CRS, ld, 1.0f, dyb, ld, col, CRS, 0.0f, dw_slot(blk), CRS);
+    } else {
+      im2col(u, x + n0 * CHW, B, col, ld);
+      sgemm(false, true, s.K, CRS, ld, 1.0f, dyb, ld, col, ld, 0.0f, dw_slot(blk), CRS);
+    }
     if (db) {
       float* dbs = db_slot(blk);
       for (int64_t k = 0; k < s.K; ++k) dbs[k] = sum_lanes(dyb + k * ld, ld);
