@@ -287,7 +287,7 @@ struct ConvCase {
   Conv2dShape s;
 };
 
-// N=19 spans four full blocks of 4 images and a partial one (the dw/db batch sum). Patches of 64
+// N=19 spans two full blocks of 8 images and a partial one (the dw/db batch sum). Patches of 64
 // floats or more (C*R*S) take backward's im2col_rows path, padded and strided ones included.
 const ConvCase kConvCases[] = {
     {"batch1_3x3", {1, 1, 5, 5, 1, 3, 3, 1, 0}},
