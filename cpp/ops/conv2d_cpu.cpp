@@ -25,7 +25,8 @@ namespace {
 // numbers in the same order and gives bitwise-equal results (shards that are multiples of it
 // also keep their blocks when a batch is split across devices). 8 images of LeNet's conv2 make
 // the products 648 columns wide, where OpenBLAS runs ~20% faster than one image at a time.
-// Blocks of 4 (col then fits a core's L2) measured ~1 ms/step faster on 2 threads, but changed
+// Blocks of 4 (col then fits a core's L2) looked ~1 ms/step faster on 2 threads (noisy runs on a
+// loaded machine; a forward-only block of 4 gained nothing), but changed
 // the bits enough that test_distributed's 300-step 1-device vs 2-process comparison drifted past
 // its tolerance, so the block stays at 8.
 constexpr int64_t kBlock = 8;
