@@ -287,7 +287,8 @@ struct ConvCase {
   Conv2dShape s;
 };
 
-// N=19 spans two full blocks of 8 images and a partial one (the dw/db batch sum).
+// N=19 spans two full blocks of 8 images and a partial one (the dw/db batch sum). Patches of 64
+// floats or more (C*R*S) take backward's im2col_rows path, padded and strided ones included.
 const ConvCase kConvCases[] = {
     {"batch1_3x3", {1, 1, 5, 5, 1, 3, 3, 1, 0}},
     {"odd_nonsquare_pad1", {2, 3, 7, 5, 4, 3, 3, 1, 1}},
@@ -300,6 +301,8 @@ const ConvCase kConvCases[] = {
     {"c1_pad1_batch17", {17, 1, 9, 7, 4, 3, 3, 1, 1}},
     {"lenet_conv1", {19, 1, 28, 28, 20, 3, 3, 1, 0}},
     {"lenet_conv2", {19, 20, 13, 13, 50, 5, 5, 1, 0}},
+    {"wide_patch_pad2", {3, 4, 7, 8, 5, 5, 5, 1, 2}},
+    {"wide_patch_stride2_pad1", {6, 8, 9, 10, 6, 3, 3, 2, 1}},
 };
 
 void PrintTo(const ConvCase& c, std::ostream* os) { *os << c.name; }
