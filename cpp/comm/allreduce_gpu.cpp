@@ -84,14 +84,14 @@ struct GpuCollective {
   int k() const { return static_cast<int>(gpu.size()); }
   int64_t chunk_begin(int j) const { return total * j / k(); }
 
-  void pack(int me, cudaStream_t) {
+  void pack(int me) {
     int64_t at = 0;
     for (const Tensor& t : data[me]) {
       gpu::copy_within(gpu[me], flat[me].f32() + at, t.f32(), t.nbytes());
       at += t.numel();
     }
   }
-  void unpack(int me, cudaStream_t) {
+  void unpack(int me) {
     int64_t at = 0;
     for (const Tensor& t : data[me]) {
       gpu::copy_within(gpu[me], t.f32(), flat[me].f32() + at, t.nbytes());
@@ -102,7 +102,7 @@ struct GpuCollective {
   void run(int me) {
     try {
       cudaStream_t stream = gpu::compute_stream(gpu[me]);
-      pack(me, stream);
+      pack(me);
 #if MGPU_ALLREDUCE_NCCL
       if (nccl) {
         run_nccl(me, stream);
@@ -110,7 +110,7 @@ struct GpuCollective {
       }
 #endif
       run_peer(me, stream);
-      unpack(me, stream);
+      unpack(me);
     } catch (...) {
       barrier.abort();  // release the devices waiting for this one
       throw;

@@ -88,7 +88,7 @@ std::string mib(size_t bytes) {
   return std::to_string((bytes + (size_t(1) << 19)) >> 20) + " MiB";
 }
 
-void free_cached_locked(int device, DeviceState& s) {
+void free_cached_locked(DeviceState& s) {
   std::lock_guard<std::mutex> lock(device_wide_mutex());
   for (auto& [cap, list] : s.free_lists)
     for (void* p : list) cudaFree(p);  // a failure here leaves the block to the driver at exit
@@ -204,7 +204,7 @@ void* allocate(int device, size_t nbytes, size_t* capacity) {
     cudaGetLastError();
     {
       std::lock_guard<std::mutex> lock(s.mutex);
-      free_cached_locked(device, s);
+      free_cached_locked(s);
     }
     e = cudaMalloc(&p, cap);
   }
@@ -265,7 +265,7 @@ void empty_cache(int device) {
   DeviceState& s = state(device);
   DeviceGuard guard(device);
   std::lock_guard<std::mutex> lock(s.mutex);
-  free_cached_locked(device, s);
+  free_cached_locked(s);
 }
 
 void copy_from_host(int device, void* dst, const void* src, size_t nbytes) {

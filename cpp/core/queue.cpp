@@ -61,18 +61,6 @@ uint64_t Queue::last_enqueued() const {
   return enqueued_;
 }
 
-void Queue::wait_done(uint64_t seq) {
-  {
-    std::unique_lock<std::mutex> lock(mutex_);
-    progressed_.wait(lock, [&] { return done_ >= seq; });
-  }
-  try {
-    finish_device_work();
-  } catch (...) {
-    record_error("a kernel", seq, std::current_exception());
-  }
-}
-
 void Queue::wait_done_or_rethrow(uint64_t seq) {
   {
     std::unique_lock<std::mutex> lock(mutex_);

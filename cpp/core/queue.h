@@ -36,11 +36,10 @@ class Queue {
   uint64_t enqueue(const char* name, std::function<void()> fn);
   // The sequence number of the newest task (0 when none was ever enqueued).
   uint64_t last_enqueued() const;
-  // Blocks until every task up to `seq` has run. Never throws; safe from any thread.
-  void wait_done(uint64_t seq);
-  // For a task on another queue that consumes this queue's results: waits like wait_done, then
-  // rethrows this queue's unreported failure if it happened at or before `seq`, so a result
-  // computed from a failed op fails too instead of silently reading garbage.
+  // For a task on another queue that consumes this queue's results: waits until every task up to
+  // `seq` has run (on a GPU: finished on its stream), then rethrows this queue's unreported
+  // failure if it happened at or before `seq`, so a result computed from a failed op fails too
+  // instead of silently reading garbage.
   void wait_done_or_rethrow(uint64_t seq);
   // Waits for all enqueued work, then raises the first error a task hit since the last call
   // (as the same exception kind, its message naming the op and the device).
