@@ -5,6 +5,8 @@
 // patches backward unfolds into the transpose of col (im2col_rows), from which dw is faster.
 // conv2d_relu_pool_* (LeNet's conv + relu + avg-pool blocks) share those block loops and apply
 // relu and the pooling to each block's product, or build its dy, while it is in cache.
+// Convolutions with few taps (C*R*S <= 16, stride 1, no padding: LeNet's conv1) run directly
+// instead: with 9 taps an im2col copy and a packed sgemm cost more than the arithmetic.
 #include <algorithm>
 #include <array>
 #include <cstring>
@@ -269,12 +271,245 @@ float sum_lanes(const float* __restrict x, int64_t n) {
   return acc[0];
 }
 
+// ---- Vectors of 16 and 8 lanes (GCC / Clang vector extensions) ----
+// GCC and Clang lower a 16-float vector to one AVX-512 register, or to several narrower ones on
+// other targets. Every lane computes what the scalar code would, so no result depends on the
+// vector width (a + w * x contracts to an FMA, or not, alike in every lane and in scalar code).
+typedef float F16 __attribute__((vector_size(64)));
+typedef float F8 __attribute__((vector_size(32)));
+typedef float F4 __attribute__((vector_size(16)));
+typedef int32_t I16 __attribute__((vector_size(64)));
+typedef int32_t I8 __attribute__((vector_size(32)));
+typedef uint8_t U8x16 __attribute__((vector_size(16)));
+typedef uint8_t U8x8 __attribute__((vector_size(8)));
+
+// Unaligned loads and stores through may_alias types of alignment 1. (A memcpy into the vector
+// looks equivalent, but GCC 12 then moves byte vectors through general registers a byte at a
+// time.)
+template <class V>
+struct Unaligned;
+#define MGPU_UNALIGNED(V)                                                    \
+  template <>                                                                \
+  struct Unaligned<V> {                                                      \
+    typedef V type __attribute__((aligned(1), may_alias));                   \
+  };
+MGPU_UNALIGNED(F16)
+MGPU_UNALIGNED(F8)
+MGPU_UNALIGNED(F4)
+MGPU_UNALIGNED(U8x16)
+MGPU_UNALIGNED(U8x8)
+#undef MGPU_UNALIGNED
+
+template <class V, class T>
+inline V loadv(const T* p) {
+  return *reinterpret_cast<const typename Unaligned<V>::type*>(p);
+}
+template <class T, class V>
+inline void storev(T* p, V v) {
+  *reinterpret_cast<typename Unaligned<V>::type*>(p) = v;
+}
+// Mask bytes as int lanes (0 or the byte). The empty asm keeps the bytes in a vector register:
+// GCC 12 widens a byte vector it sees loaded from memory one byte at a time through general
+// registers, ~8x slower.
+template <class I, class B>
+inline I widen_bytes(const uint8_t* p) {
+  B b = loadv<B>(p);
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+  asm("" : "+x"(b));
+#endif
+  return __builtin_convertvector(b, I);
+}
+inline F16 load16(const float* p) { return loadv<F16>(p); }
+inline void store16(float* p, F16 v) { storev(p, v); }
+
+// The types of an L-lane chunk of a row: floats F, compare results I, bytes B, and half-width
+// floats H with the even / odd lanes of F (2x2 pooling pairs adjacent columns) and back.
+template <int L>
+struct Lanes;
+template <>
+struct Lanes<16> {
+  using F = F16;
+  using I = I16;
+  using B = U8x16;
+  using H = F8;
+  static H evens(F v) { return __builtin_shufflevector(v, v, 0, 2, 4, 6, 8, 10, 12, 14); }
+  static H odds(F v) { return __builtin_shufflevector(v, v, 1, 3, 5, 7, 9, 11, 13, 15); }
+  static F twice(H v) {
+    return __builtin_shufflevector(v, v, 0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+  }
+};
+template <>
+struct Lanes<8> {
+  using F = F8;
+  using I = I8;
+  using B = U8x8;
+  using H = F4;
+  static H evens(F v) { return __builtin_shufflevector(v, v, 0, 2, 4, 6); }
+  static H odds(F v) { return __builtin_shufflevector(v, v, 1, 3, 5, 7); }
+  static F twice(H v) { return __builtin_shufflevector(v, v, 0, 0, 1, 1, 2, 2, 3, 3); }
+};
+
+// ---- Direct convolution for few taps ----
+// With C*R*S taps <= kDirectMaxTaps, stride 1 and no padding, each output row is computed as
+// sixteen lanes at a time straight from x: lane q of tap j = (c, r, t) reads x[c, p + r, q + t],
+// so the taps of a row chunk are kTaps unaligned loads, kept in registers while every output
+// channel is multiplied out. The chunks of a row start at 0, 16, 32, ... and the last one at
+// Q - 16 (hence Q >= 16), overlapping the one before: the overlap recomputes the same lanes with
+// the same operations, and every load stays inside the row of x it starts in.
+constexpr int64_t kDirectMaxTaps = 16;
+constexpr int64_t kLanes16 = 16;
+
+bool use_direct(const Conv2dShape& s) {
+  return s.stride == 1 && s.pad == 0 && s.C * s.R * s.S <= kDirectMaxTaps && s.Q() >= kLanes16;
+}
+
+// The offset of tap j = (c, r, t) from x[c = 0, p, q] in an image (C, H, W).
+template <int kTaps>
+std::array<int64_t, kTaps> tap_offsets(const Conv2dShape& s) {
+  std::array<int64_t, kTaps> off{};
+  for (int j = 0; j < kTaps; ++j) {
+    const int64_t c = j / (s.R * s.S), r = (j / s.S) % s.R, t = j % s.S;
+    off[static_cast<size_t>(j)] = (c * s.H + r) * s.W + t;
+  }
+  return off;
+}
+
+// One image: out (K, P*Q) = conv(x, w) without bias, each output the taps' products added in
+// (c, r, t) order, starting from the first product.
+template <int kTaps>
+void direct_forward_image(const Conv2dShape& s, const float* __restrict x,
+                          const float* __restrict w, float* __restrict out) {
+  const int64_t P = s.P(), Q = s.Q(), PQ = P * Q, last = Q - kLanes16;
+  const std::array<int64_t, kTaps> off = tap_offsets<kTaps>(s);
+  for (int64_t p = 0; p < P; ++p) {
+    const float* xp = x + p * s.W;
+    for (int64_t q0 = 0;; q0 += kLanes16) {
+      if (q0 > last) q0 = last;
+      F16 xv[kTaps];
+      for (int j = 0; j < kTaps; ++j) xv[j] = load16(xp + off[static_cast<size_t>(j)] + q0);
+      float* o = out + p * Q + q0;
+      for (int64_t k = 0; k < s.K; ++k) {
+        const float* wk = w + k * kTaps;
+        F16 acc = xv[0] * wk[0];
+        for (int j = 1; j < kTaps; ++j) acc += xv[j] * wk[j];
+        store16(o + k * PQ, acc);
+      }
+      if (q0 == last) break;
+    }
+  }
+}
+
+// Adds a vector's lanes in a fixed pairwise tree.
+inline float sum16(F16 v) {
+  float a[kLanes16];
+  std::memcpy(a, &v, sizeof a);
+  for (int width = kLanes16 / 2; width >= 1; width /= 2) {
+    for (int j = 0; j < width; ++j) a[j] += a[j + width];
+  }
+  return a[0];
+}
+
+// One block of B images: dw (K, C*R*S) and, unless null, db (K) of the block from dy (K, B*P*Q,
+// image-major columns, rows ld floats apart). Each sum runs in sixteen lanes over the block's
+// (image, row, chunk) in order, then the lanes are added in a fixed tree. The last chunk of a row
+// starts at Q - 16 like forward's, with the lanes the chunk before already counted set to zero.
+template <int kTaps>
+void direct_backward_block(const Conv2dShape& s, const float* __restrict x, int64_t B,
+                           const float* __restrict dy, int64_t ld, float* __restrict dw,
+                           float* __restrict db) {
+  const int64_t P = s.P(), Q = s.Q(), PQ = P * Q, CHW = s.C * s.H * s.W;
+  const std::array<int64_t, kTaps> off = tap_offsets<kTaps>(s);
+  const int64_t full = Q / kLanes16 * kLanes16;  // columns covered by whole chunks
+  I16 lane;
+  for (int j = 0; j < kLanes16; ++j) lane[j] = j;
+  const I16 keep_tail = lane >= static_cast<int32_t>(kLanes16 - (Q - full));
+  const F16 zero = {};
+  for (int64_t k = 0; k < s.K; ++k) {
+    F16 acc[kTaps] = {};
+    F16 accb = {};
+    for (int64_t i = 0; i < B; ++i) {
+      for (int64_t p = 0; p < P; ++p) {
+        const float* d_row = dy + k * ld + i * PQ + p * Q;
+        const float* xp = x + i * CHW + p * s.W;
+        for (int64_t q0 = 0; q0 < full; q0 += kLanes16) {
+          const F16 d = load16(d_row + q0);
+          accb += d;
+          for (int j = 0; j < kTaps; ++j) acc[j] += d * load16(xp + off[static_cast<size_t>(j)] + q0);
+        }
+        if (full < Q) {
+          const int64_t q0 = Q - kLanes16;
+          const F16 d = keep_tail ? load16(d_row + q0) : zero;
+          accb += d;
+          for (int j = 0; j < kTaps; ++j) acc[j] += d * load16(xp + off[static_cast<size_t>(j)] + q0);
+        }
+      }
+    }
+    for (int j = 0; j < kTaps; ++j) dw[k * kTaps + j] = sum16(acc[j]);
+    if (db) db[k] = sum16(accb);
+  }
+}
+
+using DirectForwardFn = void (*)(const Conv2dShape&, const float*, const float*, float*);
+using DirectBackwardFn = void (*)(const Conv2dShape&, const float*, int64_t, const float*, int64_t,
+                                  float*, float*);
+template <int... kN>
+constexpr std::array<DirectForwardFn, sizeof...(kN)> direct_forward_table(
+    std::integer_sequence<int, kN...>) {
+  return {{&direct_forward_image<kN + 1>...}};
+}
+template <int... kN>
+constexpr std::array<DirectBackwardFn, sizeof...(kN)> direct_backward_table(
+    std::integer_sequence<int, kN...>) {
+  return {{&direct_backward_block<kN + 1>...}};
+}
+constexpr auto kDirectForward = direct_forward_table(std::make_integer_sequence<int, kDirectMaxTaps>{});
+constexpr auto kDirectBackward =
+    direct_backward_table(std::make_integer_sequence<int, kDirectMaxTaps>{});
+
+// dx (B, C, H, W) of a block from dy as direct_backward_block reads it: each dx element gathers
+// w[k, c, r, t] * dy[k, h - r, v - t] in (k, r, t, p, q) order. Not on LeNet's path (its first
+// layer needs no dx), so plain loops.
+void direct_backward_dx(const Conv2dShape& s, const float* __restrict w, int64_t B,
+                        const float* __restrict dy, int64_t ld, float* __restrict dx) {
+  const int64_t P = s.P(), Q = s.Q(), PQ = P * Q, CHW = s.C * s.H * s.W;
+  std::fill(dx, dx + B * CHW, 0.0f);
+  for (int64_t i = 0; i < B; ++i) {
+    for (int64_t c = 0; c < s.C; ++c) {
+      float* dxc = dx + i * CHW + c * s.H * s.W;
+      for (int64_t k = 0; k < s.K; ++k) {
+        const float* dyk = dy + k * ld + i * PQ;
+        for (int64_t r = 0; r < s.R; ++r) {
+          for (int64_t t = 0; t < s.S; ++t) {
+            const float wv = w[((k * s.C + c) * s.R + r) * s.S + t];
+            for (int64_t p = 0; p < P; ++p) {
+              float* __restrict dst = dxc + (p + r) * s.W + t;
+              const float* __restrict src = dyk + p * Q;
+              for (int64_t q = 0; q < Q; ++q) dst[q] += wv * src[q];
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
 // The forward product, block by block: unfolds each block of B images, multiplies, and hands
 // the block's (K, B*P*Q) product (image-major columns, ld = B*P*Q) to emit(out, ld, n0, B), which
 // runs on the worker that computed it while the product is still in its cache.
 template <class Emit>
 void forward_blocks(const Conv2dShape& s, const float* x, const float* w, const Emit& emit) {
   const int64_t PQ = s.P() * s.Q(), CRS = s.C * s.R * s.S, CHW = s.C * s.H * s.W;
+  if (use_direct(s)) {  // one image at a time: the product is (K, P*Q), ld = P*Q
+    const DirectForwardFn direct = kDirectForward[static_cast<size_t>(CRS - 1)];
+    parallel_for((s.N + kBlock - 1) / kBlock, [&](int64_t blk) {
+      float* out = scratch(tl_mat, s.K * PQ);
+      for (int64_t n = blk * kBlock; n < std::min(s.N, (blk + 1) * kBlock); ++n) {
+        direct(s, x + n * CHW, w, out);
+        emit(out, PQ, n, 1);
+      }
+    });
+    return;
+  }
   const Unfold u(s);
   parallel_for((s.N + kBlock - 1) / kBlock, [&](int64_t blk) {
     const int64_t n0 = blk * kBlock, B = std::min(s.N - n0, kBlock), ld = B * PQ;
@@ -312,11 +547,20 @@ void backward_blocks(const Conv2dShape& s, const float* x, const float* w, const
     return blk == 0 ? db : slots + (blocks - 1) * KCRS + (blk - 1) * s.K;
   };
 
+  const bool direct = use_direct(s);
+  const DirectBackwardFn direct_dw =
+      direct ? kDirectBackward[static_cast<size_t>(CRS - 1)] : nullptr;
+
   parallel_for(blocks, [&](int64_t blk) {
     const int64_t n0 = blk * kBlock, B = std::min(s.N - n0, kBlock), ld = B * PQ;
-    float* col = scratch(tl_col, CRS * ld);  // col (or its transpose), then reused for dcol
     float* dyb = scratch(tl_mat, s.K * ld);  // dy of the block as (K, B*P*Q)
     load(dyb, ld, n0, B);
+    if (direct) {
+      direct_dw(s, x + n0 * CHW, B, dyb, ld, dw_slot(blk), db ? db_slot(blk) : nullptr);
+      if (dx) direct_backward_dx(s, w, B, dyb, ld, dx + n0 * CHW);
+      return;
+    }
+    float* col = scratch(tl_col, CRS * ld);  // col (or its transpose), then reused for dcol
     if (patch_rows) {
       im2col_rows(u, x + n0 * CHW, B, col);
       sgemm(false, false, s.K, CRS, ld, 1.0f, dyb, ld, col, CRS, 0.0f, dw_slot(blk), CRS);
@@ -370,6 +614,74 @@ struct DivideByArea {
   float operator()(float x) const { return exact ? x * inverse : x / area; }
 };
 
+// bias_relu_pool_plane for 2x2 windows, L columns at a time (needs 2 * (Q / 2) >= L): the chunks
+// of a row pair start at 0, L, 2L, ... and the last at 2 * (Q / 2) - L (even, so the pairs stay
+// aligned), overlapping the one before with the same values. The same operations per element as
+// the scalar loops below, so the same bits.
+template <int L>
+void bias_relu_pool2_plane(const float* __restrict v, float bias, int64_t P, int64_t Q,
+                           uint8_t* __restrict mask, float* __restrict pooled) {
+  using T = Lanes<L>;
+  using F = typename T::F;
+  using I = typename T::I;
+  using B = typename T::B;
+  const int64_t Pp = P / 2, Qp = Q / 2, last = 2 * Qp - L;
+  const F zero = {};
+  for (int64_t pp = 0; pp < Pp; ++pp) {
+    const float* v0 = v + 2 * pp * Q;
+    const float* v1 = v0 + Q;
+    uint8_t* m0 = mask ? mask + 2 * pp * Q : nullptr;
+    float* out = pooled + pp * Qp;
+    for (int64_t q0 = 0;; q0 += L) {
+      if (q0 > last) q0 = last;
+      const F a0 = loadv<F>(v0 + q0) + bias, a1 = loadv<F>(v1 + q0) + bias;
+      const I k0 = a0 > zero, k1 = a1 > zero;
+      if (m0) {
+        storev(m0 + q0, __builtin_convertvector(k0 & 1, B));
+        storev(m0 + Q + q0, __builtin_convertvector(k1 & 1, B));
+      }
+      const F sum = (k0 ? a0 : zero) + (k1 ? a1 : zero);
+      storev(out + q0 / 2, (T::evens(sum) + T::odds(sum)) * 0.25f);
+      if (q0 == last) break;
+    }
+    if (m0 && Q % 2 == 1) {  // the column no window covers
+      m0[Q - 1] = v0[Q - 1] + bias > 0.0f;
+      m0[2 * Q - 1] = v1[Q - 1] + bias > 0.0f;
+    }
+  }
+  if (mask) {  // the row no window covers
+    for (int64_t j = 2 * Pp * Q; j < P * Q; ++j) mask[j] = v[j] + bias > 0.0f;
+  }
+}
+
+// relu_pool_grad_plane for 2x2 windows, L columns at a time, chunked as bias_relu_pool2_plane.
+template <int L>
+void relu_pool2_grad_plane(const uint8_t* __restrict mask, const float* __restrict dpooled,
+                           int64_t P, int64_t Q, float* __restrict dy) {
+  using T = Lanes<L>;
+  using F = typename T::F;
+  using I = typename T::I;
+  using B = typename T::B;
+  const int64_t Pp = P / 2, Qp = Q / 2, last = 2 * Qp - L;
+  const F zero = {};
+  for (int64_t pp = 0; pp < Pp; ++pp) {
+    const uint8_t* m0 = mask + 2 * pp * Q;
+    float* d0 = dy + 2 * pp * Q;
+    const float* dp = dpooled + pp * Qp;
+    for (int64_t q0 = 0;; q0 += L) {
+      if (q0 > last) q0 = last;
+      const F up = T::twice(loadv<typename T::H>(dp + q0 / 2) * 0.25f);
+      const I k0 = widen_bytes<I, B>(m0 + q0) != 0;
+      const I k1 = widen_bytes<I, B>(m0 + Q + q0) != 0;
+      storev(d0 + q0, k0 ? up : zero);
+      storev(d0 + Q + q0, k1 ? up : zero);
+      if (q0 == last) break;
+    }
+    if (Q % 2 == 1) d0[Q - 1] = d0[2 * Q - 1] = 0.0f;
+  }
+  std::fill(dy + 2 * Pp * Q, dy + P * Q, 0.0f);
+}
+
 // One plane of the fused forward: with y = v + bias (P, Q), mask = (y > 0) and pooled =
 // avg_pool(relu(y)) over pool x pool windows with stride pool (Pp, Qp). The sums run in
 // avg_pool2d_forward's order (the window's rows first, then its columns), so the bits equal
@@ -378,6 +690,8 @@ void bias_relu_pool_plane(const float* __restrict v, float bias, int64_t P, int6
                           uint8_t* __restrict mask, float* __restrict pooled,
                           float* __restrict acc) {
   const int64_t Pp = P / pool, Qp = Q / pool;
+  if (pool == 2 && 2 * Qp >= 16) return bias_relu_pool2_plane<16>(v, bias, P, Q, mask, pooled);
+  if (pool == 2 && 2 * Qp >= 8) return bias_relu_pool2_plane<8>(v, bias, P, Q, mask, pooled);
   const DivideByArea divide(pool * pool);
   if (mask) {
     for (int64_t j = 0; j < P * Q; ++j) mask[j] = v[j] + bias > 0.0f;
@@ -421,6 +735,8 @@ void relu_pool_grad_plane(const uint8_t* __restrict mask, const float* __restric
                           int64_t P, int64_t Q, int64_t pool, float* __restrict dy,
                           float* __restrict up) {
   const int64_t Pp = P / pool, Qp = Q / pool;
+  if (pool == 2 && 2 * Qp >= 16) return relu_pool2_grad_plane<16>(mask, dpooled, P, Q, dy);
+  if (pool == 2 && 2 * Qp >= 8) return relu_pool2_grad_plane<8>(mask, dpooled, P, Q, dy);
   const DivideByArea divide(pool * pool);
   for (int64_t q = Qp * pool; q < Q; ++q) up[q] = 0.0f;
   for (int64_t pp = 0; pp < Pp; ++pp) {

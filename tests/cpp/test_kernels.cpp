@@ -303,6 +303,11 @@ const ConvCase kConvCases[] = {
     {"lenet_conv2", {19, 20, 13, 13, 50, 5, 5, 1, 0}},
     {"wide_patch_pad2", {3, 4, 7, 8, 5, 5, 5, 1, 2}},
     {"wide_patch_stride2_pad1", {6, 8, 9, 10, 6, 3, 3, 2, 1}},
+    // The direct path (C*R*S <= 16, stride 1, no padding, Q >= 16): rows of exactly one chunk,
+    // rows whose last chunk overlaps the one before, and the largest tap count.
+    {"direct_q16", {2, 1, 18, 18, 4, 3, 3, 1, 0}},
+    {"direct_c2_2x3_q17", {9, 2, 9, 19, 3, 2, 3, 1, 0}},
+    {"direct_1x1_c16_q40", {3, 16, 4, 40, 5, 1, 1, 1, 0}},
 };
 
 void PrintTo(const ConvCase& c, std::ostream* os) { *os << c.name; }
@@ -385,6 +390,12 @@ const FusedCase kFusedCases[] = {
     {"pool1", {2, 3, 6, 6, 2, 3, 3, 1, 0}, 1},
     {"lenet_conv1", {19, 1, 28, 28, 20, 3, 3, 1, 0}, 2},
     {"lenet_conv2", {19, 20, 13, 13, 50, 5, 5, 1, 0}, 2},
+    // Direct convolutions with odd P and Q (the row and column no window covers still get their
+    // mask), with 3x3 windows, and a 16-column pooling pass behind im2col.
+    {"direct_pool2_odd_pq", {10, 2, 11, 19, 4, 2, 3, 1, 0}, 2},
+    {"direct_pool2_wide", {3, 1, 21, 37, 3, 3, 3, 1, 0}, 2},
+    {"direct_pool3", {4, 1, 19, 19, 2, 3, 3, 1, 0}, 3},
+    {"im2col_pool2_q20", {3, 3, 20, 22, 4, 3, 3, 1, 0}, 2},
 };
 
 void PrintTo(const FusedCase& c, std::ostream* os) { *os << c.name; }
