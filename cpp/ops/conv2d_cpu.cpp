@@ -41,7 +41,7 @@ constexpr int64_t kReduceChunk = 4096;
 
 // Per-thread scratch, grown once to the largest shape seen and then reused, so steady-state
 // training never allocates here. Workers use col, mat and row; the calling thread holds the slots.
-thread_local std::vector<float> tl_col, tl_mat, tl_row, tl_slots;
+thread_local std::vector<float> tl_col, tl_mat, tl_row, tl_slots, tl_lanes;
 
 float* scratch(std::vector<float>& buf, int64_t n) {
   if (static_cast<int64_t>(buf.size()) < n) buf.resize(static_cast<size_t>(n));
@@ -399,14 +399,12 @@ void direct_forward_image(const Conv2dShape& s, const float* __restrict x,
   }
 }
 
-// Adds a vector's lanes in a fixed pairwise tree.
+// Adds a vector's lanes in a fixed pairwise tree: lane j + 8 onto lane j, then j + 4, j + 2, j + 1.
 inline float sum16(F16 v) {
-  float a[kLanes16];
-  std::memcpy(a, &v, sizeof a);
-  for (int width = kLanes16 / 2; width >= 1; width /= 2) {
-    for (int j = 0; j < width; ++j) a[j] += a[j + width];
-  }
-  return a[0];
+  const F8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+               __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const F4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
 // One block of B images: dw (K, C*R*S) and, unless null, db (K) of the block from dy (K, B*P*Q,
@@ -493,6 +491,255 @@ void direct_backward_dx(const Conv2dShape& s, const float* __restrict w, int64_t
   }
 }
 
+// ---- Batch in lanes: 16 images side by side (LeNet's conv2) ----
+// For the other convolutions with stride 1 and no padding, a block of 16 images is laid out
+// with the image index innermost, x as xT (C, H, W, 16), so one vector holds a pixel of all 16
+// images, and the three products run as register tiles of such vectors: output channels x
+// output columns (forward), output channels x taps (dw), input channels x input columns (dx).
+// Every weight is a broadcast, every image a lane: no im2col matrix, no packing, and the
+// arithmetic is all FMAs on full vectors. Each sum runs over a fixed order (forward and dx: the
+// taps; dw: the block's pixels, then the 16 lanes in a fixed tree), so the bits depend on the
+// shape alone. Missing images of a short last block are zero lanes.
+constexpr int64_t kLaneBlock = 16;
+// Tiles: at most 5 x 3 forward, 5 x 5 dw and 4 x 5 dx accumulators (<= 25 vectors, so they stay
+// in AVX-512's 32 registers next to the operands).
+constexpr int kFwdKT = 5, kFwdQT = 3, kDwKT = 5, kDwJT = 5, kDxCT = 4, kDxWT = 5;
+
+bool use_lanes(const Conv2dShape& s) {
+  return s.stride == 1 && s.pad == 0 && !use_direct(s) &&
+         kLaneBlock * (s.C * s.H * s.W + 2 * s.K * s.P() * s.Q()) <= (int64_t{1} << 22);
+}
+
+// xT (E, 16) from B <= 16 rows of x, rows e_stride floats apart: xT[e, i] = x[i, e], zero for
+// i >= B.
+void to_lanes(const float* __restrict x, int64_t e_stride, int64_t B, int64_t E,
+              float* __restrict xT) {
+  if (B < kLaneBlock) std::fill(xT, xT + E * kLaneBlock, 0.0f);
+  for (int64_t i = 0; i < B; ++i) {
+    const float* __restrict xi = x + i * e_stride;
+    for (int64_t e = 0; e < E; ++e) xT[e * kLaneBlock + i] = xi[e];
+  }
+}
+
+// The inverse: x[i, e] = xT[e, i] for i < B.
+void from_lanes(const float* __restrict xT, int64_t E, int64_t B, float* __restrict x,
+                int64_t e_stride) {
+  for (int64_t i = 0; i < B; ++i) {
+    float* __restrict xi = x + i * e_stride;
+    for (int64_t e = 0; e < E; ++e) xi[e] = xT[e * kLaneBlock + i];
+  }
+}
+
+// dy in lanes, dyT (K, P, Qp, 16): each row of Q pixels starts pad columns in, between zero
+// columns, so dx tiles may read past a row's ends (the taps a column does not have meet zeros).
+struct LaneRows {
+  int64_t pad, Qp;
+  explicit LaneRows(const Conv2dShape& s)
+      : pad(std::min<int64_t>(s.S - 1, kDxWT - 1)), Qp(s.Q() + 2 * pad) {}
+  int64_t at(const Conv2dShape& s, int64_t k, int64_t p, int64_t q) const {  // in vectors
+    return (k * s.P() + p) * Qp + pad + q;
+  }
+};
+
+// dyT from dy (K, B*P*Q, image-major columns, rows ld floats apart).
+void dy_to_lanes(const Conv2dShape& s, const LaneRows& g, const float* __restrict dy, int64_t ld,
+                 int64_t B, float* __restrict dyT) {
+  const int64_t P = s.P(), Q = s.Q(), PQ = P * Q;
+  const F16 zero = {};
+  for (int64_t k = 0; k < s.K; ++k) {
+    for (int64_t p = 0; p < P; ++p) {
+      float* row = dyT + g.at(s, k, p, 0) * kLaneBlock;
+      for (int64_t q = -g.pad; q < 0; ++q) store16(row + q * kLaneBlock, zero);
+      for (int64_t q = Q; q < Q + g.pad; ++q) store16(row + q * kLaneBlock, zero);
+      if (B < kLaneBlock) {
+        for (int64_t q = 0; q < Q; ++q) store16(row + q * kLaneBlock, zero);
+      }
+      for (int64_t i = 0; i < B; ++i) {
+        const float* __restrict src = dy + k * ld + i * PQ + p * Q;
+        for (int64_t q = 0; q < Q; ++q) row[q * kLaneBlock + i] = src[q];
+      }
+    }
+  }
+}
+
+// Forward tile: outT[k0 + a, p, q0 + m] for a < KT, m < QT, summed over the taps (c, r, t) in
+// order from zero. wT is w as (C*R*S, K).
+template <int KT, int QT>
+void lanes_forward_tile(const Conv2dShape& s, const float* __restrict xT,
+                        const float* __restrict wT, int64_t p, int64_t q0, int64_t k0,
+                        float* __restrict outT) {
+  F16 acc[KT][QT] = {};
+  const int64_t P = s.P(), Q = s.Q();
+  int64_t j = 0;
+  for (int64_t c = 0; c < s.C; ++c) {
+    for (int64_t r = 0; r < s.R; ++r) {
+      const float* xrow = xT + ((c * s.H + p + r) * s.W + q0) * kLaneBlock;
+      for (int64_t t = 0; t < s.S; ++t, ++j) {
+        F16 xv[QT];
+#pragma GCC unroll 8
+        for (int m = 0; m < QT; ++m) xv[m] = load16(xrow + (t + m) * kLaneBlock);
+        const float* wj = wT + j * s.K + k0;
+#pragma GCC unroll 8
+        for (int a = 0; a < KT; ++a) {
+          const float wa = wj[a];
+#pragma GCC unroll 8
+          for (int m = 0; m < QT; ++m) acc[a][m] += xv[m] * wa;
+        }
+      }
+    }
+  }
+  for (int a = 0; a < KT; ++a) {
+    for (int m = 0; m < QT; ++m) store16(outT + (((k0 + a) * P + p) * Q + q0 + m) * kLaneBlock,
+                                         acc[a][m]);
+  }
+}
+
+// dw tile: dw[k0 + a, j0 + b] for a < KT, b < JT (j = (c, r, t)) of one block, summed over the
+// pixels (p, q) in order, then over the lanes. xoff[j] is tap j's offset (c*H + r)*W + t.
+template <int KT, int JT>
+void lanes_dw_tile(const Conv2dShape& s, const LaneRows& g, const float* __restrict xT,
+                   const float* __restrict dyT, const int64_t* __restrict xoff, int64_t k0,
+                   int64_t j0, float* __restrict dw) {
+  F16 acc[KT][JT] = {};
+  const int64_t P = s.P(), Q = s.Q(), CRS = s.C * s.R * s.S;
+  const float* xj[JT];
+  for (int b = 0; b < JT; ++b) xj[b] = xT + xoff[j0 + b] * kLaneBlock;
+  const int64_t k_step = P * g.Qp * kLaneBlock;
+  for (int64_t p = 0; p < P; ++p) {
+    const float* dyrow = dyT + g.at(s, k0, p, 0) * kLaneBlock;
+    for (int64_t q = 0; q < Q; ++q) {
+      const int64_t pix = (p * s.W + q) * kLaneBlock;
+      F16 d[KT];
+#pragma GCC unroll 8
+      for (int a = 0; a < KT; ++a) d[a] = load16(dyrow + a * k_step + q * kLaneBlock);
+#pragma GCC unroll 8
+      for (int b = 0; b < JT; ++b) {
+        const F16 xv = load16(xj[b] + pix);
+#pragma GCC unroll 8
+        for (int a = 0; a < KT; ++a) acc[a][b] += d[a] * xv;
+      }
+    }
+  }
+  for (int a = 0; a < KT; ++a) {
+    for (int b = 0; b < JT; ++b) dw[(k0 + a) * CRS + j0 + b] = sum16(acc[a][b]);
+  }
+}
+
+// dx tile: dxT[c0 + a, h, w0 + m] for a < CT, m < WT: the sum of w[k, c, r, t] * dyT[k, h - r,
+// w - t] over (k, r, t) in order, from zero, for r in [r_lo, r_hi] (the row's taps) and t in
+// [t_lo, t_hi] (the union of its columns' taps; a tap a column lacks reads a zero column).
+template <int CT, int WT>
+void lanes_dx_tile(const Conv2dShape& s, const LaneRows& g, const float* __restrict w,
+                   const float* __restrict dyT, int64_t h, int64_t r_lo, int64_t r_hi, int64_t w0,
+                   int64_t t_lo, int64_t t_hi, int64_t c0, float* __restrict dxT) {
+  F16 acc[CT][WT] = {};
+  for (int64_t k = 0; k < s.K; ++k) {
+    for (int64_t r = r_lo; r <= r_hi; ++r) {
+      const float* dyrow = dyT + g.at(s, k, h - r, w0) * kLaneBlock;
+      const float* wkr = w + ((k * s.C + c0) * s.R + r) * s.S;
+      for (int64_t t = t_lo; t <= t_hi; ++t) {
+        F16 dv[WT];
+#pragma GCC unroll 8
+        for (int m = 0; m < WT; ++m) dv[m] = load16(dyrow + (m - t) * kLaneBlock);
+#pragma GCC unroll 8
+        for (int a = 0; a < CT; ++a) {
+          const float wa = wkr[a * s.R * s.S + t];
+#pragma GCC unroll 8
+          for (int m = 0; m < WT; ++m) acc[a][m] += dv[m] * wa;
+        }
+      }
+    }
+  }
+  for (int a = 0; a < CT; ++a) {
+    for (int m = 0; m < WT; ++m) store16(dxT + (((c0 + a) * s.H + h) * s.W + w0 + m) * kLaneBlock,
+                                         acc[a][m]);
+  }
+}
+
+// Tables of the tile kernels by size, so a tail tile runs the same code with smaller bounds.
+using LanesForwardFn = void (*)(const Conv2dShape&, const float*, const float*, int64_t, int64_t,
+                                int64_t, float*);
+using LanesDwFn = void (*)(const Conv2dShape&, const LaneRows&, const float*, const float*,
+                           const int64_t*, int64_t, int64_t, float*);
+using LanesDxFn = void (*)(const Conv2dShape&, const LaneRows&, const float*, const float*, int64_t,
+                           int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float*);
+template <int A, int B>
+struct ForwardTile {
+  static constexpr LanesForwardFn fn = &lanes_forward_tile<A, B>;
+};
+template <int A, int B>
+struct DwTile {
+  static constexpr LanesDwFn fn = &lanes_dw_tile<A, B>;
+};
+template <int A, int B>
+struct DxTile {
+  static constexpr LanesDxFn fn = &lanes_dx_tile<A, B>;
+};
+template <template <int, int> class T, class Ptr, int A, int... kB>
+constexpr std::array<Ptr, sizeof...(kB)> tile_row(std::integer_sequence<int, kB...>) {
+  return {{T<A, kB + 1>::fn...}};
+}
+template <template <int, int> class T, class Ptr, int kCols, int... kA>
+constexpr std::array<std::array<Ptr, kCols>, sizeof...(kA)> tile_table(
+    std::integer_sequence<int, kA...>) {
+  return {{tile_row<T, Ptr, kA + 1>(std::make_integer_sequence<int, kCols>{})...}};
+}
+constexpr auto kLanesForward = tile_table<ForwardTile, LanesForwardFn, kFwdQT>(
+    std::make_integer_sequence<int, kFwdKT>{});
+constexpr auto kLanesDw =
+    tile_table<DwTile, LanesDwFn, kDwJT>(std::make_integer_sequence<int, kDwKT>{});
+constexpr auto kLanesDx =
+    tile_table<DxTile, LanesDxFn, kDxWT>(std::make_integer_sequence<int, kDxCT>{});
+
+// One block's forward: outT (K, P, Q, 16) from xT.
+void lanes_forward(const Conv2dShape& s, const float* xT, const float* wT, float* outT) {
+  const int64_t P = s.P(), Q = s.Q();
+  for (int64_t p = 0; p < P; ++p) {
+    for (int64_t q0 = 0; q0 < Q; q0 += kFwdQT) {
+      const int64_t nq = std::min<int64_t>(kFwdQT, Q - q0);
+      for (int64_t k0 = 0; k0 < s.K; k0 += kFwdKT) {
+        const int64_t nk = std::min<int64_t>(kFwdKT, s.K - k0);
+        kLanesForward[static_cast<size_t>(nk - 1)][static_cast<size_t>(nq - 1)](s, xT, wT, p, q0,
+                                                                                k0, outT);
+      }
+    }
+  }
+}
+
+// One block's dw (K, C*R*S) from xT and dyT (K, P, Q, 16).
+void lanes_dw(const Conv2dShape& s, const LaneRows& g, const float* xT, const float* dyT,
+              const int64_t* xoff, float* dw) {
+  const int64_t CRS = s.C * s.R * s.S;
+  for (int64_t k0 = 0; k0 < s.K; k0 += kDwKT) {
+    const int64_t nk = std::min<int64_t>(kDwKT, s.K - k0);
+    for (int64_t j0 = 0; j0 < CRS; j0 += kDwJT) {
+      const int64_t nj = std::min<int64_t>(kDwJT, CRS - j0);
+      kLanesDw[static_cast<size_t>(nk - 1)][static_cast<size_t>(nj - 1)](s, g, xT, dyT, xoff, k0,
+                                                                         j0, dw);
+    }
+  }
+}
+
+// One block's dxT (C, H, W, 16) from dyT. Row h sees the taps r in [max(0, h - P + 1),
+// min(R - 1, h)]; columns go in tiles of kDxWT, each over the union of its columns' taps.
+void lanes_dx(const Conv2dShape& s, const LaneRows& g, const float* w, const float* dyT,
+              float* dxT) {
+  const int64_t P = s.P(), Q = s.Q();
+  for (int64_t h = 0; h < s.H; ++h) {
+    const int64_t r_lo = std::max<int64_t>(0, h - P + 1), r_hi = std::min<int64_t>(s.R - 1, h);
+    for (int64_t w0 = 0; w0 < s.W; w0 += kDxWT) {
+      const int64_t nw = std::min<int64_t>(kDxWT, s.W - w0);
+      const int64_t t_lo = std::max<int64_t>(0, w0 - Q + 1);
+      const int64_t t_hi = std::min<int64_t>(s.S - 1, w0 + nw - 1);
+      for (int64_t c0 = 0; c0 < s.C; c0 += kDxCT) {
+        const int64_t nc = std::min<int64_t>(kDxCT, s.C - c0);
+        kLanesDx[static_cast<size_t>(nc - 1)][static_cast<size_t>(nw - 1)](
+            s, g, w, dyT, h, r_lo, r_hi, w0, t_lo, t_hi, c0, dxT);
+      }
+    }
+  }
+}
+
 // The forward product, block by block: unfolds each block of B images, multiplies, and hands
 // the block's (K, B*P*Q) product (image-major columns, ld = B*P*Q) to emit(out, ld, n0, B), which
 // runs on the worker that computed it while the product is still in its cache.
@@ -507,6 +754,25 @@ void forward_blocks(const Conv2dShape& s, const float* x, const float* w, const 
         direct(s, x + n * CHW, w, out);
         emit(out, PQ, n, 1);
       }
+    });
+    return;
+  }
+  if (use_lanes(s)) {  // blocks of 16 images in lanes; the product goes back to (K, B*P*Q)
+    std::vector<float> wT(static_cast<size_t>(s.K * CRS));  // w as (C*R*S, K)
+    for (int64_t k = 0; k < s.K; ++k) {
+      for (int64_t j = 0; j < CRS; ++j) wT[static_cast<size_t>(j * s.K + k)] = w[k * CRS + j];
+    }
+    parallel_for((s.N + kLaneBlock - 1) / kLaneBlock, [&](int64_t blk) {
+      const int64_t n0 = blk * kLaneBlock, B = std::min(s.N - n0, kLaneBlock), ld = B * PQ;
+      float* xT = scratch(tl_lanes, kLaneBlock * (CHW + s.K * PQ));
+      float* outT = xT + kLaneBlock * CHW;
+      float* out = scratch(tl_mat, s.K * ld);
+      to_lanes(x + n0 * CHW, CHW, B, CHW, xT);
+      lanes_forward(s, xT, wT.data(), outT);
+      for (int64_t k = 0; k < s.K; ++k) {
+        from_lanes(outT + k * PQ * kLaneBlock, PQ, B, out + k * ld, PQ);
+      }
+      emit(out, ld, n0, B);
     });
     return;
   }
@@ -540,7 +806,9 @@ void backward_blocks(const Conv2dShape& s, const float* x, const float* w, const
   // A function of the shape alone, so every thread count takes the same path.
   const bool patch_rows = CRS >= kPatchRowsMin;
   // Block 0 writes straight into dw and db; blocks 1.. into slots in this thread's scratch.
-  const int64_t blocks = (s.N + kBlock - 1) / kBlock;
+  const bool lanes = use_lanes(s);
+  const int64_t block = lanes ? kLaneBlock : kBlock;
+  const int64_t blocks = (s.N + block - 1) / block;
   float* slots = scratch(tl_slots, (blocks - 1) * (KCRS + s.K));
   auto dw_slot = [&](int64_t blk) { return blk == 0 ? dw : slots + (blk - 1) * KCRS; };
   auto db_slot = [&](int64_t blk) {
@@ -550,11 +818,37 @@ void backward_blocks(const Conv2dShape& s, const float* x, const float* w, const
   const bool direct = use_direct(s);
   const DirectBackwardFn direct_dw =
       direct ? kDirectBackward[static_cast<size_t>(CRS - 1)] : nullptr;
+  std::vector<int64_t> xoff;  // tap j = (c, r, t) of the lanes' dw: its offset in an image
+  if (lanes) {
+    for (int64_t c = 0; c < s.C; ++c) {
+      for (int64_t r = 0; r < s.R; ++r) {
+        for (int64_t t = 0; t < s.S; ++t) xoff.push_back((c * s.H + r) * s.W + t);
+      }
+    }
+  }
 
   parallel_for(blocks, [&](int64_t blk) {
-    const int64_t n0 = blk * kBlock, B = std::min(s.N - n0, kBlock), ld = B * PQ;
+    const int64_t n0 = blk * block, B = std::min(s.N - n0, block), ld = B * PQ;
     float* dyb = scratch(tl_mat, s.K * ld);  // dy of the block as (K, B*P*Q)
     load(dyb, ld, n0, B);
+    if (lanes) {
+      const LaneRows g(s);
+      float* xT = scratch(tl_lanes, kLaneBlock * (2 * CHW + s.K * s.P() * g.Qp));
+      float* dxT = xT + kLaneBlock * CHW;
+      float* dyT = dxT + kLaneBlock * CHW;
+      to_lanes(x + n0 * CHW, CHW, B, CHW, xT);
+      dy_to_lanes(s, g, dyb, ld, B, dyT);
+      lanes_dw(s, g, xT, dyT, xoff.data(), dw_slot(blk));
+      if (db) {
+        float* dbs = db_slot(blk);
+        for (int64_t k = 0; k < s.K; ++k) dbs[k] = sum_lanes(dyb + k * ld, ld);
+      }
+      if (dx) {
+        lanes_dx(s, g, w, dyT, dxT);
+        from_lanes(dxT, CHW, B, dx + n0 * CHW, CHW);
+      }
+      return;
+    }
     if (direct) {
       direct_dw(s, x + n0 * CHW, B, dyb, ld, dw_slot(blk), db ? db_slot(blk) : nullptr);
       if (dx) direct_backward_dx(s, w, B, dyb, ld, dx + n0 * CHW);
