@@ -510,23 +510,71 @@ bool use_lanes(const Conv2dShape& s) {
          kLaneBlock * (s.C * s.H * s.W + 2 * s.K * s.P() * s.Q()) <= (int64_t{1} << 22);
 }
 
+// Transposes a 16 x 16 tile held as 16 row vectors, in place: v[j][i] becomes the old v[i][j].
+// Four rounds swap the off-diagonal blocks of 8, 4, 2 and 1 rows and columns, a two-input
+// shuffle per vector each.
+inline void transpose16(F16* v) {
+  for (int a = 0; a < 8; ++a) {
+    const F16 x = v[a], y = v[a + 8];
+    v[a] = __builtin_shufflevector(x, y, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+    v[a + 8] =
+        __builtin_shufflevector(x, y, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  }
+  for (int a0 = 0; a0 < 16; a0 += 8) {
+    for (int a = a0; a < a0 + 4; ++a) {
+      const F16 x = v[a], y = v[a + 4];
+      v[a] = __builtin_shufflevector(x, y, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27);
+      v[a + 4] =
+          __builtin_shufflevector(x, y, 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+    }
+  }
+  for (int a0 = 0; a0 < 16; a0 += 4) {
+    for (int a = a0; a < a0 + 2; ++a) {
+      const F16 x = v[a], y = v[a + 2];
+      v[a] = __builtin_shufflevector(x, y, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29);
+      v[a + 2] =
+          __builtin_shufflevector(x, y, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+    }
+  }
+  for (int a = 0; a < 16; a += 2) {
+    const F16 x = v[a], y = v[a + 1];
+    v[a] = __builtin_shufflevector(x, y, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30);
+    v[a + 1] =
+        __builtin_shufflevector(x, y, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+  }
+}
+
 // xT (E, 16) from B <= 16 rows of x, rows e_stride floats apart: xT[e, i] = x[i, e], zero for
-// i >= B.
+// i >= B. Sixteen columns at a time through transpose16, the last E % 16 one by one.
 void to_lanes(const float* __restrict x, int64_t e_stride, int64_t B, int64_t E,
               float* __restrict xT) {
-  if (B < kLaneBlock) std::fill(xT, xT + E * kLaneBlock, 0.0f);
-  for (int64_t i = 0; i < B; ++i) {
-    const float* __restrict xi = x + i * e_stride;
-    for (int64_t e = 0; e < E; ++e) xT[e * kLaneBlock + i] = xi[e];
+  const F16 zero = {};
+  const int64_t full = E / kLaneBlock * kLaneBlock;
+  for (int64_t e0 = 0; e0 < full; e0 += kLaneBlock) {
+    F16 v[kLaneBlock];
+    for (int64_t i = 0; i < kLaneBlock; ++i) v[i] = i < B ? load16(x + i * e_stride + e0) : zero;
+    transpose16(v);
+    for (int64_t e = 0; e < kLaneBlock; ++e) store16(xT + (e0 + e) * kLaneBlock, v[e]);
+  }
+  for (int64_t e = full; e < E; ++e) {
+    F16 v = zero;
+    for (int64_t i = 0; i < B; ++i) v[i] = x[i * e_stride + e];
+    store16(xT + e * kLaneBlock, v);
   }
 }
 
 // The inverse: x[i, e] = xT[e, i] for i < B.
 void from_lanes(const float* __restrict xT, int64_t E, int64_t B, float* __restrict x,
                 int64_t e_stride) {
-  for (int64_t i = 0; i < B; ++i) {
-    float* __restrict xi = x + i * e_stride;
-    for (int64_t e = 0; e < E; ++e) xi[e] = xT[e * kLaneBlock + i];
+  const int64_t full = E / kLaneBlock * kLaneBlock;
+  for (int64_t e0 = 0; e0 < full; e0 += kLaneBlock) {
+    F16 v[kLaneBlock];
+    for (int64_t e = 0; e < kLaneBlock; ++e) v[e] = load16(xT + (e0 + e) * kLaneBlock);
+    transpose16(v);
+    for (int64_t i = 0; i < B; ++i) store16(x + i * e_stride + e0, v[i]);
+  }
+  for (int64_t e = full; e < E; ++e) {
+    for (int64_t i = 0; i < B; ++i) x[i * e_stride + e] = xT[e * kLaneBlock + i];
   }
 }
 
@@ -541,23 +589,21 @@ struct LaneRows {
   }
 };
 
-// dyT from dy (K, B*P*Q, image-major columns, rows ld floats apart).
+// dyT from dy (K, B*P*Q, image-major columns, rows ld floats apart), a channel at a time through
+// to_lanes into tmp (P*Q, 16), then row by row into place.
 void dy_to_lanes(const Conv2dShape& s, const LaneRows& g, const float* __restrict dy, int64_t ld,
-                 int64_t B, float* __restrict dyT) {
+                 int64_t B, float* __restrict tmp, float* __restrict dyT) {
   const int64_t P = s.P(), Q = s.Q(), PQ = P * Q;
   const F16 zero = {};
   for (int64_t k = 0; k < s.K; ++k) {
+    to_lanes(dy + k * ld, PQ, B, PQ, tmp);
     for (int64_t p = 0; p < P; ++p) {
       float* row = dyT + g.at(s, k, p, 0) * kLaneBlock;
       for (int64_t q = -g.pad; q < 0; ++q) store16(row + q * kLaneBlock, zero);
+      for (int64_t q = 0; q < Q; ++q) {
+        store16(row + q * kLaneBlock, load16(tmp + (p * Q + q) * kLaneBlock));
+      }
       for (int64_t q = Q; q < Q + g.pad; ++q) store16(row + q * kLaneBlock, zero);
-      if (B < kLaneBlock) {
-        for (int64_t q = 0; q < Q; ++q) store16(row + q * kLaneBlock, zero);
-      }
-      for (int64_t i = 0; i < B; ++i) {
-        const float* __restrict src = dy + k * ld + i * PQ + p * Q;
-        for (int64_t q = 0; q < Q; ++q) row[q * kLaneBlock + i] = src[q];
-      }
     }
   }
 }
@@ -833,11 +879,12 @@ void backward_blocks(const Conv2dShape& s, const float* x, const float* w, const
     load(dyb, ld, n0, B);
     if (lanes) {
       const LaneRows g(s);
-      float* xT = scratch(tl_lanes, kLaneBlock * (2 * CHW + s.K * s.P() * g.Qp));
+      float* xT = scratch(tl_lanes, kLaneBlock * (2 * CHW + s.K * s.P() * g.Qp + PQ));
       float* dxT = xT + kLaneBlock * CHW;
       float* dyT = dxT + kLaneBlock * CHW;
+      float* tmp = dyT + kLaneBlock * s.K * s.P() * g.Qp;
       to_lanes(x + n0 * CHW, CHW, B, CHW, xT);
-      dy_to_lanes(s, g, dyb, ld, B, dyT);
+      dy_to_lanes(s, g, dyb, ld, B, tmp, dyT);
       lanes_dw(s, g, xT, dyT, xoff.data(), dw_slot(blk));
       if (db) {
         float* dbs = db_slot(blk);
