@@ -1,12 +1,16 @@
 // cpp/ops/conv2d_cpu.cpp -- conv2d forward and backward on the CPU (LeNet's two convolutions).
 // x (N, C, H, W), w (K, C, R, S) seen as a (K, C*R*S) matrix, b (K), y and dy (N, K, P, Q).
-// A block of B images is unfolded (im2col) into col (C*R*S, B*P*Q), so y = w * col,
-// dw = dy * col^T and dcol = w^T * dy are single sgemm calls and dx = col2im(dcol); for wide
-// patches backward unfolds into the transpose of col (im2col_rows), from which dw is faster.
-// conv2d_relu_pool_* (LeNet's conv + relu + avg-pool blocks) share those block loops and apply
+// Three ways, chosen by the shape alone (so every thread count computes the same bits):
+// - few taps (C*R*S <= 16, stride 1, no padding, Q >= 16: LeNet's conv1): direct loops over the
+//   taps, sixteen output columns at a time (im2col and a packed sgemm would cost more than the
+//   arithmetic);
+// - other convolutions with stride 1 and no padding (LeNet's conv2): blocks of 16 images side by
+//   side in vector lanes, multiplied out by register-tiled FMA kernels (no im2col, no packing);
+// - the rest (padding, strides): a block of B images is unfolded (im2col) into col (C*R*S,
+//   B*P*Q), so y = w * col, dw = dy * col^T and dcol = w^T * dy are sgemm calls and
+//   dx = col2im(dcol).
+// conv2d_relu_pool_* (LeNet's conv + relu + avg-pool blocks) share the block loops and apply
 // relu and the pooling to each block's product, or build its dy, while it is in cache.
-// Convolutions with few taps (C*R*S <= 16, stride 1, no padding: LeNet's conv1) run directly
-// instead: with 9 taps an im2col copy and a packed sgemm cost more than the arithmetic.
 #include <algorithm>
 #include <array>
 #include <cstring>
@@ -21,16 +25,13 @@ namespace mgpu::ops::cpu {
 
 namespace {
 
-// Images per block: the unit of parallel work, and the unit of the batch sums in dw and db. Each
-// block sums its images into its own slot and the slots are added in block order afterwards. The
-// size is a constant, never derived from the thread count, so every thread count adds the same
-// numbers in the same order and gives bitwise-equal results (shards that are multiples of it
-// also keep their blocks when a batch is split across devices). 8 images of LeNet's conv2 make
-// the products 648 columns wide, where OpenBLAS runs ~20% faster than one image at a time.
-// Blocks of 4 (col then fits a core's L2) looked ~1 ms/step faster on 2 threads (noisy runs on a
-// loaded machine; a forward-only block of 4 gained nothing), but changed
-// the bits enough that test_distributed's 300-step 1-device vs 2-process comparison drifted past
-// its tolerance, so the block stays at 8.
+// Images per block (im2col and direct paths; the lane path uses kLaneBlock = 16): the unit of
+// parallel work, and the unit of the batch sums in dw and db. Each block sums its images into its
+// own slot and the slots are added in block order afterwards. The size is a constant, never
+// derived from the thread count, so every thread count adds the same numbers in the same order
+// and gives bitwise-equal results (shards that are multiples of it also keep their blocks when a
+// batch is split across devices). 8 images make an im2col product 8 images wide, where OpenBLAS
+// ran ~20% faster than one image at a time.
 constexpr int64_t kBlock = 8;
 
 // The shortest patch (C*R*S floats) for which backward builds dw from im2col_rows (see there).
@@ -403,7 +404,8 @@ void direct_forward_image(const Conv2dShape& s, const float* __restrict x,
 inline float sum16(F16 v) {
   const F8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
                __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  const F4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  const F4 b =
+      __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
   return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
@@ -432,13 +434,17 @@ void direct_backward_block(const Conv2dShape& s, const float* __restrict x, int6
         for (int64_t q0 = 0; q0 < full; q0 += kLanes16) {
           const F16 d = load16(d_row + q0);
           accb += d;
-          for (int j = 0; j < kTaps; ++j) acc[j] += d * load16(xp + off[static_cast<size_t>(j)] + q0);
+          for (int j = 0; j < kTaps; ++j) {
+            acc[j] += d * load16(xp + off[static_cast<size_t>(j)] + q0);
+          }
         }
         if (full < Q) {
           const int64_t q0 = Q - kLanes16;
           const F16 d = keep_tail ? load16(d_row + q0) : zero;
           accb += d;
-          for (int j = 0; j < kTaps; ++j) acc[j] += d * load16(xp + off[static_cast<size_t>(j)] + q0);
+          for (int j = 0; j < kTaps; ++j) {
+            acc[j] += d * load16(xp + off[static_cast<size_t>(j)] + q0);
+          }
         }
       }
     }
@@ -460,7 +466,8 @@ constexpr std::array<DirectBackwardFn, sizeof...(kN)> direct_backward_table(
     std::integer_sequence<int, kN...>) {
   return {{&direct_backward_block<kN + 1>...}};
 }
-constexpr auto kDirectForward = direct_forward_table(std::make_integer_sequence<int, kDirectMaxTaps>{});
+constexpr auto kDirectForward =
+    direct_forward_table(std::make_integer_sequence<int, kDirectMaxTaps>{});
 constexpr auto kDirectBackward =
     direct_backward_table(std::make_integer_sequence<int, kDirectMaxTaps>{});
 
@@ -523,7 +530,8 @@ inline void transpose16(F16* v) {
   for (int a0 = 0; a0 < 16; a0 += 8) {
     for (int a = a0; a < a0 + 4; ++a) {
       const F16 x = v[a], y = v[a + 4];
-      v[a] = __builtin_shufflevector(x, y, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27);
+      v[a] =
+          __builtin_shufflevector(x, y, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27);
       v[a + 4] =
           __builtin_shufflevector(x, y, 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
     }
@@ -531,7 +539,8 @@ inline void transpose16(F16* v) {
   for (int a0 = 0; a0 < 16; a0 += 4) {
     for (int a = a0; a < a0 + 2; ++a) {
       const F16 x = v[a], y = v[a + 2];
-      v[a] = __builtin_shufflevector(x, y, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29);
+      v[a] =
+          __builtin_shufflevector(x, y, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29);
       v[a + 2] =
           __builtin_shufflevector(x, y, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
     }

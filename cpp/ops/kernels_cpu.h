@@ -23,8 +23,8 @@ void conv2d_forward(const Conv2dShape& s, const float* x, const float* w, const 
 
 // Given dy (N, K, P, Q), writes dx (N, C, H, W), dw (K, C, R, S) and db (K); dx and db may be null
 // to skip them (LeNet's first layer needs no dx), dw may not. Re-reads x and w. dw and db sum over
-// the batch in fixed blocks of 8 images, then over the blocks in order (conv2d_cpu.cpp), so the
-// order of additions depends on N but never on the thread count.
+// the batch in fixed blocks of images (8 or 16, by shape), then over the blocks in order
+// (conv2d_cpu.cpp), so the order of additions depends on the shape but never on the thread count.
 void conv2d_backward(const Conv2dShape& s, const float* x, const float* w, const float* dy,
                      float* dx, float* dw, float* db);
 
