@@ -508,9 +508,11 @@ void direct_backward_dx(const Conv2dShape& s, const float* __restrict w, int64_t
 // taps; dw: the block's pixels, then the 16 lanes in a fixed tree), so the bits depend on the
 // shape alone. Missing images of a short last block are zero lanes.
 constexpr int64_t kLaneBlock = 16;
-// Tiles: at most 5 x 3 forward, 5 x 5 dw and 4 x 5 dx accumulators (<= 25 vectors, so they stay
-// in AVX-512's 32 registers next to the operands).
+// Tiles: at most 5 x 3 forward, 5 x 5 dw, 4 x 5 and 10 x 1 dx accumulators (<= 25 vectors, so
+// they stay in AVX-512's 32 registers next to the operands).
 constexpr int kFwdKT = 5, kFwdQT = 3, kDwKT = 5, kDwJT = 5, kDxCT = 4, kDxWT = 5;
+// Border columns of dx: one column, up to 10 input channels.
+constexpr int kDxColumnCT = 10;
 
 bool use_lanes(const Conv2dShape& s) {
   return s.stride == 1 && s.pad == 0 && !use_direct(s) &&
@@ -587,36 +589,6 @@ void from_lanes(const float* __restrict xT, int64_t E, int64_t B, float* __restr
   }
 }
 
-// dy in lanes, dyT (K, P, Qp, 16): each row of Q pixels starts pad columns in, between zero
-// columns, so dx tiles may read past a row's ends (the taps a column does not have meet zeros).
-struct LaneRows {
-  int64_t pad, Qp;
-  explicit LaneRows(const Conv2dShape& s)
-      : pad(std::min<int64_t>(s.S - 1, kDxWT - 1)), Qp(s.Q() + 2 * pad) {}
-  int64_t at(const Conv2dShape& s, int64_t k, int64_t p, int64_t q) const {  // in vectors
-    return (k * s.P() + p) * Qp + pad + q;
-  }
-};
-
-// dyT from dy (K, B*P*Q, image-major columns, rows ld floats apart), a channel at a time through
-// to_lanes into tmp (P*Q, 16), then row by row into place.
-void dy_to_lanes(const Conv2dShape& s, const LaneRows& g, const float* __restrict dy, int64_t ld,
-                 int64_t B, float* __restrict tmp, float* __restrict dyT) {
-  const int64_t P = s.P(), Q = s.Q(), PQ = P * Q;
-  const F16 zero = {};
-  for (int64_t k = 0; k < s.K; ++k) {
-    to_lanes(dy + k * ld, PQ, B, PQ, tmp);
-    for (int64_t p = 0; p < P; ++p) {
-      float* row = dyT + g.at(s, k, p, 0) * kLaneBlock;
-      for (int64_t q = -g.pad; q < 0; ++q) store16(row + q * kLaneBlock, zero);
-      for (int64_t q = 0; q < Q; ++q) {
-        store16(row + q * kLaneBlock, load16(tmp + (p * Q + q) * kLaneBlock));
-      }
-      for (int64_t q = Q; q < Q + g.pad; ++q) store16(row + q * kLaneBlock, zero);
-    }
-  }
-}
-
 // Forward tile: outT[k0 + a, p, q0 + m] for a < KT, m < QT, summed over the taps (c, r, t) in
 // order from zero. wT is w as (C*R*S, K).
 template <int KT, int QT>
@@ -652,16 +624,15 @@ void lanes_forward_tile(const Conv2dShape& s, const float* __restrict xT,
 // dw tile: dw[k0 + a, j0 + b] for a < KT, b < JT (j = (c, r, t)) of one block, summed over the
 // pixels (p, q) in order, then over the lanes. xoff[j] is tap j's offset (c*H + r)*W + t.
 template <int KT, int JT>
-void lanes_dw_tile(const Conv2dShape& s, const LaneRows& g, const float* __restrict xT,
-                   const float* __restrict dyT, const int64_t* __restrict xoff, int64_t k0,
-                   int64_t j0, float* __restrict dw) {
+void lanes_dw_tile(const Conv2dShape& s, const float* __restrict xT, const float* __restrict dyT,
+                   const int64_t* __restrict xoff, int64_t k0, int64_t j0, float* __restrict dw) {
   F16 acc[KT][JT] = {};
   const int64_t P = s.P(), Q = s.Q(), CRS = s.C * s.R * s.S;
   const float* xj[JT];
   for (int b = 0; b < JT; ++b) xj[b] = xT + xoff[j0 + b] * kLaneBlock;
-  const int64_t k_step = P * g.Qp * kLaneBlock;
+  const int64_t k_step = P * Q * kLaneBlock;
   for (int64_t p = 0; p < P; ++p) {
-    const float* dyrow = dyT + g.at(s, k0, p, 0) * kLaneBlock;
+    const float* dyrow = dyT + (k0 * P + p) * Q * kLaneBlock;
     for (int64_t q = 0; q < Q; ++q) {
       const int64_t pix = (p * s.W + q) * kLaneBlock;
       F16 d[KT];
@@ -680,19 +651,20 @@ void lanes_dw_tile(const Conv2dShape& s, const LaneRows& g, const float* __restr
   }
 }
 
-// dx tile: dxT[c0 + a, h, w0 + m] for a < CT, m < WT: the sum of w[k, c, r, t] * dyT[k, h - r,
-// w - t] over (k, r, t) in order, from zero, for r in [r_lo, r_hi] (the row's taps) and t in
-// [t_lo, t_hi] (the union of its columns' taps; a tap a column lacks reads a zero column).
+// dx tile for interior columns (those that see every tap t): dxT[c0 + a, h, w0 + m] for a < CT,
+// m < WT, the sum of w[k, c, r, t] * dyT[k, h - r, w - t] over (k, r, t) in order from zero, r
+// in [r_lo, r_hi] (the taps row h sees).
 template <int CT, int WT>
-void lanes_dx_tile(const Conv2dShape& s, const LaneRows& g, const float* __restrict w,
-                   const float* __restrict dyT, int64_t h, int64_t r_lo, int64_t r_hi, int64_t w0,
-                   int64_t t_lo, int64_t t_hi, int64_t c0, float* __restrict dxT) {
+void lanes_dx_tile(const Conv2dShape& s, const float* __restrict w, const float* __restrict dyT,
+                   int64_t h, int64_t r_lo, int64_t r_hi, int64_t w0, int64_t c0,
+                   float* __restrict dxT) {
   F16 acc[CT][WT] = {};
+  const int64_t P = s.P(), Q = s.Q();
   for (int64_t k = 0; k < s.K; ++k) {
     for (int64_t r = r_lo; r <= r_hi; ++r) {
-      const float* dyrow = dyT + g.at(s, k, h - r, w0) * kLaneBlock;
+      const float* dyrow = dyT + ((k * P + h - r) * Q + w0) * kLaneBlock;
       const float* wkr = w + ((k * s.C + c0) * s.R + r) * s.S;
-      for (int64_t t = t_lo; t <= t_hi; ++t) {
+      for (int64_t t = 0; t < s.S; ++t) {
         F16 dv[WT];
 #pragma GCC unroll 8
         for (int m = 0; m < WT; ++m) dv[m] = load16(dyrow + (m - t) * kLaneBlock);
@@ -711,13 +683,39 @@ void lanes_dx_tile(const Conv2dShape& s, const LaneRows& g, const float* __restr
   }
 }
 
+// dx of one border column v (it sees only the taps t in [t_lo, t_hi]) for CT input channels: the
+// sum over (r, t, k) in order from zero, k innermost so the short tap ranges cost no loop
+// overhead.
+template <int CT>
+void lanes_dx_column(const Conv2dShape& s, const float* __restrict w, const float* __restrict dyT,
+                     int64_t h, int64_t r_lo, int64_t r_hi, int64_t v, int64_t t_lo, int64_t t_hi,
+                     int64_t c0, float* __restrict dxT) {
+  F16 acc[CT] = {};
+  const int64_t P = s.P(), Q = s.Q(), RS = s.R * s.S, CRS = s.C * RS;
+  const int64_t k_step = P * Q * kLaneBlock;
+  for (int64_t r = r_lo; r <= r_hi; ++r) {
+    for (int64_t t = t_lo; t <= t_hi; ++t) {
+      const float* dv = dyT + ((h - r) * Q + v - t) * kLaneBlock;
+      const float* wv = w + (c0 * s.R + r) * s.S + t;
+      for (int64_t k = 0; k < s.K; ++k, dv += k_step, wv += CRS) {
+        const F16 d = load16(dv);
+#pragma GCC unroll 16
+        for (int a = 0; a < CT; ++a) acc[a] += d * wv[a * RS];
+      }
+    }
+  }
+  for (int a = 0; a < CT; ++a) store16(dxT + (((c0 + a) * s.H + h) * s.W + v) * kLaneBlock, acc[a]);
+}
+
 // Tables of the tile kernels by size, so a tail tile runs the same code with smaller bounds.
 using LanesForwardFn = void (*)(const Conv2dShape&, const float*, const float*, int64_t, int64_t,
                                 int64_t, float*);
-using LanesDwFn = void (*)(const Conv2dShape&, const LaneRows&, const float*, const float*,
-                           const int64_t*, int64_t, int64_t, float*);
-using LanesDxFn = void (*)(const Conv2dShape&, const LaneRows&, const float*, const float*, int64_t,
-                           int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float*);
+using LanesDwFn = void (*)(const Conv2dShape&, const float*, const float*, const int64_t*, int64_t,
+                           int64_t, float*);
+using LanesDxFn = void (*)(const Conv2dShape&, const float*, const float*, int64_t, int64_t,
+                           int64_t, int64_t, int64_t, float*);
+using LanesDxColumnFn = void (*)(const Conv2dShape&, const float*, const float*, int64_t, int64_t,
+                                 int64_t, int64_t, int64_t, int64_t, int64_t, float*);
 template <int A, int B>
 struct ForwardTile {
   static constexpr LanesForwardFn fn = &lanes_forward_tile<A, B>;
@@ -745,6 +743,12 @@ constexpr auto kLanesDw =
     tile_table<DwTile, LanesDwFn, kDwJT>(std::make_integer_sequence<int, kDwKT>{});
 constexpr auto kLanesDx =
     tile_table<DxTile, LanesDxFn, kDxWT>(std::make_integer_sequence<int, kDxCT>{});
+template <int... kI>
+constexpr std::array<LanesDxColumnFn, sizeof...(kI)> dx_column_table(
+    std::integer_sequence<int, kI...>) {
+  return {{&lanes_dx_column<kI + 1>...}};
+}
+constexpr auto kLanesDxColumn = dx_column_table(std::make_integer_sequence<int, kDxColumnCT>{});
 
 // One block's forward: outT (K, P, Q, 16) from xT.
 void lanes_forward(const Conv2dShape& s, const float* xT, const float* wT, float* outT) {
@@ -762,34 +766,45 @@ void lanes_forward(const Conv2dShape& s, const float* xT, const float* wT, float
 }
 
 // One block's dw (K, C*R*S) from xT and dyT (K, P, Q, 16).
-void lanes_dw(const Conv2dShape& s, const LaneRows& g, const float* xT, const float* dyT,
-              const int64_t* xoff, float* dw) {
+void lanes_dw(const Conv2dShape& s, const float* xT, const float* dyT, const int64_t* xoff,
+              float* dw) {
   const int64_t CRS = s.C * s.R * s.S;
   for (int64_t k0 = 0; k0 < s.K; k0 += kDwKT) {
     const int64_t nk = std::min<int64_t>(kDwKT, s.K - k0);
     for (int64_t j0 = 0; j0 < CRS; j0 += kDwJT) {
       const int64_t nj = std::min<int64_t>(kDwJT, CRS - j0);
-      kLanesDw[static_cast<size_t>(nk - 1)][static_cast<size_t>(nj - 1)](s, g, xT, dyT, xoff, k0,
-                                                                         j0, dw);
+      kLanesDw[static_cast<size_t>(nk - 1)][static_cast<size_t>(nj - 1)](s, xT, dyT, xoff, k0, j0,
+                                                                         dw);
     }
   }
 }
 
 // One block's dxT (C, H, W, 16) from dyT. Row h sees the taps r in [max(0, h - P + 1),
-// min(R - 1, h)]; columns go in tiles of kDxWT, each over the union of its columns' taps.
-void lanes_dx(const Conv2dShape& s, const LaneRows& g, const float* w, const float* dyT,
-              float* dxT) {
+// min(R - 1, h)], column v the taps t in [max(0, v - Q + 1), min(S - 1, v)]: the interior
+// columns, which see all S, go in tiles of kDxWT columns, the border columns one at a time.
+void lanes_dx(const Conv2dShape& s, const float* w, const float* dyT, float* dxT) {
   const int64_t P = s.P(), Q = s.Q();
+  const int64_t in_lo = s.S - 1, in_hi = std::max(in_lo, Q);  // interior columns [in_lo, in_hi)
   for (int64_t h = 0; h < s.H; ++h) {
     const int64_t r_lo = std::max<int64_t>(0, h - P + 1), r_hi = std::min<int64_t>(s.R - 1, h);
-    for (int64_t w0 = 0; w0 < s.W; w0 += kDxWT) {
-      const int64_t nw = std::min<int64_t>(kDxWT, s.W - w0);
-      const int64_t t_lo = std::max<int64_t>(0, w0 - Q + 1);
-      const int64_t t_hi = std::min<int64_t>(s.S - 1, w0 + nw - 1);
-      for (int64_t c0 = 0; c0 < s.C; c0 += kDxCT) {
-        const int64_t nc = std::min<int64_t>(kDxCT, s.C - c0);
-        kLanesDx[static_cast<size_t>(nc - 1)][static_cast<size_t>(nw - 1)](
-            s, g, w, dyT, h, r_lo, r_hi, w0, t_lo, t_hi, c0, dxT);
+    for (int64_t v = 0; v < s.W; ++v) {
+      if (v == in_lo && in_hi > in_lo) {
+        for (int64_t w0 = in_lo; w0 < in_hi; w0 += kDxWT) {
+          const int64_t nw = std::min<int64_t>(kDxWT, in_hi - w0);
+          for (int64_t c0 = 0; c0 < s.C; c0 += kDxCT) {
+            const int64_t nc = std::min<int64_t>(kDxCT, s.C - c0);
+            kLanesDx[static_cast<size_t>(nc - 1)][static_cast<size_t>(nw - 1)](
+                s, w, dyT, h, r_lo, r_hi, w0, c0, dxT);
+          }
+        }
+        v = in_hi - 1;
+        continue;
+      }
+      const int64_t t_lo = std::max<int64_t>(0, v - Q + 1), t_hi = std::min<int64_t>(s.S - 1, v);
+      for (int64_t c0 = 0; c0 < s.C; c0 += kDxColumnCT) {
+        const int64_t nc = std::min<int64_t>(kDxColumnCT, s.C - c0);
+        kLanesDxColumn[static_cast<size_t>(nc - 1)](s, w, dyT, h, r_lo, r_hi, v, t_lo, t_hi, c0,
+                                                    dxT);
       }
     }
   }
@@ -887,20 +902,20 @@ void backward_blocks(const Conv2dShape& s, const float* x, const float* w, const
     float* dyb = scratch(tl_mat, s.K * ld);  // dy of the block as (K, B*P*Q)
     load(dyb, ld, n0, B);
     if (lanes) {
-      const LaneRows g(s);
-      float* xT = scratch(tl_lanes, kLaneBlock * (2 * CHW + s.K * s.P() * g.Qp + PQ));
+      float* xT = scratch(tl_lanes, kLaneBlock * (2 * CHW + s.K * PQ));
       float* dxT = xT + kLaneBlock * CHW;
       float* dyT = dxT + kLaneBlock * CHW;
-      float* tmp = dyT + kLaneBlock * s.K * s.P() * g.Qp;
       to_lanes(x + n0 * CHW, CHW, B, CHW, xT);
-      dy_to_lanes(s, g, dyb, ld, B, tmp, dyT);
-      lanes_dw(s, g, xT, dyT, xoff.data(), dw_slot(blk));
+      for (int64_t k = 0; k < s.K; ++k) {
+        to_lanes(dyb + k * ld, PQ, B, PQ, dyT + k * PQ * kLaneBlock);
+      }
+      lanes_dw(s, xT, dyT, xoff.data(), dw_slot(blk));
       if (db) {
         float* dbs = db_slot(blk);
         for (int64_t k = 0; k < s.K; ++k) dbs[k] = sum_lanes(dyb + k * ld, ld);
       }
       if (dx) {
-        lanes_dx(s, g, w, dyT, dxT);
+        lanes_dx(s, w, dyT, dxT);
         from_lanes(dxT, CHW, B, dx + n0 * CHW, CHW);
       }
       return;

@@ -308,6 +308,11 @@ const ConvCase kConvCases[] = {
     {"direct_q16", {2, 1, 18, 18, 4, 3, 3, 1, 0}},
     {"direct_c2_2x3_q17", {9, 2, 9, 19, 3, 2, 3, 1, 0}},
     {"direct_1x1_c16_q40", {3, 16, 4, 40, 5, 1, 1, 1, 0}},
+    // The lane path (stride 1, no padding, more taps): a short last block, tile tails in every
+    // direction, border and interior columns of dx, and outputs narrower than the kernel.
+    {"lanes_tails_batch33", {33, 3, 8, 11, 7, 3, 4, 1, 0}},
+    {"lanes_q_below_s", {3, 2, 6, 6, 3, 5, 5, 1, 0}},
+    {"lanes_1x17_c1", {18, 1, 3, 20, 2, 1, 17, 1, 0}},
 };
 
 void PrintTo(const ConvCase& c, std::ostream* os) { *os << c.name; }
@@ -390,12 +395,14 @@ const FusedCase kFusedCases[] = {
     {"pool1", {2, 3, 6, 6, 2, 3, 3, 1, 0}, 1},
     {"lenet_conv1", {19, 1, 28, 28, 20, 3, 3, 1, 0}, 2},
     {"lenet_conv2", {19, 20, 13, 13, 50, 5, 5, 1, 0}, 2},
-    // Direct convolutions with odd P and Q (the row and column no window covers still get their
-    // mask), with 3x3 windows, and a 16-column pooling pass behind im2col.
+    // Direct and lane convolutions with odd P and Q (the row and column no window covers still
+    // get their mask), with 3x3 windows, and a 16-column pooling pass behind im2col.
     {"direct_pool2_odd_pq", {10, 2, 11, 19, 4, 2, 3, 1, 0}, 2},
     {"direct_pool2_wide", {3, 1, 21, 37, 3, 3, 3, 1, 0}, 2},
     {"direct_pool3", {4, 1, 19, 19, 2, 3, 3, 1, 0}, 3},
-    {"im2col_pool2_q20", {3, 3, 20, 22, 4, 3, 3, 1, 0}, 2},
+    {"lanes_pool2_odd_pq", {17, 3, 12, 13, 6, 4, 4, 1, 0}, 2},
+    {"lanes_pool3", {5, 2, 10, 11, 4, 3, 3, 1, 0}, 3},
+    {"im2col_pad1_pool2_q22", {3, 3, 20, 22, 4, 3, 3, 1, 1}, 2},
 };
 
 void PrintTo(const FusedCase& c, std::ostream* os) { *os << c.name; }
