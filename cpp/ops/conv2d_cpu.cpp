@@ -453,6 +453,95 @@ void direct_backward_block(const Conv2dShape& s, const float* __restrict x, int6
   }
 }
 
+// direct_forward_image fused with bias, relu and 2x2 average pooling (LeNet's first block): rows
+// are computed in pairs, and each pair's chunk goes from registers to mask and pooled, with the
+// operations of bias_relu_pool2_plane on the same sums, so the bits of the unfused chain. Chunks
+// start at 0, 16, ... and last at an even column (Q - 16 rounded down) so pairs stay aligned; an
+// odd Q's last column and an odd P's last row (no window covers them) only get their mask.
+// mask may be null.
+template <int kTaps>
+void direct_relu_pool2_image(const Conv2dShape& s, const float* __restrict x,
+                             const float* __restrict w, const float* __restrict b,
+                             uint8_t* __restrict mask, float* __restrict pooled) {
+  using T = Lanes<16>;
+  const int64_t P = s.P(), Q = s.Q(), PQ = P * Q, Pp = P / 2, Qp = Q / 2;
+  const int64_t last = (Q - kLanes16) & ~int64_t{1};
+  const std::array<int64_t, kTaps> off = tap_offsets<kTaps>(s);
+  const F16 zero = {};
+  // The sum of one output by the vector lanes' operations, for the columns no chunk covers.
+  auto sum_at = [&](int64_t k, int64_t p, int64_t q) {
+    const float* xp = x + p * s.W + q;
+    const float* wk = w + k * kTaps;
+    float acc = xp[off[0]] * wk[0];
+    for (int j = 1; j < kTaps; ++j) acc += xp[off[static_cast<size_t>(j)]] * wk[j];
+    return acc;
+  };
+  for (int64_t pp = 0; pp < Pp; ++pp) {
+    const float* x0 = x + 2 * pp * s.W;
+    const float* x1 = x0 + s.W;
+    for (int64_t q0 = 0;; q0 += kLanes16) {
+      if (q0 > last) q0 = last;
+      F16 a[kTaps], c[kTaps];
+      for (int j = 0; j < kTaps; ++j) {
+        a[j] = load16(x0 + off[static_cast<size_t>(j)] + q0);
+        c[j] = load16(x1 + off[static_cast<size_t>(j)] + q0);
+      }
+      for (int64_t k = 0; k < s.K; ++k) {
+        const float* wk = w + k * kTaps;
+        F16 acc0 = a[0] * wk[0], acc1 = c[0] * wk[0];
+        for (int j = 1; j < kTaps; ++j) {
+          acc0 += a[j] * wk[j];
+          acc1 += c[j] * wk[j];
+        }
+        const float bias = b ? b[k] : 0.0f;
+        const F16 y0 = acc0 + bias, y1 = acc1 + bias;
+        const I16 k0 = y0 > zero, k1 = y1 > zero;
+        if (mask) {
+          uint8_t* m0 = mask + k * PQ + 2 * pp * Q + q0;
+          storev(m0, __builtin_convertvector(k0 & 1, U8x16));
+          storev(m0 + Q, __builtin_convertvector(k1 & 1, U8x16));
+        }
+        const F16 sum = (k0 ? y0 : zero) + (k1 ? y1 : zero);
+        storev(pooled + (k * Pp + pp) * Qp + q0 / 2, (T::evens(sum) + T::odds(sum)) * 0.25f);
+      }
+      if (q0 == last) break;
+    }
+    if (mask && last + kLanes16 < Q) {  // odd Q: the last column
+      for (int64_t k = 0; k < s.K; ++k) {
+        const float bias = b ? b[k] : 0.0f;
+        mask[k * PQ + 2 * pp * Q + Q - 1] = sum_at(k, 2 * pp, Q - 1) + bias > 0.0f;
+        mask[k * PQ + (2 * pp + 1) * Q + Q - 1] = sum_at(k, 2 * pp + 1, Q - 1) + bias > 0.0f;
+      }
+    }
+  }
+  if (mask && P % 2 == 1) {  // odd P: the last row, as direct_forward_image computes it
+    const int64_t p = P - 1;
+    for (int64_t q0 = 0;; q0 += kLanes16) {
+      if (q0 > Q - kLanes16) q0 = Q - kLanes16;
+      F16 a[kTaps];
+      for (int j = 0; j < kTaps; ++j) a[j] = load16(x + p * s.W + off[static_cast<size_t>(j)] + q0);
+      for (int64_t k = 0; k < s.K; ++k) {
+        const float* wk = w + k * kTaps;
+        F16 acc = a[0] * wk[0];
+        for (int j = 1; j < kTaps; ++j) acc += a[j] * wk[j];
+        const F16 y = acc + (b ? b[k] : 0.0f);
+        storev(mask + k * PQ + p * Q + q0, __builtin_convertvector((y > zero) & 1, U8x16));
+      }
+      if (q0 == Q - kLanes16) break;
+    }
+  }
+}
+
+using DirectReluPool2Fn = void (*)(const Conv2dShape&, const float*, const float*, const float*,
+                                   uint8_t*, float*);
+template <int... kN>
+constexpr std::array<DirectReluPool2Fn, sizeof...(kN)> direct_relu_pool2_table(
+    std::integer_sequence<int, kN...>) {
+  return {{&direct_relu_pool2_image<kN + 1>...}};
+}
+constexpr auto kDirectReluPool2 =
+    direct_relu_pool2_table(std::make_integer_sequence<int, kDirectMaxTaps>{});
+
 using DirectForwardFn = void (*)(const Conv2dShape&, const float*, const float*, float*);
 using DirectBackwardFn = void (*)(const Conv2dShape&, const float*, int64_t, const float*, int64_t,
                                   float*, float*);
@@ -1162,6 +1251,17 @@ void conv2d_relu_pool_forward(const Conv2dShape& s, int64_t pool, const float* x
                               const float* b, uint8_t* mask, float* pooled) {
   const int64_t P = s.P(), Q = s.Q(), PQ = P * Q;
   const int64_t pooled_plane = (P / pool) * (Q / pool);
+  if (use_direct(s) && pool == 2) {  // the whole block in registers, image by image
+    const DirectReluPool2Fn fused = kDirectReluPool2[static_cast<size_t>(s.C * s.R * s.S - 1)];
+    const int64_t CHW = s.C * s.H * s.W;
+    parallel_for((s.N + kBlock - 1) / kBlock, [&](int64_t blk) {
+      for (int64_t n = blk * kBlock; n < std::min(s.N, (blk + 1) * kBlock); ++n) {
+        fused(s, x + n * CHW, w, b, mask ? mask + n * s.K * PQ : nullptr,
+              pooled + n * s.K * pooled_plane);
+      }
+    });
+    return;
+  }
   forward_blocks(s, x, w, [&](const float* out, int64_t ld, int64_t n0, int64_t B) {
     float* acc = scratch(tl_row, Q);
     for (int64_t i = 0; i < B; ++i) {
