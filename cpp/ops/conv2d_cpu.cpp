@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <array>
 #include <cstring>
+#include <functional>
 #include <utility>
 #include <vector>
 
@@ -409,15 +410,15 @@ inline float sum16(F16 v) {
   return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
-// One block of B images: dw (K, C*R*S) and, unless null, db (K) of the block from dy (K, B*P*Q,
-// image-major columns, rows ld floats apart). Each sum runs in sixteen lanes over the block's
-// (image, row, chunk) in order, then the lanes are added in a fixed tree. The last chunk of a row
-// starts at Q - 16 like forward's, with the lanes the chunk before already counted set to zero.
-template <int kTaps>
-void direct_backward_block(const Conv2dShape& s, const float* __restrict x, int64_t B,
-                           const float* __restrict dy, int64_t ld, float* __restrict dw,
-                           float* __restrict db) {
-  const int64_t P = s.P(), Q = s.Q(), PQ = P * Q, CHW = s.C * s.H * s.W;
+// One block of B images: dw (K, C*R*S) and, unless null, db (K) of the block, with dy's chunks
+// from dy_chunk(k, i, p, q0) (16 lanes of image i, channel k, row p from column q0). Each sum runs
+// in sixteen lanes over the block's (image, row, chunk) in order, then the lanes are added in a
+// fixed tree. The last chunk of a row starts at Q - 16 like forward's, with the lanes the chunk
+// before already counted set to zero.
+template <int kTaps, class DyChunk>
+void direct_dw_block(const Conv2dShape& s, const float* __restrict x, int64_t B,
+                     const DyChunk& dy_chunk, float* __restrict dw, float* __restrict db) {
+  const int64_t P = s.P(), Q = s.Q(), CHW = s.C * s.H * s.W;
   const std::array<int64_t, kTaps> off = tap_offsets<kTaps>(s);
   const int64_t full = Q / kLanes16 * kLanes16;  // columns covered by whole chunks
   I16 lane;
@@ -429,10 +430,9 @@ void direct_backward_block(const Conv2dShape& s, const float* __restrict x, int6
     F16 accb = {};
     for (int64_t i = 0; i < B; ++i) {
       for (int64_t p = 0; p < P; ++p) {
-        const float* d_row = dy + k * ld + i * PQ + p * Q;
         const float* xp = x + i * CHW + p * s.W;
         for (int64_t q0 = 0; q0 < full; q0 += kLanes16) {
-          const F16 d = load16(d_row + q0);
+          const F16 d = dy_chunk(k, i, p, q0);
           accb += d;
           for (int j = 0; j < kTaps; ++j) {
             acc[j] += d * load16(xp + off[static_cast<size_t>(j)] + q0);
@@ -440,7 +440,7 @@ void direct_backward_block(const Conv2dShape& s, const float* __restrict x, int6
         }
         if (full < Q) {
           const int64_t q0 = Q - kLanes16;
-          const F16 d = keep_tail ? load16(d_row + q0) : zero;
+          const F16 d = keep_tail ? dy_chunk(k, i, p, q0) : zero;
           accb += d;
           for (int j = 0; j < kTaps; ++j) {
             acc[j] += d * load16(xp + off[static_cast<size_t>(j)] + q0);
@@ -451,6 +451,50 @@ void direct_backward_block(const Conv2dShape& s, const float* __restrict x, int6
     for (int j = 0; j < kTaps; ++j) dw[k * kTaps + j] = sum16(acc[j]);
     if (db) db[k] = sum16(accb);
   }
+}
+
+// direct_dw_block with dy (K, B*P*Q, image-major columns, rows ld floats apart).
+template <int kTaps>
+void direct_backward_block(const Conv2dShape& s, const float* __restrict x, int64_t B,
+                           const float* __restrict dy, int64_t ld, float* __restrict dw,
+                           float* __restrict db) {
+  const int64_t PQ = s.P() * s.Q(), Q = s.Q();
+  direct_dw_block<kTaps>(
+      s, x, B,
+      [&](int64_t k, int64_t i, int64_t p, int64_t q0) {
+        return load16(dy + k * ld + i * PQ + p * Q + q0);
+      },
+      dw, db);
+}
+
+// direct_dw_block with dy = relu_pool_grad_plane(mask, dpooled) for 2x2 windows, made chunk by
+// chunk as it is consumed instead of stored: the same values (dpooled / 4 where mask is set, zero
+// elsewhere and where no window reaches), so the same bits. mask and dpooled start at the block.
+template <int kTaps>
+void direct_pool2_backward_block(const Conv2dShape& s, const float* __restrict x, int64_t B,
+                                 const uint8_t* __restrict mask, const float* __restrict dpooled,
+                                 float* __restrict dw, float* __restrict db) {
+  using T = Lanes<16>;
+  const int64_t P = s.P(), Q = s.Q(), Pp = P / 2, Qp = Q / 2;
+  const F16 zero = {};
+  direct_dw_block<kTaps>(
+      s, x, B,
+      [&](int64_t k, int64_t i, int64_t p, int64_t q0) {
+        if (p >= 2 * Pp) return zero;
+        const float* dp = dpooled + ((i * s.K + k) * Pp + p / 2) * Qp;
+        F16 up;
+        if (q0 % 2 == 0 && q0 + kLanes16 <= 2 * Qp) {
+          up = T::twice(loadv<F8>(dp + q0 / 2) * 0.25f);
+        } else {
+          for (int l = 0; l < kLanes16; ++l) {
+            const int64_t q = q0 + l;
+            up[l] = q < 2 * Qp ? dp[q / 2] * 0.25f : 0.0f;
+          }
+        }
+        const I16 keep = widen_bytes<I16, U8x16>(mask + ((i * s.K + k) * P + p) * Q + q0) != 0;
+        return keep ? up : zero;
+      },
+      dw, db);
 }
 
 // direct_forward_image fused with bias, relu and 2x2 average pooling (LeNet's first block): rows
@@ -541,6 +585,16 @@ constexpr std::array<DirectReluPool2Fn, sizeof...(kN)> direct_relu_pool2_table(
 }
 constexpr auto kDirectReluPool2 =
     direct_relu_pool2_table(std::make_integer_sequence<int, kDirectMaxTaps>{});
+
+using DirectPool2BackwardFn = void (*)(const Conv2dShape&, const float*, int64_t, const uint8_t*,
+                                       const float*, float*, float*);
+template <int... kN>
+constexpr std::array<DirectPool2BackwardFn, sizeof...(kN)> direct_pool2_backward_table(
+    std::integer_sequence<int, kN...>) {
+  return {{&direct_pool2_backward_block<kN + 1>...}};
+}
+constexpr auto kDirectPool2Backward =
+    direct_pool2_backward_table(std::make_integer_sequence<int, kDirectMaxTaps>{});
 
 using DirectForwardFn = void (*)(const Conv2dShape&, const float*, const float*, float*);
 using DirectBackwardFn = void (*)(const Conv2dShape&, const float*, int64_t, const float*, int64_t,
@@ -951,9 +1005,12 @@ void forward_blocks(const Conv2dShape& s, const float* x, const float* w, const 
 // The backward products, block by block: load(dyb, ld, n0, B) writes the block's dy as (K, B*P*Q)
 // (image-major columns, ld = B*P*Q); then dw and db of the block go to their slot and dx is
 // scattered back from dcol. The slots are added in block order at the end (see kBlock).
+// direct_dw, when given, computes a block's dw and db on the direct path without dx instead of
+// load and direct_backward_block: direct_dw(n0, B, dw, db).
+using DirectDw = std::function<void(int64_t, int64_t, float*, float*)>;
 template <class Load>
 void backward_blocks(const Conv2dShape& s, const float* x, const float* w, const Load& load,
-                     float* dx, float* dw, float* db) {
+                     float* dx, float* dw, float* db, const DirectDw& direct_fused = nullptr) {
   const int64_t PQ = s.P() * s.Q(), CRS = s.C * s.R * s.S, CHW = s.C * s.H * s.W;
   const int64_t KCRS = s.K * CRS, RS = s.R * s.S;
   const Unfold u(s);
@@ -990,6 +1047,10 @@ void backward_blocks(const Conv2dShape& s, const float* x, const float* w, const
 
   parallel_for(blocks, [&](int64_t blk) {
     const int64_t n0 = blk * block, B = std::min(s.N - n0, block), ld = B * PQ;
+    if (direct && direct_fused && !dx) {
+      direct_fused(n0, B, dw_slot(blk), db ? db_slot(blk) : nullptr);
+      return;
+    }
     float* dyb = scratch(tl_mat, s.K * ld);  // dy of the block as (K, B*P*Q)
     load(dyb, ld, n0, B);
     if (lanes) {
@@ -1290,7 +1351,15 @@ void conv2d_relu_pool_backward(const Conv2dShape& s, int64_t pool, const float* 
       }
     }
   };
-  backward_blocks(s, x, w, load, dx, dw, db);
+  DirectDw direct_fused;
+  if (use_direct(s) && pool == 2) {
+    const DirectPool2BackwardFn fn = kDirectPool2Backward[static_cast<size_t>(s.C * s.R * s.S - 1)];
+    const int64_t CHW = s.C * s.H * s.W;
+    direct_fused = [&, fn, CHW](int64_t n0, int64_t B, float* dws, float* dbs) {
+      fn(s, x + n0 * CHW, B, mask + n0 * s.K * PQ, dpooled + n0 * s.K * pooled_plane, dws, dbs);
+    };
+  }
+  backward_blocks(s, x, w, load, dx, dw, db, direct_fused);
 }
 
 }  // namespace mgpu::ops::cpu
