@@ -351,6 +351,19 @@ struct Lanes<8> {
   static F twice(H v) { return __builtin_shufflevector(v, v, 0, 0, 1, 1, 2, 2, 3, 3); }
 };
 
+// Calls fn(q0) for the L-column chunks of a row pooled by 2x2 windows (2 * (Q / 2) >= L): q0 = 0,
+// L, 2L, ... and last 2 * (Q / 2) - L, even so that column pairs stay aligned, overlapping the
+// chunk before (which then computes the same values again).
+template <int L, class Fn>
+inline void for_each_pool2_chunk(int64_t Q, const Fn& fn) {
+  const int64_t last = 2 * (Q / 2) - L;
+  for (int64_t q0 = 0;; q0 += L) {
+    if (q0 > last) q0 = last;
+    fn(q0);
+    if (q0 == last) break;
+  }
+}
+
 // ---- Direct convolution for few taps ----
 // With C*R*S taps <= kDirectMaxTaps, stride 1 and no padding, each output row is computed as
 // sixteen lanes at a time straight from x: lane q of tap j = (c, r, t) reads x[c, p + r, q + t],
@@ -500,8 +513,8 @@ void direct_pool2_backward_block(const Conv2dShape& s, const float* __restrict x
 // direct_forward_image fused with bias, relu and 2x2 average pooling (LeNet's first block): rows
 // are computed in pairs, and each pair's chunk goes from registers to mask and pooled, with the
 // operations of bias_relu_pool2_plane on the same sums, so the bits of the unfused chain. Chunks
-// start at 0, 16, ... and last at an even column (Q - 16 rounded down) so pairs stay aligned; an
-// odd Q's last column and an odd P's last row (no window covers them) only get their mask.
+// go as for_each_pool2_chunk says; an odd Q's last column and an odd P's last row (no window
+// covers them) only get their mask.
 // mask may be null.
 template <int kTaps>
 void direct_relu_pool2_image(const Conv2dShape& s, const float* __restrict x,
@@ -509,7 +522,6 @@ void direct_relu_pool2_image(const Conv2dShape& s, const float* __restrict x,
                              uint8_t* __restrict mask, float* __restrict pooled) {
   using T = Lanes<16>;
   const int64_t P = s.P(), Q = s.Q(), PQ = P * Q, Pp = P / 2, Qp = Q / 2;
-  const int64_t last = (Q - kLanes16) & ~int64_t{1};
   const std::array<int64_t, kTaps> off = tap_offsets<kTaps>(s);
   const F16 zero = {};
   // The sum of one output by the vector lanes' operations, for the columns no chunk covers.
@@ -523,8 +535,7 @@ void direct_relu_pool2_image(const Conv2dShape& s, const float* __restrict x,
   for (int64_t pp = 0; pp < Pp; ++pp) {
     const float* x0 = x + 2 * pp * s.W;
     const float* x1 = x0 + s.W;
-    for (int64_t q0 = 0;; q0 += kLanes16) {
-      if (q0 > last) q0 = last;
+    for_each_pool2_chunk<kLanes16>(Q, [&](int64_t q0) {
       F16 a[kTaps], c[kTaps];
       for (int j = 0; j < kTaps; ++j) {
         a[j] = load16(x0 + off[static_cast<size_t>(j)] + q0);
@@ -548,9 +559,8 @@ void direct_relu_pool2_image(const Conv2dShape& s, const float* __restrict x,
         const F16 sum = (k0 ? y0 : zero) + (k1 ? y1 : zero);
         storev(pooled + (k * Pp + pp) * Qp + q0 / 2, (T::evens(sum) + T::odds(sum)) * 0.25f);
       }
-      if (q0 == last) break;
-    }
-    if (mask && last + kLanes16 < Q) {  // odd Q: the last column
+    });
+    if (mask && Q % 2 == 1) {  // odd Q: the last column
       for (int64_t k = 0; k < s.K; ++k) {
         const float bias = b ? b[k] : 0.0f;
         mask[k * PQ + 2 * pp * Q + Q - 1] = sum_at(k, 2 * pp, Q - 1) + bias > 0.0f;
@@ -665,39 +675,28 @@ bool use_lanes(const Conv2dShape& s) {
 }
 
 // Transposes a 16 x 16 tile held as 16 row vectors, in place: v[j][i] becomes the old v[i][j].
-// Four rounds swap the off-diagonal blocks of 8, 4, 2 and 1 rows and columns, a two-input
-// shuffle per vector each.
+// Rounds d = 8, 4, 2, 1 swap the off-diagonal d x d blocks: rows a and a + d (bit d of a clear)
+// become, block by block, the even-numbered blocks of both rows and the odd-numbered ones, one
+// two-input shuffle each. Lane l of the result reads block l / d of x (even) or y (odd).
+template <int kD, int kHalf, size_t... kL>
+inline F16 swap_blocks(F16 x, F16 y, std::index_sequence<kL...>) {
+  return __builtin_shufflevector(
+      x, y, static_cast<int>((kL / kD % 2) * 16 + kL / kD / 2 * 2 * kD + kHalf * kD + kL % kD)...);
+}
+template <int kD>
+inline void transpose_round(F16* v) {
+  for (int a = 0; a < 16; ++a) {
+    if (a & kD) continue;
+    const F16 x = v[a], y = v[a + kD];
+    v[a] = swap_blocks<kD, 0>(x, y, std::make_index_sequence<16>{});
+    v[a + kD] = swap_blocks<kD, 1>(x, y, std::make_index_sequence<16>{});
+  }
+}
 inline void transpose16(F16* v) {
-  for (int a = 0; a < 8; ++a) {
-    const F16 x = v[a], y = v[a + 8];
-    v[a] = __builtin_shufflevector(x, y, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
-    v[a + 8] =
-        __builtin_shufflevector(x, y, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-  }
-  for (int a0 = 0; a0 < 16; a0 += 8) {
-    for (int a = a0; a < a0 + 4; ++a) {
-      const F16 x = v[a], y = v[a + 4];
-      v[a] =
-          __builtin_shufflevector(x, y, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27);
-      v[a + 4] =
-          __builtin_shufflevector(x, y, 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
-    }
-  }
-  for (int a0 = 0; a0 < 16; a0 += 4) {
-    for (int a = a0; a < a0 + 2; ++a) {
-      const F16 x = v[a], y = v[a + 2];
-      v[a] =
-          __builtin_shufflevector(x, y, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29);
-      v[a + 2] =
-          __builtin_shufflevector(x, y, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
-    }
-  }
-  for (int a = 0; a < 16; a += 2) {
-    const F16 x = v[a], y = v[a + 1];
-    v[a] = __builtin_shufflevector(x, y, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30);
-    v[a + 1] =
-        __builtin_shufflevector(x, y, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
-  }
+  transpose_round<8>(v);
+  transpose_round<4>(v);
+  transpose_round<2>(v);
+  transpose_round<1>(v);
 }
 
 // xT (E, 16) from B <= 16 rows of x, rows e_stride floats apart: xT[e, i] = x[i, e], zero for
@@ -1131,36 +1130,31 @@ struct DivideByArea {
   float operator()(float x) const { return exact ? x * inverse : x / area; }
 };
 
-// bias_relu_pool_plane for 2x2 windows, L columns at a time (needs 2 * (Q / 2) >= L): the chunks
-// of a row pair start at 0, L, 2L, ... and the last at 2 * (Q / 2) - L (even, so the pairs stay
-// aligned), overlapping the one before with the same values. The same operations per element as
-// the scalar loops below, so the same bits.
+// bias_relu_pool_plane for 2x2 windows, a row pair L columns at a time (needs 2 * (Q / 2) >= L;
+// chunks as for_each_pool2_chunk says). The same operations per element as the scalar loops
+// below, so the same bits.
 template <int L>
 void bias_relu_pool2_plane(const float* __restrict v, float bias, int64_t P, int64_t Q,
                            uint8_t* __restrict mask, float* __restrict pooled) {
   using T = Lanes<L>;
   using F = typename T::F;
-  using I = typename T::I;
-  using B = typename T::B;
-  const int64_t Pp = P / 2, Qp = Q / 2, last = 2 * Qp - L;
+  const int64_t Pp = P / 2, Qp = Q / 2;
   const F zero = {};
   for (int64_t pp = 0; pp < Pp; ++pp) {
     const float* v0 = v + 2 * pp * Q;
     const float* v1 = v0 + Q;
     uint8_t* m0 = mask ? mask + 2 * pp * Q : nullptr;
     float* out = pooled + pp * Qp;
-    for (int64_t q0 = 0;; q0 += L) {
-      if (q0 > last) q0 = last;
+    for_each_pool2_chunk<L>(Q, [&](int64_t q0) {
       const F a0 = loadv<F>(v0 + q0) + bias, a1 = loadv<F>(v1 + q0) + bias;
-      const I k0 = a0 > zero, k1 = a1 > zero;
+      const typename T::I k0 = a0 > zero, k1 = a1 > zero;
       if (m0) {
-        storev(m0 + q0, __builtin_convertvector(k0 & 1, B));
-        storev(m0 + Q + q0, __builtin_convertvector(k1 & 1, B));
+        storev(m0 + q0, __builtin_convertvector(k0 & 1, typename T::B));
+        storev(m0 + Q + q0, __builtin_convertvector(k1 & 1, typename T::B));
       }
       const F sum = (k0 ? a0 : zero) + (k1 ? a1 : zero);
       storev(out + q0 / 2, (T::evens(sum) + T::odds(sum)) * 0.25f);
-      if (q0 == last) break;
-    }
+    });
     if (m0 && Q % 2 == 1) {  // the column no window covers
       m0[Q - 1] = v0[Q - 1] + bias > 0.0f;
       m0[2 * Q - 1] = v1[Q - 1] + bias > 0.0f;
@@ -1176,24 +1170,20 @@ template <int L>
 void relu_pool2_grad_plane(const uint8_t* __restrict mask, const float* __restrict dpooled,
                            int64_t P, int64_t Q, float* __restrict dy) {
   using T = Lanes<L>;
-  using F = typename T::F;
   using I = typename T::I;
-  using B = typename T::B;
-  const int64_t Pp = P / 2, Qp = Q / 2, last = 2 * Qp - L;
-  const F zero = {};
+  const int64_t Pp = P / 2, Qp = Q / 2;
+  const typename T::F zero = {};
   for (int64_t pp = 0; pp < Pp; ++pp) {
     const uint8_t* m0 = mask + 2 * pp * Q;
     float* d0 = dy + 2 * pp * Q;
     const float* dp = dpooled + pp * Qp;
-    for (int64_t q0 = 0;; q0 += L) {
-      if (q0 > last) q0 = last;
-      const F up = T::twice(loadv<typename T::H>(dp + q0 / 2) * 0.25f);
-      const I k0 = widen_bytes<I, B>(m0 + q0) != 0;
-      const I k1 = widen_bytes<I, B>(m0 + Q + q0) != 0;
+    for_each_pool2_chunk<L>(Q, [&](int64_t q0) {
+      const typename T::F up = T::twice(loadv<typename T::H>(dp + q0 / 2) * 0.25f);
+      const I k0 = widen_bytes<I, typename T::B>(m0 + q0) != 0;
+      const I k1 = widen_bytes<I, typename T::B>(m0 + Q + q0) != 0;
       storev(d0 + q0, k0 ? up : zero);
       storev(d0 + Q + q0, k1 ? up : zero);
-      if (q0 == last) break;
-    }
+    });
     if (Q % 2 == 1) d0[Q - 1] = d0[2 * Q - 1] = 0.0f;
   }
   std::fill(dy + 2 * Pp * Q, dy + P * Q, 0.0f);
