@@ -42,8 +42,10 @@ constexpr int64_t kPatchRowsMin = 64;
 constexpr int64_t kReduceChunk = 4096;
 
 // Per-thread scratch, grown once to the largest shape seen and then reused, so steady-state
-// training never allocates here. Workers use col, mat and row; the calling thread holds the slots.
-thread_local std::vector<float> tl_col, tl_mat, tl_row, tl_slots, tl_lanes;
+// training never allocates here. Workers use col, mat, row and lanes; the calling thread holds the
+// slots, the lane path's transposed weights and its tap offsets.
+thread_local std::vector<float> tl_col, tl_mat, tl_row, tl_slots, tl_lanes, tl_weights;
+thread_local std::vector<int64_t> tl_offsets;
 
 float* scratch(std::vector<float>& buf, int64_t n) {
   if (static_cast<int64_t>(buf.size()) < n) buf.resize(static_cast<size_t>(n));
@@ -364,6 +366,24 @@ inline void for_each_pool2_chunk(int64_t Q, const Fn& fn) {
   }
 }
 
+// Tables of a kernel template's instances by size, so a runtime size (a tap count, a tail tile)
+// picks code compiled for it: table_1_to<N>(make)[n - 1] is make(integral_constant<int, n>), and
+// table_1_to<N, M>(make)[a - 1][b - 1] is make(a, b) likewise.
+template <class Make, int... kI>
+constexpr auto table_by_size(Make make, std::integer_sequence<int, kI...>) {
+  return std::array{make(std::integral_constant<int, kI + 1>{})...};
+}
+template <int kN, class Make>
+constexpr auto table_1_to(Make make) {
+  return table_by_size(make, std::make_integer_sequence<int, kN>{});
+}
+template <int kRows, int kCols, class Make>
+constexpr auto table_1_to(Make make) {
+  return table_1_to<kRows>([make](auto a) {
+    return table_1_to<kCols>([make, a](auto b) { return make(a, b); });
+  });
+}
+
 // ---- Direct convolution for few taps ----
 // With C*R*S taps <= kDirectMaxTaps, stride 1 and no padding, each output row is computed as
 // sixteen lanes at a time straight from x: lane q of tap j = (c, r, t) reads x[c, p + r, q + t],
@@ -586,43 +606,14 @@ void direct_relu_pool2_image(const Conv2dShape& s, const float* __restrict x,
   }
 }
 
-using DirectReluPool2Fn = void (*)(const Conv2dShape&, const float*, const float*, const float*,
-                                   uint8_t*, float*);
-template <int... kN>
-constexpr std::array<DirectReluPool2Fn, sizeof...(kN)> direct_relu_pool2_table(
-    std::integer_sequence<int, kN...>) {
-  return {{&direct_relu_pool2_image<kN + 1>...}};
-}
-constexpr auto kDirectReluPool2 =
-    direct_relu_pool2_table(std::make_integer_sequence<int, kDirectMaxTaps>{});
-
-using DirectPool2BackwardFn = void (*)(const Conv2dShape&, const float*, int64_t, const uint8_t*,
-                                       const float*, float*, float*);
-template <int... kN>
-constexpr std::array<DirectPool2BackwardFn, sizeof...(kN)> direct_pool2_backward_table(
-    std::integer_sequence<int, kN...>) {
-  return {{&direct_pool2_backward_block<kN + 1>...}};
-}
-constexpr auto kDirectPool2Backward =
-    direct_pool2_backward_table(std::make_integer_sequence<int, kDirectMaxTaps>{});
-
-using DirectForwardFn = void (*)(const Conv2dShape&, const float*, const float*, float*);
-using DirectBackwardFn = void (*)(const Conv2dShape&, const float*, int64_t, const float*, int64_t,
-                                  float*, float*);
-template <int... kN>
-constexpr std::array<DirectForwardFn, sizeof...(kN)> direct_forward_table(
-    std::integer_sequence<int, kN...>) {
-  return {{&direct_forward_image<kN + 1>...}};
-}
-template <int... kN>
-constexpr std::array<DirectBackwardFn, sizeof...(kN)> direct_backward_table(
-    std::integer_sequence<int, kN...>) {
-  return {{&direct_backward_block<kN + 1>...}};
-}
 constexpr auto kDirectForward =
-    direct_forward_table(std::make_integer_sequence<int, kDirectMaxTaps>{});
+    table_1_to<kDirectMaxTaps>([](auto n) { return &direct_forward_image<decltype(n)::value>; });
 constexpr auto kDirectBackward =
-    direct_backward_table(std::make_integer_sequence<int, kDirectMaxTaps>{});
+    table_1_to<kDirectMaxTaps>([](auto n) { return &direct_backward_block<decltype(n)::value>; });
+constexpr auto kDirectReluPool2 = table_1_to<kDirectMaxTaps>(
+    [](auto n) { return &direct_relu_pool2_image<decltype(n)::value>; });
+constexpr auto kDirectPool2Backward = table_1_to<kDirectMaxTaps>(
+    [](auto n) { return &direct_pool2_backward_block<decltype(n)::value>; });
 
 // dx (B, C, H, W) of a block from dy as direct_backward_block reads it: each dx element gathers
 // w[k, c, r, t] * dy[k, h - r, v - t] in (k, r, t, p, q) order. Not on LeNet's path (its first
@@ -851,48 +842,15 @@ void lanes_dx_column(const Conv2dShape& s, const float* __restrict w, const floa
   for (int a = 0; a < CT; ++a) store16(dxT + (((c0 + a) * s.H + h) * s.W + v) * kLaneBlock, acc[a]);
 }
 
-// Tables of the tile kernels by size, so a tail tile runs the same code with smaller bounds.
-using LanesForwardFn = void (*)(const Conv2dShape&, const float*, const float*, int64_t, int64_t,
-                                int64_t, float*);
-using LanesDwFn = void (*)(const Conv2dShape&, const float*, const float*, const int64_t*, int64_t,
-                           int64_t, float*);
-using LanesDxFn = void (*)(const Conv2dShape&, const float*, const float*, int64_t, int64_t,
-                           int64_t, int64_t, int64_t, float*);
-using LanesDxColumnFn = void (*)(const Conv2dShape&, const float*, const float*, int64_t, int64_t,
-                                 int64_t, int64_t, int64_t, int64_t, int64_t, float*);
-template <int A, int B>
-struct ForwardTile {
-  static constexpr LanesForwardFn fn = &lanes_forward_tile<A, B>;
-};
-template <int A, int B>
-struct DwTile {
-  static constexpr LanesDwFn fn = &lanes_dw_tile<A, B>;
-};
-template <int A, int B>
-struct DxTile {
-  static constexpr LanesDxFn fn = &lanes_dx_tile<A, B>;
-};
-template <template <int, int> class T, class Ptr, int A, int... kB>
-constexpr std::array<Ptr, sizeof...(kB)> tile_row(std::integer_sequence<int, kB...>) {
-  return {{T<A, kB + 1>::fn...}};
-}
-template <template <int, int> class T, class Ptr, int kCols, int... kA>
-constexpr std::array<std::array<Ptr, kCols>, sizeof...(kA)> tile_table(
-    std::integer_sequence<int, kA...>) {
-  return {{tile_row<T, Ptr, kA + 1>(std::make_integer_sequence<int, kCols>{})...}};
-}
-constexpr auto kLanesForward = tile_table<ForwardTile, LanesForwardFn, kFwdQT>(
-    std::make_integer_sequence<int, kFwdKT>{});
-constexpr auto kLanesDw =
-    tile_table<DwTile, LanesDwFn, kDwJT>(std::make_integer_sequence<int, kDwKT>{});
-constexpr auto kLanesDx =
-    tile_table<DxTile, LanesDxFn, kDxWT>(std::make_integer_sequence<int, kDxCT>{});
-template <int... kI>
-constexpr std::array<LanesDxColumnFn, sizeof...(kI)> dx_column_table(
-    std::integer_sequence<int, kI...>) {
-  return {{&lanes_dx_column<kI + 1>...}};
-}
-constexpr auto kLanesDxColumn = dx_column_table(std::make_integer_sequence<int, kDxColumnCT>{});
+// The tile kernels by size, so a tail tile runs the same code with smaller bounds.
+constexpr auto kLanesForward = table_1_to<kFwdKT, kFwdQT>(
+    [](auto a, auto b) { return &lanes_forward_tile<decltype(a)::value, decltype(b)::value>; });
+constexpr auto kLanesDw = table_1_to<kDwKT, kDwJT>(
+    [](auto a, auto b) { return &lanes_dw_tile<decltype(a)::value, decltype(b)::value>; });
+constexpr auto kLanesDx = table_1_to<kDxCT, kDxWT>(
+    [](auto a, auto b) { return &lanes_dx_tile<decltype(a)::value, decltype(b)::value>; });
+constexpr auto kLanesDxColumn =
+    table_1_to<kDxColumnCT>([](auto a) { return &lanes_dx_column<decltype(a)::value>; });
 
 // One block's forward: outT (K, P, Q, 16) from xT.
 void lanes_forward(const Conv2dShape& s, const float* xT, const float* wT, float* outT) {
@@ -961,7 +919,7 @@ template <class Emit>
 void forward_blocks(const Conv2dShape& s, const float* x, const float* w, const Emit& emit) {
   const int64_t PQ = s.P() * s.Q(), CRS = s.C * s.R * s.S, CHW = s.C * s.H * s.W;
   if (use_direct(s)) {  // one image at a time: the product is (K, P*Q), ld = P*Q
-    const DirectForwardFn direct = kDirectForward[static_cast<size_t>(CRS - 1)];
+    const auto direct = kDirectForward[static_cast<size_t>(CRS - 1)];
     parallel_for((s.N + kBlock - 1) / kBlock, [&](int64_t blk) {
       float* out = scratch(tl_mat, s.K * PQ);
       for (int64_t n = blk * kBlock; n < std::min(s.N, (blk + 1) * kBlock); ++n) {
@@ -972,9 +930,9 @@ void forward_blocks(const Conv2dShape& s, const float* x, const float* w, const 
     return;
   }
   if (use_lanes(s)) {  // blocks of 16 images in lanes; the product goes back to (K, B*P*Q)
-    std::vector<float> wT(static_cast<size_t>(s.K * CRS));  // w as (C*R*S, K)
+    float* wT = scratch(tl_weights, s.K * CRS);  // w as (C*R*S, K)
     for (int64_t k = 0; k < s.K; ++k) {
-      for (int64_t j = 0; j < CRS; ++j) wT[static_cast<size_t>(j * s.K + k)] = w[k * CRS + j];
+      for (int64_t j = 0; j < CRS; ++j) wT[j * s.K + k] = w[k * CRS + j];
     }
     parallel_for((s.N + kLaneBlock - 1) / kLaneBlock, [&](int64_t blk) {
       const int64_t n0 = blk * kLaneBlock, B = std::min(s.N - n0, kLaneBlock), ld = B * PQ;
@@ -982,7 +940,7 @@ void forward_blocks(const Conv2dShape& s, const float* x, const float* w, const 
       float* outT = xT + kLaneBlock * CHW;
       float* out = scratch(tl_mat, s.K * ld);
       to_lanes(x + n0 * CHW, CHW, B, CHW, xT);
-      lanes_forward(s, xT, wT.data(), outT);
+      lanes_forward(s, xT, wT, outT);
       for (int64_t k = 0; k < s.K; ++k) {
         from_lanes(outT + k * PQ * kLaneBlock, PQ, B, out + k * ld, PQ);
       }
@@ -1033,13 +991,15 @@ void backward_blocks(const Conv2dShape& s, const float* x, const float* w, const
   };
 
   const bool direct = use_direct(s);
-  const DirectBackwardFn direct_dw =
-      direct ? kDirectBackward[static_cast<size_t>(CRS - 1)] : nullptr;
-  std::vector<int64_t> xoff;  // tap j = (c, r, t) of the lanes' dw: its offset in an image
+  const auto direct_dw = direct ? kDirectBackward[static_cast<size_t>(CRS - 1)] : nullptr;
+  int64_t* xoff = nullptr;  // tap j = (c, r, t) of the lanes' dw: its offset in an image
   if (lanes) {
+    if (static_cast<int64_t>(tl_offsets.size()) < CRS) tl_offsets.resize(static_cast<size_t>(CRS));
+    xoff = tl_offsets.data();
+    int64_t j = 0;
     for (int64_t c = 0; c < s.C; ++c) {
       for (int64_t r = 0; r < s.R; ++r) {
-        for (int64_t t = 0; t < s.S; ++t) xoff.push_back((c * s.H + r) * s.W + t);
+        for (int64_t t = 0; t < s.S; ++t) xoff[j++] = (c * s.H + r) * s.W + t;
       }
     }
   }
@@ -1060,7 +1020,7 @@ void backward_blocks(const Conv2dShape& s, const float* x, const float* w, const
       for (int64_t k = 0; k < s.K; ++k) {
         to_lanes(dyb + k * ld, PQ, B, PQ, dyT + k * PQ * kLaneBlock);
       }
-      lanes_dw(s, xT, dyT, xoff.data(), dw_slot(blk));
+      lanes_dw(s, xT, dyT, xoff, dw_slot(blk));
       if (db) {
         float* dbs = db_slot(blk);
         for (int64_t k = 0; k < s.K; ++k) dbs[k] = sum_lanes(dyb + k * ld, ld);
@@ -1303,7 +1263,7 @@ void conv2d_relu_pool_forward(const Conv2dShape& s, int64_t pool, const float* x
   const int64_t P = s.P(), Q = s.Q(), PQ = P * Q;
   const int64_t pooled_plane = (P / pool) * (Q / pool);
   if (use_direct(s) && pool == 2) {  // the whole block in registers, image by image
-    const DirectReluPool2Fn fused = kDirectReluPool2[static_cast<size_t>(s.C * s.R * s.S - 1)];
+    const auto fused = kDirectReluPool2[static_cast<size_t>(s.C * s.R * s.S - 1)];
     const int64_t CHW = s.C * s.H * s.W;
     parallel_for((s.N + kBlock - 1) / kBlock, [&](int64_t blk) {
       for (int64_t n = blk * kBlock; n < std::min(s.N, (blk + 1) * kBlock); ++n) {
@@ -1343,7 +1303,7 @@ void conv2d_relu_pool_backward(const Conv2dShape& s, int64_t pool, const float* 
   };
   DirectDw direct_fused;
   if (use_direct(s) && pool == 2) {
-    const DirectPool2BackwardFn fn = kDirectPool2Backward[static_cast<size_t>(s.C * s.R * s.S - 1)];
+    const auto fn = kDirectPool2Backward[static_cast<size_t>(s.C * s.R * s.S - 1)];
     const int64_t CHW = s.C * s.H * s.W;
     direct_fused = [&, fn, CHW](int64_t n0, int64_t B, float* dws, float* dbs) {
       fn(s, x + n0 * CHW, B, mask + n0 * s.K * PQ, dpooled + n0 * s.K * pooled_plane, dws, dbs);
