@@ -10,6 +10,7 @@
 #include "core/parallel.h"
 #include "core/queue.h"
 #include "core/tensor.h"
+#include "ops/cpu_isa.h"
 #include "ops/elementwise.h"
 
 namespace py = pybind11;
@@ -176,6 +177,12 @@ py::dict build_info() {
   info["cpu_devices"] = true;
   info["cpu_threads"] = num_threads();
   info["blas"] = "OpenBLAS (single-threaded calls; mgpu schedules the cores)";
+  const ops::cpu::IsaChoice& isa = ops::cpu::isa_choice();
+  info["cpu_model"] = ops::cpu::cpu_model();
+  info["cpu_isa"] = isa.name;
+  info["cpu_isa_reason"] = isa.reason;
+  info["cpu_isas_built"] = std::vector<std::string>{"avx2 (x86-64-v3)", "avx512 (x86-64-v4)"};
+  info["cpu_baseline"] = MGPU_BASELINE_ARCH_NAME;
   info["cuda"] = MGPU_CUDA_EMULATION_BUILD ? "emulated (cpp/emu: GPUs run on the CPU, for tests)"
                  : MGPU_BUILT_CUDA          ? "built (" + gpu::runtime_name() + ")"
                                             : std::string("not built (nvcc was not found)");

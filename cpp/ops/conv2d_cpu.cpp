@@ -19,9 +19,10 @@
 #include "core/parallel.h"
 #include "ops/conv2d_cpu/conv2d_cpu.h"
 #include "ops/gemm.h"
+#include "ops/cpu_isa.h"
 #include "ops/kernels_cpu.h"
 
-namespace mgpu::ops::cpu {
+namespace mgpu::ops::cpu::MGPU_CPU_ISA {
 
 namespace conv {
 namespace {
@@ -296,4 +297,4 @@ void conv2d_relu_pool_backward(const Conv2dShape& s, int64_t pool, const float* 
   backward_blocks(s, x, w, load, dx, dw, db, direct_fused);
 }
 
-}  // namespace mgpu::ops::cpu
+}  // namespace mgpu::ops::cpu::MGPU_CPU_ISA

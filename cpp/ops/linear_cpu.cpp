@@ -5,9 +5,10 @@
 #include <cmath>
 
 #include "core/parallel.h"
+#include "ops/cpu_isa.h"
 #include "ops/kernels_cpu.h"
 
-namespace mgpu::ops::cpu {
+namespace mgpu::ops::cpu::MGPU_CPU_ISA {
 
 void bias_grad_rows(int64_t n, int64_t m, const float* dy, float* db) {
   // Row by row, so each db[j] adds dy[0, j], dy[1, j], ... in i order (the documented order of
@@ -37,4 +38,4 @@ void argmax_rows(int64_t n, int64_t m, const float* x, int64_t* out) {
   }
 }
 
-}  // namespace mgpu::ops::cpu
+}  // namespace mgpu::ops::cpu::MGPU_CPU_ISA
