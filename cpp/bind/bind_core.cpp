@@ -11,6 +11,7 @@
 #include "core/queue.h"
 #include "core/tensor.h"
 #include "ops/cpu_isa.h"
+#include "ops/gemm.h"
 #include "ops/elementwise.h"
 
 namespace py = pybind11;
@@ -176,7 +177,7 @@ py::dict build_info() {
   info["version"] = "0.1.0";
   info["cpu_devices"] = true;
   info["cpu_threads"] = num_threads();
-  info["blas"] = "OpenBLAS (single-threaded calls; mgpu schedules the cores)";
+  info["blas"] = ops::cpu::blas_info();
   const ops::cpu::IsaChoice& isa = ops::cpu::isa_choice();
   info["cpu_model"] = ops::cpu::cpu_model();
   info["cpu_isa"] = isa.name;

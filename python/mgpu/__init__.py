@@ -7,7 +7,12 @@ with their backward passes, the chapter's helpers (``get_params``, ``allreduce``
 """
 import atexit
 
-from . import _core
+from . import _startup
+
+_startup.check_cpu()
+_startup.preload_blas()
+
+from . import _core  # noqa: E402  (after the checks above)
 from . import autograd, chapter, distributed, plot, random
 from ._core import DeviceError, OutOfMemoryError
 from .autograd import no_grad
@@ -43,8 +48,16 @@ def waitall() -> None:
 
 
 def build_info() -> dict:
-    """What this build contains: devices, BLAS, CUDA/cuDNN/NCCL/MPI parts."""
+    """What this build contains: devices, BLAS, CPU kernel path, CUDA/cuDNN/NCCL/MPI parts."""
     return dict(_core.build_info())
+
+
+def info(file=None) -> None:
+    """Prints what a bug report needs: version, CPU and kernel path, BLAS, CUDA/cuDNN/NCCL/MPI,
+    devices, where the data set is. The same as ``python -m mgpu info``."""
+    from .cli import info_lines
+    import sys
+    print("\n".join(info_lines()), file=file or sys.stdout)
 
 
 def set_num_threads(n: int) -> None:
@@ -71,7 +84,7 @@ def empty_cache() -> None:
 
 __all__ = [
     "Device", "DeviceError", "OutOfMemoryError", "Tensor", "CrossEntropyLoss", "SoftmaxCrossEntropyLoss", "DataLoader",
-    "Timer", "TrainResult",
+    "Timer", "TrainResult", "build_info", "info",
     "cpu", "gpu", "try_gpu", "try_all_gpus", "num_gpus",
     "array", "tensor", "zeros", "ones", "full", "zeros_like", "ones_like", "arange", "randn",
     "from_dlpack", "random", "autograd", "chapter", "distributed", "plot", "no_grad",
