@@ -23,12 +23,12 @@
 #include <mutex>
 #include <string>
 
+#include "cuda/stream.h"
+
 #ifndef MGPU_GPU_BUILD
 #define MGPU_GPU_BUILD 0
 #endif
 
-struct CUstream_st;
-typedef struct CUstream_st* cudaStream_t;
 
 namespace mgpu::gpu {
 

@@ -20,7 +20,8 @@
 
 #include "core/parallel.h"
 #include "ops/gemm.h"
-#include "ops/kernels_cpu.h"
+#include "ops/conv2d.h"
+#include "ops/conv2d_relu_pool.h"
 
 namespace mgpu::ops::cpu {
 

@@ -13,6 +13,7 @@
 #include "comm/allreduce_gpu.h"
 #include "comm/allreduce_mpi.h"
 #include "core/gpu.h"
+#include "ops/argmax.h"
 #include "ops/elementwise.h"
 #include "ops/softmax_ce.h"
 #include "ops/vendor_gpu.h"

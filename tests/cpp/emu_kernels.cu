@@ -7,7 +7,7 @@
 #include <cassert>  // before launch_cuda.cuh, whose emulated assert() fails the launch instead
 #include <climits>
 
-#include "ops/launch_cuda.cuh"
+#include "cuda/runtime.cuh"
 
 namespace mgpu_test {
 

@@ -15,7 +15,7 @@
 #include <thread>
 #include <vector>
 
-#include "ops/launch_cuda.cuh"
+#include "cuda/runtime.cuh"
 #include "emu_test_util.h"
 
 namespace mgpu_test {  // tests/cpp/emu_kernels.cu

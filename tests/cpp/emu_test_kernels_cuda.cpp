@@ -1,5 +1,5 @@
-// tests/cpp/emu_test_kernels_cuda.cpp -- the CUDA kernels (cpp/ops/*.cu, kernels_cuda.h) executed
-// on emulated GPUs (cpp/emu/) and compared with the CPU kernels (kernels_cpu.h, gemm.h) on the same
+// tests/cpp/emu_test_kernels_cuda.cpp -- the CUDA kernels (cpp/ops/*.cu) executed on emulated
+// GPUs (cpp/cuda/emu/) and compared with the CPU kernels (cpu::, gemm.h) on the same
 // random inputs: sums (conv, pool, loss, sgemm) within rel 1e-4 / abs 1e-5, per-element bodies,
 // dtype conversions, argmax and correct counts exactly, sum_all within float rounding of a double
 // sum. Shapes include batch 1, odd and non-square images, stride 2, padding 1 and 2,
@@ -20,12 +20,15 @@
 #include <type_traits>
 #include <vector>
 
+#include "cuda/runtime.cuh"
+#include "ops/argmax.h"
+#include "ops/avg_pool2d.h"
+#include "ops/conv2d.h"
 #include "ops/elementwise.h"
 #include "ops/gemm.h"
-#include "ops/kernels_cpu.h"
-#include "ops/kernels_cuda.h"
-#include "ops/launch_cuda.cuh"
+#include "ops/linear.h"
 #include "ops/relu.h"
+#include "ops/softmax_ce.h"
 #include "emu_test_util.h"
 
 namespace {
@@ -34,7 +37,7 @@ namespace cpu = mgpu::ops::cpu;
 namespace gpu = mgpu::ops::cuda;
 using mgpu_test::DeviceVector;
 using Floats = std::vector<float>;
-using Conv2dShape = cpu::Conv2dShape;
+using mgpu::ops::Conv2dShape;
 
 constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
 
