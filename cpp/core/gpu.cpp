@@ -112,7 +112,7 @@ int device_count() {
 
 std::string runtime_name() {
 #if defined(MGPU_CUDA_EMULATION)
-  return "emulated CUDA (mgpu's emulator, cpp/emu; set MGPU_EMULATED_GPUS)";
+  return "emulated CUDA (mgpu's emulator, cpp/cuda/emu; set MGPU_EMULATED_GPUS)";
 #else
   return "CUDA runtime " + std::to_string(CUDART_VERSION / 1000) + "." +
          std::to_string(CUDART_VERSION % 1000 / 10);

@@ -7,7 +7,7 @@
 #include <string>
 
 #if defined(MGPU_CUDA_EMULATION)
-#include "emu/cuda_emulation.h"
+#include "cuda/emu/cuda_emulation.h"
 #else
 #include <cuda_runtime.h>
 #endif

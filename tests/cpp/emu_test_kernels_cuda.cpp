@@ -5,7 +5,7 @@
 // sum. Shapes include batch 1, odd and non-square images, stride 2, padding 1 and 2,
 // and LeNet's real layers at small batches (each CUDA thread is a fiber: keep them small). Fiber
 // order comes from MGPU_EMU_SEED (ctest runs the suite under two seeds), so a missing barrier
-// shows. Not named test_*.cpp: it needs -DMGPU_CUDA_EMULATION and cpp/emu/.
+// shows. Not named test_*.cpp: it needs -DMGPU_CUDA_EMULATION and cpp/cuda/emu/.
 #include <gtest/gtest.h>
 
 #include <cmath>
