@@ -25,7 +25,7 @@ import numpy as np
 from . import _core
 from .data import DataLoader, find_data_dir
 from .device import as_device, cpu, try_gpu
-from .nn import LENET_SHAPES, lenet_params
+from .models import LENET_SHAPES, lenet_params
 from .parallel import allreduce, get_params, train_batch
 from .tensor import array, zeros
 
