@@ -25,39 +25,42 @@ double lane_sum(const double* lanes) {
   return s;
 }
 
-// a += f(x - shift) per element of one row, for the two sums a channel needs: the stats' shifted
-// sums (d, d^2) and the backward's (dy, dy * d).
-void shifted_row_sums(const float* __restrict row, int64_t HW, double shift,
-                      double* __restrict s1, double* __restrict s2) {
-  int64_t i = 0;
-  for (; i + kLanes <= HW; i += kLanes) {
-    for (int j = 0; j < kLanes; ++j) {
-      const double d = static_cast<double>(row[i + j]) - shift;
-      s1[j] += d;
-      s2[j] += d * d;
-    }
-  }
-  for (int j = 0; i + j < HW; ++j) {
-    const double d = static_cast<double>(row[i + j]) - shift;
-    s1[j] += d;
-    s2[j] += d * d;
-  }
+// Adds kLanes consecutive elements into the lanes a, b of a row's two sums: the stats' shifted
+// sums (d, d^2 with d = x - shift) or the backward's (dy, dy * d with shift = mean). Written as
+// whole-array steps, which GCC turns into vector code (a fused loop body it leaves scalar).
+template <bool kGrad>
+inline void add_lanes(const float* __restrict xs, const float* __restrict gs, double shift,
+                      double* __restrict a, double* __restrict b) {
+  double d[kLanes], g[kLanes], p[kLanes];
+  for (int j = 0; j < kLanes; ++j) d[j] = static_cast<double>(xs[j]) - shift;
+  for (int j = 0; j < kLanes; ++j) g[j] = kGrad ? static_cast<double>(gs[j]) : d[j];
+  for (int j = 0; j < kLanes; ++j) p[j] = g[j] * d[j];
+  for (int j = 0; j < kLanes; ++j) a[j] += g[j];
+  for (int j = 0; j < kLanes; ++j) b[j] += p[j];
 }
 
-void grad_row_sums(const float* __restrict row, const float* __restrict dyrow, int64_t HW,
-                   double mean, double* __restrict s1, double* __restrict s2) {
+// One row (n, c, :): element i goes to lane i % kLanes of the row's own sums, which are then
+// added into the channel's lanes s1, s2. The tail is padded with x = shift (and dy = 0), whose
+// terms are exactly 0, so every step is a full block.
+template <bool kGrad>
+void row_sums(const float* __restrict row, const float* __restrict dyrow, int64_t HW,
+              double shift, double* __restrict s1, double* __restrict s2) {
+  double a[kLanes] = {}, b[kLanes] = {};
   int64_t i = 0;
   for (; i + kLanes <= HW; i += kLanes) {
-    for (int j = 0; j < kLanes; ++j) {
-      const double g = dyrow[i + j];
-      s1[j] += g;
-      s2[j] += g * (static_cast<double>(row[i + j]) - mean);
-    }
+    add_lanes<kGrad>(row + i, kGrad ? dyrow + i : nullptr, shift, a, b);
   }
-  for (int j = 0; i + j < HW; ++j) {
-    const double g = dyrow[i + j];
-    s1[j] += g;
-    s2[j] += g * (static_cast<double>(row[i + j]) - mean);
+  if (i < HW) {
+    float xs[kLanes], gs[kLanes];
+    for (int j = 0; j < kLanes; ++j) {
+      xs[j] = i + j < HW ? row[i + j] : static_cast<float>(shift);
+      gs[j] = kGrad && i + j < HW ? dyrow[i + j] : 0.0f;
+    }
+    add_lanes<kGrad>(xs, gs, shift, a, b);
+  }
+  for (int j = 0; j < kLanes; ++j) {
+    s1[j] += a[j];
+    s2[j] += b[j];
   }
 }
 
@@ -82,7 +85,9 @@ void batch_norm_stats(int64_t N, int64_t C, int64_t HW, const float* x, float* m
     // S2 - S1^2 / count does not cancel away the variance.
     const double shift = x[c * HW];
     double s1[kLanes] = {}, s2[kLanes] = {};
-    for (int64_t n = 0; n < N; ++n) shifted_row_sums(x + (n * C + c) * HW, HW, shift, s1, s2);
+    for (int64_t n = 0; n < N; ++n) {
+      row_sums<false>(x + (n * C + c) * HW, nullptr, HW, shift, s1, s2);
+    }
     const double sum = lane_sum(s1), sum_sq = lane_sum(s2);
     mean[c] = static_cast<float>(shift + sum / count);
     var[c] = static_cast<float>(std::max(0.0, (sum_sq - sum * sum / count) / count));
@@ -114,7 +119,7 @@ void batch_norm_backward_reduce(int64_t N, int64_t C, int64_t HW, const float* x
     const double m = mean[c];
     for (int64_t n = 0; n < N; ++n) {
       const int64_t at = (n * C + c) * HW;
-      grad_row_sums(x + at, dy + at, HW, m, s1, s2);
+      row_sums<true>(x + at, dy + at, HW, m, s1, s2);
     }
     sum_dy[c] = static_cast<float>(lane_sum(s1));
     sum_dy_xhat[c] = static_cast<float>(lane_sum(s2) * invstd_of(var[c], eps));
