@@ -39,8 +39,9 @@ Tensor batch_norm_backward(const Tensor& x, const Tensor& dy, const Tensor& mean
 // Every kernel overwrites its outputs. Per-channel sums accumulate x - shift (shift = the
 // channel's first element, so mean >> std loses nothing) in double.
 namespace cpu {
-// One task per channel; within a channel the elements of each row (n, c, :) go round-robin into
-// 16 double lanes (element i into lane i % 16), rows in n order, then the lanes are added 0..15.
+// One task per channel; within a channel, element i of each row (n, c, :) goes into double lane
+// i % 16 of the row's sums, each row's lanes are added into the channel's in n order, and the
+// channel's lanes are added 0..15.
 void batch_norm_stats(int64_t N, int64_t C, int64_t HW, const float* x, float* mean, float* var);
 // gamma, beta may be null.
 void batch_norm_forward(int64_t N, int64_t C, int64_t HW, const float* x, const float* mean,

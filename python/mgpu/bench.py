@@ -981,6 +981,12 @@ def plot(r: Dict, path: Optional[str] = None, ax=None):
         ax.set_ylabel("GB/s")
         ax.set_title("mgpu.allreduce over CPU devices")
         ax.legend(fontsize=7)
+    elif kind == "batch_norm":
+        rows = r["ops"]
+        ax.bar(np.arange(len(rows)), [x["gbps"] for x in rows])
+        ax.set_xticks(np.arange(len(rows)), [x["op"] for x in rows], rotation=30, fontsize=7)
+        ax.set_ylabel("GB/s (bytes read + written / median time)")
+        ax.set_title(f"batch norm {tuple(r['settings']['shape'])} on {r['settings']['device']}")
     else:
         raise ValueError(f"plot: unknown benchmark {kind!r}")
     ax.grid(True, alpha=0.3)
