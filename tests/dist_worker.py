@@ -10,9 +10,8 @@ import os
 import sys
 import time
 
-import numpy as np
-
 import mgpu
+import numpy as np
 from mgpu import distributed as dist
 from mgpu.data import array_loader
 
@@ -54,7 +53,8 @@ def basics(out, *steps):
     dist.allreduce(t)
     results["random"] = t.numpy()
     results["random_expected"] = np.sum(np.stack(data), axis=0)
-    pair = [mgpu.array(np.full((2, 3), r, np.float32)), mgpu.array(np.full(5, 10.0 * r, np.float32))]
+    pair = [mgpu.array(np.full((2, 3), r, np.float32)),
+            mgpu.array(np.full(5, 10.0 * r, np.float32))]
     dist.allreduce(pair)
     results["list0"], results["list1"] = pair[0].numpy(), pair[1].numpy()
     for root in range(w):
@@ -77,7 +77,7 @@ def step(out, local_devices, n):
     devices = [mgpu.gpu(i) if on_gpus else mgpu.cpu(i) for i in range(local_devices)]
     replicas = [mgpu.get_params(params, d) for d in devices]
     losses = mgpu.train_batch(mgpu.array(X), mgpu.array(y), replicas, devices, lr=0.2)
-    loss = np.array([sum(l.item() for l in losses)], np.float32)
+    loss = np.array([sum(v.item() for v in losses)], np.float32)
     lt = mgpu.array(loss)
     dist.allreduce(lt)
     save(out, f"step_L{local_devices}_n{n}",

@@ -12,9 +12,8 @@ import pathlib
 import re
 import sys
 
-import pytest
-
 import mgpu
+import pytest
 from conftest import fashion_mnist_available
 
 NOTEBOOK = pathlib.Path(__file__).resolve().parent.parent / "notebooks" / "multiple-gpus.ipynb"

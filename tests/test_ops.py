@@ -5,10 +5,9 @@ cross-entropy, argmax, tensor arithmetic, sum, reshape, .to(device), the whole L
 Inputs are drawn in float64, rounded to float32 once, and the reference sees those same float32
 values, so the comparison measures only the op's own rounding (the tolerances of conftest.TOL)."""
 
+import mgpu
 import numpy as np
 import pytest
-
-import mgpu
 import reference as ref
 from conftest import assert_close
 
@@ -176,14 +175,14 @@ def test_relu_gradient_at_zero_is_zero(device):
 MM_SHAPES = [(1, 1, 1), (3, 5, 7), (1, 9, 2), (17, 33, 4), (6, 1, 5)]
 
 
-@pytest.mark.parametrize("m, j, l", MM_SHAPES)
-def test_mm_forward_and_backward(device, rng, m, j, l):
-    a, b = f32(rng.normal(size=(m, j))), f32(rng.normal(size=(j, l)))
-    dy = f32(rng.normal(size=(m, l)))
+@pytest.mark.parametrize("m, j, n", MM_SHAPES)
+def test_mm_forward_and_backward(device, rng, m, j, n):
+    a, b = f32(rng.normal(size=(m, j))), f32(rng.normal(size=(j, n)))
+    dy = f32(rng.normal(size=(m, n)))
     at, bt = on(a, device, True), on(b, device, True)
     out = mgpu.mm(at, bt)
     assert out.device == device
-    assert out.shape == (m, l)
+    assert out.shape == (m, n)
     assert_close(out.numpy(), ref.mm_forward(a, b), "sum", "mm forward", device)
     out.backward(on(dy, device))
     da, db = ref.mm_backward(a, b, dy)

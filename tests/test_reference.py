@@ -4,7 +4,6 @@ hand-computed example, and the chapter's LeNet gradients and SGD step (D2L 12.5)
 
 import numpy as np
 import pytest
-
 import reference as ref
 
 EPS = 1e-6

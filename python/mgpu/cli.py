@@ -113,7 +113,8 @@ def _bench_parser(sub) -> None:
     o.add_argument("--device", default="cpu:0", help="the device to time, e.g. cpu:0 or gpu:0")
     n = kinds.add_parser("batch_norm", help="batch norm's kernels: time and GB/s against a copy")
     common(n, 2, 10)
-    n.add_argument("--shape", type=_ints, default=[256, 64, 28, 28], help="x shape, e.g. 256,64,28,28")
+    n.add_argument("--shape", type=_ints, default=[256, 64, 28, 28],
+                   help="x shape, e.g. 256,64,28,28")
     n.add_argument("--device", default="cpu:0", help="the device to time, e.g. cpu:0 or gpu:0")
     a = kinds.add_parser("allreduce", help="all-reduce time, algbw and busbw over sizes")
     common(a, 3, 10)

@@ -5,7 +5,6 @@ The differentiable functional ops live in :mod:`mgpu.ops` (also reachable as
 """
 from __future__ import annotations
 
-from . import ops as functional
 from .ops import cross_entropy
 from .tensor import Tensor
 

@@ -8,8 +8,7 @@ from __future__ import annotations
 
 from typing import Optional, Tuple, Union
 
-from . import _core
-from . import autograd
+from . import _core, autograd
 from .tensor import Tensor
 
 IntPair = Union[int, Tuple[int, int]]
@@ -36,7 +35,7 @@ def _need(t: Optional[Tensor]) -> bool:
 
 def conv2d(x: Tensor, w: Tensor, b: Optional[Tensor] = None, stride: IntPair = 1,
            padding: IntPair = 0) -> Tensor:
-    """2-D convolution (cross-correlation): x (N, C, H, W), w (K, C, R, S), b (K,) -> (N, K, P, Q)."""
+    """Convolution (cross-correlation): x (N, C, H, W), w (K, C, R, S), b (K,) -> (N, K, P, Q)."""
     s, p = _square(stride, "stride", "conv2d"), _square(padding, "padding", "conv2d")
     out = Tensor(_core.conv2d_forward(x._t, w._t, b._t if b is not None else None, s, p))
 

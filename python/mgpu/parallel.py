@@ -46,7 +46,8 @@ def allreduce(data) -> None:
     _core.allreduce(_flat_tensors(data))
 
 
-def split_batch(X: Tensor, y: Tensor, devices: Sequence[Device]) -> Tuple[List[Tensor], List[Tensor]]:
+def split_batch(X: Tensor, y: Tensor,
+                devices: Sequence[Device]) -> Tuple[List[Tensor], List[Tensor]]:
     """Splits X and y along axis 0 into one shard per device (sizes differ by at most one)."""
     if X.shape[:1] != y.shape[:1]:
         raise ValueError(f"split_batch: X and y must hold the same number of examples, got "

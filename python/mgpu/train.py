@@ -46,7 +46,8 @@ class Timer:
         return sum(self.times)
 
 
-def evaluate_accuracy(net_or_params, data_iter, devices: Optional[Sequence[Device]] = None) -> float:
+def evaluate_accuracy(net_or_params, data_iter,
+                      devices: Optional[Sequence[Device]] = None) -> float:
     """Test accuracy, computed on all ``devices`` at once.
 
     ``net_or_params`` is either one parameter list per device (LeNet replicas, as ``train`` keeps
@@ -158,7 +159,8 @@ def train(num_gpus: int, batch_size: int, lr: float, num_epochs: int = 10,
                             else (sys.stderr.isatty() and animator is None))
     timer = Timer()
     for epoch in range(int(num_epochs)):
-        bar = _progress_bar(len(train_iter), f"epoch {epoch + 1}/{num_epochs}") if show_bar else None
+        title = f"epoch {epoch + 1}/{num_epochs}"
+        bar = _progress_bar(len(train_iter), title) if show_bar else None
         losses: List[Tensor] = []
         seen = 0
         timer.start()
@@ -174,7 +176,7 @@ def train(num_gpus: int, batch_size: int, lr: float, num_epochs: int = 10,
         t0 = time.perf_counter()
         result.test_acc.append(evaluate_accuracy(device_params, test_iter, devices))
         result.eval_times.append(time.perf_counter() - t0)
-        loss_sum = sum(l.item() for l in losses)
+        loss_sum = sum(v.item() for v in losses)
         if world > 1:
             loss_sum = _sum_over_ranks(loss_sum)
         # A step that reports no losses (the chapter's) leaves the training loss unknown.
