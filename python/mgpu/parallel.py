@@ -11,12 +11,22 @@ import numpy as np
 from . import _core
 from . import distributed as _dist
 from .device import Device, as_device
-from .tensor import Tensor
+from .tensor import Tensor, array
 
 
 def get_params(params: Sequence[Tensor], device: Device) -> List[Tensor]:
-    """Copies the parameters to ``device`` and attaches zero gradients to the copies."""
-    new_params = [p.copyto(as_device(device)) for p in params]
+    """Copies the parameters (mgpu tensors or NumPy arrays) to ``device`` and attaches zero
+    gradients to the copies."""
+    device = as_device(device)
+    new_params = []
+    for i, p in enumerate(params):
+        if isinstance(p, Tensor):
+            new_params.append(p.copyto(device))
+        elif isinstance(p, np.ndarray):
+            new_params.append(array(p, device=device, dtype=np.float32))
+        else:
+            raise TypeError(f"get_params: params[{i}] is a {type(p).__name__}; expected mgpu "
+                            "tensors or NumPy arrays")
     for p in new_params:
         p.attach_grad()
     return new_params
