@@ -524,8 +524,9 @@ class Conv2d(Module):
             raise ValueError(f"Conv2d: kernel_size and stride must be >= 1 and padding >= 0, got "
                              f"kernel_size={kernel_size}, stride={stride}, padding={padding}")
         self.weight = _empty_param((self.out_channels, self.in_channels) + self.kernel_size, device)
-        self.bias = _empty_param((self.out_channels,), device) if bias else None
-        if not bias:
+        if bias:
+            self.bias = _empty_param((self.out_channels,), device)
+        else:
             self.register_parameter("bias", None)
         _default_init(self.weight, self.bias)
 
@@ -554,8 +555,9 @@ class Linear(Module):
         self.in_features = _positive_int(in_features, "in_features", "Linear")
         self.out_features = _positive_int(out_features, "out_features", "Linear")
         self.weight = _empty_param((self.out_features, self.in_features), device)
-        self.bias = _empty_param((self.out_features,), device) if bias else None
-        if not bias:
+        if bias:
+            self.bias = _empty_param((self.out_features,), device)
+        else:
             self.register_parameter("bias", None)
         _default_init(self.weight, self.bias)
 
