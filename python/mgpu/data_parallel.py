@@ -18,7 +18,7 @@ from . import _core
 from . import autograd
 from . import ops as functional
 from .device import Device, as_device, try_all_gpus, try_gpu
-from .nn import Module, _BatchNorm, _check_input
+from .nn import Module, _BatchNorm, _calls, _check_input
 from .tensor import Tensor, zeros_like
 
 # Replica modules are shallow copies of the master's modules: these entries of a module's
@@ -245,12 +245,16 @@ def _run_synced(roots: List[Module], shards: List[Tensor]) -> List[Tensor]:
     recording = autograd.is_recording()
 
     def run(rank: int) -> None:
+        depth = getattr(_calls, "depth", 0)
+        _calls.depth = 1  # a replica's call is nested in DataParallel's (which restores on error)
         try:
             with autograd._recording(recording):
                 outs[rank] = roots[rank](shards[rank])
         except BaseException as e:
             errors[rank] = e
             group.barrier.abort()
+        finally:
+            _calls.depth = depth
 
     threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(1, k)]
     try:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import threading
 from collections import OrderedDict
 from typing import (Callable, Iterable, Iterator, List, Mapping, NamedTuple, Optional, Tuple,
                     Union)
@@ -79,7 +80,19 @@ class Module:
                                   "subclass must implement it")
 
     def __call__(self, *args, **kwargs):
-        return self.forward(*args, **kwargs)
+        if getattr(_calls, "depth", 0) > 0:
+            return self.forward(*args, **kwargs)
+        # The outermost call undoes BatchNorm's running-statistics updates if the forward fails
+        # part way (an input too small for a later layer), so a failed call changes nothing.
+        saved = _save_running_stats(self)
+        _calls.depth = 1
+        try:
+            return self.forward(*args, **kwargs)
+        except BaseException:
+            _restore_running_stats(saved)
+            raise
+        finally:
+            _calls.depth = 0
 
     # --- registration ----------------------------------------------------------------------
     def _check_init(self, what: str) -> None:
@@ -354,6 +367,26 @@ class Module:
         if not lines:
             return head + ")"
         return head + "\n  " + "\n  ".join(lines) + "\n)"
+
+
+_calls = threading.local()  # per thread: how deep in nested Module calls we are
+
+
+def _save_running_stats(module: "Module") -> list:
+    saved = []
+    for m in module.modules():
+        if isinstance(m, _BatchNorm) and m.training and m.track_running_stats:
+            saved.append((m, m._batches_host, [(b, b.copy()) for b in
+                                                (m.running_mean, m.running_var,
+                                                 m.num_batches_tracked)]))
+    return saved
+
+
+def _restore_running_stats(saved: list) -> None:
+    for m, host, copies in saved:
+        m._batches_host = host
+        for b, c in copies:
+            _core.copy(b._t, c._t)
 
 
 def _move_tensor(t: Tensor, device: Device) -> None:
