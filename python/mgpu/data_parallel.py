@@ -403,7 +403,6 @@ class SyncBatchNorm(_BatchNorm):
             for store in ("_parameters", "_buffers"):
                 out.__dict__[store] = OrderedDict(module.__dict__[store])
             out.__dict__["training"] = module.training
-            out.__dict__["_batches_host"] = module.__dict__.get("_batches_host")
         for name, child in module._modules.items():
             if child is not None:
                 out._modules[name] = cls.convert_sync_batchnorm(child)

@@ -349,12 +349,7 @@ class Module:
             staged[k] = src
         for k, src in staged.items():
             _core.copy(targets[k]._t, src._t)
-        for m in self.modules():
-            m._state_loaded()
         return _IncompatibleKeys(missing, unexpected)
-
-    def _state_loaded(self) -> None:
-        """Called after load_state_dict wrote this module's tensors (host caches go stale)."""
 
     # --- printing --------------------------------------------------------------------------
     def extra_repr(self) -> str:
@@ -376,15 +371,13 @@ def _save_running_stats(module: "Module") -> list:
     saved = []
     for m in module.modules():
         if isinstance(m, _BatchNorm) and m.training and m.track_running_stats:
-            saved.append((m, m._batches_host, [(b, b.copy()) for b in
-                                                (m.running_mean, m.running_var,
-                                                 m.num_batches_tracked)]))
+            saved.append([(b, b.copy()) for b in
+                          (m.running_mean, m.running_var, m.num_batches_tracked)])
     return saved
 
 
 def _restore_running_stats(saved: list) -> None:
-    for m, host, copies in saved:
-        m._batches_host = host
+    for copies in saved:
         for b, c in copies:
             _core.copy(b._t, c._t)
 
@@ -701,24 +694,16 @@ class _BatchNorm(Module):
             self.register_buffer("running_mean", None)
             self.register_buffer("running_var", None)
             self.register_buffer("num_batches_tracked", None)
-        # Host copy of num_batches_tracked, so counting batches never waits for the device;
-        # None means "read it from the buffer" (after load_state_dict or a direct write).
-        self._batches_host: Optional[int] = 0 if self.track_running_stats else None
 
     def extra_repr(self) -> str:
         return (f"{self.num_features}, eps={self.eps}, momentum={self.momentum}, "
                 f"affine={self.affine}, track_running_stats={self.track_running_stats}")
-
-    def _state_loaded(self) -> None:
-        if self.track_running_stats:
-            self._batches_host = None
 
     def reset_running_stats(self) -> None:
         if self.track_running_stats:
             self.running_mean.zero_()
             self.running_var.fill_(1.0)
             self.num_batches_tracked.zero_()
-            self._batches_host = 0
 
     def _check(self, x) -> Tensor:
         name = type(self).__name__
@@ -731,11 +716,14 @@ class _BatchNorm(Module):
 
     def _momentum_now(self) -> float:
         """Counts this training batch and returns the running-statistics weight to use."""
-        if self._batches_host is None:
-            self._batches_host = int(self.num_batches_tracked.item())
-        self._batches_host += 1
-        self.num_batches_tracked.fill_(self._batches_host)
-        return 1.0 / self._batches_host if self.momentum is None else float(self.momentum)
+        t = self.num_batches_tracked
+        # int64 has no arithmetic on devices: count in float32 (exact below 2^24 batches) and
+        # store back, all queued, so counting never waits for the device.
+        counted = _core.binary_scalar(_core.BinaryOp.Add, _core.astype(t._t, "float32"), 1.0, False)
+        _core.copy(t._t, _core.astype(counted, "int64"))
+        if self.momentum is None:  # a cumulative average needs the count on the host
+            return 1.0 / int(t.item())
+        return float(self.momentum)
 
     def forward(self, x: Tensor) -> Tensor:
         x = self._check(x)
