@@ -10,9 +10,6 @@ from conftest import assert_close
 from mgpu import nn
 from mgpu.models import Residual
 
-if not hasattr(mgpu.ops, "batch_norm"):  # TODO(issue 12): drop once ops12's batch_norm is in main
-    pytest.skip("needs mgpu.ops.batch_norm (ops12's branch)", allow_module_level=True)
-
 EPS, MOMENTUM, LR = 1e-5, 0.1, 0.5
 # Float32 against float64 through two batch norms over a few values per channel: BN divides by
 # small batch standard deviations, which amplifies float32 rounding of the convolution sums.
