@@ -333,3 +333,43 @@ def test_fused_train_step_is_not_built_yet():
     model = nn.DataParallel(tiny_net(), device_ids=[mgpu.cpu(0)])
     with pytest.raises(NotImplementedError, match="issue 12"):
         model.train_step(None, None, None, None)
+
+
+# --- the chapter's train (sec. 12.6) and the CLI ---------------------------------------------------
+
+def _synthetic(n=24, size=8, seed=0):
+    """Images (n, size, size) whose class is visible in their mean brightness."""
+    rng = np.random.default_rng(seed)
+    labels = rng.integers(0, 2, size=n)
+    images = (rng.uniform(0, 100, size=(n, size, size)) + 120 * labels[:, None, None])
+    return images.astype(np.uint8), labels
+
+
+def small_net():
+    return nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(),
+                         Residual(4, 4), nn.AdaptiveAvgPool2d((1, 1)), nn.Flatten(),
+                         nn.Linear(4, 10))
+
+
+@pytest.mark.parametrize("num_gpus", [1, 2])
+def test_train_concise_runs_the_books_loop_and_prints_its_line(capsys, num_gpus):
+    from mgpu.data import array_loader
+    images, labels = _synthetic()
+    data = (array_loader(images, labels, 8, shuffle=True), array_loader(images, labels, 8))
+    net = small_net()
+    result = mgpu.chapter.train_concise(net, num_gpus, 8, 0.1, num_epochs=3, data=data,
+                                        progress=False)
+    devices = [mgpu.try_gpu(i) for i in range(num_gpus)]
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line.startswith("test acc: ") and line.endswith(f"sec/epoch on {devices}")
+    assert len(result.test_acc) == 3 and 0.0 <= result.test_acc[-1] <= 1.0
+    assert result.train_loss[-1] < result.train_loss[0]
+    assert net[0].weight.device == devices[0]
+
+
+def test_cli_resnet18_options_are_checked(capsys):
+    from mgpu import cli
+    assert cli.main(["train", "--model", "lenet", "--sync-bn"]) == 2
+    assert "--sync-bn needs --model resnet18" in capsys.readouterr().err
+    assert cli.main(["train", "--model", "resnet18", "--op-by-op"]) == 2
+    assert "ResNet-18 always trains" in capsys.readouterr().err
