@@ -282,7 +282,7 @@ def test_resnet18_rejects_inputs_it_cannot_take():
         np.testing.assert_array_equal(v.numpy(), before[k], err_msg=k)
 
 
-# --- bad input --------------------------------------------------------------------------------------
+# --- bad input ------------------------------------------------------------------------------------
 
 def test_data_parallel_bad_device_ids():
     net = tiny_net()
@@ -335,7 +335,7 @@ def test_fused_train_step_is_not_built_yet():
         model.train_step(None, None, None, None)
 
 
-# --- the chapter's train (sec. 12.6) and the CLI ---------------------------------------------------
+# --- the chapter's train (sec. 12.6) and the CLI --------------------------------------------------
 
 def _synthetic(n=24, size=8, seed=0):
     """Images (n, size, size) whose class is visible in their mean brightness."""

@@ -81,7 +81,8 @@ def test_sequential_indexing_len_iteration_and_add_module():
         net["head"]
     X = np.random.default_rng(0).normal(size=(5, 4))
     p = {k: v.numpy().astype(np.float64) for k, v in net.state_dict().items()}
-    expected = np.maximum(X @ p["0.weight"].T + p["0.bias"], 0) @ p["head.weight"].T + p["head.bias"]
+    hidden = np.maximum(X @ p["0.weight"].T + p["0.bias"], 0)
+    expected = hidden @ p["head.weight"].T + p["head.bias"]
     assert_close(net(mgpu.array(X)).numpy(), expected, "sum", "Sequential")
 
 
@@ -348,7 +349,8 @@ def test_gradient_through_a_residual_block_matches_finite_differences(rng):
     mgpu.random.seed(4)
     c1, c2 = nn.Conv2d(2, 2, 3, padding=1), nn.Conv2d(2, 2, 3, padding=1)
     x = rng.normal(size=(1, 2, 4, 4))
-    w1, b1, w2, b2 = (t.numpy().astype(np.float64) for t in (c1.weight, c1.bias, c2.weight, c2.bias))
+    w1, b1, w2, b2 = (t.numpy().astype(np.float64)
+                      for t in (c1.weight, c1.bias, c2.weight, c2.bias))
 
     def f(xv):
         y = ref.conv2d_forward(np.maximum(ref.conv2d_forward(xv, w1, b1, 1, 1), 0), w2, b2, 1, 1)

@@ -1,12 +1,8 @@
 """``nn.DataParallel`` and ``nn.SyncBatchNorm``: the concise chapter's one-line wrapper (sec. 12.6).
 
-The wrapped module (the master) lives on ``device_ids[0]`` and is the only copy an optimizer
-sees. Each forward splits the batch along axis 0 (shard sizes differ by at most one), copies
-the master's parameters to the other devices with the recorded ``Tensor.to`` (its backward
-copies the gradient back, so ``backward()`` sums every replica's gradient into the master's
-``.grad``), runs the replicas, and gathers their outputs onto ``device_ids[0]``. The book's loop
-``l = loss(net(X), y); l.backward(); trainer.step()`` therefore needs no extra step: replicas are
-refreshed from the master at the next forward, whatever the optimizer did.
+The master module on ``device_ids[0]`` is the only copy an optimizer sees; each forward splits
+the batch, refreshes per-device replicas from the master (recorded copies, so backward sums the
+replicas' gradients into the master's ``.grad``) and gathers the outputs on ``device_ids[0]``.
 """
 from __future__ import annotations
 
@@ -100,6 +96,13 @@ class _Replica:
 
 class DataParallel(Module):
     """Data parallelism over ``device_ids`` (default: every GPU, or [cpu(0)] without one).
+
+    Design: parameters are copied from the master to the other devices at every forward with the
+    recorded ``Tensor.to``, whose backward copies the gradient back; so the book's loop
+    ``l = loss(net(X), y); l.backward(); trainer.step()`` is correct with any optimizer (it
+    updates the master only, and the next forward starts from it), and the copies cost one
+    parameter broadcast per step, the same traffic as syncing replicas after the step.
+    Replica module objects are built once per device and reused.
 
     ``net = nn.DataParallel(net, device_ids=devices)`` moves ``net`` to ``devices[0]`` (in place:
     an optimizer made earlier keeps its parameters) and afterwards ``net(X)`` splits X over the

@@ -342,8 +342,10 @@ class Module:
         staged = {}
         for k, v in sources.items():
             t = targets[k]
-            src = array(np.asarray(v), device=t.device, dtype=t.dtype) if isinstance(v, np.ndarray) \
-                else v
+            if isinstance(v, np.ndarray):
+                src = array(v, device=t.device, dtype=t.dtype)
+            else:
+                src = v
             if src.dtype != t.dtype:
                 src = src.astype(t.dtype)
             staged[k] = src
@@ -448,7 +450,8 @@ class Sequential(Module):
 
 def _fan_in_out(shape: Tuple[int, ...]) -> Tuple[int, int]:
     if len(shape) < 2:
-        raise ValueError(f"fan in and fan out need a tensor with at least 2 dims, got shape {shape}")
+        raise ValueError(f"fan in and fan out need a tensor with at least 2 dims, got shape "
+                         f"{shape}")
     receptive = int(np.prod(shape[2:], dtype=np.int64)) if len(shape) > 2 else 1
     return shape[1] * receptive, shape[0] * receptive
 
