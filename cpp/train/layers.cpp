@@ -1,0 +1,274 @@
+// cpp/train/layers.cpp -- each layer's forward and backward through the ops, and the walk of a
+// Model's program: slots forward, gradients backward (summed where a slot fans out).
+#include "train/layers.h"
+
+#include <string>
+
+#include "ops/avg_pool2d.h"
+#include "ops/conv2d.h"
+#include "ops/elementwise.h"
+#include "ops/kernels_cpu.h"
+#include "ops/linear.h"
+#include "ops/relu.h"
+#include "ops/softmax_ce.h"
+
+namespace mgpu::train {
+namespace {
+
+// TODO(issue 16): the fused conv2d + relu + avg_pool2d op (ops/conv2d_relu_pool.h) replaces this
+// stand-in, which wraps its CPU kernels with that op's signature.
+struct Conv2dReluPool {
+  Tensor pooled, mask;
+};
+ops::cpu::Conv2dShape fused_shape(const Tensor& x, const Tensor& w) {
+  return {x.size(0), x.size(1), x.size(2), x.size(3), w.size(0), w.size(2), w.size(3), 1, 0};
+}
+Conv2dReluPool conv2d_relu_pool_forward(const Tensor& x, const Tensor& w, const Tensor& b,
+                                        int64_t pool, bool keep_mask) {
+  const ops::cpu::Conv2dShape s = fused_shape(x, w);
+  Conv2dReluPool out;
+  if (keep_mask) out.mask = Tensor::empty({s.N, s.K, s.P(), s.Q()}, DType::U8, x.device());
+  out.pooled = Tensor::empty({s.N, s.K, s.P() / pool, s.Q() / pool}, DType::F32, x.device());
+  enqueue_on(x.device(), "conv2d_relu_pool_forward",
+             [s, pool, xp = x.f32(), wp = w.f32(), bp = b.f32(),
+              mp = keep_mask ? out.mask.data<uint8_t>() : nullptr, pp = out.pooled.f32()] {
+               ops::cpu::conv2d_relu_pool_forward(s, pool, xp, wp, bp, mp, pp);
+             }, x, w, b, out.mask, out.pooled);
+  return out;
+}
+ops::Conv2dGrads conv2d_relu_pool_backward(const Tensor& x, const Tensor& w, const Tensor& mask,
+                                           const Tensor& dpooled, int64_t pool, bool need_dx) {
+  const ops::cpu::Conv2dShape s = fused_shape(x, w);
+  ops::Conv2dGrads g;
+  if (need_dx) g.dx = Tensor::empty_like(x);
+  g.dw = Tensor::empty_like(w);
+  g.db = Tensor::empty({s.K}, DType::F32, x.device());
+  float* dxp = need_dx ? g.dx.f32() : nullptr;
+  enqueue_on(x.device(), "conv2d_relu_pool_backward",
+             [s, pool, xp = x.f32(), wp = w.f32(), mp = mask.data<uint8_t>(), dp = dpooled.f32(),
+              dxp, dwp = g.dw.f32(), dbp = g.db.f32()] {
+               ops::cpu::conv2d_relu_pool_backward(s, pool, xp, wp, mp, dp, dxp, dwp, dbp);
+             }, x, w, mask, dpooled, g.dx, g.dw, g.db);
+  return g;
+}
+
+// The fused kernel runs on CPU devices when the shapes fit; elsewhere (GPUs) and for shapes that
+// do not fit the layer runs conv2d, relu and avg_pool2d, whose checks then report the problem.
+bool fused_fits(const Tensor& x, const Tensor& w, int64_t pool) {
+  if (!x.device().is_cpu() || x.dim() != 4 || x.size(1) != w.size(1)) return false;
+  const int64_t p = x.size(2) - w.size(2) + 1, q = x.size(3) - w.size(3) + 1;
+  return p >= pool && q >= pool;
+}
+
+// What a layer's backward needs beyond its inputs: the fused layer's relu mask (or, unfused, the
+// conv and relu outputs), batch norm's batch mean and variance.
+struct Saved {
+  Tensor a, b;
+};
+
+Tensor empty_grad_error(const Layer& l) {
+  MGPU_CHECK_VALUE(false, l.name, ": batch_norm is not supported by the fused step yet (issue "
+                   "12): train this model with the autograd loop");
+  return {};
+}
+
+Tensor forward(const Layer& l, const std::vector<Tensor>& in, const ReplicaState& r,
+               bool training, bool for_backward, Saved* s) {
+  auto p = [&](size_t i) -> const Tensor& { return r.params[static_cast<size_t>(l.params[i])]; };
+  const Tensor& x = in[0];
+  switch (l.kind) {
+    case LayerKind::Conv2d:
+      return ops::conv2d_forward(x, p(0), l.bias ? p(1) : Tensor(), l.stride, l.padding);
+    case LayerKind::Conv2dReluPool: {
+      if (fused_fits(x, p(0), l.kh)) {
+        Conv2dReluPool f = conv2d_relu_pool_forward(x, p(0), p(1), l.kh, for_backward);
+        s->a = f.mask;
+        return f.pooled;
+      }
+      s->a = ops::conv2d_forward(x, p(0), p(1), 1, 0);
+      s->b = ops::relu_forward(s->a);
+      return ops::avg_pool2d_forward(s->b, l.kh, l.kh, l.kh, l.kh);
+    }
+    case LayerKind::BatchNorm: return (void)training, empty_grad_error(l);
+    case LayerKind::Relu: return ops::relu_forward(x);
+    case LayerKind::AvgPool2d: return ops::avg_pool2d_forward(x, l.kh, l.kw, l.sh, l.sw);
+    case LayerKind::GlobalAvgPool:
+      MGPU_CHECK_VALUE(x.dim() == 4, l.name, ": expects (N, C, H, W), got shape ", x.shape());
+      return ops::avg_pool2d_forward(x, x.size(2), x.size(3), x.size(2), x.size(3));
+    case LayerKind::Flatten:
+      MGPU_CHECK_VALUE(x.dim() >= 1, l.name, ": cannot flatten a 0-d tensor");
+      return x.reshape({x.size(0), -1});
+    case LayerKind::Linear: {
+      MGPU_CHECK_VALUE(x.dim() == 2, l.name, ": expects (N, features), got shape ", x.shape(),
+                       "; put a flatten layer before it");
+      const int64_t fan_in = p(0).size(l.transpose ? 1 : 0);
+      MGPU_CHECK_VALUE(x.size(1) == fan_in, l.name, ": the input has ", x.size(1),
+                       " features but the weight ", p(0).shape(), " expects ", fan_in);
+      Tensor z = ops::mm(x, p(0), false, l.transpose);
+      return l.bias ? ops::binary(ops::BinaryOp::Add, z, p(1)) : z;
+    }
+    case LayerKind::Add:
+      MGPU_CHECK_VALUE(in[0].shape() == in[1].shape(), l.name, ": adds slots ", l.in[0], " and ",
+                       l.in[1], " of shapes ", in[0].shape(), " and ", in[1].shape(),
+                       "; they must be equal");
+      return ops::binary(ops::BinaryOp::Add, in[0], in[1]);
+  }
+  MGPU_ASSERT(false, "unknown layer kind");
+  return {};
+}
+
+// Given dy, writes the inputs' gradients (dx[k], left undefined where need_dx[k] is false) and
+// the parameters' (dp, in the layer's parameter order).
+void backward(const Layer& l, const std::vector<Tensor>& in, const Tensor& out, const Tensor& dy,
+              const ReplicaState& r, const Saved& s, const std::vector<bool>& need_dx,
+              std::vector<Tensor>* dx, std::vector<Tensor>* dp) {
+  auto p = [&](size_t i) -> const Tensor& { return r.params[static_cast<size_t>(l.params[i])]; };
+  const Tensor& x = in[0];
+  Tensor& dx0 = (*dx)[0];
+  switch (l.kind) {
+    case LayerKind::Conv2d: {
+      ops::Conv2dGrads g =
+          ops::conv2d_backward(x, p(0), dy, l.stride, l.padding, need_dx[0], l.bias);
+      dx0 = g.dx;
+      *dp = l.bias ? std::vector<Tensor>{g.dw, g.db} : std::vector<Tensor>{g.dw};
+      return;
+    }
+    case LayerKind::Conv2dReluPool: {
+      ops::Conv2dGrads g;
+      if (!s.b.defined()) {
+        g = conv2d_relu_pool_backward(x, p(0), s.a, dy, l.kh, need_dx[0]);
+      } else {
+        Tensor da = ops::avg_pool2d_backward(s.b, dy, l.kh, l.kh, l.kh, l.kh);
+        Tensor dc = ops::relu_backward(s.a, da);
+        g = ops::conv2d_backward(x, p(0), dc, 1, 0, need_dx[0], true);
+      }
+      dx0 = g.dx;
+      *dp = {g.dw, g.db};
+      return;
+    }
+    case LayerKind::BatchNorm: empty_grad_error(l); return;
+    case LayerKind::Relu: dx0 = ops::relu_backward(x, dy); return;
+    case LayerKind::AvgPool2d:
+      dx0 = ops::avg_pool2d_backward(x, dy, l.kh, l.kw, l.sh, l.sw);
+      return;
+    case LayerKind::GlobalAvgPool:
+      dx0 = ops::avg_pool2d_backward(x, dy, x.size(2), x.size(3), x.size(2), x.size(3));
+      return;
+    case LayerKind::Flatten: dx0 = dy.reshape(x.shape()); return;
+    case LayerKind::Linear: {
+      // y = x W (+ b) with W (in, out), or y = x W^T (+ b) with W (out, in) when transposed.
+      Tensor dW = l.transpose ? ops::mm(dy, x, true, false) : ops::mm(x, dy, true, false);
+      if (need_dx[0]) dx0 = ops::mm(dy, p(0), false, !l.transpose);
+      *dp = {dW};
+      if (l.bias) dp->insert(dp->begin() + 1, ops::sum_to_shape(dy, p(1).shape()));
+      return;
+    }
+    case LayerKind::Add:
+      // Both operands get dy itself: nothing reads or writes it in place after this.
+      (*dx)[0] = dy;
+      (*dx)[1] = dy;
+      return;
+  }
+  (void)out;
+}
+
+// The view of parameter p's gradient in the flat buffer.
+Tensor grad_view(const Model& m, const Tensor& grads, const ReplicaState& r, size_t p) {
+  const int64_t at = m.offset(p), n = r.params[p].numel();
+  return grads.slice_rows(at, at + n).reshape(r.params[p].shape());
+}
+
+struct Trace {
+  std::vector<Tensor> slots;
+  std::vector<Saved> saved;
+};
+
+Trace run_forward(const Model& m, const Tensor& X, const ReplicaState& r, bool training,
+                  bool for_backward) {
+  require_dtype("Model", "X", X, DType::F32);
+  Trace t;
+  t.slots.resize(static_cast<size_t>(m.num_slots()));
+  t.saved.resize(m.layers().size());
+  t.slots[0] = X;
+  // The last forward reader of each slot, so slots backward does not need are released early.
+  std::vector<int> last_use(static_cast<size_t>(m.num_slots()), -1);
+  for (size_t i = 0; i < m.layers().size(); ++i)
+    for (int s : m.layers()[i].in) last_use[static_cast<size_t>(s)] = static_cast<int>(i);
+  for (size_t i = 0; i < m.layers().size(); ++i) {
+    const Layer& l = m.layers()[i];
+    std::vector<Tensor> in;
+    for (int s : l.in) in.push_back(t.slots[static_cast<size_t>(s)]);
+    try {
+      t.slots[static_cast<size_t>(l.out)] = forward(l, in, r, training, for_backward, &t.saved[i]);
+    } catch (const ValueError& e) {
+      // An op's message about its shapes, prefixed with the layer that called it.
+      if (std::string(e.what()).rfind(l.name, 0) == 0) throw;
+      throw ValueError(l.name + ": " + e.what());
+    }
+    for (int s : l.in)
+      if (last_use[static_cast<size_t>(s)] == static_cast<int>(i) &&
+          !(for_backward && m.saved(s)))
+        t.slots[static_cast<size_t>(s)] = Tensor();
+  }
+  return t;
+}
+
+}  // namespace
+
+Tensor model_forward(const Model& m, const Tensor& X, const ReplicaState& r, bool training) {
+  return run_forward(m, X, r, training, false).slots.back();
+}
+
+Tensor model_loss_and_grads(const Model& m, const Tensor& X, const Tensor& y, const ReplicaState& r,
+                            const Tensor& grads, const std::function<void(size_t)>& bucket_done) {
+  if (X.size(0) == 0) {
+    ops::fill(grads, 0.0);
+    for (size_t b = 0; b < m.buckets().size(); ++b) bucket_done(b);
+    Tensor zero = Tensor::empty({}, DType::F32, X.device());
+    ops::fill(zero, 0.0);
+    return zero;
+  }
+  Trace t = run_forward(m, X, r, true, true);
+  const Tensor& logits = t.slots.back();
+  Tensor losses = ops::softmax_ce_forward(logits, y);
+  Tensor loss_sum = ops::sum(losses);
+  // Backward of sum(losses): every per-example loss gets gradient one.
+  Tensor dloss = Tensor::empty_like(losses);
+  ops::fill(dloss, 1.0);
+  std::vector<Tensor> dslot(static_cast<size_t>(m.num_slots()));
+  dslot.back() = ops::softmax_ce_backward(logits, y, dloss);
+  size_t next_bucket = 0;
+  for (int i = static_cast<int>(m.layers().size()) - 1; i >= 0; --i) {
+    const Layer& l = m.layers()[static_cast<size_t>(i)];
+    Tensor dy = std::move(dslot[static_cast<size_t>(l.out)]);
+    t.slots[static_cast<size_t>(l.out)] = Tensor();
+    if (dy.defined()) {
+      std::vector<Tensor> in, dx(l.in.size()), dp;
+      std::vector<bool> need_dx;
+      for (int s : l.in) {
+        in.push_back(t.slots[static_cast<size_t>(s)]);
+        need_dx.push_back(m.grad_needed(s));
+      }
+      backward(l, in, Tensor(), dy, r, t.saved[static_cast<size_t>(i)], need_dx, &dx, &dp);
+      t.saved[static_cast<size_t>(i)] = Saved();
+      for (size_t k = 0; k < l.in.size(); ++k) {
+        if (!need_dx[k] || !dx[k].defined()) continue;
+        Tensor& acc = dslot[static_cast<size_t>(l.in[k])];
+        // A slot read by several layers gets the sum of their gradients.
+        acc = acc.defined() ? ops::binary(ops::BinaryOp::Add, acc, dx[k]) : dx[k];
+      }
+      for (size_t j = 0; j < dp.size(); ++j) {
+        const size_t p = static_cast<size_t>(l.params[j]);
+        ops::copy(grad_view(m, grads, r, p), dp[j]);
+      }
+    } else {
+      // The layer does not reach the loss: its parameters' gradients are zero.
+      for (int p : l.params) ops::fill(grad_view(m, grads, r, static_cast<size_t>(p)), 0.0);
+    }
+    while (next_bucket < m.buckets().size() && m.buckets()[next_bucket].last_layer == i)
+      bucket_done(next_bucket++);
+  }
+  return loss_sum;
+}
+
+}  // namespace mgpu::train
