@@ -245,11 +245,109 @@ def test_bad_replicas_raise():
         model.train_step(np.zeros((2, 2, 5, 5), np.float32), mgpu.array(np.zeros(2)), lr=0.1)
 
 
-def test_batch_norm_is_reported_unfinished():
-    spec = [("conv2d", {"padding": 1}), ("batch_norm",)] + SMALL[1:]
-    shapes = [(4, 2, 3, 3), (4,), (4,), (4,), (3, 4), (3,)]
-    bufs = [[mgpu.array(np.zeros(4, np.float32)), mgpu.array(np.ones(4, np.float32))]]
-    model = _build(spec, shapes, buffers=bufs)
-    with pytest.raises(ValueError, match="issue 12"):
-        model.train_step(mgpu.array(np.zeros((2, 2, 5, 5), np.float32)),
-                         mgpu.array(np.zeros(2, np.int64)), lr=0.1)
+BN_SPEC = [("conv2d", {"padding": 1, "bias": False}),  # params 0
+           ("batch_norm", {"momentum": 0.2}),           # params 1, 2; buffers 0, 1
+           ("relu",), ("global_avg_pool",), ("flatten",),
+           ("linear", {"transpose": True})]             # params 3, 4
+
+
+def bn_loss_and_grads(X, y, p, eps=1e-5):
+    """float64 forward and backward of BN_SPEC on one shard: (loss, grads, batch mean, batch var)."""
+    c = R.conv2d_forward(X, p[0], None, 1, 1)
+    mean, var = c.mean(axis=(0, 2, 3)), c.var(axis=(0, 2, 3))
+    inv = 1 / np.sqrt(var + eps)
+    xhat = (c - mean[None, :, None, None]) * inv[None, :, None, None]
+    z = xhat * p[1][None, :, None, None] + p[2][None, :, None, None]
+    a = R.relu_forward(z)
+    f = a.mean(axis=(2, 3))
+    logits = f @ np.float64(p[3]).T + p[4]
+    loss = R.softmax_cross_entropy_forward(logits, y).sum()
+    dl = R.softmax_cross_entropy_backward(logits, y, np.ones(len(y)))
+    g = [None] * 5
+    g[3], g[4] = dl.T @ f, dl.sum(axis=0)
+    da = np.broadcast_to((dl @ np.float64(p[3]))[:, :, None, None] / (a.shape[2] * a.shape[3]),
+                         a.shape)
+    dz = R.relu_backward(z, da)
+    g[1], g[2] = (dz * xhat).sum(axis=(0, 2, 3)), dz.sum(axis=(0, 2, 3))
+    m = c.shape[0] * c.shape[2] * c.shape[3]
+    dxhat = dz * p[1][None, :, None, None]
+    dc = inv[None, :, None, None] * (dxhat - dxhat.sum(axis=(0, 2, 3))[None, :, None, None] / m
+                                     - xhat * (dxhat * xhat).sum(axis=(0, 2, 3))[None, :, None,
+                                                                                 None] / m)
+    _, g[0], _ = R.conv2d_backward(X, p[0], dc, 1, 1, has_bias=False)
+    return loss, g, mean, var * m / (m - 1)
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_batch_norm_per_replica_statistics_match_float64_shard_by_shard(k):
+    """Each replica normalises with its shard's statistics; gradients are summed over shards;
+    the running statistics are the first shard's, the same on every replica."""
+    rng = np.random.default_rng(5)
+    n = 7
+    X = rng.standard_normal((n, 2, 5, 5)).astype(np.float32)
+    y = rng.integers(0, 3, size=n)
+    params = [(0.5 * rng.standard_normal(s)).astype(np.float32)
+              for s in [(4, 2, 3, 3), (4,), (4,), (3, 4), (3,)]]
+    params[1] += 1.0
+    devices = [mgpu.cpu(i) for i in range(k)]
+    reps = [[mgpu.array(a, device=d) for a in params] for d in devices]
+    bufs = [[mgpu.array(np.full(4, 0.5, np.float32), device=d),
+             mgpu.array(np.full(4, 2.0, np.float32), device=d)] for d in devices]
+    model = FusedModel(BN_SPEC, reps, bufs, devices)
+    model.train_step(mgpu.array(X), mgpu.array(y), lr=0.4, momentum=0.9, weight_decay=0.01)
+
+    shards = np.array_split(np.arange(n), k)
+    p64 = [np.float64(a) for a in params]
+    total = [np.zeros_like(a) for a in p64]
+    for i, rows in enumerate(shards):
+        _, g, mean, uvar = bn_loss_and_grads(X[rows], y[rows], p64)
+        total = [t + gi for t, gi in zip(total, g)]
+        if i == 0:
+            rm, rv = 0.8 * 0.5 + 0.2 * mean, 0.8 * 2.0 + 0.2 * uvar
+    expected = [p - 0.4 * (t / n + 0.01 * p) for p, t in zip(p64, total)]
+    for d in range(k):
+        for i, (p, e) in enumerate(zip(reps[d], expected)):
+            assert_close(p.numpy(), e, "sum", f"param {i} of replica {d}")
+        assert_close(bufs[d][0].numpy(), rm, "sum", f"running_mean of replica {d}")
+        assert_close(bufs[d][1].numpy(), rv, "sum", f"running_var of replica {d}")
+    # Evaluation uses the running statistics.
+    logits = model.forward(mgpu.array(X), 0).numpy()
+    c = R.conv2d_forward(X, reps[0][0].numpy(), None, 1, 1)
+    z = ((c - rm[None, :, None, None]) / np.sqrt(rv + 1e-5)[None, :, None, None]
+         * reps[0][1].numpy()[None, :, None, None] + reps[0][2].numpy()[None, :, None, None])
+    ref = R.relu_forward(z).mean(axis=(2, 3)) @ np.float64(reps[0][3].numpy()).T + reps[0][4].numpy()
+    assert_close(logits, ref, "sum", "evaluation logits")
+
+
+def test_batch_norm_needs_more_than_one_value_per_channel():
+    spec = [("batch_norm",), ("flatten",), ("linear", {"transpose": True})]
+    model = FusedModel(spec, [[mgpu.array(np.ones(4, np.float32)),
+                               mgpu.array(np.zeros(4, np.float32)),
+                               mgpu.array(np.ones((3, 4), np.float32)),
+                               mgpu.array(np.zeros(3, np.float32))]],
+                       [[mgpu.array(np.zeros(4, np.float32)), mgpu.array(np.ones(4, np.float32))]],
+                       [mgpu.cpu(0)])
+    with pytest.raises(ValueError, match=r"layer 0 \(batch_norm\): expected more than 1 value "
+                                         "per channel"):
+        model.train_step(mgpu.array(np.ones((1, 4), np.float32)), mgpu.array(np.zeros(1)), lr=0.1)
+
+
+def test_batch_norm_on_two_emulated_gpus_equals_two_cpu_devices():
+    if mgpu.num_gpus() < 2:
+        pytest.skip(f"needs 2 GPUs (emulated), this build has {mgpu.num_gpus()}")
+    rng = np.random.default_rng(6)
+    X = rng.standard_normal((4, 2, 4, 4)).astype(np.float32)
+    y = rng.integers(0, 3, size=4)
+    params = [(0.5 * rng.standard_normal(s)).astype(np.float32)
+              for s in [(4, 2, 3, 3), (4,), (4,), (3, 4), (3,)]]
+    out = []
+    for devices in ([mgpu.cpu(0), mgpu.cpu(1)], [mgpu.gpu(0), mgpu.gpu(1)]):
+        reps = [[mgpu.array(a, device=d) for a in params] for d in devices]
+        bufs = [[mgpu.array(np.zeros(4, np.float32), device=d),
+                 mgpu.array(np.ones(4, np.float32), device=d)] for d in devices]
+        model = FusedModel(BN_SPEC, reps, bufs, devices)
+        for _ in range(2):
+            model.train_step(mgpu.array(X), mgpu.array(y), lr=0.3, momentum=0.9)
+        out.append([t.numpy() for t in reps[1] + bufs[1]])
+    for i, (c, g) in enumerate(zip(*out)):
+        assert_close(g, c, "sum", f"state {i} of replica 1 on gpu(1)")

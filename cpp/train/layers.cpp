@@ -3,8 +3,10 @@
 #include "train/layers.h"
 
 #include <string>
+#include <tuple>
 
 #include "ops/avg_pool2d.h"
+#include "ops/batch_norm.h"
 #include "ops/conv2d.h"
 #include "ops/elementwise.h"
 #include "ops/kernels_cpu.h"
@@ -66,10 +68,24 @@ struct Saved {
   Tensor a, b;
 };
 
-Tensor empty_grad_error(const Layer& l) {
-  MGPU_CHECK_VALUE(false, l.name, ": batch_norm is not supported by the fused step yet (issue "
-                   "12): train this model with the autograd loop");
-  return {};
+// Batch norm in training mode: normalise with the batch statistics (kept in s for backward) and
+// move the running ones towards them in place, PyTorch's way (running var unbiased).
+Tensor batch_norm_train(const Layer& l, const Tensor& x, const Tensor* gamma, const Tensor* beta,
+                        const Tensor& running_mean, const Tensor& running_var, Saved* s) {
+  const double count = static_cast<double>(x.numel() / x.size(1));
+  MGPU_CHECK_VALUE(count > 1, l.name, ": expected more than 1 value per channel when training, "
+                   "got input of shape ", x.shape(), "; use a bigger batch per device");
+  std::tie(s->a, s->b) = ops::batch_norm_stats(x);
+  Tensor y = ops::batch_norm_forward(x, s->a, s->b, gamma, beta, static_cast<float>(l.eps));
+  const auto m = static_cast<float>(l.momentum);
+  ops::binary_scalar_inplace(ops::BinaryOp::Mul, running_mean, 1.0f - m);
+  ops::binary_inplace(ops::BinaryOp::Add, running_mean,
+                      ops::binary_scalar(ops::BinaryOp::Mul, s->a, m, false));
+  ops::binary_scalar_inplace(ops::BinaryOp::Mul, running_var, 1.0f - m);
+  ops::binary_inplace(ops::BinaryOp::Add, running_var,
+                      ops::binary_scalar(ops::BinaryOp::Mul, s->b,
+                                         static_cast<float>(m * count / (count - 1)), false));
+  return y;
 }
 
 Tensor forward(const Layer& l, const std::vector<Tensor>& in, const ReplicaState& r,
@@ -89,7 +105,18 @@ Tensor forward(const Layer& l, const std::vector<Tensor>& in, const ReplicaState
       s->b = ops::relu_forward(s->a);
       return ops::avg_pool2d_forward(s->b, l.kh, l.kh, l.kh, l.kh);
     }
-    case LayerKind::BatchNorm: return (void)training, empty_grad_error(l);
+    case LayerKind::BatchNorm: {
+      MGPU_CHECK_VALUE(x.dim() == 4 || x.dim() == 2, l.name, ": expects (N, C, H, W) or (N, C), "
+                       "got shape ", x.shape());
+      const Tensor* gamma = l.bias ? &p(0) : nullptr;
+      const Tensor* beta = l.bias ? &p(1) : nullptr;
+      const Tensor& rm = r.buffers[static_cast<size_t>(l.buffers[0])];
+      const Tensor& rv = r.buffers[static_cast<size_t>(l.buffers[1])];
+      MGPU_CHECK_VALUE(x.size(1) == rm.size(0), l.name, ": the input has ", x.size(1),
+                       " channels but the layer normalises ", rm.size(0));
+      if (training) return batch_norm_train(l, x, gamma, beta, rm, rv, s);
+      return ops::batch_norm_forward(x, rm, rv, gamma, beta, static_cast<float>(l.eps));
+    }
     case LayerKind::Relu: return ops::relu_forward(x);
     case LayerKind::AvgPool2d: return ops::avg_pool2d_forward(x, l.kh, l.kw, l.sh, l.sw);
     case LayerKind::GlobalAvgPool:
@@ -146,7 +173,16 @@ void backward(const Layer& l, const std::vector<Tensor>& in, const Tensor& out, 
       *dp = {g.dw, g.db};
       return;
     }
-    case LayerKind::BatchNorm: empty_grad_error(l); return;
+    case LayerKind::BatchNorm: {
+      const auto eps = static_cast<float>(l.eps);
+      auto [sum_dy, sum_dy_xhat] = ops::batch_norm_backward_reduce(x, dy, s.a, s.b, eps);
+      const double count = static_cast<double>(x.numel() / x.size(1));
+      if (need_dx[0])
+        dx0 = ops::batch_norm_backward(x, dy, s.a, s.b, l.bias ? &p(0) : nullptr, sum_dy,
+                                       sum_dy_xhat, count, eps, true);
+      if (l.bias) *dp = {sum_dy_xhat, sum_dy};
+      return;
+    }
     case LayerKind::Relu: dx0 = ops::relu_backward(x, dy); return;
     case LayerKind::AvgPool2d:
       dx0 = ops::avg_pool2d_backward(x, dy, l.kh, l.kw, l.sh, l.sw);

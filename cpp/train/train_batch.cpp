@@ -49,6 +49,16 @@ void update(const Model& m, Replica& r, const Tensor& grads, const Sgd& sgd, int
   for (size_t i = 0; i < ps.size(); ++i) ops::sgd_update(ps[i], view(m, step, ps[i], i), sgd.lr);
 }
 
+// Batch norm's running statistics are those of the first replica's shard (rank 0's under mpirun),
+// as with PyTorch's DataParallel, and every replica keeps a copy of them.
+void share_buffers(std::vector<Replica>& replicas) {
+  const std::vector<Tensor>& first = replicas[0].state.buffers;
+  if (first.empty()) return;
+  if (comm::dist::world_size() > 1) comm::dist::broadcast(first, 0);
+  for (size_t d = 1; d < replicas.size(); ++d)
+    for (size_t j = 0; j < first.size(); ++j) ops::copy(replicas[d].state.buffers[j], first[j]);
+}
+
 }  // namespace
 
 void check_replicas(const char* op, const Model& m, const std::vector<Replica>& replicas) {
@@ -96,6 +106,7 @@ std::vector<Tensor> train_step(const Model& m, const Tensor& X, const Tensor& y,
                             : model_loss_and_grads(m, xs[d], ys[d], r.state, r.grads, bucket_done));
   }
   for (size_t d = 0; d < L; ++d) update(m, replicas[d], grads[d], sgd, X.size(0));
+  share_buffers(replicas);
   return losses;
 }
 
