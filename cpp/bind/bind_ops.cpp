@@ -4,6 +4,7 @@
 
 #include "bind/bind.h"
 #include "comm/allreduce.h"
+#include "ops/argmax.h"
 #include "ops/avg_pool2d.h"
 #include "ops/batch_norm.h"
 #include "ops/conv2d.h"

@@ -4,7 +4,7 @@
 
 #include <cmath>
 
-#include "ops/launch.h"
+#include "ops/dispatch.h"
 
 namespace mgpu::ops {
 namespace {
@@ -41,13 +41,17 @@ void check_count(const char* op, const BnShape& s) {
 
 const float* ptr(const Tensor* t) { return t ? t->f32() : nullptr; }
 
-#if MGPU_GPU_BUILD
-// Device scratch for the CUDA reductions' chunk partials, kept alive by the enqueued task.
+// Device scratch for the CUDA reductions' chunk partials, kept alive by the enqueued task; none
+// on a CPU device.
 Tensor reduction_workspace(const BnShape& s, Device device) {
-  const size_t bytes = cuda::batch_norm_workspace_bytes(s.N, s.C, s.HW);
-  return Tensor::empty({static_cast<int64_t>(bytes / sizeof(float))}, DType::F32, device);
+  if constexpr (kGpuBuild) {
+    if (!device.is_cpu()) {
+      const size_t bytes = cuda::batch_norm_workspace_bytes(s.N, s.C, s.HW);
+      return Tensor::empty({static_cast<int64_t>(bytes / sizeof(float))}, DType::F32, device);
+    }
+  }
+  return Tensor();
 }
-#endif
 
 }  // namespace
 
@@ -57,19 +61,14 @@ std::pair<Tensor, Tensor> batch_norm_stats(const Tensor& x) {
   check_count(op, s);
   Tensor mean = Tensor::empty({s.C}, DType::F32, x.device());
   Tensor var = Tensor::empty({s.C}, DType::F32, x.device());
-#if MGPU_GPU_BUILD
-  if (!x.device().is_cpu()) {
-    Tensor ws = reduction_workspace(s, x.device());
-    enqueue_gpu(x.device(), op,
-                [s, xp = x.f32(), mp = mean.f32(), vp = var.f32(), wp = ws.raw()](cudaStream_t st) {
-                  cuda::batch_norm_stats(s.N, s.C, s.HW, xp, mp, vp, wp, st);
-                }, x, mean, var, ws);
-    return {mean, var};
-  }
-#endif
-  enqueue_on(x.device(), op, [s, xp = x.f32(), mp = mean.f32(), vp = var.f32()] {
-    cpu::batch_norm_stats(s.N, s.C, s.HW, xp, mp, vp);
-  }, x, mean, var);
+  Tensor ws = reduction_workspace(s, x.device());
+  const float* xp = x.f32();
+  float *mp = mean.f32(), *vp = var.f32();
+  dispatch(x.device(), op, [=] { cpu::batch_norm_stats(s.N, s.C, s.HW, xp, mp, vp); },
+           [=, wp = ws.defined() ? ws.raw() : nullptr](cudaStream_t st) {
+             cuda::batch_norm_stats(s.N, s.C, s.HW, xp, mp, vp, wp, st);
+           },
+           x, mean, var, ws);
   return {mean, var};
 }
 
@@ -95,13 +94,8 @@ Tensor batch_norm_forward(const Tensor& x, const Tensor& mean, const Tensor& var
     }
   };
   // Undefined tensors in the keep list are harmless: they hold no storage.
-#if MGPU_GPU_BUILD
-  if (!x.device().is_cpu()) {
-    enqueue_gpu(x.device(), op, [run](cudaStream_t st) { run(st); }, x, mean, var, g, b, y);
-    return y;
-  }
-#endif
-  enqueue_on(x.device(), op, [run] { run(); }, x, mean, var, g, b, y);
+  dispatch(x.device(), op, [run] { run(); }, [run](cudaStream_t st) { run(st); }, x, mean, var, g,
+           b, y);
   return y;
 }
 
@@ -120,23 +114,15 @@ std::pair<Tensor, Tensor> batch_norm_backward_reduce(const Tensor& x, const Tens
   check_count(op, s);
   Tensor sum_dy = Tensor::empty({s.C}, DType::F32, x.device());
   Tensor sum_dy_xhat = Tensor::empty({s.C}, DType::F32, x.device());
-#if MGPU_GPU_BUILD
-  if (!x.device().is_cpu()) {
-    Tensor ws = reduction_workspace(s, x.device());
-    enqueue_gpu(x.device(), op,
-                [s, xp = x.f32(), dyp = dy.f32(), mp = mean.f32(), vp = var.f32(), eps,
-                 a = sum_dy.f32(), b = sum_dy_xhat.f32(), wp = ws.raw()](cudaStream_t st) {
-                  cuda::batch_norm_backward_reduce(s.N, s.C, s.HW, xp, dyp, mp, vp, eps, a, b, wp,
-                                                   st);
-                }, x, dy, mean, var, sum_dy, sum_dy_xhat, ws);
-    return {sum_dy, sum_dy_xhat};
-  }
-#endif
-  enqueue_on(x.device(), op,
-             [s, xp = x.f32(), dyp = dy.f32(), mp = mean.f32(), vp = var.f32(), eps,
-              a = sum_dy.f32(), b = sum_dy_xhat.f32()] {
-               cpu::batch_norm_backward_reduce(s.N, s.C, s.HW, xp, dyp, mp, vp, eps, a, b);
-             }, x, dy, mean, var, sum_dy, sum_dy_xhat);
+  Tensor ws = reduction_workspace(s, x.device());
+  const float *xp = x.f32(), *dyp = dy.f32(), *mp = mean.f32(), *vp = var.f32();
+  float *a = sum_dy.f32(), *b = sum_dy_xhat.f32();
+  dispatch(x.device(), op,
+           [=] { cpu::batch_norm_backward_reduce(s.N, s.C, s.HW, xp, dyp, mp, vp, eps, a, b); },
+           [=, wp = ws.defined() ? ws.raw() : nullptr](cudaStream_t st) {
+             cuda::batch_norm_backward_reduce(s.N, s.C, s.HW, xp, dyp, mp, vp, eps, a, b, wp, st);
+           },
+           x, dy, mean, var, sum_dy, sum_dy_xhat, ws);
   return {sum_dy, sum_dy_xhat};
 }
 
@@ -172,14 +158,8 @@ Tensor batch_norm_backward(const Tensor& x, const Tensor& dy, const Tensor& mean
                                 dxp, stream...);
     }
   };
-#if MGPU_GPU_BUILD
-  if (!x.device().is_cpu()) {
-    enqueue_gpu(x.device(), op, [run](cudaStream_t st) { run(st); }, x, dy, mean, var, g, sum_dy,
-                sum_dy_xhat, dx);
-    return dx;
-  }
-#endif
-  enqueue_on(x.device(), op, [run] { run(); }, x, dy, mean, var, g, sum_dy, sum_dy_xhat, dx);
+  dispatch(x.device(), op, [run] { run(); }, [run](cudaStream_t st) { run(st); }, x, dy, mean, var,
+           g, sum_dy, sum_dy_xhat, dx);
   return dx;
 }
 

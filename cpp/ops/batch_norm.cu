@@ -4,7 +4,7 @@
 // fixed tree (no atomics: bitwise reproducible). Per-element passes: a block row per (n, c) plane.
 // Grid-stride loops with 64-bit indices. Executed on emulated GPUs against cpu::batch_norm_*.
 #include "ops/batch_norm.h"
-#include "ops/kernels_cuda_impl.cuh"
+#include "ops/launch.cuh"
 
 namespace mgpu::ops::cuda {
 

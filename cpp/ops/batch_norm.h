@@ -1,16 +1,14 @@
 // cpp/ops/batch_norm.h -- batch normalisation (d2l 12.6's ResNet-18): per-channel statistics over
 // N, H, W. x, y, dy, dx (N, C, H, W) or (N, C) (seen as H = W = 1), float32 contiguous; mean, var,
 // gamma, beta, sum_dy, sum_dy_xhat (C,). count = N*H*W elements per channel. Forward keeps nothing;
-// backward re-reads x and the statistics. The agreed API is /work/wt/BN_API.md's.
+// backward re-reads x and the statistics. Kernels: batch_norm_cpu.cpp, batch_norm.cu.
 #pragma once
 
 #include <cstdint>
 #include <utility>
 
 #include "core/tensor.h"
-
-struct CUstream_st;
-typedef struct CUstream_st* cudaStream_t;
+#include "cuda/stream.h"
 
 namespace mgpu::ops {
 

@@ -17,9 +17,10 @@
 #include <vector>
 
 #include "core/parallel.h"
+#include "ops/conv2d.h"
 #include "ops/conv2d_cpu/conv2d_cpu.h"
+#include "ops/conv2d_relu_pool.h"
 #include "ops/gemm.h"
-#include "ops/kernels_cpu.h"
 
 namespace mgpu::ops::cpu {
 

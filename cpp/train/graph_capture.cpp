@@ -1,7 +1,7 @@
 // cpp/train/graph_capture.cpp -- capture and replay of a replica's step as CUDA graphs. Inputs are
 // copied into the graphs' own buffers, the gradients land in their own flat buffer (reduced and
 // applied outside the graphs) and the loss is copied out, so nothing the caller keeps is
-// overwritten by a later replay. Executed on emulated GPUs (cpp/emu); on real GPUs only compiled.
+// overwritten by a later replay. Executed on emulated GPUs (cpp/cuda/emu); on real GPUs only compiled.
 #include "train/graph_capture.h"
 
 #include <cstdlib>

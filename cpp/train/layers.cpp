@@ -8,51 +8,14 @@
 #include "ops/avg_pool2d.h"
 #include "ops/batch_norm.h"
 #include "ops/conv2d.h"
+#include "ops/conv2d_relu_pool.h"
 #include "ops/elementwise.h"
-#include "ops/kernels_cpu.h"
 #include "ops/linear.h"
 #include "ops/relu.h"
 #include "ops/softmax_ce.h"
 
 namespace mgpu::train {
 namespace {
-
-// TODO(issue 16): the fused conv2d + relu + avg_pool2d op (ops/conv2d_relu_pool.h) replaces this
-// stand-in, which wraps its CPU kernels with that op's signature.
-struct Conv2dReluPool {
-  Tensor pooled, mask;
-};
-ops::cpu::Conv2dShape fused_shape(const Tensor& x, const Tensor& w) {
-  return {x.size(0), x.size(1), x.size(2), x.size(3), w.size(0), w.size(2), w.size(3), 1, 0};
-}
-Conv2dReluPool conv2d_relu_pool_forward(const Tensor& x, const Tensor& w, const Tensor& b,
-                                        int64_t pool, bool keep_mask) {
-  const ops::cpu::Conv2dShape s = fused_shape(x, w);
-  Conv2dReluPool out;
-  if (keep_mask) out.mask = Tensor::empty({s.N, s.K, s.P(), s.Q()}, DType::U8, x.device());
-  out.pooled = Tensor::empty({s.N, s.K, s.P() / pool, s.Q() / pool}, DType::F32, x.device());
-  enqueue_on(x.device(), "conv2d_relu_pool_forward",
-             [s, pool, xp = x.f32(), wp = w.f32(), bp = b.f32(),
-              mp = keep_mask ? out.mask.data<uint8_t>() : nullptr, pp = out.pooled.f32()] {
-               ops::cpu::conv2d_relu_pool_forward(s, pool, xp, wp, bp, mp, pp);
-             }, x, w, b, out.mask, out.pooled);
-  return out;
-}
-ops::Conv2dGrads conv2d_relu_pool_backward(const Tensor& x, const Tensor& w, const Tensor& mask,
-                                           const Tensor& dpooled, int64_t pool, bool need_dx) {
-  const ops::cpu::Conv2dShape s = fused_shape(x, w);
-  ops::Conv2dGrads g;
-  if (need_dx) g.dx = Tensor::empty_like(x);
-  g.dw = Tensor::empty_like(w);
-  g.db = Tensor::empty({s.K}, DType::F32, x.device());
-  float* dxp = need_dx ? g.dx.f32() : nullptr;
-  enqueue_on(x.device(), "conv2d_relu_pool_backward",
-             [s, pool, xp = x.f32(), wp = w.f32(), mp = mask.data<uint8_t>(), dp = dpooled.f32(),
-              dxp, dwp = g.dw.f32(), dbp = g.db.f32()] {
-               ops::cpu::conv2d_relu_pool_backward(s, pool, xp, wp, mp, dp, dxp, dwp, dbp);
-             }, x, w, mask, dpooled, g.dx, g.dw, g.db);
-  return g;
-}
 
 // The fused kernel runs on CPU devices when the shapes fit; elsewhere (GPUs) and for shapes that
 // do not fit the layer runs conv2d, relu and avg_pool2d, whose checks then report the problem.
@@ -97,7 +60,8 @@ Tensor forward(const Layer& l, const std::vector<Tensor>& in, const ReplicaState
       return ops::conv2d_forward(x, p(0), l.bias ? p(1) : Tensor(), l.stride, l.padding);
     case LayerKind::Conv2dReluPool: {
       if (fused_fits(x, p(0), l.kh)) {
-        Conv2dReluPool f = conv2d_relu_pool_forward(x, p(0), p(1), l.kh, for_backward);
+        ops::Conv2dReluPool f = ops::conv2d_relu_pool_forward(x, p(0), p(1), 1, 0, l.kh,
+                                                              for_backward);
         s->a = f.mask;
         return f.pooled;
       }
@@ -163,7 +127,7 @@ void backward(const Layer& l, const std::vector<Tensor>& in, const Tensor& out, 
     case LayerKind::Conv2dReluPool: {
       ops::Conv2dGrads g;
       if (!s.b.defined()) {
-        g = conv2d_relu_pool_backward(x, p(0), s.a, dy, l.kh, need_dx[0]);
+        g = ops::conv2d_relu_pool_backward(x, p(0), s.a, dy, 1, 0, l.kh, need_dx[0]);
       } else {
         Tensor da = ops::avg_pool2d_backward(s.b, dy, l.kh, l.kh, l.kh, l.kh);
         Tensor dc = ops::relu_backward(s.a, da);

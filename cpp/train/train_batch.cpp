@@ -3,6 +3,7 @@
 
 #include "comm/allreduce_mpi.h"
 #include "comm/bucket_allreduce.h"
+#include "ops/argmax.h"
 #include "ops/elementwise.h"
 #include "ops/softmax_ce.h"
 #include "train/graph_capture.h"

@@ -1,11 +1,11 @@
-// tests/cpp/emu_test_kernels_cuda.cpp -- the CUDA kernels (cpp/ops/*.cu, kernels_cuda.h) executed
-// on emulated GPUs (cpp/emu/) and compared with the CPU kernels (kernels_cpu.h, gemm.h) on the same
+// tests/cpp/emu_test_kernels_cuda.cpp -- the CUDA kernels (cpp/ops/*.cu) executed on emulated
+// GPUs (cpp/cuda/emu/) and compared with the CPU kernels (cpu::, gemm.h) on the same
 // random inputs: sums (conv, pool, loss, sgemm) within rel 1e-4 / abs 1e-5, per-element bodies,
 // dtype conversions, argmax and correct counts exactly, sum_all within float rounding of a double
 // sum. Shapes include batch 1, odd and non-square images, stride 2, padding 1 and 2,
 // and LeNet's real layers at small batches (each CUDA thread is a fiber: keep them small). Fiber
 // order comes from MGPU_EMU_SEED (ctest runs the suite under two seeds), so a missing barrier
-// shows. Not named test_*.cpp: it needs -DMGPU_CUDA_EMULATION and cpp/emu/.
+// shows. Not named test_*.cpp: it needs -DMGPU_CUDA_EMULATION and cpp/cuda/emu/.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -20,13 +20,16 @@
 #include <type_traits>
 #include <vector>
 
+#include "cuda/runtime.cuh"
+#include "ops/argmax.h"
+#include "ops/avg_pool2d.h"
 #include "ops/batch_norm.h"
+#include "ops/conv2d.h"
 #include "ops/elementwise.h"
 #include "ops/gemm.h"
-#include "ops/kernels_cpu.h"
-#include "ops/kernels_cuda.h"
-#include "ops/launch_cuda.cuh"
+#include "ops/linear.h"
 #include "ops/relu.h"
+#include "ops/softmax_ce.h"
 #include "emu_test_util.h"
 
 namespace {
@@ -35,7 +38,7 @@ namespace cpu = mgpu::ops::cpu;
 namespace gpu = mgpu::ops::cuda;
 using mgpu_test::DeviceVector;
 using Floats = std::vector<float>;
-using Conv2dShape = cpu::Conv2dShape;
+using mgpu::ops::Conv2dShape;
 
 constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
 

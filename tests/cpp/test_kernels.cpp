@@ -1,4 +1,4 @@
-// tests/cpp/test_kernels.cpp -- the raw CPU kernels (cpp/ops/kernels_cpu.h, gemm.h) against naive
+// tests/cpp/test_kernels.cpp -- the raw CPU kernels (the ops' cpu:: declarations, gemm.h) against naive
 // direct-loop references in double precision, over shapes with batch 1, odd and non-square sizes,
 // stride, padding and LeNet's own; plus the contracts: outputs are written (never accumulated),
 // labels are checked, and the bits do not depend on the thread count.
@@ -17,13 +17,19 @@
 #include <vector>
 
 #include "core/parallel.h"
+#include "ops/argmax.h"
+#include "ops/avg_pool2d.h"
 #include "ops/batch_norm.h"
+#include "ops/conv2d.h"
+#include "ops/conv2d_relu_pool.h"
+#include "ops/elementwise.h"
 #include "ops/gemm.h"
-#include "ops/kernels_cpu.h"
+#include "ops/softmax_ce.h"
 
 namespace {
 
 using namespace mgpu::ops::cpu;
+using mgpu::ops::Conv2dShape;
 using Floats = std::vector<float>;
 using Doubles = std::vector<double>;
 
