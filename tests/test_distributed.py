@@ -126,6 +126,19 @@ def test_collectives_and_one_step_match_one_process(world, tmp_path):
 
 
 @needs_mpi
+def test_fused_model_with_batch_norm_under_mpirun_matches_one_process(tmp_path):
+    """2 ranks x 2 devices take the step of 1 process x 4 devices (mgpu.parallel.FusedModel):
+    the same parameters, and batch norm's running statistics (the first shard's) on every rank."""
+    rc, out, err, _ = mpirun(2, "fused_model", tmp_path, 2, 9)
+    assert rc == 0, f"mpirun fused_model failed:\n{out}\n{err}"
+    expected = dist_worker.fused_model_steps([mgpu.cpu(i) for i in range(4)], 9)
+    for r in range(2):
+        got = load(tmp_path, "fused_model_L2_n9", r)
+        for i, e in enumerate(expected):
+            assert_close(got[f"arr_{i}"], e, "sum", f"state {i} of rank {r}'s last replica")
+
+
+@needs_mpi
 def test_a_few_hundred_steps_give_the_in_process_parameters(tmp_path):
     """300 shuffled steps: 2 processes equal 1 process x 2 devices bitwise and 1 device closely."""
     steps, batch = 300, 32

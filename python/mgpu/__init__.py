@@ -8,7 +8,7 @@ ops with their backward passes (``mgpu.ops``), losses and modules (``mgpu.nn``),
 """
 import atexit
 
-from . import _core, autograd, chapter, distributed, models, nn, ops, plot, random
+from . import _core, autograd, chapter, distributed, models, nn, ops, optim, plot, random
 from ._core import DeviceError, OutOfMemoryError
 from .autograd import no_grad
 from .data import DataLoader, get_fashion_mnist_labels, load_data_fashion_mnist
@@ -93,7 +93,7 @@ __all__ = [
     "cpu", "gpu", "try_gpu", "try_all_gpus", "num_gpus",
     "array", "tensor", "zeros", "ones", "full", "zeros_like", "ones_like", "arange", "randn",
     "from_dlpack", "random", "autograd", "chapter", "distributed", "plot", "no_grad",
-    "models", "nn", "ops",
+    "models", "nn", "ops", "optim",
     "conv2d", "avg_pool2d", "relu", "batch_norm", "mm", "dot", "cross_entropy", "argmax",
     "lenet", "lenet_params", "get_params", "allreduce", "split_batch", "split_and_load", "sgd",
     "train_batch", "load_data_fashion_mnist", "get_fashion_mnist_labels",

@@ -21,6 +21,7 @@ from .autograd import no_grad
 from .data import DataLoader, load_data_fashion_mnist
 from .device import Device, as_device, try_gpu
 from .models import lenet_params
+from .nn import Module
 from .parallel import evaluate_counts, get_params, train_batch
 from .tensor import Tensor
 
@@ -52,12 +53,18 @@ def evaluate_accuracy(net_or_params, data_iter,
 
     ``net_or_params`` is either one parameter list per device (LeNet replicas, as ``train`` keeps
     them; each batch is split over the devices) or a callable ``net(X) -> logits`` run on
-    ``devices[0]``.
+    ``devices[0]`` (an ``nn.Module`` is put in eval mode and, without ``devices``, fed on its
+    first parameter's device, as d2l's evaluate_accuracy_gpu does).
     """
     counts: List[Tensor] = []
     seen = 0
     if callable(net_or_params):
         device = as_device(devices[0]) if devices else None
+        if isinstance(net_or_params, Module):
+            net_or_params.eval()  # BatchNorm: running statistics (d2l's evaluate_accuracy_gpu)
+            if device is None:
+                first = next(iter(net_or_params.parameters()), None)
+                device = first.device if first is not None else None
         with no_grad():  # evaluation needs no backward graph
             for X, y in data_iter:
                 if device is not None:
