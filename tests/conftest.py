@@ -5,9 +5,10 @@ the source tree, so they exercise exactly what ``pip install .`` built.
 """
 import os
 
-import mgpu
 import numpy as np
 import pytest
+
+import mgpu
 
 # Tolerances, one row per kind of op, float32 results against float64 references:
 #  - elementwise ops round once per element: 1e-6 relative;

@@ -10,8 +10,9 @@ import os
 import sys
 import time
 
-import mgpu
 import numpy as np
+
+import mgpu
 from mgpu import distributed as dist
 from mgpu.data import array_loader
 

@@ -4,6 +4,7 @@ with its hand-written backward, per shard (DataParallel's per-replica statistics
 batch (SyncBatchNorm). Parameter names follow the mgpu module's state_dict.
 """
 import numpy as np
+
 import reference as ref
 
 

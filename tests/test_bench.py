@@ -7,9 +7,10 @@ import gzip
 import io
 import json
 
-import mgpu
 import numpy as np
 import pytest
+
+import mgpu
 from mgpu import _torch_rival, bench, cli
 
 

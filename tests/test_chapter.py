@@ -1,7 +1,8 @@
 """The chapter's printed examples (sec. 12.5.4 and 12.5.5), reproduced exactly."""
-import mgpu
 import numpy as np
 import pytest
+
+import mgpu
 from mgpu import chapter
 
 

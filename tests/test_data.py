@@ -3,9 +3,10 @@ written by the test and, when installed, on the real data set."""
 import gzip
 import struct
 
-import mgpu
 import numpy as np
 import pytest
+
+import mgpu
 from conftest import requires_fashion_mnist
 
 

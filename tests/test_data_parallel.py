@@ -1,10 +1,11 @@
 """BatchNorm2d, nn.DataParallel and nn.SyncBatchNorm (sec. 12.6) against float64 references:
 a small residual network's step on one device, shard by shard on 1-3 devices (per-replica batch
 statistics) and on the whole batch (synchronised statistics); ResNet-18; bad input."""
-import mgpu
-import nn_reference as nref
 import numpy as np
 import pytest
+
+import mgpu
+import nn_reference as nref
 from conftest import assert_close
 from mgpu import nn
 from mgpu.models import Residual
@@ -239,6 +240,7 @@ def _gpus(k):
     return [mgpu.gpu(i) for i in range(k)]
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("sync", [False, True])
 def test_data_parallel_on_gpu(sync):
     devices = _gpus(2)

@@ -13,10 +13,11 @@ import subprocess
 import sys
 import time
 
-import dist_worker
-import mgpu
 import numpy as np
 import pytest
+
+import dist_worker
+import mgpu
 from conftest import assert_close, requires_fashion_mnist
 from mgpu import distributed as dist
 

@@ -10,9 +10,10 @@ import subprocess
 import sys
 import textwrap
 
-import mgpu
 import numpy as np
 import pytest
+
+import mgpu
 
 C0, C1 = mgpu.cpu(0), mgpu.cpu(1)
 

@@ -1,9 +1,10 @@
 """The fused step of any list of layers (mgpu.parallel.FusedModel, _core.Model): a small residual
 net's steps against a float64 NumPy reference, k devices against one, and bad specs.
 """
-import mgpu
 import numpy as np
 import pytest
+
+import mgpu
 import reference as R
 from conftest import assert_close
 from mgpu.parallel import FusedModel
@@ -149,6 +150,7 @@ def test_lenet_spec_equals_train_batch_bitwise_on_sum_rule():
     assert sum(float(c.numpy()) for c in counts) == float((logits.argmax(1) == y).sum())
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("k", [1, 2])
 def test_emulated_gpus_match_one_cpu_device(k):
     if mgpu.num_gpus() < k:
@@ -332,6 +334,7 @@ def test_batch_norm_needs_more_than_one_value_per_channel():
         model.train_step(mgpu.array(np.ones((1, 4), np.float32)), mgpu.array(np.zeros(1)), lr=0.1)
 
 
+@pytest.mark.gpu
 def test_batch_norm_on_two_emulated_gpus_equals_two_cpu_devices():
     if mgpu.num_gpus() < 2:
         pytest.skip(f"needs 2 GPUs (emulated), this build has {mgpu.num_gpus()}")

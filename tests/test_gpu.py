@@ -12,9 +12,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-import mgpu
 import numpy as np
 import pytest
+
+import mgpu
 from conftest import assert_close
 
 pytestmark = pytest.mark.gpu

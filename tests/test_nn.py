@@ -2,9 +2,10 @@
 and Module's behaviour: registration, state_dict, train/eval, apply, to(device), zero_grad."""
 import math
 
-import mgpu
 import numpy as np
 import pytest
+
+import mgpu
 import reference as ref
 from conftest import assert_close
 from mgpu import nn

@@ -12,8 +12,9 @@ import pathlib
 import re
 import sys
 
-import mgpu
 import pytest
+
+import mgpu
 from conftest import fashion_mnist_available
 
 NOTEBOOK = pathlib.Path(__file__).resolve().parent.parent / "notebooks" / "multiple-gpus.ipynb"

@@ -5,9 +5,10 @@ cross-entropy, argmax, tensor arithmetic, sum, reshape, .to(device), the whole L
 Inputs are drawn in float64, rounded to float32 once, and the reference sees those same float32
 values, so the comparison measures only the op's own rounding (the tolerances of conftest.TOL)."""
 
-import mgpu
 import numpy as np
 import pytest
+
+import mgpu
 import reference as ref
 from conftest import assert_close
 

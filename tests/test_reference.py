@@ -4,6 +4,7 @@ hand-computed example, and the chapter's LeNet gradients and SGD step (D2L 12.5)
 
 import numpy as np
 import pytest
+
 import reference as ref
 
 EPS = 1e-6

@@ -4,9 +4,10 @@ seeded random draws, and the asynchronous semantics of the per-device queues."""
 
 import gc
 
-import mgpu
 import numpy as np
 import pytest
+
+import mgpu
 
 C0, C1 = mgpu.cpu(0), mgpu.cpu(1)
 

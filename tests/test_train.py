@@ -1,9 +1,10 @@
 """The fused data-parallel step (sec. 12.5.6): k devices with global batch b take the step of one
 device with batch b, and the chapter's op-by-op step (autograd, Python allreduce) takes it too.
 """
-import mgpu
 import numpy as np
 import pytest
+
+import mgpu
 import reference as R
 from conftest import assert_close, requires_fashion_mnist
 from mgpu import chapter
