@@ -351,3 +351,23 @@ def test_batch_norm_on_two_emulated_gpus_equals_two_cpu_devices():
         out.append([t.numpy() for t in reps[1] + bufs[1]])
     for i, (c, g) in enumerate(zip(*out)):
         assert_close(g, c, "sum", f"state {i} of replica 1 on gpu(1)")
+
+
+def test_three_buckets_reduce_in_order_on_two_cpu_devices():
+    """Wide linear layers make three gradient buckets (256 KB first, then 4 MB caps)."""
+    spec = [("flatten",), ("linear",), ("relu",), ("linear",), ("relu",), ("linear",), ("relu",),
+            ("linear",)]
+    rng = np.random.default_rng(7)
+    shapes = [(8, 1100), (1100,), (1100, 1000), (1000,), (1000, 300), (300,), (300, 3), (3,)]
+    params = [(rng.standard_normal(s) / np.sqrt(s[0])).astype(np.float32) for s in shapes]
+    X = rng.standard_normal((5, 2, 2, 2)).astype(np.float32)
+    y = rng.integers(0, 3, size=5)
+    one, reps1 = make(params, [mgpu.cpu(0)], spec)
+    two, reps2 = make(params, [mgpu.cpu(0), mgpu.cpu(1)], spec)
+    assert two._model.buckets == [(0, 301203), (301203, 1402203), (1402203, 1412103)]
+    for _ in range(2):
+        one.train_step(mgpu.array(X), mgpu.array(y), lr=0.1, momentum=0.9)
+        two.train_step(mgpu.array(X), mgpu.array(y), lr=0.1, momentum=0.9)
+    for i, (p, e, p0) in enumerate(zip(reps2[1], reps1[0], params)):
+        assert not np.array_equal(p.numpy(), p0), f"param {i} did not move"
+        assert_close(p.numpy(), e.numpy(), "sum", f"param {i} of replica 1")
