@@ -229,6 +229,8 @@ GpuAllReduce::GpuAllReduce(const std::vector<Device>& devices, const std::vector
 #endif
 }
 
+void GpuAllReduce::abort() { coll_->barrier.abort(); }
+
 void GpuAllReduce::join(size_t d, const std::vector<Tensor>& tensors) {
   MGPU_ASSERT(d < coll_->gpu.size() && coll_->data[d].empty(), "device ", d, " joins twice");
   MGPU_ASSERT(tensors.size() == shapes_.size(), "a bucket of ", tensors.size(), " tensors");

@@ -39,7 +39,14 @@ BucketAllReduce::BucketAllReduce(const std::vector<Device>& devices,
 #endif
 }
 
-BucketAllReduce::~BucketAllReduce() = default;
+// A step that failed while being enqueued leaves buckets some devices joined: their GPU parts
+// would wait for the others forever, so they are released (with an error on those queues).
+BucketAllReduce::~BucketAllReduce() {
+#if MGPU_GPU_BUILD
+  for (size_t b = 0; b < gpu_->buckets.size(); ++b)
+    if (count_[b] > 0 && count_[b] < devices_.size()) gpu_->buckets[b]->abort();
+#endif
+}
 
 void BucketAllReduce::ready(size_t b, size_t d, const Tensor& bucket) {
   MGPU_ASSERT(b < sizes_.size() && d < devices_.size() && !joined_[b][d].defined() &&

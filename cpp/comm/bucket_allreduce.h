@@ -19,7 +19,7 @@ class BucketAllReduce {
   // the floats in each bucket; tag: labels the collectives across ranks (the batch geometry).
   BucketAllReduce(const std::vector<Device>& devices, const std::vector<int64_t>& bucket_sizes,
                   int64_t tag);
-  ~BucketAllReduce();
+  ~BucketAllReduce();  // releases the devices of buckets not every device joined
   // Device d's bucket b (1-D float32 view on devices[d], written by work already enqueued) is
   // ready. Every device calls this for every bucket in bucket order; the sum is enqueued on the
   // devices' queues once every device has called it, so later work on a queue sees the sum.
