@@ -330,10 +330,19 @@ def test_optimizer_of_another_network_is_detected():
         trainer.step()
 
 
-def test_fused_train_step_is_not_built_yet():
-    model = nn.DataParallel(tiny_net(), device_ids=[mgpu.cpu(0)])
-    with pytest.raises(NotImplementedError, match="issue 12"):
-        model.train_step(None, None, None, None)
+def test_fused_train_step_rejects_what_it_cannot_compute():
+    net = tiny_net()
+    model = nn.DataParallel(net, device_ids=[mgpu.cpu(0)])
+    X, y = mgpu.array(batch()[0]), mgpu.array(batch()[1])
+    trainer = mgpu.optim.SGD(net.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="mean"):
+        model.train_step(X, y, nn.CrossEntropyLoss(reduction="sum"), trainer)
+    with pytest.raises(ValueError, match="exactly this network's parameters"):
+        model.train_step(X, y, nn.CrossEntropyLoss(), mgpu.optim.SGD(tiny_net().parameters(), 0.1))
+    sync = nn.DataParallel(tiny_net(sync=True), device_ids=[mgpu.cpu(0)])
+    with pytest.raises(NotImplementedError, match="no layer for SyncBatchNorm"):
+        sync.train_step(X, y, nn.CrossEntropyLoss(),
+                        mgpu.optim.SGD(sync.module.parameters(), lr=0.1))
 
 
 # --- the chapter's train (sec. 12.6) and the CLI --------------------------------------------------
@@ -352,14 +361,14 @@ def small_net():
                          nn.Linear(4, 10))
 
 
-@pytest.mark.parametrize("num_gpus", [1, 2])
-def test_train_concise_runs_the_books_loop_and_prints_its_line(capsys, num_gpus):
+@pytest.mark.parametrize("num_gpus,fused", [(1, False), (2, False), (2, True)])
+def test_train_concise_runs_the_books_loop_and_prints_its_line(capsys, num_gpus, fused):
     from mgpu.data import array_loader
     images, labels = _synthetic()
     data = (array_loader(images, labels, 8, shuffle=True), array_loader(images, labels, 8))
     net = small_net()
     result = mgpu.chapter.train_concise(net, num_gpus, 8, 0.1, num_epochs=3, data=data,
-                                        progress=False)
+                                        progress=False, fused=fused)
     devices = [mgpu.try_gpu(i) for i in range(num_gpus)]
     line = capsys.readouterr().out.strip().splitlines()[-1]
     assert line.startswith("test acc: ") and line.endswith(f"sec/epoch on {devices}")
@@ -371,6 +380,31 @@ def test_train_concise_runs_the_books_loop_and_prints_its_line(capsys, num_gpus)
 def test_cli_resnet18_options_are_checked(capsys):
     from mgpu import cli
     assert cli.main(["train", "--model", "lenet", "--sync-bn"]) == 2
-    assert "--sync-bn needs --model resnet18" in capsys.readouterr().err
+    assert "--sync-bn and --fused need --model resnet18" in capsys.readouterr().err
     assert cli.main(["train", "--model", "resnet18", "--op-by-op"]) == 2
     assert "ResNet-18 always trains" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_fused_train_step_equals_the_books_loop(k):
+    """DataParallel.train_step (one C++ call) and the book's loop give the same parameters and
+    running statistics after two steps with momentum and weight decay."""
+    devices = [mgpu.cpu(i) for i in range(k)]
+    nets = [tiny_net(), tiny_net()]
+    models = [nn.DataParallel(n, device_ids=devices) for n in nets]
+    trainers = [mgpu.optim.SGD(m.parameters(), lr=LR, momentum=0.9, weight_decay=1e-3)
+                for m in models]
+    loss = nn.CrossEntropyLoss()
+    for step in range(2):
+        X, y = batch(8, seed=step)
+        Xt, yt = mgpu.array(X), mgpu.array(y)
+        trainers[0].zero_grad()
+        l = loss(models[0](Xt), yt)
+        l.backward()
+        trainers[0].step()
+        fused = models[1].train_step(Xt, yt, loss, trainers[1])
+        close(fused.item(), l.item(), f"loss, step {step}")
+    book, fused = nets[0].state_dict(), nets[1].state_dict()
+    for name in book:
+        if not name.endswith("num_batches_tracked"):
+            close(fused[name].numpy(), book[name].numpy(), f"fused vs book: {name}")

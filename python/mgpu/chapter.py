@@ -55,7 +55,7 @@ def train_batch(X, y, device_params, devices, lr):
 def train_concise(net, num_gpus: int, batch_size: int, lr: float, num_epochs: int = 10,
                   data=None, data_dir: Optional[str] = None,
                   limit_batches: Optional[int] = None, seed: int = 0,
-                  progress: Optional[bool] = None) -> TrainResult:
+                  progress: Optional[bool] = None, fused: bool = False) -> TrainResult:
     """The concise chapter's ``train(net, num_gpus, batch_size, lr)`` (sec. 12.6), as printed:
     ``normal_(std=0.01)`` init of Linear and Conv2d weights, ``nn.DataParallel``, SGD and the
     mean cross-entropy, the book's loop, test accuracy on all devices after every epoch, and
@@ -63,6 +63,8 @@ def train_concise(net, num_gpus: int, batch_size: int, lr: float, num_epochs: in
 
     ``data`` is a (train_iter, test_iter) pair to use instead of Fashion-MNIST, ``limit_batches``
     shortens every epoch (and the evaluation), ``seed`` fixes the initial weights and shuffles.
+    ``fused=True`` replaces the loop's body by ``net.train_step(X, y, loss, trainer)``, the same
+    step in one C++ call.
     Returns the per-epoch accuracies and times.
     """
     if int(num_gpus) < 1:
@@ -91,11 +93,14 @@ def train_concise(net, num_gpus: int, batch_size: int, lr: float, num_epochs: in
         timer.start()
         losses = []
         for X, y in train_iter:
-            trainer.zero_grad()
-            X, y = X.to(devices[0]), y.to(devices[0])
-            l = loss(net(X), y)
-            l.backward()
-            trainer.step()
+            if fused:
+                l = net.train_step(X, y, loss, trainer)
+            else:
+                trainer.zero_grad()
+                X, y = X.to(devices[0]), y.to(devices[0])
+                l = loss(net(X), y)
+                l.backward()
+                trainer.step()
             losses.append(l.detach())
             if bar is not None:
                 bar.update(1)

@@ -20,10 +20,12 @@ def _train(args) -> int:
         net = models.resnet18(10, 1)
         if args.sync_bn:
             net = nn.SyncBatchNorm.convert_sync_batchnorm(net)
-        chapter.train_concise(net, args.num_gpus, args.batch_size, args.lr, args.epochs, **kw)
+        chapter.train_concise(net, args.num_gpus, args.batch_size, args.lr, args.epochs,
+                              fused=args.fused, **kw)
         return 0
-    if args.sync_bn:
-        raise ValueError("--sync-bn needs --model resnet18 (LeNet has no batch norm)")
+    if args.sync_bn or args.fused:
+        raise ValueError("--sync-bn and --fused need --model resnet18 (LeNet's step is fused "
+                         "already and has no batch norm)")
     if args.op_by_op:
         train_op_by_op(args.num_gpus, args.batch_size, args.lr, args.epochs, **kw)
     else:
@@ -145,6 +147,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                    help="lenet: sec. 12.5's fused step; resnet18: sec. 12.6's nn.DataParallel")
     t.add_argument("--sync-bn", action="store_true",
                    help="resnet18: batch statistics over the whole batch (nn.SyncBatchNorm)")
+    t.add_argument("--fused", action="store_true",
+                   help="resnet18: DataParallel.train_step (one C++ call per step) instead of "
+                        "the book's loop through autograd")
     t.add_argument("--num-gpus", type=int, default=1,
                    help="devices to use: try_gpu(0..N-1), virtual CPU devices without GPUs")
     t.add_argument("--batch-size", type=int, default=256, help="global minibatch size")

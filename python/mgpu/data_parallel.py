@@ -14,6 +14,8 @@ from . import _core, autograd
 from . import ops as functional
 from .device import Device, as_device, try_all_gpus, try_gpu
 from .nn import Module, _BatchNorm, _calls, _check_input
+from .nn import CrossEntropyLoss as nn_CrossEntropyLoss
+from .optim import SGD as optim_SGD
 from .tensor import Tensor, zeros_like
 
 # Replica modules are shallow copies of the master's modules: these entries of a module's
@@ -186,12 +188,123 @@ class DataParallel(Module):
                             f"{type(out).__name__}")
         return out
 
-    def train_step(self, X: Tensor, y: Tensor, loss, trainer):
-        """The fused step (one C++ call per step, bucketed all-reduce) is not built yet."""
+    def train_step(self, X: Tensor, y: Tensor, loss, trainer) -> Tensor:
+        """One fused data-parallel step: every replica's forward, loss, backward, bucketed
+        all-reduce and SGD update run in C++ from this one call (``mgpu._core.Model``, built
+        from the module tree on first use). Computes what the book's loop computes with
+        ``loss = nn.CrossEntropyLoss()`` and ``trainer = optim.SGD(net.parameters(), ...)``
+        and returns the mean loss (0-d, on device_ids[0]).
+
+        The master's parameters and running statistics are updated in place; other replicas
+        are refreshed from the master before every step, so steps of both kinds can be mixed.
+        SGD's momentum buffers of this path live in the fused model (not in ``trainer``), and
+        ``num_batches_tracked`` is not counted. SyncBatchNorm is not supported here.
+        """
+        if not isinstance(loss, nn_CrossEntropyLoss) or loss.reduction != "mean":
+            raise ValueError("train_step: the fused step computes nn.CrossEntropyLoss() (mean); "
+                             f"got {loss!r}")
+        if not isinstance(trainer, optim_SGD):
+            raise TypeError(f"train_step: trainer must be mgpu.optim.SGD, got "
+                            f"{type(trainer).__name__}")
+        if trainer.dampening or trainer.nesterov:
+            raise ValueError("train_step: the fused step takes SGD's lr, momentum and "
+                             "weight_decay; dampening and nesterov need the book's loop")
+        master = list(self.module.parameters())
+        if [id(p) for p in trainer.params] != [id(p) for p in master]:
+            raise ValueError("train_step: trainer must hold exactly this network's parameters "
+                             "(optim.SGD(net.parameters(), ...))")
+        X, y = _check_input(X, "train_step"), _check_input(y, "train_step")
+        self._check_master()
+        fused = self._fused_model()
+        with autograd.no_grad():
+            for r in range(1, len(self.device_ids)):  # replicas start from the master
+                for dst, src in zip(fused.replica_params[r], master):
+                    _core.copy(dst._t, src._t)
+                for dst, src in zip(fused.replica_buffers[r], fused.replica_buffers[0]):
+                    _core.copy(dst._t, src._t)
+            losses = fused.model.train_step(X, y, trainer.lr, trainer.momentum,
+                                            trainer.weight_decay)
+            total = losses[0]
+            for l in losses[1:]:
+                total = total + l.to(total.device)
+            return total / X.shape[0]
+
+    def _fused_model(self) -> "_Fused":
+        key = (self._tree, tuple(id(p) for p in self.module.parameters()))
+        fused = self.__dict__.get("_fused")
+        if fused is None or fused.key != key:
+            self._replica_roots(1)  # refreshes self._tree
+            key = (self._tree, tuple(id(p) for p in self.module.parameters()))
+            fused = _Fused(self.module, self.device_ids, key)
+            object.__setattr__(self, "_fused", fused)
+        return fused
+
+
+class _Fused:
+    """The module tree as a layer list for ``mgpu._core.Model`` (via ``parallel.FusedModel``)."""
+
+    def __init__(self, module: Module, devices: List[Device], key):
+        from .parallel import FusedModel
+        self.key = key
+        params = list(module.parameters())
+        self._pindex = {id(p): i for i, p in enumerate(params)}
+        bufs: List[Tensor] = []
+        self._bufs = bufs
+        self.spec: List[tuple] = []
+        self._emit(module, 0)
+        self.replica_params = [params] + [[p.copyto(d) for p in params] for d in devices[1:]]
+        self.replica_buffers = [bufs] + [[b.copyto(d) for b in bufs] for d in devices[1:]]
+        self.model = FusedModel(self.spec, self.replica_params, self.replica_buffers, devices)
+
+    def _layer(self, kind: str, src: int, params=(), buffers=(), **opts) -> int:
+        opts["in"] = src
+        opts["params"] = [self._pindex[id(p)] for p in params]
+        if buffers:
+            opts["buffers"] = []
+            for b in buffers:
+                opts["buffers"].append(len(self._bufs))
+                self._bufs.append(b)
+        self.spec.append((kind, opts))
+        return len(self.spec)  # the slot this layer writes
+
+    def _emit(self, m: Module, src: int) -> int:
+        from .models import Residual
+        from .nn import (AdaptiveAvgPool2d, AvgPool2d, BatchNorm2d, Conv2d, Flatten, Linear,
+                         ReLU, Sequential)
+        if isinstance(m, Sequential):
+            for child in m:
+                src = self._emit(child, src)
+            return src
+        if isinstance(m, Conv2d):
+            ps = [m.weight] + ([m.bias] if m.bias is not None else [])
+            return self._layer("conv2d", src, ps, stride=m.stride, padding=m.padding,
+                               bias=m.bias is not None)
+        if type(m) is BatchNorm2d and m.track_running_stats and m.momentum is not None:
+            ps = [m.weight, m.bias] if m.affine else []
+            return self._layer("batch_norm", src, ps, [m.running_mean, m.running_var],
+                               eps=m.eps, momentum=float(m.momentum), affine=m.affine)
+        if isinstance(m, ReLU):
+            return self._layer("relu", src)
+        if isinstance(m, Flatten):
+            return self._layer("flatten", src)
+        if isinstance(m, AdaptiveAvgPool2d):
+            return self._layer("global_avg_pool", src)
+        if isinstance(m, AvgPool2d) and m.kernel_size[0] == m.kernel_size[1] \
+                and m.stride[0] == m.stride[1]:
+            return self._layer("avg_pool2d", src, kernel=m.kernel_size[0], stride=m.stride[0])
+        if isinstance(m, Linear):
+            ps = [m.weight] + ([m.bias] if m.bias is not None else [])
+            return self._layer("linear", src, ps, bias=m.bias is not None, transpose=True)
+        if type(m) is Residual:
+            y = self._emit(m.bn1, self._emit(m.conv1, src))
+            y = self._emit(m.bn2, self._emit(m.conv2, self._layer("relu", y)))
+            short = self._emit(m.conv3, src) if m.conv3 is not None else src
+            self.spec.append(("add", {"in": [y, short]}))
+            return self._layer("relu", len(self.spec))
         raise NotImplementedError(
-            "DataParallel.train_step: the fused C++ step built from the module tree is issue 12's "
-            "remaining part and not available yet; use the book's loop: l = loss(net(X), y); "
-            "l.backward(); trainer.step()")
+            f"train_step: the fused step has no layer for {type(m).__name__}; supported are "
+            "Sequential, Conv2d, BatchNorm2d, ReLU, Flatten, AvgPool2d, AdaptiveAvgPool2d((1, 1)),"
+            " Linear and models.Residual (use the book's loop for other modules)")
 
 
 # --- synchronised batch norm ---------------------------------------------------------------
