@@ -1,19 +1,21 @@
 #!/usr/bin/env bash
-# Sets everything up (.ci/setup.sh: the installed build, with real CUDA where nvcc is found), then
-# runs every test:
-#   1. the C++ unit tests through ctest, from a build whose GPU backend runs on mgpu's CUDA
-#      emulator (cpp/emu), plus the nvcc compile check of the kernels;
-#   2. the Python suite against the installed package (no GPU here: GPU tests skip);
-#   3. the Python GPU tests again against the emulated build's package, where gpu(0) and gpu(1)
+# Sets everything up (.ci/setup.sh), lints python/ and tests/ (ruff), then runs:
+#   1. the C++ tests (ctest, GPU backend on mgpu's CUDA emulator, plus the nvcc compile check;
+#      the CPU kernel tests run on both the avx2 and the avx512 path);
+#   2. the Python suite against the installed package;
+#   3. the tests marked `gpu` again against the emulated build's package, where gpu(0) and gpu(1)
 #      are emulated GPUs running our CUDA kernels;
 #   4. the CPU op and training tests with the AVX2 kernel path forced (the runs above take the
-#      widest path the CPU has; ctest runs the kernel tests on both);
+#      widest path the CPU has);
 #   5. the pip-only route: a wheel built by `pip wheel .` in isolation (OpenBLAS from PyPI, the
 #      system's ignored; cached in build/pip-smoke by source hash), installed into a fresh venv:
 #      import, one fused step, `mgpu info`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash .ci/setup.sh
+
+echo "== Lint (ruff) of python/ and tests/"
+.venv/bin/ruff check python tests
 
 echo "== C++ unit tests (ctest): engine, CUDA emulator, CUDA kernels on emulated GPUs"
 cmake -S . -B build/cpp-tests -DMGPU_BUILD_TESTS=ON -DMGPU_BUILD_PYTHON=ON -DMGPU_CUDA_EMULATION=ON \
@@ -28,11 +30,11 @@ echo "== Python tests (pytest) of the installed package"
 
 echo "== Python GPU tests on emulated GPUs (the emulated build's package)"
 (cd tests && PYTHONPATH="$PWD/../build/cpp-tests/python" \
-  ../.venv/bin/python -m pytest -q -p no:cacheprovider -k "gpu" "$@")
+  ../.venv/bin/python -m pytest -q -p no:cacheprovider -m gpu "$@")
 
 echo "== CPU op and training tests with MGPU_ISA=avx2 (the installed package)"
-(cd tests && MGPU_ISA=avx2 ../.venv/bin/python -m pytest -q -p no:cacheprovider -k "not gpu" \
-  test_ops.py test_train.py "$@")
+(cd tests && MGPU_ISA=avx2 ../.venv/bin/python -m pytest -q -p no:cacheprovider -m "not gpu" \
+  test_ops.py test_train.py)
 
 echo "== pip-only smoke test: pip wheel . (isolated, PyPI OpenBLAS), fresh venv, one step, info"
 smoke=build/pip-smoke

@@ -1,6 +1,6 @@
-"""``python -m mgpu bench {train,ops,allreduce}``: each runs in-process at tiny sizes, and its JSON
-holds every field, positive times, and derived numbers that agree with the raw ones (busbw =
-algbw * 2(k-1)/k, sec/epoch = median sec/step * batches, ratios = torch / mgpu medians).
+"""``python -m mgpu bench {train,ops,batch_norm,allreduce}``: each runs in-process at tiny sizes,
+and its JSON holds every field, positive times, and derived numbers that agree with the raw ones
+(busbw = algbw * 2(k-1)/k, sec/epoch = median sec/step * batches, ratios = torch / mgpu medians).
 """
 import contextlib
 import gzip
@@ -11,8 +11,7 @@ import numpy as np
 import pytest
 
 import mgpu
-from mgpu import bench, cli
-from mgpu import _torch_rival
+from mgpu import _torch_rival, bench, cli
 
 
 def _run(argv, tmp_path, name):
@@ -122,7 +121,7 @@ def test_ops_times_every_lenet_op(tmp_path):
     ops = [x["op"].split(" (")[0] for x in r["ops"] if x["batch"] == 5]
     assert ops == ["conv1", "relu1", "avg_pool1", "conv2", "relu2", "avg_pool2", "fc1 mm",
                    "fc1 bias", "relu3", "fc2 mm", "fc2 bias", "softmax_ce"]
-    flops_at = {n: {l["layer"]: l for l in bench.lenet_layer_flops(n)} for n in (2, 5)}
+    flops_at = {n: {x["layer"]: x for x in bench.lenet_layer_flops(n)} for n in (2, 5)}
     for x in r["ops"]:
         label = x["op"].split(" (")[0]
         for phase in ("forward", "backward"):
@@ -160,11 +159,31 @@ def test_allreduce_reports_algbw_and_busbw(tmp_path):
         assert b["bytes"] == 65536 and b["bandwidth"] == b["bytes"] / b["time"]["median"]
 
 
+def test_batch_norm_reports_gbps_against_a_copy(tmp_path):
+    code, text, r = _run(["bench", "batch_norm", "--shape", "4,3,5,5", "--warmup", "1",
+                          "--repeat", "2"], tmp_path, "batch_norm")
+    assert code == 0
+    _check_machine(r)
+    assert "of copy" in text
+    n = 4 * 3 * 5 * 5
+    assert [(x["op"], x["bytes"]) for x in r["ops"]] == [
+        ("copy x -> y (memcpy)", 8 * n), ("stats (mean, var)", 4 * n), ("forward y", 8 * n),
+        ("backward_reduce", 8 * n), ("backward dx (training)", 12 * n)]
+    for x in r["ops"]:
+        _check_stats(x["time"])
+        assert x["gbps"] == x["bytes"] / x["time"]["median"] / 1e9
+    assert r["totals"]["copy"] == r["ops"][0]["time"]["median"]
+    code, _, _ = _run(["bench", "batch_norm", "--shape", "4,3,5"], tmp_path, "bad")
+    assert code == 2
+
+
 def test_plots_every_result_kind(tmp_path):
     pytest.importorskip("matplotlib")
     for name, argv in (("ops", ["ops", "--batch-sizes", "2", "--warmup", "0", "--repeat", "1"]),
                        ("allreduce", ["allreduce", "--sizes", "1K,4K", "--warmup", "0",
-                                      "--repeat", "1"])):
+                                      "--repeat", "1"]),
+                ("batch_norm", ["batch_norm", "--shape", "2,2,3,3", "--warmup", "0",
+                                "--repeat", "1"])):
         png = tmp_path / f"{name}.png"
         code, _, r = _run(["bench"] + argv + ["--plot", str(png)], tmp_path, name)
         assert code == 0 and png.stat().st_size > 1000
@@ -202,7 +221,8 @@ def test_bad_arguments_fail_with_a_message(capsys):
 
 
 def test_torch_comparison_is_skipped_without_torch(tmp_path, monkeypatch):
-    monkeypatch.setattr(bench, "find_torch_python", lambda explicit=None: (None, "no torch here"))
+    monkeypatch.setattr(bench.train, "find_torch_python",
+                        lambda explicit=None: (None, "no torch here"))
     code, text, r = _run(["bench", "train", "--synthetic", "300", "--batch-size", "64",
                           "--limit-batches", "1", "--epochs", "1", "--warmup", "0",
                           "--parts", "fused", "--devices", "1", "--compare", "torch"],

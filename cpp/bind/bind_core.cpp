@@ -174,7 +174,7 @@ Tensor from_dlpack_capsule(py::capsule cap) {
 
 py::dict build_info() {
   py::dict info;
-  info["version"] = "0.1.0";
+  info["version"] = MGPU_VERSION;
   info["cpu_devices"] = true;
   info["cpu_threads"] = num_threads();
   info["blas"] = ops::cpu::blas_info();
@@ -184,7 +184,7 @@ py::dict build_info() {
   info["cpu_isa_reason"] = isa.reason;
   info["cpu_isas_built"] = std::vector<std::string>{"avx2 (x86-64-v3)", "avx512 (x86-64-v4)"};
   info["cpu_baseline"] = MGPU_BASELINE_ARCH_NAME;
-  info["cuda"] = MGPU_CUDA_EMULATION_BUILD ? "emulated (cpp/emu: GPUs run on the CPU, for tests)"
+  info["cuda"] = MGPU_CUDA_EMULATION_BUILD ? "emulated (cpp/cuda/emu: GPUs run on the CPU, for tests)"
                  : MGPU_BUILT_CUDA          ? "built (" + gpu::runtime_name() + ")"
                                             : std::string("not built (nvcc was not found)");
   info["gpus"] = num_gpus();

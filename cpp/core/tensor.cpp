@@ -59,13 +59,6 @@ Tensor Tensor::slice_rows(int64_t begin, int64_t end) const {
   return Tensor(storage_, std::move(s), dtype_, offset_ + begin * row_bytes);
 }
 
-bool Tensor::shares_memory(const Tensor& o) const {
-  if (storage_ != o.storage_) return false;
-  int64_t a0 = offset_, a1 = offset_ + static_cast<int64_t>(nbytes());
-  int64_t b0 = o.offset_, b1 = o.offset_ + static_cast<int64_t>(o.nbytes());
-  return a0 < b1 && b0 < a1;
-}
-
 std::string describe(const Tensor& t) {
   std::ostringstream out;
   out << dtype_name(t.dtype()) << " tensor of shape " << t.shape() << " on " << t.device();

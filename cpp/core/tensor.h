@@ -48,8 +48,6 @@ class Tensor {
   Tensor reshape(Shape shape) const;
   // Rows [begin, end) along axis 0, sharing memory.
   Tensor slice_rows(int64_t begin, int64_t end) const;
-  // True when the two tensors' bytes overlap in the same storage.
-  bool shares_memory(const Tensor& other) const;
 
  private:
   std::shared_ptr<Storage> storage_;

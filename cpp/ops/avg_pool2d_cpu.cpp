@@ -6,8 +6,8 @@
 #include <vector>
 
 #include "core/parallel.h"
+#include "ops/avg_pool2d.h"
 #include "ops/cpu_isa.h"
-#include "ops/kernels_cpu.h"
 
 namespace mgpu::ops::cpu::MGPU_CPU_ISA {
 

@@ -17,10 +17,11 @@
 #include <vector>
 
 #include "core/parallel.h"
+#include "ops/conv2d.h"
 #include "ops/conv2d_cpu/conv2d_cpu.h"
-#include "ops/gemm.h"
+#include "ops/conv2d_relu_pool.h"
 #include "ops/cpu_isa.h"
-#include "ops/kernels_cpu.h"
+#include "ops/gemm.h"
 
 namespace mgpu::ops::cpu::MGPU_CPU_ISA {
 

@@ -1,6 +1,6 @@
-// cpp/ops/cpu_isa.cpp -- picks the kernels' instruction-set path once and forwards every
-// kernels_cpu.h call to it. Both paths add in the same order with the same FMAs (the AVX2 path
-// runs the 16-lane layout as two 8-lane halves), so they give bitwise-equal results.
+// cpp/ops/cpu_isa.cpp -- picks the kernels' instruction-set path once and forwards every kernel
+// of MGPU_CPU_ISA_KERNELS (cpu_isa.h) to it. Both paths add in the same order with the same FMAs
+// (the AVX2 path runs the 16-lane layout as two 8-lane halves), so they give bitwise-equal results.
 #include "ops/cpu_isa.h"
 
 #include <cpuid.h>

@@ -1,14 +1,19 @@
 // cpp/ops/cpu_isa.h -- run-time choice of the instruction set the hot CPU kernels run with.
-// The kernels of kernels_cpu.h are compiled twice (CMakeLists.txt: MGPU_CPU_ISA_SOURCES), into
-// cpu::avx2 (x86-64-v3: AVX2, FMA, 16 ymm registers) and cpu::avx512 (x86-64-v4: AVX-512
-// F/BW/DQ/VL, 32 zmm registers); cpu::NAME forwards to the one chosen once, at the first call,
-// by the CPU's features and MGPU_ISA=auto|avx2|avx512. Both give the same bits (cpu_isa.cpp).
+// The kernels listed below (declared in their ops' headers) are compiled twice (CMakeLists.txt:
+// MGPU_CPU_ISA_SOURCES) into cpu::avx2 (x86-64-v3) and cpu::avx512 (x86-64-v4); cpu::NAME
+// forwards to the one chosen once, at the first call, by the CPU's features and
+// MGPU_ISA=auto|avx2|avx512. Both give the same bits. Other cpu:: kernels compile once.
 #pragma once
 
 #include <cstdint>
 #include <string>
 
-#include "ops/kernels_cpu.h"
+#include "ops/argmax.h"
+#include "ops/avg_pool2d.h"
+#include "ops/conv2d.h"
+#include "ops/conv2d_relu_pool.h"
+#include "ops/elementwise.h"
+#include "ops/softmax_ce.h"
 
 namespace mgpu::ops::cpu {
 
@@ -32,8 +37,10 @@ bool cpu_has_avx2();
 bool cpu_has_avx512();
 std::string cpu_model();
 
-// The kernels behind each path: return type, name, parameters, arguments. cpu_isa.cpp makes
-// cpu::NAME from this list; tests call cpu::avx2::NAME and cpu::avx512::NAME to compare them.
+// The kernels behind each path: return type, name, parameters, arguments. cpu_isa.cpp defines
+// cpu::NAME (declared in the op's header) from this list; tests call cpu::avx2::NAME and
+// cpu::avx512::NAME to compare them. A kernel joins the list together with its source file in
+// MGPU_CPU_ISA_SOURCES, whose definitions then live in namespace cpu::MGPU_CPU_ISA.
 #define MGPU_CPU_ISA_KERNELS(X)                                                                   \
   X(void, conv2d_forward,                                                                         \
     (const Conv2dShape& s, const float* x, const float* w, const float* b, float* y),             \

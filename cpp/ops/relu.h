@@ -1,9 +1,10 @@
 // cpp/ops/relu.h -- y = max(x, 0). x, y, dy, dx share one contiguous shape, seen as (n,).
 // Backward writes dx (it never adds into it) and re-reads x, so forward caches nothing.
+// Kernels: the two bodies below, run by for_each_index (relu.cu instantiates them for CUDA).
 #pragma once
 
 #include "core/tensor.h"
-#include "ops/launch.h"
+#include "ops/dispatch.h"
 
 namespace mgpu::ops {
 

@@ -8,7 +8,7 @@
 
 #include "core/parallel.h"
 #include "ops/cpu_isa.h"
-#include "ops/kernels_cpu.h"
+#include "ops/softmax_ce.h"
 
 namespace mgpu::ops::cpu::MGPU_CPU_ISA {
 

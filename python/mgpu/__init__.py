@@ -1,7 +1,8 @@
 """mgpu: the chapter "Training on Multiple GPUs" as fast software.
 
-Devices (``cpu``, ``gpu``, ``try_gpu``, ``try_all_gpus``), tensors with autograd, the LeNet ops
-with their backward passes, the chapter's helpers (``get_params``, ``allreduce``, ``split_batch``,
+Devices (``cpu``, ``gpu``, ``try_gpu``, ``try_all_gpus``), tensors with autograd, the chapters'
+ops with their backward passes (``mgpu.ops``), losses and modules (``mgpu.nn``), the networks
+(``mgpu.models``), the chapter's helpers (``get_params``, ``allreduce``, ``split_batch``,
 ``sgd``), a fused data-parallel ``train_batch``, Fashion-MNIST and ``train``. The engine is C++
 (``mgpu._core``); every device runs its work asynchronously on its own queue.
 """
@@ -12,22 +13,49 @@ from . import _startup
 _startup.check_cpu()
 _startup.preload_blas()
 
-from . import _core  # noqa: E402  (after the checks above)
-from . import autograd, chapter, distributed, plot, random
+from . import (  # after the checks above (pyproject.toml: E402 is off for this file)
+    _core,
+    autograd,
+    chapter,
+    distributed,
+    models,
+    nn,
+    ops,
+    optim,
+    plot,
+    random,
+)
 from ._core import DeviceError, OutOfMemoryError
 from .autograd import no_grad
 from .data import DataLoader, get_fashion_mnist_labels, load_data_fashion_mnist
 from .device import Device, cpu, gpu, num_gpus, try_all_gpus, try_gpu
-from .nn import (CrossEntropyLoss, SoftmaxCrossEntropyLoss, argmax, avg_pool2d, conv2d,
-                 cross_entropy, dot, lenet, lenet_params, mm, relu)
+from .models import lenet, lenet_params
+from .nn import CrossEntropyLoss, SoftmaxCrossEntropyLoss
+from .ops import argmax, avg_pool2d, batch_norm, conv2d, cross_entropy, dot, mm, relu
 from .parallel import allreduce, get_params, sgd, split_and_load, split_batch, train_batch
 from .random import randn
-from .tensor import (Tensor, arange, array, from_dlpack, full, ones, ones_like, tensor, zeros,
-                     zeros_like)
-from .train import (Timer, TrainResult, evaluate_accuracy, evaluate_accuracy_gpu, train,
-                    train_op_by_op)
+from .tensor import (
+    Tensor,
+    arange,
+    array,
+    from_dlpack,
+    full,
+    ones,
+    ones_like,
+    tensor,
+    zeros,
+    zeros_like,
+)
+from .train import (
+    Timer,
+    TrainResult,
+    evaluate_accuracy,
+    evaluate_accuracy_gpu,
+    train,
+    train_op_by_op,
+)
 
-__version__ = "0.1.0"
+__version__: str = _core.build_info()["version"]  # pyproject.toml's, through the build
 
 
 def _drain_at_exit() -> None:
@@ -55,8 +83,9 @@ def build_info() -> dict:
 def info(file=None) -> None:
     """Prints what a bug report needs: version, CPU and kernel path, BLAS, CUDA/cuDNN/NCCL/MPI,
     devices, where the data set is. The same as ``python -m mgpu info``."""
-    from .cli import info_lines
     import sys
+
+    from .cli import info_lines
     print("\n".join(info_lines()), file=file or sys.stdout)
 
 
@@ -83,12 +112,14 @@ def empty_cache() -> None:
 
 
 __all__ = [
-    "Device", "DeviceError", "OutOfMemoryError", "Tensor", "CrossEntropyLoss", "SoftmaxCrossEntropyLoss", "DataLoader",
+    "Device", "DeviceError", "OutOfMemoryError", "Tensor", "CrossEntropyLoss",
+    "SoftmaxCrossEntropyLoss", "DataLoader",
     "Timer", "TrainResult", "build_info", "info",
     "cpu", "gpu", "try_gpu", "try_all_gpus", "num_gpus",
     "array", "tensor", "zeros", "ones", "full", "zeros_like", "ones_like", "arange", "randn",
     "from_dlpack", "random", "autograd", "chapter", "distributed", "plot", "no_grad",
-    "conv2d", "avg_pool2d", "relu", "mm", "dot", "cross_entropy", "argmax",
+    "models", "nn", "ops", "optim",
+    "conv2d", "avg_pool2d", "relu", "batch_norm", "mm", "dot", "cross_entropy", "argmax",
     "lenet", "lenet_params", "get_params", "allreduce", "split_batch", "split_and_load", "sgd",
     "train_batch", "load_data_fashion_mnist", "get_fashion_mnist_labels",
     "evaluate_accuracy", "evaluate_accuracy_gpu", "train", "train_op_by_op",

@@ -4,7 +4,10 @@ Runs in a separate interpreter (any Python with torch and NumPy) and must never 
 reads the Fashion-MNIST IDX files itself and prints one JSON object on stdout. Two variants:
 ``chapter`` is the section's code (lenet, get_params, allreduce, split_batch, train_batch) with
 k "devices" that are all the CPU, so the shards run one after the other; ``idiomatic`` is
-nn.Sequential + optim.SGD on one device. Both see batches (B, 1, 28, 28) float32 in [0, 1],
+nn.Sequential + optim.SGD on one device; ``resnet18`` and ``resnet18-compile`` are the concise
+chapter's network (sec. 12.6: d2l's Residual and resnet18(10, 1), no max-pool, normal_(std=0.01)
+init, CrossEntropyLoss() and optim.SGD) on one device, eager and through torch.compile. All see
+batches (B, 1, 28, 28) float32 in [0, 1],
 gathered from tensors already in memory, so they time the training step alone. ``loader`` is the
 chapter's code on one device fed as the chapter feeds it: d2l.load_data_fashion_mnist's
 DataLoader (shuffled, 4 worker processes, each image converted to a float tensor one at a time as
@@ -148,6 +151,61 @@ def idiomatic_model(torch, nn, seed):
             nn.init.normal_(m.weight, std=0.01)
             nn.init.zeros_(m.bias)
     return net
+
+
+def d2l_resnet18(torch, nn, F, seed, num_classes=10, in_channels=1):
+    """The concise chapter's ResNet-18 (sec. 12.6), as d2l writes it, initialised as it does."""
+    class Residual(nn.Module):
+        def __init__(self, input_channels, num_channels, use_1x1conv=False, strides=1):
+            super().__init__()
+            self.conv1 = nn.Conv2d(input_channels, num_channels, kernel_size=3, padding=1,
+                                   stride=strides)
+            self.conv2 = nn.Conv2d(num_channels, num_channels, kernel_size=3, padding=1)
+            self.conv3 = (nn.Conv2d(input_channels, num_channels, kernel_size=1, stride=strides)
+                          if use_1x1conv else None)
+            self.bn1 = nn.BatchNorm2d(num_channels)
+            self.bn2 = nn.BatchNorm2d(num_channels)
+
+        def forward(self, X):
+            Y = F.relu(self.bn1(self.conv1(X)))
+            Y = self.bn2(self.conv2(Y))
+            if self.conv3:
+                X = self.conv3(X)
+            Y += X
+            return F.relu(Y)
+
+    def resnet_block(in_channels, out_channels, num_residuals, first_block=False):
+        blk = []
+        for i in range(num_residuals):
+            if i == 0 and not first_block:
+                blk.append(Residual(in_channels, out_channels, use_1x1conv=True, strides=2))
+            else:
+                blk.append(Residual(out_channels, out_channels))
+        return nn.Sequential(*blk)
+
+    torch.manual_seed(seed)
+    net = nn.Sequential(
+        nn.Conv2d(in_channels, 64, kernel_size=3, stride=1, padding=1),
+        nn.BatchNorm2d(64), nn.ReLU())
+    net.add_module("resnet_block1", resnet_block(64, 64, 2, first_block=True))
+    net.add_module("resnet_block2", resnet_block(64, 128, 2))
+    net.add_module("resnet_block3", resnet_block(128, 256, 2))
+    net.add_module("resnet_block4", resnet_block(256, 512, 2))
+    net.add_module("global_avg_pool", nn.AdaptiveAvgPool2d((1, 1)))
+    net.add_module("fc", nn.Sequential(nn.Flatten(), nn.Linear(512, num_classes)))
+
+    def init_weights(m):
+        if type(m) in [nn.Linear, nn.Conv2d]:
+            nn.init.normal_(m.weight, std=0.01)
+
+    net.apply(init_weights)
+    return net
+
+
+def peak_rss_bytes():
+    """This process's peak resident memory so far (Linux reports ru_maxrss in KiB)."""
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 # --- timing --------------------------------------------------------------------------------
@@ -304,6 +362,27 @@ def main(argv=None):
 
         r = run_config("torch nn.Sequential + optim.SGD", step, batches, args.epochs, args.warmup)
         r.update(variant="idiomatic", num_devices=1, global_batch=args.batch_size)
+        results.append(r)
+    for variant in ("resnet18", "resnet18-compile"):
+        if variant not in variants:
+            continue
+        net = d2l_resnet18(torch, nn, F, args.seed)
+        opt = torch.optim.SGD(net.parameters(), lr=args.lr)
+        mean_loss = nn.CrossEntropyLoss()
+        model = torch.compile(net) if variant == "resnet18-compile" else net
+
+        def step(X, y, model=model, opt=opt, mean_loss=mean_loss):
+            opt.zero_grad()
+            l = mean_loss(model(X), y)
+            l.backward()
+            opt.step()
+            return l.item() * X.shape[0]
+
+        name = "torch ResNet-18" + (", torch.compile" if variant == "resnet18-compile" else
+                                    ", eager")
+        r = run_config(name, step, batches, args.epochs, args.warmup)
+        r.update(variant=variant, num_devices=1, global_batch=args.batch_size,
+                 peak_rss_bytes=peak_rss_bytes())
         results.append(r)
 
     json.dump({

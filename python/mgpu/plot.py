@@ -7,7 +7,8 @@ from typing import List, Optional, Sequence
 class Animator:
     """Adds points epoch by epoch and redraws the figure in a Jupyter notebook."""
 
-    def __init__(self, xlabel: str = "epoch", ylabel: str = "", legend: Optional[Sequence[str]] = None,
+    def __init__(self, xlabel: str = "epoch", ylabel: str = "",
+                 legend: Optional[Sequence[str]] = None,
                  xlim=None, ylim=None, figsize=(3.5, 2.5)):
         import matplotlib.pyplot as plt
         self.fig, self.ax = plt.subplots(figsize=figsize)

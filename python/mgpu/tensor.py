@@ -13,8 +13,7 @@ from typing import Optional, Tuple, Union
 
 import numpy as np
 
-from . import _core
-from . import autograd
+from . import _core, autograd
 from .device import Device, as_device, cpu
 
 Shape = Tuple[int, ...]
@@ -119,7 +118,7 @@ class Tensor:
         return self
 
     def backward(self, grad: Optional["Tensor"] = None) -> None:
-        """Adds d(self)/d(leaf) into every leaf's ``.grad``; a non-scalar back-propagates its sum."""
+        """Adds d(self)/d(leaf) into every leaf's ``.grad``; a non-scalar propagates its sum."""
         autograd.backward(self, grad)
 
     def detach(self) -> "Tensor":
@@ -268,11 +267,11 @@ class Tensor:
         return self.sum() / max(1, self.size)
 
     def argmax(self, axis: int = -1) -> "Tensor":
-        from .nn import argmax
+        from .ops import argmax
         return argmax(self, axis)
 
     def __matmul__(self, other: "Tensor") -> "Tensor":
-        from .nn import mm
+        from .ops import mm
         return mm(self, other)
 
     # Elementwise equality of labels is not a tensor op here: compare with numpy() or use
@@ -349,7 +348,8 @@ def array(obj, device: Optional[Device] = None, dtype=None, ctx: Optional[Device
     a = np.asarray(obj)
     want = np.dtype(dtype) if dtype is not None else _default_dtype(a)
     if want not in _DTYPES:
-        raise TypeError(f"unsupported dtype {want}; mgpu tensors hold float32, int32, int64 or uint8")
+        raise TypeError(f"unsupported dtype {want}; mgpu tensors hold float32, int32, int64 or "
+                        "uint8")
     a = np.asarray(a, dtype=want, order="C")  # keeps 0-d values 0-d
     return Tensor(_core.Tensor.from_numpy(a, device))
 
@@ -368,7 +368,8 @@ def _shape(shape) -> list:
 def full(shape, value: float, device: Optional[Device] = None, dtype=np.float32,
          ctx: Optional[Device] = None) -> Tensor:
     """A tensor of ``shape`` filled with ``value``."""
-    t = Tensor(_core.Tensor.empty(_shape(shape), np.dtype(dtype).name, as_device(device or ctx or cpu(0))))
+    dev = as_device(device or ctx or cpu(0))
+    t = Tensor(_core.Tensor.empty(_shape(shape), np.dtype(dtype).name, dev))
     _core.fill(t._t, float(value))
     return t
 

@@ -15,6 +15,7 @@
 namespace {
 
 using namespace mgpu::ops::cpu;
+using mgpu::ops::Conv2dShape;
 using Floats = std::vector<float>;
 using Bytes = std::vector<uint8_t>;
 

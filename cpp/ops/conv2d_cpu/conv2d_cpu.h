@@ -9,7 +9,8 @@
 #include <utility>
 #include <vector>
 
-#include "ops/kernels_cpu.h"
+#include "ops/conv2d.h"
+#include "ops/conv2d_relu_pool.h"
 
 namespace mgpu::ops::cpu::MGPU_CPU_ISA::conv {
 
