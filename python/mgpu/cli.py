@@ -38,6 +38,7 @@ def info_lines() -> List[str]:
     parts, devices, the data set. Each part that is missing says so in its line."""
     import os
     import platform
+
     from . import _core, _startup
     b = dict(_core.build_info())
     _, model = _startup.cpu_flags_and_model()
