@@ -399,11 +399,11 @@ def test_fused_train_step_equals_the_books_loop(k):
         X, y = batch(8, seed=step)
         Xt, yt = mgpu.array(X), mgpu.array(y)
         trainers[0].zero_grad()
-        l = loss(models[0](Xt), yt)
-        l.backward()
+        book = loss(models[0](Xt), yt)
+        book.backward()
         trainers[0].step()
         fused = models[1].train_step(Xt, yt, loss, trainers[1])
-        close(fused.item(), l.item(), f"loss, step {step}")
+        close(fused.item(), book.item(), f"loss, step {step}")
     book, fused = nets[0].state_dict(), nets[1].state_dict()
     for name in book:
         if not name.endswith("num_batches_tracked"):

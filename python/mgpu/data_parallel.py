@@ -13,8 +13,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from . import _core, autograd
 from . import ops as functional
 from .device import Device, as_device, try_all_gpus, try_gpu
-from .nn import Module, _BatchNorm, _calls, _check_input
 from .nn import CrossEntropyLoss as nn_CrossEntropyLoss
+from .nn import Module, _BatchNorm, _calls, _check_input
 from .optim import SGD as optim_SGD
 from .tensor import Tensor, zeros_like
 
@@ -225,8 +225,8 @@ class DataParallel(Module):
             losses = fused.model.train_step(X, y, trainer.lr, trainer.momentum,
                                             trainer.weight_decay)
             total = losses[0]
-            for l in losses[1:]:
-                total = total + l.to(total.device)
+            for part in losses[1:]:
+                total = total + part.to(total.device)
             return total / X.shape[0]
 
     def _fused_model(self) -> "_Fused":
@@ -269,8 +269,16 @@ class _Fused:
 
     def _emit(self, m: Module, src: int) -> int:
         from .models import Residual
-        from .nn import (AdaptiveAvgPool2d, AvgPool2d, BatchNorm2d, Conv2d, Flatten, Linear,
-                         ReLU, Sequential)
+        from .nn import (
+            AdaptiveAvgPool2d,
+            AvgPool2d,
+            BatchNorm2d,
+            Conv2d,
+            Flatten,
+            Linear,
+            ReLU,
+            Sequential,
+        )
         if isinstance(m, Sequential):
             for child in m:
                 src = self._emit(child, src)

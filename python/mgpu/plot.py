@@ -31,7 +31,7 @@ class Animator:
             self.ax.plot(xs, vals, marker="o")
         self.ax.set_xlabel(self.xlabel)
         self.ax.set_ylabel(self.ylabel)
-        if self.xlim:
+        if self.xlim and self.xlim[0] != self.xlim[1]:  # a one-epoch run leaves xlim alone
             self.ax.set_xlim(*self.xlim)
         if self.ylim:
             self.ax.set_ylim(*self.ylim)
