@@ -33,8 +33,9 @@ echo "== Python GPU tests on emulated GPUs (the emulated build's package)"
   ../.venv/bin/python -m pytest -q -p no:cacheprovider -m gpu "$@")
 
 echo "== CPU op and training tests with MGPU_ISA=avx2 (the installed package)"
+# Paths from the repository root, so the pass finds its files whatever the working directory.
 (cd tests && MGPU_ISA=avx2 ../.venv/bin/python -m pytest -q -p no:cacheprovider -m "not gpu" \
-  test_ops.py test_train.py)
+  "$PWD/test_ops.py" "$PWD/test_train.py")
 
 echo "== pip-only smoke test: pip wheel . (isolated, PyPI OpenBLAS), fresh venv, one step, info"
 smoke=build/pip-smoke
