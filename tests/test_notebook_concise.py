@@ -12,7 +12,7 @@ import pytest
 
 import mgpu
 from conftest import fashion_mnist_available
-from test_notebooks import CELL_TIMEOUT, _cell, _start_kernel_manager, _stdout
+from test_notebooks import CELL_TIMEOUT, _cell, _execute, _start_kernel_manager, _stdout
 
 NOTEBOOK = (pathlib.Path(__file__).resolve().parent.parent / "notebooks" /
             "concise-multiple-gpus.ipynb")
@@ -37,7 +37,7 @@ def executed(tmp_path_factory):
         extra_arguments=["--InteractiveShell.colors=nocolor"],
         resources={"metadata": {"path": str(work)}})
     try:
-        client.execute(env={**os.environ, **SHORT_RUN})
+        _execute(client, {**os.environ, **SHORT_RUN})
     except nbclient.exceptions.CellExecutionError as e:
         nbformat.write(nb, str(work / NOTEBOOK.name))
         pytest.fail(f"{NOTEBOOK.name} failed in a cell (this run is saved in {work}):\n{e}",

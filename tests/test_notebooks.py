@@ -56,6 +56,16 @@ def _start_kernel_manager(tmp_path):
                          kernel_spec_manager=KernelSpecManager(kernel_dirs=[str(kernels)]))
 
 
+def _execute(client, env):
+    """Runs every cell, then stops the kernel (nbclient leaves a kernel manager it was given
+    running)."""
+    try:
+        client.execute(env=env)
+    finally:
+        if client.km is not None and client.km.has_kernel:
+            client.km.shutdown_kernel(now=True)
+
+
 @pytest.fixture(scope="module")
 def executed(tmp_path_factory):
     """The notebook after a short run, every cell executed in order; fails on any cell error."""
@@ -76,7 +86,7 @@ def executed(tmp_path_factory):
         resources={"metadata": {"path": str(work)}})
     error = None
     try:
-        client.execute(env={**os.environ, **SHORT_RUN})
+        _execute(client, {**os.environ, **SHORT_RUN})
     except nbclient.exceptions.CellExecutionError as e:
         error = e
     nbformat.write(nb, str(work / NOTEBOOK.name))
