@@ -1,5 +1,9 @@
 // cpp/bind/bind_train.cpp -- the fused data-parallel step and evaluation.
+#include <cmath>
+#include <mutex>
+
 #include "bind/bind.h"
+#include "core/queue.h"
 #include "train/lenet.h"
 #include "train/train_batch.h"
 
@@ -11,7 +15,12 @@ void bind_train(py::module_& m) {
   m.def("train_batch", [](const Tensor& X, const Tensor& y,
                           const std::vector<std::vector<Tensor>>& params,
                           const std::vector<Device>& devices, float lr) {
+    MGPU_CHECK_VALUE(std::isfinite(lr) && lr > 0, "train_batch: the learning rate must be a "
+                     "finite number > 0, got ", lr);
     py::gil_scoped_release nogil;
+    // The step enqueues all-reduce parts on every device (on GPUs interleaved with each
+    // device's backward): one step at a time, so concurrent threads' collectives cannot cross.
+    std::lock_guard<std::recursive_mutex> order(collective_submission_mutex());
     return train::train_batch(X, y, params, devices, lr);
   }, "Fused LeNet step on every device; returns each device's summed loss (0-d).");
   m.def("evaluate_batch", [](const Tensor& X, const Tensor& y,

@@ -22,7 +22,7 @@ Shape check_pool(const char* op, const Tensor& x, int64_t kh, int64_t kw, int64_
 
 Tensor avg_pool2d_forward(const Tensor& x, int64_t kh, int64_t kw, int64_t sh, int64_t sw) {
   Shape ys = check_pool("avg_pool2d_forward", x, kh, kw, sh, sw);
-  Tensor y = Tensor::empty(ys, DType::F32, x.device());
+  Tensor y = Tensor::empty(ys, DType::F32, x.device(), "avg_pool2d_forward");
 #if MGPU_GPU_BUILD
   if (!x.device().is_cpu()) {
     enqueue_gpu(x.device(), "avg_pool2d_forward",

@@ -86,7 +86,7 @@ LabelCheck LabelCheck::snapshot() const { return *this; }
 Tensor softmax_ce_forward(const Tensor& logits, const Tensor& labels) {
   const char* op = "cross_entropy";
   check_ce(op, logits, labels);
-  Tensor loss = Tensor::empty({logits.size(0)}, DType::F32, logits.device());
+  Tensor loss = Tensor::empty({logits.size(0)}, DType::F32, logits.device(), op);
 #if MGPU_GPU_BUILD
   if (!logits.device().is_cpu()) {
     enqueue_with_label_check(op, logits, labels,

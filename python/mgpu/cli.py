@@ -9,7 +9,8 @@ from typing import List, Optional
 
 def _train(args) -> int:
     from .train import train, train_op_by_op
-    kw = dict(data_dir=args.data_dir, limit_batches=args.limit_batches, seed=args.seed)
+    kw = dict(data_dir=args.data_dir, limit_batches=args.limit_batches, seed=args.seed,
+              check_finite=args.check_finite)
     if args.op_by_op:
         train_op_by_op(args.num_gpus, args.batch_size, args.lr, args.epochs, **kw)
     else:
@@ -130,6 +131,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--op-by-op", action="store_true",
                    help="use the chapter's Python train_batch instead of the fused one")
+    t.add_argument("--no-check-finite", dest="check_finite", action="store_false",
+                   help="keep training when the loss becomes NaN or infinite (default: stop)")
     t.set_defaults(run=_train)
     i = sub.add_parser("info", help="what this build contains (mgpu.build_info())")
     i.set_defaults(run=_info)
@@ -137,7 +140,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.run(args)
-    except (ValueError, TypeError, IndexError, FileNotFoundError, RuntimeError) as e:
+    except KeyboardInterrupt:
+        # Ctrl-C: one line, and the shell's status for SIGINT (128 + 2), no traceback.
+        print("mgpu: interrupted", file=sys.stderr)
+        return 130
+    except (ValueError, TypeError, IndexError, FileNotFoundError, RuntimeError, MemoryError,
+            ArithmeticError) as e:
         from . import distributed
         where = f" (rank {distributed.rank()})" if distributed.world_size() > 1 else ""
         print(f"mgpu: error{where}: {e}", file=sys.stderr)
