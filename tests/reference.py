@@ -166,6 +166,86 @@ def linear_backward(x, w, dy):
 
 
 # ---------------------------------------------------------------------------------------------
+# batch norm (d2l 12.6's ResNet-18, PyTorch's F.batch_norm): statistics per channel over N, H, W
+# (axis 0 only for (N, C) input). Training: xhat = (x - mean) / sqrt(var + eps) with the batch's
+# mean and biased var, y = gamma * xhat + beta; evaluation uses the running statistics instead.
+# ---------------------------------------------------------------------------------------------
+
+def _bn_axes(x):
+    return (0,) if x.ndim == 2 else (0, 2, 3)
+
+
+def _per_channel(v, x):
+    """A (C,) vector shaped to broadcast against x (N, C) or (N, C, H, W)."""
+    v = _f64(v)
+    return v[None, :] if x.ndim == 2 else v[None, :, None, None]
+
+
+def batch_norm_stats(x):
+    """x (N, C, H, W) or (N, C) -> (mean (C,), biased var (C,)), two-pass in float64."""
+    x = _f64(x)
+    mean = x.mean(axis=_bn_axes(x))
+    var = ((x - _per_channel(mean, x)) ** 2).mean(axis=_bn_axes(x))
+    return mean, var
+
+
+def batch_norm_eval_forward(x, mean, var, gamma=None, beta=None, eps=1e-5):
+    """Normalises x with the given (constant) statistics: (x - mean) / sqrt(var + eps) * gamma
+    + beta; gamma, beta (C,) or None (1 and 0)."""
+    x = _f64(x)
+    C = x.shape[1]
+    gamma = np.ones(C) if gamma is None else gamma
+    beta = np.zeros(C) if beta is None else beta
+    xhat = (x - _per_channel(mean, x)) / np.sqrt(_per_channel(var, x) + eps)
+    return xhat * _per_channel(gamma, x) + _per_channel(beta, x)
+
+
+def batch_norm_train_forward(x, gamma=None, beta=None, eps=1e-5):
+    """Normalises x with its own batch statistics -> (y, mean, biased var)."""
+    mean, var = batch_norm_stats(x)
+    return batch_norm_eval_forward(x, mean, var, gamma, beta, eps), mean, var
+
+
+def batch_norm_eval_backward(x, mean, var, gamma, dy, eps=1e-5):
+    """Statistics constant: dx = gamma / sqrt(var + eps) * dy, dgamma = sum(dy * xhat),
+    dbeta = sum(dy) -> (dx, dgamma, dbeta); gamma None means 1."""
+    x, dy = _f64(x), _f64(dy)
+    gamma = np.ones(x.shape[1]) if gamma is None else gamma
+    invstd = 1.0 / np.sqrt(_per_channel(var, x) + eps)
+    xhat = (x - _per_channel(mean, x)) * invstd
+    axes = _bn_axes(x)
+    return dy * _per_channel(gamma, x) * invstd, (dy * xhat).sum(axis=axes), dy.sum(axis=axes)
+
+
+def batch_norm_train_backward(x, gamma, dy, eps=1e-5):
+    """Batch statistics depend on x: the chain rule through mean and var, step by step (m = N*H*W
+    elements per channel) -> (dx, dgamma, dbeta); gamma None means 1."""
+    x, dy = _f64(x), _f64(dy)
+    axes = _bn_axes(x)
+    m = x.size // x.shape[1]
+    gamma = np.ones(x.shape[1]) if gamma is None else gamma
+    mean, var = batch_norm_stats(x)
+    centered = x - _per_channel(mean, x)
+    invstd = 1.0 / np.sqrt(_per_channel(var, x) + eps)
+    dxhat = dy * _per_channel(gamma, x)
+    dvar = (dxhat * centered).sum(axis=axes, keepdims=True) * -0.5 * invstd ** 3
+    dmean = (-dxhat * invstd).sum(axis=axes, keepdims=True) \
+        + dvar * (-2.0 * centered).sum(axis=axes, keepdims=True) / m
+    dx = dxhat * invstd + dvar * 2.0 * centered / m + dmean / m
+    return dx, (dy * centered * invstd).sum(axis=axes), dy.sum(axis=axes)
+
+
+def batch_norm_running_update(running_mean, running_var, x, momentum=0.1):
+    """PyTorch's update after a training step: new = (1 - momentum) * old + momentum * batch
+    statistic, the variance unbiased (times m / (m - 1)) -> (new mean, new var)."""
+    x = _f64(x)
+    m = x.size // x.shape[1]
+    mean, var = batch_norm_stats(x)
+    return ((1 - momentum) * _f64(running_mean) + momentum * mean,
+            (1 - momentum) * _f64(running_var) + momentum * var * m / (m - 1))
+
+
+# ---------------------------------------------------------------------------------------------
 # Softmax + cross-entropy as one op (reduction none), argmax, SGD.
 # ---------------------------------------------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""``python -m mgpu bench {train,ops,allreduce}``: each runs in-process at tiny sizes, and its JSON
+"""``python -m mgpu bench {train,ops,batch_norm,allreduce}``: each runs in-process at tiny sizes, and its JSON
 holds every field, positive times, and derived numbers that agree with the raw ones (busbw =
 algbw * 2(k-1)/k, sec/epoch = median sec/step * batches, ratios = torch / mgpu medians).
 """
@@ -160,11 +160,31 @@ def test_allreduce_reports_algbw_and_busbw(tmp_path):
         assert b["bytes"] == 65536 and b["bandwidth"] == b["bytes"] / b["time"]["median"]
 
 
+def test_batch_norm_reports_gbps_against_a_copy(tmp_path):
+    code, text, r = _run(["bench", "batch_norm", "--shape", "4,3,5,5", "--warmup", "1",
+                          "--repeat", "2"], tmp_path, "batch_norm")
+    assert code == 0
+    _check_machine(r)
+    assert "of copy" in text
+    n = 4 * 3 * 5 * 5
+    assert [(x["op"], x["bytes"]) for x in r["ops"]] == [
+        ("copy x -> y (memcpy)", 8 * n), ("stats (mean, var)", 4 * n), ("forward y", 8 * n),
+        ("backward_reduce", 8 * n), ("backward dx (training)", 12 * n)]
+    for x in r["ops"]:
+        _check_stats(x["time"])
+        assert x["gbps"] == x["bytes"] / x["time"]["median"] / 1e9
+    assert r["totals"]["copy"] == r["ops"][0]["time"]["median"]
+    code, _, _ = _run(["bench", "batch_norm", "--shape", "4,3,5"], tmp_path, "bad")
+    assert code == 2
+
+
 def test_plots_every_result_kind(tmp_path):
     pytest.importorskip("matplotlib")
     for name, argv in (("ops", ["ops", "--batch-sizes", "2", "--warmup", "0", "--repeat", "1"]),
                        ("allreduce", ["allreduce", "--sizes", "1K,4K", "--warmup", "0",
-                                      "--repeat", "1"])):
+                                      "--repeat", "1"]),
+                ("batch_norm", ["batch_norm", "--shape", "2,2,3,3", "--warmup", "0",
+                                "--repeat", "1"])):
         png = tmp_path / f"{name}.png"
         code, _, r = _run(["bench"] + argv + ["--plot", str(png)], tmp_path, name)
         assert code == 0 and png.stat().st_size > 1000

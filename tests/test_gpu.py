@@ -2,7 +2,7 @@
 
 These run wherever ``mgpu.num_gpus() > 0``. In CI that is the emulated build (``.ci/test.sh`` runs
 this suite a second time with ``PYTHONPATH=build/cpp-tests/python``): gpu(0), gpu(1) are mgpu's
-emulated GPUs, every kernel a real CUDA kernel run by cpp/emu. The tests marked ``real_gpu`` need
+emulated GPUs, every kernel a real CUDA kernel run by cpp/cuda/emu. The tests marked ``real_gpu`` need
 NVIDIA's libraries (cuBLAS, cuDNN, NCCL), which cannot run emulated: they are skipped here and are
 ready for a machine with GPUs. Every op test in the other files also runs on gpu(0) through the
 ``device`` fixture.

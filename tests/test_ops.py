@@ -559,3 +559,334 @@ def test_sgd_after_backward_on_attached_grads(device, rng):
     assert_close(w.numpy(), expected, "sum", "sgd after backward", device)
     mgpu.sgd([w], 0.5, 5)
     assert_close(w.numpy(), expected, "sum", "sgd with zero grads", device)
+
+
+# ---------------------------------------------------------------------------------------------
+# batch_norm (d2l 12.6's ResNet-18): mgpu.batch_norm, PyTorch's F.batch_norm semantics
+# ---------------------------------------------------------------------------------------------
+
+BN_CASES = [
+    pytest.param((2, 3, 5, 4), id="nchw"),
+    pytest.param((1, 4, 3, 3), id="batch1-hw9"),
+    pytest.param((3, 1, 7, 5), id="one-channel-odd"),
+    pytest.param((3, 2, 33, 35), id="odd-several-cuda-chunks"),
+    pytest.param((5, 3), id="2d-nc"),
+    # (Batch 2 of 1x1 maps normalises to exactly -1, +1 whatever x is: dx cancels to ~eps / var,
+    # so float32 rounding dominates it; 4 values per channel keep the test meaningful.)
+    pytest.param((4, 6, 1, 1), id="1x1-maps"),
+]
+
+
+def _bn_inputs(rng, shape, affine, loc=0.0, scale=1.0):
+    C = shape[1]
+    x = f32(rng.normal(loc=loc, scale=scale, size=shape))
+    gamma = f32(rng.uniform(0.5, 1.5, size=C) * rng.choice([-1.0, 1.0], size=C)) if affine else None
+    beta = f32(rng.normal(size=C)) if affine else None
+    return x, gamma, beta
+
+
+@pytest.mark.parametrize("shape", BN_CASES)
+@pytest.mark.parametrize("affine", [True, False], ids=["affine", "no-affine"])
+def test_batch_norm_training_forward_backward_and_running_stats(device, rng, shape, affine):
+    x, gamma, beta = _bn_inputs(rng, shape, affine, loc=0.7, scale=1.3)
+    C = shape[1]
+    rm0, rv0 = f32(rng.normal(size=C)), f32(rng.uniform(0.5, 2.0, size=C))
+    xt = on(x, device, True)
+    gt = on(gamma, device, True) if affine else None
+    bt = on(beta, device, True) if affine else None
+    rm, rv = on(rm0, device), on(rv0, device)
+    y = mgpu.batch_norm(xt, rm, rv, gt, bt, training=True, momentum=0.1, eps=1e-5)
+    assert y.shape == shape and y.device == device
+    y_ref, _, _ = ref.batch_norm_train_forward(x, gamma, beta, eps=1e-5)
+    assert_close(y.numpy(), y_ref, "sum", "batch_norm forward (training)", device)
+    rm_ref, rv_ref = ref.batch_norm_running_update(rm0, rv0, x, momentum=0.1)
+    assert_close(rm.numpy(), rm_ref, "sum", "running_mean", device)
+    assert_close(rv.numpy(), rv_ref, "sum", "running_var", device)
+
+    dy = f32(rng.normal(size=shape))
+    y.backward(on(dy, device))
+    dx, dgamma, dbeta = ref.batch_norm_train_backward(x, gamma, dy, eps=1e-5)
+    assert_close(xt.grad.numpy(), dx, "sum", "batch_norm dx (training)", device)
+    if affine:
+        assert_close(gt.grad.numpy(), dgamma, "sum", "batch_norm dgamma", device)
+        assert_close(bt.grad.numpy(), dbeta, "sum", "batch_norm dbeta", device)
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 5, 4), (4, 5), (1, 2, 1, 1)])
+def test_batch_norm_evaluation_uses_running_stats_and_leaves_them(device, rng, shape):
+    x, gamma, beta = _bn_inputs(rng, shape, True)
+    C = shape[1]
+    rm0, rv0 = f32(rng.normal(size=C)), f32(rng.uniform(0.5, 2.0, size=C))
+    xt, gt, bt = on(x, device, True), on(gamma, device, True), on(beta, device, True)
+    rm, rv = on(rm0, device), on(rv0, device)
+    y = mgpu.batch_norm(xt, rm, rv, gt, bt, training=False, eps=1e-3)
+    assert_close(y.numpy(), ref.batch_norm_eval_forward(x, rm0, rv0, gamma, beta, eps=1e-3),
+                 "sum", "batch_norm forward (evaluation)", device)
+    dy = f32(rng.normal(size=shape))
+    y.backward(on(dy, device))
+    dx, dgamma, dbeta = ref.batch_norm_eval_backward(x, rm0, rv0, gamma, dy, eps=1e-3)
+    assert_close(xt.grad.numpy(), dx, "sum", "batch_norm dx (evaluation)", device)
+    assert_close(gt.grad.numpy(), dgamma, "sum", "batch_norm dgamma (evaluation)", device)
+    assert_close(bt.grad.numpy(), dbeta, "sum", "batch_norm dbeta (evaluation)", device)
+    np.testing.assert_array_equal(rm.numpy(), rm0.astype(np.float32))
+    np.testing.assert_array_equal(rv.numpy(), rv0.astype(np.float32))
+
+
+def test_batch_norm_running_stats_by_hand(device):
+    """One channel holding 1, 2, 3, 5 (N=2, H=1, W=2): mean 2.75, unbiased var 2.9166...;
+    momentum 0.25 from running (1, 2) twice."""
+    x = np.array([[[[1.0, 2.0]]], [[[3.0, 5.0]]]], dtype=np.float32)
+    rm, rv = on([1.0], device), on([2.0], device)
+    for _ in range(2):
+        mgpu.batch_norm(on(x, device), rm, rv, training=True, momentum=0.25)
+    mean, var_unbiased = 2.75, (1.75 ** 2 + 0.75 ** 2 + 0.25 ** 2 + 2.25 ** 2) / 3
+    want_m = 0.75 * (0.75 * 1.0 + 0.25 * mean) + 0.25 * mean
+    want_v = 0.75 * (0.75 * 2.0 + 0.25 * var_unbiased) + 0.25 * var_unbiased
+    assert_close(rm.numpy(), [want_m], "elementwise", "running_mean by hand", device)
+    assert_close(rv.numpy(), [want_v], "elementwise", "running_var by hand", device)
+
+
+def test_batch_norm_without_running_stats_in_training(device, rng):
+    x, gamma, beta = _bn_inputs(rng, (3, 2, 4, 4), True)
+    y = mgpu.batch_norm(on(x, device), None, None, on(gamma, device), on(beta, device),
+                        training=True)
+    assert_close(y.numpy(), ref.batch_norm_train_forward(x, gamma, beta)[0], "sum",
+                 "batch_norm without running stats", device)
+
+
+@pytest.mark.parametrize("loc, scale", [(50.0, 1.0), (1e4, 1.0), (-3e3, 0.01)])
+def test_batch_norm_is_accurate_when_mean_dwarfs_std(device, rng, loc, scale):
+    """A one-pass float E[x^2] - E[x]^2 loses the variance entirely here; the shifted double sums
+    keep it to float precision."""
+    shape = (4, 3, 9, 11)
+    x = f32(rng.normal(loc=loc, scale=scale, size=shape))
+    mean, var = mgpu._core.batch_norm_stats(on(x, device)._t)
+    mean_ref, var_ref = ref.batch_norm_stats(x)
+    assert_close(mean.numpy(), mean_ref, "elementwise", "batch_norm_stats mean", device)
+    assert_close(var.numpy(), var_ref, "sum", "batch_norm_stats var", device)
+    y = mgpu.batch_norm(on(x, device), None, None, training=True, eps=1e-8)
+    # y's error is set by mean rounded to float32 (|mean| * 6e-8) over std.
+    tol = 4 * np.spacing(np.float32(abs(loc))) / scale
+    y_ref = ref.batch_norm_train_forward(x, eps=1e-8)[0]
+    err = np.abs(y.numpy() - y_ref).max()
+    assert err <= max(tol, 1e-5), f"batch_norm forward on {device}: max error {err:.3g}"
+
+
+def test_batch_norm_only_weights_require_grad(device, rng):
+    x, gamma, beta = _bn_inputs(rng, (3, 2, 4, 3), True)
+    xt, gt, bt = on(x, device), on(gamma, device, True), on(beta, device, True)
+    dy = f32(rng.normal(size=x.shape))
+    mgpu.batch_norm(xt, None, None, gt, bt, training=True).backward(on(dy, device))
+    _, dgamma, dbeta = ref.batch_norm_train_backward(x, gamma, dy)
+    assert xt.grad is None
+    assert_close(gt.grad.numpy(), dgamma, "sum", "dgamma", device)
+    assert_close(bt.grad.numpy(), dbeta, "sum", "dbeta", device)
+
+
+def test_batch_norm_errors_are_clear_and_change_nothing(device, rng):
+    C = 3
+    x = on(rng.normal(size=(2, C, 4, 4)), device)
+    rm, rv = on(np.zeros(C), device), on(np.ones(C), device)
+
+    def unchanged():
+        np.testing.assert_array_equal(rm.numpy(), np.zeros(C, dtype=np.float32))
+        np.testing.assert_array_equal(rv.numpy(), np.ones(C, dtype=np.float32))
+
+    with pytest.raises(ValueError, match="Expected more than 1 value per channel when training"):
+        mgpu.batch_norm(on(rng.normal(size=(1, C)), device), rm, rv, training=True)
+    with pytest.raises(ValueError, match="Expected more than 1 value per channel when training"):
+        mgpu.batch_norm(on(rng.normal(size=(1, C, 1, 1)), device), rm, rv, training=True)
+    with pytest.raises(ValueError, match="4 dims"):
+        mgpu.batch_norm(on(rng.normal(size=(2, C, 4)), device), rm, rv, training=True)
+    with pytest.raises(ValueError, match=r"weight must have shape \(3,\)"):
+        mgpu.batch_norm(x, rm, rv, on(np.ones(C + 1), device), training=True)
+    with pytest.raises(ValueError, match=r"running_var must have shape \(3,\)"):
+        mgpu.batch_norm(x, rm, on(np.ones(2), device), training=True)
+    with pytest.raises(ValueError, match="is on"):
+        mgpu.batch_norm(x, rm, rv, on(np.ones(C), other_device(device)), training=True)
+    with pytest.raises(TypeError, match="float32"):
+        mgpu.batch_norm(x, rm, rv, on(np.ones(C), device).astype(np.int32), training=True)
+    with pytest.raises(TypeError, match="mgpu Tensor"):
+        mgpu.batch_norm(np.ones((2, C, 4, 4), np.float32), rm, rv, training=True)
+    with pytest.raises(TypeError, match="weight must be an mgpu Tensor"):
+        mgpu.batch_norm(x, rm, rv, np.ones(C, np.float32), training=True)
+    with pytest.raises(ValueError, match="eps must be > 0"):
+        mgpu.batch_norm(x, rm, rv, training=True, eps=0.0)
+    with pytest.raises(ValueError, match="running_mean and running_var are needed"):
+        mgpu.batch_norm(x, None, None, training=False)
+    unchanged()
+    # The engine's own checks, for callers (the fused step) that bypass the Python ones.
+    core = mgpu._core
+    with pytest.raises(ValueError, match="batch_norm_stats: x must have 4 dims"):
+        core.batch_norm_stats(on(np.ones((2, 3, 4)), device)._t)
+    with pytest.raises(ValueError, match="no elements per channel"):
+        core.batch_norm_stats(on(np.ones((0, 3)), device)._t)
+    with pytest.raises(TypeError, match="float32"):
+        core.batch_norm_stats(on(np.ones((2, 3)), device).astype(np.int32)._t)
+    with pytest.raises(ValueError, match="eps must be a positive number"):
+        core.batch_norm_forward(x._t, rm._t, rv._t, None, None, 0.0)
+    with pytest.raises(ValueError, match=r"mean must have shape \(3,\)"):
+        core.batch_norm_forward(x._t, on(np.ones(4), device)._t, rv._t, None, None, 1e-5)
+    with pytest.raises(ValueError, match="same device|device"):
+        core.batch_norm_forward(x._t, on(np.ones(C), other_device(device))._t, rv._t, None, None,
+                                1e-5)
+    with pytest.raises(ValueError, match="count"):
+        core.batch_norm_backward(x._t, x._t, rm._t, rv._t, None, rm._t, rm._t, 0.0, 1e-5, True)
+    with pytest.raises(ValueError, match="dy has shape"):
+        core.batch_norm_backward_reduce(x._t, on(np.ones((2, C, 4, 3)), device)._t, rm._t, rv._t,
+                                        1e-5)
+    unchanged()
+
+
+# ---------------------------------------------------------------------------------------------
+# The other ops of ResNet-18 at its shapes: 3x3 convs (padding 1, stride 1 and 2), the 1x1 stride-2
+# shortcut conv, global average pooling, the residual add, the final linear layer with bias.
+# GPU shapes stay tiny (the emulator runs each CUDA thread as a fiber); 64-512 channels run on CPU.
+# ---------------------------------------------------------------------------------------------
+
+# (N, C, H, W), (K, R, S), stride, padding, cpu_only
+RESNET_CONV_CASES = [
+    pytest.param((2, 8, 8, 8), (8, 3, 3), 1, 1, False, id="3x3s1-c8"),
+    pytest.param((2, 8, 8, 8), (16, 3, 3), 2, 1, False, id="3x3s2-c8-k16"),
+    pytest.param((2, 8, 8, 8), (16, 1, 1), 2, 0, False, id="1x1s2-c8-k16"),
+    pytest.param((2, 16, 7, 7), (16, 3, 3), 2, 1, False, id="3x3s2-odd7"),
+    pytest.param((1, 12, 9, 9), (16, 1, 1), 2, 0, False, id="1x1s2-odd9"),
+    pytest.param((2, 1, 12, 12), (8, 3, 3), 1, 1, False, id="stem-1-channel"),
+    pytest.param((2, 64, 8, 8), (64, 3, 3), 1, 1, True, id="3x3s1-c64"),
+    pytest.param((2, 64, 8, 8), (128, 3, 3), 2, 1, True, id="3x3s2-c64-k128"),
+    pytest.param((2, 64, 8, 8), (128, 1, 1), 2, 0, True, id="1x1s2-c64-k128"),
+    pytest.param((1, 128, 7, 7), (256, 3, 3), 2, 1, True, id="3x3s2-c128-k256-odd"),
+    pytest.param((2, 256, 4, 4), (512, 1, 1), 2, 0, True, id="1x1s2-c256-k512"),
+    pytest.param((1, 512, 3, 3), (512, 3, 3), 1, 1, True, id="3x3s1-c512"),
+    # ResNet-18's real layers on 28x28 Fashion-MNIST (d2l 12.6: no max-pool), batch 10 = one
+    # full and one partial block of the CPU conv's 8-image batch sums.
+    pytest.param((10, 1, 28, 28), (64, 3, 3), 1, 1, True, id="real-stem-1-64-28x28-n10"),
+    pytest.param((2, 64, 28, 28), (64, 3, 3), 1, 1, True, id="real-b1-64-28x28"),
+    pytest.param((2, 64, 28, 28), (128, 3, 3), 2, 1, True, id="real-b2-64-128-s2"),
+    pytest.param((2, 64, 28, 28), (128, 1, 1), 2, 0, True, id="real-b2-shortcut-1x1s2"),
+    pytest.param((2, 128, 14, 14), (256, 3, 3), 2, 1, True, id="real-b3-128-256-s2"),
+    pytest.param((2, 256, 7, 7), (512, 3, 3), 2, 1, True, id="real-b4-256-512-s2-7to4"),
+    pytest.param((2, 512, 4, 4), (512, 3, 3), 1, 1, True, id="real-b4-512-4x4"),
+]
+
+
+@pytest.mark.parametrize("xshape, kshape, stride, padding, cpu_only", RESNET_CONV_CASES)
+def test_conv2d_at_resnet_shapes(device, rng, xshape, kshape, stride, padding, cpu_only):
+    if cpu_only and device.kind != mgpu._core.DeviceKind.CPU:
+        pytest.skip("64-512 channels run on CPU devices only (the emulator is slow)")
+    bias = kshape[1] == 3  # ResNet's convs have biases in d2l's Residual; 1x1 both ways covered
+    x, w, b = _conv_inputs(rng, xshape, kshape, bias)
+    w = w / np.sqrt(xshape[1])  # keep sums near 1 so the tolerance is relative to the values
+    xt, wt = on(x, device, True), on(w, device, True)
+    bt = on(b, device, True) if bias else None
+    out = mgpu.conv2d(xt, wt, bt, stride=stride, padding=padding)
+    assert_close(out.numpy(), ref.conv2d_forward(x, w, b, stride, padding), "sum",
+                 "conv2d forward", device)
+    dy = f32(rng.normal(size=out.shape))
+    out.backward(on(dy, device))
+    dx, dw, db = ref.conv2d_backward(x, w, dy, stride, padding, has_bias=bias)
+    assert_close(xt.grad.numpy(), dx, "sum", "conv2d dx", device)
+    # dw and db add N*P*Q unit-size terms (1568 at 28x28): float32 rounding of such a sum is
+    # ~sqrt(N*P*Q) * 6e-8 * its scale, so entries that cancel to near 0 are compared against
+    # the gradient's largest entry instead of the fixed atol (a dropped tap or image is O(max)).
+    scaled = dict(rtol=1e-4, atol=2e-6 * np.abs(dw).max())
+    np.testing.assert_allclose(wt.grad.numpy(), dw, **scaled, err_msg=f"conv2d dw on {device}")
+    if bias:
+        np.testing.assert_allclose(bt.grad.numpy(), db, rtol=1e-4, atol=2e-6 * np.abs(db).max(),
+                                   err_msg=f"conv2d db on {device}")
+
+
+@pytest.mark.parametrize("shape", [(2, 16, 4, 4), (3, 8, 7, 7), (1, 512, 1, 1), (2, 5, 3, 5)])
+def test_global_avg_pool_is_avg_pool2d_over_the_whole_map(device, rng, shape):
+    N, C, H, W = shape
+    x = f32(rng.normal(size=shape))
+    xt = on(x, device, True)
+    out = mgpu.avg_pool2d(xt, kernel_size=(H, W))
+    assert out.shape == (N, C, 1, 1)
+    assert_close(out.numpy(), x.mean(axis=(2, 3), keepdims=True), "sum", "global avg pool",
+                 device)
+    dy = f32(rng.normal(size=(N, C, 1, 1)))
+    out.backward(on(dy, device))
+    assert_close(xt.grad.numpy(), np.broadcast_to(dy / (H * W), shape), "sum",
+                 "global avg pool backward", device)
+
+
+def test_linear_with_bias_at_resnet_head(device, rng):
+    """ResNet-18's head: (N, 512) features @ (512, 10) + bias, forward and every gradient."""
+    x, w, b = f32(rng.normal(size=(3, 512))), f32(rng.normal(size=(512, 10)) / 20), \
+        f32(rng.normal(size=10))
+    xt, wt, bt = on(x, device, True), on(w, device, True), on(b, device, True)
+    out = mgpu.mm(xt, wt) + bt
+    assert_close(out.numpy(), ref.linear_forward(x, w, b), "sum", "linear forward", device)
+    dy = f32(rng.normal(size=(3, 10)))
+    out.backward(on(dy, device))
+    for t, g, name in zip((xt, wt, bt), ref.linear_backward(x, w, dy), ("dx", "dw", "db")):
+        assert_close(t.grad.numpy(), g, "sum", f"linear {name}", device)
+
+
+def test_residual_add_sums_both_paths_of_a_shared_intermediate(device, rng):
+    """h = relu(x * w) feeds both branches of out = relu(h * v) + h (a non-leaf with two
+    consumers): dh must be the sum of both paths' gradients, and so dx and dw."""
+    x, w, v = (f32(off_kink(rng, (3, 4), low=0.1)) for _ in range(3))
+    dy = f32(rng.normal(size=(3, 4)))
+    xt, wt, vt = on(x, device, True), on(w, device, True), on(v, device, True)
+    h = mgpu.relu(xt * wt)
+    out = mgpu.relu(h * vt) + h
+    out.backward(on(dy, device))
+    h_ref = np.maximum(x * w, 0)
+    dh = dy * (h_ref * v > 0) * v + dy
+    assert_close(vt.grad.numpy(), dy * (h_ref * v > 0) * h_ref, "elementwise", "dv", device)
+    assert_close(xt.grad.numpy(), dh * (x * w > 0) * w, "elementwise", "dx via both paths", device)
+    assert_close(wt.grad.numpy(), dh * (x * w > 0) * x, "elementwise", "dw via both paths", device)
+
+
+def _residual_block_reference(x, p, dy, eps):
+    """float64 forward and backward of out = conv2(relu(bn1(conv1(h)))) + h with
+    h = relu(bn0(conv0(x))), every BN in training mode; returns (out, grads by name)."""
+    def conv_bn_relu(inp, w, b, g, be, stride, pad):
+        z = ref.conv2d_forward(inp, w, b, stride, pad)
+        y, _, _ = ref.batch_norm_train_forward(z, g, be, eps)
+        return z, y, ref.relu_forward(y)
+
+    z0, y0, h = conv_bn_relu(x, p["w0"], p["b0"], p["g0"], p["be0"], 1, 1)
+    z1, y1, a1 = conv_bn_relu(h, p["w1"], p["b1"], p["g1"], p["be1"], 1, 1)
+    out = ref.conv2d_forward(a1, p["w2"], p["b2"], 1, 1) + h
+    grads = {}
+    da1, grads["w2"], grads["b2"] = ref.conv2d_backward(a1, p["w2"], dy, 1, 1)
+    dz1, grads["g1"], grads["be1"] = ref.batch_norm_train_backward(
+        z1, p["g1"], ref.relu_backward(y1, da1), eps)
+    dh_branch, grads["w1"], grads["b1"] = ref.conv2d_backward(h, p["w1"], dz1, 1, 1)
+    dh = dh_branch + dy  # the shortcut's path
+    dz0, grads["g0"], grads["be0"] = ref.batch_norm_train_backward(
+        z0, p["g0"], ref.relu_backward(y0, dh), eps)
+    _, grads["w0"], grads["b0"] = ref.conv2d_backward(x, p["w0"], dz0, 1, 1)
+    return out, grads
+
+
+def test_conv_bn_relu_residual_block_gradients(device, rng):
+    """A residual block in which h feeds both the conv branch and the shortcut add: every
+    parameter's gradient against the float64 reference backward (which sums both paths)."""
+    N, C, H, W = 2, 3, 5, 6
+    K = 4
+    eps = 1e-5
+    x = f32(rng.normal(size=(N, C, H, W)))
+    p = {"w0": f32(rng.normal(size=(K, C, 3, 3)) / 3), "b0": f32(rng.normal(size=K)),
+         "g0": f32(rng.uniform(0.5, 1.5, size=K)), "be0": f32(rng.normal(size=K)),
+         "w1": f32(rng.normal(size=(K, K, 3, 3)) / 3), "b1": f32(rng.normal(size=K)),
+         "g1": f32(rng.uniform(0.5, 1.5, size=K)), "be1": f32(rng.normal(size=K)),
+         "w2": f32(rng.normal(size=(K, K, 3, 3)) / 3), "b2": f32(rng.normal(size=K))}
+    dy = f32(rng.normal(size=(N, K, H, W)))
+    t = {k: on(v, device, True) for k, v in p.items()}
+
+    def bn(z, g, be):
+        return mgpu.batch_norm(z, None, None, g, be, training=True, eps=eps)
+
+    h = mgpu.relu(bn(mgpu.conv2d(on(x, device), t["w0"], t["b0"], padding=1), t["g0"], t["be0"]))
+    a1 = mgpu.relu(bn(mgpu.conv2d(h, t["w1"], t["b1"], padding=1), t["g1"], t["be1"]))
+    out = mgpu.conv2d(a1, t["w2"], t["b2"], padding=1) + h
+    out.backward(on(dy, device))
+    out_ref, grads = _residual_block_reference(x, p, dy, eps)
+    assert_close(out.numpy(), out_ref, "sum", "residual block output", device)
+    for name, g in grads.items():
+        assert t[name].grad is not None, f"{name} got no gradient"
+        assert_close(t[name].grad.numpy(), g, "sum", f"residual block d{name}", device)

@@ -267,6 +267,83 @@ def test_linear_forward_and_backward(rng, N, n_in, n_out):
 
 
 # ---------------------------------------------------------------------------------------------
+# batch norm (d2l 12.6)
+# ---------------------------------------------------------------------------------------------
+
+BN_SHAPES = [(2, 3, 3, 4), (1, 2, 3, 3), (3, 1, 2, 5), (5, 4), (4, 1)]
+
+
+def bn_direct_stats(x):
+    """Per-channel mean and biased variance by explicit loops over the (n, h, w) of each channel."""
+    x4 = x if x.ndim == 4 else x[:, :, None, None]
+    N, C, H, W = x4.shape
+    mean, var = np.zeros(C), np.zeros(C)
+    for c in range(C):
+        values = [x4[n, c, h, w] for n in range(N) for h in range(H) for w in range(W)]
+        mean[c] = sum(values) / len(values)
+        var[c] = sum((v - mean[c]) ** 2 for v in values) / len(values)
+    return mean, var
+
+
+@pytest.mark.parametrize("shape", BN_SHAPES)
+def test_batch_norm_stats_match_direct_loops(rng, shape):
+    x = rng.normal(loc=3.0, size=shape)
+    for got, want in zip(ref.batch_norm_stats(x), bn_direct_stats(x)):
+        np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-14)
+
+
+def test_batch_norm_hand_example():
+    # One channel holding 1, 2, 3, 4 (N=2, H=1, W=2): mean 2.5, biased var 1.25.
+    x = np.array([[[[1.0, 2.0]]], [[[3.0, 4.0]]]])
+    y, mean, var = ref.batch_norm_train_forward(x, np.array([2.0]), np.array([0.5]), eps=0.0)
+    np.testing.assert_allclose(mean, [2.5])
+    np.testing.assert_allclose(var, [1.25])
+    xhat = (np.array([1.0, 2.0, 3.0, 4.0]) - 2.5) / np.sqrt(1.25)
+    np.testing.assert_allclose(y.ravel(), 2.0 * xhat + 0.5, rtol=1e-15)
+    rm, rv = ref.batch_norm_running_update(np.array([1.0]), np.array([2.0]), x, momentum=0.1)
+    np.testing.assert_allclose(rm, [0.9 * 1.0 + 0.1 * 2.5])
+    np.testing.assert_allclose(rv, [0.9 * 2.0 + 0.1 * 1.25 * 4 / 3])
+
+
+@pytest.mark.parametrize("shape", BN_SHAPES)
+@pytest.mark.parametrize("affine", [True, False])
+def test_batch_norm_train_backward_matches_finite_differences(rng, shape, affine):
+    x = rng.normal(loc=1.0, scale=2.0, size=shape)
+    C = shape[1]
+    gamma, beta = (rng.normal(size=C), rng.normal(size=C)) if affine else (None, None)
+    dy = rng.normal(size=shape)
+    dx, dgamma, dbeta = ref.batch_norm_train_backward(x, gamma, dy, eps=1e-3)
+    if affine:
+        forward = lambda x, g, b: ref.batch_norm_train_forward(x, g, b, eps=1e-3)[0]  # noqa: E731
+        assert_grads_match_fd(forward, (x, gamma, beta), dy, (dx, dgamma, dbeta))
+    else:
+        forward = lambda x: ref.batch_norm_train_forward(x, eps=1e-3)[0]  # noqa: E731
+        assert_grads_match_fd(forward, (x,), dy, (dx,))
+        # Without gamma and beta their gradients are still dgamma, dbeta of gamma = 1, beta = 0.
+        forward = lambda g, b: ref.batch_norm_train_forward(x, g, b, eps=1e-3)[0]  # noqa: E731
+        assert_grads_match_fd(forward, (np.ones(C), np.zeros(C)), dy, (dgamma, dbeta))
+
+
+@pytest.mark.parametrize("shape", BN_SHAPES)
+def test_batch_norm_eval_backward_matches_finite_differences(rng, shape):
+    x = rng.normal(size=shape)
+    C = shape[1]
+    mean, var = rng.normal(size=C), rng.uniform(0.5, 2.0, size=C)
+    gamma, beta = rng.normal(size=C), rng.normal(size=C)
+    dy = rng.normal(size=shape)
+    forward = lambda x, g, b: ref.batch_norm_eval_forward(x, mean, var, g, b, eps=1e-3)  # noqa: E731
+    assert_grads_match_fd(forward, (x, gamma, beta), dy,
+                          ref.batch_norm_eval_backward(x, mean, var, gamma, dy, eps=1e-3))
+
+
+def test_batch_norm_train_output_is_normalised(rng):
+    x = rng.normal(loc=5.0, scale=3.0, size=(4, 3, 5, 5))
+    y, _, _ = ref.batch_norm_train_forward(x, eps=1e-12)
+    np.testing.assert_allclose(y.mean(axis=(0, 2, 3)), 0.0, atol=1e-12)
+    np.testing.assert_allclose(y.var(axis=(0, 2, 3)), 1.0, rtol=1e-9)
+
+
+# ---------------------------------------------------------------------------------------------
 # softmax cross-entropy, argmax, sgd
 # ---------------------------------------------------------------------------------------------
 

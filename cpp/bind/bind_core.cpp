@@ -192,7 +192,7 @@ py::dict build_info() {
   info["cpu_devices"] = true;
   info["cpu_threads"] = num_threads();
   info["blas"] = "OpenBLAS (single-threaded calls; mgpu schedules the cores)";
-  info["cuda"] = MGPU_CUDA_EMULATION_BUILD ? "emulated (cpp/emu: GPUs run on the CPU, for tests)"
+  info["cuda"] = MGPU_CUDA_EMULATION_BUILD ? "emulated (cpp/cuda/emu: GPUs run on the CPU, for tests)"
                  : MGPU_BUILT_CUDA          ? "built (" + gpu::runtime_name() + ")"
                                             : std::string("not built (nvcc was not found)");
   info["gpus"] = num_gpus();

@@ -4,7 +4,9 @@
 
 #include "bind/bind.h"
 #include "comm/allreduce.h"
+#include "ops/argmax.h"
 #include "ops/avg_pool2d.h"
+#include "ops/batch_norm.h"
 #include "ops/conv2d.h"
 #include "ops/elementwise.h"
 #include "ops/linear.h"
@@ -54,6 +56,27 @@ void bind_ops(py::module_& m) {
   }, nogil(), "(dx or None, dw, db or None).");
   m.def("avg_pool2d_forward", &ops::avg_pool2d_forward, nogil(), "Average pooling, floor output size.");
   m.def("avg_pool2d_backward", &ops::avg_pool2d_backward, nogil(), "dx of average pooling.");
+  auto opt_ptr = [](const std::optional<Tensor>& t) { return t ? &*t : nullptr; };
+  m.def("batch_norm_stats", &ops::batch_norm_stats, py::arg("x"), nogil(),
+        "(mean, biased var) per channel of x (N, C, H, W) or (N, C).");
+  m.def("batch_norm_forward", [opt_ptr](const Tensor& x, const Tensor& mean, const Tensor& var,
+                                        const std::optional<Tensor>& gamma,
+                                        const std::optional<Tensor>& beta, float eps) {
+    return ops::batch_norm_forward(x, mean, var, opt_ptr(gamma), opt_ptr(beta), eps);
+  }, py::arg("x"), py::arg("mean"), py::arg("var"), py::arg("gamma"), py::arg("beta"),
+        py::arg("eps"), nogil(), "(x - mean) / sqrt(var + eps) * gamma + beta (gamma, beta may be None).");
+  m.def("batch_norm_backward_reduce", &ops::batch_norm_backward_reduce, py::arg("x"),
+        py::arg("dy"), py::arg("mean"), py::arg("var"), py::arg("eps"), nogil(),
+        "(sum_dy, sum_dy_xhat) per channel: dbeta and dgamma.");
+  m.def("batch_norm_backward", [opt_ptr](const Tensor& x, const Tensor& dy, const Tensor& mean,
+                                         const Tensor& var, const std::optional<Tensor>& gamma,
+                                         const Tensor& sum_dy, const Tensor& sum_dy_xhat,
+                                         double count, float eps, bool training) {
+    return ops::batch_norm_backward(x, dy, mean, var, opt_ptr(gamma), sum_dy, sum_dy_xhat, count,
+                                    eps, training);
+  }, py::arg("x"), py::arg("dy"), py::arg("mean"), py::arg("var"), py::arg("gamma"),
+        py::arg("sum_dy"), py::arg("sum_dy_xhat"), py::arg("count"), py::arg("eps"),
+        py::arg("training"), nogil(), "dx of batch norm (training: statistics depend on x).");
   m.def("mm", &ops::mm, py::arg("a"), py::arg("b"), py::arg("trans_a") = false,
         py::arg("trans_b") = false, nogil(), "Matrix product op(a) @ op(b).");
   m.def("softmax_ce_forward", &ops::softmax_ce_forward, nogil(), "Per-example softmax cross-entropy.");

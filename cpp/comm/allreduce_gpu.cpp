@@ -23,9 +23,8 @@
 #include "comm/barrier.h"
 #include "core/gpu.h"
 #include "ops/elementwise.h"
-#include "ops/kernels_cuda.h"
 #define MGPU_CUDA_ERROR_TYPE ::mgpu::DeviceError
-#include "ops/launch_cuda.cuh"
+#include "cuda/runtime.cuh"
 
 #if MGPU_BUILT_NCCL && !MGPU_CUDA_EMULATION_BUILD
 #define MGPU_ALLREDUCE_NCCL 1

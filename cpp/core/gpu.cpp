@@ -1,5 +1,5 @@
 // cpp/core/gpu.cpp -- streams, caching allocator, staging and copies for GPU devices (gpu.h).
-// The same source serves real CUDA and the emulator (ops/launch_cuda.cuh picks the runtime).
+// The same source serves real CUDA and the emulator (cuda/runtime.cuh picks the runtime).
 // Executed: on emulated GPUs in the tests. Only compiled: against the real CUDA runtime.
 #include "core/gpu.h"
 
@@ -15,7 +15,7 @@
 #include <vector>
 
 #define MGPU_CUDA_ERROR_TYPE ::mgpu::DeviceError
-#include "ops/launch_cuda.cuh"
+#include "cuda/runtime.cuh"
 
 namespace mgpu::gpu {
 namespace {
@@ -112,7 +112,7 @@ int device_count() {
 
 std::string runtime_name() {
 #if defined(MGPU_CUDA_EMULATION)
-  return "emulated CUDA (mgpu's emulator, cpp/emu; set MGPU_EMULATED_GPUS)";
+  return "emulated CUDA (mgpu's emulator, cpp/cuda/emu; set MGPU_EMULATED_GPUS)";
 #else
   return "CUDA runtime " + std::to_string(CUDART_VERSION / 1000) + "." +
          std::to_string(CUDART_VERSION % 1000 / 10);

@@ -2,7 +2,7 @@
 // streams, its caching allocator, pinned staging for host-to-device copies, and the copies the
 // engine needs. Built in two flavours (CMake decides, MGPU_GPU_BUILD = 1):
 //   - real CUDA (nvcc found): the CUDA runtime; with no GPU or driver device_count() is 0;
-//   - emulated (MGPU_CUDA_EMULATION, test builds): cpp/emu/'s runtime on host memory, with
+//   - emulated (MGPU_CUDA_EMULATION, test builds): cpp/cuda/emu/'s runtime on host memory, with
 //     MGPU_EMULATED_GPUS devices (default 2).
 // A CPU-only build (MGPU_GPU_BUILD = 0) keeps the declarations: device_count() is 0 and nothing
 // else may be called (no gpu(i) device can exist to reach it).
@@ -23,12 +23,12 @@
 #include <mutex>
 #include <string>
 
+#include "cuda/stream.h"
+
 #ifndef MGPU_GPU_BUILD
 #define MGPU_GPU_BUILD 0
 #endif
 
-struct CUstream_st;
-typedef struct CUstream_st* cudaStream_t;
 
 namespace mgpu::gpu {
 

@@ -1,8 +1,7 @@
 // cpp/ops/avg_pool2d.cpp -- validate, allocate, dispatch to the CPU or CUDA kernels.
 #include "ops/avg_pool2d.h"
 
-#include "ops/kernels_cpu.h"
-#include "ops/launch.h"
+#include "ops/dispatch.h"
 
 namespace mgpu::ops {
 namespace {
@@ -21,23 +20,16 @@ Shape check_pool(const char* op, const Tensor& x, int64_t kh, int64_t kw, int64_
 }  // namespace
 
 Tensor avg_pool2d_forward(const Tensor& x, int64_t kh, int64_t kw, int64_t sh, int64_t sw) {
-  Shape ys = check_pool("avg_pool2d_forward", x, kh, kw, sh, sw);
-  Tensor y = Tensor::empty(ys, DType::F32, x.device(), "avg_pool2d_forward");
-#if MGPU_GPU_BUILD
-  if (!x.device().is_cpu()) {
-    enqueue_gpu(x.device(), "avg_pool2d_forward",
-                [N = x.size(0), C = x.size(1), H = x.size(2), W = x.size(3), kh, kw, sh, sw,
-                 xp = x.f32(), yp = y.f32()](cudaStream_t stream) {
-                  cuda::avg_pool2d_forward(N, C, H, W, kh, kw, sh, sw, xp, yp, stream);
-                }, x, y);
-    return y;
-  }
-#endif
-  enqueue_on(x.device(), "avg_pool2d_forward",
-             [N = x.size(0), C = x.size(1), H = x.size(2), W = x.size(3), kh, kw, sh, sw,
-              xp = x.f32(), yp = y.f32()] {
-               cpu::avg_pool2d_forward(N, C, H, W, kh, kw, sh, sw, xp, yp);
-             }, x, y);
+  const char* op = "avg_pool2d_forward";
+  Shape ys = check_pool(op, x, kh, kw, sh, sw);
+  Tensor y = Tensor::empty(ys, DType::F32, x.device(), op);
+  const int64_t N = x.size(0), C = x.size(1), H = x.size(2), W = x.size(3);
+  const float* xp = x.f32();
+  float* yp = y.f32();
+  dispatch(x.device(), op,
+           [=] { cpu::avg_pool2d_forward(N, C, H, W, kh, kw, sh, sw, xp, yp); },
+           [=](cudaStream_t s) { cuda::avg_pool2d_forward(N, C, H, W, kh, kw, sh, sw, xp, yp, s); },
+           x, y);
   return y;
 }
 
@@ -50,21 +42,15 @@ Tensor avg_pool2d_backward(const Tensor& x, const Tensor& dy, int64_t kh, int64_
   MGPU_CHECK_VALUE(dy.shape() == ys, op, ": dy must have the output's shape ", ys, ", got ",
                    dy.shape());
   Tensor dx = Tensor::empty_like(x);
-#if MGPU_GPU_BUILD
-  if (!x.device().is_cpu()) {
-    enqueue_gpu(x.device(), op,
-                [N = x.size(0), C = x.size(1), H = x.size(2), W = x.size(3), kh, kw, sh, sw,
-                 dyp = dy.f32(), dxp = dx.f32()](cudaStream_t stream) {
-                  cuda::avg_pool2d_backward(N, C, H, W, kh, kw, sh, sw, dyp, dxp, stream);
-                }, dy, dx);
-    return dx;
-  }
-#endif
-  enqueue_on(x.device(), op,
-             [N = x.size(0), C = x.size(1), H = x.size(2), W = x.size(3), kh, kw, sh, sw,
-              dyp = dy.f32(), dxp = dx.f32()] {
-               cpu::avg_pool2d_backward(N, C, H, W, kh, kw, sh, sw, dyp, dxp);
-             }, dy, dx);
+  const int64_t N = x.size(0), C = x.size(1), H = x.size(2), W = x.size(3);
+  const float* dyp = dy.f32();
+  float* dxp = dx.f32();
+  dispatch(x.device(), op,
+           [=] { cpu::avg_pool2d_backward(N, C, H, W, kh, kw, sh, sw, dyp, dxp); },
+           [=](cudaStream_t s) {
+             cuda::avg_pool2d_backward(N, C, H, W, kh, kw, sh, sw, dyp, dxp, s);
+           },
+           dy, dx);
   return dx;
 }
 

@@ -3,7 +3,8 @@
 // padding. One thread per output element, a grid-stride loop over all planes; both directions
 // read each input once, so there is nothing for shared memory to save. Executed on emulated GPUs
 // against cpu::avg_pool2d_*; compiled by nvcc for real GPUs, never run on one.
-#include "ops/kernels_cuda_impl.cuh"
+#include "ops/launch.cuh"
+#include "ops/avg_pool2d.h"
 
 namespace mgpu::ops::cuda {
 

@@ -6,7 +6,7 @@
 #include <vector>
 
 #include "core/parallel.h"
-#include "ops/kernels_cpu.h"
+#include "ops/avg_pool2d.h"
 
 namespace mgpu::ops::cpu {
 

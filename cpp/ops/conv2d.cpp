@@ -1,15 +1,15 @@
-// cpp/ops/conv2d.cpp -- validate, allocate, dispatch: the CPU kernels (kernels_cpu.h) on CPU
-// devices; on GPUs our CUDA kernels (kernels_cuda.h), or cuDNN when MGPU_CONV=cudnn.
+// cpp/ops/conv2d.cpp -- validate, allocate, dispatch: the CPU kernels on CPU devices; on GPUs our
+// CUDA kernels, or cuDNN when MGPU_CONV=cudnn (vendor_gpu.h).
 #include "ops/conv2d.h"
 
-#include "ops/kernels_cpu.h"
-#include "ops/launch.h"
+#include "core/gpu.h"
+#include "ops/dispatch.h"
 #include "ops/vendor_gpu.h"
 
 namespace mgpu::ops {
 namespace {
 
-cpu::Conv2dShape check_conv(const char* op, const Tensor& x, const Tensor& w, int64_t stride,
+Conv2dShape check_conv(const char* op, const Tensor& x, const Tensor& w, int64_t stride,
                             int64_t pad) {
   require_dtype(op, "x", x, DType::F32);
   require_dtype(op, "w", w, DType::F32);
@@ -24,7 +24,7 @@ cpu::Conv2dShape check_conv(const char* op, const Tensor& x, const Tensor& w, in
   MGPU_CHECK_VALUE(pad >= 0, op, ": padding must be >= 0, got ", pad);
   // Keeps H + 2 * pad (and the output's extents) far from int64 overflow.
   MGPU_CHECK_VALUE(pad <= (int64_t{1} << 40), op, ": padding ", pad, " is too large (at most 2**40)");
-  cpu::Conv2dShape s{x.size(0), x.size(1), x.size(2), x.size(3), w.size(0), w.size(2), w.size(3),
+  Conv2dShape s{x.size(0), x.size(1), x.size(2), x.size(3), w.size(0), w.size(2), w.size(3),
                      stride, pad};
   MGPU_CHECK_VALUE(x.size(2) + 2 * pad >= w.size(2) && x.size(3) + 2 * pad >= w.size(3), op,
                    ": the ", w.size(2), "x", w.size(3), " kernel is larger than the padded ",
@@ -32,7 +32,6 @@ cpu::Conv2dShape check_conv(const char* op, const Tensor& x, const Tensor& w, in
   return s;
 }
 
-#if MGPU_GPU_BUILD && MGPU_BUILT_CUDNN && !MGPU_CUDA_EMULATION_BUILD
 // A cuDNN workspace from the caching allocator, handed back once the call is enqueued (a later
 // user of the block is ordered after it on the same stream).
 struct Workspace {
@@ -48,14 +47,13 @@ struct Workspace {
   Workspace(const Workspace&) = delete;
   Workspace& operator=(const Workspace&) = delete;
 };
-#endif
 
 }  // namespace
 
 Tensor conv2d_forward(const Tensor& x, const Tensor& w, const Tensor& b, int64_t stride,
                       int64_t pad) {
   const char* op = "conv2d_forward";
-  cpu::Conv2dShape s = check_conv(op, x, w, stride, pad);
+  Conv2dShape s = check_conv(op, x, w, stride, pad);
   if (b.defined()) {
     require_dtype(op, "b", b, DType::F32);
     require_same_device(op, {&x, &b});
@@ -63,37 +61,29 @@ Tensor conv2d_forward(const Tensor& x, const Tensor& w, const Tensor& b, int64_t
                      ",), one per output channel, got ", b.shape());
   }
   Tensor y = Tensor::empty({s.N, s.K, s.P(), s.Q()}, DType::F32, x.device(), op);
-  const float* bp = b.defined() ? b.f32() : nullptr;
-#if MGPU_GPU_BUILD
-  if (!x.device().is_cpu()) {
-    const ConvPath path = conv_path();
-    enqueue_gpu(x.device(), op, [s, xp = x.f32(), wp = w.f32(), bp, yp = y.f32(), path,
-                                 index = x.device().index](cudaStream_t stream) {
-#if MGPU_BUILT_CUDNN && !MGPU_CUDA_EMULATION_BUILD
-      if (path == ConvPath::Cudnn) {
-        cudnnContext* h = cuda::cudnn_handle(index);
-        Workspace ws(index, cuda::conv2d_cudnn_workspace_bytes(h, s));
-        cuda::conv2d_cudnn_forward(h, s, xp, wp, bp, yp, ws.ptr, ws.bytes);
-        return;
-      }
-#endif
-      (void)path;
-      (void)index;
-      cuda::conv2d_forward(s, xp, wp, bp, yp, stream);
-    }, x, w, b, y);
-    return y;
-  }
-#endif
-  enqueue_on(x.device(), op, [s, xp = x.f32(), wp = w.f32(), bp, yp = y.f32()] {
-    cpu::conv2d_forward(s, xp, wp, bp, yp);
-  }, x, w, b, y);
+  const float *xp = x.f32(), *wp = w.f32(), *bp = b.defined() ? b.f32() : nullptr;
+  float* yp = y.f32();
+  const bool cudnn = !x.device().is_cpu() && conv_path() == ConvPath::Cudnn;
+  dispatch(x.device(), op, [=] { cpu::conv2d_forward(s, xp, wp, bp, yp); },
+           [=, index = x.device().index](cudaStream_t stream) {
+             if constexpr (kCudnn) {
+               if (cudnn) {
+                 cudnnContext* h = cuda::cudnn_handle(index);
+                 Workspace ws(index, cuda::conv2d_cudnn_workspace_bytes(h, s));
+                 cuda::conv2d_cudnn_forward(h, s, xp, wp, bp, yp, ws.ptr, ws.bytes);
+                 return;
+               }
+             }
+             cuda::conv2d_forward(s, xp, wp, bp, yp, stream);
+           },
+           x, w, b, y);
   return y;
 }
 
 Conv2dGrads conv2d_backward(const Tensor& x, const Tensor& w, const Tensor& dy, int64_t stride,
                             int64_t pad, bool need_dx, bool has_bias) {
   const char* op = "conv2d_backward";
-  cpu::Conv2dShape s = check_conv(op, x, w, stride, pad);
+  Conv2dShape s = check_conv(op, x, w, stride, pad);
   require_dtype(op, "dy", dy, DType::F32);
   require_same_device(op, {&x, &dy});
   Shape want{s.N, s.K, s.P(), s.Q()};
@@ -103,33 +93,24 @@ Conv2dGrads conv2d_backward(const Tensor& x, const Tensor& w, const Tensor& dy, 
   if (need_dx) g.dx = Tensor::empty_like(x);
   g.dw = Tensor::empty_like(w);
   if (has_bias) g.db = Tensor::empty({s.K}, DType::F32, x.device());
+  const float *xp = x.f32(), *wp = w.f32(), *dyp = dy.f32();
   float* dxp = need_dx ? g.dx.f32() : nullptr;
+  float* dwp = g.dw.f32();
   float* dbp = has_bias ? g.db.f32() : nullptr;
-#if MGPU_GPU_BUILD
-  if (!x.device().is_cpu()) {
-    const ConvPath path = conv_path();
-    enqueue_gpu(x.device(), op, [s, xp = x.f32(), wp = w.f32(), dyp = dy.f32(), dxp,
-                                 dwp = g.dw.f32(), dbp, path,
-                                 index = x.device().index](cudaStream_t stream) {
-#if MGPU_BUILT_CUDNN && !MGPU_CUDA_EMULATION_BUILD
-      if (path == ConvPath::Cudnn) {
-        cudnnContext* h = cuda::cudnn_handle(index);
-        Workspace ws(index, cuda::conv2d_cudnn_workspace_bytes(h, s));
-        cuda::conv2d_cudnn_backward(h, s, xp, wp, dyp, dxp, dwp, dbp, ws.ptr, ws.bytes);
-        return;
-      }
-#endif
-      (void)path;
-      (void)index;
-      cuda::conv2d_backward(s, xp, wp, dyp, dxp, dwp, dbp, stream);
-    }, x, w, dy, g.dx, g.dw, g.db);
-    return g;
-  }
-#endif
-  enqueue_on(x.device(), op, [s, xp = x.f32(), wp = w.f32(), dyp = dy.f32(), dxp,
-                              dwp = g.dw.f32(), dbp] {
-    cpu::conv2d_backward(s, xp, wp, dyp, dxp, dwp, dbp);
-  }, x, w, dy, g.dx, g.dw, g.db);
+  const bool cudnn = !x.device().is_cpu() && conv_path() == ConvPath::Cudnn;
+  dispatch(x.device(), op, [=] { cpu::conv2d_backward(s, xp, wp, dyp, dxp, dwp, dbp); },
+           [=, index = x.device().index](cudaStream_t stream) {
+             if constexpr (kCudnn) {
+               if (cudnn) {
+                 cudnnContext* h = cuda::cudnn_handle(index);
+                 Workspace ws(index, cuda::conv2d_cudnn_workspace_bytes(h, s));
+                 cuda::conv2d_cudnn_backward(h, s, xp, wp, dyp, dxp, dwp, dbp, ws.ptr, ws.bytes);
+                 return;
+               }
+             }
+             cuda::conv2d_backward(s, xp, wp, dyp, dxp, dwp, dbp, stream);
+           },
+           x, w, dy, g.dx, g.dw, g.db);
   return g;
 }
 

@@ -3,7 +3,8 @@
 // dy (N, K, P, Q); cross-correlation with one stride and zero padding on both axes. Executed on
 // emulated GPUs against cpu::conv2d_* (tests/cpp/emu_test_kernels_cuda.cpp); compiled by nvcc for
 // real GPUs, never run on one.
-#include "ops/kernels_cuda_impl.cuh"
+#include "ops/launch.cuh"
+#include "ops/conv2d.h"
 
 namespace mgpu::ops::cuda {
 

@@ -1,10 +1,16 @@
 // cpp/ops/conv2d.h -- 2-D convolution (cross-correlation, as in the chapter's F.conv2d) with
 // stride and zero padding. Shapes: x (N, C, H, W), w (K, C, R, S), b (K,), y (N, K, P, Q) with
 // P = (H + 2*pad - R) / stride + 1, Q likewise. Forward keeps nothing; backward re-reads x and w
-// and writes dx, dw, db (never adds into them).
+// and writes dx, dw, db (never adds into them). Kernels: conv2d_cpu.cpp, conv2d.cu, conv2d_cudnn.cu.
 #pragma once
 
+#include <cstddef>
+#include <cstdint>
+
 #include "core/tensor.h"
+#include "cuda/stream.h"
+
+struct cudnnContext;  // cudnnHandle_t
 
 namespace mgpu::ops {
 
@@ -16,5 +22,56 @@ Tensor conv2d_forward(const Tensor& x, const Tensor& w, const Tensor& b, int64_t
                       int64_t pad);
 Conv2dGrads conv2d_backward(const Tensor& x, const Tensor& w, const Tensor& dy, int64_t stride,
                             int64_t pad, bool need_dx, bool has_bias);
+
+// The kernels' view of a conv: the same stride and zero padding on both axes.
+// Preconditions of every kernel: stride >= 1, pad >= 0, P() >= 1, Q() >= 1.
+struct Conv2dShape {
+  int64_t N, C, H, W, K, R, S, stride, pad;
+  int64_t P() const { return (H + 2 * pad - R) / stride + 1; }
+  int64_t Q() const { return (W + 2 * pad - S) / stride + 1; }
+};
+
+// The kernels (float32, NCHW contiguous, raw pointers; the caller checks shapes and allocates)
+// write their outputs and never overlap them with inputs. cpu:: gives bitwise-identical results
+// whatever the thread count; cuda:: launchers enqueue on `stream` and return, throw
+// std::invalid_argument for a shape they cannot launch, and add every sum in a fixed order.
+namespace cpu {
+// Writes y = conv(x, w) + b; b may be null (no bias).
+void conv2d_forward(const Conv2dShape& s, const float* x, const float* w, const float* b, float* y);
+// Given dy (N, K, P, Q), writes dx (N, C, H, W), dw (K, C, R, S) and db (K); dx and db may be null
+// to skip them (LeNet's first layer needs no dx), dw may not. dw and db sum over the batch in
+// fixed blocks of images (8 or 16, by shape), then over the blocks in order, so the order of
+// additions depends on the shape but never on the thread count.
+void conv2d_backward(const Conv2dShape& s, const float* x, const float* w, const float* dy,
+                     float* dx, float* dw, float* db);
+}  // namespace cpu
+
+namespace cuda {
+// Forward as cpu::, b may be null. Shared-memory tiles: a block computes an 8 x 16 tile of y for 4
+// output channels of one image, staging the input patch and the weights of one input channel at a
+// time.
+void conv2d_forward(const Conv2dShape& s, const float* x, const float* w, const float* b, float* y,
+                    cudaStream_t stream);
+// Backward as cpu::; dx and db may be null, dw may not. dx is the gather form: each dx element
+// sums, over k then r then s, the dy elements it fed (a block stages a dy patch and w for 4 input
+// channels per k). dw[k, c] (and db[k], alongside the c == 0 blocks) is one block's sum over
+// N, P, Q: each thread adds its positions in order, then a shared-memory tree of fixed shape adds
+// the threads. Precondition: R * S <= 64 (the per-thread partial sums live in shared memory).
+void conv2d_backward(const Conv2dShape& s, const float* x, const float* w, const float* dy,
+                     float* dx, float* dw, float* db, cudaStream_t stream);
+
+// Through cuDNN's legacy convolution API (cudnn_cnn, still in cuDNN 9), with deterministic
+// algorithms (forward IMPLICIT_GEMM, backward data/filter ALGO_1); picked at run time by the op
+// when MGPU_CONV=cudnn (vendor_gpu.h). The workspace is the caller's: at least
+// conv2d_cudnn_workspace_bytes(handle, s) bytes. Real CUDA builds with cuDNN only: compiled and
+// linked, never run.
+size_t conv2d_cudnn_workspace_bytes(cudnnContext* handle, const Conv2dShape& s);
+void conv2d_cudnn_forward(cudnnContext* handle, const Conv2dShape& s, const float* x,
+                          const float* w, const float* b, float* y, void* workspace,
+                          size_t workspace_bytes);
+void conv2d_cudnn_backward(cudnnContext* handle, const Conv2dShape& s, const float* x,
+                           const float* w, const float* dy, float* dx, float* dw, float* db,
+                           void* workspace, size_t workspace_bytes);
+}  // namespace cuda
 
 }  // namespace mgpu::ops

@@ -1,5 +1,5 @@
 // cpp/ops/conv2d_cudnn.cu -- conv2d forward and backward through cuDNN, the alternative to our own
-// kernels (conv2d.cu) that the op selects at run time (MGPU_CONV=cudnn|native, the plumbing step).
+// kernels (conv2d.cu) that the op selects at run time (MGPU_CONV=cudnn|native, vendor_gpu.h).
 // x (N, C, H, W), w (K, C, R, S), b (K), y (N, K, P, Q), all NCHW float32, cross-correlation.
 // Uses the legacy convolution API (cudnn_cnn; deprecated in cuDNN 9 in favour of the graph API but
 // shipped and supported), with fixed deterministic algorithms and FMA math (no TF32), so results
@@ -11,7 +11,8 @@
 #include <mutex>
 
 #include "core/gpu.h"
-#include "ops/kernels_cuda_impl.cuh"
+#include "ops/launch.cuh"
+#include "ops/conv2d.h"
 #include "ops/vendor_gpu.h"
 
 namespace mgpu::ops::cuda {
@@ -49,8 +50,8 @@ using FilterDesc =
 using ConvDesc = Owned<cudnnConvolutionDescriptor_t, cudnnCreateConvolutionDescriptor,
                        cudnnDestroyConvolutionDescriptor>;
 
-// The descriptors of one shape. Built per call: caching them per shape belongs to the op (the
-// plumbing step), next to the handle and the workspace.
+// The descriptors of one shape, built per call (cuDNN's descriptor calls are host-only and cheap
+// next to a convolution).
 struct Descriptors {
   TensorDesc x, y, bias;
   FilterDesc w;

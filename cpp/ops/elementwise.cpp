@@ -1,8 +1,6 @@
 // cpp/ops/elementwise.cpp -- checks, allocation and dispatch for elementwise.h.
 #include "ops/elementwise.h"
 
-#include "ops/kernels_cpu.h"
-
 #include <algorithm>
 #include <cstring>
 
@@ -69,17 +67,12 @@ template <typename To, typename From>
 void convert(const Tensor& x, const Tensor& out) {
   const From* src = x.data<From>();
   To* dst = out.data<To>();
-#if MGPU_GPU_BUILD
-  if (!out.device().is_cpu()) {
-    enqueue_gpu(out.device(), "astype", [src, dst, n = x.numel()](cudaStream_t stream) {
-      cuda::convert<To, From>(n, src, dst, stream);
-    }, x, out);
-    return;
-  }
-#endif
-  enqueue_on(out.device(), "astype", [src, dst, n = x.numel()] {
-    for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<To>(src[i]);
-  }, x, out);
+  dispatch(out.device(), "astype",
+           [src, dst, n = x.numel()] {
+             for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<To>(src[i]);
+           },
+           [src, dst, n = x.numel()](cudaStream_t s) { cuda::convert<To, From>(n, src, dst, s); },
+           x, out);
 }
 
 template <typename To>
@@ -138,17 +131,9 @@ Tensor sum_to_shape(const Tensor& dy, const Shape& shape) {
   int64_t m = out.numel(), rows = m ? dy.numel() / m : 0;
   const float* src = dy.f32();
   float* dst = out.f32();
-#if MGPU_GPU_BUILD
-  if (!out.device().is_cpu()) {
-    enqueue_gpu(out.device(), "sum_to_shape", [src, dst, m, rows](cudaStream_t stream) {
-      cuda::bias_grad_rows(rows, m, src, dst, stream);  // fixed order on the GPU too
-    }, dy, out);
-    return out;
-  }
-#endif
-  enqueue_on(out.device(), "sum_to_shape", [src, dst, m, rows] {
-    cpu::bias_grad_rows(rows, m, src, dst);  // rows added in order: thread-count independent
-  }, dy, out);
+  // Rows added in a fixed order on both: the result does not depend on the thread count.
+  dispatch(out.device(), "sum_to_shape", [=] { cpu::bias_grad_rows(rows, m, src, dst); },
+           [=](cudaStream_t s) { cuda::bias_grad_rows(rows, m, src, dst, s); }, dy, out);
   return out;
 }
 
@@ -157,19 +142,13 @@ Tensor sum(const Tensor& x) {
   Tensor out = Tensor::empty({}, DType::F32, x.device());
   const float* src = x.f32();
   float* dst = out.f32();
-#if MGPU_GPU_BUILD
-  if (!out.device().is_cpu()) {
-    enqueue_gpu(out.device(), "sum", [src, dst, n = x.numel()](cudaStream_t stream) {
-      cuda::sum_all(n, src, dst, stream);
-    }, x, out);
-    return out;
-  }
-#endif
-  enqueue_on(out.device(), "sum", [src, dst, n = x.numel()] {
-    double acc = 0.0;
-    for (int64_t i = 0; i < n; ++i) acc += src[i];
-    *dst = static_cast<float>(acc);
-  }, x, out);
+  dispatch(out.device(), "sum",
+           [src, dst, n = x.numel()] {
+             double acc = 0.0;
+             for (int64_t i = 0; i < n; ++i) acc += src[i];
+             *dst = static_cast<float>(acc);
+           },
+           [src, dst, n = x.numel()](cudaStream_t s) { cuda::sum_all(n, src, dst, s); }, x, out);
   return out;
 }
 
@@ -199,15 +178,9 @@ void copy(const Tensor& dst, const Tensor& src) {
   size_t n = dst.nbytes();
   const Device dd = dst.device(), sd = src.device();
   if (dd == sd) {
-#if MGPU_GPU_BUILD
-    if (!dd.is_cpu()) {
-      enqueue_gpu(dd, "copy", [to, from, n, i = dd.index](cudaStream_t) {
-        gpu::copy_within(i, to, from, n);
-      }, dst, src);
-      return;
-    }
-#endif
-    enqueue_on(dd, "copy", [to, from, n] { std::memmove(to, from, n); }, dst, src);
+    dispatch(dd, "copy", [to, from, n] { std::memmove(to, from, n); },
+             [to, from, n, i = dd.index](cudaStream_t) { gpu::copy_within(i, to, from, n); }, dst,
+             src);
     return;
   }
   // Between two devices the copy runs on one queue -- the GPU's if one side is a GPU (its stream

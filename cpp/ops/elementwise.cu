@@ -1,12 +1,13 @@
-// cpp/ops/elementwise.cu -- the per-element bodies of elementwise.h as CUDA grid-stride kernels:
-// a op b (equal shapes, broadcast rows, scalar) for every BinaryOp, fills and the SGD step; dtype
-// conversion (astype) for every pair of float, int32, int64, uint8; and the sum of all elements.
-// Executed on emulated GPUs in tests (tests/cpp/emu_test_kernels_cuda.cpp, including sum_all and
-// all 16 conversions); compiled by nvcc for real GPUs, never run on one.
+// cpp/ops/elementwise.cu -- elementwise.h's kernels: the per-element bodies (a op b for every
+// BinaryOp, fills, the SGD step) as grid-stride kernels, astype for every pair of float, int32,
+// int64 and uint8, the sum of all elements, and sum_to_shape's row sums. Executed on emulated GPUs
+// in tests (tests/cpp/emu_test_kernels_cuda.cpp); compiled by nvcc for real GPUs, never run on one.
 #include "ops/elementwise.h"
-#include "ops/kernels_cuda_impl.cuh"
+#include "ops/launch.cuh"
 
 namespace mgpu::ops::cuda {
+
+using detail::ceil_div;
 
 template void for_each_index<FillOut>(int64_t, const FillOut&, cudaStream_t);
 template void for_each_index<SgdUpdate>(int64_t, const SgdUpdate&, cudaStream_t);
@@ -52,12 +53,45 @@ __global__ void sum_all_kernel(int n, const float* __restrict__ x, float* __rest
   if (t == 0) *out = static_cast<float>(part[0]);
 }
 
+// ---- bias gradient: db[j] = sum_i dy[i, j] ----
+// Block: 32 columns x 8 row slices; slice t adds rows t, t + 8, ... in order, then slice 0 adds
+// the 8 partial sums in slice order. Fixed order, no atomics.
+constexpr int kBiasCols = 32;
+constexpr int kBiasSlices = 8;
+
+__global__ void bias_grad_kernel(int n, int m, const float* __restrict__ dy,
+                                 float* __restrict__ db) {
+  __shared__ float part[kBiasSlices][kBiasCols];
+  const int j = blockIdx.x * kBiasCols + threadIdx.x;
+  float sum = 0.0f;
+  if (j < m) {
+    for (int i = threadIdx.y; i < n; i += kBiasSlices) sum += dy[i * m + j];
+  }
+  part[threadIdx.y][threadIdx.x] = sum;
+  __syncthreads();  // every slice's partial sum is in place
+  if (threadIdx.y == 0 && j < m) {
+    float total = part[0][threadIdx.x];
+    for (int t = 1; t < kBiasSlices; ++t) total += part[t][threadIdx.x];
+    db[j] = total;
+  }
+}
+
 }  // namespace
 
 void sum_all(int64_t n, const float* x, float* out, cudaStream_t stream) {
   const int ni = detail::as_int("cuda::sum_all", "n", n);
   // Launched for n == 0 too: the kernel writes the 0.
   MGPU_LAUNCH(sum_all_kernel, 1, kSumThreads, 0, stream)(ni, x, out);
+  MGPU_CUDA_CHECK_LAUNCH();
+}
+
+void bias_grad_rows(int64_t n, int64_t m, const float* dy, float* db, cudaStream_t stream) {
+  const char* op = "cuda::bias_grad_rows";
+  if (m <= 0) return;
+  const int ni = detail::as_int(op, "n", n), mi = detail::as_int(op, "m", m);
+  detail::as_int(op, "n*m", n * m);
+  MGPU_LAUNCH(bias_grad_kernel, ceil_div(mi, kBiasCols), dim3(kBiasCols, kBiasSlices), 0, stream)
+  (ni, mi, dy, db);
   MGPU_CUDA_CHECK_LAUNCH();
 }
 

@@ -2,12 +2,13 @@
 // operand broadcast over the other's rows (b's shape is a's trailing shape, as a bias is), or
 // with a scalar; in-place forms for `t[:] += u`; fills, copies between devices, sums.
 // The backward of a broadcast is sum_to_shape (summing dy over the broadcast leading axes).
+// Kernels: the bodies below (for_each_index), elementwise_cpu.cpp, elementwise.cu.
 #pragma once
 
 #include <cstdint>
 
 #include "core/tensor.h"
-#include "ops/launch.h"
+#include "ops/dispatch.h"
 
 namespace mgpu::ops {
 
@@ -67,5 +68,27 @@ Tensor to_device(const Tensor& src, Device device, bool force_copy = false);
 // Elementwise dtype conversion (float32 <-> int32/int64/uint8).
 Tensor astype(const Tensor& x, DType dtype);
 void sgd_update(const Tensor& param, const Tensor& grad, float scale);
+
+namespace cpu {
+// sum_to_shape's row sums: db[j] = sum_i dy[i, j] over dy (n, m), added in i order (the
+// documented order of the batch sum).
+void bias_grad_rows(int64_t n, int64_t m, const float* dy, float* db);
+}  // namespace cpu
+
+namespace cuda {
+// As cpu::bias_grad_rows: a block of 32 columns x 8 row slices, slices added in order.
+void bias_grad_rows(int64_t n, int64_t m, const float* dy, float* db, cudaStream_t stream);
+// *out = sum of x[0, n) (n == 0 gives 0), as ops::sum: accumulated in double, rounded to float
+// once. One block of 256 threads: thread t adds x[t], x[t + 256], ... in order, then a
+// shared-memory tree of fixed shape adds the 256 partial sums, so the result is bitwise
+// reproducible (though not bitwise equal to the CPU's index order).
+void sum_all(int64_t n, const float* x, float* out, cudaStream_t stream);
+// y[i] = static_cast<To>(x[i]) for i in [0, n) (ops::astype), To and From each one of float,
+// int32_t, int64_t, uint8_t (all 16 pairs are instantiated). Integer to integer wraps as on the
+// CPU; float to an integer type truncates toward zero, and a value outside the target's range
+// (or NaN) is undefined behaviour in C++ and differs between CPU (x86) and GPU (saturating).
+template <class To, class From>
+void convert(int64_t n, const From* x, To* y, cudaStream_t stream);
+}  // namespace cuda
 
 }  // namespace mgpu::ops

@@ -4,9 +4,10 @@
 
 #include <algorithm>
 
+#include "core/gpu.h"
 #include "core/parallel.h"
+#include "ops/dispatch.h"
 #include "ops/gemm.h"
-#include "ops/launch.h"
 #include "ops/vendor_gpu.h"
 
 namespace mgpu::ops {
@@ -24,45 +25,42 @@ Tensor mm(const Tensor& a, const Tensor& b, bool trans_a, bool trans_b) {
   MGPU_CHECK_VALUE(k == k2, op, ": inner dimensions differ: ", a.shape(), trans_a ? "^T" : "",
                    " @ ", b.shape(), trans_b ? "^T" : "", " (", k, " vs ", k2, ")");
   Tensor y = Tensor::empty({m, n}, DType::F32, a.device());
-#if MGPU_GPU_BUILD
-  if (!a.device().is_cpu()) {
-    const GemmPath path = gemm_path();
-    enqueue_gpu(a.device(), op, [=, ap = a.f32(), bp = b.f32(), yp = y.f32(), lda = a.size(1),
-                                 ldb = b.size(1), index = a.device().index](cudaStream_t stream) {
-      if (m == 0 || n == 0) return;
-      if (k == 0) {
-        gpu::memset_async(index, yp, 0, static_cast<size_t>(m * n) * sizeof(float));
-        return;
-      }
-#if MGPU_BUILT_CUDA && !MGPU_CUDA_EMULATION_BUILD
-      if (path == GemmPath::Cublas) {
-        cuda::sgemm_cublas(cuda::cublas_handle(index), trans_a, trans_b, m, n, k, 1.0f, ap, lda,
-                           bp, ldb, 0.0f, yp, n);
-        return;
-      }
-#endif
-      (void)path;
-      cuda::sgemm(trans_a, trans_b, m, n, k, 1.0f, ap, lda, bp, ldb, 0.0f, yp, n, stream);
-    }, a, b, y);
-    return y;
-  }
-#endif
-  enqueue_on(a.device(), op, [=, ap = a.f32(), bp = b.f32(), yp = y.f32()] {
-    if (k == 0) {
-      for (int64_t i = 0; i < m * n; ++i) yp[i] = 0.0f;
-      return;
-    }
-    // Split the rows of y over the device's cores in fixed blocks; each block is an
-    // independent product, so the result does not depend on the thread count.
-    constexpr int64_t kRows = 64;
-    int64_t blocks = (m + kRows - 1) / kRows;
-    parallel_for(blocks, [&](int64_t blk) {
-      int64_t r0 = blk * kRows, rows = std::min(kRows, m - r0);
-      const float* ablk = trans_a ? ap + r0 : ap + r0 * a.size(1);
-      cpu::sgemm(trans_a, trans_b, rows, n, k, 1.0f, ablk, a.size(1), bp, b.size(1), 0.0f,
-            yp + r0 * n, n);
-    });
-  }, a, b, y);
+  const float *ap = a.f32(), *bp = b.f32();
+  float* yp = y.f32();
+  const int64_t lda = a.size(1), ldb = b.size(1);
+  const bool cublas = !a.device().is_cpu() && gemm_path() == GemmPath::Cublas;
+  dispatch(a.device(), op,
+           [=] {
+             if (k == 0) {
+               std::fill(yp, yp + m * n, 0.0f);
+               return;
+             }
+             // Split the rows of y over the device's cores in fixed blocks; each block is an
+             // independent product, so the result does not depend on the thread count.
+             constexpr int64_t kRows = 64;
+             parallel_for((m + kRows - 1) / kRows, [&](int64_t blk) {
+               int64_t r0 = blk * kRows, rows = std::min(kRows, m - r0);
+               const float* ablk = trans_a ? ap + r0 : ap + r0 * lda;
+               cpu::sgemm(trans_a, trans_b, rows, n, k, 1.0f, ablk, lda, bp, ldb, 0.0f,
+                          yp + r0 * n, n);
+             });
+           },
+           [=, index = a.device().index](cudaStream_t stream) {
+             if (m == 0 || n == 0) return;
+             if (k == 0) {
+               gpu::memset_async(index, yp, 0, static_cast<size_t>(m * n) * sizeof(float));
+               return;
+             }
+             if constexpr (kCublas) {
+               if (cublas) {
+                 cuda::sgemm_cublas(cuda::cublas_handle(index), trans_a, trans_b, m, n, k, 1.0f,
+                                    ap, lda, bp, ldb, 0.0f, yp, n);
+                 return;
+               }
+             }
+             cuda::sgemm(trans_a, trans_b, m, n, k, 1.0f, ap, lda, bp, ldb, 0.0f, yp, n, stream);
+           },
+           a, b, y);
   return y;
 }
 

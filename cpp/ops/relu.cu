@@ -1,6 +1,6 @@
 // cpp/ops/relu.cu -- relu's per-element bodies (relu.h) as CUDA grid-stride kernels: y = max(x, 0)
 // and dx = x > 0 ? dy : 0 over (n,). Executed on emulated GPUs in tests; compiled by nvcc.
-#include "ops/kernels_cuda_impl.cuh"
+#include "ops/launch.cuh"
 #include "ops/relu.h"
 
 namespace mgpu::ops::cuda {

@@ -1,11 +1,12 @@
 // cpp/ops/relu.h -- y = max(x, 0). x, y, dy, dx share one contiguous shape, seen as (n,).
 // Backward writes dx (it never adds into it) and re-reads x, so forward caches nothing.
+// Kernels: the two bodies below, run by for_each_index (relu.cu instantiates them for CUDA).
 // NaN propagates as IEEE and PyTorch have it: relu(NaN) = NaN, and its gradient passes dy
-// (written !(x <= 0), which is true for NaN, where x > 0 would silently turn NaN into 0).
+// (written !(x <= 0), true for NaN, where x > 0 would silently turn NaN into 0).
 #pragma once
 
 #include "core/tensor.h"
-#include "ops/launch.h"
+#include "ops/dispatch.h"
 
 namespace mgpu::ops {
 

@@ -6,7 +6,8 @@
 // cpu::softmax_ce_*; compiled by nvcc for real GPUs, never run on one.
 #include <cmath>
 
-#include "ops/kernels_cuda_impl.cuh"
+#include "ops/launch.cuh"
+#include "ops/softmax_ce.h"
 
 namespace mgpu::ops::cuda {
 

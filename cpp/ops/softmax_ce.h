@@ -2,20 +2,18 @@
 // logits z (N, M), labels y (N,) int32 or int64 in [0, M), loss (N,) = logsumexp(z_i) - z_i[y_i].
 // Backward: dz = (softmax(z) - onehot(y)) * dloss[:, None]; it re-reads z, so forward keeps
 // nothing. Labels are checked where the data lives (on the device's queue): an out-of-range
-// label surfaces as an IndexError at the next wait.
+// label surfaces as an IndexError at the next wait. Kernels: softmax_ce_cpu.cpp, softmax_ce.cu.
 #pragma once
 
+#include <cstdint>
+
 #include "core/tensor.h"
+#include "cuda/stream.h"
 
 namespace mgpu::ops {
 
 Tensor softmax_ce_forward(const Tensor& logits, const Tensor& labels);
 Tensor softmax_ce_backward(const Tensor& logits, const Tensor& labels, const Tensor& dloss);
-
-// Index of the largest entry along the last axis of a 1-d or 2-d tensor (first one on ties).
-Tensor argmax(const Tensor& x);
-// How many rows of logits have their argmax equal to the label, as a 0-d float32 tensor.
-Tensor correct_count(const Tensor& logits, const Tensor& labels);
 
 // A GPU cross-entropy's label check, deferred to the queue's next wait (Queue::defer_check): the
 // kernel's bad-row flag and the labels it read. Calling it raises IndexError as the CPU would.
@@ -29,5 +27,42 @@ struct LabelCheck {
   void operator()() const;
   LabelCheck snapshot() const;
 };
+
+namespace cpu {
+// loss[i] = logsumexp(z_i) - z_i[label_i], computed from z - max(z) so logits in the thousands
+// neither overflow nor lose the small terms; backward writes dlogits = (softmax(z) -
+// onehot(label)) * dloss[i]. Labels are checked before anything is written: a label outside
+// [0, m) throws std::out_of_range naming the label, its row and m.
+void softmax_ce_forward(int64_t n, int64_t m, const float* logits, const int64_t* labels,
+                        float* loss);
+void softmax_ce_forward(int64_t n, int64_t m, const float* logits, const int32_t* labels,
+                        float* loss);
+void softmax_ce_backward(int64_t n, int64_t m, const float* logits, const int64_t* labels,
+                         const float* dloss, float* dlogits);
+void softmax_ce_backward(int64_t n, int64_t m, const float* logits, const int32_t* labels,
+                         const float* dloss, float* dlogits);
+}  // namespace cpu
+
+namespace cuda {
+// One warp per row: max and logsumexp fused (loss = z_top - z_label + log1p(sum_{j != top}
+// exp(z_j - z_top)), as on the CPU). The labels live on the device, so they cannot be checked
+// before the launch: a label outside [0, m) is never used as an index; its row gets loss NaN
+// (backward: a NaN row of dlogits), and if bad_row is not null the launcher first sets *bad_row to
+// kNoBadRow and the kernel lowers it to the smallest such row (atomicMin: a flag, not a sum). The
+// caller reads *bad_row at its next synchronisation and raises the error cpu:: would have raised
+// through check_bad_row.
+constexpr int32_t kNoBadRow = 0x7f7f7f7f;  // the int32 whose bytes are all 0x7f (a memset value)
+void softmax_ce_forward(int64_t n, int64_t m, const float* logits, const int64_t* labels,
+                        float* loss, int32_t* bad_row, cudaStream_t stream);
+void softmax_ce_forward(int64_t n, int64_t m, const float* logits, const int32_t* labels,
+                        float* loss, int32_t* bad_row, cudaStream_t stream);
+void softmax_ce_backward(int64_t n, int64_t m, const float* logits, const int64_t* labels,
+                         const float* dloss, float* dlogits, int32_t* bad_row, cudaStream_t stream);
+void softmax_ce_backward(int64_t n, int64_t m, const float* logits, const int32_t* labels,
+                         const float* dloss, float* dlogits, int32_t* bad_row, cudaStream_t stream);
+// Host side, after synchronising: throws std::out_of_range in cpu::'s words if bad_row_value (the
+// downloaded *bad_row) names a row; `label` is that row's label, downloaded by the caller.
+void check_bad_row(const char* op, int32_t bad_row_value, int64_t label, int64_t m);
+}  // namespace cuda
 
 }  // namespace mgpu::ops

@@ -7,7 +7,7 @@
 #include <string>
 
 #include "core/parallel.h"
-#include "ops/kernels_cpu.h"
+#include "ops/softmax_ce.h"
 
 namespace mgpu::ops::cpu {
 

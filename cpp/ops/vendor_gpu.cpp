@@ -2,6 +2,7 @@
 #include "ops/vendor_gpu.h"
 
 #include <cstdlib>
+#include <string>
 
 #include "core/error.h"
 
@@ -12,9 +13,6 @@ std::string env(const char* name) {
   const char* v = std::getenv(name);
   return v ? std::string(v) : std::string();
 }
-
-constexpr bool kCublas = MGPU_BUILT_CUDA && !MGPU_CUDA_EMULATION_BUILD;
-constexpr bool kCudnn = MGPU_BUILT_CUDNN && !MGPU_CUDA_EMULATION_BUILD;
 
 GemmPath read_gemm() {
   std::string v = env("MGPU_GEMM");
@@ -46,7 +44,5 @@ ConvPath read_conv() {
 // Not cached in a static: a bad value must raise on every op call, not once and then crash.
 GemmPath gemm_path() { return read_gemm(); }
 ConvPath conv_path() { return read_conv(); }
-std::string gemm_path_name() { return read_gemm() == GemmPath::Cublas ? "cublas" : "native"; }
-std::string conv_path_name() { return read_conv() == ConvPath::Cudnn ? "cudnn" : "native"; }
 
 }  // namespace mgpu::ops

@@ -3,8 +3,8 @@
 
 #include "ops/avg_pool2d.h"
 #include "ops/conv2d.h"
+#include "ops/conv2d_relu_pool.h"
 #include "ops/elementwise.h"
-#include "ops/kernels_cpu.h"
 #include "ops/linear.h"
 #include "ops/relu.h"
 #include "ops/softmax_ce.h"
@@ -37,7 +37,7 @@ namespace {
 // The shapes of the fused CPU path, or false when the op path must run instead: another device,
 // or inputs that do not fit (the ops then raise their usual errors).
 struct FusedShapes {
-  ops::cpu::Conv2dShape s1, s2;
+  ops::Conv2dShape s1, s2;
 };
 bool fused_shapes(const Tensor& X, const std::vector<Tensor>& p, FusedShapes* f) {
   if (!X.device().is_cpu()) return false;
@@ -52,46 +52,13 @@ bool fused_shapes(const Tensor& X, const std::vector<Tensor>& p, FusedShapes* f)
 }
 
 // The activations backward needs. On a CPU device each conv, relu and pool run as one fused
-// kernel (conv2d_relu_pool_*, kernels_cpu.h) with the same bits: c1 and c2 then hold relu's
-// mask (uint8, c > 0) instead of the conv outputs, and a1, a2 stay undefined (average pooling
-// needs no activations).
+// op (ops/conv2d_relu_pool.h) with the same bits: c1 and c2 then hold relu's mask (uint8, c > 0)
+// instead of the conv outputs, and a1, a2 stay undefined (average pooling needs no activations).
 struct Trace {
   Tensor X, c1, a1, p1, c2, a2, flat, z3, a3, z4;
   bool fused = false;
   FusedShapes shapes;
 };
-
-// conv (stride 1, no padding) + bias, relu, avg-pool 2x2/2 in one kernel: returns the pooled
-// output and, unless mask is null (inference), keeps relu's mask in *mask.
-Tensor conv_relu_pool(const ops::cpu::Conv2dShape& s, const Tensor& x, const Tensor& w,
-                      const Tensor& b, Tensor* mask) {
-  Tensor m;
-  if (mask) m = *mask = Tensor::empty({s.N, s.K, s.P(), s.Q()}, DType::U8, x.device());
-  Tensor pooled = Tensor::empty({s.N, s.K, s.P() / 2, s.Q() / 2}, DType::F32, x.device());
-  enqueue_on(x.device(), "conv2d_relu_pool_forward",
-             [s, xp = x.f32(), wp = w.f32(), bp = b.f32(),
-              mp = mask ? m.data<uint8_t>() : nullptr, pp = pooled.f32()] {
-               ops::cpu::conv2d_relu_pool_forward(s, 2, xp, wp, bp, mp, pp);
-             }, x, w, b, m, pooled);
-  return pooled;
-}
-
-// The backward of conv_relu_pool given d(pooled): returns dx (when need_dx), dw, db.
-ops::Conv2dGrads conv_relu_pool_backward(const ops::cpu::Conv2dShape& s, const Tensor& x,
-                                         const Tensor& w, const Tensor& mask, const Tensor& dpooled,
-                                         bool need_dx) {
-  ops::Conv2dGrads g;
-  if (need_dx) g.dx = Tensor::empty_like(x);
-  g.dw = Tensor::empty_like(w);
-  g.db = Tensor::empty({s.K}, DType::F32, x.device());
-  float* dxp = need_dx ? g.dx.f32() : nullptr;
-  enqueue_on(x.device(), "conv2d_relu_pool_backward",
-             [s, xp = x.f32(), wp = w.f32(), mp = mask.data<uint8_t>(), dp = dpooled.f32(), dxp,
-              dwp = g.dw.f32(), dbp = g.db.f32()] {
-               ops::cpu::conv2d_relu_pool_backward(s, 2, xp, wp, mp, dp, dxp, dwp, dbp);
-             }, x, w, mask, dpooled, g.dx, g.dw, g.db);
-  return g;
-}
 
 // for_backward = false (inference) skips what only backward needs: relu's masks.
 Trace forward(const Tensor& X, const std::vector<Tensor>& p, bool for_backward) {
@@ -100,8 +67,13 @@ Trace forward(const Tensor& X, const std::vector<Tensor>& p, bool for_backward) 
   Tensor p2;
   t.fused = fused_shapes(X, p, &t.shapes);
   if (t.fused) {
-    t.p1 = conv_relu_pool(t.shapes.s1, X, p[0], p[1], for_backward ? &t.c1 : nullptr);
-    p2 = conv_relu_pool(t.shapes.s2, t.p1, p[2], p[3], for_backward ? &t.c2 : nullptr);
+    ops::Conv2dReluPool b1 = ops::conv2d_relu_pool_forward(X, p[0], p[1], 1, 0, 2, for_backward);
+    ops::Conv2dReluPool b2 = ops::conv2d_relu_pool_forward(b1.pooled, p[2], p[3], 1, 0, 2,
+                                                           for_backward);
+    t.p1 = b1.pooled;
+    t.c1 = b1.mask;
+    t.c2 = b2.mask;
+    p2 = b2.pooled;
   } else {
     t.c1 = ops::conv2d_forward(X, p[0], p[1], 1, 0);
     t.a1 = ops::relu_forward(t.c1);
@@ -167,8 +139,8 @@ LeNetStep lenet_loss_and_grads(const Tensor& X, const Tensor& y, const std::vect
   if (t.fused) {
     const FusedShapes& f = t.shapes;
     Tensor dp2 = dflat.reshape({f.s2.N, f.s2.K, f.s2.P() / 2, f.s2.Q() / 2});
-    g2 = conv_relu_pool_backward(f.s2, t.p1, p[2], t.c2, dp2, true);
-    g1 = conv_relu_pool_backward(f.s1, X, p[0], t.c1, g2.dx, false);
+    g2 = ops::conv2d_relu_pool_backward(t.p1, p[2], t.c2, dp2, 1, 0, 2, true);
+    g1 = ops::conv2d_relu_pool_backward(X, p[0], t.c1, g2.dx, 1, 0, 2, false);
   } else {
     Shape pooled{t.a2.size(0), t.a2.size(1), (t.a2.size(2) - 2) / 2 + 1,
                  (t.a2.size(3) - 2) / 2 + 1};

@@ -13,6 +13,7 @@
 #include "comm/allreduce_gpu.h"
 #include "comm/allreduce_mpi.h"
 #include "core/gpu.h"
+#include "ops/argmax.h"
 #include "ops/elementwise.h"
 #include "ops/softmax_ce.h"
 #include "ops/vendor_gpu.h"
@@ -71,7 +72,7 @@ std::vector<Tensor> rank_rows(const Tensor& x, const std::vector<Device>& device
 // in their own buffers (reduced and applied right after, outside the graphs), and the loss is
 // copied out, so nothing the caller keeps is overwritten by a later replay. MGPU_CUDA_GRAPH=0
 // turns it off; it is off with MGPU_CONV=cudnn (cuDNN's workspace is allocated per call).
-// Executed on emulated GPUs (single-stream capture and replay, cpp/emu); on real GPUs only compiled.
+// Executed on emulated GPUs (single-stream capture and replay, cpp/cuda/emu); on real GPUs only compiled.
 
 bool graphs_enabled(const std::vector<Device>& devices) {
   if (!MGPU_GPU_BUILD) return false;

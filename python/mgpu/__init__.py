@@ -1,20 +1,22 @@
 """mgpu: the chapter "Training on Multiple GPUs" as fast software.
 
-Devices (``cpu``, ``gpu``, ``try_gpu``, ``try_all_gpus``), tensors with autograd, the LeNet ops
-with their backward passes, the chapter's helpers (``get_params``, ``allreduce``, ``split_batch``,
+Devices (``cpu``, ``gpu``, ``try_gpu``, ``try_all_gpus``), tensors with autograd, the chapters'
+ops with their backward passes (``mgpu.ops``), losses and modules (``mgpu.nn``), the networks
+(``mgpu.models``), the chapter's helpers (``get_params``, ``allreduce``, ``split_batch``,
 ``sgd``), a fused data-parallel ``train_batch``, Fashion-MNIST and ``train``. The engine is C++
 (``mgpu._core``); every device runs its work asynchronously on its own queue.
 """
 import atexit
 
 from . import _core
-from . import autograd, chapter, distributed, plot, random
+from . import autograd, chapter, distributed, models, nn, ops, plot, random
 from ._core import DeviceError, OutOfMemoryError
 from .autograd import no_grad
 from .data import DataLoader, get_fashion_mnist_labels, load_data_fashion_mnist
 from .device import Device, cpu, gpu, num_gpus, try_all_gpus, try_gpu
-from .nn import (CrossEntropyLoss, SoftmaxCrossEntropyLoss, argmax, avg_pool2d, conv2d,
-                 cross_entropy, dot, lenet, lenet_params, mm, relu)
+from .models import lenet, lenet_params
+from .nn import CrossEntropyLoss, SoftmaxCrossEntropyLoss
+from .ops import argmax, avg_pool2d, batch_norm, conv2d, cross_entropy, dot, mm, relu
 from .parallel import allreduce, get_params, sgd, split_and_load, split_batch, train_batch
 from .random import randn
 from .tensor import (Tensor, arange, array, from_dlpack, full, ones, ones_like, tensor, zeros,
@@ -76,7 +78,8 @@ __all__ = [
     "cpu", "gpu", "try_gpu", "try_all_gpus", "num_gpus",
     "array", "tensor", "zeros", "ones", "full", "zeros_like", "ones_like", "arange", "randn",
     "from_dlpack", "random", "autograd", "chapter", "distributed", "plot", "no_grad",
-    "conv2d", "avg_pool2d", "relu", "mm", "dot", "cross_entropy", "argmax",
+    "models", "nn", "ops",
+    "conv2d", "avg_pool2d", "relu", "batch_norm", "mm", "dot", "cross_entropy", "argmax",
     "lenet", "lenet_params", "get_params", "allreduce", "split_batch", "split_and_load", "sgd",
     "train_batch", "load_data_fashion_mnist", "get_fashion_mnist_labels",
     "evaluate_accuracy", "evaluate_accuracy_gpu", "train", "train_op_by_op",

@@ -7,7 +7,8 @@ step; the tests run both and compare.
 from __future__ import annotations
 
 from .autograd import no_grad
-from .nn import CrossEntropyLoss, lenet
+from .models import lenet
+from .nn import CrossEntropyLoss
 from .parallel import sgd, split_batch
 
 loss = CrossEntropyLoss(reduction="none")

@@ -55,6 +55,9 @@ def _bench(args) -> int:
     elif args.bench == "ops":
         result = bench.bench_ops(batch_sizes=args.batch_sizes, warmup=args.warmup,
                                  repeat=args.repeat, log=log, device=args.device)
+    elif args.bench == "batch_norm":
+        result = bench.bench_batch_norm(shape=args.shape, warmup=args.warmup, repeat=args.repeat,
+                                        log=log, device=args.device)
     else:
         result = bench.bench_allreduce(devices=args.devices,
                                        sizes=args.sizes or bench.DEFAULT_SIZES,
@@ -109,6 +112,10 @@ def _bench_parser(sub) -> None:
     common(o, 2, 10)
     o.add_argument("--batch-sizes", type=_ints, default=[128, 256], help="e.g. 128,256")
     o.add_argument("--device", default="cpu:0", help="the device to time, e.g. cpu:0 or gpu:0")
+    n = kinds.add_parser("batch_norm", help="batch norm's kernels: time and GB/s against a copy")
+    common(n, 2, 10)
+    n.add_argument("--shape", type=_ints, default=[256, 64, 28, 28], help="x shape, e.g. 256,64,28,28")
+    n.add_argument("--device", default="cpu:0", help="the device to time, e.g. cpu:0 or gpu:0")
     a = kinds.add_parser("allreduce", help="all-reduce time, algbw and busbw over sizes")
     common(a, 3, 10)
     a.add_argument("--devices", type=_ints, default=[2], help="device counts k, e.g. 2,3,4")

@@ -316,11 +316,11 @@ class Tensor:
         return self.sum() / max(1, self.size)
 
     def argmax(self, axis: int = -1) -> "Tensor":
-        from .nn import argmax
+        from .ops import argmax
         return argmax(self, axis)
 
     def __matmul__(self, other: "Tensor") -> "Tensor":
-        from .nn import mm
+        from .ops import mm
         return mm(self, other)
 
     # Elementwise equality of labels is not a tensor op here: compare with numpy() or use

@@ -20,7 +20,7 @@ from . import distributed as _dist
 from .autograd import no_grad
 from .data import DataLoader, load_data_fashion_mnist
 from .device import Device, as_device, try_gpu
-from .nn import lenet_params
+from .models import lenet_params
 from .parallel import _check_batch_size, _check_lr, evaluate_counts, get_params, train_batch
 from .tensor import Tensor
 

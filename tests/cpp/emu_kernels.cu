@@ -4,10 +4,10 @@
 // (`nvcc -std=c++17 -c -arch=sm_80 tests/cpp/emu_kernels.cu -I cpp`) and, as C++, with g++ and
 // -DMGPU_CUDA_EMULATION; only MGPU_LAUNCH and MGPU_DYNAMIC_SHARED differ from plain CUDA.
 // Each launcher only launches: the tests read errors with cudaGetLastError().
-#include <cassert>  // before launch_cuda.cuh, whose emulated assert() fails the launch instead
+#include <cassert>  // before cuda/runtime.cuh, whose emulated assert() fails the launch instead
 #include <climits>
 
-#include "ops/launch_cuda.cuh"
+#include "cuda/runtime.cuh"
 
 namespace mgpu_test {
 

@@ -1,9 +1,8 @@
-// tests/cpp/emu_test_cuda_emulation.cpp -- the CUDA emulator (cpp/emu/) proven on real CUDA kernels
-// (tests/cpp/emu_kernels.cu) against plain C++ loops, plus its runtime API: copies of every kind,
-// memset, streams, events, peer access, graph capture and replay, and the errors a GPU would give
-// (or hang on): bad pointers and sizes, divergent barriers, deadlocks, asserts. Not named
-// test_*.cpp until the build gives it its own target: it needs -DMGPU_CUDA_EMULATION and
-// cpp/emu/*.cpp.
+// tests/cpp/emu_test_cuda_emulation.cpp -- the CUDA emulator (cpp/cuda/emu/) proven on real CUDA
+// kernels (tests/cpp/emu_kernels.cu) against plain C++ loops, plus its runtime API: copies, memset,
+// streams, events, peer access, graph capture and replay, and the errors a GPU would give (or hang
+// on): bad pointers and sizes, divergent barriers, deadlocks, asserts. Not named test_*.cpp: it
+// needs -DMGPU_CUDA_EMULATION and its own target.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -15,7 +14,7 @@
 #include <thread>
 #include <vector>
 
-#include "ops/launch_cuda.cuh"
+#include "cuda/runtime.cuh"
 #include "emu_test_util.h"
 
 namespace mgpu_test {  // tests/cpp/emu_kernels.cu

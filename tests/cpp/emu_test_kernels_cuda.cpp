@@ -1,11 +1,11 @@
-// tests/cpp/emu_test_kernels_cuda.cpp -- the CUDA kernels (cpp/ops/*.cu, kernels_cuda.h) executed
-// on emulated GPUs (cpp/emu/) and compared with the CPU kernels (kernels_cpu.h, gemm.h) on the same
+// tests/cpp/emu_test_kernels_cuda.cpp -- the CUDA kernels (cpp/ops/*.cu) executed on emulated
+// GPUs (cpp/cuda/emu/) and compared with the CPU kernels (cpu::, gemm.h) on the same
 // random inputs: sums (conv, pool, loss, sgemm) within rel 1e-4 / abs 1e-5, per-element bodies,
 // dtype conversions, argmax and correct counts exactly, sum_all within float rounding of a double
 // sum. Shapes include batch 1, odd and non-square images, stride 2, padding 1 and 2,
 // and LeNet's real layers at small batches (each CUDA thread is a fiber: keep them small). Fiber
 // order comes from MGPU_EMU_SEED (ctest runs the suite under two seeds), so a missing barrier
-// shows. Not named test_*.cpp: it needs -DMGPU_CUDA_EMULATION and cpp/emu/.
+// shows. Not named test_*.cpp: it needs -DMGPU_CUDA_EMULATION and cpp/cuda/emu/.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -20,12 +20,16 @@
 #include <type_traits>
 #include <vector>
 
+#include "cuda/runtime.cuh"
+#include "ops/argmax.h"
+#include "ops/avg_pool2d.h"
+#include "ops/batch_norm.h"
+#include "ops/conv2d.h"
 #include "ops/elementwise.h"
 #include "ops/gemm.h"
-#include "ops/kernels_cpu.h"
-#include "ops/kernels_cuda.h"
-#include "ops/launch_cuda.cuh"
+#include "ops/linear.h"
 #include "ops/relu.h"
+#include "ops/softmax_ce.h"
 #include "emu_test_util.h"
 
 namespace {
@@ -34,7 +38,7 @@ namespace cpu = mgpu::ops::cpu;
 namespace gpu = mgpu::ops::cuda;
 using mgpu_test::DeviceVector;
 using Floats = std::vector<float>;
-using Conv2dShape = cpu::Conv2dShape;
+using mgpu::ops::Conv2dShape;
 
 constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
 
@@ -233,6 +237,102 @@ INSTANTIATE_TEST_SUITE_P(Shapes, AvgPool2dCuda, ::testing::ValuesIn(kPoolCases),
                          [](const ::testing::TestParamInfo<PoolCase>& param) {
                            return std::string(param.param.name);
                          });
+
+// ================================ batch norm ================================
+// The CUDA reductions cut each channel into 2048-element chunks (at most 128): the shapes give
+// one chunk, a few with boundaries inside rows, HW = 1, and the 128-chunk cap.
+
+struct BnCase {
+  const char* name;
+  int64_t N, C, HW;
+  float loc;
+};
+
+const BnCase kBnCases[] = {
+    {"one_chunk_n2_c3_7x5", 2, 3, 35, 0.0f},
+    {"two_chunks_odd_33x33", 2, 3, 33 * 33, 0.5f},
+    {"three_chunks_c2_37x41", 3, 2, 37 * 41, -2.0f},
+    {"nc_2d", 5, 7, 1, 0.0f},
+    {"batch1_one_channel_7x7", 1, 1, 49, 0.0f},
+    {"mean_1e3_over_std", 2, 2, 1500, 1000.0f},
+    {"chunk_cap_128", 1, 1, 300000, 0.0f},
+};
+
+void PrintTo(const BnCase& c, std::ostream* out) { *out << c.name; }
+
+class BatchNormCuda : public CudaKernels, public ::testing::WithParamInterface<BnCase> {};
+
+TEST_P(BatchNormCuda, AllFourKernelsMatchCpuAndRepeatBitwise) {
+  const BnCase c = GetParam();
+  const size_t n = static_cast<size_t>(c.N * c.C * c.HW), C = static_cast<size_t>(c.C);
+  const double count = static_cast<double>(c.N * c.HW);
+  const float eps = 1e-5f;
+  Floats x = random_floats(n, 31), dy = random_floats(n, 32);
+  for (float& v : x) v += c.loc;
+  const Floats gamma = random_floats(C, 33, 0.5f, 1.5f), beta = random_floats(C, 34);
+
+  Floats m(C), v(C), y(n), s1(C), s2(C), dxt(n), dxe(n);
+  cpu::batch_norm_stats(c.N, c.C, c.HW, x.data(), m.data(), v.data());
+  cpu::batch_norm_forward(c.N, c.C, c.HW, x.data(), m.data(), v.data(), gamma.data(), beta.data(),
+                          eps, y.data());
+  cpu::batch_norm_backward_reduce(c.N, c.C, c.HW, x.data(), dy.data(), m.data(), v.data(), eps,
+                                  s1.data(), s2.data());
+  cpu::batch_norm_backward(c.N, c.C, c.HW, x.data(), dy.data(), m.data(), v.data(), gamma.data(),
+                           s1.data(), s2.data(), count, eps, true, dxt.data());
+  cpu::batch_norm_backward(c.N, c.C, c.HW, x.data(), dy.data(), m.data(), v.data(), nullptr,
+                           nullptr, nullptr, count, eps, false, dxe.data());
+
+  DeviceVector<float> x_(x), dy_(dy), gamma_(gamma), beta_(beta), m_(Floats(C, kNaN)),
+      v_(Floats(C, kNaN)), y_(Floats(n, kNaN)), s1_(Floats(C, kNaN)), s2_(Floats(C, kNaN)),
+      dxt_(Floats(n, kNaN)), dxe_(Floats(n, kNaN));
+  DeviceVector<unsigned char> ws(gpu::batch_norm_workspace_bytes(c.N, c.C, c.HW));
+  gpu::batch_norm_stats(c.N, c.C, c.HW, x_.get(), m_.get(), v_.get(), ws.get(), stream_);
+  sync();
+  EXPECT_TRUE(close("batch_norm_stats mean", m_.download(), m, kSum));
+  EXPECT_TRUE(close("batch_norm_stats var", v_.download(), v, kSum));
+  // The later kernels take the CPU's statistics, so each is compared on its own.
+  DeviceVector<float> mc(m), vc(v);
+  gpu::batch_norm_forward(c.N, c.C, c.HW, x_.get(), mc.get(), vc.get(), gamma_.get(), beta_.get(),
+                          eps, y_.get(), stream_);
+  gpu::batch_norm_backward_reduce(c.N, c.C, c.HW, x_.get(), dy_.get(), mc.get(), vc.get(), eps,
+                                  s1_.get(), s2_.get(), ws.get(), stream_);
+  sync();
+  EXPECT_TRUE(close("batch_norm_forward y", y_.download(), y, kSum));
+  EXPECT_TRUE(close("batch_norm_backward_reduce sum_dy", s1_.download(), s1, kSum));
+  EXPECT_TRUE(close("batch_norm_backward_reduce sum_dy_xhat", s2_.download(), s2, kSum));
+  DeviceVector<float> s1c(s1), s2c(s2);
+  gpu::batch_norm_backward(c.N, c.C, c.HW, x_.get(), dy_.get(), mc.get(), vc.get(), gamma_.get(),
+                           s1c.get(), s2c.get(), count, eps, true, dxt_.get(), stream_);
+  gpu::batch_norm_backward(c.N, c.C, c.HW, x_.get(), dy_.get(), mc.get(), vc.get(), nullptr,
+                           nullptr, nullptr, count, eps, false, dxe_.get(), stream_);
+  sync();
+  EXPECT_TRUE(close("batch_norm_backward dx (training)", dxt_.download(), dxt, kSum));
+  EXPECT_TRUE(close("batch_norm_backward dx (evaluation)", dxe_.download(), dxe, kSum));
+
+  // No atomics, fixed trees: a second run gives the same bits.
+  const Floats first_m = m_.download(), first_v = v_.download(), first_s2 = s2_.download();
+  gpu::batch_norm_stats(c.N, c.C, c.HW, x_.get(), m_.get(), v_.get(), ws.get(), stream_);
+  gpu::batch_norm_backward_reduce(c.N, c.C, c.HW, x_.get(), dy_.get(), mc.get(), vc.get(), eps,
+                                  s1_.get(), s2_.get(), ws.get(), stream_);
+  sync();
+  EXPECT_TRUE(close("batch_norm_stats mean, rerun", m_.download(), first_m, kExact));
+  EXPECT_TRUE(close("batch_norm_stats var, rerun", v_.download(), first_v, kExact));
+  EXPECT_TRUE(close("sum_dy_xhat, rerun", s2_.download(), first_s2, kExact));
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, BatchNormCuda, ::testing::ValuesIn(kBnCases),
+                         [](const ::testing::TestParamInfo<BnCase>& param) {
+                           return std::string(param.param.name);
+                         });
+
+TEST_F(CudaKernels, BatchNormChunksFollowTheShapeOnly) {
+  EXPECT_EQ(gpu::batch_norm_chunks(1, 1), 1);
+  EXPECT_EQ(gpu::batch_norm_chunks(1, 2048), 1);
+  EXPECT_EQ(gpu::batch_norm_chunks(2, 1089), 2);
+  EXPECT_EQ(gpu::batch_norm_chunks(256, 28 * 28), 98);
+  EXPECT_EQ(gpu::batch_norm_chunks(256, 56 * 56), 128);
+  EXPECT_EQ(gpu::batch_norm_workspace_bytes(256, 64, 28 * 28), 64u * 98 * 2 * sizeof(double));
+}
 
 // ================================ softmax cross-entropy ================================
 

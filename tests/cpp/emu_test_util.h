@@ -4,7 +4,7 @@
 #include <cstddef>
 #include <vector>
 
-#include "ops/launch_cuda.cuh"
+#include "cuda/runtime.cuh"
 
 namespace mgpu_test {
 

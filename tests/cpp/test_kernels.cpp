@@ -1,4 +1,4 @@
-// tests/cpp/test_kernels.cpp -- the raw CPU kernels (cpp/ops/kernels_cpu.h, gemm.h) against naive
+// tests/cpp/test_kernels.cpp -- the raw CPU kernels (the ops' cpu:: declarations, gemm.h) against naive
 // direct-loop references in double precision, over shapes with batch 1, odd and non-square sizes,
 // stride, padding and LeNet's own; plus the contracts: outputs are written (never accumulated),
 // labels are checked, and the bits do not depend on the thread count.
@@ -17,12 +17,19 @@
 #include <vector>
 
 #include "core/parallel.h"
+#include "ops/argmax.h"
+#include "ops/avg_pool2d.h"
+#include "ops/batch_norm.h"
+#include "ops/conv2d.h"
+#include "ops/conv2d_relu_pool.h"
+#include "ops/elementwise.h"
 #include "ops/gemm.h"
-#include "ops/kernels_cpu.h"
+#include "ops/softmax_ce.h"
 
 namespace {
 
 using namespace mgpu::ops::cpu;
+using mgpu::ops::Conv2dShape;
 using Floats = std::vector<float>;
 using Doubles = std::vector<double>;
 
@@ -656,6 +663,110 @@ TEST(Argmax, MatchesReferenceOnRandomRows) {
   }
 }
 
+// ================================ batch norm ================================
+// x (N, C, HW): the CPU kernels against double loops over each channel's N*HW values, training
+// and evaluation; HW not a multiple of the 16 reduction lanes, batch 1, one channel, HW = 1.
+
+struct BnCase {
+  const char* name;
+  int64_t N, C, HW;
+  float loc;  // the data's mean (its spread is 1)
+};
+
+void PrintTo(const BnCase& c, std::ostream* os) { *os << c.name; }
+
+class BatchNormTest : public ::testing::TestWithParam<BnCase> {};
+
+TEST_P(BatchNormTest, KernelsMatchDoubleLoops) {
+  const BnCase c = GetParam();
+  const int64_t n = c.N * c.C * c.HW, count = c.N * c.HW;
+  const float eps = 1e-5f;
+  Rng data(21);
+  Floats x = data.floats(n), dy = data.floats(n), gamma = data.floats(c.C, 0.5f, 1.5f),
+         beta = data.floats(c.C);
+  for (float& v : x) v += c.loc;
+  auto at = [&](int64_t i, int64_t ch, int64_t j) { return (i * c.C + ch) * c.HW + j; };
+
+  Doubles mean(c.C), var(c.C), sum_dy(c.C), sum_dy_xhat(c.C), y(n), dx_train(n), dx_eval(n);
+  for (int64_t ch = 0; ch < c.C; ++ch) {
+    double s = 0.0, q = 0.0, g = 0.0, gx = 0.0;
+    for (int64_t i = 0; i < c.N; ++i)
+      for (int64_t j = 0; j < c.HW; ++j) s += x[at(i, ch, j)];
+    mean[ch] = s / count;
+    for (int64_t i = 0; i < c.N; ++i)
+      for (int64_t j = 0; j < c.HW; ++j) q += std::pow(x[at(i, ch, j)] - mean[ch], 2);
+    var[ch] = q / count;
+    // The other kernels take the statistics as float: the reference uses those same values, so
+    // only the kernels' own rounding is measured (|mean| >> std would otherwise dominate).
+    const double mf = static_cast<float>(mean[ch]), vf = static_cast<float>(var[ch]);
+    const double invstd = 1.0 / std::sqrt(vf + eps);
+    for (int64_t i = 0; i < c.N; ++i)
+      for (int64_t j = 0; j < c.HW; ++j) {
+        const double xhat = (x[at(i, ch, j)] - mf) * invstd;
+        y[at(i, ch, j)] = xhat * gamma[ch] + beta[ch];
+        g += dy[at(i, ch, j)];
+        gx += dy[at(i, ch, j)] * xhat;
+      }
+    sum_dy[ch] = g;
+    sum_dy_xhat[ch] = gx;
+    for (int64_t i = 0; i < c.N; ++i)
+      for (int64_t j = 0; j < c.HW; ++j) {
+        const int64_t k = at(i, ch, j);
+        const double xhat = (x[k] - mf) * invstd;
+        dx_train[k] = gamma[ch] * invstd * (dy[k] - g / count - xhat * gx / count);
+        dx_eval[k] = gamma[ch] * invstd * dy[k];
+      }
+  }
+
+  Floats m(c.C), v(c.C), out(n, kNaN), sdy(c.C), sdyx(c.C), dxt(n, kNaN), dxe(n, kNaN);
+  batch_norm_stats(c.N, c.C, c.HW, x.data(), m.data(), v.data());
+  EXPECT_TRUE(all_close("batch_norm_stats mean", m, mean, kElementwise));
+  EXPECT_TRUE(all_close("batch_norm_stats var", v, var, kSum));
+  Floats mf(mean.begin(), mean.end()), vf(var.begin(), var.end());
+  batch_norm_forward(c.N, c.C, c.HW, x.data(), mf.data(), vf.data(), gamma.data(), beta.data(),
+                     eps, out.data());
+  EXPECT_TRUE(all_close("batch_norm_forward y", out, y, kSum));
+  batch_norm_backward_reduce(c.N, c.C, c.HW, x.data(), dy.data(), mf.data(), vf.data(), eps,
+                             sdy.data(), sdyx.data());
+  EXPECT_TRUE(all_close("batch_norm_backward_reduce sum_dy", sdy, sum_dy, kSum));
+  EXPECT_TRUE(all_close("batch_norm_backward_reduce sum_dy_xhat", sdyx, sum_dy_xhat, kSum));
+  batch_norm_backward(c.N, c.C, c.HW, x.data(), dy.data(), mf.data(), vf.data(), gamma.data(),
+                      sdy.data(), sdyx.data(), static_cast<double>(count), eps, true, dxt.data());
+  EXPECT_TRUE(all_close("batch_norm_backward dx (training)", dxt, dx_train, kSum));
+  batch_norm_backward(c.N, c.C, c.HW, x.data(), dy.data(), mf.data(), vf.data(), gamma.data(),
+                      nullptr, nullptr, static_cast<double>(count), eps, false, dxe.data());
+  EXPECT_TRUE(all_close("batch_norm_backward dx (evaluation)", dxe, dx_eval, kSum));
+}
+
+const BnCase kBnCases[] = {
+    {"n2_c3_hw35", 2, 3, 35, 0.0f},   {"batch1_hw49", 1, 4, 49, 0.5f},
+    {"one_channel_hw16", 5, 1, 16, -1.0f}, {"nc_2d_hw1", 7, 3, 1, 0.0f},
+    {"mean_1e3_over_std", 3, 2, 50, 1000.0f}, {"resnet_like_c64_hw196", 2, 64, 196, 0.0f},
+};
+INSTANTIATE_TEST_SUITE_P(Shapes, BatchNormTest, ::testing::ValuesIn(kBnCases),
+                         [](const ::testing::TestParamInfo<BnCase>& p) {
+                           return std::string(p.param.name);
+                         });
+
+TEST(BatchNorm, AffineFalseMeansGammaOneBetaZero) {
+  const int64_t N = 3, C = 2, HW = 9, n = N * C * HW;
+  Rng data(5);
+  const Floats x = data.floats(n), dy = data.floats(n), mean = data.floats(C),
+               var = data.floats(C, 0.5f, 2.0f), sdy = data.floats(C), sdyx = data.floats(C);
+  const Floats ones(C, 1.0f), zeros(C, 0.0f);
+  Floats a(n), b(n), da(n), db(n);
+  batch_norm_forward(N, C, HW, x.data(), mean.data(), var.data(), nullptr, nullptr, 1e-3f,
+                     a.data());
+  batch_norm_forward(N, C, HW, x.data(), mean.data(), var.data(), ones.data(), zeros.data(),
+                     1e-3f, b.data());
+  EXPECT_TRUE(same_bits(a, b));
+  batch_norm_backward(N, C, HW, x.data(), dy.data(), mean.data(), var.data(), nullptr, sdy.data(),
+                      sdyx.data(), 27.0, 1e-3f, true, da.data());
+  batch_norm_backward(N, C, HW, x.data(), dy.data(), mean.data(), var.data(), ones.data(),
+                      sdy.data(), sdyx.data(), 27.0, 1e-3f, true, db.data());
+  EXPECT_TRUE(same_bits(da, db));
+}
+
 // ================================ determinism ================================
 
 // Every kernel with parallel work, run at several thread counts: the bits must not change.
@@ -696,6 +807,20 @@ TEST(Determinism, BitsDoNotDependOnThreadCount) {
     softmax_ce_forward(n, m, z.data(), labels.data(), loss.data());
     softmax_ce_backward(n, m, z.data(), labels.data(), dloss.data(), dz.data());
     out.insert(out.end(), {loss, dz});
+
+    const int64_t bn = 9, bc = 5, bhw = 37;
+    const Floats bx = data.floats(bn * bc * bhw), bdy = data.floats(bn * bc * bhw),
+                 bg = data.floats(bc);
+    Floats bm(bc), bv(bc), by(bx.size()), bs1(bc), bs2(bc), bdx(bx.size());
+    batch_norm_stats(bn, bc, bhw, bx.data(), bm.data(), bv.data());
+    batch_norm_forward(bn, bc, bhw, bx.data(), bm.data(), bv.data(), bg.data(), nullptr, 1e-5f,
+                       by.data());
+    batch_norm_backward_reduce(bn, bc, bhw, bx.data(), bdy.data(), bm.data(), bv.data(), 1e-5f,
+                               bs1.data(), bs2.data());
+    batch_norm_backward(bn, bc, bhw, bx.data(), bdy.data(), bm.data(), bv.data(), bg.data(),
+                        bs1.data(), bs2.data(), static_cast<double>(bn * bhw), 1e-5f, true,
+                        bdx.data());
+    out.insert(out.end(), {bm, bv, by, bs1, bs2, bdx});
     return out;
   };
 

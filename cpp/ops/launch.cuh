@@ -1,7 +1,7 @@
-// cpp/ops/kernels_cuda_impl.cuh -- what the kernel sources (ops/*.cu) share: the CUDA runtime or
-// emulator (launch_cuda.cuh, with failures thrown as mgpu::DeviceError), the launchers' argument
-// checks, and the grid-stride kernel behind cuda::for_each_index, which op.cu files instantiate
-// for their per-element bodies. Included only by .cu files (nvcc, or g++ -DMGPU_CUDA_EMULATION).
+// cpp/ops/launch.cuh -- what every op's .cu file includes: the CUDA runtime or the emulator
+// (cuda/runtime.cuh, failures thrown as mgpu::DeviceError), the launchers' argument checks, and the
+// grid-stride kernel behind cuda::for_each_index (dispatch.h), which op.cu files instantiate for
+// their per-element bodies. Included only by .cu files (nvcc, or g++ with MGPU_CUDA_EMULATION).
 #pragma once
 
 #include <climits>
@@ -11,8 +11,8 @@
 
 #include "core/error.h"
 #define MGPU_CUDA_ERROR_TYPE ::mgpu::DeviceError
-#include "ops/kernels_cuda.h"
-#include "ops/launch_cuda.cuh"
+#include "cuda/runtime.cuh"
+#include "ops/dispatch.h"
 
 namespace mgpu::ops::cuda::detail {
 

@@ -1,13 +1,13 @@
-// cpp/ops/gemm_cublas.cu -- cuda::sgemm's contract (row-major, kernels_cuda.h) through cuBLAS, the
-// matrix product of real GPU builds (linear, and conv's products if ever lowered to gemm). Real
-// CUDA builds only: compiled and linked by nvcc, never run (no GPU here; the emulated build uses
+// cpp/ops/linear_cublas.cu -- cuda::sgemm's contract (row-major, linear.h) through cuBLAS, the
+// matrix product of real GPU builds (mm). Real CUDA builds only: compiled and linked by nvcc, never run (no GPU here; the emulated build uses
 // our own tiled kernel in linear.cu instead).
 #include <cublas_v2.h>
 
 #include <mutex>
 
 #include "core/gpu.h"
-#include "ops/kernels_cuda_impl.cuh"
+#include "ops/launch.cuh"
+#include "ops/linear.h"
 #include "ops/vendor_gpu.h"
 
 namespace mgpu::ops::cuda {

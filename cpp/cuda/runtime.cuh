@@ -1,23 +1,22 @@
-// cpp/ops/launch_cuda.cuh -- what CUDA kernel sources include: the CUDA runtime (nvcc, or g++ with
-// the CUDA include path) or mgpu's CUDA emulator (g++ with MGPU_CUDA_EMULATION), and the only two
-// constructs in which mgpu's kernels differ from plain CUDA:
-//   MGPU_LAUNCH(kernel, grid, block, shared_bytes, stream)(args...)   kernel<<<...>>>(args...)
-//   MGPU_DYNAMIC_SHARED(type, name);                                  the block's dynamic shared
-//   memory
-// and MGPU_CUDA_CHECK(expr), which turns a failed runtime call into an exception.
-// A macro argument must not contain a top-level comma: launch a template kernel with several
-// arguments through a pointer (`auto* k = gemm<float, 16>; MGPU_LAUNCH(k, ...)`), and pass dim3
-// values, not braced lists.
+// cpp/cuda/runtime.cuh -- the bottom floor of the GPU backend: the CUDA runtime (nvcc, or g++ with
+// the CUDA include path) or mgpu's emulator of it (g++ with MGPU_CUDA_EMULATION, cuda/emu/), the
+// two constructs in which mgpu's kernels differ from plain CUDA (MGPU_LAUNCH, MGPU_DYNAMIC_SHARED)
+// and MGPU_CUDA_CHECK, which turns a failed runtime call into an exception.
 #pragma once
 
 #include <string>
 
 #if defined(MGPU_CUDA_EMULATION)
-#include "emu/cuda_emulation.h"
+#include "cuda/emu/cuda_emulation.h"
 #else
 #include <cuda_runtime.h>
 #endif
 
+// MGPU_LAUNCH(kernel, grid, block, shared_bytes, stream)(args...) is kernel<<<...>>>(args...);
+// MGPU_DYNAMIC_SHARED(type, name); declares `type* name`, the block's dynamic shared memory.
+// A macro argument must not contain a top-level comma: launch a template kernel with several
+// arguments through a pointer (`auto* k = gemm<float, 16>; MGPU_LAUNCH(k, ...)`), and pass dim3
+// values, not braced lists.
 #if defined(MGPU_CUDA_EMULATION)
 
 #define MGPU_LAUNCH(kernel, grid, block, shared_bytes, stream) \

@@ -1,0 +1,154 @@
+// cpp/cuda/emu/internal.h -- what the emulator's own sources share (kernel code never includes
+// it): the runtime handles' contents, the process-wide runtime state and the checks on it, each OS
+// thread's current device and last error, and one launch as the fiber scheduler runs it.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "cuda/emu/cuda_emulation.h"
+
+#if defined(__SANITIZE_ADDRESS__)
+#define MGPU_EMU_ASAN 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define MGPU_EMU_ASAN 1
+#endif
+#endif
+
+// Opaque handles of the runtime API (declared, not defined, by the header, as in CUDA).
+using Work = std::function<cudaError_t()>;
+struct CUstream_st {
+  int device = 0;
+  unsigned flags = 0;
+  bool is_default = false;
+  bool capturing = false;
+  bool invalidated = false;
+  cudaStreamCaptureMode mode = cudaStreamCaptureModeGlobal;
+  std::thread::id capture_thread;
+  std::vector<Work> recorded;
+};
+struct CUevent_st {
+  int device = 0;
+  unsigned flags = 0;
+  bool recorded = false;
+  std::chrono::steady_clock::time_point time;
+};
+struct CUgraph_st {
+  std::vector<Work> nodes;
+};
+struct CUgraphExec_st {
+  std::vector<Work> nodes;
+};
+
+namespace mgpu::emu {
+
+template <typename... Args>
+std::string cat(const Args&... args) {
+  std::ostringstream out;
+  (out << ... << args);
+  return out.str();
+}
+inline std::string hex(uint64_t v) { return cat("0x", std::hex, v); }
+inline std::string ptr_str(const void* p) { return hex(reinterpret_cast<uintptr_t>(p)); }
+inline std::string dim_str(dim3 d) { return cat("(", d.x, ",", d.y, ",", d.z, ")"); }
+
+inline constexpr size_t kDefaultDynamicSharedLimit = 48 * 1024;
+inline constexpr size_t kSharedOptinLimit = 166912;  // an A100's sharedMemPerBlockOptin
+inline constexpr int kMaxDevices = 64;
+
+// ---- Per-OS-thread runtime state: current device and the last error, as in CUDA ----------------
+struct ThreadState {
+  int device = 0;
+  cudaError_t last_error = cudaSuccess;
+  std::string detail;
+};
+extern thread_local ThreadState tls;
+// Makes (code, detail) this thread's last error; returns code.
+cudaError_t fail(cudaError_t code, std::string detail);
+
+// ---- Process-wide runtime state ----------------------------------------------------------------
+struct Allocation {
+  size_t size;
+  int device;  // -1: pinned host memory (cudaMallocHost)
+};
+
+struct Runtime {
+  std::mutex mu;
+  bool configured = false;
+  std::string config_error;
+  int device_count = 2;
+  size_t device_memory = size_t(16) << 30;
+  std::map<uintptr_t, Allocation> allocations;
+  std::vector<size_t> allocated;
+  std::vector<std::vector<char>> peer;  // peer[d][p]: kernels on d may touch p's memory
+  std::vector<cudaError_t> pending;     // a failed kernel's error, for the device's next sync
+  std::vector<std::string> pending_detail;
+  std::vector<std::unique_ptr<CUstream_st>> default_streams;
+  std::set<CUstream_st*> streams;
+  std::set<CUevent_st*> events;
+  std::set<CUgraph_st*> graphs;
+  std::set<CUgraphExec_st*> execs;
+  std::map<const void*, size_t> max_dynamic_shared;
+};
+Runtime& rt();
+// rt(), configured from the environment on first use.
+Runtime& runtime();
+// Caller holds rt().mu.
+void configure_locked();
+
+inline constexpr uint64_t kDefaultSeed = 1;
+#if MGPU_EMU_ASAN
+inline constexpr size_t kDefaultStack = 256 * 1024;  // ASan's redzones make frames several times larger
+#else
+inline constexpr size_t kDefaultStack = 64 * 1024;
+#endif
+extern std::atomic<uint64_t> g_seed;
+extern std::atomic<size_t> g_stack_size;
+
+// The checks every runtime call shares (state.cpp); each returns the error it recorded with fail().
+bool valid_device(int d);
+cudaError_t bad_device(const char* api, int d);
+// The error a failed kernel left for `device`'s next synchronisation, now cleared.
+cudaError_t take_pending(int device);
+// The allocation holding p (p may be one past the end if allow_end), or nullptr. Caller holds mu.
+const std::pair<const uintptr_t, Allocation>* find_allocation(const void* p, bool allow_end);
+std::string where(const std::pair<const uintptr_t, Allocation>& alloc);
+cudaError_t check_side(const char* api, const char* role, const void* p, size_t count,
+                       const char* side, int device);
+cudaError_t check_copy(const char* api, void* dst, const void* src, size_t count,
+                       cudaMemcpyKind kind);
+cudaError_t check_capture_safe(const char* api, cudaError_t code);
+cudaError_t resolve_stream(const char* api, cudaStream_t handle, CUstream_st** out);
+// Issues work on a stream: runs it now, or records it if the stream is capturing.
+cudaError_t issue(const char* api, CUstream_st* s, bool legacy, Work work);
+
+// ---- One launch (launch.cpp) and the scheduler that runs it (fibers.cpp) ----------------------
+struct LaunchSpec {
+  LaunchSite site;
+  dim3 grid, block;
+  size_t shared_bytes;
+  int device;
+  std::function<void()> body;
+  std::vector<PointerArg> pointers;
+};
+std::string launch_name(const LaunchSpec& s);
+// Fails the launch: the error goes to cudaGetLastError and to the device's next synchronisation.
+cudaError_t report_kernel_failure(int device, cudaError_t code, std::string message);
+// Runs every block of the grid, one after another, each thread a fiber of this OS thread.
+cudaError_t run_grid(const LaunchSpec& s);
+// Whether this OS thread is running a kernel's block.
+bool in_kernel();
+
+}  // namespace mgpu::emu

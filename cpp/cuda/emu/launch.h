@@ -1,0 +1,109 @@
+// cpp/cuda/emu/launch.h -- the emulator's own interface: MGPU_LAUNCH's launcher (a kernel call
+// with copies of its arguments, run on every thread of every block), the error detail
+// MGPU_CUDA_CHECK appends, and the settings tests change (device count, fiber order).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+
+#include "cuda/emu/builtins.h"
+#include "cuda/emu/runtime_api.h"
+
+namespace mgpu::emu {
+
+// What went wrong in the last failed runtime call or launch on this OS thread, in words: the
+// kernel, block, thread and reason. Empty if nothing failed yet. cudaGetErrorString can only give
+// the generic text of a code; MGPU_CUDA_CHECK appends this.
+const std::string& last_error_detail();
+
+// Re-reads MGPU_EMULATED_GPUS (device count, default 2), MGPU_EMU_SEED (fiber order, default 1)
+// and MGPU_EMU_STACK_KIB (fiber stack, default 64) and forgets all devices' state: allocations,
+// streams, events, peer access, pending errors. Tests only; nothing may run on a device meanwhile.
+void reset_from_env();
+// Fiber order: 0 runs the threads of a block in ascending order in every phase; any other value
+// seeds a shuffle per block and barrier phase. Takes effect at the next launch.
+void set_seed(uint64_t seed);
+// How many fiber switches this OS thread has made, and how many fibers (stacks) it keeps for
+// reuse: as many as the largest block it ran, whatever the grid size.
+uint64_t fiber_switches();
+size_t fiber_pool_size();
+
+// One launch: kernel name and call site for messages, configuration, stream.
+struct LaunchSite {
+  const char* kernel;
+  const void* kernel_address;
+  const char* file;
+  int line;
+};
+struct PointerArg {
+  int index;          // position in the kernel's parameter list
+  const void* value;  // the pointer passed
+};
+// Runs the kernel body (a call of the kernel with copies of its arguments) on every thread of
+// every block, or records it when the stream is capturing. Errors go to cudaGetLastError.
+void launch(const LaunchSite& site, dim3 grid, dim3 block, size_t shared_bytes, cudaStream_t stream,
+            std::function<void()> body, const PointerArg* pointers, int num_pointers);
+
+// Binds a kernel and its configuration; calling it with arguments launches. Arguments are
+// converted to the kernel's parameter types and copied, as a CUDA launch copies them.
+template <typename... Params>
+class Launcher {
+ public:
+  Launcher(void (*kernel)(Params...), LaunchSite site, dim3 grid, dim3 block, size_t shared_bytes,
+           cudaStream_t stream)
+      : kernel_(kernel),
+        site_(site),
+        grid_(grid),
+        block_(block),
+        shared_(shared_bytes),
+        stream_(stream) {}
+
+  template <typename... Args>
+  void operator()(Args&&... args) const {
+    static_assert(sizeof...(Args) == sizeof...(Params),
+                  "MGPU_LAUNCH: wrong number of arguments for this kernel");
+    std::tuple<std::decay_t<Params>...> params(std::forward<Args>(args)...);
+    PointerArg pointers[sizeof...(Params) + 1];
+    int num_pointers = 0;
+    collect_pointers(params, pointers, num_pointers, std::index_sequence_for<Params...>{});
+    auto kernel = kernel_;
+    launch(
+        site_, grid_, block_, shared_, stream_, [kernel, params] { std::apply(kernel, params); },
+        pointers, num_pointers);
+  }
+
+ private:
+  template <typename Tuple, size_t... I>
+  static void collect_pointers(const Tuple& params, PointerArg* out, int& n,
+                               std::index_sequence<I...>) {
+    (add_pointer(static_cast<int>(I), std::get<I>(params), out, n), ...);
+  }
+  template <typename T>
+  static void add_pointer(int index, const T& value, PointerArg* out, int& n) {
+    if constexpr (std::is_pointer_v<T> && !std::is_function_v<std::remove_pointer_t<T>>) {
+      if (value != nullptr) out[n++] = PointerArg{index, static_cast<const void*>(value)};
+    }
+  }
+
+  void (*kernel_)(Params...);
+  LaunchSite site_;
+  dim3 grid_, block_;
+  size_t shared_;
+  cudaStream_t stream_;
+};
+
+template <typename... Params>
+Launcher<Params...> make_launcher(void (*kernel)(Params...), const char* name, const char* file,
+                                  int line, dim3 grid, dim3 block, size_t shared_bytes,
+                                  cudaStream_t stream) {
+  return Launcher<Params...>(kernel,
+                             LaunchSite{name, reinterpret_cast<const void*>(kernel), file, line},
+                             grid, block, shared_bytes, stream);
+}
+
+}  // namespace mgpu::emu

@@ -1,0 +1,242 @@
+// cpp/cuda/emu/state.cpp -- the emulator's process-wide state (devices, allocations, streams,
+// events, graphs, pending kernel errors) and per-thread state (current device, last error), the
+// checks every runtime call shares, and the settings tests change.
+#include <cstdlib>
+#include <cstring>
+
+#include "cuda/emu/internal.h"
+
+namespace mgpu::emu {
+namespace {
+
+bool parse_env(const char* name, long long lo, long long hi, long long* out, std::string* error) {
+  const char* text = std::getenv(name);
+  if (text == nullptr || *text == '\0') return false;
+  char* end = nullptr;
+  long long v = std::strtoll(text, &end, 10);
+  if (*end != '\0' || v < lo || v > hi) {
+    *error = cat(name, " must be an integer in [", lo, ", ", hi, "], got '", text, "'");
+    return false;
+  }
+  *out = v;
+  return true;
+}
+
+}  // namespace
+
+thread_local ThreadState tls;
+
+cudaError_t fail(cudaError_t code, std::string detail) {
+  tls.last_error = code;
+  tls.detail = std::move(detail);
+  return code;
+}
+
+// Never destroyed: worker threads may still call in while the process exits.
+Runtime& rt() {
+  static Runtime* runtime = new Runtime;
+  return *runtime;
+}
+
+std::atomic<uint64_t> g_seed{kDefaultSeed};
+std::atomic<size_t> g_stack_size{kDefaultStack};
+
+void configure_locked() {
+  Runtime& r = rt();
+  if (r.configured) return;
+  r.configured = true;
+  r.config_error.clear();
+  long long v = 0;
+  r.device_count = 2;
+  if (parse_env("MGPU_EMULATED_GPUS", 0, kMaxDevices, &v, &r.config_error)) r.device_count = int(v);
+  if (!r.config_error.empty()) r.device_count = 0;
+  if (parse_env("MGPU_EMU_SEED", 0, INT64_MAX, &v, &r.config_error)) g_seed = uint64_t(v);
+  if (parse_env("MGPU_EMU_STACK_KIB", 16, 1 << 20, &v, &r.config_error))
+    g_stack_size = size_t(v) * 1024;
+  int n = r.device_count;
+  r.allocated.assign(n, 0);
+  r.peer.assign(n, std::vector<char>(n, 0));
+  r.pending.assign(n, cudaSuccess);
+  r.pending_detail.assign(n, std::string());
+  r.default_streams.clear();
+  for (int d = 0; d < n; ++d) {
+    r.default_streams.push_back(std::make_unique<CUstream_st>());
+    r.default_streams.back()->device = d;
+    r.default_streams.back()->is_default = true;
+  }
+}
+
+Runtime& runtime() {
+  Runtime& r = rt();
+  std::lock_guard<std::mutex> lock(r.mu);
+  configure_locked();
+  return r;
+}
+
+bool valid_device(int d) { return d >= 0 && d < runtime().device_count; }
+
+cudaError_t bad_device(const char* api, int d) {
+  Runtime& r = runtime();
+  if (!r.config_error.empty())
+    return fail(cudaErrorInitializationError, cat(api, ": ", r.config_error));
+  return fail(cudaErrorInvalidDevice,
+              cat(api, ": device ", d, " does not exist; there are ", r.device_count,
+                  " emulated GPUs (set MGPU_EMULATED_GPUS to change that)"));
+}
+
+cudaError_t take_pending(int device) {
+  Runtime& r = runtime();
+  std::lock_guard<std::mutex> lock(r.mu);
+  if (device < 0 || device >= int(r.pending.size()) || r.pending[device] == cudaSuccess)
+    return cudaSuccess;
+  cudaError_t e = r.pending[device];
+  r.pending[device] = cudaSuccess;
+  return fail(e, std::move(r.pending_detail[device]));
+}
+
+const std::pair<const uintptr_t, Allocation>* find_allocation(const void* p, bool allow_end) {
+  auto& allocs = rt().allocations;
+  uintptr_t a = reinterpret_cast<uintptr_t>(p);
+  auto it = allocs.upper_bound(a);
+  if (it == allocs.begin()) return nullptr;
+  --it;
+  uintptr_t end = it->first + it->second.size;
+  if (a < end || (allow_end && a == end)) return &*it;
+  return nullptr;
+}
+
+std::string where(const std::pair<const uintptr_t, Allocation>& alloc) {
+  return alloc.second.device < 0 ? std::string("pinned host memory")
+                                 : cat("memory of device ", alloc.second.device);
+}
+
+// One side of a copy or memset: `side` is "device" (must lie in a cudaMalloc'ed range of
+// `device`, any device if -1), "host" (must not be device memory) or "any" (cudaMemcpyDefault).
+cudaError_t check_side(const char* api, const char* role, const void* p, size_t count,
+                       const char* side, int device) {
+  if (p == nullptr) return fail(cudaErrorInvalidValue, cat(api, ": ", role, " is a null pointer"));
+  std::lock_guard<std::mutex> lock(rt().mu);
+  auto* alloc = find_allocation(p, false);
+  bool want_device = std::strcmp(side, "device") == 0;
+  if (alloc == nullptr || alloc->second.device < 0) {
+    if (want_device) {
+      return fail(cudaErrorInvalidValue,
+                  cat(api, ": ", role, " ", ptr_str(p),
+                      " is not device memory (not from cudaMalloc, or already freed)"));
+    }
+  } else {
+    if (std::strcmp(side, "host") == 0) {
+      return fail(cudaErrorInvalidValue,
+                  cat(api, ": ", role, " ", ptr_str(p), " is ", where(*alloc),
+                      " but the copy kind says host; use the right cudaMemcpyKind or "
+                      "cudaMemcpyDefault"));
+    }
+    if (want_device && device >= 0 && alloc->second.device != device) {
+      return fail(cudaErrorInvalidValue, cat(api, ": ", role, " ", ptr_str(p), " is ",
+                                             where(*alloc), ", not of device ", device));
+    }
+  }
+  if (alloc != nullptr) {
+    size_t offset = reinterpret_cast<uintptr_t>(p) - alloc->first;
+    if (count > alloc->second.size - offset) {
+      return fail(
+          cudaErrorInvalidValue,
+          cat(api, ": ", role, " range of ", count, " bytes at offset ", offset,
+              " overruns its allocation of ", alloc->second.size, " bytes (", where(*alloc), ")"));
+    }
+  }
+  return cudaSuccess;
+}
+
+cudaError_t check_copy(const char* api, void* dst, const void* src, size_t count,
+                       cudaMemcpyKind kind) {
+  static const char* const kSides[5][2] = {{"host", "host"},
+                                           {"device", "host"},
+                                           {"host", "device"},
+                                           {"device", "device"},
+                                           {"any", "any"}};
+  if (int(kind) < 0 || int(kind) > 4) {
+    return fail(cudaErrorInvalidMemcpyDirection, cat(api, ": invalid cudaMemcpyKind ", int(kind)));
+  }
+  if (count == 0) return cudaSuccess;
+  if (cudaError_t e = check_side(api, "dst", dst, count, kSides[kind][0], -1)) return e;
+  return check_side(api, "src", src, count, kSides[kind][1], -1);
+}
+
+// Capture rules: while a stream captures in global mode (or thread-local mode, on the capturing
+// thread), calls that could implicitly synchronise with it are errors and invalidate the capture.
+cudaError_t check_capture_safe(const char* api, cudaError_t code) {
+  Runtime& r = runtime();
+  std::lock_guard<std::mutex> lock(r.mu);
+  for (CUstream_st* s : r.streams) {
+    if (!s->capturing) continue;
+    if (s->mode == cudaStreamCaptureModeRelaxed) continue;
+    if (s->mode == cudaStreamCaptureModeThreadLocal &&
+        s->capture_thread != std::this_thread::get_id())
+      continue;
+    s->invalidated = true;
+    return fail(code,
+                cat(api, " is not allowed while a stream of device ", s->device,
+                    " is capturing a graph (it would synchronise with the capture); use the "
+                    "Async variant on the capturing stream, or cudaStreamCaptureModeRelaxed"));
+  }
+  return cudaSuccess;
+}
+
+// Resolves a stream handle: 0, cudaStreamLegacy and cudaStreamPerThread are the current device's
+// default stream.
+cudaError_t resolve_stream(const char* api, cudaStream_t handle, CUstream_st** out) {
+  Runtime& r = runtime();
+  if (handle == nullptr || handle == cudaStreamLegacy || handle == cudaStreamPerThread) {
+    if (!valid_device(tls.device)) return bad_device(api, tls.device);
+    *out = r.default_streams[tls.device].get();
+    return cudaSuccess;
+  }
+  std::lock_guard<std::mutex> lock(r.mu);
+  if (r.streams.count(handle) == 0) {
+    return fail(cudaErrorInvalidResourceHandle,
+                cat(api, ": stream ", ptr_str(handle), " is not a live stream (destroyed?)"));
+  }
+  *out = handle;
+  return cudaSuccess;
+}
+
+// Issues work on a stream: runs it now, or records it if the stream is capturing.
+cudaError_t issue(const char* api, CUstream_st* s, bool legacy, Work work) {
+  if (s->capturing) {
+    s->recorded.push_back(std::move(work));
+    return cudaSuccess;
+  }
+  if (legacy) {
+    if (cudaError_t e = check_capture_safe(api, cudaErrorStreamCaptureImplicit)) return e;
+  }
+  return work();
+}
+
+// ---- The emulator's settings ---------------------------------------------------------------
+const std::string& last_error_detail() { return tls.detail; }
+
+void reset_from_env() {
+  Runtime& r = rt();
+  std::lock_guard<std::mutex> lock(r.mu);
+  for (auto& [base, alloc] : r.allocations) std::free(reinterpret_cast<void*>(base));
+  r.allocations.clear();
+  for (CUstream_st* s : r.streams) delete s;
+  for (CUevent_st* e : r.events) delete e;
+  for (CUgraph_st* g : r.graphs) delete g;
+  for (CUgraphExec_st* x : r.execs) delete x;
+  r.streams.clear();
+  r.events.clear();
+  r.graphs.clear();
+  r.execs.clear();
+  r.max_dynamic_shared.clear();
+  g_seed = kDefaultSeed;
+  g_stack_size = kDefaultStack;
+  r.configured = false;
+  configure_locked();
+  tls = ThreadState{};
+}
+
+void set_seed(uint64_t s) { g_seed = s; }
+
+}  // namespace mgpu::emu

@@ -1,0 +1,166 @@
+// cpp/ops/batch_norm.cpp -- batch norm's checks, allocation and dispatch to the cpu:: or cuda::
+// kernels of batch_norm.h. x (N, C, H, W) or (N, C); per-channel tensors (C,).
+#include "ops/batch_norm.h"
+
+#include <cmath>
+
+#include "ops/dispatch.h"
+
+namespace mgpu::ops {
+namespace {
+
+struct BnShape {
+  int64_t N, C, HW;
+};
+
+BnShape check_x(const char* op, const Tensor& x) {
+  require_dtype(op, "x", x, DType::F32);
+  MGPU_CHECK_VALUE(x.dim() == 4 || x.dim() == 2, op,
+                   ": x must have 4 dims (N, C, H, W) or 2 dims (N, C), got shape ", x.shape(),
+                   x.dim() == 3 ? "; add a batch axis, e.g. x.reshape(1, C, H, W)" : "");
+  return {x.size(0), x.size(1), x.dim() == 4 ? x.size(2) * x.size(3) : 1};
+}
+
+void check_channel(const char* op, const char* name, const Tensor& t, const Tensor& x) {
+  require_dtype(op, name, t, DType::F32);
+  require_same_device(op, {&x, &t});
+  MGPU_CHECK_VALUE(t.dim() == 1 && t.size(0) == x.size(1), op, ": ", name, " must have shape (",
+                   x.size(1), ",) (one value per channel of x, shape ", x.shape(), "), got shape ",
+                   t.shape());
+}
+
+void check_eps(const char* op, float eps) {
+  MGPU_CHECK_VALUE(eps > 0.0f && std::isfinite(eps), op, ": eps must be a positive number, got ",
+                   eps);
+}
+
+void check_count(const char* op, const BnShape& s) {
+  MGPU_CHECK_VALUE(s.N * s.HW >= 1, op, ": x has no elements per channel (N*H*W = 0), so it has "
+                   "no statistics; pass a non-empty batch");
+}
+
+const float* ptr(const Tensor* t) { return t ? t->f32() : nullptr; }
+
+// Device scratch for the CUDA reductions' chunk partials, kept alive by the enqueued task; none
+// on a CPU device.
+Tensor reduction_workspace(const BnShape& s, Device device) {
+  if constexpr (kGpuBuild) {
+    if (!device.is_cpu()) {
+      const size_t bytes = cuda::batch_norm_workspace_bytes(s.N, s.C, s.HW);
+      return Tensor::empty({static_cast<int64_t>(bytes / sizeof(float))}, DType::F32, device);
+    }
+  }
+  return Tensor();
+}
+
+}  // namespace
+
+std::pair<Tensor, Tensor> batch_norm_stats(const Tensor& x) {
+  const char* op = "batch_norm_stats";
+  const BnShape s = check_x(op, x);
+  check_count(op, s);
+  Tensor mean = Tensor::empty({s.C}, DType::F32, x.device());
+  Tensor var = Tensor::empty({s.C}, DType::F32, x.device());
+  Tensor ws = reduction_workspace(s, x.device());
+  const float* xp = x.f32();
+  float *mp = mean.f32(), *vp = var.f32();
+  dispatch(x.device(), op, [=] { cpu::batch_norm_stats(s.N, s.C, s.HW, xp, mp, vp); },
+           [=, wp = ws.defined() ? ws.raw() : nullptr](cudaStream_t st) {
+             cuda::batch_norm_stats(s.N, s.C, s.HW, xp, mp, vp, wp, st);
+           },
+           x, mean, var, ws);
+  return {mean, var};
+}
+
+Tensor batch_norm_forward(const Tensor& x, const Tensor& mean, const Tensor& var,
+                          const Tensor* gamma, const Tensor* beta, float eps) {
+  const char* op = "batch_norm_forward";
+  const BnShape s = check_x(op, x);
+  check_channel(op, "mean", mean, x);
+  check_channel(op, "var", var, x);
+  if (gamma) check_channel(op, "weight (gamma)", *gamma, x);
+  if (beta) check_channel(op, "bias (beta)", *beta, x);
+  check_eps(op, eps);
+  Tensor y = Tensor::empty_like(x);
+  const Tensor none;
+  const Tensor& g = gamma ? *gamma : none;
+  const Tensor& b = beta ? *beta : none;
+  auto run = [s, xp = x.f32(), mp = mean.f32(), vp = var.f32(), gp = ptr(gamma), bp = ptr(beta),
+              eps, yp = y.f32()](auto&&... stream) {
+    if constexpr (sizeof...(stream) == 0) {
+      cpu::batch_norm_forward(s.N, s.C, s.HW, xp, mp, vp, gp, bp, eps, yp);
+    } else {
+      cuda::batch_norm_forward(s.N, s.C, s.HW, xp, mp, vp, gp, bp, eps, yp, stream...);
+    }
+  };
+  // Undefined tensors in the keep list are harmless: they hold no storage.
+  dispatch(x.device(), op, [run] { run(); }, [run](cudaStream_t st) { run(st); }, x, mean, var, g,
+           b, y);
+  return y;
+}
+
+std::pair<Tensor, Tensor> batch_norm_backward_reduce(const Tensor& x, const Tensor& dy,
+                                                     const Tensor& mean, const Tensor& var,
+                                                     float eps) {
+  const char* op = "batch_norm_backward_reduce";
+  const BnShape s = check_x(op, x);
+  require_dtype(op, "dy", dy, DType::F32);
+  require_same_device(op, {&x, &dy});
+  MGPU_CHECK_VALUE(dy.shape() == x.shape(), op, ": dy has shape ", dy.shape(), " but x has shape ",
+                   x.shape(), "; they must match");
+  check_channel(op, "mean", mean, x);
+  check_channel(op, "var", var, x);
+  check_eps(op, eps);
+  check_count(op, s);
+  Tensor sum_dy = Tensor::empty({s.C}, DType::F32, x.device());
+  Tensor sum_dy_xhat = Tensor::empty({s.C}, DType::F32, x.device());
+  Tensor ws = reduction_workspace(s, x.device());
+  const float *xp = x.f32(), *dyp = dy.f32(), *mp = mean.f32(), *vp = var.f32();
+  float *a = sum_dy.f32(), *b = sum_dy_xhat.f32();
+  dispatch(x.device(), op,
+           [=] { cpu::batch_norm_backward_reduce(s.N, s.C, s.HW, xp, dyp, mp, vp, eps, a, b); },
+           [=, wp = ws.defined() ? ws.raw() : nullptr](cudaStream_t st) {
+             cuda::batch_norm_backward_reduce(s.N, s.C, s.HW, xp, dyp, mp, vp, eps, a, b, wp, st);
+           },
+           x, dy, mean, var, sum_dy, sum_dy_xhat, ws);
+  return {sum_dy, sum_dy_xhat};
+}
+
+Tensor batch_norm_backward(const Tensor& x, const Tensor& dy, const Tensor& mean,
+                           const Tensor& var, const Tensor* gamma, const Tensor& sum_dy,
+                           const Tensor& sum_dy_xhat, double count, float eps, bool training) {
+  const char* op = "batch_norm_backward";
+  const BnShape s = check_x(op, x);
+  require_dtype(op, "dy", dy, DType::F32);
+  require_same_device(op, {&x, &dy});
+  MGPU_CHECK_VALUE(dy.shape() == x.shape(), op, ": dy has shape ", dy.shape(), " but x has shape ",
+                   x.shape(), "; they must match");
+  check_channel(op, "mean", mean, x);
+  check_channel(op, "var", var, x);
+  if (gamma) check_channel(op, "weight (gamma)", *gamma, x);
+  check_channel(op, "sum_dy", sum_dy, x);
+  check_channel(op, "sum_dy_xhat", sum_dy_xhat, x);
+  check_eps(op, eps);
+  MGPU_CHECK_VALUE(count > 0.0 && std::isfinite(count), op,
+                   ": count (elements per channel behind the statistics) must be > 0, got ",
+                   count);
+  Tensor dx = Tensor::empty_like(x);
+  const Tensor none;
+  const Tensor& g = gamma ? *gamma : none;
+  auto run = [s, xp = x.f32(), dyp = dy.f32(), mp = mean.f32(), vp = var.f32(), gp = ptr(gamma),
+              a = sum_dy.f32(), b = sum_dy_xhat.f32(), count, eps, training,
+              dxp = dx.f32()](auto&&... stream) {
+    if constexpr (sizeof...(stream) == 0) {
+      cpu::batch_norm_backward(s.N, s.C, s.HW, xp, dyp, mp, vp, gp, a, b, count, eps, training,
+                               dxp);
+    } else {
+      cuda::batch_norm_backward(s.N, s.C, s.HW, xp, dyp, mp, vp, gp, a, b, count, eps, training,
+                                dxp, stream...);
+    }
+  };
+  dispatch(x.device(), op, [run] { run(); }, [run](cudaStream_t st) { run(st); }, x, dy, mean, var,
+           g, sum_dy, sum_dy_xhat, dx);
+  return dx;
+}
+
+}  // namespace mgpu::ops

@@ -1,0 +1,82 @@
+// cpp/ops/batch_norm.h -- batch normalisation (d2l 12.6's ResNet-18): per-channel statistics over
+// N, H, W. x, y, dy, dx (N, C, H, W) or (N, C) (seen as H = W = 1), float32 contiguous; mean, var,
+// gamma, beta, sum_dy, sum_dy_xhat (C,). count = N*H*W elements per channel. Forward keeps nothing;
+// backward re-reads x and the statistics. Kernels: batch_norm_cpu.cpp, batch_norm.cu.
+#pragma once
+
+#include <cstdint>
+#include <utility>
+
+#include "core/tensor.h"
+#include "cuda/stream.h"
+
+namespace mgpu::ops {
+
+// (mean, var) per channel; var is the biased variance (divided by count). Summed in double, in the
+// fixed order the kernels below document: bitwise independent of the thread count.
+std::pair<Tensor, Tensor> batch_norm_stats(const Tensor& x);
+
+// y = (x - mean) / sqrt(var + eps) * gamma + beta; gamma and beta may be null (affine=False).
+Tensor batch_norm_forward(const Tensor& x, const Tensor& mean, const Tensor& var,
+                          const Tensor* gamma, const Tensor* beta, float eps);
+
+// (sum_dy, sum_dy_xhat) per channel with xhat = (x - mean) / sqrt(var + eps): dbeta and dgamma.
+std::pair<Tensor, Tensor> batch_norm_backward_reduce(const Tensor& x, const Tensor& dy,
+                                                     const Tensor& mean, const Tensor& var,
+                                                     float eps);
+
+// dx. training: gamma * invstd * (dy - sum_dy / count - xhat * sum_dy_xhat / count), the
+// statistics being functions of x; evaluation: gamma * invstd * dy (running statistics are
+// constants). gamma null means 1. count is the elements per channel the statistics were taken over
+// (summed over devices for synchronised batch norm, then the sums are the all-reduced ones).
+Tensor batch_norm_backward(const Tensor& x, const Tensor& dy, const Tensor& mean,
+                           const Tensor& var, const Tensor* gamma, const Tensor& sum_dy,
+                           const Tensor& sum_dy_xhat, double count, float eps, bool training);
+
+// ---- raw kernels: x, dy, y, dx (N, C, HW) contiguous; per-channel arrays (C,) ----
+// Every kernel overwrites its outputs. Per-channel sums accumulate x - shift (shift = the
+// channel's first element, so mean >> std loses nothing) in double.
+namespace cpu {
+// One task per channel; within a channel, element i of each row (n, c, :) goes into double lane
+// i % 16 of the row's sums, each row's lanes are added into the channel's in n order, and the
+// channel's lanes are added 0..15.
+void batch_norm_stats(int64_t N, int64_t C, int64_t HW, const float* x, float* mean, float* var);
+// gamma, beta may be null.
+void batch_norm_forward(int64_t N, int64_t C, int64_t HW, const float* x, const float* mean,
+                        const float* var, const float* gamma, const float* beta, float eps,
+                        float* y);
+// Same order of summation as batch_norm_stats.
+void batch_norm_backward_reduce(int64_t N, int64_t C, int64_t HW, const float* x, const float* dy,
+                                const float* mean, const float* var, float eps, float* sum_dy,
+                                float* sum_dy_xhat);
+// gamma may be null; sum_dy and sum_dy_xhat are read only when training.
+void batch_norm_backward(int64_t N, int64_t C, int64_t HW, const float* x, const float* dy,
+                         const float* mean, const float* var, const float* gamma,
+                         const float* sum_dy, const float* sum_dy_xhat, double count, float eps,
+                         bool training, float* dx);
+}  // namespace cpu
+
+namespace cuda {
+// The reductions run in two launches without atomics: each channel's N*HW elements (in (n, hw)
+// order) are cut into batch_norm_chunks(N, HW) contiguous chunks, one block each, whose threads
+// add their elements in order and then a shared-memory tree of fixed shape adds the threads; a
+// second kernel adds the chunks' partial sums per channel by another fixed tree. The chunking
+// depends only on the shape, so results are bitwise reproducible (not bitwise equal to cpu::).
+int64_t batch_norm_chunks(int64_t N, int64_t HW);
+// Device scratch the two reductions need: 2 doubles per (channel, chunk).
+size_t batch_norm_workspace_bytes(int64_t N, int64_t C, int64_t HW);
+void batch_norm_stats(int64_t N, int64_t C, int64_t HW, const float* x, float* mean, float* var,
+                      void* workspace, cudaStream_t stream);
+void batch_norm_forward(int64_t N, int64_t C, int64_t HW, const float* x, const float* mean,
+                        const float* var, const float* gamma, const float* beta, float eps,
+                        float* y, cudaStream_t stream);
+void batch_norm_backward_reduce(int64_t N, int64_t C, int64_t HW, const float* x, const float* dy,
+                                const float* mean, const float* var, float eps, float* sum_dy,
+                                float* sum_dy_xhat, void* workspace, cudaStream_t stream);
+void batch_norm_backward(int64_t N, int64_t C, int64_t HW, const float* x, const float* dy,
+                         const float* mean, const float* var, const float* gamma,
+                         const float* sum_dy, const float* sum_dy_xhat, double count, float eps,
+                         bool training, float* dx, cudaStream_t stream);
+}  // namespace cuda
+
+}  // namespace mgpu::ops

@@ -1,0 +1,154 @@
+// cpp/ops/batch_norm_cpu.cpp -- batch norm's CPU kernels: x, y, dy, dx (N, C, HW), per-channel
+// arrays (C,). The reductions read x once (shifted sums in double, one task per channel); forward
+// and dx read and write each element once, in parallel over fixed blocks of (n, c) rows. Plain
+// loops the compiler vectorises; results never depend on the thread count.
+#include <algorithm>
+#include <cmath>
+
+#include "core/parallel.h"
+#include "ops/batch_norm.h"
+
+namespace mgpu::ops::cpu {
+
+namespace {
+
+// Double lanes per reduction: element i of a row goes to lane i % kLanes. Independent lanes let
+// the compiler keep them in vector registers (a single accumulator is a serial chain), and 16
+// hide the add latency at memory speed.
+constexpr int kLanes = 16;
+// Elements per parallel task in the per-element passes (fixed: no dependence on threads).
+constexpr int64_t kTaskElements = 1 << 15;
+
+double lane_sum(const double* lanes) {
+  double s = 0.0;
+  for (int j = 0; j < kLanes; ++j) s += lanes[j];
+  return s;
+}
+
+// Adds kLanes consecutive elements into the lanes a, b of a row's two sums: the stats' shifted
+// sums (d, d^2 with d = x - shift) or the backward's (dy, dy * d with shift = mean). Written as
+// whole-array steps, which GCC turns into vector code (a fused loop body it leaves scalar).
+template <bool kGrad>
+inline void add_lanes(const float* __restrict xs, const float* __restrict gs, double shift,
+                      double* __restrict a, double* __restrict b) {
+  double d[kLanes], g[kLanes], p[kLanes];
+  for (int j = 0; j < kLanes; ++j) d[j] = static_cast<double>(xs[j]) - shift;
+  for (int j = 0; j < kLanes; ++j) g[j] = kGrad ? static_cast<double>(gs[j]) : d[j];
+  for (int j = 0; j < kLanes; ++j) p[j] = g[j] * d[j];
+  for (int j = 0; j < kLanes; ++j) a[j] += g[j];
+  for (int j = 0; j < kLanes; ++j) b[j] += p[j];
+}
+
+// One row (n, c, :): element i goes to lane i % kLanes of the row's own sums, which are then
+// added into the channel's lanes s1, s2. The tail is padded with x = shift (and dy = 0), whose
+// terms are exactly 0, so every step is a full block.
+template <bool kGrad>
+void row_sums(const float* __restrict row, const float* __restrict dyrow, int64_t HW,
+              double shift, double* __restrict s1, double* __restrict s2) {
+  double a[kLanes] = {}, b[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= HW; i += kLanes) {
+    add_lanes<kGrad>(row + i, kGrad ? dyrow + i : nullptr, shift, a, b);
+  }
+  if (i < HW) {
+    float xs[kLanes], gs[kLanes];
+    for (int j = 0; j < kLanes; ++j) {
+      xs[j] = i + j < HW ? row[i + j] : static_cast<float>(shift);
+      gs[j] = kGrad && i + j < HW ? dyrow[i + j] : 0.0f;
+    }
+    add_lanes<kGrad>(xs, gs, shift, a, b);
+  }
+  for (int j = 0; j < kLanes; ++j) {
+    s1[j] += a[j];
+    s2[j] += b[j];
+  }
+}
+
+// Runs fn(first_plane, last_plane) over the N*C rows of HW elements in fixed blocks.
+template <class F>
+void for_plane_blocks(int64_t planes, int64_t HW, F&& fn) {
+  const int64_t per_task = std::max<int64_t>(1, kTaskElements / std::max<int64_t>(HW, 1));
+  parallel_for((planes + per_task - 1) / per_task, [&](int64_t task) {
+    const int64_t first = task * per_task;
+    fn(first, std::min(planes, first + per_task));
+  });
+}
+
+float invstd_of(float var, float eps) { return 1.0f / std::sqrt(var + eps); }
+
+}  // namespace
+
+void batch_norm_stats(int64_t N, int64_t C, int64_t HW, const float* x, float* mean, float* var) {
+  const double count = static_cast<double>(N * HW);
+  parallel_for(C, [&](int64_t c) {
+    // Shifting by one of the channel's values keeps the sums small when mean >> std, so
+    // S2 - S1^2 / count does not cancel away the variance.
+    const double shift = x[c * HW];
+    double s1[kLanes] = {}, s2[kLanes] = {};
+    for (int64_t n = 0; n < N; ++n) {
+      row_sums<false>(x + (n * C + c) * HW, nullptr, HW, shift, s1, s2);
+    }
+    const double sum = lane_sum(s1), sum_sq = lane_sum(s2);
+    mean[c] = static_cast<float>(shift + sum / count);
+    var[c] = static_cast<float>(std::max(0.0, (sum_sq - sum * sum / count) / count));
+  });
+}
+
+void batch_norm_forward(int64_t N, int64_t C, int64_t HW, const float* x, const float* mean,
+                        const float* var, const float* gamma, const float* beta, float eps,
+                        float* y) {
+  for_plane_blocks(N * C, HW, [&](int64_t first, int64_t last) {
+    for (int64_t p = first; p < last; ++p) {
+      const int64_t c = p % C;
+      const float invstd = invstd_of(var[c], eps);
+      const float a = gamma ? gamma[c] * invstd : invstd, b = beta ? beta[c] : 0.0f;
+      const float m = mean[c];
+      const float* __restrict xp = x + p * HW;
+      float* __restrict yp = y + p * HW;
+      // x - mean first: with mean >> std, x * a + (b - mean * a) would cancel two large terms.
+      for (int64_t i = 0; i < HW; ++i) yp[i] = (xp[i] - m) * a + b;
+    }
+  });
+}
+
+void batch_norm_backward_reduce(int64_t N, int64_t C, int64_t HW, const float* x, const float* dy,
+                                const float* mean, const float* var, float eps, float* sum_dy,
+                                float* sum_dy_xhat) {
+  parallel_for(C, [&](int64_t c) {
+    double s1[kLanes] = {}, s2[kLanes] = {};
+    const double m = mean[c];
+    for (int64_t n = 0; n < N; ++n) {
+      const int64_t at = (n * C + c) * HW;
+      row_sums<true>(x + at, dy + at, HW, m, s1, s2);
+    }
+    sum_dy[c] = static_cast<float>(lane_sum(s1));
+    sum_dy_xhat[c] = static_cast<float>(lane_sum(s2) * invstd_of(var[c], eps));
+  });
+}
+
+void batch_norm_backward(int64_t N, int64_t C, int64_t HW, const float* x, const float* dy,
+                         const float* mean, const float* var, const float* gamma,
+                         const float* sum_dy, const float* sum_dy_xhat, double count, float eps,
+                         bool training, float* dx) {
+  for_plane_blocks(N * C, HW, [&](int64_t first, int64_t last) {
+    for (int64_t p = first; p < last; ++p) {
+      const int64_t c = p % C;
+      const float invstd = invstd_of(var[c], eps);
+      const float k = gamma ? gamma[c] * invstd : invstd;
+      const float* __restrict dyp = dy + p * HW;
+      float* __restrict dxp = dx + p * HW;
+      if (!training) {
+        for (int64_t i = 0; i < HW; ++i) dxp[i] = k * dyp[i];
+        continue;
+      }
+      // xhat * sum_dy_xhat / count = (x - mean) * coef, with invstd folded into coef.
+      const float mean_dy = static_cast<float>(sum_dy[c] / count);
+      const float coef = static_cast<float>(sum_dy_xhat[c] * static_cast<double>(invstd) / count);
+      const float m = mean[c];
+      const float* __restrict xp = x + p * HW;
+      for (int64_t i = 0; i < HW; ++i) dxp[i] = k * (dyp[i] - mean_dy - (xp[i] - m) * coef);
+    }
+  });
+}
+
+}  // namespace mgpu::ops::cpu

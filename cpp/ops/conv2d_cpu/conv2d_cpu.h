@@ -1,0 +1,255 @@
+// cpp/ops/conv2d_cpu/conv2d_cpu.h -- the pieces the CPU conv2d's three algorithms share
+// (im2col.cpp, direct.cpp, lanes.cpp), the fused relu-pool planes (relu_pool.cpp), and what the
+// block loops in cpp/ops/conv2d_cpu.cpp call in each. Internal to the CPU conv kernels.
+#pragma once
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+#include "ops/conv2d.h"
+#include "ops/conv2d_relu_pool.h"
+
+namespace mgpu::ops::cpu::conv {
+
+// Images per block (im2col and direct paths; the lane path uses kLaneBlock = 16): the unit of
+// parallel work, and the unit of the batch sums in dw and db. Each block sums its images into its
+// own slot and the slots are added in block order afterwards. The size is a constant, never
+// derived from the thread count, so every thread count adds the same numbers in the same order
+// and gives bitwise-equal results (shards that are multiples of it also keep their blocks when a
+// batch is split across devices). 8 images make an im2col product 8 images wide, where OpenBLAS
+// ran ~20% faster than one image at a time.
+constexpr int64_t kBlock = 8;
+
+// The shortest patch (C*R*S floats) for which backward builds dw from im2col_rows (see there).
+constexpr int64_t kPatchRowsMin = 64;
+
+// Elements per task when adding the dw slots together; any size gives the same result.
+constexpr int64_t kReduceChunk = 4096;
+
+// Per-thread scratch, grown once to the largest shape seen and then reused, so steady-state
+// training never allocates here. Workers use col, mat, row and lanes; the calling thread holds the
+// slots, the lane path's transposed weights and its tap offsets.
+inline thread_local std::vector<float> tl_col, tl_mat, tl_row, tl_slots, tl_lanes, tl_weights;
+inline thread_local std::vector<int64_t> tl_offsets;
+
+inline float* scratch(std::vector<float>& buf, int64_t n) {
+  if (static_cast<int64_t>(buf.size()) < n) buf.resize(static_cast<size_t>(n));
+  return buf.data();
+}
+
+// The outputs o in [lo, hi) whose input index o * stride - pad + tap lies inside [0, size):
+// the others read zero padding. Used for rows (size H, P outputs) and columns (W, Q).
+struct Span {
+  int64_t lo, hi;
+};
+inline Span inside(int64_t size, int64_t outputs, int64_t stride, int64_t pad, int64_t tap) {
+  const int64_t off = tap - pad;
+  const int64_t lo = off >= 0 ? 0 : (-off + stride - 1) / stride;
+  const int64_t last = size - 1 - off;  // o * stride <= last
+  const int64_t hi = last < 0 ? 0 : std::min(outputs, last / stride + 1);
+  return {std::min(lo, hi), hi};
+}
+
+// The spans of every kernel row r and column t, computed once per call: the divisions in
+// inside() would otherwise cost more than the copies of LeNet's 9-float rows they bound.
+struct Unfold {
+  const Conv2dShape& s;
+  int64_t P, Q;
+  std::vector<Span> rows, cols;
+  explicit Unfold(const Conv2dShape& shape) : s(shape), P(shape.P()), Q(shape.Q()) {
+    for (int64_t r = 0; r < s.R; ++r) rows.push_back(inside(s.H, P, s.stride, s.pad, r));
+    for (int64_t t = 0; t < s.S; ++t) cols.push_back(inside(s.W, Q, s.stride, s.pad, t));
+  }
+};
+
+// Copies n floats by fixed-size vector moves. GCC turns a plain copy loop, or a loop of
+// fixed-size memcpy calls, into a memcpy call whose overhead exceeds the copy itself for LeNet's
+// 9-float rows; the empty asm statement (GCC and Clang) keeps the loop a loop.
+typedef float Floats8 __attribute__((vector_size(32), aligned(4), may_alias));
+typedef float Floats4 __attribute__((vector_size(16), aligned(4), may_alias));
+inline void copy_floats(float* __restrict d, const float* __restrict s, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    *reinterpret_cast<Floats8*>(d + i) = *reinterpret_cast<const Floats8*>(s + i);
+    asm("" : : : "memory");
+  }
+  if (n - i >= 4) {
+    *reinterpret_cast<Floats4*>(d + i) = *reinterpret_cast<const Floats4*>(s + i);
+    i += 4;
+  }
+  if (n - i >= 2) {
+    d[i] = s[i];
+    d[i + 1] = s[i + 1];
+    i += 2;
+  }
+  if (n - i >= 1) d[i] = s[i];
+}
+
+// ---- Vectors of 16 and 8 lanes (GCC / Clang vector extensions) ----
+// GCC and Clang lower a 16-float vector to one AVX-512 register, or to several narrower ones on
+// other targets. Every lane computes what the scalar code would, so no result depends on the
+// vector width (a + w * x contracts to an FMA, or not, alike in every lane and in scalar code).
+typedef float F16 __attribute__((vector_size(64)));
+typedef float F8 __attribute__((vector_size(32)));
+typedef float F4 __attribute__((vector_size(16)));
+typedef int32_t I16 __attribute__((vector_size(64)));
+typedef int32_t I8 __attribute__((vector_size(32)));
+typedef uint8_t U8x16 __attribute__((vector_size(16)));
+typedef uint8_t U8x8 __attribute__((vector_size(8)));
+
+// Unaligned loads and stores through may_alias types of alignment 1. (A memcpy into the vector
+// looks equivalent, but GCC 12 then moves byte vectors through general registers a byte at a
+// time.)
+template <class V>
+struct Unaligned;
+#define MGPU_UNALIGNED(V)                                                    \
+  template <>                                                                \
+  struct Unaligned<V> {                                                      \
+    typedef V type __attribute__((aligned(1), may_alias));                   \
+  };
+MGPU_UNALIGNED(F16)
+MGPU_UNALIGNED(F8)
+MGPU_UNALIGNED(F4)
+MGPU_UNALIGNED(U8x16)
+MGPU_UNALIGNED(U8x8)
+#undef MGPU_UNALIGNED
+
+template <class V, class T>
+inline V loadv(const T* p) {
+  return *reinterpret_cast<const typename Unaligned<V>::type*>(p);
+}
+template <class T, class V>
+inline void storev(T* p, V v) {
+  *reinterpret_cast<typename Unaligned<V>::type*>(p) = v;
+}
+// Mask bytes as int lanes (0 or the byte). The empty asm keeps the bytes in a vector register:
+// GCC 12 widens a byte vector it sees loaded from memory one byte at a time through general
+// registers, ~8x slower.
+template <class I, class B>
+inline I widen_bytes(const uint8_t* p) {
+  B b = loadv<B>(p);
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+  asm("" : "+x"(b));
+#endif
+  return __builtin_convertvector(b, I);
+}
+inline F16 load16(const float* p) { return loadv<F16>(p); }
+inline void store16(float* p, F16 v) { storev(p, v); }
+
+// The types of an L-lane chunk of a row: floats F, compare results I, bytes B, and half-width
+// floats H with the even / odd lanes of F (2x2 pooling pairs adjacent columns) and back.
+template <int L>
+struct Lanes;
+template <>
+struct Lanes<16> {
+  using F = F16;
+  using I = I16;
+  using B = U8x16;
+  using H = F8;
+  static H evens(F v) { return __builtin_shufflevector(v, v, 0, 2, 4, 6, 8, 10, 12, 14); }
+  static H odds(F v) { return __builtin_shufflevector(v, v, 1, 3, 5, 7, 9, 11, 13, 15); }
+  static F twice(H v) {
+    return __builtin_shufflevector(v, v, 0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+  }
+};
+template <>
+struct Lanes<8> {
+  using F = F8;
+  using I = I8;
+  using B = U8x8;
+  using H = F4;
+  static H evens(F v) { return __builtin_shufflevector(v, v, 0, 2, 4, 6); }
+  static H odds(F v) { return __builtin_shufflevector(v, v, 1, 3, 5, 7); }
+  static F twice(H v) { return __builtin_shufflevector(v, v, 0, 0, 1, 1, 2, 2, 3, 3); }
+};
+
+// Calls fn(q0) for the L-column chunks of a row pooled by 2x2 windows (2 * (Q / 2) >= L): q0 = 0,
+// L, 2L, ... and last 2 * (Q / 2) - L, even so that column pairs stay aligned, overlapping the
+// chunk before (which then computes the same values again).
+template <int L, class Fn>
+inline void for_each_pool2_chunk(int64_t Q, const Fn& fn) {
+  const int64_t last = 2 * (Q / 2) - L;
+  for (int64_t q0 = 0;; q0 += L) {
+    if (q0 > last) q0 = last;
+    fn(q0);
+    if (q0 == last) break;
+  }
+}
+
+// Tables of a kernel template's instances by size, so a runtime size (a tap count, a tail tile)
+// picks code compiled for it: table_1_to<N>(make)[n - 1] is make(integral_constant<int, n>), and
+// table_1_to<N, M>(make)[a - 1][b - 1] is make(a, b) likewise.
+template <class Make, int... kI>
+constexpr auto table_by_size(Make make, std::integer_sequence<int, kI...>) {
+  return std::array{make(std::integral_constant<int, kI + 1>{})...};
+}
+template <int kN, class Make>
+constexpr auto table_1_to(Make make) {
+  return table_by_size(make, std::make_integer_sequence<int, kN>{});
+}
+template <int kRows, int kCols, class Make>
+constexpr auto table_1_to(Make make) {
+  return table_1_to<kRows>([make](auto a) {
+    return table_1_to<kCols>([make, a](auto b) { return make(a, b); });
+  });
+}
+
+// Adds a vector's lanes in a fixed pairwise tree: lane j + 8 onto lane j, then j + 4, j + 2, j + 1.
+inline float sum16(F16 v) {
+  const F8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+               __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const F4 b =
+      __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+// ---- im2col.cpp: unfolding for the sgemm path, and rectangle copies ----
+void copy_rect(float* __restrict d, int64_t dstride, const float* __restrict s, int64_t sstride,
+               int64_t rows, int64_t n);
+void im2col(const Unfold& u, const float* __restrict x, int64_t B, float* __restrict col,
+            int64_t ld);
+void im2col_rows(const Unfold& u, const float* __restrict x, int64_t B, float* __restrict rows);
+void col2im_channel(const Unfold& u, const float* __restrict dcol, int64_t ld, int64_t B,
+                    int64_t c, float* __restrict dx);
+
+// ---- direct.cpp: few taps, sixteen output columns at a time ----
+bool use_direct(const Conv2dShape& s);
+// The kernels for taps = C*R*S (1 <= taps <= 16), compiled for that tap count.
+using DirectForwardFn = void (*)(const Conv2dShape&, const float*, const float*, float*);
+using DirectBackwardFn = void (*)(const Conv2dShape&, const float*, int64_t, const float*, int64_t,
+                                  float*, float*);
+using DirectReluPool2Fn = void (*)(const Conv2dShape&, const float*, const float*, const float*,
+                                   uint8_t*, float*);
+using DirectPool2BackwardFn = void (*)(const Conv2dShape&, const float*, int64_t, const uint8_t*,
+                                       const float*, float*, float*);
+DirectForwardFn direct_forward_kernel(int64_t taps);
+DirectBackwardFn direct_backward_kernel(int64_t taps);
+DirectReluPool2Fn direct_relu_pool2_kernel(int64_t taps);
+DirectPool2BackwardFn direct_pool2_backward_kernel(int64_t taps);
+void direct_backward_dx(const Conv2dShape& s, const float* __restrict w, int64_t B,
+                        const float* __restrict dy, int64_t ld, float* __restrict dx);
+
+// ---- lanes.cpp: blocks of kLaneBlock images side by side in vector lanes ----
+constexpr int64_t kLaneBlock = 16;
+bool use_lanes(const Conv2dShape& s);
+void to_lanes(const float* __restrict x, int64_t e_stride, int64_t B, int64_t E,
+              float* __restrict xT);
+void from_lanes(const float* __restrict xT, int64_t E, int64_t B, float* __restrict x,
+                int64_t e_stride);
+void lanes_forward(const Conv2dShape& s, const float* xT, const float* wT, float* outT);
+void lanes_dw(const Conv2dShape& s, const float* xT, const float* dyT, const int64_t* xoff,
+              float* dw);
+void lanes_dx(const Conv2dShape& s, const float* w, const float* dyT, float* dxT);
+
+// ---- relu_pool.cpp: bias + relu + average pooling of one plane, and its gradient ----
+void bias_relu_pool_plane(const float* __restrict v, float bias, int64_t P, int64_t Q, int64_t pool,
+                          uint8_t* __restrict mask, float* __restrict pooled,
+                          float* __restrict acc);
+void relu_pool_grad_plane(const uint8_t* __restrict mask, const float* __restrict dpooled,
+                          int64_t P, int64_t Q, int64_t pool, float* __restrict dy,
+                          float* __restrict up);
+
+}  // namespace mgpu::ops::cpu::conv

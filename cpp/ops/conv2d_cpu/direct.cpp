@@ -1,0 +1,270 @@
+// cpp/ops/conv2d_cpu/direct.cpp -- conv2d for few taps (C*R*S <= 16, stride 1, no padding:
+// LeNet's conv1): output rows sixteen columns at a time straight from x, the taps' loads kept in
+// registers; forward, dw/db, the fused relu-pool forward and its dy-on-the-fly backward.
+#include "ops/conv2d_cpu/conv2d_cpu.h"
+
+namespace mgpu::ops::cpu::conv {
+
+// ---- Direct convolution for few taps ----
+// With C*R*S taps <= kDirectMaxTaps, stride 1 and no padding, each output row is computed as
+// sixteen lanes at a time straight from x: lane q of tap j = (c, r, t) reads x[c, p + r, q + t],
+// so the taps of a row chunk are kTaps unaligned loads, kept in registers while every output
+// channel is multiplied out. The chunks of a row start at 0, 16, 32, ... and the last one at
+// Q - 16 (hence Q >= 16), overlapping the one before: the overlap recomputes the same lanes with
+// the same operations, and every load stays inside the row of x it starts in.
+constexpr int64_t kDirectMaxTaps = 16;
+constexpr int64_t kLanes16 = 16;
+
+bool use_direct(const Conv2dShape& s) {
+  return s.stride == 1 && s.pad == 0 && s.C * s.R * s.S <= kDirectMaxTaps && s.Q() >= kLanes16;
+}
+
+// The offset of tap j = (c, r, t) from x[c = 0, p, q] in an image (C, H, W).
+template <int kTaps>
+std::array<int64_t, kTaps> tap_offsets(const Conv2dShape& s) {
+  std::array<int64_t, kTaps> off{};
+  for (int j = 0; j < kTaps; ++j) {
+    const int64_t c = j / (s.R * s.S), r = (j / s.S) % s.R, t = j % s.S;
+    off[static_cast<size_t>(j)] = (c * s.H + r) * s.W + t;
+  }
+  return off;
+}
+
+// One image: out (K, P*Q) = conv(x, w) without bias, each output the taps' products added in
+// (c, r, t) order, starting from the first product.
+template <int kTaps>
+void direct_forward_image(const Conv2dShape& s, const float* __restrict x,
+                          const float* __restrict w, float* __restrict out) {
+  const int64_t P = s.P(), Q = s.Q(), PQ = P * Q, last = Q - kLanes16;
+  const std::array<int64_t, kTaps> off = tap_offsets<kTaps>(s);
+  for (int64_t p = 0; p < P; ++p) {
+    const float* xp = x + p * s.W;
+    for (int64_t q0 = 0;; q0 += kLanes16) {
+      if (q0 > last) q0 = last;
+      F16 xv[kTaps];
+      for (int j = 0; j < kTaps; ++j) xv[j] = load16(xp + off[static_cast<size_t>(j)] + q0);
+      float* o = out + p * Q + q0;
+      for (int64_t k = 0; k < s.K; ++k) {
+        const float* wk = w + k * kTaps;
+        F16 acc = xv[0] * wk[0];
+        for (int j = 1; j < kTaps; ++j) acc += xv[j] * wk[j];
+        store16(o + k * PQ, acc);
+      }
+      if (q0 == last) break;
+    }
+  }
+}
+
+// One block of B images: dw (K, C*R*S) and, unless null, db (K) of the block, with dy's chunks
+// from dy_chunk(k, i, p, q0) (16 lanes of image i, channel k, row p from column q0). Each sum runs
+// in sixteen lanes over the block's (image, row, chunk) in order, then the lanes are added in a
+// fixed tree. The last chunk of a row starts at Q - 16 like forward's, with the lanes the chunk
+// before already counted set to zero.
+template <int kTaps, class DyChunk>
+void direct_dw_block(const Conv2dShape& s, const float* __restrict x, int64_t B,
+                     const DyChunk& dy_chunk, float* __restrict dw, float* __restrict db) {
+  const int64_t P = s.P(), Q = s.Q(), CHW = s.C * s.H * s.W;
+  const std::array<int64_t, kTaps> off = tap_offsets<kTaps>(s);
+  const int64_t full = Q / kLanes16 * kLanes16;  // columns covered by whole chunks
+  I16 lane;
+  for (int j = 0; j < kLanes16; ++j) lane[j] = j;
+  const I16 keep_tail = lane >= static_cast<int32_t>(kLanes16 - (Q - full));
+  const F16 zero = {};
+  for (int64_t k = 0; k < s.K; ++k) {
+    F16 acc[kTaps] = {};
+    F16 accb = {};
+    for (int64_t i = 0; i < B; ++i) {
+      for (int64_t p = 0; p < P; ++p) {
+        const float* xp = x + i * CHW + p * s.W;
+        for (int64_t q0 = 0; q0 < full; q0 += kLanes16) {
+          const F16 d = dy_chunk(k, i, p, q0);
+          accb += d;
+          for (int j = 0; j < kTaps; ++j) {
+            acc[j] += d * load16(xp + off[static_cast<size_t>(j)] + q0);
+          }
+        }
+        if (full < Q) {
+          const int64_t q0 = Q - kLanes16;
+          const F16 d = keep_tail ? dy_chunk(k, i, p, q0) : zero;
+          accb += d;
+          for (int j = 0; j < kTaps; ++j) {
+            acc[j] += d * load16(xp + off[static_cast<size_t>(j)] + q0);
+          }
+        }
+      }
+    }
+    for (int j = 0; j < kTaps; ++j) dw[k * kTaps + j] = sum16(acc[j]);
+    if (db) db[k] = sum16(accb);
+  }
+}
+
+// direct_dw_block with dy (K, B*P*Q, image-major columns, rows ld floats apart).
+template <int kTaps>
+void direct_backward_block(const Conv2dShape& s, const float* __restrict x, int64_t B,
+                           const float* __restrict dy, int64_t ld, float* __restrict dw,
+                           float* __restrict db) {
+  const int64_t PQ = s.P() * s.Q(), Q = s.Q();
+  direct_dw_block<kTaps>(
+      s, x, B,
+      [&](int64_t k, int64_t i, int64_t p, int64_t q0) {
+        return load16(dy + k * ld + i * PQ + p * Q + q0);
+      },
+      dw, db);
+}
+
+// direct_dw_block with dy = relu_pool_grad_plane(mask, dpooled) for 2x2 windows, made chunk by
+// chunk as it is consumed instead of stored: the same values (dpooled / 4 where mask is set, zero
+// elsewhere and where no window reaches), so the same bits. mask and dpooled start at the block.
+template <int kTaps>
+void direct_pool2_backward_block(const Conv2dShape& s, const float* __restrict x, int64_t B,
+                                 const uint8_t* __restrict mask, const float* __restrict dpooled,
+                                 float* __restrict dw, float* __restrict db) {
+  using T = Lanes<16>;
+  const int64_t P = s.P(), Q = s.Q(), Pp = P / 2, Qp = Q / 2;
+  const F16 zero = {};
+  direct_dw_block<kTaps>(
+      s, x, B,
+      [&](int64_t k, int64_t i, int64_t p, int64_t q0) {
+        if (p >= 2 * Pp) return zero;
+        const float* dp = dpooled + ((i * s.K + k) * Pp + p / 2) * Qp;
+        F16 up;
+        if (q0 % 2 == 0 && q0 + kLanes16 <= 2 * Qp) {
+          up = T::twice(loadv<F8>(dp + q0 / 2) * 0.25f);
+        } else {
+          for (int l = 0; l < kLanes16; ++l) {
+            const int64_t q = q0 + l;
+            up[l] = q < 2 * Qp ? dp[q / 2] * 0.25f : 0.0f;
+          }
+        }
+        const I16 keep = widen_bytes<I16, U8x16>(mask + ((i * s.K + k) * P + p) * Q + q0) != 0;
+        return keep ? up : zero;
+      },
+      dw, db);
+}
+
+// direct_forward_image fused with bias, relu and 2x2 average pooling (LeNet's first block): rows
+// are computed in pairs, and each pair's chunk goes from registers to mask and pooled, with the
+// operations of bias_relu_pool2_plane on the same sums, so the bits of the unfused chain. Chunks
+// go as for_each_pool2_chunk says; an odd Q's last column and an odd P's last row (no window
+// covers them) only get their mask.
+// mask may be null.
+template <int kTaps>
+void direct_relu_pool2_image(const Conv2dShape& s, const float* __restrict x,
+                             const float* __restrict w, const float* __restrict b,
+                             uint8_t* __restrict mask, float* __restrict pooled) {
+  using T = Lanes<16>;
+  const int64_t P = s.P(), Q = s.Q(), PQ = P * Q, Pp = P / 2, Qp = Q / 2;
+  const std::array<int64_t, kTaps> off = tap_offsets<kTaps>(s);
+  const F16 zero = {};
+  // The sum of one output by the vector lanes' operations, for the columns no chunk covers.
+  auto sum_at = [&](int64_t k, int64_t p, int64_t q) {
+    const float* xp = x + p * s.W + q;
+    const float* wk = w + k * kTaps;
+    float acc = xp[off[0]] * wk[0];
+    for (int j = 1; j < kTaps; ++j) acc += xp[off[static_cast<size_t>(j)]] * wk[j];
+    return acc;
+  };
+  for (int64_t pp = 0; pp < Pp; ++pp) {
+    const float* x0 = x + 2 * pp * s.W;
+    const float* x1 = x0 + s.W;
+    for_each_pool2_chunk<kLanes16>(Q, [&](int64_t q0) {
+      F16 a[kTaps], c[kTaps];
+      for (int j = 0; j < kTaps; ++j) {
+        a[j] = load16(x0 + off[static_cast<size_t>(j)] + q0);
+        c[j] = load16(x1 + off[static_cast<size_t>(j)] + q0);
+      }
+      for (int64_t k = 0; k < s.K; ++k) {
+        const float* wk = w + k * kTaps;
+        F16 acc0 = a[0] * wk[0], acc1 = c[0] * wk[0];
+        for (int j = 1; j < kTaps; ++j) {
+          acc0 += a[j] * wk[j];
+          acc1 += c[j] * wk[j];
+        }
+        const float bias = b ? b[k] : 0.0f;
+        const F16 y0 = acc0 + bias, y1 = acc1 + bias;
+        const I16 k0 = y0 > zero, k1 = y1 > zero;
+        if (mask) {
+          uint8_t* m0 = mask + k * PQ + 2 * pp * Q + q0;
+          storev(m0, __builtin_convertvector(k0 & 1, U8x16));
+          storev(m0 + Q, __builtin_convertvector(k1 & 1, U8x16));
+        }
+        const F16 sum = (k0 ? y0 : zero) + (k1 ? y1 : zero);
+        storev(pooled + (k * Pp + pp) * Qp + q0 / 2, (T::evens(sum) + T::odds(sum)) * 0.25f);
+      }
+    });
+    if (mask && Q % 2 == 1) {  // odd Q: the last column
+      for (int64_t k = 0; k < s.K; ++k) {
+        const float bias = b ? b[k] : 0.0f;
+        mask[k * PQ + 2 * pp * Q + Q - 1] = sum_at(k, 2 * pp, Q - 1) + bias > 0.0f;
+        mask[k * PQ + (2 * pp + 1) * Q + Q - 1] = sum_at(k, 2 * pp + 1, Q - 1) + bias > 0.0f;
+      }
+    }
+  }
+  if (mask && P % 2 == 1) {  // odd P: the last row, as direct_forward_image computes it
+    const int64_t p = P - 1;
+    for (int64_t q0 = 0;; q0 += kLanes16) {
+      if (q0 > Q - kLanes16) q0 = Q - kLanes16;
+      F16 a[kTaps];
+      for (int j = 0; j < kTaps; ++j) a[j] = load16(x + p * s.W + off[static_cast<size_t>(j)] + q0);
+      for (int64_t k = 0; k < s.K; ++k) {
+        const float* wk = w + k * kTaps;
+        F16 acc = a[0] * wk[0];
+        for (int j = 1; j < kTaps; ++j) acc += a[j] * wk[j];
+        const F16 y = acc + (b ? b[k] : 0.0f);
+        storev(mask + k * PQ + p * Q + q0, __builtin_convertvector((y > zero) & 1, U8x16));
+      }
+      if (q0 == Q - kLanes16) break;
+    }
+  }
+}
+
+constexpr auto kDirectForward =
+    table_1_to<kDirectMaxTaps>([](auto n) { return &direct_forward_image<decltype(n)::value>; });
+constexpr auto kDirectBackward =
+    table_1_to<kDirectMaxTaps>([](auto n) { return &direct_backward_block<decltype(n)::value>; });
+constexpr auto kDirectReluPool2 = table_1_to<kDirectMaxTaps>(
+    [](auto n) { return &direct_relu_pool2_image<decltype(n)::value>; });
+constexpr auto kDirectPool2Backward = table_1_to<kDirectMaxTaps>(
+    [](auto n) { return &direct_pool2_backward_block<decltype(n)::value>; });
+
+DirectForwardFn direct_forward_kernel(int64_t taps) {
+  return kDirectForward[static_cast<size_t>(taps - 1)];
+}
+DirectBackwardFn direct_backward_kernel(int64_t taps) {
+  return kDirectBackward[static_cast<size_t>(taps - 1)];
+}
+DirectReluPool2Fn direct_relu_pool2_kernel(int64_t taps) {
+  return kDirectReluPool2[static_cast<size_t>(taps - 1)];
+}
+DirectPool2BackwardFn direct_pool2_backward_kernel(int64_t taps) {
+  return kDirectPool2Backward[static_cast<size_t>(taps - 1)];
+}
+
+// dx (B, C, H, W) of a block from dy as direct_backward_block reads it: each dx element gathers
+// w[k, c, r, t] * dy[k, h - r, v - t] in (k, r, t, p, q) order. Not on LeNet's path (its first
+// layer needs no dx), so plain loops.
+void direct_backward_dx(const Conv2dShape& s, const float* __restrict w, int64_t B,
+                        const float* __restrict dy, int64_t ld, float* __restrict dx) {
+  const int64_t P = s.P(), Q = s.Q(), PQ = P * Q, CHW = s.C * s.H * s.W;
+  std::fill(dx, dx + B * CHW, 0.0f);
+  for (int64_t i = 0; i < B; ++i) {
+    for (int64_t c = 0; c < s.C; ++c) {
+      float* dxc = dx + i * CHW + c * s.H * s.W;
+      for (int64_t k = 0; k < s.K; ++k) {
+        const float* dyk = dy + k * ld + i * PQ;
+        for (int64_t r = 0; r < s.R; ++r) {
+          for (int64_t t = 0; t < s.S; ++t) {
+            const float wv = w[((k * s.C + c) * s.R + r) * s.S + t];
+            for (int64_t p = 0; p < P; ++p) {
+              float* __restrict dst = dxc + (p + r) * s.W + t;
+              const float* __restrict src = dyk + p * Q;
+              for (int64_t q = 0; q < Q; ++q) dst[q] += wv * src[q];
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+}  // namespace mgpu::ops::cpu::conv

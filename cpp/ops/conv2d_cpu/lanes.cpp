@@ -1,0 +1,277 @@
+// cpp/ops/conv2d_cpu/lanes.cpp -- conv2d with a block of 16 images side by side in vector lanes
+// (stride 1, no padding, more than 16 taps: LeNet's conv2): the 16x16 transposes into and out of
+// that layout, and register-tiled FMA kernels for forward, dw and dx.
+#include "ops/conv2d_cpu/conv2d_cpu.h"
+
+namespace mgpu::ops::cpu::conv {
+
+// ---- Batch in lanes: 16 images side by side (LeNet's conv2) ----
+// For the other convolutions with stride 1 and no padding, a block of 16 images is laid out
+// with the image index innermost, x as xT (C, H, W, 16), so one vector holds a pixel of all 16
+// images, and the three products run as register tiles of such vectors: output channels x
+// output columns (forward), output channels x taps (dw), input channels x input columns (dx).
+// Every weight is a broadcast, every image a lane: no im2col matrix, no packing, and the
+// arithmetic is all FMAs on full vectors. Each sum runs over a fixed order (forward and dx: the
+// taps; dw: the block's pixels, then the 16 lanes in a fixed tree), so the bits depend on the
+// shape alone. Missing images of a short last block are zero lanes.
+// Tiles: at most 8 x 3 forward, 5 x 5 dw, 5 x 5 and 10 x 1 dx accumulators (<= 25 vectors, so
+// they stay in AVX-512's 32 registers next to the operands). Chosen by alternating timed runs of
+// LeNet's conv2 on one core: forward 5 x 3 -> 8 x 3 was ~14% faster, dx 4 x 5 -> 5 x 5 ~4%;
+// 10 x 2 forward and 2 x 10 dw ran out of registers (~1.3-1.8x slower).
+constexpr int kFwdKT = 8, kFwdQT = 3, kDwKT = 5, kDwJT = 5, kDxCT = 5, kDxWT = 5;
+// Border columns of dx: one column, up to 10 input channels.
+constexpr int kDxColumnCT = 10;
+
+bool use_lanes(const Conv2dShape& s) {
+  return s.stride == 1 && s.pad == 0 && !use_direct(s) &&
+         kLaneBlock * (s.C * s.H * s.W + 2 * s.K * s.P() * s.Q()) <= (int64_t{1} << 22);
+}
+
+// Transposes a 16 x 16 tile held as 16 row vectors, in place: v[j][i] becomes the old v[i][j].
+// Rounds d = 8, 4, 2, 1 swap the off-diagonal d x d blocks: rows a and a + d (bit d of a clear)
+// become, block by block, the even-numbered blocks of both rows and the odd-numbered ones, one
+// two-input shuffle each. Lane l of the result reads block l / d of x (even) or y (odd).
+template <int kD, int kHalf, size_t... kL>
+inline F16 swap_blocks(F16 x, F16 y, std::index_sequence<kL...>) {
+  return __builtin_shufflevector(
+      x, y, static_cast<int>((kL / kD % 2) * 16 + kL / kD / 2 * 2 * kD + kHalf * kD + kL % kD)...);
+}
+template <int kD>
+inline void transpose_round(F16* v) {
+  for (int a = 0; a < 16; ++a) {
+    if (a & kD) continue;
+    const F16 x = v[a], y = v[a + kD];
+    v[a] = swap_blocks<kD, 0>(x, y, std::make_index_sequence<16>{});
+    v[a + kD] = swap_blocks<kD, 1>(x, y, std::make_index_sequence<16>{});
+  }
+}
+inline void transpose16(F16* v) {
+  transpose_round<8>(v);
+  transpose_round<4>(v);
+  transpose_round<2>(v);
+  transpose_round<1>(v);
+}
+
+// xT (E, 16) from B <= 16 rows of x, rows e_stride floats apart: xT[e, i] = x[i, e], zero for
+// i >= B. Sixteen columns at a time through transpose16, the last E % 16 one by one.
+void to_lanes(const float* __restrict x, int64_t e_stride, int64_t B, int64_t E,
+              float* __restrict xT) {
+  const F16 zero = {};
+  const int64_t full = E / kLaneBlock * kLaneBlock;
+  for (int64_t e0 = 0; e0 < full; e0 += kLaneBlock) {
+    F16 v[kLaneBlock];
+    for (int64_t i = 0; i < kLaneBlock; ++i) v[i] = i < B ? load16(x + i * e_stride + e0) : zero;
+    transpose16(v);
+    for (int64_t e = 0; e < kLaneBlock; ++e) store16(xT + (e0 + e) * kLaneBlock, v[e]);
+  }
+  for (int64_t e = full; e < E; ++e) {
+    F16 v = zero;
+    for (int64_t i = 0; i < B; ++i) v[i] = x[i * e_stride + e];
+    store16(xT + e * kLaneBlock, v);
+  }
+}
+
+// The inverse: x[i, e] = xT[e, i] for i < B.
+void from_lanes(const float* __restrict xT, int64_t E, int64_t B, float* __restrict x,
+                int64_t e_stride) {
+  const int64_t full = E / kLaneBlock * kLaneBlock;
+  for (int64_t e0 = 0; e0 < full; e0 += kLaneBlock) {
+    F16 v[kLaneBlock];
+    for (int64_t e = 0; e < kLaneBlock; ++e) v[e] = load16(xT + (e0 + e) * kLaneBlock);
+    transpose16(v);
+    for (int64_t i = 0; i < B; ++i) store16(x + i * e_stride + e0, v[i]);
+  }
+  for (int64_t e = full; e < E; ++e) {
+    for (int64_t i = 0; i < B; ++i) x[i * e_stride + e] = xT[e * kLaneBlock + i];
+  }
+}
+
+// Forward tile: outT[k0 + a, p, q0 + m] for a < KT, m < QT, summed over the taps (c, r, t) in
+// order from zero. wT is w as (C*R*S, K).
+template <int KT, int QT>
+void lanes_forward_tile(const Conv2dShape& s, const float* __restrict xT,
+                        const float* __restrict wT, int64_t p, int64_t q0, int64_t k0,
+                        float* __restrict outT) {
+  F16 acc[KT][QT] = {};
+  const int64_t P = s.P(), Q = s.Q();
+  int64_t j = 0;
+  for (int64_t c = 0; c < s.C; ++c) {
+    for (int64_t r = 0; r < s.R; ++r) {
+      const float* xrow = xT + ((c * s.H + p + r) * s.W + q0) * kLaneBlock;
+      for (int64_t t = 0; t < s.S; ++t, ++j) {
+        F16 xv[QT];
+#pragma GCC unroll 8
+        for (int m = 0; m < QT; ++m) xv[m] = load16(xrow + (t + m) * kLaneBlock);
+        const float* wj = wT + j * s.K + k0;
+#pragma GCC unroll 8
+        for (int a = 0; a < KT; ++a) {
+          const float wa = wj[a];
+#pragma GCC unroll 8
+          for (int m = 0; m < QT; ++m) acc[a][m] += xv[m] * wa;
+        }
+      }
+    }
+  }
+  for (int a = 0; a < KT; ++a) {
+    for (int m = 0; m < QT; ++m) store16(outT + (((k0 + a) * P + p) * Q + q0 + m) * kLaneBlock,
+                                         acc[a][m]);
+  }
+}
+
+// dw tile: dw[k0 + a, j0 + b] for a < KT, b < JT (j = (c, r, t)) of one block, summed over the
+// pixels (p, q) in order, then over the lanes. xoff[j] is tap j's offset (c*H + r)*W + t.
+template <int KT, int JT>
+void lanes_dw_tile(const Conv2dShape& s, const float* __restrict xT, const float* __restrict dyT,
+                   const int64_t* __restrict xoff, int64_t k0, int64_t j0, float* __restrict dw) {
+  F16 acc[KT][JT] = {};
+  const int64_t P = s.P(), Q = s.Q(), CRS = s.C * s.R * s.S;
+  const float* xj[JT];
+  for (int b = 0; b < JT; ++b) xj[b] = xT + xoff[j0 + b] * kLaneBlock;
+  const int64_t k_step = P * Q * kLaneBlock;
+  for (int64_t p = 0; p < P; ++p) {
+    const float* dyrow = dyT + (k0 * P + p) * Q * kLaneBlock;
+    for (int64_t q = 0; q < Q; ++q) {
+      const int64_t pix = (p * s.W + q) * kLaneBlock;
+      F16 d[KT];
+#pragma GCC unroll 8
+      for (int a = 0; a < KT; ++a) d[a] = load16(dyrow + a * k_step + q * kLaneBlock);
+#pragma GCC unroll 8
+      for (int b = 0; b < JT; ++b) {
+        const F16 xv = load16(xj[b] + pix);
+#pragma GCC unroll 8
+        for (int a = 0; a < KT; ++a) acc[a][b] += d[a] * xv;
+      }
+    }
+  }
+  for (int a = 0; a < KT; ++a) {
+    for (int b = 0; b < JT; ++b) dw[(k0 + a) * CRS + j0 + b] = sum16(acc[a][b]);
+  }
+}
+
+// dx tile for interior columns (those that see every tap t): dxT[c0 + a, h, w0 + m] for a < CT,
+// m < WT, the sum of w[k, c, r, t] * dyT[k, h - r, w - t] over (k, r, t) in order from zero, r
+// in [r_lo, r_hi] (the taps row h sees).
+template <int CT, int WT>
+void lanes_dx_tile(const Conv2dShape& s, const float* __restrict w, const float* __restrict dyT,
+                   int64_t h, int64_t r_lo, int64_t r_hi, int64_t w0, int64_t c0,
+                   float* __restrict dxT) {
+  F16 acc[CT][WT] = {};
+  const int64_t P = s.P(), Q = s.Q();
+  for (int64_t k = 0; k < s.K; ++k) {
+    for (int64_t r = r_lo; r <= r_hi; ++r) {
+      const float* dyrow = dyT + ((k * P + h - r) * Q + w0) * kLaneBlock;
+      const float* wkr = w + ((k * s.C + c0) * s.R + r) * s.S;
+      for (int64_t t = 0; t < s.S; ++t) {
+        F16 dv[WT];
+#pragma GCC unroll 8
+        for (int m = 0; m < WT; ++m) dv[m] = load16(dyrow + (m - t) * kLaneBlock);
+#pragma GCC unroll 8
+        for (int a = 0; a < CT; ++a) {
+          const float wa = wkr[a * s.R * s.S + t];
+#pragma GCC unroll 8
+          for (int m = 0; m < WT; ++m) acc[a][m] += dv[m] * wa;
+        }
+      }
+    }
+  }
+  for (int a = 0; a < CT; ++a) {
+    for (int m = 0; m < WT; ++m) store16(dxT + (((c0 + a) * s.H + h) * s.W + w0 + m) * kLaneBlock,
+                                         acc[a][m]);
+  }
+}
+
+// dx of one border column v (it sees only the taps t in [t_lo, t_hi]) for CT input channels: the
+// sum over (r, t, k) in order from zero, k innermost so the short tap ranges cost no loop
+// overhead.
+template <int CT>
+void lanes_dx_column(const Conv2dShape& s, const float* __restrict w, const float* __restrict dyT,
+                     int64_t h, int64_t r_lo, int64_t r_hi, int64_t v, int64_t t_lo, int64_t t_hi,
+                     int64_t c0, float* __restrict dxT) {
+  F16 acc[CT] = {};
+  const int64_t P = s.P(), Q = s.Q(), RS = s.R * s.S, CRS = s.C * RS;
+  const int64_t k_step = P * Q * kLaneBlock;
+  for (int64_t r = r_lo; r <= r_hi; ++r) {
+    for (int64_t t = t_lo; t <= t_hi; ++t) {
+      const float* dv = dyT + ((h - r) * Q + v - t) * kLaneBlock;
+      const float* wv = w + (c0 * s.R + r) * s.S + t;
+      for (int64_t k = 0; k < s.K; ++k, dv += k_step, wv += CRS) {
+        const F16 d = load16(dv);
+#pragma GCC unroll 16
+        for (int a = 0; a < CT; ++a) acc[a] += d * wv[a * RS];
+      }
+    }
+  }
+  for (int a = 0; a < CT; ++a) store16(dxT + (((c0 + a) * s.H + h) * s.W + v) * kLaneBlock, acc[a]);
+}
+
+// The tile kernels by size, so a tail tile runs the same code with smaller bounds.
+constexpr auto kLanesForward = table_1_to<kFwdKT, kFwdQT>(
+    [](auto a, auto b) { return &lanes_forward_tile<decltype(a)::value, decltype(b)::value>; });
+constexpr auto kLanesDw = table_1_to<kDwKT, kDwJT>(
+    [](auto a, auto b) { return &lanes_dw_tile<decltype(a)::value, decltype(b)::value>; });
+constexpr auto kLanesDx = table_1_to<kDxCT, kDxWT>(
+    [](auto a, auto b) { return &lanes_dx_tile<decltype(a)::value, decltype(b)::value>; });
+constexpr auto kLanesDxColumn =
+    table_1_to<kDxColumnCT>([](auto a) { return &lanes_dx_column<decltype(a)::value>; });
+
+// One block's forward: outT (K, P, Q, 16) from xT.
+void lanes_forward(const Conv2dShape& s, const float* xT, const float* wT, float* outT) {
+  const int64_t P = s.P(), Q = s.Q();
+  for (int64_t p = 0; p < P; ++p) {
+    for (int64_t q0 = 0; q0 < Q; q0 += kFwdQT) {
+      const int64_t nq = std::min<int64_t>(kFwdQT, Q - q0);
+      for (int64_t k0 = 0; k0 < s.K; k0 += kFwdKT) {
+        const int64_t nk = std::min<int64_t>(kFwdKT, s.K - k0);
+        kLanesForward[static_cast<size_t>(nk - 1)][static_cast<size_t>(nq - 1)](s, xT, wT, p, q0,
+                                                                                k0, outT);
+      }
+    }
+  }
+}
+
+// One block's dw (K, C*R*S) from xT and dyT (K, P, Q, 16).
+void lanes_dw(const Conv2dShape& s, const float* xT, const float* dyT, const int64_t* xoff,
+              float* dw) {
+  const int64_t CRS = s.C * s.R * s.S;
+  for (int64_t k0 = 0; k0 < s.K; k0 += kDwKT) {
+    const int64_t nk = std::min<int64_t>(kDwKT, s.K - k0);
+    for (int64_t j0 = 0; j0 < CRS; j0 += kDwJT) {
+      const int64_t nj = std::min<int64_t>(kDwJT, CRS - j0);
+      kLanesDw[static_cast<size_t>(nk - 1)][static_cast<size_t>(nj - 1)](s, xT, dyT, xoff, k0, j0,
+                                                                         dw);
+    }
+  }
+}
+
+// One block's dxT (C, H, W, 16) from dyT. Row h sees the taps r in [max(0, h - P + 1),
+// min(R - 1, h)], column v the taps t in [max(0, v - Q + 1), min(S - 1, v)]: the interior
+// columns, which see all S, go in tiles of kDxWT columns, the border columns one at a time.
+void lanes_dx(const Conv2dShape& s, const float* w, const float* dyT, float* dxT) {
+  const int64_t P = s.P(), Q = s.Q();
+  const int64_t in_lo = s.S - 1, in_hi = std::max(in_lo, Q);  // interior columns [in_lo, in_hi)
+  for (int64_t h = 0; h < s.H; ++h) {
+    const int64_t r_lo = std::max<int64_t>(0, h - P + 1), r_hi = std::min<int64_t>(s.R - 1, h);
+    for (int64_t v = 0; v < s.W; ++v) {
+      if (v == in_lo && in_hi > in_lo) {
+        for (int64_t w0 = in_lo; w0 < in_hi; w0 += kDxWT) {
+          const int64_t nw = std::min<int64_t>(kDxWT, in_hi - w0);
+          for (int64_t c0 = 0; c0 < s.C; c0 += kDxCT) {
+            const int64_t nc = std::min<int64_t>(kDxCT, s.C - c0);
+            kLanesDx[static_cast<size_t>(nc - 1)][static_cast<size_t>(nw - 1)](
+                s, w, dyT, h, r_lo, r_hi, w0, c0, dxT);
+          }
+        }
+        v = in_hi - 1;
+        continue;
+      }
+      const int64_t t_lo = std::max<int64_t>(0, v - Q + 1), t_hi = std::min<int64_t>(s.S - 1, v);
+      for (int64_t c0 = 0; c0 < s.C; c0 += kDxColumnCT) {
+        const int64_t nc = std::min<int64_t>(kDxColumnCT, s.C - c0);
+        kLanesDxColumn[static_cast<size_t>(nc - 1)](s, w, dyT, h, r_lo, r_hi, v, t_lo, t_hi, c0,
+                                                    dxT);
+      }
+    }
+  }
+}
+
+}  // namespace mgpu::ops::cpu::conv

@@ -1,0 +1,184 @@
+"""mgpu's differentiable functional ops, each with its backward (PyTorch's ``torch.nn.functional``).
+
+Shapes: N batch, C in-channels, K out-channels, H/W image, R/S kernel, P/Q output height/width.
+Every op runs on its inputs' device (they must share one) and records itself for autograd when
+an input requires grad. The forward and backward math lives in C++ (cpp/ops/).
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple, Union
+
+from . import _core
+from . import autograd
+from .tensor import Tensor
+
+IntPair = Union[int, Tuple[int, int]]
+
+
+def _pair(v: IntPair, name: str) -> Tuple[int, int]:
+    if isinstance(v, (tuple, list)):
+        if len(v) != 2:
+            raise ValueError(f"{name} must be an int or a pair of ints, got {v!r}")
+        return int(v[0]), int(v[1])
+    return int(v), int(v)
+
+
+def _square(v: IntPair, name: str, op: str) -> int:
+    a, b = _pair(v, name)
+    if a != b:
+        raise ValueError(f"{op}: {name} must be the same on both axes, got {v!r}")
+    return a
+
+
+def _need(t: Optional[Tensor]) -> bool:
+    return t is not None and t.requires_grad
+
+
+def conv2d(x: Tensor, w: Tensor, b: Optional[Tensor] = None, stride: IntPair = 1,
+           padding: IntPair = 0) -> Tensor:
+    """2-D convolution (cross-correlation): x (N, C, H, W), w (K, C, R, S), b (K,) -> (N, K, P, Q)."""
+    s, p = _square(stride, "stride", "conv2d"), _square(padding, "padding", "conv2d")
+    out = Tensor(_core.conv2d_forward(x._t, w._t, b._t if b is not None else None, s, p))
+
+    def backward(dy):
+        dx, dw, db = _core.conv2d_backward(x._t, w._t, dy._t, s, p, _need(x), b is not None)
+        wrap = lambda h: Tensor(h) if h is not None else None  # noqa: E731
+        return wrap(dx), wrap(dw), wrap(db)
+
+    return autograd.attach(out, [x, w, b], backward)
+
+
+def avg_pool2d(x: Tensor, kernel_size: IntPair, stride: Optional[IntPair] = None) -> Tensor:
+    """Average pooling without padding: x (N, C, H, W) -> (N, C, P, Q), floor output size."""
+    kh, kw = _pair(kernel_size, "kernel_size")
+    sh, sw = _pair(stride, "stride") if stride is not None else (kh, kw)
+    out = Tensor(_core.avg_pool2d_forward(x._t, kh, kw, sh, sw))
+    return autograd.attach(out, [x], lambda dy: (
+        Tensor(_core.avg_pool2d_backward(x._t, dy._t, kh, kw, sh, sw)),))
+
+
+def relu(x: Tensor) -> Tensor:
+    """max(x, 0), elementwise."""
+    out = Tensor(_core.relu_forward(x._t))
+    return autograd.attach(out, [x], lambda dy: (Tensor(_core.relu_backward(x._t, dy._t)),))
+
+
+def mm(a: Tensor, b: Tensor) -> Tensor:
+    """Matrix product: a (M, K) @ b (K, N) -> (M, N)."""
+    out = Tensor(_core.mm(a._t, b._t))
+
+    def backward(dy):
+        da = Tensor(_core.mm(dy._t, b._t, False, True)) if _need(a) else None
+        db = Tensor(_core.mm(a._t, dy._t, True, False)) if _need(b) else None
+        return da, db
+
+    return autograd.attach(out, [a, b], backward)
+
+
+dot = mm  # MXNet's name in the chapter (np.dot on matrices)
+
+
+def cross_entropy(y_hat: Tensor, y: Tensor) -> Tensor:
+    """Softmax cross-entropy per example (reduction none): y_hat (N, M) logits, y (N,) -> (N,)."""
+    out = Tensor(_core.softmax_ce_forward(y_hat._t, y._t))
+    return autograd.attach(out, [y_hat], lambda dy: (
+        Tensor(_core.softmax_ce_backward(y_hat._t, y._t, dy._t)),))
+
+
+def argmax(x: Tensor, axis: int = -1) -> Tensor:
+    """Index of the largest entry along ``axis`` (the last axis of a 1-d or 2-d tensor)."""
+    if axis not in (-1, x.ndim - 1):
+        raise ValueError(f"argmax: only the last axis is supported (axis=-1 or {x.ndim - 1}), "
+                         f"got axis={axis}")
+    return Tensor(_core.argmax(x._t))
+
+
+
+
+# --- batch normalisation (sec. 12.6) ------------------------------------------------------------
+
+_Op = _core.BinaryOp
+
+
+def _check_channel_tensor(name: str, t, x: Tensor) -> None:
+    if t is None:
+        return
+    if not isinstance(t, Tensor):
+        raise TypeError(f"batch_norm: {name} must be an mgpu Tensor or None, "
+                        f"got {type(t).__name__}")
+    C = x.shape[1]
+    if t.shape != (C,):
+        raise ValueError(f"batch_norm: {name} must have shape ({C},) (one value per channel of x, "
+                         f"shape {x.shape}), got shape {t.shape}")
+    if t.device != x.device:
+        raise ValueError(f"batch_norm: {name} is on {t.device} but x is on {x.device}; move it "
+                         f"with .to({x.device})")
+    if t.dtype.name != "float32":
+        raise TypeError(f"batch_norm: {name} must be float32, got {t.dtype.name}")
+
+
+def batch_norm(x: Tensor, running_mean: Optional[Tensor], running_var: Optional[Tensor],
+               weight: Optional[Tensor] = None, bias: Optional[Tensor] = None,
+               training: bool = False, momentum: float = 0.1, eps: float = 1e-5) -> Tensor:
+    """Batch normalisation over N, H, W per channel: x (N, C, H, W) or (N, C) -> same shape.
+
+    ``training``: normalises with the batch's mean and biased variance, and (when given) updates
+    ``running_mean <- (1 - momentum) * running_mean + momentum * mean`` and ``running_var`` likewise
+    with the unbiased variance, in place and unrecorded. Otherwise normalises with the running
+    statistics. ``weight`` (gamma) and ``bias`` (beta), shape (C,), may be None. Differentiable
+    w.r.t. x, weight and bias.
+    """
+    if not isinstance(x, Tensor):
+        raise TypeError(f"batch_norm: x must be an mgpu Tensor, got {type(x).__name__}")
+    if x.ndim not in (2, 4):
+        raise ValueError(f"batch_norm: x must have 4 dims (N, C, H, W) or 2 dims (N, C), got "
+                         f"shape {x.shape}")
+    for name, t in (("running_mean", running_mean), ("running_var", running_var),
+                    ("weight", weight), ("bias", bias)):
+        _check_channel_tensor(name, t, x)
+    if isinstance(momentum, bool) or not isinstance(momentum, (int, float)):
+        raise TypeError(f"batch_norm: momentum must be a number, got {type(momentum).__name__}")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+        raise TypeError(f"batch_norm: eps must be a number, got {type(eps).__name__}")
+    if not eps > 0:
+        raise ValueError(f"batch_norm: eps must be > 0, got {eps}")
+    training = bool(training)
+    count = x.size // x.shape[1] if x.shape[1] else 0
+    if training:
+        if count <= 1:
+            raise ValueError(f"batch_norm: Expected more than 1 value per channel when training, "
+                             f"got input of shape {x.shape}")
+        mean, var = _core.batch_norm_stats(x._t)
+    else:
+        if running_mean is None or running_var is None:
+            raise ValueError("batch_norm: running_mean and running_var are needed when "
+                             "training=False (evaluation normalises with them)")
+        mean, var = running_mean._t, running_var._t
+    gamma = weight._t if weight is not None else None
+    beta = bias._t if bias is not None else None
+    out = Tensor(_core.batch_norm_forward(x._t, mean, var, gamma, beta, float(eps)))
+    if training:
+        _update_running(running_mean, mean, momentum, 1.0)
+        _update_running(running_var, var, momentum, count / (count - 1))
+
+    def backward(dy):
+        need_x = x.requires_grad
+        need_w = weight is not None and weight.requires_grad
+        need_b = bias is not None and bias.requires_grad
+        sum_dy, sum_dy_xhat = _core.batch_norm_backward_reduce(x._t, dy._t, mean, var, float(eps))
+        dx = Tensor(_core.batch_norm_backward(x._t, dy._t, mean, var, gamma, sum_dy, sum_dy_xhat,
+                                              float(count), float(eps), training)) \
+            if need_x else None
+        return (dx, Tensor(sum_dy_xhat) if need_w else None, Tensor(sum_dy) if need_b else None)
+
+    return autograd.attach(out, [x, weight, bias], backward)
+
+
+def _update_running(running: Optional[Tensor], batch: "_core.Tensor", momentum: float,
+                    scale: float) -> None:
+    """running <- (1 - momentum) * running + momentum * scale * batch, in place (not recorded)."""
+    if running is None:
+        return
+    _core.binary_scalar_inplace(_Op.Mul, running._t, float(1.0 - momentum))
+    step = _core.binary_scalar(_Op.Mul, batch, float(momentum * scale), False)
+    _core.binary_inplace(_Op.Add, running._t, step)
