@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import mgpu
-from mgpu import nn, parallel
+from mgpu import parallel
 
 C0, C1 = mgpu.cpu(0), mgpu.cpu(1)
 
@@ -36,7 +36,7 @@ def expect_raises(expr: str, kind: str, *words: str, setup: str = "") -> None:
     """``expr`` run in a child raises the Python exception ``kind`` whose message has ``words``."""
     code = f"""
         import mgpu
-        from mgpu import nn
+
         {setup}
         try:
             value = {expr}
@@ -61,17 +61,17 @@ HUGE = [
     ("mgpu.arange(16).reshape(2**62 + 4, 4)", "ValueError", ["reshape", "overflows"]),
     ("mgpu.zeros((2, 3)).reshape(-1, 2**62, 2**3)", "ValueError", ["reshape"]),
     ("mgpu.ones((2**46,))", "MemoryError", ["ones", "bytes"]),
-    ("nn.conv2d(mgpu.ones((1, 1, 4, 4)), mgpu.ones((1, 1, 3, 3)), padding=2**31 - 1)",
+    ("mgpu.conv2d(mgpu.ones((1, 1, 4, 4)), mgpu.ones((1, 1, 3, 3)), padding=2**31 - 1)",
      "ValueError", ["conv2d_forward", "4294967296", "bytes"]),
-    ("nn.conv2d(mgpu.ones((1, 1, 4, 4)), mgpu.ones((1, 1, 3, 3)), padding=2**62)",
+    ("mgpu.conv2d(mgpu.ones((1, 1, 4, 4)), mgpu.ones((1, 1, 3, 3)), padding=2**62)",
      "ValueError", ["conv2d_forward", "padding"]),
-    ("nn.conv2d(mgpu.zeros((2**62 + 1, 0, 1, 1)), mgpu.ones((1, 0, 1, 1)))",
+    ("mgpu.conv2d(mgpu.zeros((2**62 + 1, 0, 1, 1)), mgpu.ones((1, 0, 1, 1)))",
      "ValueError", ["conv2d_forward", "4611686018427387905"]),
-    ("nn.avg_pool2d(mgpu.zeros((2**62 + 1, 1, 0, 2)), (1, 1), stride=(1, 1)).shape",
+    ("mgpu.avg_pool2d(mgpu.zeros((2**62 + 1, 1, 0, 2)), (1, 1), stride=(1, 1)).shape",
      "ValueError", ["avg_pool2d"]),
-    ("nn.cross_entropy(mgpu.zeros((2**62 + 1, 0)), mgpu.zeros((3,), dtype='int64'))",
+    ("mgpu.cross_entropy(mgpu.zeros((2**62 + 1, 0)), mgpu.zeros((3,), dtype='int64'))",
      "ValueError", ["cross_entropy"]),
-    ("nn.mm(mgpu.zeros((2**62 + 1, 0)), mgpu.zeros((0, 2**62 + 1)))", "ValueError", ["bytes"]),
+    ("mgpu.mm(mgpu.zeros((2**62 + 1, 0)), mgpu.zeros((0, 2**62 + 1)))", "ValueError", ["bytes"]),
 ]
 
 
@@ -97,7 +97,7 @@ def test_zero_sized_tensors_with_huge_leading_extents_stay_zero_sized():
 def _failed_loss(device):
     logits = mgpu.zeros((4, 3), device=device)
     labels = mgpu.array(np.array([0, 1, 7, 2]), device=device)  # 7 is out of range
-    return nn.cross_entropy(logits, labels)
+    return mgpu.cross_entropy(logits, labels)
 
 
 def test_a_failed_result_raises_on_every_read():
@@ -120,7 +120,7 @@ def test_a_failed_result_poisons_what_is_computed_from_it():
     loss2 = _failed_loss(C0)
     moved = loss2.to(C1)
     with pytest.raises(IndexError, match="label"):
-        nn.relu(moved).numpy()
+        mgpu.relu(moved).numpy()
     with pytest.raises(IndexError, match="label"):
         moved.numpy()
     with pytest.raises(IndexError):
@@ -218,7 +218,7 @@ def test_default_budget_is_documented_and_sane():
 def test_relu_propagates_nan(device):
     x = mgpu.array(np.array([np.nan, -1.0, 2.0, -np.inf, np.inf], dtype=np.float32),
                    device=device).requires_grad_()
-    y = nn.relu(x)
+    y = mgpu.relu(x)
     got = y.numpy()
     assert np.isnan(got[0]) and got[1:].tolist() == [0.0, 2.0, 0.0, np.inf]
     y.backward(mgpu.ones((5,), device=device))
@@ -311,7 +311,7 @@ def test_inplace_change_of_a_saved_tensor_refuses_backward():
 
 def test_inplace_change_through_a_view_and_nn_ops_is_noticed():
     x = mgpu.array(np.ones((2, 3), dtype=np.float32)).requires_grad_()
-    h = nn.relu(x)
+    h = mgpu.relu(x)
     x.detach()[1:] += 5.0  # a view of the same memory
     with pytest.raises(RuntimeError, match="saved by relu"):
         h.sum().backward()
