@@ -297,6 +297,13 @@ def test_cli_ctrl_c_prints_one_line_and_exits_130():
     assert err.strip() == "mgpu: interrupted", err
 
 
+def test_bench_refuses_a_data_set_smaller_than_one_batch():
+    from mgpu import bench
+    with pytest.raises(ValueError, match="fewer than one batch of 256"):
+        bench.bench_train(devices=[1], batch_size=256, synthetic=1, epochs=1, limit_batches=1,
+                          warmup=0, repeat=1, parts=["fused"], log=None)
+
+
 # --- 6. version counters and overlapping in-place ops -------------------------------------------
 
 def test_inplace_change_of_a_saved_tensor_refuses_backward():
