@@ -17,6 +17,21 @@ cmake -S . -B build/cpp-tests -DMGPU_BUILD_TESTS=ON -DMGPU_BUILD_PYTHON=ON -DMGP
 cmake --build build/cpp-tests -j "$(nproc)" >/dev/null
 (cd build/cpp-tests && ctest --output-on-failure -j 2)
 
+echo "== Sanitizer build (AddressSanitizer + UBSan, CPU only): C++ tests and a Python smoke suite"
+launcher=()
+if command -v ccache >/dev/null; then launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache); fi
+cmake -S . -B build/asan -DMGPU_SANITIZE=ON -DMGPU_BUILD_TESTS=ON -DMGPU_BUILD_PYTHON=ON \
+  -DMGPU_WITH_CUDA=OFF -DMGPU_WITH_MPI=OFF -DCMAKE_BUILD_TYPE=RelWithDebInfo "${launcher[@]}" \
+  -DPython_EXECUTABLE="$PWD/.venv/bin/python" \
+  -Dpybind11_DIR="$(.venv/bin/python -m pybind11 --cmakedir)" >/dev/null
+cmake --build build/asan -j "$(nproc)" >/dev/null
+export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
+(cd build/asan && ASAN_OPTIONS=detect_leaks=0 ctest --output-on-failure -j 2)
+# Python itself is not instrumented: the ASan runtime must be loaded first; leaks are CPython's.
+(cd tests && LD_PRELOAD="$(g++ -print-file-name=libasan.so)" ASAN_OPTIONS=detect_leaks=0 \
+  PYTHONPATH="$PWD/../build/asan/python" ../.venv/bin/python -m pytest -q -p no:cacheprovider \
+  test_robust.py test_tensor.py test_errors.py -k "not cli and not gpu")
+
 echo "== Python tests (pytest) of the installed package"
 # Run from tests/ so `import mgpu` finds the installed package, never python/mgpu.
 (cd tests && ../.venv/bin/python -m pytest -q -p no:cacheprovider "$@")
