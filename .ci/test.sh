@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# Sets everything up (.ci/setup.sh: the installed build, with real CUDA where nvcc is found), then
-# runs every test:
-#   1. the C++ unit tests through ctest, from a build whose GPU backend runs on mgpu's CUDA
-#      emulator (cpp/emu), plus the nvcc compile check of the kernels;
-#   2. the Python suite against the installed package (no GPU here: GPU tests skip);
-#   3. the Python GPU tests again against the emulated build's package, where gpu(0) and gpu(1)
-#      are emulated GPUs running our CUDA kernels.
+# Sets everything up (.ci/setup.sh), lints python/ and tests/ (ruff), then runs the C++ tests
+# (ctest, GPU backend on mgpu's CUDA emulator, plus the nvcc compile check), the Python suite
+# against the installed package, and the tests marked `gpu` again against the emulated build's
+# package, where gpu(0) and gpu(1) are emulated GPUs running our CUDA kernels.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash .ci/setup.sh
+
+echo "== Lint (ruff) of python/ and tests/"
+.venv/bin/ruff check python tests
 
 echo "== C++ unit tests (ctest): engine, CUDA emulator, CUDA kernels on emulated GPUs"
 cmake -S . -B build/cpp-tests -DMGPU_BUILD_TESTS=ON -DMGPU_BUILD_PYTHON=ON -DMGPU_CUDA_EMULATION=ON \
@@ -38,4 +38,4 @@ echo "== Python tests (pytest) of the installed package"
 
 echo "== Python GPU tests on emulated GPUs (the emulated build's package)"
 (cd tests && PYTHONPATH="$PWD/../build/cpp-tests/python" \
-  ../.venv/bin/python -m pytest -q -p no:cacheprovider -k "gpu" "$@")
+  ../.venv/bin/python -m pytest -q -p no:cacheprovider -m gpu "$@")

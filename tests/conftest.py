@@ -43,10 +43,10 @@ def _devices():
     devs = [mgpu.cpu(0), mgpu.cpu(1)]
     params = [pytest.param(d, id=str(d)) for d in devs]
     if mgpu.num_gpus() > 0:
-        params.append(pytest.param(mgpu.gpu(0), id="gpu(0)"))
+        params.append(pytest.param(mgpu.gpu(0), id="gpu(0)", marks=pytest.mark.gpu))
     else:
-        params.append(pytest.param(None, id="gpu(0)", marks=pytest.mark.skip(
-            reason="no GPU in this build or machine (mgpu.num_gpus() == 0)")))
+        params.append(pytest.param(None, id="gpu(0)", marks=[pytest.mark.gpu, pytest.mark.skip(
+            reason="no GPU in this build or machine (mgpu.num_gpus() == 0)")]))
     return params
 
 

@@ -54,7 +54,8 @@ def basics(out, *steps):
     dist.allreduce(t)
     results["random"] = t.numpy()
     results["random_expected"] = np.sum(np.stack(data), axis=0)
-    pair = [mgpu.array(np.full((2, 3), r, np.float32)), mgpu.array(np.full(5, 10.0 * r, np.float32))]
+    pair = [mgpu.array(np.full((2, 3), r, np.float32)),
+            mgpu.array(np.full(5, 10.0 * r, np.float32))]
     dist.allreduce(pair)
     results["list0"], results["list1"] = pair[0].numpy(), pair[1].numpy()
     for root in range(w):
@@ -77,7 +78,7 @@ def step(out, local_devices, n):
     devices = [mgpu.gpu(i) if on_gpus else mgpu.cpu(i) for i in range(local_devices)]
     replicas = [mgpu.get_params(params, d) for d in devices]
     losses = mgpu.train_batch(mgpu.array(X), mgpu.array(y), replicas, devices, lr=0.2)
-    loss = np.array([sum(l.item() for l in losses)], np.float32)
+    loss = np.array([sum(v.item() for v in losses)], np.float32)
     lt = mgpu.array(loss)
     dist.allreduce(lt)
     save(out, f"step_L{local_devices}_n{n}",
@@ -193,8 +194,42 @@ def bench(out, kind, *args):
         print(json.dumps(res), flush=True)
 
 
+# conv -> batch norm -> relu, a residual add, global pooling and a linear head (out, in).
+FUSED_SPEC = [("conv2d", {"padding": 1, "bias": False}), ("batch_norm", {}), ("relu",),
+              ("conv2d", {"padding": 1}), ("add", {"in": [3, 4]}), ("global_avg_pool",),
+              ("flatten",), ("linear", {"transpose": True})]
+
+
+def fused_problem(n, seed=0):
+    """FUSED_SPEC's parameters, batch-norm buffers and a batch of n."""
+    rng = np.random.default_rng(seed)
+    shapes = [(4, 2, 3, 3), (4,), (4,), (4, 4, 3, 3), (4,), (3, 4), (3,)]
+    params = [(0.5 * rng.standard_normal(s)).astype(np.float32) for s in shapes]
+    buffers = [np.zeros(4, np.float32), np.ones(4, np.float32)]
+    X = rng.standard_normal((n, 2, 5, 5)).astype(np.float32)
+    return params, buffers, X, rng.integers(0, 3, size=n)
+
+
+def fused_model_steps(devices, n, steps=2):
+    """`steps` fused steps of FUSED_SPEC with momentum and weight decay; returns replica 0's
+    parameters and buffers."""
+    from mgpu.parallel import FusedModel
+    params, buffers, X, y = fused_problem(n)
+    reps = [[mgpu.array(a, device=d) for a in params] for d in devices]
+    bufs = [[mgpu.array(b, device=d) for b in buffers] for d in devices]
+    model = FusedModel(FUSED_SPEC, reps, bufs, devices)
+    for _ in range(steps):
+        model.train_step(mgpu.array(X), mgpu.array(y), lr=0.3, momentum=0.9, weight_decay=0.01)
+    return [t.numpy() for t in reps[-1] + bufs[-1]]
+
+
+def fused_model(out, local_devices, n):
+    state = fused_model_steps([mgpu.cpu(i) for i in range(int(local_devices))], int(n))
+    save(out, f"fused_model_L{local_devices}_n{n}", state)
+
+
 MODES = {"basics": basics, "train_steps": train_steps, "train_api": train_api,
-         "mismatch": mismatch, "die": die, "bench": bench}
+         "mismatch": mismatch, "die": die, "bench": bench, "fused_model": fused_model}
 
 if __name__ == "__main__":
     mode, outdir, rest = sys.argv[1], sys.argv[2], sys.argv[3:]

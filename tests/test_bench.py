@@ -1,6 +1,6 @@
-"""``python -m mgpu bench {train,ops,batch_norm,allreduce}``: each runs in-process at tiny sizes, and its JSON
-holds every field, positive times, and derived numbers that agree with the raw ones (busbw =
-algbw * 2(k-1)/k, sec/epoch = median sec/step * batches, ratios = torch / mgpu medians).
+"""``python -m mgpu bench {train,ops,batch_norm,allreduce}``: each runs in-process at tiny sizes,
+and its JSON holds every field, positive times, and derived numbers that agree with the raw ones
+(busbw = algbw * 2(k-1)/k, sec/epoch = median sec/step * batches, ratios = torch / mgpu medians).
 """
 import contextlib
 import gzip
@@ -11,8 +11,7 @@ import numpy as np
 import pytest
 
 import mgpu
-from mgpu import bench, cli
-from mgpu import _torch_rival
+from mgpu import _torch_rival, bench, cli
 
 
 def _run(argv, tmp_path, name):
@@ -122,7 +121,7 @@ def test_ops_times_every_lenet_op(tmp_path):
     ops = [x["op"].split(" (")[0] for x in r["ops"] if x["batch"] == 5]
     assert ops == ["conv1", "relu1", "avg_pool1", "conv2", "relu2", "avg_pool2", "fc1 mm",
                    "fc1 bias", "relu3", "fc2 mm", "fc2 bias", "softmax_ce"]
-    flops_at = {n: {l["layer"]: l for l in bench.lenet_layer_flops(n)} for n in (2, 5)}
+    flops_at = {n: {x["layer"]: x for x in bench.lenet_layer_flops(n)} for n in (2, 5)}
     for x in r["ops"]:
         label = x["op"].split(" (")[0]
         for phase in ("forward", "backward"):
@@ -222,7 +221,8 @@ def test_bad_arguments_fail_with_a_message(capsys):
 
 
 def test_torch_comparison_is_skipped_without_torch(tmp_path, monkeypatch):
-    monkeypatch.setattr(bench, "find_torch_python", lambda explicit=None: (None, "no torch here"))
+    monkeypatch.setattr(bench.train, "find_torch_python",
+                        lambda explicit=None: (None, "no torch here"))
     code, text, r = _run(["bench", "train", "--synthetic", "300", "--batch-size", "64",
                           "--limit-batches", "1", "--epochs", "1", "--warmup", "0",
                           "--parts", "fused", "--devices", "1", "--compare", "torch"],

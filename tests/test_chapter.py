@@ -1,10 +1,12 @@
 """The chapter's printed examples (sec. 12.5.4 and 12.5.5), reproduced exactly."""
 import numpy as np
+import pytest
 
 import mgpu
 from mgpu import chapter
 
 
+@pytest.mark.gpu  # try_gpu(i) is an emulated GPU in the emulated build
 def test_get_params_b1_is_twenty_zeros_with_zero_grad():
     params = mgpu.lenet_params(scale=0.01, seed=0)
     new_params = mgpu.get_params(params, mgpu.try_gpu(0))
@@ -85,6 +87,7 @@ def test_split_batch_uneven_and_smaller_than_device_count():
     assert [t.device for t in ys] == [mgpu.cpu(i) for i in range(4)]
 
 
+@pytest.mark.gpu
 def test_try_gpu_falls_back_to_virtual_cpu_devices():
     assert mgpu.num_gpus() == 0 or mgpu.try_gpu(0) == mgpu.gpu(0)
     if mgpu.num_gpus() == 0:

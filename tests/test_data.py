@@ -48,7 +48,8 @@ def test_loader_batches_values_and_shapes(tiny_dataset):
     assert shapes[0] == ((8, 1, 28, 28), np.float32, (8,), np.int64, mgpu.cpu(0))
     assert shapes[1][0] == (3, 1, 28, 28)
     X, y = collect(test_iter)  # the test set is not shuffled
-    np.testing.assert_array_equal(X, arrays["t10k-images-idx3-ubyte"][:, None].astype(np.float32) / np.float32(255))
+    images = arrays["t10k-images-idx3-ubyte"][:, None]
+    np.testing.assert_array_equal(X, images.astype(np.float32) / np.float32(255))
     np.testing.assert_array_equal(y, arrays["t10k-labels-idx1-ubyte"])
 
 

@@ -16,10 +16,10 @@ import time
 import numpy as np
 import pytest
 
-import mgpu
-from mgpu import distributed as dist
-from conftest import assert_close, requires_fashion_mnist
 import dist_worker
+import mgpu
+from conftest import assert_close, requires_fashion_mnist
+from mgpu import distributed as dist
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MPIRUN = shutil.which("mpirun")
@@ -65,7 +65,8 @@ def test_single_process_world_is_clear_and_collectives_check_arguments():
     if dist.launched():
         pytest.skip("this pytest itself runs under mpirun")
     dist.init()
-    assert (dist.rank(), dist.world_size(), dist.local_rank(), dist.backend()) == (0, 1, 0, "single")
+    got = (dist.rank(), dist.world_size(), dist.local_rank(), dist.backend())
+    assert got == (0, 1, 0, "single")
     x = mgpu.array(np.arange(5, dtype=np.float32))
     dist.allreduce(x)
     dist.broadcast(x, root=0)
@@ -122,7 +123,20 @@ def test_collectives_and_one_step_match_one_process(world, tmp_path):
                     assert np.array_equal(got[i], expected[i % 8]), what
                 else:
                     assert_close(got[i], expected[i % 8], "sum", what)
-            assert_close(got[-1][0], sum(l.item() for l in losses), "sum", f"loss on rank {r}")
+            assert_close(got[-1][0], sum(v.item() for v in losses), "sum", f"loss on rank {r}")
+
+
+@needs_mpi
+def test_fused_model_with_batch_norm_under_mpirun_matches_one_process(tmp_path):
+    """2 ranks x 2 devices take the step of 1 process x 4 devices (mgpu.parallel.FusedModel):
+    the same parameters, and batch norm's running statistics (the first shard's) on every rank."""
+    rc, out, err, _ = mpirun(2, "fused_model", tmp_path, 2, 9)
+    assert rc == 0, f"mpirun fused_model failed:\n{out}\n{err}"
+    expected = dist_worker.fused_model_steps([mgpu.cpu(i) for i in range(4)], 9)
+    for r in range(2):
+        got = load(tmp_path, "fused_model_L2_n9", r)
+        for i, e in enumerate(expected):
+            assert_close(got[f"arr_{i}"], e, "sum", f"state {i} of rank {r}'s last replica")
 
 
 @needs_mpi
@@ -148,7 +162,7 @@ def test_a_few_hundred_steps_give_the_in_process_parameters(tmp_path):
 def test_train_api_broadcasts_rank0_params_sums_accuracy_and_prints_once(tmp_path):
     rc, out, err, _ = mpirun(2, "train_api", tmp_path, 2, 32)
     assert rc == 0, f"{out}\n{err}"
-    lines = [l for l in out.splitlines() if l.startswith("test acc:")]
+    lines = [s for s in out.splitlines() if s.startswith("test acc:")]
     assert len(lines) == 1 and lines[0].endswith("on [cpu(0)] x 2 processes"), out
     got = [json.load(open(tmp_path / f"train_api.rank{r}.json")) for r in range(2)]
     assert got[0] == got[1] and got[0]["world_size"] == 2
@@ -175,7 +189,7 @@ def test_cli_train_under_mpirun_prints_once_like_one_process(tmp_path):
     multi = subprocess.run([MPIRUN, "-np", "2", "--oversubscribe", sys.executable, "-m", "mgpu",
                             *args], cwd=HERE, env=env, capture_output=True, text=True, timeout=120)
     assert multi.returncode == 0, multi.stderr
-    lines = [l for l in multi.stdout.splitlines() if l.startswith("test acc:")]
+    lines = [s for s in multi.stdout.splitlines() if s.startswith("test acc:")]
     assert len(lines) == 1, multi.stdout
     assert lines[0].split(",")[0] == single.stdout.strip().split(",")[0], (lines, single.stdout)
 

@@ -265,6 +265,7 @@ def test_sgd_without_gradients():
 # devices, tensors, autograd
 # ---------------------------------------------------------------------------------------------
 
+@pytest.mark.gpu
 @pytest.mark.skipif(mgpu.num_gpus() > 0, reason="this machine has a GPU")
 def test_unknown_gpu():
     with pytest.raises(IndexError, match=r"gpu\(0\).*num_gpus.*try_gpu"):
@@ -324,7 +325,8 @@ def test_unsupported_dtypes():
 
 
 def test_copy_mismatches():
-    with pytest.raises(ValueError, match=r"target has shape \(4,\) but this tensor has shape \(3,\)"):
+    with pytest.raises(ValueError,
+                       match=r"target has shape \(4,\) but this tensor has shape \(3,\)"):
         ones((3,)).copyto(mgpu.zeros(4))
     with pytest.raises(TypeError, match="dtypes differ"):
         ones((3,)).copyto(mgpu.zeros(3, dtype=np.int64))

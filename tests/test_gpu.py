@@ -1,11 +1,11 @@
 """GPU devices: allocator, copies, all-reduce, the fused step, errors.
 
 These run wherever ``mgpu.num_gpus() > 0``. In CI that is the emulated build (``.ci/test.sh`` runs
-this suite a second time with ``PYTHONPATH=build/cpp-tests/python``): gpu(0), gpu(1) are mgpu's
-emulated GPUs, every kernel a real CUDA kernel run by cpp/cuda/emu. The tests marked ``real_gpu`` need
-NVIDIA's libraries (cuBLAS, cuDNN, NCCL), which cannot run emulated: they are skipped here and are
-ready for a machine with GPUs. Every op test in the other files also runs on gpu(0) through the
-``device`` fixture.
+the tests marked ``gpu`` again with ``PYTHONPATH=build/cpp-tests/python``): gpu(0), gpu(1) are
+mgpu's emulated GPUs, every kernel a real CUDA kernel run by cpp/cuda/emu. The tests marked
+``real_gpu`` need NVIDIA's libraries (cuBLAS, cuDNN, NCCL), which cannot run emulated: they are
+skipped here and are ready for a machine with GPUs. Every op test in the other files also runs on
+gpu(0) through the ``device`` fixture, marked ``gpu`` there.
 """
 import os
 import subprocess
@@ -17,6 +17,8 @@ import pytest
 
 import mgpu
 from conftest import assert_close
+
+pytestmark = pytest.mark.gpu
 
 NUM_GPUS = mgpu.num_gpus()
 EMULATED = bool(mgpu.build_info()["cuda_emulation"])
@@ -73,7 +75,7 @@ def test_caching_allocator_reaches_a_steady_state():
     after = mgpu.gpu_memory_stats(G0)
     assert after["device_mallocs"] == before["device_mallocs"], "steady state called cudaMalloc"
     assert after["allocated"] >= 4096 * 4 and after["peak_allocated"] >= after["allocated"]
-    del x
+    x = None  # the last reference: its block goes back to the cache
     mgpu.empty_cache()
     assert mgpu.gpu_memory_stats(G0)["cached"] == 0
 
@@ -208,7 +210,8 @@ def test_cuda_graph_replays_equal_the_step_without_graphs(monkeypatch):
         mgpu.train_batch(X, y, replicas, devices, 0.1)
         mgpu.waitall()
         steady = mgpu.gpu_memory_stats(G0)["device_mallocs"] == mallocs
-        return ([p.numpy() for p in replicas[0]], [[float(v.item()) for v in l] for l in losses],
+        return ([p.numpy() for p in replicas[0]],
+                [[float(v.item()) for v in step] for step in losses],
                 steady)
 
     plain_params, plain_losses, _ = steps(graph=False)
@@ -216,7 +219,7 @@ def test_cuda_graph_replays_equal_the_step_without_graphs(monkeypatch):
     for a, b in zip(plain_params, graph_params):
         np.testing.assert_array_equal(a, b)
     assert graph_losses == plain_losses
-    assert len({tuple(l) for l in graph_losses}) == 3, "every step's loss should differ"
+    assert len({tuple(step) for step in graph_losses}) == 3, "every step's loss should differ"
     assert steady, "a replayed step called cudaMalloc"
 
 
@@ -330,8 +333,8 @@ def test_the_main_command_trains_on_two_gpus(tmp_path):
 def test_two_processes_on_gpus_equal_one_process_with_two_gpus(tmp_path, monkeypatch):
     """mpirun -np 2, one GPU each (GPU gradients cross processes through host memory): bitwise
     the parameters of one process stepping on two GPUs."""
-    import test_distributed as td
     import dist_worker
+    import test_distributed as td
     if not td.HAVE_MPI:
         pytest.skip("needs mpirun and an mgpu built with MPI")
     if mgpu.distributed.launched():

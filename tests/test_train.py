@@ -6,8 +6,8 @@ import pytest
 
 import mgpu
 import reference as R
-from mgpu import chapter
 from conftest import assert_close, requires_fashion_mnist
+from mgpu import chapter
 
 
 def _problem(n, seed=0):
@@ -39,7 +39,7 @@ def test_fused_step_matches_reference_on_every_replica(k, n):
             assert_close(p.numpy(), e, "sum", f"param {i} after the fused step", d)
     ref_loss = R.softmax_cross_entropy_forward(
         R.lenet_forward(Xn, [p.numpy() for p in params]), yn).sum()
-    assert_close(sum(l.item() for l in losses), ref_loss, "sum", "summed loss")
+    assert_close(sum(v.item() for v in losses), ref_loss, "sum", "summed loss")
 
 
 @pytest.mark.parametrize("k", [1, 2, 3, 4])
@@ -93,12 +93,14 @@ def test_evaluate_accuracy_on_all_devices_matches_numpy():
     images = rng.integers(0, 256, size=(50, 28, 28), dtype=np.uint8)
     labels = rng.integers(0, 10, size=50).astype(np.uint8)
     params = mgpu.lenet_params(scale=0.3, seed=5)
-    logits = R.lenet_forward(images[:, None].astype(np.float64) / 255.0, [p.numpy() for p in params])
+    X = images[:, None].astype(np.float64) / 255.0
+    logits = R.lenet_forward(X, [p.numpy() for p in params])
     expected = float(np.mean(np.argmax(logits, axis=1) == labels))
     loader = mgpu.data.array_loader(images, labels, batch_size=16)
     for k in (1, 2, 3):
         devices, replicas = _replicas(params, k)
-        assert mgpu.evaluate_accuracy(replicas, loader, devices) == pytest.approx(expected, abs=1e-12)
+        got = mgpu.evaluate_accuracy(replicas, loader, devices)
+        assert got == pytest.approx(expected, abs=1e-12)
     one = mgpu.evaluate_accuracy_gpu(lambda x: mgpu.lenet(x, params), loader)
     assert one == pytest.approx(expected, abs=1e-12)
 

@@ -188,7 +188,7 @@ Tensor from_dlpack_capsule(py::capsule cap) {
 
 py::dict build_info() {
   py::dict info;
-  info["version"] = "0.1.0";
+  info["version"] = MGPU_VERSION;
   info["cpu_devices"] = true;
   info["cpu_threads"] = num_threads();
   info["blas"] = "OpenBLAS (single-threaded calls; mgpu schedules the cores)";

@@ -1,6 +1,10 @@
-// cpp/bind/bind_train.cpp -- the fused data-parallel step and evaluation.
+// cpp/bind/bind_train.cpp -- the fused data-parallel step: LeNet's train_batch and the Model of any
+// list of layers (its spec format is documented in python/mgpu/_core.pyi).
 #include <cmath>
+#include <memory>
 #include <mutex>
+#include <optional>
+#include <string>
 
 #include "bind/bind.h"
 #include "core/queue.h"
@@ -10,6 +14,97 @@
 namespace py = pybind11;
 
 namespace mgpu::bind {
+namespace {
+
+// A model with one replica per device: what mgpu._core.Model holds.
+struct Replicated {
+  std::unique_ptr<train::Model> model;
+  std::vector<train::Replica> replicas;
+};
+
+std::string type_name(const py::handle& h) {
+  return py::str(py::type::handle_of(h).attr("__name__")).cast<std::string>();
+}
+
+std::vector<int64_t> ints(const py::handle& v, const std::string& where) {
+  std::vector<int64_t> out;
+  if (py::isinstance<py::int_>(v) && !py::isinstance<py::bool_>(v)) {
+    out.push_back(v.cast<int64_t>());
+    return out;
+  }
+  MGPU_CHECK_TYPE(py::isinstance<py::list>(v) || py::isinstance<py::tuple>(v), where,
+                  " must be an int or a list of ints, got ", type_name(v));
+  for (const py::handle& x : v) {
+    MGPU_CHECK_TYPE(py::isinstance<py::int_>(x) && !py::isinstance<py::bool_>(x), where,
+                    " must hold ints, got ", type_name(x));
+    out.push_back(x.cast<int64_t>());
+  }
+  return out;
+}
+
+train::LayerSpec parse_layer(const py::handle& entry, size_t i) {
+  const std::string where = "Model: spec entry " + std::to_string(i);
+  MGPU_CHECK_TYPE(py::isinstance<py::tuple>(entry) || py::isinstance<py::list>(entry), where,
+                  " must be a tuple (kind, options), got ", type_name(entry));
+  py::sequence seq = py::reinterpret_borrow<py::sequence>(entry);
+  MGPU_CHECK_VALUE(seq.size() == 1 || seq.size() == 2, where, " must be (kind,) or (kind, "
+                   "options), got ", seq.size(), " items");
+  MGPU_CHECK_TYPE(py::isinstance<py::str>(seq[0]), where, ": the kind must be a str");
+  train::LayerSpec s;
+  s.kind = seq[0].cast<std::string>();
+  if (seq.size() == 1) return s;
+  MGPU_CHECK_TYPE(py::isinstance<py::dict>(seq[1]), where, " (", s.kind, "): options must be a "
+                  "dict, got ", type_name(seq[1]));
+  for (const auto& [k, v] : py::reinterpret_borrow<py::dict>(seq[1])) {
+    MGPU_CHECK_TYPE(py::isinstance<py::str>(k), where, " (", s.kind, "): option names must be str");
+    const std::string key = k.cast<std::string>();
+    const std::string at = where + " (" + s.kind + "), option '" + key + "'";
+    if (key == "in") s.inputs = ints(v, at);
+    else if (key == "params") s.params = ints(v, at);
+    else if (key == "buffers") s.buffers = ints(v, at);
+    else {
+      MGPU_CHECK_TYPE(py::isinstance<py::int_>(v) || py::isinstance<py::float_>(v), at,
+                      " must be a number or bool, got ", type_name(v));
+      s.options[key] = v.cast<double>();
+    }
+  }
+  return s;
+}
+
+std::unique_ptr<Replicated> make(const py::list& spec,
+                                 const std::vector<std::vector<Tensor>>& params,
+                                 const std::vector<std::vector<Tensor>>& buffers,
+                                 const std::vector<Device>& devices) {
+  std::vector<train::LayerSpec> layers;
+  for (size_t i = 0; i < spec.size(); ++i) layers.push_back(parse_layer(spec[i], i));
+  MGPU_CHECK_VALUE(!devices.empty(), "Model: the list of devices is empty");
+  MGPU_CHECK_VALUE(params.size() == devices.size() && buffers.size() == devices.size(), "Model: "
+                   "got ", params.size(), " parameter and ", buffers.size(), " buffer replicas for ",
+                   devices.size(), " devices; pass one list of each per device");
+  std::vector<Shape> ps, bs;
+  for (const Tensor& p : params[0]) {
+    MGPU_CHECK_VALUE(p.defined(), "Model: a parameter is None");
+    ps.push_back(p.shape());
+  }
+  for (const Tensor& b : buffers[0]) {
+    MGPU_CHECK_VALUE(b.defined(), "Model: a buffer is None");
+    bs.push_back(b.shape());
+  }
+  auto r = std::make_unique<Replicated>();
+  r->model = std::make_unique<train::Model>(layers, ps, bs);
+  for (size_t d = 0; d < devices.size(); ++d)
+    r->replicas.push_back({devices[d], {params[d], buffers[d]}, Tensor(), Tensor()});
+  train::check_replicas("Model", *r->model, r->replicas);
+  return r;
+}
+
+const train::Replica& replica(const Replicated& r, int64_t d) {
+  MGPU_CHECK_INDEX(d >= 0 && d < static_cast<int64_t>(r.replicas.size()), "Model: replica ", d,
+                   " does not exist; there are ", r.replicas.size());
+  return r.replicas[static_cast<size_t>(d)];
+}
+
+}  // namespace
 
 void bind_train(py::module_& m) {
   m.def("train_batch", [](const Tensor& X, const Tensor& y,
@@ -31,6 +126,65 @@ void bind_train(py::module_& m) {
   }, "Correct predictions of the replicas on one batch, one 0-d count per device.");
   m.def("lenet_forward", &train::lenet_forward, py::call_guard<py::gil_scoped_release>(),
         "LeNet logits (N, 10) for X (N, 1, 28, 28).");
+
+  py::class_<Replicated>(m, "Model", "A list of layers with one replica per device, trained by "
+                         "one fused data-parallel step.")
+      .def(py::init(&make), py::arg("spec"), py::arg("params"), py::arg("buffers"),
+           py::arg("devices"))
+      .def("train_step", [](Replicated& r, const Tensor& X, const Tensor& y, float lr,
+                            float momentum, float weight_decay) {
+        // PyTorch's SGD accepts lr 0; NaN or infinity would train every replica into NaN.
+        MGPU_CHECK_VALUE(std::isfinite(lr) && lr >= 0, "Model.train_step: the learning rate must "
+                         "be a finite number >= 0, got ", lr);
+        MGPU_CHECK_VALUE(std::isfinite(momentum) && momentum >= 0, "Model.train_step: momentum "
+                         "must be a finite number >= 0, got ", momentum);
+        MGPU_CHECK_VALUE(std::isfinite(weight_decay) && weight_decay >= 0, "Model.train_step: "
+                         "weight_decay must be a finite number >= 0, got ", weight_decay);
+        py::gil_scoped_release nogil;
+        // The step joins each bucket's all-reduce as each device's backward reaches it: one
+        // step at a time, so another host thread's collectives cannot interleave with its parts.
+        std::lock_guard<std::recursive_mutex> order(collective_submission_mutex());
+        train::Sgd sgd;
+        sgd.lr = lr;
+        sgd.momentum = momentum;
+        sgd.weight_decay = weight_decay;
+        return train::train_step(*r.model, X, y, r.replicas, sgd);
+      }, py::arg("X"), py::arg("y"), py::arg("lr"), py::arg("momentum") = 0.0f,
+         py::arg("weight_decay") = 0.0f)
+      .def("evaluate_batch", [](const Replicated& r, const Tensor& X, const Tensor& y) {
+        py::gil_scoped_release nogil;
+        return train::evaluate_step(*r.model, X, y, r.replicas);
+      }, py::arg("X"), py::arg("y"))
+      .def("forward", [](const Replicated& r, const Tensor& X, int64_t d) {
+        const train::Replica& rep = replica(r, d);
+        py::gil_scoped_release nogil;
+        require_same_device("Model.forward", {&X, &rep.state.params[0]});
+        return train::model_forward(*r.model, X, rep.state, false);
+      }, py::arg("X"), py::arg("replica") = 0)
+      .def("params", [](const Replicated& r, int64_t d) { return replica(r, d).state.params; },
+           py::arg("replica"))
+      .def("buffers", [](const Replicated& r, int64_t d) { return replica(r, d).state.buffers; },
+           py::arg("replica"))
+      .def("momentum_buffers", [](const Replicated& r, int64_t d) {
+        const train::Replica& rep = replica(r, d);
+        std::vector<std::optional<Tensor>> out;
+        for (size_t i = 0; i < rep.state.params.size(); ++i) {
+          if (!rep.momentum.defined()) {
+            out.emplace_back();
+            continue;
+          }
+          const Tensor& p = rep.state.params[i];
+          const int64_t at = r.model->offset(i);
+          out.emplace_back(rep.momentum.slice_rows(at, at + p.numel()).reshape(p.shape()));
+        }
+        return out;
+      }, py::arg("replica"))
+      .def_property_readonly("num_replicas", [](const Replicated& r) { return r.replicas.size(); })
+      .def_property_readonly("buckets", [](const Replicated& r) {
+        std::vector<std::pair<int64_t, int64_t>> out;
+        for (const train::Bucket& b : r.model->buckets()) out.emplace_back(b.begin, b.end);
+        return out;
+      });
 }
 
 }  // namespace mgpu::bind

@@ -1,14 +1,8 @@
-// cpp/comm/allreduce_gpu.cpp -- all-reduce across the GPUs of one process (allreduce.h's contract).
-// Each GPU's queue runs its part of one collective; the parts meet at barriers (host threads).
-//   - NCCL (real CUDA builds with NCCL): the k devices' tensors are packed into one flat buffer
-//     per device on its compute stream, handed to its communication stream, summed by one grouped
-//     ncclAllReduce over a communicator from ncclCommInitAll, and unpacked after. Compiled and
-//     linked only: no GPU here.
-//   - Our fallback (emulated builds, builds without NCCL, MGPU_ALLREDUCE=peer): reduce-scatter +
-//     all-gather over peer copies. Device j owns chunk j of the flat buffer: it fetches chunk j of
-//     every device's buffer and adds them with a kernel in device order 0, 1, ..., k-1 -- the
-//     order of the CPU devices' all-reduce, so the sums are bitwise those of cpu(0..k-1) -- then
-//     every device copies the other chunks from their owners. Executed on emulated GPUs in tests.
+// cpp/comm/allreduce_gpu.cpp -- all-reduce across the GPUs of one process (allreduce.h's contract):
+// each GPU's queue runs its part, the parts meet at barriers. With NCCL (real builds): one grouped
+// ncclAllReduce on the communication streams over a packed flat buffer (compiled and linked only).
+// Otherwise (emulated, no NCCL, MGPU_ALLREDUCE=peer): reduce-scatter + all-gather over peer copies,
+// chunks summed in device order 0..k-1, so the sums are bitwise those of cpu(0..k-1).
 #include "comm/allreduce_gpu.h"
 
 #if MGPU_GPU_BUILD
@@ -234,6 +228,8 @@ GpuAllReduce::GpuAllReduce(const std::vector<Device>& devices, const std::vector
   if (coll->nccl) coll->comms = &communicators(coll->gpu);
 #endif
 }
+
+void GpuAllReduce::abort() { coll_->barrier.abort(); }
 
 void GpuAllReduce::join(size_t d, const std::vector<Tensor>& tensors) {
   MGPU_ASSERT(d < coll_->gpu.size() && coll_->data[d].empty(), "device ", d, " joins twice");

@@ -33,6 +33,9 @@ class GpuAllReduce {
   GpuAllReduce(const std::vector<Device>& devices, const std::vector<Shape>& shapes,
                bool overlap = false, const GpuAllReduce* earlier = nullptr);
   void join(size_t d, const std::vector<Tensor>& tensors);
+  // Releases the devices that joined with an error: a device that will never join (its step
+  // failed while being enqueued) must not leave the others waiting at a barrier forever.
+  void abort();
 
  private:
   std::shared_ptr<GpuCollective> coll_;

@@ -1,12 +1,8 @@
-// cpp/comm/allreduce_mpi.cpp -- collectives across processes over MPI (Open MPI on Debian).
-// Threading: collectives run on device queue threads (in order with compute), init/finalize on
-// the host thread. MPI is initialised with MPI_THREAD_SERIALIZED -- several threads call MPI, never
-// two at once -- and every collective takes a ticket when the host enqueues it and runs only when
-// its turn comes. So MPI sees one call at a time and in host order, which is the same order on
-// every rank as long as the ranks run the same program: the condition for matching collectives.
-// (MPI_THREAD_MULTIPLE would not remove the need for that order, and costs locks in the library.)
-// Every wait polls nonblocking requests against a deadline, so a dead or diverging peer becomes
-// an exception naming the rank and the operation, never a hang.
+// cpp/comm/allreduce_mpi.cpp -- collectives across processes over MPI (Open MPI on Debian), run
+// on the device queues' threads under MPI_THREAD_SERIALIZED: each collective takes a ticket when
+// the host enqueues it, so MPI sees one call at a time in host order, the same on every rank.
+// Every wait polls nonblocking requests against a deadline: a dead or diverging peer becomes an
+// exception naming the rank and the operation, never a hang.
 #include "comm/allreduce_mpi.h"
 
 #include <sched.h>

@@ -1,9 +1,8 @@
 // cpp/comm/barrier.h -- the reusable barrier at which the device threads of one in-process
-// collective meet (CPU devices' and GPUs' all-reduce).
-// A thread that arrives early spins briefly (yielding) before it sleeps: the devices of one step
-// arrive within microseconds of each other, and a condition-variable wake-up alone costs tens of
-// microseconds each time. abort() releases everyone with an exception, so a device whose part
-// failed does not leave the others -- and the host waiting for their queues -- blocked forever.
+// collective meet (CPU devices' and GPUs' all-reduce). An early thread spins briefly (yielding)
+// before it sleeps: the devices of one step arrive within microseconds, and a condition-variable
+// wake-up costs tens of microseconds. abort() releases everyone with an exception, so a device
+// whose part failed leaves neither the others nor the host waiting on their queues blocked.
 #pragma once
 
 #include <atomic>

@@ -1,9 +1,7 @@
 // cpp/comm/nccl_bootstrap.h -- NCCL across processes, bootstrapped over MPI: rank 0 makes the
 // NCCL unique id, MPI broadcasts it, every rank joins the NCCL communicator on its own GPU.
-// Built only when MPI, the CUDA runtime and NCCL are all found (CMake: mgpu_nccl_bootstrap) and
-// not part of mgpu._core yet (training across processes reduces GPU gradients through MPI on the
-// host). In CI it is compiled and linked (tests/cpp/nccl_bootstrap_check.cpp), never executed:
-// that machine has no GPU.
+// Nothing in mgpu calls it: its one user, tests/cpp/nccl_bootstrap_check.cpp, links it and runs
+// only --version, so it is compiled and linked (where MPI, CUDA and NCCL are found), never run.
 #pragma once
 
 #define OMPI_SKIP_MPICXX 1

@@ -1,20 +1,7 @@
 // cpp/core/gpu.h -- the CUDA runtime as mgpu's GPU devices use it: which GPUs exist, each one's
 // streams, its caching allocator, pinned staging for host-to-device copies, and the copies the
-// engine needs. Built in two flavours (CMake decides, MGPU_GPU_BUILD = 1):
-//   - real CUDA (nvcc found): the CUDA runtime; with no GPU or driver device_count() is 0;
-//   - emulated (MGPU_CUDA_EMULATION, test builds): cpp/cuda/emu/'s runtime on host memory, with
-//     MGPU_EMULATED_GPUS devices (default 2).
-// A CPU-only build (MGPU_GPU_BUILD = 0) keeps the declarations: device_count() is 0 and nothing
-// else may be called (no gpu(i) device can exist to reach it).
-//
-// The model: a GPU device's Queue (queue.h) is a worker thread whose current device is that GPU;
-// its tasks launch work on the device's compute stream and return at once. A waiter outside the
-// queue (the host, another device) first waits for the task, then for the stream
-// (synchronize()), so "done" means finished on the GPU. Memory goes back to the cache when its
-// last Tensor is gone, possibly before queued kernels have run: that is safe because every later
-// user of the block is ordered after them on the same stream. Work of another stream or device
-// on a block (a peer copy, the communication stream) must keep the block alive until that work
-// is finished or the compute stream waits for it (ops::copy and the all-reduce do).
+// engine needs. Real CUDA (nvcc found), the emulator (MGPU_CUDA_EMULATION: MGPU_EMULATED_GPUS
+// devices, default 2), or in a CPU-only build (MGPU_GPU_BUILD = 0) stubs: device_count() is 0.
 #pragma once
 
 #include <cstddef>
@@ -29,7 +16,14 @@
 #define MGPU_GPU_BUILD 0
 #endif
 
-
+// The model: a GPU device's Queue (queue.h) is a worker thread whose current device is that GPU;
+// its tasks launch work on the device's compute stream and return at once. A waiter outside the
+// queue (the host, another device) first waits for the task, then for the stream
+// (synchronize()), so "done" means finished on the GPU. Memory goes back to the cache when its
+// last Tensor is gone, possibly before queued kernels have run: that is safe because every later
+// user of the block is ordered after them on the same stream. Work of another stream or device
+// on a block (a peer copy, the communication stream) must keep the block alive until that work
+// is finished or the compute stream waits for it (ops::copy and the all-reduce do).
 namespace mgpu::gpu {
 
 constexpr int kMaxGpus = 64;

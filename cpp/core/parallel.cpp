@@ -136,8 +136,6 @@ void set_num_threads(int n) {
   g_threads.store(n);
 }
 
-int max_parallelism() { return t_in_parallel ? 1 : num_threads(); }
-
 void parallel_for(int64_t n, const std::function<void(int64_t)>& fn) {
   if (n <= 0) return;
   int share = num_threads() / std::max(1, busy_cpu_devices());

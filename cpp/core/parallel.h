@@ -16,10 +16,6 @@ namespace mgpu {
 // Exceptions thrown by fn are rethrown (the first one) on the calling thread.
 void parallel_for(int64_t n, const std::function<void(int64_t)>& fn);
 
-// The most calls of fn that may run at once (>= 1). Use it only to size per-thread scratch,
-// never to choose how work is split (that would make results depend on the thread count).
-int max_parallelism();
-
 // Total worker threads mgpu uses for CPU compute (default: hardware cores; env MGPU_NUM_THREADS).
 int num_threads();
 void set_num_threads(int n);

@@ -279,13 +279,6 @@ Event record_event(Device device) {
   return Event{&q, q.last_enqueued()};
 }
 
-void queue_wait_event(Device waiter, Event event) {
-  if (!event.queue || event.seq == 0) return;
-  if (event.queue == &queue_of(waiter)) return;  // a queue is ordered with itself
-  queue_of(waiter).enqueue("wait_event",
-                           [event] { event.queue->wait_done_or_rethrow(event.seq); });
-}
-
 void waitall() {
   std::vector<Queue*> all;
   {

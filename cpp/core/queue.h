@@ -122,8 +122,6 @@ struct Event {
   uint64_t seq = 0;
 };
 Event record_event(Device device);
-// Makes `waiter`'s queue run nothing enqueued after this call until `event` has passed.
-void queue_wait_event(Device waiter, Event event);
 
 // Waits for every device and raises the first pending error.
 void waitall();

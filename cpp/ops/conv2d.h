@@ -63,8 +63,8 @@ void conv2d_backward(const Conv2dShape& s, const float* x, const float* w, const
 // Through cuDNN's legacy convolution API (cudnn_cnn, still in cuDNN 9), with deterministic
 // algorithms (forward IMPLICIT_GEMM, backward data/filter ALGO_1); picked at run time by the op
 // when MGPU_CONV=cudnn (vendor_gpu.h). The workspace is the caller's: at least
-// conv2d_cudnn_workspace_bytes(handle, s) bytes. Real CUDA builds with cuDNN only: compiled and
-// linked, never run.
+// conv2d_cudnn_workspace_bytes(handle, s) bytes. Real CUDA builds with cuDNN only; no test runs it
+// (cuDNN cannot run on emulated GPUs).
 size_t conv2d_cudnn_workspace_bytes(cudnnContext* handle, const Conv2dShape& s);
 void conv2d_cudnn_forward(cudnnContext* handle, const Conv2dShape& s, const float* x,
                           const float* w, const float* b, float* y, void* workspace,

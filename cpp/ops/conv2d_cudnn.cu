@@ -1,10 +1,7 @@
-// cpp/ops/conv2d_cudnn.cu -- conv2d forward and backward through cuDNN, the alternative to our own
-// kernels (conv2d.cu) that the op selects at run time (MGPU_CONV=cudnn|native, vendor_gpu.h).
-// x (N, C, H, W), w (K, C, R, S), b (K), y (N, K, P, Q), all NCHW float32, cross-correlation.
-// Uses the legacy convolution API (cudnn_cnn; deprecated in cuDNN 9 in favour of the graph API but
-// shipped and supported), with fixed deterministic algorithms and FMA math (no TF32), so results
-// match the native path to float tolerance. Real CUDA builds only: compiled and linked by nvcc,
-// never run (no GPU here; cuDNN cannot run on emulated GPUs).
+// cpp/ops/conv2d_cudnn.cu -- conv2d forward and backward through cuDNN's legacy convolution API
+// (deprecated in cuDNN 9 but shipped), the alternative the op picks with MGPU_CONV=cudnn. NCHW
+// float32; fixed deterministic algorithms and FMA math (no TF32), so results match our kernels to
+// float tolerance. Real CUDA builds only: compiled and linked by nvcc; no test runs it.
 #include <cudnn.h>
 
 #include <algorithm>

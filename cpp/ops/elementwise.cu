@@ -1,7 +1,7 @@
 // cpp/ops/elementwise.cu -- elementwise.h's kernels: the per-element bodies (a op b for every
 // BinaryOp, fills, the SGD step) as grid-stride kernels, astype for every pair of float, int32,
 // int64 and uint8, the sum of all elements, and sum_to_shape's row sums. Executed on emulated GPUs
-// in tests (tests/cpp/emu_test_kernels_cuda.cpp); compiled by nvcc for real GPUs, never run on one.
+// in tests (tests/cpp/emu_test_kernels_cuda.cpp); compiled by nvcc for real GPUs.
 #include "ops/elementwise.h"
 #include "ops/launch.cuh"
 

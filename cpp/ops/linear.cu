@@ -1,6 +1,6 @@
 // cpp/ops/linear.cu -- linear's CUDA kernel: our own shared-memory tiled sgemm, the matrix product
 // wherever cuBLAS cannot run (the emulated build first). Executed on emulated GPUs against
-// cpu::sgemm; compiled by nvcc for real GPUs, never run on one.
+// cpu::sgemm; compiled by nvcc for real GPUs.
 #include "ops/launch.cuh"
 #include "ops/linear.h"
 

@@ -25,7 +25,7 @@ void sgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float al
            int64_t lda, const float* b, int64_t ldb, float beta, float* c, int64_t ldc,
            cudaStream_t stream);
 // The same contract through cublasSgemm on the handle's stream (the caller binds handle and
-// stream). Real CUDA builds only: compiled and linked, never run.
+// stream). Real CUDA builds only; no test runs it (cuBLAS cannot run on emulated GPUs).
 void sgemm_cublas(cublasContext* handle, bool trans_a, bool trans_b, int64_t m, int64_t n,
                   int64_t k, float alpha, const float* a, int64_t lda, const float* b, int64_t ldb,
                   float beta, float* c, int64_t ldc);

@@ -1,6 +1,6 @@
 // cpp/ops/linear_cublas.cu -- cuda::sgemm's contract (row-major, linear.h) through cuBLAS, the
-// matrix product of real GPU builds (mm). Real CUDA builds only: compiled and linked by nvcc, never run (no GPU here; the emulated build uses
-// our own tiled kernel in linear.cu instead).
+// matrix product of real GPU builds (mm). Real CUDA builds only: compiled and linked by nvcc; no
+// test runs it (cuBLAS cannot run on emulated GPUs, which use our tiled kernel in linear.cu).
 #include <cublas_v2.h>
 
 #include <mutex>

@@ -1,9 +1,8 @@
-// cpp/ops/softmax_ce.cu -- softmax cross-entropy (one op, reduction none) as CUDA kernels, one warp
-// per row. logits, dlogits (n, m); labels (n) int64 or int32; loss, dloss (n).
-// loss_i = z_top - z_label + log1p(sum_{j != top} exp(z_j - z_top)), z_top the row's first
-// maximum (cpu::softmax_ce_forward's formula: no overflow, small losses kept); backward
-// dlogits_i = (softmax(z_i) - onehot(y_i)) * dloss_i. Executed on emulated GPUs against
-// cpu::softmax_ce_*; compiled by nvcc for real GPUs, never run on one.
+// cpp/ops/softmax_ce.cu -- softmax cross-entropy as CUDA kernels, one warp per row. logits,
+// dlogits (n, m); labels (n) int64 or int32; loss, dloss (n). loss_i = z_top - z_label +
+// log1p(sum_{j != top} exp(z_j - z_top)), z_top the row's first maximum (cpu::'s formula); backward
+// dlogits_i = (softmax(z_i) - onehot(y_i)) * dloss_i. Executed on emulated GPUs against cpu::;
+// compiled by nvcc for real GPUs.
 #include <cmath>
 
 #include "ops/launch.cuh"

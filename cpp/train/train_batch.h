@@ -1,25 +1,50 @@
-// cpp/train/train_batch.h -- the fused data-parallel step (sec. 12.5.6) in one call.
-// Split the minibatch over the devices, run forward, loss and backward on every device at once,
-// sum the gradients across devices (one flat all-reduce), and take the same SGD step on every
-// replica: p -= lr / N * g with N the full minibatch size, as the chapter does.
+// cpp/train/train_batch.h -- the fused data-parallel step (sec. 12.5.6, 12.6) in one call: split
+// the minibatch over the replicas, run forward, loss and backward on every device at once, sum the
+// gradients bucket by bucket as backward produces them, and let every replica take the same step.
 #pragma once
 
 #include <vector>
 
-#include "core/tensor.h"
+#include "train/layers.h"
+#include "train/model.h"
 
 namespace mgpu::train {
 
-// params[d] is device d's replica (LeNet's 8 arrays on devices[d]); updated in place. Returns
-// each device's summed loss (0-d tensors, computed asynchronously). In a multi-process world
-// (comm/allreduce_mpi.h) X, y are the global batch on every rank; each rank trains on its rows
-// and the gradients are summed across processes too, so every rank takes the same global step.
+// One device's copy of the model and its training state.
+struct Replica {
+  Device device;
+  ReplicaState state;
+  Tensor grads;     // flat (Model::flat_size()), made at the first step
+  Tensor momentum;  // flat like grads; undefined until the first step with momentum
+};
+
+// The update. sum_rule (the chapter's LeNet step): p -= lr / N * g with g the gradient of the
+// summed loss and N the global batch. Otherwise PyTorch's SGD on the mean loss over the global
+// batch: g = g_sum / N + weight_decay * p; buf = momentum * buf + g (buf = g at the first step);
+// p -= lr * buf (p -= lr * g when momentum is 0).
+struct Sgd {
+  float lr = 0.1f, momentum = 0.0f, weight_decay = 0.0f;
+  bool sum_rule = false;
+};
+
+// Checks the replicas against the model and each other (distinct devices of one kind).
+void check_replicas(const char* op, const Model& m, const std::vector<Replica>& replicas);
+
+// Returns each replica's summed loss (0-d tensors, computed asynchronously). In a multi-process
+// world (comm/allreduce_mpi.h) X, y are the global batch on every rank; each rank trains on its
+// rows and the gradients are summed across processes too, so every rank takes the same step.
+std::vector<Tensor> train_step(const Model& m, const Tensor& X, const Tensor& y,
+                               std::vector<Replica>& replicas, const Sgd& sgd);
+// Correct predictions (batch norm in evaluation mode), one 0-d float32 count per replica; across
+// processes each rank counts its rows only.
+std::vector<Tensor> evaluate_step(const Model& m, const Tensor& X, const Tensor& y,
+                                  const std::vector<Replica>& replicas);
+
+// The chapter's LeNet step: params[d] is device d's replica (W1, b1, ..., W4, b4 on devices[d]),
+// updated in place with p -= lr / N * g.
 std::vector<Tensor> train_batch(const Tensor& X, const Tensor& y,
                                 const std::vector<std::vector<Tensor>>& params,
                                 const std::vector<Device>& devices, float lr);
-
-// Counts correct predictions of the replicas on one batch, split over the devices; returns one
-// 0-d float32 count per device. Across processes each rank counts its rows only (sum the ranks').
 std::vector<Tensor> evaluate_batch(const Tensor& X, const Tensor& y,
                                    const std::vector<std::vector<Tensor>>& params,
                                    const std::vector<Device>& devices);

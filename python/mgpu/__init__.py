@@ -8,8 +8,7 @@ ops with their backward passes (``mgpu.ops``), losses and modules (``mgpu.nn``),
 """
 import atexit
 
-from . import _core
-from . import autograd, chapter, distributed, models, nn, ops, plot, random
+from . import _core, autograd, chapter, distributed, models, nn, ops, optim, plot, random
 from ._core import DeviceError, OutOfMemoryError
 from .autograd import no_grad
 from .data import DataLoader, get_fashion_mnist_labels, load_data_fashion_mnist
@@ -19,12 +18,28 @@ from .nn import CrossEntropyLoss, SoftmaxCrossEntropyLoss
 from .ops import argmax, avg_pool2d, batch_norm, conv2d, cross_entropy, dot, mm, relu
 from .parallel import allreduce, get_params, sgd, split_and_load, split_batch, train_batch
 from .random import randn
-from .tensor import (Tensor, arange, array, from_dlpack, full, ones, ones_like, tensor, zeros,
-                     zeros_like)
-from .train import (Timer, TrainResult, evaluate_accuracy, evaluate_accuracy_gpu, train,
-                    train_op_by_op)
+from .tensor import (
+    Tensor,
+    arange,
+    array,
+    from_dlpack,
+    full,
+    ones,
+    ones_like,
+    tensor,
+    zeros,
+    zeros_like,
+)
+from .train import (
+    Timer,
+    TrainResult,
+    evaluate_accuracy,
+    evaluate_accuracy_gpu,
+    train,
+    train_op_by_op,
+)
 
-__version__ = "0.1.0"
+__version__: str = _core.build_info()["version"]  # pyproject.toml's, through the build
 
 
 def _drain_at_exit() -> None:
@@ -73,12 +88,13 @@ def empty_cache() -> None:
 
 
 __all__ = [
-    "Device", "DeviceError", "OutOfMemoryError", "Tensor", "CrossEntropyLoss", "SoftmaxCrossEntropyLoss", "DataLoader",
+    "Device", "DeviceError", "OutOfMemoryError", "Tensor", "CrossEntropyLoss",
+    "SoftmaxCrossEntropyLoss", "DataLoader",
     "Timer", "TrainResult",
     "cpu", "gpu", "try_gpu", "try_all_gpus", "num_gpus",
     "array", "tensor", "zeros", "ones", "full", "zeros_like", "ones_like", "arange", "randn",
     "from_dlpack", "random", "autograd", "chapter", "distributed", "plot", "no_grad",
-    "models", "nn", "ops",
+    "models", "nn", "ops", "optim",
     "conv2d", "avg_pool2d", "relu", "batch_norm", "mm", "dot", "cross_entropy", "argmax",
     "lenet", "lenet_params", "get_params", "allreduce", "split_batch", "split_and_load", "sgd",
     "train_batch", "load_data_fashion_mnist", "get_fashion_mnist_labels",

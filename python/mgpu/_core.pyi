@@ -92,6 +92,46 @@ def evaluate_batch(X: Tensor, y: Tensor, params: List[List[Tensor]],
                    devices: Sequence[Device]) -> List[Tensor]: ...
 def lenet_forward(X: Tensor, params: List[Tensor]) -> Tensor: ...
 
+# The fused step of any list of layers. A spec is a list of (kind, options) tuples, one per layer;
+# layer i reads its input slots and writes slot i + 1 (slot 0 is X; the last slot is the logits).
+# Options every layer takes: "in" (int or [int, int]: input slots; default the previous layer's
+# output), "params" / "buffers" ([int]: indices into the replica's lists; default the next unused
+# ones in layer order). Kinds, their options and their parameters (weight first, then bias):
+#   ("conv2d", {stride=1, padding=0, bias=True})   W (K, C, R, S) [, b (K,)]
+#   ("conv2d_relu_pool", {pool=2})                 W, b: conv (stride 1, no padding) + relu +
+#                                                  avg-pool pool x pool (LeNet's blocks; one fused
+#                                                  kernel on CPU devices)
+#   ("batch_norm", {eps=1e-5, momentum=0.1, affine=True})  gamma, beta (C,); buffers
+#                                                  running_mean, running_var (C,)
+#   ("relu",)  ("flatten",)  ("global_avg_pool",)  ("avg_pool2d", {kernel, stride=kernel})
+#   ("linear", {bias=True, transpose=False})       W (in, out) as LeNet's, or (out, in) as
+#                                                  PyTorch's nn.Linear with transpose=True [, b]
+#   ("add", {"in": [a, b]})                        residual sum; slot a and b each get dy
+# A slot read by several layers gets the sum of their gradients. The loss is softmax
+# cross-entropy. Bad specs raise ValueError / TypeError naming the layer.
+class Model:
+    """One replica per device (params[d], buffers[d] on devices[d]); the tensors are the model's
+    state and every step updates them in place."""
+    def __init__(self, spec: List[tuple], params: List[List[Tensor]],
+                 buffers: List[List[Tensor]], devices: Sequence[Device]) -> None: ...
+    # One step on the global batch X, y (split over the replicas; under mpirun over every rank's):
+    # gradients of the mean loss are summed in buckets as backward produces them, then every
+    # replica takes PyTorch's SGD step (momentum, weight decay). Returns each replica's summed
+    # loss (0-d). Releases the GIL; do not call it on one Model from two threads at once.
+    def train_step(self, X: Tensor, y: Tensor, lr: float, momentum: float = 0.0,
+                   weight_decay: float = 0.0) -> List[Tensor]: ...
+    # Correct predictions per replica (batch norm in evaluation mode), 0-d float32 each.
+    def evaluate_batch(self, X: Tensor, y: Tensor) -> List[Tensor]: ...
+    # Logits of one replica in evaluation mode; X must live on that replica's device.
+    def forward(self, X: Tensor, replica: int = 0) -> Tensor: ...
+    def params(self, replica: int) -> List[Tensor]: ...
+    def buffers(self, replica: int) -> List[Tensor]: ...
+    # SGD's momentum buffers (views of the replica's state), None before the first step.
+    def momentum_buffers(self, replica: int) -> List[Optional[Tensor]]: ...
+    num_replicas: int
+    # The gradient buckets as [begin, end) ranges of the flat buffer (reverse layer order).
+    buckets: List[Tuple[int, int]]
+
 class DataSplit:
     num_examples: int
     def images_numpy(self) -> np.ndarray: ...

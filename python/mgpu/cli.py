@@ -1,4 +1,5 @@
-"""``python -m mgpu``: train the chapter's LeNet from a shell, or show what this build contains."""
+"""``python -m mgpu``: train the chapters' LeNet or ResNet-18 from a shell, or show what this build
+contains."""
 from __future__ import annotations
 
 import argparse
@@ -9,8 +10,26 @@ from typing import List, Optional
 
 def _train(args) -> int:
     from .train import train, train_op_by_op
-    kw = dict(data_dir=args.data_dir, limit_batches=args.limit_batches, seed=args.seed,
-              check_finite=args.check_finite)
+    kw = dict(data_dir=args.data_dir, limit_batches=args.limit_batches, seed=args.seed)
+    if args.model == "resnet18":
+        # Sec. 12.6: modules, nn.DataParallel and the book's loop through autograd.
+        from . import chapter, models, nn
+        if args.op_by_op:
+            raise ValueError("--op-by-op is for LeNet's chapter step; ResNet-18 always trains "
+                             "through nn.DataParallel and autograd")
+        if not args.check_finite:
+            raise ValueError("--no-check-finite is for LeNet's train; ResNet-18's loop (the "
+                             "book's, through autograd) does not check its losses")
+        net = models.resnet18(10, 1)
+        if args.sync_bn:
+            net = nn.SyncBatchNorm.convert_sync_batchnorm(net)
+        chapter.train_concise(net, args.num_gpus, args.batch_size, args.lr, args.epochs,
+                              fused=args.fused, **kw)
+        return 0
+    if args.sync_bn or args.fused:
+        raise ValueError("--sync-bn and --fused need --model resnet18 (LeNet's step is fused "
+                         "already and has no batch norm)")
+    kw["check_finite"] = args.check_finite
     if args.op_by_op:
         train_op_by_op(args.num_gpus, args.batch_size, args.lr, args.epochs, **kw)
     else:
@@ -114,7 +133,8 @@ def _bench_parser(sub) -> None:
     o.add_argument("--device", default="cpu:0", help="the device to time, e.g. cpu:0 or gpu:0")
     n = kinds.add_parser("batch_norm", help="batch norm's kernels: time and GB/s against a copy")
     common(n, 2, 10)
-    n.add_argument("--shape", type=_ints, default=[256, 64, 28, 28], help="x shape, e.g. 256,64,28,28")
+    n.add_argument("--shape", type=_ints, default=[256, 64, 28, 28],
+                   help="x shape, e.g. 256,64,28,28")
     n.add_argument("--device", default="cpu:0", help="the device to time, e.g. cpu:0 or gpu:0")
     a = kinds.add_parser("allreduce", help="all-reduce time, algbw and busbw over sizes")
     common(a, 3, 10)
@@ -126,7 +146,14 @@ def _bench_parser(sub) -> None:
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mgpu", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    t = sub.add_parser("train", help="train LeNet on Fashion-MNIST, data-parallel")
+    t = sub.add_parser("train", help="train LeNet or ResNet-18 on Fashion-MNIST, data-parallel")
+    t.add_argument("--model", choices=["lenet", "resnet18"], default="lenet",
+                   help="lenet: sec. 12.5's fused step; resnet18: sec. 12.6's nn.DataParallel")
+    t.add_argument("--sync-bn", action="store_true",
+                   help="resnet18: batch statistics over the whole batch (nn.SyncBatchNorm)")
+    t.add_argument("--fused", action="store_true",
+                   help="resnet18: DataParallel.train_step (one C++ call per step) instead of "
+                        "the book's loop through autograd")
     t.add_argument("--num-gpus", type=int, default=1,
                    help="devices to use: try_gpu(0..N-1), virtual CPU devices without GPUs")
     t.add_argument("--batch-size", type=int, default=256, help="global minibatch size")

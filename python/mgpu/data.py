@@ -60,12 +60,12 @@ class DataLoader:
 
 
 def find_data_dir(data_dir: Optional[str] = None) -> str:
-    """The directory holding Fashion-MNIST; ``FileNotFoundError`` says how to get it if none does."""
+    """The directory holding Fashion-MNIST; ``FileNotFoundError`` says how to get it."""
     return _core.find_fashion_mnist(str(data_dir) if data_dir else "")
 
 
 def load_fashion_mnist_arrays(data_dir: Optional[str] = None):
-    """The raw data as uint8 NumPy arrays: (train_images, train_labels, test_images, test_labels)."""
+    """The raw uint8 NumPy arrays (train_images, train_labels, test_images, test_labels)."""
     train, test = _core.load_fashion_mnist(find_data_dir(data_dir))
     return train.images_numpy(), train.labels_numpy(), test.images_numpy(), test.labels_numpy()
 

@@ -1,24 +1,777 @@
-"""Losses and (PyTorch-shaped) modules for the chapters' networks.
+"""Losses and PyTorch-shaped modules for the chapters' networks (sec. 12.6: ``mgpu.nn``).
 
-The differentiable functional ops live in :mod:`mgpu.ops` (also reachable as
-``mgpu.nn.functional``, PyTorch's ``F``); the modules here are built from them.
+``Module`` registers parameters, buffers and submodules assigned as attributes; the layers
+(``Conv2d``, ``BatchNorm2d``, ``Linear``, ...) compute with the differentiable ops of
+:mod:`mgpu.ops` (also reachable as ``mgpu.nn.functional``, PyTorch's ``F``). ``nn.init`` draws
+with mgpu.random (seedable). ``DataParallel`` and ``SyncBatchNorm`` live in data_parallel.py.
 """
 from __future__ import annotations
 
+import math
+import numbers
+import threading
+from collections import OrderedDict
+from typing import Callable, Iterable, Iterator, List, Mapping, NamedTuple, Optional, Tuple, Union
+
+import numpy as np
+
+from . import _core
 from . import ops as functional
-from .ops import cross_entropy
-from .tensor import Tensor
+from . import random as _random
+from .device import Device, as_device
+from .ops import IntPair, cross_entropy
+from .tensor import Tensor, array, ones, zeros
+
+# --- modules ---------------------------------------------------------------------------------
+
+def _as_tensor(value, what: str, device=None) -> Tensor:
+    """A Tensor from a Tensor or a NumPy array (copied to ``device``); anything else is a
+    TypeError naming ``what``."""
+    if isinstance(value, Tensor):
+        return value
+    if isinstance(value, np.ndarray):
+        return array(value, device=device)
+    raise TypeError(f"{what}: expected an mgpu tensor or a NumPy array, got {type(value).__name__}")
 
 
-class CrossEntropyLoss:
-    """The chapter's ``loss``: per-example softmax cross-entropy (PyTorch/Gluon style callable)."""
+class Parameter(Tensor):
+    """A tensor that is a module's parameter: it requires grad and ``Module`` registers it."""
 
-    def __init__(self, reduction: str = "none"):
+    __slots__ = ()
+
+    def __init__(self, data: Union[Tensor, np.ndarray], requires_grad: bool = True):
+        data = _as_tensor(data, "Parameter")
+        super().__init__(data._t, requires_grad=False)
+        if requires_grad:
+            self.requires_grad_()
+
+    def __repr__(self) -> str:
+        return "Parameter containing:\n" + super().__repr__()
+
+    __str__ = __repr__
+
+
+class _IncompatibleKeys(NamedTuple):
+    missing_keys: List[str]
+    unexpected_keys: List[str]
+
+
+class Module:
+    """Base class of every layer and network (PyTorch's ``nn.Module``).
+
+    Assigning a :class:`Parameter` or a ``Module`` to an attribute registers it; buffers (state
+    that is not trained, such as BatchNorm's running statistics) are registered with
+    :meth:`register_buffer`. ``module(x)`` calls :meth:`forward`.
+    """
+
+    training: bool
+
+    def __init__(self):
+        object.__setattr__(self, "_parameters", OrderedDict())
+        object.__setattr__(self, "_buffers", OrderedDict())
+        object.__setattr__(self, "_non_persistent", set())
+        object.__setattr__(self, "_modules", OrderedDict())
+        object.__setattr__(self, "training", True)
+
+    def forward(self, *args, **kwargs):
+        raise NotImplementedError(f"{type(self).__name__} does not define forward(); a Module "
+                                  "subclass must implement it")
+
+    def __call__(self, *args, **kwargs):
+        if getattr(_calls, "depth", 0) > 0:
+            return self.forward(*args, **kwargs)
+        # The outermost call undoes BatchNorm's running-statistics updates if the forward fails
+        # part way (an input too small for a later layer), so a failed call changes nothing.
+        saved = _save_running_stats(self)
+        _calls.depth = 1
+        try:
+            return self.forward(*args, **kwargs)
+        except BaseException:
+            _restore_running_stats(saved)
+            raise
+        finally:
+            _calls.depth = 0
+
+    # --- registration ----------------------------------------------------------------------
+    def _check_init(self, what: str) -> None:
+        if "_parameters" not in self.__dict__:
+            raise RuntimeError(f"cannot assign {what} before Module.__init__() has run; call "
+                               f"super().__init__() first in {type(self).__name__}.__init__")
+
+    def __setattr__(self, name: str, value) -> None:
+        params = self.__dict__.get("_parameters")
+        if isinstance(value, Parameter):
+            self._check_init("a parameter")
+            self._forget(name)
+            params[name] = value
+        elif isinstance(value, Module):
+            self._check_init("a submodule")
+            self._forget(name)
+            self._modules[name] = value
+        elif params is not None and name in params:
+            if value is not None:
+                raise TypeError(f"cannot assign {type(value).__name__} to parameter '{name}' of "
+                                f"{type(self).__name__}; assign an mgpu.nn.Parameter (or None)")
+            params[name] = None
+        elif params is not None and name in self._buffers:
+            if value is not None and not isinstance(value, Tensor):
+                raise TypeError(f"cannot assign {type(value).__name__} to buffer '{name}' of "
+                                f"{type(self).__name__}; assign an mgpu tensor (or None)")
+            self._buffers[name] = value
+        elif params is not None and name in self._modules:
+            if value is not None:
+                raise TypeError(f"cannot assign {type(value).__name__} to submodule '{name}' of "
+                                f"{type(self).__name__}; assign an mgpu.nn.Module (or None)")
+            self._modules[name] = None
+        else:
+            object.__setattr__(self, name, value)
+
+    def _forget(self, name: str) -> None:
+        self.__dict__.pop(name, None)
+        for d in (self._parameters, self._buffers, self._modules):
+            d.pop(name, None)
+        self._non_persistent.discard(name)
+
+    def __getattr__(self, name: str):
+        # Only called when normal lookup fails: parameters, buffers and submodules live in dicts.
+        d = self.__dict__
+        for store in ("_parameters", "_buffers", "_modules"):
+            if store in d and name in d[store]:
+                return d[store][name]
+        raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
+
+    def __delattr__(self, name: str) -> None:
+        for store in (self._parameters, self._buffers, self._modules):
+            if name in store:
+                del store[name]
+                self._non_persistent.discard(name)
+                return
+        object.__delattr__(self, name)
+
+    def _check_name(self, name, what: str) -> None:
+        if not isinstance(name, str):
+            raise TypeError(f"{what} name must be a str, got {type(name).__name__}")
+        if not name or "." in name:
+            raise ValueError(f"{what} name must be non-empty and contain no '.', got {name!r}")
+        if name in self.__dict__ and name not in ("training",):
+            raise ValueError(f"{what} name {name!r} is already an attribute of "
+                             f"{type(self).__name__}")
+
+    def register_parameter(self, name: str, param: Optional[Parameter]) -> None:
+        """Adds a parameter (or a None placeholder) under ``name``."""
+        self._check_init("a parameter")
+        self._check_name(name, "parameter")
+        if param is not None and not isinstance(param, Parameter):
+            raise TypeError(f"register_parameter: '{name}' must be an mgpu.nn.Parameter or None, "
+                            f"got {type(param).__name__}; wrap a tensor as nn.Parameter(t)")
+        self._forget(name)
+        self._parameters[name] = param
+
+    def register_buffer(self, name: str, tensor: Optional[Tensor], persistent: bool = True) -> None:
+        """Adds a buffer: state saved in state_dict and moved by to(), but not trained."""
+        self._check_init("a buffer")
+        self._check_name(name, "buffer")
+        if tensor is not None and not isinstance(tensor, Tensor):
+            raise TypeError(f"register_buffer: '{name}' must be an mgpu tensor or None, got "
+                            f"{type(tensor).__name__}")
+        self._forget(name)
+        self._buffers[name] = tensor
+        if not persistent:
+            self._non_persistent.add(name)
+
+    def add_module(self, name: str, module: Optional["Module"]) -> None:
+        """Adds a child module under ``name``."""
+        self._check_init("a submodule")
+        self._check_name(name, "module")
+        if module is not None and not isinstance(module, Module):
+            raise TypeError(f"add_module: '{name}' must be an mgpu.nn.Module or None, got "
+                            f"{type(module).__name__}")
+        self._forget(name)
+        self._modules[name] = module
+
+    register_module = add_module
+
+    # --- traversal -------------------------------------------------------------------------
+    def named_modules(self, memo: Optional[set] = None, prefix: str = ""
+                      ) -> Iterator[Tuple[str, "Module"]]:
+        """Every module of the tree, this one first, each once (depth first)."""
+        memo = set() if memo is None else memo
+        if id(self) in memo:
+            return
+        memo.add(id(self))
+        yield prefix, self
+        for name, m in self._modules.items():
+            if m is not None:
+                yield from m.named_modules(memo, f"{prefix}.{name}" if prefix else name)
+
+    def modules(self) -> Iterator["Module"]:
+        for _, m in self.named_modules():
+            yield m
+
+    def named_children(self) -> Iterator[Tuple[str, "Module"]]:
+        seen = set()
+        for name, m in self._modules.items():
+            if m is not None and id(m) not in seen:
+                seen.add(id(m))
+                yield name, m
+
+    def children(self) -> Iterator["Module"]:
+        for _, m in self.named_children():
+            yield m
+
+    def _named_members(self, store: str, prefix: str, recurse: bool):
+        seen = set()
+        mods = self.named_modules(prefix=prefix) if recurse else [(prefix, self)]
+        for mod_prefix, m in mods:
+            for name, t in getattr(m, store).items():
+                if t is None or id(t) in seen:
+                    continue
+                seen.add(id(t))
+                yield (f"{mod_prefix}.{name}" if mod_prefix else name), t
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True
+                         ) -> Iterator[Tuple[str, Parameter]]:
+        """(name, parameter) pairs, each shared parameter once, e.g. ``'0.weight'``."""
+        return self._named_members("_parameters", prefix, recurse)
+
+    def parameters(self, recurse: bool = True) -> Iterator[Parameter]:
+        for _, p in self.named_parameters(recurse=recurse):
+            yield p
+
+    def named_buffers(self, prefix: str = "", recurse: bool = True
+                      ) -> Iterator[Tuple[str, Tensor]]:
+        return self._named_members("_buffers", prefix, recurse)
+
+    def buffers(self, recurse: bool = True) -> Iterator[Tensor]:
+        for _, b in self.named_buffers(recurse=recurse):
+            yield b
+
+    # --- modes, hooks, devices -------------------------------------------------------------
+    def train(self, mode: bool = True) -> "Module":
+        """Training mode (BatchNorm uses batch statistics); returns self."""
+        if not isinstance(mode, bool):
+            raise TypeError(f"train(mode): mode must be a bool, got {type(mode).__name__}")
+        for m in self.modules():
+            object.__setattr__(m, "training", mode)
+        return self
+
+    def eval(self) -> "Module":
+        """Evaluation mode (BatchNorm uses its running statistics); returns self."""
+        return self.train(False)
+
+    def apply(self, fn: Callable[["Module"], None]) -> "Module":
+        """Calls ``fn`` on every submodule (children first) and then on this one; returns self."""
+        if not callable(fn):
+            raise TypeError(f"apply: fn must be callable, got {type(fn).__name__}")
+        for m in self.children():
+            m.apply(fn)
+        fn(self)
+        return self
+
+    def to(self, device) -> "Module":
+        """Moves every parameter and buffer to ``device`` in place (the Parameter objects stay
+        the same, so an optimizer made earlier still holds them); returns self."""
+        device = as_device(device)
+        for t in list(self.parameters()) + list(self.buffers()):
+            _move_tensor(t, device)
+        return self
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clears every parameter's gradient (to None, or to zeros with set_to_none=False)."""
+        _zero_grads(self.parameters(), set_to_none)
+
+    # --- state -----------------------------------------------------------------------------
+    def state_dict(self, prefix: str = "") -> "OrderedDict[str, Tensor]":
+        """Parameters and persistent buffers by name, as tensors sharing their memory."""
+        out: "OrderedDict[str, Tensor]" = OrderedDict()
+        for mod_prefix, m in self.named_modules(prefix=prefix):
+            for name, p in m._parameters.items():
+                if p is not None:
+                    out[f"{mod_prefix}.{name}" if mod_prefix else name] = p.detach()
+            for name, b in m._buffers.items():
+                if b is not None and name not in m._non_persistent:
+                    out[f"{mod_prefix}.{name}" if mod_prefix else name] = b.detach()
+        return out
+
+    def _state_targets(self) -> "OrderedDict[str, Tensor]":
+        out: "OrderedDict[str, Tensor]" = OrderedDict()
+        for mod_prefix, m in self.named_modules():
+            for store in (m._parameters, m._buffers):
+                for name, t in store.items():
+                    if t is not None and (store is m._parameters or name not in m._non_persistent):
+                        out[f"{mod_prefix}.{name}" if mod_prefix else name] = t
+        return out
+
+    def load_state_dict(self, state_dict: Mapping, strict: bool = True) -> _IncompatibleKeys:
+        """Copies values into the parameters and buffers of the same names.
+
+        Every entry is checked first (names with ``strict``, shapes always, types): on any
+        mismatch a ValueError (TypeError for a non-tensor) lists the problems and nothing is
+        changed. Returns (missing_keys, unexpected_keys) like PyTorch.
+        """
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(f"load_state_dict: expected a mapping of names to tensors, got "
+                            f"{type(state_dict).__name__}")
+        targets = self._state_targets()
+        missing = [k for k in targets if k not in state_dict]
+        unexpected = [k for k in state_dict if k not in targets]
+        problems = []
+        if strict and missing:
+            problems.append(f"missing keys {missing}")
+        if strict and unexpected:
+            problems.append(f"unexpected keys {unexpected}")
+        sources = {}
+        for k, t in targets.items():
+            if k not in state_dict:
+                continue
+            v = state_dict[k]
+            if not isinstance(v, (Tensor, np.ndarray)):
+                raise TypeError(f"load_state_dict: entry '{k}' is a {type(v).__name__}; expected "
+                                "an mgpu tensor or a NumPy array. Nothing was loaded.")
+            if tuple(v.shape) != tuple(t.shape):
+                problems.append(f"'{k}' has shape {tuple(v.shape)} but the module's is "
+                                f"{tuple(t.shape)}")
+                continue
+            sources[k] = v
+        if problems:
+            raise ValueError(f"load_state_dict into {type(self).__name__}: " + "; ".join(problems)
+                             + ". Nothing was loaded.")
+        # Convert everything before the first write, so a failing conversion changes nothing.
+        staged = {}
+        for k, v in sources.items():
+            t = targets[k]
+            if isinstance(v, np.ndarray):
+                src = array(v, device=t.device, dtype=t.dtype)
+            else:
+                src = v
+            if src.dtype != t.dtype:
+                src = src.astype(t.dtype)
+            staged[k] = src
+        for k, src in staged.items():
+            _core.copy(targets[k]._t, src._t)
+        return _IncompatibleKeys(missing, unexpected)
+
+    # --- printing --------------------------------------------------------------------------
+    def extra_repr(self) -> str:
+        return ""
+
+    def __repr__(self) -> str:
+        lines = [f"({name}): " + repr(m).replace("\n", "\n  ")
+                 for name, m in self._modules.items() if m is not None]
+        head = f"{type(self).__name__}({self.extra_repr()}"
+        if not lines:
+            return head + ")"
+        return head + "\n  " + "\n  ".join(lines) + "\n)"
+
+
+_calls = threading.local()  # per thread: how deep in nested Module calls we are
+
+
+def _save_running_stats(module: "Module") -> list:
+    saved = []
+    for m in module.modules():
+        if isinstance(m, _BatchNorm) and m.training and m.track_running_stats:
+            saved.append([(b, b.copy()) for b in
+                          (m.running_mean, m.running_var, m.num_batches_tracked)])
+    return saved
+
+
+def _restore_running_stats(saved: list) -> None:
+    for copies in saved:
+        for b, c in copies:
+            _core.copy(b._t, c._t)
+
+
+def _move_tensor(t: Tensor, device: Device) -> None:
+    """Moves ``t`` (and its gradient) to ``device`` keeping the Python object."""
+    if t.device != device:
+        t._t = _core.to_device(t._t, device)
+    if t.grad is not None and t.grad.device != device:
+        t.grad = Tensor(_core.to_device(t.grad._t, device))
+
+
+def _zero_grads(params: Iterable[Tensor], set_to_none: bool) -> None:
+    for p in params:
+        if p.grad is None:
+            continue
+        if set_to_none:
+            p.grad = None
+        else:
+            p.grad.zero_()
+
+
+class Sequential(Module):
+    """Modules applied in order: ``Sequential(m1, m2, ...)`` or ``Sequential(OrderedDict)``."""
+
+    def __init__(self, *modules):
+        super().__init__()
+        if len(modules) == 1 and isinstance(modules[0], Mapping):
+            for name, m in modules[0].items():
+                self.add_module(name, m)
+        else:
+            for i, m in enumerate(modules):
+                self.add_module(str(i), m)
+
+    def add_module(self, name: str, module: Optional[Module]) -> None:
+        if not isinstance(module, Module):
+            raise TypeError(f"Sequential: entry '{name}' is a {type(module).__name__}; every "
+                            "entry must be an mgpu.nn.Module (wrap functions in a Module)")
+        super().add_module(name, module)
+
+    def append(self, module: Module) -> "Sequential":
+        self.add_module(str(len(self._modules)), module)
+        return self
+
+    def __len__(self) -> int:
+        return len(self._modules)
+
+    def __iter__(self) -> Iterator[Module]:
+        return iter(list(self._modules.values()))
+
+    def __getitem__(self, idx):
+        items = list(self._modules.items())
+        if isinstance(idx, slice):
+            return Sequential(OrderedDict(items[idx]))
+        if not isinstance(idx, numbers.Integral):
+            raise TypeError(f"Sequential indices must be integers or slices, got "
+                            f"{type(idx).__name__}")
+        n = len(items)
+        if not -n <= idx < n:
+            raise IndexError(f"index {idx} is out of range for a Sequential of {n} modules")
+        return items[idx][1]
+
+    def forward(self, x):
+        for m in self._modules.values():
+            x = m(x)
+        return x
+
+
+def _fan_in_out(shape: Tuple[int, ...]) -> Tuple[int, int]:
+    if len(shape) < 2:
+        raise ValueError(f"fan in and fan out need a tensor with at least 2 dims, got shape "
+                         f"{shape}")
+    receptive = int(np.prod(shape[2:], dtype=np.int64)) if len(shape) > 2 else 1
+    return shape[1] * receptive, shape[0] * receptive
+
+
+class _Init:
+    """``mgpu.nn.init``: in-place initialisers drawn with mgpu.random (NumPy, seedable), so a
+    seed gives the same values on every device."""
+
+    @staticmethod
+    def _fill_from(t: Tensor, values: np.ndarray) -> Tensor:
+        _core.copy(t._t, array(values.reshape(t.shape), device=t.device, dtype=t.dtype)._t)
+        return t
+
+    @staticmethod
+    def _check(t, name: str) -> None:
+        if not isinstance(t, Tensor):
+            raise TypeError(f"nn.init.{name}: expected an mgpu tensor (e.g. module.weight), got "
+                            f"{type(t).__name__}")
+
+    def normal_(self, tensor: Tensor, mean: float = 0.0, std: float = 1.0) -> Tensor:
+        """Fills ``tensor`` with N(mean, std^2) samples."""
+        self._check(tensor, "normal_")
+        return self._fill_from(tensor, _random._rng.normal(mean, std, size=tensor.shape))
+
+    def uniform_(self, tensor: Tensor, a: float = 0.0, b: float = 1.0) -> Tensor:
+        """Fills ``tensor`` with U[a, b) samples."""
+        self._check(tensor, "uniform_")
+        return self._fill_from(tensor, _random._rng.uniform(a, b, size=tensor.shape))
+
+    def constant_(self, tensor: Tensor, val: float) -> Tensor:
+        self._check(tensor, "constant_")
+        return tensor.fill_(float(val))
+
+    def zeros_(self, tensor: Tensor) -> Tensor:
+        return self.constant_(tensor, 0.0)
+
+    def ones_(self, tensor: Tensor) -> Tensor:
+        return self.constant_(tensor, 1.0)
+
+    def xavier_uniform_(self, tensor: Tensor, gain: float = 1.0) -> Tensor:
+        """U[-a, a] with a = gain * sqrt(6 / (fan_in + fan_out)) (Glorot & Bengio)."""
+        self._check(tensor, "xavier_uniform_")
+        fan_in, fan_out = _fan_in_out(tensor.shape)
+        a = gain * math.sqrt(6.0 / (fan_in + fan_out))
+        return self.uniform_(tensor, -a, a)
+
+    def kaiming_uniform_(self, tensor: Tensor, a: float = 0.0) -> Tensor:
+        """U[-b, b] with b = sqrt(2 / (1 + a^2)) * sqrt(3 / fan_in) (He et al., leaky-ReLU gain)."""
+        self._check(tensor, "kaiming_uniform_")
+        fan_in, _ = _fan_in_out(tensor.shape)
+        bound = math.sqrt(2.0 / (1.0 + a * a)) * math.sqrt(3.0 / fan_in)
+        return self.uniform_(tensor, -bound, bound)
+
+
+init = _Init()
+
+
+def _default_init(weight: Parameter, bias: Optional[Parameter]) -> None:
+    # PyTorch's default for Linear and Conv2d: kaiming_uniform_(a=sqrt(5)), i.e.
+    # U[-1/sqrt(fan_in), 1/sqrt(fan_in)], and the bias from the same range.
+    init.kaiming_uniform_(weight, a=math.sqrt(5.0))
+    if bias is not None:
+        fan_in, _ = _fan_in_out(weight.shape)
+        bound = 1.0 / math.sqrt(fan_in)
+        init.uniform_(bias, -bound, bound)
+
+
+def _empty_param(shape, device) -> Parameter:
+    return Parameter(zeros(shape, device=as_device(device) if device is not None else None))
+
+
+def _check_input(x, what: str) -> Tensor:
+    if isinstance(x, np.ndarray):
+        raise TypeError(f"{what}: got a NumPy array; convert it with mgpu.array(x, device=...) on "
+                        "the module's device first")
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{what}: expected an mgpu tensor, got {type(x).__name__}")
+    return x
+
+
+def _positive_int(v, name: str, what: str) -> int:
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
+        raise ValueError(f"{what}: {name} must be a positive int, got {v!r}")
+    return int(v)
+
+
+class Conv2d(Module):
+    """2-D convolution: (N, in_channels, H, W) -> (N, out_channels, P, Q); weight (K, C, R, S)."""
+
+    def __init__(self, in_channels: int, out_channels: int, kernel_size: IntPair,
+                 stride: IntPair = 1, padding: IntPair = 0, bias: bool = True, device=None):
+        super().__init__()
+        self.in_channels = _positive_int(in_channels, "in_channels", "Conv2d")
+        self.out_channels = _positive_int(out_channels, "out_channels", "Conv2d")
+        self.kernel_size = functional._pair(kernel_size, "kernel_size")
+        self.stride = functional._square(stride, "stride", "Conv2d")
+        self.padding = functional._square(padding, "padding", "Conv2d")
+        if min(self.kernel_size) < 1 or self.stride < 1 or self.padding < 0:
+            raise ValueError(f"Conv2d: kernel_size and stride must be >= 1 and padding >= 0, got "
+                             f"kernel_size={kernel_size}, stride={stride}, padding={padding}")
+        self.weight = _empty_param((self.out_channels, self.in_channels) + self.kernel_size, device)
+        if bias:
+            self.bias = _empty_param((self.out_channels,), device)
+        else:
+            self.register_parameter("bias", None)
+        _default_init(self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return (f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, "
+                f"stride={self.stride}, padding={self.padding}, bias={self.bias is not None}")
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = _check_input(x, "Conv2d")
+        if x.ndim != 4 or x.shape[1] != self.in_channels:
+            raise ValueError(f"Conv2d({self.extra_repr()}): expected input (N, {self.in_channels},"
+                             f" H, W), got shape {x.shape}")
+        h, w = x.shape[2] + 2 * self.padding, x.shape[3] + 2 * self.padding
+        if h < self.kernel_size[0] or w < self.kernel_size[1]:
+            raise ValueError(f"Conv2d({self.extra_repr()}): input {x.shape[2]}x{x.shape[3]} "
+                             f"(padded {h}x{w}) is smaller than the kernel {self.kernel_size}; "
+                             "the input is too small for this network")
+        return functional.conv2d(x, self.weight, self.bias, self.stride, self.padding)
+
+
+class Linear(Module):
+    """y = x W^T + b: x (N, in_features) -> (N, out_features); weight (out, in) like PyTorch."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None):
+        super().__init__()
+        self.in_features = _positive_int(in_features, "in_features", "Linear")
+        self.out_features = _positive_int(out_features, "out_features", "Linear")
+        self.weight = _empty_param((self.out_features, self.in_features), device)
+        if bias:
+            self.bias = _empty_param((self.out_features,), device)
+        else:
+            self.register_parameter("bias", None)
+        _default_init(self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}")
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = _check_input(x, "Linear")
+        if x.ndim != 2 or x.shape[1] != self.in_features:
+            raise ValueError(f"Linear({self.extra_repr()}): expected input (N, "
+                             f"{self.in_features}), got shape {x.shape}")
+        return functional.linear(x, self.weight, self.bias)
+
+
+class ReLU(Module):
+    """max(x, 0), elementwise."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return functional.relu(_check_input(x, "ReLU"))
+
+
+class Flatten(Module):
+    """(N, ...) -> (N, product of the rest) (PyTorch's default start_dim=1)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = _check_input(x, "Flatten")
+        if x.ndim < 1:
+            raise ValueError("Flatten: expected a tensor with a batch axis, got a 0-d tensor")
+        return x.reshape(x.shape[0], -1)
+
+
+class AvgPool2d(Module):
+    """Average pooling without padding: (N, C, H, W) -> (N, C, P, Q)."""
+
+    def __init__(self, kernel_size: IntPair, stride: Optional[IntPair] = None):
+        super().__init__()
+        self.kernel_size = functional._pair(kernel_size, "kernel_size")
+        self.stride = functional._pair(stride, "stride") if stride is not None else self.kernel_size
+
+    def extra_repr(self) -> str:
+        return f"kernel_size={self.kernel_size}, stride={self.stride}"
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = _check_input(x, "AvgPool2d")
+        if x.ndim != 4 or x.shape[2] < self.kernel_size[0] or x.shape[3] < self.kernel_size[1]:
+            raise ValueError(f"AvgPool2d({self.extra_repr()}): expected (N, C, H, W) at least as "
+                             f"large as the kernel, got shape {x.shape}")
+        return functional.avg_pool2d(x, self.kernel_size, self.stride)
+
+
+class AdaptiveAvgPool2d(Module):
+    """Global average pooling: (N, C, H, W) -> (N, C, 1, 1). Only output size (1, 1) is
+    supported (what ResNet uses)."""
+
+    def __init__(self, output_size: IntPair):
+        super().__init__()
+        size = functional._pair(output_size, "output_size")
+        if size != (1, 1):
+            raise ValueError(f"AdaptiveAvgPool2d: only output_size (1, 1) (global average "
+                             f"pooling) is supported, got {output_size!r}")
+        self.output_size = size
+
+    def extra_repr(self) -> str:
+        return f"output_size={self.output_size}"
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = _check_input(x, "AdaptiveAvgPool2d")
+        if x.ndim != 4:
+            raise ValueError(f"AdaptiveAvgPool2d: expected (N, C, H, W), got shape {x.shape}")
+        return functional.avg_pool2d(x, (x.shape[2], x.shape[3]))
+
+
+class _BatchNorm(Module):
+    """Batch normalisation over N, H, W per channel, PyTorch's semantics and defaults.
+
+    In training the output uses the batch's statistics and the running ones are updated in
+    place (mean and unbiased variance, weight ``momentum``; ``momentum=None`` is a cumulative
+    average); in evaluation the running statistics are used. ``track_running_stats=False``
+    always uses batch statistics and keeps none.
+    """
+
+    _dims = (4,)
+
+    def __init__(self, num_features: int, eps: float = 1e-5, momentum: Optional[float] = 0.1,
+                 affine: bool = True, track_running_stats: bool = True, device=None):
+        super().__init__()
+        self.num_features = _positive_int(num_features, "num_features", type(self).__name__)
+        if not eps > 0:
+            raise ValueError(f"{type(self).__name__}: eps must be > 0, got {eps}")
+        if momentum is not None and not 0.0 <= momentum <= 1.0:
+            raise ValueError(f"{type(self).__name__}: momentum must be in [0, 1] or None, got "
+                             f"{momentum}")
+        self.eps, self.momentum = float(eps), momentum
+        self.affine, self.track_running_stats = bool(affine), bool(track_running_stats)
+        dev = as_device(device) if device is not None else None
+        if self.affine:
+            self.weight = Parameter(ones((self.num_features,), device=dev))
+            self.bias = Parameter(zeros((self.num_features,), device=dev))
+        else:
+            self.register_parameter("weight", None)
+            self.register_parameter("bias", None)
+        if self.track_running_stats:
+            self.register_buffer("running_mean", zeros((self.num_features,), device=dev))
+            self.register_buffer("running_var", ones((self.num_features,), device=dev))
+            self.register_buffer("num_batches_tracked", zeros((), device=dev, dtype=np.int64))
+        else:
+            self.register_buffer("running_mean", None)
+            self.register_buffer("running_var", None)
+            self.register_buffer("num_batches_tracked", None)
+
+    def extra_repr(self) -> str:
+        return (f"{self.num_features}, eps={self.eps}, momentum={self.momentum}, "
+                f"affine={self.affine}, track_running_stats={self.track_running_stats}")
+
+    def reset_running_stats(self) -> None:
+        if self.track_running_stats:
+            self.running_mean.zero_()
+            self.running_var.fill_(1.0)
+            self.num_batches_tracked.zero_()
+
+    def _check(self, x) -> Tensor:
+        name = type(self).__name__
+        x = _check_input(x, name)
+        if x.ndim not in self._dims or x.shape[1] != self.num_features:
+            want = " or ".join(f"{d}-d" for d in self._dims)
+            raise ValueError(f"{name}({self.num_features}): expected a {want} input with "
+                             f"{self.num_features} channels on axis 1, got shape {x.shape}")
+        return x
+
+    def _momentum_now(self) -> float:
+        """Counts this training batch and returns the running-statistics weight to use."""
+        t = self.num_batches_tracked
+        # int64 has no arithmetic on devices: count in float32 (exact below 2^24 batches) and
+        # store back, all queued, so counting never waits for the device.
+        counted = _core.binary_scalar(_core.BinaryOp.Add, _core.astype(t._t, "float32"), 1.0, False)
+        _core.copy(t._t, _core.astype(counted, "int64"))
+        if self.momentum is None:  # a cumulative average needs the count on the host
+            return 1.0 / int(t.item())
+        return float(self.momentum)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = self._check(x)
+        use_batch = self.training or not self.track_running_stats
+        count = x.size // self.num_features
+        if use_batch and count <= 1:
+            raise ValueError(f"{type(self).__name__}: training needs more than one value per "
+                             f"channel, got input shape {x.shape}; use a larger batch or eval()")
+        momentum = 0.0
+        if self.training and self.track_running_stats:
+            momentum = self._momentum_now()
+        return functional.batch_norm(
+            x, self.running_mean, self.running_var, self.weight, self.bias,
+            training=use_batch, momentum=momentum, eps=self.eps)
+
+
+class BatchNorm2d(_BatchNorm):
+    """Batch normalisation of (N, C, H, W) inputs, statistics per channel over N, H, W."""
+
+
+class BatchNorm1d(_BatchNorm):
+    """Batch normalisation of (N, C) inputs, statistics per feature over N."""
+
+    _dims = (2,)
+
+
+# --- losses ----------------------------------------------------------------------------------
+
+class CrossEntropyLoss(Module):
+    """Softmax cross-entropy of logits (N, M) against labels (N,).
+
+    ``reduction`` is PyTorch's: 'mean' (the default, as ``nn.CrossEntropyLoss()`` in sec. 12.6),
+    'sum', or 'none' (per-example losses, which sec. 12.5 asks for explicitly).
+    """
+
+    def __init__(self, reduction: str = "mean"):
+        super().__init__()
         if reduction not in ("none", "sum", "mean"):
             raise ValueError(f"reduction must be 'none', 'sum' or 'mean', got {reduction!r}")
         self.reduction = reduction
 
-    def __call__(self, y_hat: Tensor, y: Tensor) -> Tensor:
+    def extra_repr(self) -> str:
+        return f"reduction={self.reduction!r}"
+
+    def forward(self, y_hat: Tensor, y: Tensor) -> Tensor:
+        y_hat = _check_input(y_hat, f"{type(self).__name__} (logits)")
+        y = _check_input(y, f"{type(self).__name__} (labels)")
         losses = cross_entropy(y_hat, y)
         if self.reduction == "sum":
             return losses.sum()
@@ -27,4 +780,15 @@ class CrossEntropyLoss:
         return losses
 
 
-SoftmaxCrossEntropyLoss = CrossEntropyLoss  # Gluon's name
+class SoftmaxCrossEntropyLoss(CrossEntropyLoss):
+    """Gluon's name; like Gluon's it returns per-example losses unless told otherwise."""
+
+    def __init__(self, reduction: str = "none"):
+        super().__init__(reduction)
+
+
+from .data_parallel import DataParallel, SyncBatchNorm  # noqa: E402  (they build on Module)
+
+__all__ = ["Module", "Parameter", "Sequential", "Conv2d", "Linear", "ReLU", "Flatten",
+           "AvgPool2d", "AdaptiveAvgPool2d", "BatchNorm1d", "BatchNorm2d", "SyncBatchNorm",
+           "CrossEntropyLoss", "SoftmaxCrossEntropyLoss", "DataParallel", "init", "functional"]

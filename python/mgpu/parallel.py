@@ -5,19 +5,29 @@ of it in one C++ call.
 from __future__ import annotations
 
 import numbers
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from . import _core
 from . import distributed as _dist
 from .device import Device, as_device
-from .tensor import Tensor, _handle, _int
+from .tensor import Tensor, _handle, _int, array
 
 
 def get_params(params: Sequence[Tensor], device: Device) -> List[Tensor]:
-    """Copies the parameters to ``device`` and attaches zero gradients to the copies."""
-    new_params = [p.copyto(as_device(device)) for p in params]
+    """Copies the parameters (mgpu tensors or NumPy arrays) to ``device`` and attaches zero
+    gradients to the copies."""
+    device = as_device(device)
+    new_params = []
+    for i, p in enumerate(params):
+        if isinstance(p, Tensor):
+            new_params.append(p.copyto(device))
+        elif isinstance(p, np.ndarray):
+            new_params.append(array(p, device=device, dtype=np.float32))
+        else:
+            raise TypeError(f"get_params: params[{i}] is a {type(p).__name__}; expected mgpu "
+                            "tensors or NumPy arrays")
     for p in new_params:
         p.attach_grad()
     return new_params
@@ -50,7 +60,8 @@ def allreduce(data) -> None:
             t._t.bump_version()
 
 
-def split_batch(X: Tensor, y: Tensor, devices: Sequence[Device]) -> Tuple[List[Tensor], List[Tensor]]:
+def split_batch(X: Tensor, y: Tensor,
+                devices: Sequence[Device]) -> Tuple[List[Tensor], List[Tensor]]:
     """Splits X and y along axis 0 into one shard per device (sizes differ by at most one)."""
     _handle(X, "split_batch", "X"), _handle(y, "split_batch", "y")
     if X.shape[:1] != y.shape[:1]:
@@ -75,6 +86,16 @@ def _check_lr(lr, op: str) -> float:
     if not (np.isfinite(lr) and lr > 0):
         raise ValueError(f"{op}: the learning rate must be a finite number > 0, got {lr}")
     return lr
+
+
+def _check_nonnegative(v, name: str, op: str) -> float:
+    """``v`` as a float; ValueError unless it is a finite number >= 0 (PyTorch's SGD accepts lr 0)."""
+    if isinstance(v, bool) or not isinstance(v, (numbers.Real, np.number)):
+        raise TypeError(f"{op}: {name} must be a number, got {type(v).__name__}")
+    v = float(v)
+    if not (np.isfinite(v) and v >= 0):
+        raise ValueError(f"{op}: {name} must be a finite number >= 0, got {v}")
+    return v
 
 
 def _check_batch_size(batch_size, op: str) -> int:
@@ -141,3 +162,89 @@ def evaluate_counts(X: Tensor, y: Tensor, device_params, devices: Sequence[Devic
     Xh, yh = _handle(X, "evaluate_accuracy", "X"), _handle(y, "evaluate_accuracy", "y")
     handles, devices = _replicas(device_params, devices)
     return [Tensor(t) for t in _core.evaluate_batch(Xh, yh, handles, devices)]
+
+
+def _tensors(items, what: str) -> List["_core.Tensor"]:
+    if not isinstance(items, (list, tuple)):
+        raise TypeError(f"FusedModel: {what} must be a list of mgpu tensors, got "
+                        f"{type(items).__name__}")
+    out = []
+    for i, t in enumerate(items):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"FusedModel: {what}[{i}] is {type(t).__name__}, expected an mgpu "
+                            "tensor")
+        out.append(t._t)
+    return out
+
+
+class FusedModel:
+    """A network given as a list of layers (the spec of ``mgpu._core.Model``), one replica per
+    device, trained by one fused data-parallel step per minibatch.
+
+    ``device_params[d]`` and ``device_buffers[d]`` are the tensors of devices[d]'s replica; the step
+    updates them in place (pass a module's own parameters as replica 0 and they stay current).
+    Every replica steps itself with the same summed gradients, so replicas stay equal.
+    """
+
+    def __init__(self, spec, device_params, device_buffers, devices: Sequence[Device]):
+        devices = [as_device(d) for d in devices]
+        if not isinstance(device_params, (list, tuple)) or not isinstance(
+                device_buffers, (list, tuple)):
+            raise TypeError("FusedModel: device_params and device_buffers must be lists with one "
+                            "list of tensors per device")
+        params = [_tensors(ps, f"device_params[{i}]") for i, ps in enumerate(device_params)]
+        buffers = [_tensors(bs, f"device_buffers[{i}]") for i, bs in enumerate(device_buffers)]
+        if not isinstance(spec, (list, tuple)):
+            raise TypeError(f"FusedModel: spec must be a list of (kind, options) tuples, got "
+                            f"{type(spec).__name__}")
+        self._model = _core.Model(list(spec), params, buffers, devices)
+        self.devices = devices
+        self._classes = self._num_classes(spec, params[0] if params else [])
+
+    @staticmethod
+    def _num_classes(spec, params):
+        # The logits' width when the last layer is a linear one (its weight's out side).
+        if not spec or spec[-1][0] != "linear":
+            return None
+        opts = spec[-1][1] if len(spec[-1]) > 1 else {}
+        if "params" in opts:
+            w = params[opts["params"][0]]
+        else:  # parameters are taken in layer order: the last linear's weight is first of its two
+            w = params[len(params) - (2 if opts.get("bias", True) else 1)]
+        return w.shape[0] if opts.get("transpose", False) else w.shape[1]
+
+    def _check_labels(self, y: Tensor) -> None:
+        # Checked before the step so a bad label raises with every parameter unchanged.
+        if self._classes is None or y.device.kind != _core.DeviceKind.CPU:
+            return
+        labels = y.numpy()
+        if labels.size and (labels.min() < 0 or labels.max() >= self._classes):
+            bad = labels[(labels < 0) | (labels >= self._classes)][0]
+            raise ValueError(f"train_step: label {int(bad)} is out of range for "
+                             f"{self._classes} classes; labels must be in [0, {self._classes})")
+
+    def train_step(self, X: Tensor, y: Tensor, lr: float, momentum: float = 0.0,
+                   weight_decay: float = 0.0) -> List[Tensor]:
+        """One step of SGD on the mean loss over the whole batch (PyTorch's rule, with momentum
+        and weight decay); returns each replica's summed loss (0-d tensors)."""
+        if not isinstance(X, Tensor) or not isinstance(y, Tensor):
+            raise TypeError(f"train_step: X and y must be mgpu tensors, got "
+                            f"{type(X).__name__} and {type(y).__name__}")
+        lr, momentum, weight_decay = (_check_nonnegative(v, name, "train_step") for v, name in (
+            (lr, "lr"), (momentum, "momentum"), (weight_decay, "weight_decay")))
+        _dist._auto_init()
+        self._check_labels(y)
+        return [Tensor(t) for t in self._model.train_step(X._t, y._t, lr, momentum, weight_decay)]
+
+    def evaluate_counts(self, X: Tensor, y: Tensor) -> List[Tensor]:
+        """Correct predictions (batch norm with running statistics), one 0-d count per replica."""
+        return [Tensor(t) for t in self._model.evaluate_batch(X._t, y._t)]
+
+    def forward(self, X: Tensor, replica: int = 0) -> Tensor:
+        """The logits of replica ``replica`` (evaluation mode) for X on its device."""
+        return Tensor(self._model.forward(X._t, replica))
+
+    def momentum_buffers(self, replica: int = 0) -> List[Optional[Tensor]]:
+        """SGD's momentum buffers of one replica, one per parameter (None before the first step
+        with momentum); views of the replica's state, updated by every step."""
+        return [None if b is None else Tensor(b) for b in self._model.momentum_buffers(replica)]

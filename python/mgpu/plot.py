@@ -7,7 +7,8 @@ from typing import List, Optional, Sequence
 class Animator:
     """Adds points epoch by epoch and redraws the figure in a Jupyter notebook."""
 
-    def __init__(self, xlabel: str = "epoch", ylabel: str = "", legend: Optional[Sequence[str]] = None,
+    def __init__(self, xlabel: str = "epoch", ylabel: str = "",
+                 legend: Optional[Sequence[str]] = None,
                  xlim=None, ylim=None, figsize=(3.5, 2.5)):
         import matplotlib.pyplot as plt
         self.fig, self.ax = plt.subplots(figsize=figsize)
@@ -30,7 +31,7 @@ class Animator:
             self.ax.plot(xs, vals, marker="o")
         self.ax.set_xlabel(self.xlabel)
         self.ax.set_ylabel(self.ylabel)
-        if self.xlim:
+        if self.xlim and self.xlim[0] != self.xlim[1]:  # a one-epoch run leaves xlim alone
             self.ax.set_xlim(*self.xlim)
         if self.ylim:
             self.ax.set_ylim(*self.ylim)

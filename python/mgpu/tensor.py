@@ -13,8 +13,7 @@ from typing import Optional, Tuple, Union
 
 import numpy as np
 
-from . import _core
-from . import autograd
+from . import _core, autograd
 from .device import Device, as_device, cpu
 
 Shape = Tuple[int, ...]
@@ -144,7 +143,7 @@ class Tensor:
         return self
 
     def backward(self, grad: Optional["Tensor"] = None) -> None:
-        """Adds d(self)/d(leaf) into every leaf's ``.grad``; a non-scalar back-propagates its sum."""
+        """Adds d(self)/d(leaf) into every leaf's ``.grad``; a non-scalar propagates its sum."""
         autograd.backward(self, grad)
 
     def detach(self) -> "Tensor":
@@ -401,7 +400,8 @@ def array(obj, device: Optional[Device] = None, dtype=None, ctx: Optional[Device
     a = np.asarray(obj)
     want = np.dtype(dtype) if dtype is not None else _default_dtype(a)
     if want not in _DTYPES:
-        raise TypeError(f"unsupported dtype {want}; mgpu tensors hold float32, int32, int64 or uint8")
+        raise TypeError(f"unsupported dtype {want}; mgpu tensors hold float32, int32, int64 or "
+                        "uint8")
     a = np.asarray(a, dtype=want, order="C")  # keeps 0-d values 0-d
     return Tensor(_core.Tensor.from_numpy(a, device))
 

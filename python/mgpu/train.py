@@ -21,6 +21,7 @@ from .autograd import no_grad
 from .data import DataLoader, load_data_fashion_mnist
 from .device import Device, as_device, try_gpu
 from .models import lenet_params
+from .nn import Module
 from .parallel import _check_batch_size, _check_lr, evaluate_counts, get_params, train_batch
 from .tensor import Tensor
 
@@ -46,17 +47,24 @@ class Timer:
         return sum(self.times)
 
 
-def evaluate_accuracy(net_or_params, data_iter, devices: Optional[Sequence[Device]] = None) -> float:
+def evaluate_accuracy(net_or_params, data_iter,
+                      devices: Optional[Sequence[Device]] = None) -> float:
     """Test accuracy, computed on all ``devices`` at once.
 
     ``net_or_params`` is either one parameter list per device (LeNet replicas, as ``train`` keeps
     them; each batch is split over the devices) or a callable ``net(X) -> logits`` run on
-    ``devices[0]``.
+    ``devices[0]`` (an ``nn.Module`` is put in eval mode and, without ``devices``, fed on its
+    first parameter's device, as d2l's evaluate_accuracy_gpu does).
     """
     counts: List[Tensor] = []
     seen = 0
     if callable(net_or_params):
         device = as_device(devices[0]) if devices else None
+        if isinstance(net_or_params, Module):
+            net_or_params.eval()  # BatchNorm: running statistics (d2l's evaluate_accuracy_gpu)
+            if device is None:
+                first = next(iter(net_or_params.parameters()), None)
+                device = first.device if first is not None else None
         with no_grad():  # evaluation needs no backward graph
             for X, y in data_iter:
                 if device is not None:
@@ -164,7 +172,8 @@ def train(num_gpus: int, batch_size: int, lr: float, num_epochs: int = 10,
                             else (sys.stderr.isatty() and animator is None))
     timer = Timer()
     for epoch in range(int(num_epochs)):
-        bar = _progress_bar(len(train_iter), f"epoch {epoch + 1}/{num_epochs}") if show_bar else None
+        title = f"epoch {epoch + 1}/{num_epochs}"
+        bar = _progress_bar(len(train_iter), title) if show_bar else None
         losses: List[Tensor] = []
         seen = 0
         timer.start()
@@ -180,7 +189,7 @@ def train(num_gpus: int, batch_size: int, lr: float, num_epochs: int = 10,
         t0 = time.perf_counter()
         result.test_acc.append(evaluate_accuracy(device_params, test_iter, devices))
         result.eval_times.append(time.perf_counter() - t0)
-        step_losses_host = [l.item() for l in losses]
+        step_losses_host = [v.item() for v in losses]
         if check_finite:
             _check_finite_losses(step_losses_host, max(1, len(devices)), epoch, lr)
         loss_sum = sum(step_losses_host)

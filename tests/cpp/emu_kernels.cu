@@ -1,9 +1,7 @@
 // tests/cpp/emu_kernels.cu -- kernels in real CUDA syntax that prove the CUDA emulator: tiled
-// matmul, block and warp reductions, an atomic histogram, a grid-stride elementwise kernel, dynamic
-// shared memory, and kernels that misuse barriers on purpose. The same file compiles with nvcc
-// (`nvcc -std=c++17 -c -arch=sm_80 tests/cpp/emu_kernels.cu -I cpp`) and, as C++, with g++ and
-// -DMGPU_CUDA_EMULATION; only MGPU_LAUNCH and MGPU_DYNAMIC_SHARED differ from plain CUDA.
-// Each launcher only launches: the tests read errors with cudaGetLastError().
+// matmul, block and warp reductions, an atomic histogram, a grid-stride kernel, dynamic shared
+// memory, and kernels that misuse barriers on purpose. Compiled by nvcc (the compile check) and by
+// g++ with -DMGPU_CUDA_EMULATION. Each launcher only launches: tests read cudaGetLastError().
 #include <cassert>  // before cuda/runtime.cuh, whose emulated assert() fails the launch instead
 #include <climits>
 

@@ -1,11 +1,8 @@
-// tests/cpp/emu_test_kernels_cuda.cpp -- the CUDA kernels (cpp/ops/*.cu) executed on emulated
-// GPUs (cpp/cuda/emu/) and compared with the CPU kernels (cpu::, gemm.h) on the same
-// random inputs: sums (conv, pool, loss, sgemm) within rel 1e-4 / abs 1e-5, per-element bodies,
-// dtype conversions, argmax and correct counts exactly, sum_all within float rounding of a double
-// sum. Shapes include batch 1, odd and non-square images, stride 2, padding 1 and 2,
-// and LeNet's real layers at small batches (each CUDA thread is a fiber: keep them small). Fiber
-// order comes from MGPU_EMU_SEED (ctest runs the suite under two seeds), so a missing barrier
-// shows. Not named test_*.cpp: it needs -DMGPU_CUDA_EMULATION and cpp/cuda/emu/.
+// tests/cpp/emu_test_kernels_cuda.cpp -- every op's cuda:: kernels on emulated GPUs against its
+// cpu:: kernels on the same random inputs: sums within rel 1e-4 / abs 1e-5, per-element bodies,
+// conversions, argmax and counts exactly. Shapes include batch 1, odd and non-square images,
+// strides, padding and LeNet's layers at small batches; ctest runs it under two fiber orders
+// (MGPU_EMU_SEED). Not named test_*.cpp: it needs -DMGPU_CUDA_EMULATION and its own target.
 #include <gtest/gtest.h>
 
 #include <cmath>

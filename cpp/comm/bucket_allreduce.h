@@ -1,0 +1,37 @@
+// cpp/comm/bucket_allreduce.h -- the gradient all-reduce of a data-parallel step: buckets of each
+// replica's flat gradient buffer summed over every replica (this process's devices and, under
+// mpirun, every rank's) as backward produces them. The step says when a bucket is ready; this
+// picks how it is summed: CPU devices' threads, GPU peer copies or NCCL, then MPI across ranks.
+#pragma once
+
+#include <memory>
+#include <vector>
+
+#include "core/tensor.h"
+
+namespace mgpu::comm {
+
+struct BucketPaths;
+
+class BucketAllReduce {
+ public:
+  // devices: one replica each (distinct, one kind, already checked by the step); bucket_sizes:
+  // the floats in each bucket; tag: labels the collectives across ranks (the batch geometry).
+  BucketAllReduce(const std::vector<Device>& devices, const std::vector<int64_t>& bucket_sizes,
+                  int64_t tag);
+  ~BucketAllReduce();  // releases the devices of buckets not every device joined
+  // Device d's bucket b (1-D float32 view on devices[d], written by work already enqueued) is
+  // ready. Every device calls this for every bucket in bucket order; the sum is enqueued on the
+  // devices' queues once every device has called it, so later work on a queue sees the sum.
+  void ready(size_t b, size_t d, const Tensor& bucket);
+
+ private:
+  std::vector<Device> devices_;
+  std::vector<int64_t> sizes_;
+  int64_t tag_;
+  std::vector<std::vector<Tensor>> joined_;  // joined_[b][d]
+  std::vector<size_t> count_;                // devices that have joined bucket b
+  std::unique_ptr<BucketPaths> gpu_;         // the GPU collectives, one per bucket
+};
+
+}  // namespace mgpu::comm

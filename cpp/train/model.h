@@ -1,0 +1,82 @@
+// cpp/train/model.h -- a network as a program of layers over value slots, built from a spec.
+// Slot 0 is the input X; layer i reads its input slots and writes slot i + 1; the last slot is the
+// logits. A slot read by several layers (a residual shortcut) gets the sum of their gradients.
+#pragma once
+
+#include <map>
+#include <string>
+#include <vector>
+
+#include "core/tensor.h"
+
+namespace mgpu::train {
+
+enum class LayerKind {
+  Conv2d, Conv2dReluPool, BatchNorm, Relu, AvgPool2d, GlobalAvgPool, Flatten, Linear, Add
+};
+
+// One layer as Python describes it (see Model in python/mgpu/_core.pyi for the format).
+struct LayerSpec {
+  std::string kind;                        // "conv2d", "batch_norm", "relu", "add", ...
+  std::vector<int64_t> inputs;             // input slots; empty: the previous layer's output
+  std::map<std::string, double> options;   // stride, padding, bias, kernel, transpose, eps, ...
+  std::vector<int64_t> params, buffers;    // indices into the replica's lists; empty: the next ones
+};
+
+struct Layer {
+  LayerKind kind;
+  std::string name;                        // "layer 3 (conv2d)", for messages
+  std::vector<int> in;                     // input slots
+  int out = 0;                             // output slot
+  int64_t stride = 1, padding = 0;         // conv2d
+  int64_t kh = 2, kw = 2, sh = 2, sw = 2;  // avg_pool2d (and the fused layer's pool: kh)
+  bool bias = true, transpose = false;     // conv2d / linear: has a bias; linear: W is (out, in)
+  double eps = 1e-5, momentum = 0.1;       // batch_norm
+  std::vector<int> params, buffers;        // weight first, then bias (batch_norm: gamma, beta;
+                                           // buffers running_mean, running_var)
+};
+
+// A contiguous range of the flat gradient buffer, reduced as one piece as soon as the backward of
+// `last_layer` (the earliest layer, in forward order, owning a parameter in it) has run.
+struct Bucket {
+  int64_t begin = 0, end = 0;
+  int last_layer = 0;
+};
+
+class Model {
+ public:
+  // Checks the spec against the parameter and buffer shapes (ValueError naming the layer).
+  Model(const std::vector<LayerSpec>& spec, const std::vector<Shape>& param_shapes,
+        const std::vector<Shape>& buffer_shapes);
+
+  // A number no other Model of this process has (keys the captured CUDA graphs).
+  uint64_t id() const { return id_; }
+  const std::vector<Layer>& layers() const { return layers_; }
+  int num_slots() const { return static_cast<int>(layers_.size()) + 1; }
+  size_t num_params() const { return param_shapes_.size(); }
+  size_t num_buffers() const { return buffer_shapes_.size(); }
+  // Parameter i's gradient lives at flat elements [offset(i), offset(i) + numel): parameters are
+  // laid out in reverse forward order so that every bucket is one contiguous range.
+  int64_t offset(size_t param) const { return offsets_[param]; }
+  int64_t flat_size() const { return flat_size_; }
+  const std::vector<Bucket>& buckets() const { return buckets_; }
+  // grad_needed(s): slot s depends on a parameter, so backward computes d(loss)/d(slot s).
+  bool grad_needed(int slot) const { return grad_needed_[static_cast<size_t>(slot)]; }
+  // saved(s): some layer's backward re-reads slot s, so forward keeps it until backward.
+  bool saved(int slot) const { return saved_[static_cast<size_t>(slot)]; }
+
+  // Checks one replica: the parameter and buffer counts, shapes, float32, all on `device`.
+  void check_replica(const char* op, const std::vector<Tensor>& params,
+                     const std::vector<Tensor>& buffers, Device device) const;
+
+ private:
+  uint64_t id_;
+  std::vector<Layer> layers_;
+  std::vector<Shape> param_shapes_, buffer_shapes_;
+  std::vector<int64_t> offsets_;
+  int64_t flat_size_ = 0;
+  std::vector<Bucket> buckets_;
+  std::vector<bool> grad_needed_, saved_;
+};
+
+}  // namespace mgpu::train

@@ -1,0 +1,43 @@
+"""Benchmarks behind ``python -m mgpu bench {train,ops,batch_norm,allreduce}``: plain-dict results
+(JSON). Every measurement warms up, repeats and keeps each raw time; tables show the median and
+the spread ((max - min) / median), because a shared machine is noisy.
+"""
+from __future__ import annotations
+
+from typing import Dict
+
+from .allreduce import (
+    DEFAULT_SIZES,
+    bench_allreduce,
+    bus_factor,
+    format_allreduce,
+    format_size,
+    parse_size,
+)
+from .batch_norm import bench_batch_norm, format_batch_norm
+from .common import (
+    SCHEMA,
+    lenet_layer_flops,
+    lenet_step_flops,
+    load,
+    machine_info,
+    measure,
+    save,
+    summarize,
+)
+from .ops import bench_ops, format_ops
+from .plot import plot
+from .train import TRAIN_PARTS, bench_train, find_torch_python, format_train
+
+
+def format_result(r: Dict) -> str:
+    """The readable table for any bench result."""
+    return {"train": format_train, "ops": format_ops, "batch_norm": format_batch_norm,
+            "allreduce": format_allreduce}[r["benchmark"]](r)
+
+
+__all__ = ["bench_train", "bench_ops", "bench_batch_norm", "bench_allreduce", "format_result",
+           "plot", "save", "load",
+           "summarize", "measure", "machine_info", "lenet_layer_flops", "lenet_step_flops",
+           "find_torch_python", "bus_factor", "parse_size", "format_size", "TRAIN_PARTS",
+           "DEFAULT_SIZES", "SCHEMA"]

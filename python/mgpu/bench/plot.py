@@ -1,0 +1,67 @@
+"""Any bench result drawn with matplotlib."""
+from __future__ import annotations
+
+from typing import Dict, Optional
+
+import numpy as np
+
+
+def plot(r: Dict, path: Optional[str] = None, ax=None):
+    """Draws a result (matplotlib) and returns the Figure; writes it to ``path`` when given.
+
+    train: ms/step per configuration with min-max error bars; ops: forward and backward ms per
+    op; allreduce: busbw against size per k, with the copy baselines as lines.
+    """
+    from matplotlib.figure import Figure
+    fig = None
+    if ax is None:
+        fig = Figure(figsize=(7, 4), layout="constrained")
+        ax = fig.subplots()
+    kind = r["benchmark"]
+    if kind == "train":
+        runs = r["results"] + r.get("scaling", {}).get("runs", [])
+        names = [x["name"] for x in runs]
+        med = np.array([x["sec_per_step"]["median"] for x in runs]) * 1e3
+        lo = med - np.array([x["sec_per_step"]["min"] for x in runs]) * 1e3
+        hi = np.array([x["sec_per_step"]["max"] for x in runs]) * 1e3 - med
+        colors = ["C1" if x.get("impl", "").startswith("torch") else "C0" for x in runs]
+        ax.barh(range(len(runs)), med, xerr=[lo, hi], color=colors)
+        ax.set_yticks(range(len(runs)), names, fontsize=7)
+        ax.invert_yaxis()
+        ax.set_xlabel("ms per step (median, min-max)")
+        ax.set_title(f"LeNet step, batch {r['settings']['batch_size']}")
+    elif kind == "ops":
+        n = r["settings"]["batch_sizes"][-1]
+        rows = [x for x in r["ops"] if x["batch"] == n]
+        idx = np.arange(len(rows))
+        ax.bar(idx - 0.2, [x["forward"]["median"] * 1e3 for x in rows], 0.4, label="forward")
+        ax.bar(idx + 0.2, [x["backward"]["median"] * 1e3 for x in rows], 0.4, label="backward")
+        ax.set_xticks(idx, [x["op"].split(" (")[0] for x in rows], rotation=60, fontsize=7)
+        ax.set_ylabel("ms (median)")
+        ax.set_title(f"LeNet ops on cpu(0), batch {n}")
+        ax.legend()
+    elif kind == "allreduce":
+        for k in r["settings"]["devices"]:
+            rows = [x for x in r["results"] if x["devices"] == k]
+            ax.plot([x["bytes"] for x in rows], [x["busbw"] / 1e9 for x in rows], marker="o",
+                    label=f"allreduce busbw, k={k}")
+        for i, b in enumerate(r["baselines"]):
+            ax.axhline(b["bandwidth"] / 1e9, color=f"C{5 + i}", linestyle="--", label=b["name"])
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("bytes per device")
+        ax.set_ylabel("GB/s")
+        ax.set_title("mgpu.allreduce over CPU devices")
+        ax.legend(fontsize=7)
+    elif kind == "batch_norm":
+        rows = r["ops"]
+        ax.bar(np.arange(len(rows)), [x["gbps"] for x in rows])
+        ax.set_xticks(np.arange(len(rows)), [x["op"] for x in rows], rotation=30, fontsize=7)
+        ax.set_ylabel("GB/s (bytes read + written / median time)")
+        ax.set_title(f"batch norm {tuple(r['settings']['shape'])} on {r['settings']['device']}")
+    else:
+        raise ValueError(f"plot: unknown benchmark {kind!r}")
+    ax.grid(True, alpha=0.3)
+    fig = fig or ax.figure
+    if path:
+        fig.savefig(path, dpi=120)
+    return fig

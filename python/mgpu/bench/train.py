@@ -1,0 +1,468 @@
+"""``bench train``: the chapter's training step (sec. 12.5.6) fused and op by op, scaling, the data
+pipeline, evaluation, achieved FLOP/s, and optionally the chapter's PyTorch code run by another
+interpreter (``_torch_rival.py``)."""
+from __future__ import annotations
+
+import functools
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Dict, List, Optional, Sequence
+
+import numpy as np
+
+from .. import _core
+from ..data import DataLoader, find_data_dir
+from ..device import cpu, try_gpu
+from ..models import lenet_params
+from ..parallel import get_params, train_batch
+from ..tensor import array
+from .common import (
+    Log,
+    _machine_lines,
+    _ms,
+    _n,
+    _pct,
+    _say,
+    _table,
+    header,
+    lenet_layer_flops,
+    lenet_step_flops,
+    machine_info,
+    measure,
+    summarize,
+)
+
+
+def _synthetic_split(n: int, seed: int):
+    # The same draw as _torch_rival.synthetic_split, so both sides train on identical data.
+    rng = np.random.default_rng(seed)
+    images = rng.integers(0, 256, size=(n, 28, 28), dtype=np.uint8)
+    labels = rng.integers(0, 10, size=n, dtype=np.uint8)
+    return _core.make_split(images, labels)
+
+
+def _full_batches(split, batch_size: int) -> int:
+    return -(-int(split.num_examples) // int(batch_size))
+
+
+def _time_training(name: str, step, split, batch_size: int, epochs: int, limit: int, warmup: int,
+                   seed: int, **info) -> Dict:
+    """``warmup`` untimed steps, then ``epochs`` timed epochs of at most ``limit`` batches each.
+
+    An epoch is timed as ``train`` times it: steps are enqueued back to back and the host waits
+    once at the end, so asynchronous work overlaps as it does in real training.
+    """
+    if warmup > 0:
+        for X, y in DataLoader(split, batch_size, True, seed + 1, warmup):
+            step(X, y)
+        _core.waitall()
+    loader = DataLoader(split, batch_size, True, seed, limit)
+    times, losses = [], []
+    for _ in range(epochs):
+        outs = []
+        t0 = time.perf_counter()
+        for X, y in loader:
+            outs.append(step(X, y))
+        _core.waitall()
+        times.append(time.perf_counter() - t0)
+        if outs and outs[0] is not None:
+            losses.append(sum(v.item() for out in outs for v in out) / loader.num_examples)
+    steps, full = len(loader), _full_batches(split, batch_size)
+    per_step = summarize([t / steps for t in times])
+    result = {"name": name, "epoch_times": times, "steps_per_epoch": steps,
+              "full_batches": full, "sec_per_step": per_step,
+              "sec_per_epoch": per_step["median"] * full, "extrapolated": steps != full,
+              "global_batch": batch_size, "images_per_sec": batch_size / per_step["median"]}
+    if losses:
+        result["train_loss"] = losses
+    result.update(info)
+    return result
+
+
+@functools.lru_cache(maxsize=None)
+def find_torch_python(explicit: Optional[str] = None):
+    """(interpreter, torch version) of a Python that can ``import torch``, or (None, reason).
+
+    Tries ``explicit`` only when given; else this interpreter, then /usr/bin/python3 (Debian's
+    python3-torch works only with Debian's Python and NumPy 1.x). The answer is cached.
+    """
+    candidates = [explicit] if explicit else [sys.executable, "/usr/bin/python3"]
+    tried = []
+    for py in candidates:
+        if not py or not os.path.exists(py):
+            tried.append(f"{py} (missing)")
+            continue
+        try:
+            r = subprocess.run([py, "-c", "import torch, numpy; print(torch.__version__)"],
+                               capture_output=True, text=True, timeout=300,
+                               cwd=tempfile.gettempdir())
+        except (OSError, subprocess.TimeoutExpired) as e:
+            tried.append(f"{py} ({e})")
+            continue
+        if r.returncode == 0:
+            return py, r.stdout.strip()
+        last = (r.stderr.strip().splitlines() or ["failed"])[-1]
+        tried.append(f"{py} ({last})")
+    return None, ("no Python with PyTorch found (tried " + "; ".join(tried) + "); install "
+                  "PyTorch, or Debian's python3-torch for /usr/bin/python3, or pass --torch-python")
+
+
+def _run_torch_rival(py: str, data_dir: Optional[str], synthetic: int, devices: Sequence[int],
+                     batch_size: int, lr: float, epochs: int, limit: int, warmup: int,
+                     threads: int, seed: int) -> Dict:
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                          "_torch_rival.py")
+    args = ["--batch-size", str(batch_size), "--lr", repr(lr),
+            "--devices", ",".join(str(k) for k in devices), "--epochs", str(epochs),
+            "--limit-batches", str(limit), "--warmup", str(warmup), "--threads", str(threads),
+            "--seed", str(seed)]
+    args += ["--synthetic", str(synthetic)] if synthetic else ["--data-dir", data_dir]
+    # Run by path from an empty directory, so the package's own modules (random.py, data.py)
+    # cannot shadow the standard library's in that interpreter, and mgpu is never imported.
+    boot = ("import runpy, sys; p = sys.argv[1]; sys.argv = sys.argv[1:]; "
+            "runpy.run_path(p, run_name='__main__')")
+    with tempfile.TemporaryDirectory() as cwd:
+        r = subprocess.run([py, "-c", boot, script] + args, capture_output=True, text=True,
+                           cwd=cwd)
+    if r.returncode != 0:
+        raise RuntimeError(f"bench train: the PyTorch run ({py}) failed:\n"
+                           f"{r.stderr.strip()[-2000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def _torch_entry(r: Dict) -> Dict:
+    per_step = summarize([t / r["steps_per_epoch"] for t in r["epoch_times"]])
+    impl = {"chapter": "torch chapter", "loader": "torch chapter + loader"}.get(
+        r["variant"], "torch idiomatic")
+    out = dict(r)
+    out.update(impl=impl, sec_per_step=per_step,
+               sec_per_epoch=per_step["median"] * r["full_batches"],
+               images_per_sec=r["global_batch"] / per_step["median"])
+    return out
+
+
+TRAIN_PARTS = ("fused", "op-by-op", "scaling", "pipeline", "eval", "flops")
+
+
+def bench_train(devices: Sequence[int] = (1, 2), batch_size: int = 256, lr: float = 0.2,
+                epochs: int = 3, limit_batches: Optional[int] = 20, warmup: int = 3,
+                repeat: int = 3, data_dir: Optional[str] = None, synthetic: int = 0,
+                seed: int = 0, compare: Optional[str] = None, torch_python: Optional[str] = None,
+                torch_threads: int = 2, parts: Sequence[str] = TRAIN_PARTS,
+                gemm_size: int = 1024, log: Log = None) -> Dict:
+    """Times LeNet training on Fashion-MNIST (or ``synthetic`` random images); returns a dict.
+
+    Each training configuration runs ``warmup`` untimed batches, then ``epochs`` timed epochs
+    cut at ``limit_batches`` (0 or None: whole epochs); sec/epoch is the median sec/step times
+    the batches of a whole epoch, marked ``extrapolated`` when epochs were cut. ``parts``:
+    fused (``train_batch`` on each k in ``devices``), op-by-op (``mgpu.chapter.train_batch``),
+    scaling (batch 2b on 2 devices vs b on 1 device with 1 thread), pipeline (the train loader
+    alone), eval (``evaluate_accuracy`` on all devices), flops (achieved GFLOP/s vs an sgemm of
+    ``gemm_size``, ``repeat`` samples like pipeline and eval). ``compare='torch'`` also runs the
+    chapter's PyTorch code and an nn.Sequential version with ``torch_threads`` threads.
+    """
+    devices = [int(k) for k in devices]
+    if not devices or min(devices) < 1:
+        raise ValueError(f"bench train: devices must be numbers of devices >= 1, got {devices}")
+    for name, v in (("batch_size", batch_size), ("epochs", epochs), ("repeat", repeat)):
+        if int(v) < 1:
+            raise ValueError(f"bench train: {name} must be >= 1, got {v}")
+    unknown = set(parts) - set(TRAIN_PARTS)
+    if unknown:
+        raise ValueError(f"bench train: unknown parts {sorted(unknown)}; choose from {TRAIN_PARTS}")
+    if compare not in (None, "torch"):
+        raise ValueError(f"bench train: --compare takes 'torch', got {compare!r}")
+    limit = int(limit_batches or 0)
+    warmup = max(0, int(warmup))
+    if compare == "torch":  # before anything is timed, so a wrong --torch-python fails fast
+        torch_py, torch_info = find_torch_python(torch_python)
+        if torch_py is None and torch_python:
+            raise ValueError(f"bench train: --torch-python {torch_python} cannot import torch: "
+                             f"{torch_info}")
+    if synthetic:
+        train_split = _synthetic_split(int(synthetic), seed)
+        test_split = _synthetic_split(max(1, int(synthetic) // 6), seed + 1)
+        data = {"source": "synthetic", "train_examples": int(synthetic)}
+    else:
+        data_dir = find_data_dir(data_dir)
+        train_split, test_split = _core.load_fashion_mnist(data_dir)
+        data = {"source": "fashion-mnist", "dir": data_dir}
+    data.update(train_examples=int(train_split.num_examples),
+                test_examples=int(test_split.num_examples))
+    if data["train_examples"] < int(batch_size):
+        # Smaller batches would be timed as if they were full ones (a flattering figure).
+        raise ValueError(f"bench train: the training set has {data['train_examples']} examples, "
+                         f"fewer than one batch of {batch_size}; use --synthetic >= "
+                         f"--batch-size or a smaller --batch-size")
+    settings = dict(devices=devices, batch_size=batch_size, lr=lr, epochs=epochs,
+                    limit_batches=limit, warmup=warmup, repeat=repeat, seed=seed,
+                    compare=compare, torch_threads=torch_threads, parts=list(parts),
+                    gemm_size=gemm_size, data=data)
+    out = header("train", settings)
+    results: List[Dict] = []
+    out["results"] = results
+    timing = dict(split=train_split, batch_size=batch_size, epochs=epochs, limit=limit,
+                  warmup=warmup, seed=seed)
+
+    fused_params = {}
+    if "fused" in parts:
+        for k in devices:
+            _say(log, f"bench train: fused train_batch on {k} device(s) ...")
+            devs = [try_gpu(i) for i in range(k)]
+            dp = [get_params(lenet_params(seed=seed), d) for d in devs]
+            step = lambda X, y, dp=dp, devs=devs: train_batch(X, y, dp, devs, lr)  # noqa: E731
+            results.append(_time_training(f"mgpu train_batch (fused), {_n(k, 'device')}", step,
+                                          impl="mgpu fused", num_devices=k,
+                                          threads=_core.num_threads(), **timing))
+            fused_params[k] = (dp, devs)
+
+    if "op-by-op" in parts:
+        from .chapter import train_batch as chapter_train_batch
+        for k in devices:
+            _say(log, f"bench train: the chapter's op-by-op train_batch on {k} device(s) ...")
+            devs = [try_gpu(i) for i in range(k)]
+            dp = [get_params(lenet_params(seed=seed), d) for d in devs]
+            def step(X, y, dp=dp, devs=devs):
+                return chapter_train_batch(X, y, dp, devs, lr)
+            results.append(_time_training(f"mgpu chapter.train_batch (op by op), {_n(k, 'device')}",
+                                          step, impl="mgpu op-by-op", num_devices=k,
+                                          threads=_core.num_threads(), **timing))
+
+    if "scaling" in parts:
+        out["scaling"] = _bench_scaling(timing, lr, seed, log)
+
+    if "pipeline" in parts:
+        _say(log, "bench train: the train loader alone ...")
+        loader = DataLoader(train_split, batch_size, True, seed, limit)
+        full = _full_batches(train_split, batch_size)
+
+        def one_pass():
+            for _ in loader:
+                pass
+
+        m = measure(one_pass, warmup=1 if warmup else 0, repeat=repeat, sync=lambda: None)
+        per_epoch = m["median"] / len(loader) * full
+        out["pipeline"] = {"pass_time": m, "batches_per_pass": len(loader), "full_batches": full,
+                           "sec_per_epoch": per_epoch, "extrapolated": len(loader) != full,
+                           "percent_of_epoch": _percent_of_fused(per_epoch, results)}
+
+    if "eval" in parts:
+        out["evaluation"] = _bench_eval(fused_params, devices, test_split, batch_size, limit,
+                                        seed, repeat, results, log)
+
+    if compare == "torch":
+        out["torch"] = _bench_torch(torch_py, torch_info, data, devices, batch_size, lr, epochs,
+                                    limit, warmup, torch_threads, seed, results, log)
+
+    if "flops" in parts:
+        _say(log, f"bench train: sgemm {gemm_size}x{gemm_size} on cpu(0) with all threads ...")
+        out["flops"] = _bench_flops(batch_size, gemm_size, repeat,
+                                    results + out.get("scaling", {}).get("runs", []), data)
+    out["comparisons"] = _comparisons(results)
+    out["machine"]["loadavg_end"] = machine_info()["loadavg"]
+    return out
+
+
+def _percent_of_fused(seconds: float, results: List[Dict]) -> Dict[str, float]:
+    """``seconds`` as % of each fused configuration's sec/epoch, keyed by its device count."""
+    return {str(r["num_devices"]): 100.0 * seconds / r["sec_per_epoch"]
+            for r in results if r.get("impl") == "mgpu fused" and r["sec_per_epoch"] > 0}
+
+
+def _bench_scaling(timing: Dict, lr: float, seed: int, log: Log) -> Dict:
+    """Weak scaling: batch 2b on 2 devices against batch b on 1 device of one core."""
+    b = timing["batch_size"]
+    runs = []
+    for k, batch, threads in ((2, 2 * b, None), (1, b, 1)):
+        _say(log, f"bench train: scaling, batch {batch} on {_n(k, 'device')}"
+                  + (f", {_n(threads, 'thread')}" if threads else "") + " ...")
+        devs = [try_gpu(i) for i in range(k)]
+        dp = [get_params(lenet_params(seed=seed), d) for d in devs]
+        step = lambda X, y, dp=dp, devs=devs: train_batch(X, y, dp, devs, lr)  # noqa: E731
+        old = _core.num_threads()
+        if threads:
+            _core.set_num_threads(threads)
+        try:
+            t = dict(timing, batch_size=batch)
+            runs.append(_time_training(
+                f"scaling: batch {batch} on {_n(k, 'device')}"
+                + (f", {_n(threads, 'thread')}" if threads else ""), step, impl="mgpu fused",
+                num_devices=k, threads=_core.num_threads(), **t))
+        finally:
+            _core.set_num_threads(old)
+    two, one = runs
+    return {"runs": runs,
+            "efficiency": one["sec_per_step"]["median"] / two["sec_per_step"]["median"],
+            "note": "efficiency = step time of batch b on 1 device, 1 thread / step time of "
+                    "batch 2b on 2 devices; 1.0 is perfect weak scaling"}
+
+
+def _bench_eval(fused_params: Dict, devices: Sequence[int], test_split, batch_size: int,
+                limit: int, seed: int, repeat: int, results: List[Dict], log: Log) -> List[Dict]:
+    from .train import evaluate_accuracy
+    out = []
+    loader = DataLoader(test_split, batch_size, False, seed, limit)
+    full = _full_batches(test_split, batch_size)
+    for k in devices:
+        if k in fused_params:
+            dp, devs = fused_params[k]
+        else:
+            devs = [try_gpu(i) for i in range(k)]
+            dp = [get_params(lenet_params(seed=seed), d) for d in devs]
+        _say(log, f"bench train: evaluate_accuracy on {_n(k, 'device')} ...")
+        m = measure(lambda: evaluate_accuracy(dp, loader, devs), warmup=1, repeat=repeat)
+        per_epoch = m["median"] / len(loader) * full
+        fused = [r for r in results if r.get("impl") == "mgpu fused" and r["num_devices"] == k]
+        out.append({"num_devices": k, "pass_time": m, "batches_per_pass": len(loader),
+                    "full_batches": full, "sec_per_eval": per_epoch,
+                    "extrapolated": len(loader) != full,
+                    "percent_of_epoch": (100.0 * per_epoch / fused[0]["sec_per_epoch"]
+                                         if fused else None)})
+    return out
+
+
+def _bench_flops(batch_size: int, gemm_size: int, repeat: int, results: List[Dict],
+                 data: Dict) -> Dict:
+    n = int(gemm_size)
+    rng = np.random.default_rng(0)
+    a = array(rng.standard_normal((n, n)), device=cpu(0))
+    b = array(rng.standard_normal((n, n)), device=cpu(0))
+    old = _core.num_threads()
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except AttributeError:
+        usable = os.cpu_count() or 1
+    _core.set_num_threads(max(old, usable))
+    try:
+        threads = _core.num_threads()
+        m = measure(lambda: _core.mm(a._t, b._t), warmup=1, repeat=max(3, repeat))
+    finally:
+        _core.set_num_threads(old)
+    sgemm = 2.0 * n ** 3 / m["median"] / 1e9
+    per_image = lenet_step_flops(1)
+    achieved = []
+    for r in results:
+        step_flops = lenet_step_flops(r["global_batch"])
+        gflops = step_flops / r["sec_per_step"]["median"] / 1e9
+        r["gflops"] = gflops
+        if r.get("impl") == "mgpu fused":
+            achieved.append({"name": r["name"], "gflops": gflops,
+                             "percent_of_sgemm": 100.0 * gflops / sgemm})
+    return {"sgemm": {"n": n, "threads": threads, "time": m, "gflops": sgemm},
+            "layers_per_image": lenet_layer_flops(1), "per_image": per_image,
+            "per_step": lenet_step_flops(batch_size),
+            "per_epoch": per_image * data["train_examples"], "achieved": achieved}
+
+
+def _bench_torch(py, info, data, devices, batch_size, lr, epochs, limit, warmup, threads,
+                 seed, results, log) -> Dict:
+    if py is None:
+        _say(log, f"bench train: skipping the PyTorch comparison: {info}")
+        return {"skipped": info}
+    _say(log, f"bench train: the chapter's PyTorch code with {py} (torch {info}) ...")
+    rival = _run_torch_rival(py, data.get("dir"), data["train_examples"] if data["source"] ==
+                             "synthetic" else 0, devices, batch_size, lr, epochs, limit, warmup,
+                             threads, seed)
+    for r in rival.pop("results"):
+        results.append(_torch_entry(r))
+    rival["python"] = py
+    return rival
+
+
+def _comparisons(results: List[Dict]) -> List[Dict]:
+    """ratio = torch sec/step / mgpu sec/step (medians): above 1, mgpu is faster."""
+    def find(impl, k):
+        for r in results:
+            if r.get("impl") == impl and r["num_devices"] == k:
+                return r
+        return None
+
+    out = []
+    pairs = []
+    for k in sorted({r["num_devices"] for r in results}):
+        pairs.append(("mgpu fused", "torch chapter", k))
+        pairs.append(("mgpu op-by-op", "torch chapter", k))
+    pairs.append(("mgpu fused", "torch idiomatic", 1))
+    # The chapter's code with the chapter's data pipeline, against mgpu with its own: both times
+    # include feeding the step.
+    pairs.append(("mgpu fused", "torch chapter + loader", 1))
+    for mine, theirs, k in pairs:
+        a, b = find(mine, k), find(theirs, k)
+        if a is None or b is None:
+            continue
+        ma, mb = a["sec_per_step"]["median"], b["sec_per_step"]["median"]
+        out.append({"mgpu": a["name"], "torch": b["name"], "num_devices": k,
+                    "mgpu_sec_per_step": ma, "torch_sec_per_step": mb, "ratio": mb / ma})
+    return out
+
+
+def format_train(r: Dict) -> str:
+    s = r["settings"]
+    lines = [f"mgpu bench train: LeNet on {s['data']['source']} ({s['data']['train_examples']} "
+             f"train / {s['data']['test_examples']} test images), batch {s['batch_size']}, "
+             f"lr {s['lr']}"]
+    lines += _machine_lines(r)
+    cut = f"cut at {s['limit_batches']} batches" if s["limit_batches"] else "whole"
+    warm = f"{s['warmup']} warm-up batch" + ("es" if s["warmup"] != 1 else "")
+    lines.append(f"each configuration: {warm}, then {s['epochs']} timed epochs ({cut}); "
+                 "median over epochs, spread = (max - min) / median")
+    lines.append("")
+    rows = []
+    extrapolated = False
+    for x in r["results"] + [x for x in r.get("scaling", {}).get("runs", [])]:
+        extrapolated |= x["extrapolated"]
+        rows.append([x["name"], str(x["global_batch"]), str(x.get("threads", "")),
+                     _ms(x["sec_per_step"]["median"]), _pct(100 * x["sec_per_step"]["spread"]),
+                     f"{x['sec_per_epoch']:.2f}" + ("*" if x["extrapolated"] else ""),
+                     f"{x['images_per_sec']:.0f}",
+                     f"{x['gflops']:.1f}" if "gflops" in x else "-"])
+    lines += _table(["configuration", "batch", "threads", "ms/step", "spread", "sec/epoch",
+                     "img/s", "GFLOP/s"], rows, "lrrrrrrr")
+    if extrapolated:
+        lines.append("* sec/epoch extrapolated: median sec/step x batches in a whole epoch")
+    sc = r.get("scaling")
+    if sc:
+        two, one = sc["runs"]
+        lines.append(f"scaling: batch {two['global_batch']} on 2 devices "
+                     f"{_ms(two['sec_per_step']['median'])} ms/step vs batch {one['global_batch']} "
+                     f"on 1 device, 1 thread {_ms(one['sec_per_step']['median'])} ms/step: "
+                     f"efficiency {sc['efficiency']:.2f} (1.0 = perfect weak scaling)")
+    p = r.get("pipeline")
+    if p:
+        pct = ", ".join(f"{v:.1f}% of the fused epoch on {_n(int(k), 'device')}"
+                        for k, v in p["percent_of_epoch"].items())
+        lines.append(f"input pipeline (train loader alone): {p['sec_per_epoch']:.3f} s/epoch"
+                     + ("*" if p["extrapolated"] else "") + (f" = {pct}" if pct else ""))
+    for e in r.get("evaluation", []):
+        pct = e["percent_of_epoch"]
+        lines.append(f"evaluation (evaluate_accuracy, {_n(e['num_devices'], 'device')}): "
+                     f"{e['sec_per_eval']:.3f} s per test pass" + ("*" if e["extrapolated"] else "")
+                     + (f" = {pct:.1f}% of the fused training epoch" if pct is not None else ""))
+    f = r.get("flops")
+    if f:
+        g = f["sgemm"]
+        lines.append(f"FLOPs: {f['per_image'] / 1e6:.2f} MFLOP per image (forward + backward), "
+                     f"{f['per_step'] / 1e9:.2f} GFLOP per step, {f['per_epoch'] / 1e12:.3f} TFLOP "
+                     f"per epoch; sgemm {g['n']}x{g['n']} via mgpu.mm on cpu(0), {g['threads']} "
+                     f"threads: {g['gflops']:.1f} GFLOP/s")
+        for a in f["achieved"]:
+            lines.append(f"  {a['name']}: {a['gflops']:.1f} GFLOP/s = "
+                         f"{a['percent_of_sgemm']:.0f}% of sgemm")
+    t = r.get("torch")
+    if t:
+        if "skipped" in t:
+            lines.append(f"PyTorch comparison skipped: {t['skipped']}")
+        else:
+            lines.append(f"PyTorch {t['torch_version']} ({t['python']}), {t['threads']} threads, "
+                         "shards of the chapter's code run one after the other on the CPU")
+    if r.get("comparisons"):
+        lines.append("")
+        lines.append("ratio = torch ms/step / mgpu ms/step (medians; above 1: mgpu is faster)")
+        lines += _table(["mgpu", "torch", "ratio"],
+                        [[c["mgpu"], c["torch"], f"{c['ratio']:.2f}"] for c in r["comparisons"]],
+                        "llr")
+    return "\n".join(lines)

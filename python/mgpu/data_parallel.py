@@ -1,0 +1,532 @@
+"""``nn.DataParallel`` and ``nn.SyncBatchNorm``: the concise chapter's one-line wrapper (sec. 12.6).
+
+The master module on ``device_ids[0]`` is the only copy an optimizer sees; each forward splits
+the batch, refreshes per-device replicas from the master (recorded copies, so backward sums the
+replicas' gradients into the master's ``.grad``) and gathers the outputs on ``device_ids[0]``.
+"""
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from . import _core, autograd
+from . import ops as functional
+from .device import Device, as_device, try_all_gpus, try_gpu
+from .nn import CrossEntropyLoss as nn_CrossEntropyLoss
+from .nn import Module, _BatchNorm, _calls, _check_input
+from .optim import SGD as optim_SGD
+from .tensor import Tensor, zeros_like
+
+# Replica modules are shallow copies of the master's modules: these entries of a module's
+# __dict__ are per replica; everything else (hyperparameters, training flag) is the master's.
+_OWN = ("_parameters", "_buffers", "_modules", "_sync_group", "_sync_rank")
+
+
+def _as_dp_device(d) -> Device:
+    if isinstance(d, bool):
+        raise TypeError(f"DataParallel: device_ids holds {d!r}; pass devices such as mgpu.cpu(0)")
+    if isinstance(d, int):
+        return try_gpu(d)  # an index means the book's try_gpu(i)
+    try:
+        return as_device(d)
+    except TypeError:
+        raise TypeError(f"DataParallel: device_ids holds {d!r}; pass devices such as "
+                        "mgpu.try_gpu(0), mgpu.cpu(1), 'gpu:0', or indices") from None
+
+
+def _device_list(device_ids) -> List[Device]:
+    if device_ids is None:
+        return try_all_gpus()
+    if isinstance(device_ids, (str, Device)) or not hasattr(device_ids, "__iter__"):
+        raise TypeError(f"DataParallel: device_ids must be a list of devices, got "
+                        f"{type(device_ids).__name__}")
+    devices = [_as_dp_device(d) for d in device_ids]
+    if not devices:
+        raise ValueError("DataParallel: device_ids is empty; pass at least one device")
+    if len({d.kind for d in devices}) > 1:
+        raise ValueError(f"DataParallel: device_ids mixes CPU and GPU devices ({devices}); use "
+                         "only GPUs or only (virtual) CPU devices")
+    if len({str(d) for d in devices}) != len(devices):
+        raise ValueError(f"DataParallel: device_ids repeats a device ({devices}); list each "
+                         "device once")
+    return devices
+
+
+class _Replica:
+    """One device's copy of the module tree: (replica module, master module) pairs."""
+
+    def __init__(self, master: Module, device: Device):
+        self.device = device
+        self.pairs: List[Tuple[Module, Module]] = []
+        self.root = self._copy(master, {})
+
+    def _copy(self, m: Module, memo: Dict[int, Module]) -> Module:
+        if id(m) in memo:
+            return memo[id(m)]
+        r = type(m).__new__(type(m))
+        r.__dict__.update({k: v for k, v in m.__dict__.items() if k not in _OWN})
+        r.__dict__["_parameters"] = OrderedDict((k, None) for k in m._parameters)
+        r.__dict__["_buffers"] = OrderedDict((k, None) for k in m._buffers)
+        r.__dict__["_modules"] = OrderedDict()
+        memo[id(m)] = r
+        self.pairs.append((r, m))
+        for name, child in m._modules.items():
+            r._modules[name] = None if child is None else self._copy(child, memo)
+        return r
+
+    def refresh(self) -> Module:
+        """Copies the master's state in: parameters recorded (gradients flow back to the
+        master), buffers into this replica's own tensors, other attributes by reference."""
+        dev = self.device
+        for r, m in self.pairs:
+            r.__dict__.update({k: v for k, v in m.__dict__.items() if k not in _OWN})
+            for name, p in m._parameters.items():
+                r._parameters[name] = None if p is None else p.to(dev)
+            for name, b in m._buffers.items():
+                if b is None:
+                    r._buffers[name] = None
+                    continue
+                rb = r._buffers.get(name)
+                if rb is None or rb.shape != b.shape or rb.dtype != b.dtype:
+                    rb = Tensor(_core.Tensor.empty(list(b.shape), b.dtype.name, dev))
+                    r._buffers[name] = rb
+                _core.copy(rb._t, b._t)
+        return self.root
+
+
+class DataParallel(Module):
+    """Data parallelism over ``device_ids`` (default: every GPU, or [cpu(0)] without one).
+
+    Design: parameters are copied from the master to the other devices at every forward with the
+    recorded ``Tensor.to``, whose backward copies the gradient back; so the book's loop
+    ``l = loss(net(X), y); l.backward(); trainer.step()`` is correct with any optimizer (it
+    updates the master only, and the next forward starts from it), and the copies cost one
+    parameter broadcast per step, the same traffic as syncing replicas after the step.
+    Replica module objects are built once per device and reused.
+
+    ``net = nn.DataParallel(net, device_ids=devices)`` moves ``net`` to ``devices[0]`` (in place:
+    an optimizer made earlier keeps its parameters) and afterwards ``net(X)`` splits X over the
+    devices, runs a replica on each at once (ops run asynchronously per device) and returns the
+    outputs gathered on ``devices[0]``; backward sums the replicas' gradients into the wrapped
+    module's parameters. A batch smaller than the device count uses the first N devices.
+
+    BatchNorm: each replica normalises with its own shard's statistics (PyTorch's DataParallel,
+    Keras' MirroredStrategy and the JAX seed do the same); running statistics are those of
+    device_ids[0]'s shard (the master is replica 0), and every forward starts all replicas from
+    the master's, so they stay consistent. For statistics over the whole batch convert the
+    network with ``nn.SyncBatchNorm.convert_sync_batchnorm(net)``.
+    """
+
+    def __init__(self, module: Module, device_ids: Optional[Sequence] = None,
+                 output_device=None):
+        super().__init__()
+        if not isinstance(module, Module):
+            raise TypeError(f"DataParallel: expected an mgpu.nn.Module to wrap, got "
+                            f"{type(module).__name__}")
+        devices = _device_list(device_ids)
+        if output_device is not None and as_device(output_device) != devices[0]:
+            raise ValueError(f"DataParallel: outputs are gathered on device_ids[0] ({devices[0]})"
+                             f"; output_device={output_device} is not supported")
+        module.to(devices[0])
+        self.module = module
+        object.__setattr__(self, "device_ids", devices)
+        object.__setattr__(self, "_replicas", {})
+        object.__setattr__(self, "_tree", None)
+
+    def extra_repr(self) -> str:
+        return f"device_ids={self.device_ids}"
+
+    def _check_master(self) -> None:
+        src = self.device_ids[0]
+        for name, t in list(self.module.named_parameters()) + list(self.module.named_buffers()):
+            if t.device != src:
+                raise ValueError(f"DataParallel: the module's '{name}' is on {t.device}, but it "
+                                 f"must stay on device_ids[0] = {src}; move it back with "
+                                 f"net.module.to({src})")
+
+    def _replica_roots(self, n: int) -> List[Module]:
+        tree = tuple(id(m) for m in self.module.modules()) + tuple(
+            id(t) for t in self.module.parameters())
+        if tree != self._tree:  # the module tree changed since the replicas were built
+            self._replicas.clear()
+            object.__setattr__(self, "_tree", tree)
+        roots = [self.module]
+        for d in self.device_ids[1:n]:
+            rep = self._replicas.get(str(d))
+            if rep is None:
+                rep = self._replicas[str(d)] = _Replica(self.module, d)
+            roots.append(rep.refresh())
+        return roots
+
+    def forward(self, X: Tensor) -> Tensor:
+        X = _check_input(X, "DataParallel")
+        if X.requires_grad:
+            raise NotImplementedError("DataParallel: an input that requires grad is not "
+                                      "supported (the scatter is not recorded); pass data tensors")
+        if X.ndim == 0:
+            raise ValueError("DataParallel: the input needs a batch axis (axis 0) to split")
+        self._check_master()
+        devices = self.device_ids
+        if len(devices) == 1 or X.shape[0] <= 1:
+            return self._single(self.module(X.to(devices[0])))
+        shards = [Tensor(t) for t in _core.split_rows(X._t, devices)]
+        shards = [s for s in shards if s.shape[0] > 0]
+        roots = self._replica_roots(len(shards))
+        if self.training and any(isinstance(m, SyncBatchNorm) for m in self.module.modules()):
+            outs = _run_synced(roots, shards)
+        else:
+            outs = [r(s) for r, s in zip(roots, shards)]
+        for o in outs:
+            self._single(o)
+        return functional.gather_rows(outs, devices[0])
+
+    @staticmethod
+    def _single(out):
+        if not isinstance(out, Tensor):
+            raise TypeError(f"DataParallel: the module must return one tensor, got "
+                            f"{type(out).__name__}")
+        return out
+
+    def train_step(self, X: Tensor, y: Tensor, loss, trainer) -> Tensor:
+        """One fused data-parallel step: every replica's forward, loss, backward, bucketed
+        all-reduce and SGD update run in C++ from this one call (``mgpu._core.Model``, built
+        from the module tree on first use). Computes what the book's loop computes with
+        ``loss = nn.CrossEntropyLoss()`` and ``trainer = optim.SGD(net.parameters(), ...)``
+        and returns the mean loss (0-d, on device_ids[0]).
+
+        The master's parameters and running statistics are updated in place; other replicas
+        are refreshed from the master before every step, so steps of both kinds can be mixed.
+        SGD's momentum buffers of this path live in the fused model (not in ``trainer``), and
+        ``num_batches_tracked`` is not counted. SyncBatchNorm is not supported here.
+        """
+        if not isinstance(loss, nn_CrossEntropyLoss) or loss.reduction != "mean":
+            raise ValueError("train_step: the fused step computes nn.CrossEntropyLoss() (mean); "
+                             f"got {loss!r}")
+        if not isinstance(trainer, optim_SGD):
+            raise TypeError(f"train_step: trainer must be mgpu.optim.SGD, got "
+                            f"{type(trainer).__name__}")
+        if trainer.dampening or trainer.nesterov:
+            raise ValueError("train_step: the fused step takes SGD's lr, momentum and "
+                             "weight_decay; dampening and nesterov need the book's loop")
+        master = list(self.module.parameters())
+        if [id(p) for p in trainer.params] != [id(p) for p in master]:
+            raise ValueError("train_step: trainer must hold exactly this network's parameters "
+                             "(optim.SGD(net.parameters(), ...))")
+        X, y = _check_input(X, "train_step"), _check_input(y, "train_step")
+        self._check_master()
+        fused = self._fused_model()
+        with autograd.no_grad():
+            for r in range(1, len(self.device_ids)):  # replicas start from the master
+                for dst, src in zip(fused.replica_params[r], master):
+                    _core.copy(dst._t, src._t)
+                for dst, src in zip(fused.replica_buffers[r], fused.replica_buffers[0]):
+                    _core.copy(dst._t, src._t)
+            losses = fused.model.train_step(X, y, trainer.lr, trainer.momentum,
+                                            trainer.weight_decay)
+            total = losses[0]
+            for part in losses[1:]:
+                total = total + part.to(total.device)
+            return total / X.shape[0]
+
+    def _fused_model(self) -> "_Fused":
+        key = (self._tree, tuple(id(p) for p in self.module.parameters()))
+        fused = self.__dict__.get("_fused")
+        if fused is None or fused.key != key:
+            self._replica_roots(1)  # refreshes self._tree
+            key = (self._tree, tuple(id(p) for p in self.module.parameters()))
+            fused = _Fused(self.module, self.device_ids, key)
+            object.__setattr__(self, "_fused", fused)
+        return fused
+
+
+class _Fused:
+    """The module tree as a layer list for ``mgpu._core.Model`` (via ``parallel.FusedModel``)."""
+
+    def __init__(self, module: Module, devices: List[Device], key):
+        from .parallel import FusedModel
+        self.key = key
+        params = list(module.parameters())
+        self._pindex = {id(p): i for i, p in enumerate(params)}
+        bufs: List[Tensor] = []
+        self._bufs = bufs
+        self.spec: List[tuple] = []
+        self._emit(module, 0)
+        self.replica_params = [params] + [[p.copyto(d) for p in params] for d in devices[1:]]
+        self.replica_buffers = [bufs] + [[b.copyto(d) for b in bufs] for d in devices[1:]]
+        self.model = FusedModel(self.spec, self.replica_params, self.replica_buffers, devices)
+
+    def _layer(self, kind: str, src: int, params=(), buffers=(), **opts) -> int:
+        opts["in"] = src
+        opts["params"] = [self._pindex[id(p)] for p in params]
+        if buffers:
+            opts["buffers"] = []
+            for b in buffers:
+                opts["buffers"].append(len(self._bufs))
+                self._bufs.append(b)
+        self.spec.append((kind, opts))
+        return len(self.spec)  # the slot this layer writes
+
+    def _emit(self, m: Module, src: int) -> int:
+        from .models import Residual
+        from .nn import (
+            AdaptiveAvgPool2d,
+            AvgPool2d,
+            BatchNorm2d,
+            Conv2d,
+            Flatten,
+            Linear,
+            ReLU,
+            Sequential,
+        )
+        if isinstance(m, Sequential):
+            for child in m:
+                src = self._emit(child, src)
+            return src
+        if isinstance(m, Conv2d):
+            ps = [m.weight] + ([m.bias] if m.bias is not None else [])
+            return self._layer("conv2d", src, ps, stride=m.stride, padding=m.padding,
+                               bias=m.bias is not None)
+        if type(m) is BatchNorm2d and m.track_running_stats and m.momentum is not None:
+            ps = [m.weight, m.bias] if m.affine else []
+            return self._layer("batch_norm", src, ps, [m.running_mean, m.running_var],
+                               eps=m.eps, momentum=float(m.momentum), affine=m.affine)
+        if isinstance(m, ReLU):
+            return self._layer("relu", src)
+        if isinstance(m, Flatten):
+            return self._layer("flatten", src)
+        if isinstance(m, AdaptiveAvgPool2d):
+            return self._layer("global_avg_pool", src)
+        if isinstance(m, AvgPool2d) and m.kernel_size[0] == m.kernel_size[1] \
+                and m.stride[0] == m.stride[1]:
+            return self._layer("avg_pool2d", src, kernel=m.kernel_size[0], stride=m.stride[0])
+        if isinstance(m, Linear):
+            ps = [m.weight] + ([m.bias] if m.bias is not None else [])
+            return self._layer("linear", src, ps, bias=m.bias is not None, transpose=True)
+        if type(m) is Residual:
+            y = self._emit(m.bn1, self._emit(m.conv1, src))
+            y = self._emit(m.bn2, self._emit(m.conv2, self._layer("relu", y)))
+            short = self._emit(m.conv3, src) if m.conv3 is not None else src
+            self.spec.append(("add", {"in": [y, short]}))
+            return self._layer("relu", len(self.spec))
+        raise NotImplementedError(
+            f"train_step: the fused step has no layer for {type(m).__name__}; supported are "
+            "Sequential, Conv2d, BatchNorm2d, ReLU, Flatten, AvgPool2d, AdaptiveAvgPool2d((1, 1)),"
+            " Linear and models.Residual (use the book's loop for other modules)")
+
+
+# --- synchronised batch norm ---------------------------------------------------------------
+
+class _PeerFailed(RuntimeError):
+    """Raised in replicas whose peer failed, so the peer's own error is the one reported."""
+
+
+class _SyncGroup:
+    """Where the replicas' threads meet at every SyncBatchNorm layer (same order in each)."""
+
+    def __init__(self, k: int):
+        self.k = k
+        self.barrier = threading.Barrier(k)
+        self.slots: List[object] = [None] * k
+        self.result: Optional[List[Tensor]] = None
+        self.error: Optional[BaseException] = None
+
+    def _wait(self) -> None:
+        try:
+            self.barrier.wait()
+        except threading.BrokenBarrierError:
+            raise _PeerFailed("SyncBatchNorm: another replica failed") from None
+
+    def exchange(self, rank: int, item, compute) -> Tensor:
+        self.slots[rank] = item
+        self._wait()
+        if rank == 0:
+            self.error, self.result = None, None
+            try:
+                self.result = compute(list(self.slots))
+            except BaseException as e:  # reported by rank 0, the others stop with _PeerFailed
+                self.error = e
+        self._wait()
+        if self.error is not None:
+            if rank == 0:
+                raise self.error
+            raise _PeerFailed("SyncBatchNorm: the synchronised statistics failed")
+        return self.result[rank]
+
+
+def _run_synced(roots: List[Module], shards: List[Tensor]) -> List[Tensor]:
+    """Runs replica i on shard i, each in its own thread (replica 0 in this one), so that they
+    can meet at every SyncBatchNorm layer."""
+    k = len(roots)
+    group = _SyncGroup(k)
+    for rank, root in enumerate(roots):
+        for m in root.modules():
+            if isinstance(m, SyncBatchNorm):
+                m.__dict__["_sync_group"], m.__dict__["_sync_rank"] = group, rank
+    outs: List[Optional[Tensor]] = [None] * k
+    errors: List[Optional[BaseException]] = [None] * k
+    recording = autograd.is_recording()
+
+    def run(rank: int) -> None:
+        depth = getattr(_calls, "depth", 0)
+        _calls.depth = 1  # a replica's call is nested in DataParallel's (which restores on error)
+        try:
+            with autograd._recording(recording):
+                outs[rank] = roots[rank](shards[rank])
+        except BaseException as e:
+            errors[rank] = e
+            group.barrier.abort()
+        finally:
+            _calls.depth = depth
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(1, k)]
+    try:
+        for t in threads:
+            t.start()
+        run(0)
+        for t in threads:
+            t.join()
+    finally:
+        for root in roots:
+            for m in root.modules():
+                m.__dict__.pop("_sync_group", None)
+                m.__dict__.pop("_sync_rank", None)
+    real = [e for e in errors if e is not None and not isinstance(e, _PeerFailed)]
+    if real:
+        raise real[0]
+    if any(e is not None for e in errors):
+        raise next(e for e in errors if e is not None)
+    return outs  # type: ignore[return-value]
+
+
+class _Parts:
+    """The gradient of a joint multi-device op's output: one tensor per replica (autograd sums
+    these with +, so each replica's output contributes its own slot)."""
+
+    __slots__ = ("by_rank",)
+
+    def __init__(self, by_rank: Dict[int, Tensor]):
+        self.by_rank = by_rank
+
+    def __add__(self, other: "_Parts") -> "_Parts":
+        merged = dict(self.by_rank)
+        for r, g in other.by_rank.items():
+            merged[r] = merged[r] + g if r in merged else g
+        return _Parts(merged)
+
+
+def _h(t: Optional[Tensor]):
+    return None if t is None else t._t
+
+
+def _sync_batch_norm(items, master: "SyncBatchNorm", momentum: float) -> List[Tensor]:
+    """Batch norm of k shards with the statistics of their union, as one recorded op.
+
+    The shards' (mean, biased var, count) are combined exactly (Chan et al.'s parallel
+    formula: mean = sum n_i m_i / n, var = sum n_i (v_i + (m_i - mean)^2) / n); backward
+    all-reduces sum(dy) and sum(dy * xhat) and uses the global count, so k devices compute
+    what one device computes on the whole batch.
+    """
+    xs = [it[0] for it in items]
+    ws = [it[1] for it in items]
+    bs = [it[2] for it in items]
+    d0 = xs[0].device
+    C = master.num_features
+    counts = [x.size // C for x in xs]
+    n = sum(counts)
+    if n <= 1:
+        raise ValueError(f"SyncBatchNorm: training needs more than one value per channel over "
+                         f"all replicas, got {n}")
+    eps = master.eps
+    with autograd.no_grad():
+        local = [_core.batch_norm_stats(x._t) for x in xs]
+        ms = [Tensor(_core.to_device(m, d0)) for m, _ in local]
+        vs = [Tensor(_core.to_device(v, d0)) for _, v in local]
+        mean = ms[0] * (counts[0] / n)
+        for m, c in zip(ms[1:], counts[1:]):
+            mean = mean + m * (c / n)
+        var = None
+        for m, v, c in zip(ms, vs, counts):
+            d = m - mean
+            term = (v + d * d) * (c / n)
+            var = term if var is None else var + term
+        if master.training and master.track_running_stats:
+            rm, rv = master.running_mean, master.running_var
+            rm *= 1.0 - momentum
+            rm += mean * momentum
+            rv *= 1.0 - momentum
+            rv += var * (momentum * n / (n - 1))
+        means = [mean.to(x.device) for x in xs]
+        variances = [var.to(x.device) for x in xs]
+    ys = [Tensor(_core.batch_norm_forward(x._t, m._t, v._t, _h(w), _h(b), eps))
+          for x, m, v, w, b in zip(xs, means, variances, ws, bs)]
+    inputs = xs + ws + bs
+    if not (autograd.is_recording() and any(t is not None and t.requires_grad for t in inputs)):
+        return ys
+    k = len(xs)
+
+    def backward(parts: _Parts):
+        dys = [parts.by_rank.get(i) if parts.by_rank.get(i) is not None else zeros_like(ys[i])
+               for i in range(k)]
+        sums = [_core.batch_norm_backward_reduce(x._t, dy._t, m._t, v._t, eps)
+                for x, dy, m, v in zip(xs, dys, means, variances)]
+        total = [[Tensor(_core.to_device(s, x.device, True)), Tensor(_core.to_device(sx, x.device,
+                                                                                    True))]
+                 for (s, sx), x in zip(sums, xs)]
+        _core.allreduce([[a._t, b._t] for a, b in total])
+        dxs = [Tensor(_core.batch_norm_backward(x._t, dy._t, m._t, v._t, _h(w), tot[0]._t,
+                                                tot[1]._t, float(n), eps, True))
+               if x.requires_grad else None
+               for x, dy, m, v, w, tot in zip(xs, dys, means, variances, ws, total)]
+        dws = [Tensor(sx) if w is not None and w.requires_grad else None
+               for (_, sx), w in zip(sums, ws)]
+        dbs = [Tensor(s) if b is not None and b.requires_grad else None
+               for (s, _), b in zip(sums, bs)]
+        return tuple(dxs + dws + dbs)
+
+    joint = Tensor(_core.Tensor.empty([], "float32", d0))
+    autograd.attach(joint, inputs, backward)
+
+    def select(i: int):
+        return lambda dy: (_Parts({i: dy}),)
+
+    return [autograd.attach(y, [joint], select(i)) for i, y in enumerate(ys)]
+
+
+class SyncBatchNorm(_BatchNorm):
+    """Batch norm whose statistics, under ``DataParallel`` in training, are those of the whole
+    batch across all replicas (so k devices compute what one device does on the whole batch).
+    Alone, or in evaluation, it is ``BatchNorm2d``. Inputs (N, C, H, W) or (N, C)."""
+
+    _dims = (2, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        group: Optional[_SyncGroup] = self.__dict__.get("_sync_group")
+        if group is None or not self.training or group.k == 1:
+            return super().forward(x)
+        x = self._check(x)
+        rank = self.__dict__["_sync_rank"]
+        momentum = self._momentum_now() if self.track_running_stats else 0.0
+        return group.exchange(rank, (x, self.weight, self.bias),
+                              lambda items: _sync_batch_norm(items, self, momentum))
+
+    @classmethod
+    def convert_sync_batchnorm(cls, module: Module) -> Module:
+        """Replaces every BatchNorm layer of ``module`` by a SyncBatchNorm sharing its
+        parameters and running statistics; returns the converted module (``module`` itself
+        unless it is a BatchNorm layer)."""
+        if not isinstance(module, Module):
+            raise TypeError(f"convert_sync_batchnorm: expected an mgpu.nn.Module, got "
+                            f"{type(module).__name__}")
+        out = module
+        if isinstance(module, _BatchNorm) and not isinstance(module, SyncBatchNorm):
+            out = cls(module.num_features, module.eps, module.momentum, module.affine,
+                      module.track_running_stats, device=module.running_mean.device
+                      if module.running_mean is not None else None)
+            for store in ("_parameters", "_buffers"):
+                out.__dict__[store] = OrderedDict(module.__dict__[store])
+            out.__dict__["training"] = module.training
+        for name, child in module._modules.items():
+            if child is not None:
+                out._modules[name] = cls.convert_sync_batchnorm(child)
+        return out

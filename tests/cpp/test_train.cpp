@@ -1,0 +1,132 @@
+// tests/cpp/test_train.cpp -- the fused step's parts: a model's slots, layout and buckets from its
+// spec, the bucketed all-reduce across CPU devices, one replica's gradients against the op path.
+#include <gtest/gtest.h>
+
+#include <vector>
+
+#include "comm/bucket_allreduce.h"
+#include "core/queue.h"
+#include "ops/elementwise.h"
+#include "train/layers.h"
+#include "train/lenet.h"
+#include "train/model.h"
+
+namespace mgpu {
+namespace {
+
+Device cpu(int i) { return Device{DeviceKind::CPU, i}; }
+
+std::vector<float> values(const Tensor& t) {
+  queue_of(t.device()).synchronize();
+  return std::vector<float>(t.f32(), t.f32() + t.numel());
+}
+
+Tensor iota(Shape s, float start, float step, Device d) {
+  Tensor t = Tensor::empty(s, DType::F32, d);
+  for (int64_t i = 0; i < t.numel(); ++i) t.f32()[i] = start + step * static_cast<float>(i);
+  return t;
+}
+
+const std::vector<Shape> kLeNetShapes = {{20, 1, 3, 3}, {20}, {50, 20, 5, 5}, {50},
+                                         {800, 128},    {128}, {128, 10},     {10}};
+
+TEST(Model, LeNetLaysOutGradientsInReverseLayerOrderAndCutsTheDenseBucketFirst) {
+  std::vector<Tensor> p;
+  for (const Shape& s : kLeNetShapes) p.push_back(Tensor::empty(s, DType::F32, cpu(0)));
+  const train::Model& m = train::lenet_model(p);
+  EXPECT_EQ(m.offset(6), 0);                 // W4 (the last layer's) first
+  EXPECT_EQ(m.offset(7), 1280);
+  EXPECT_EQ(m.offset(4), 1290);              // then W3, b3
+  EXPECT_EQ(m.offset(2), 103818);            // then the conv layers'
+  EXPECT_EQ(m.offset(1), 129048);
+  EXPECT_EQ(m.flat_size(), 129068);
+  ASSERT_EQ(m.buckets().size(), 2u);         // the dense layers' 415 KB pass the first bucket's cap
+  EXPECT_EQ(m.buckets()[0].end, 103818);
+  EXPECT_EQ(m.buckets()[0].last_layer, 3);
+  EXPECT_EQ(m.buckets()[1].last_layer, 0);
+  EXPECT_EQ(&train::lenet_model(p), &m);     // one model per set of shapes
+}
+
+train::LayerSpec layer(std::string kind, std::vector<int64_t> in = {},
+                       std::map<std::string, double> o = {}) {
+  return {std::move(kind), std::move(in), std::move(o), {}, {}};
+}
+
+TEST(Model, SlotsFanOutAndOnlyWhatBackwardReadsIsSaved) {
+  // conv -> relu (slot 2) -> conv; slot 2 also feeds a 1x1 conv; add; flatten; linear.
+  std::vector<train::LayerSpec> spec = {
+      layer("conv2d", {}, {{"padding", 1}}), layer("relu"), layer("conv2d", {}, {{"padding", 1}}),
+      layer("conv2d", {2}, {{"bias", 0}}),   layer("add", {3, 4}), layer("flatten"),
+      layer("linear", {}, {{"transpose", 1}})};
+  train::Model m(spec, {{2, 1, 3, 3}, {2}, {2, 2, 3, 3}, {2}, {2, 2, 1, 1}, {3, 8}, {3}}, {});
+  EXPECT_FALSE(m.grad_needed(0));  // the input needs no gradient
+  for (int s = 1; s < m.num_slots(); ++s) EXPECT_TRUE(m.grad_needed(s)) << s;
+  EXPECT_TRUE(m.saved(0));   // conv 0's dw re-reads X
+  EXPECT_TRUE(m.saved(2));   // both convs re-read relu's output
+  EXPECT_FALSE(m.saved(3));  // add re-reads neither operand
+  EXPECT_FALSE(m.saved(4));
+  EXPECT_EQ(m.layers()[3].params, (std::vector<int>{4}));
+  EXPECT_EQ(m.offset(5), 0);
+}
+
+TEST(Model, BadSpecsNameTheLayer) {
+  auto build = [](std::vector<train::LayerSpec> spec, std::vector<Shape> shapes) {
+    train::Model m(spec, shapes, {});
+  };
+  EXPECT_THROW(build({layer("pool")}, {{1}}), ValueError);
+  EXPECT_THROW(build({layer("relu", {1})}, {{1}}), ValueError);             // slot of itself
+  EXPECT_THROW(build({layer("add", {0})}, {{1}}), ValueError);              // one operand
+  EXPECT_THROW(build({layer("linear")}, {{3, 4}, {3}}), ValueError);        // bias of (in, out) W
+  EXPECT_THROW(build({layer("linear")}, {{3, 4}}), ValueError);             // no bias given
+  try {
+    build({layer("relu"), layer("conv2d", {}, {{"stride", 1.5}})}, {{1, 1, 1, 1}, {1}});
+    FAIL() << "a fractional stride was accepted";
+  } catch (const ValueError& e) {
+    EXPECT_NE(std::string(e.what()).find("layer 1 (conv2d): option stride"), std::string::npos)
+        << e.what();
+  }
+}
+
+TEST(BucketAllReduce, SumsEveryBucketOnEveryDeviceWhateverOrderDevicesJoinIn) {
+  const std::vector<Device> devs = {cpu(0), cpu(1), cpu(2)};
+  std::vector<Tensor> flat;
+  for (int d = 0; d < 3; ++d) flat.push_back(iota({10}, static_cast<float>(d), 1.0f, devs[d]));
+  comm::BucketAllReduce reduce(devs, {4, 6}, 0);
+  reduce.ready(0, 2, flat[2].slice_rows(0, 4));
+  reduce.ready(0, 0, flat[0].slice_rows(0, 4));
+  reduce.ready(1, 0, flat[0].slice_rows(4, 10));
+  reduce.ready(0, 1, flat[1].slice_rows(0, 4));
+  reduce.ready(1, 2, flat[2].slice_rows(4, 10));
+  reduce.ready(1, 1, flat[1].slice_rows(4, 10));
+  for (int d = 0; d < 3; ++d) {
+    std::vector<float> v = values(flat[d]);
+    for (int i = 0; i < 10; ++i) EXPECT_EQ(v[i], 3.0f * static_cast<float>(i) + 3.0f) << d << i;
+  }
+}
+
+TEST(ModelLossAndGrads, LeNetBucketsAreAnnouncedAfterTheirGradientsAndInOrder) {
+  std::vector<Tensor> p;
+  float scale = 0.01f;
+  for (const Shape& s : kLeNetShapes) p.push_back(iota(s, -0.5f * scale, scale / 997, cpu(0)));
+  const train::Model& m = train::lenet_model(p);
+  Tensor X = iota({2, 1, 28, 28}, 0.0f, 1.0f / 1568, cpu(0));
+  Tensor y = Tensor::empty({2}, DType::I64, cpu(0));
+  y.data<int64_t>()[0] = 3;
+  y.data<int64_t>()[1] = 7;
+  Tensor grads = Tensor::empty({m.flat_size()}, DType::F32, cpu(0));
+  ops::fill(grads, 12345.0);
+  std::vector<size_t> order;
+  std::vector<std::vector<float>> at_announce;
+  train::model_loss_and_grads(m, X, y, {p, {}}, grads, [&](size_t b) {
+    order.push_back(b);
+    // Everything enqueued so far has run: the bucket must hold no stale value.
+    Tensor part = grads.slice_rows(m.buckets()[b].begin, m.buckets()[b].end);
+    at_announce.push_back(values(part));
+  });
+  EXPECT_EQ(order, (std::vector<size_t>{0, 1}));
+  for (const auto& v : at_announce)
+    for (float g : v) ASSERT_NE(g, 12345.0f);
+}
+
+}  // namespace
+}  // namespace mgpu
