@@ -25,10 +25,10 @@ def test_property_group(group):
                             str(GROUPS[group])], capture_output=True, text=True, timeout=600,
                            env=env, cwd=HERE)
     except subprocess.TimeoutExpired as e:
-        last = [l for l in (e.stderr or b"").decode(errors="replace").splitlines()
-                if l.startswith("TRY")][-1:]
+        last = [line for line in (e.stderr or b"").decode(errors="replace").splitlines()
+                if line.startswith("TRY")][-1:]
         pytest.fail(f"{group}: the child hung; last example: {last}")
-    tries = [l for l in r.stderr.splitlines() if l.startswith("TRY")]
+    tries = [line for line in r.stderr.splitlines() if line.startswith("TRY")]
     if r.returncode < 0:
         pytest.fail(f"{group}: the child died of signal {-r.returncode} on the example "
                     f"{tries[-1] if tries else '(none)'}\n{r.stderr[-3000:]}")

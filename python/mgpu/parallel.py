@@ -89,7 +89,7 @@ def _check_lr(lr, op: str) -> float:
 
 
 def _check_nonnegative(v, name: str, op: str) -> float:
-    """``v`` as a float; ValueError unless it is a finite number >= 0 (PyTorch's SGD accepts lr 0)."""
+    """``v`` as a float; ValueError unless it is finite and >= 0 (PyTorch's SGD accepts lr 0)."""
     if isinstance(v, bool) or not isinstance(v, (numbers.Real, np.number)):
         raise TypeError(f"{op}: {name} must be a number, got {type(v).__name__}")
     v = float(v)

@@ -21,7 +21,7 @@ _Op = _core.BinaryOp
 
 
 def _handle(x, op: str, arg: str) -> "_core.Tensor":
-    """The engine handle of tensor ``x``; a TypeError naming ``op`` and ``arg`` for anything else."""
+    """The engine handle of tensor ``x``; a TypeError naming ``op`` and ``arg`` otherwise."""
     if isinstance(x, Tensor):
         return x._t
     hint = (" (convert it with mgpu.array(...))" if isinstance(x, (np.ndarray, list, tuple,
@@ -30,7 +30,8 @@ def _handle(x, op: str, arg: str) -> "_core.Tensor":
 
 
 def _int(v, op: str, what: str) -> int:
-    """``v`` as a Python int; a TypeError for floats, bools and other non-integers (no truncation)."""
+    """``v`` as a Python int; a TypeError for floats, bools and other non-integers (never
+    truncated)."""
     if isinstance(v, bool) or not isinstance(v, (numbers.Integral, np.integer)):
         raise TypeError(f"{op}: {what} must be an integer, got {v!r} ({type(v).__name__})")
     return int(v)
