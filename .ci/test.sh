@@ -33,8 +33,10 @@ if [ "${MGPU_CI_SANITIZE:-0}" = 1 ]; then
   # The sanitized package: the sources next to this _core.
   rm -rf build/asan/python && mkdir -p build/asan/python
   cp -r python/mgpu build/asan/python/ && cp build/asan/_core*.so build/asan/python/mgpu/
-  # Python itself is not instrumented: the ASan runtime must be loaded first; leaks are CPython's.
-  (cd tests && LD_PRELOAD="$(g++ -print-file-name=libasan.so)" ASAN_OPTIONS=detect_leaks=0 \
+  # Python itself is not instrumented: the ASan runtime must be loaded first, and libstdc++ with
+  # it (or ASan's __cxa_throw interceptor finds no real one and aborts); leaks are CPython's.
+  asan_preload="$(g++ -print-file-name=libasan.so) $(g++ -print-file-name=libstdc++.so)"
+  (cd tests && LD_PRELOAD="$asan_preload" ASAN_OPTIONS=detect_leaks=0 \
     MGPU_EMULATED_GPUS=0 PYTHONPATH="$PWD/../build/asan/python" ../.venv/bin/python -m pytest -q \
     -p no:cacheprovider test_robust.py test_tensor.py test_errors.py -k "not cli and not gpu")
 fi
