@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Installs everything mgpu needs on a Debian machine and builds it into .venv (idempotent):
-# system packages from Debian (compiler, CMake, OpenBLAS, zlib, GoogleTest, Fashion-MNIST,
-# Open MPI for multi-process training),
+# system packages from Debian (compiler, CMake, zlib, GoogleTest, Fashion-MNIST, Open MPI for
+# multi-process training; OpenBLAS comes from PyPI, scipy-openblas32),
 # Python packages from PyPI into a virtual environment, then `pip install .` (incremental).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-apt_packages=(g++ make cmake pkg-config libopenblas-dev zlib1g-dev libgtest-dev libgmock-dev
+apt_packages=(g++ make cmake pkg-config zlib1g-dev libgtest-dev libgmock-dev
               dataset-fashion-mnist openmpi-bin libopenmpi-dev)
 missing=()
 for p in "${apt_packages[@]}"; do
@@ -26,7 +26,8 @@ if [ ! -x .venv/bin/python ]; then
   "$python" -m venv .venv
 fi
 .venv/bin/python -m pip install -q --disable-pip-version-check \
-  "scikit-build-core>=0.10" "pybind11>=2.12" "numpy>=1.24" "tqdm>=4.60" "pytest>=7" "hypothesis>=6" \
-  "matplotlib>=3.5" "jupyterlab>=4" "ipykernel>=6" "nbclient>=0.8" "nbformat>=5.9" "ruff>=0.4"
+  "scikit-build-core>=0.10" "pybind11>=2.12" "scipy-openblas32>=0.3.27" "numpy>=1.24" \
+  "tqdm>=4.60" "pytest>=7" "hypothesis>=6" "matplotlib>=3.5" "jupyterlab>=4" "ipykernel>=6" \
+  "nbclient>=0.8" "nbformat>=5.9" "ruff>=0.4"
 echo "setup: building mgpu (pip install .)"
 .venv/bin/python -m pip install -q --disable-pip-version-check --no-build-isolation .

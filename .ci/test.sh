@@ -1,8 +1,15 @@
 #!/usr/bin/env bash
-# Sets everything up (.ci/setup.sh), lints python/ and tests/ (ruff), then runs the C++ tests
-# (ctest, GPU backend on mgpu's CUDA emulator, plus the nvcc compile check), the Python suite
-# against the installed package, and the tests marked `gpu` again against the emulated build's
-# package, where gpu(0) and gpu(1) are emulated GPUs running our CUDA kernels.
+# Sets everything up (.ci/setup.sh), lints python/ and tests/ (ruff), then runs:
+#   1. the C++ tests (ctest, GPU backend on mgpu's CUDA emulator, plus the nvcc compile check;
+#      the CPU kernel tests run on both the avx2 and the avx512 path);
+#   2. the Python suite against the installed package;
+#   3. the tests marked `gpu` again against the emulated build's package, where gpu(0) and gpu(1)
+#      are emulated GPUs running our CUDA kernels;
+#   4. the CPU op and training tests with the AVX2 kernel path forced (the runs above take the
+#      widest path the CPU has);
+#   5. the pip-only route: a wheel built by `pip wheel .` in isolation (OpenBLAS from PyPI, the
+#      system's ignored; cached in build/pip-smoke by source hash), installed into a fresh venv:
+#      import, one fused step, `mgpu info`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash .ci/setup.sh
@@ -48,3 +55,41 @@ echo "== Python tests (pytest) of the installed package"
 echo "== Python GPU tests on emulated GPUs (the emulated build's package)"
 (cd tests && PYTHONPATH="$PWD/../build/cpp-tests/python" \
   ../.venv/bin/python -m pytest -q -p no:cacheprovider -m gpu "$@")
+
+echo "== CPU op and training tests with MGPU_ISA=avx2 (the installed package)"
+# Paths from the repository root, so the pass finds its files whatever the working directory.
+(cd tests && MGPU_ISA=avx2 ../.venv/bin/python -m pytest -q -p no:cacheprovider -m "not gpu" \
+  "$PWD/test_ops.py" "$PWD/test_train.py")
+
+echo "== pip-only smoke test: pip wheel . (isolated, PyPI OpenBLAS), fresh venv, one step, info"
+smoke=build/pip-smoke
+key=$(cat pyproject.toml CMakeLists.txt $(git ls-files cpp python) | sha256sum | cut -c1-16)
+mkdir -p "$smoke"
+if ! ls "$smoke/wheel-$key"/mgpu-*.whl >/dev/null 2>&1; then
+  rm -rf "$smoke"/wheel-*
+  .venv/bin/python -m pip wheel -q --disable-pip-version-check --no-deps -w "$smoke/wheel-$key" \
+    -C cmake.define.MGPU_BLAS=pypi -C cmake.define.MGPU_WITH_CUDA=OFF \
+    -C "build-dir=$smoke/build" .
+fi
+rm -rf "$smoke/venv"
+"${PYTHON:-python3}" -m venv "$smoke/venv"
+"$smoke/venv/bin/python" -m pip install -q --disable-pip-version-check "$smoke/wheel-$key"/mgpu-*.whl
+(cd "$smoke" && venv/bin/python - <<'PY'
+import numpy as np
+import mgpu
+from mgpu import _core as C
+info = mgpu.build_info()
+assert info["blas"].startswith("OpenBLAS from PyPI"), info["blas"]
+dev = C.Device(C.DeviceKind.CPU, 0)
+rng = np.random.default_rng(0)
+shapes = [(20, 1, 3, 3), (20,), (50, 20, 5, 5), (50,), (800, 128), (128,), (128, 10), (10,)]
+params = [[C.Tensor.from_numpy((0.1 * rng.standard_normal(s)).astype(np.float32), dev)
+           for s in shapes]]
+X = C.Tensor.from_numpy(rng.random((64, 1, 28, 28), dtype=np.float32), dev)
+y = C.Tensor.from_numpy(rng.integers(0, 10, 64).astype(np.int32), dev)
+loss = C.train_batch(X, y, params, [dev], 0.1)
+C.waitall()
+print("pip-only smoke: one fused step ran; kernels", info["cpu_isa"], "BLAS", info["blas"][:40])
+PY
+)
+(cd "$smoke" && venv/bin/python -m mgpu info)

@@ -164,7 +164,7 @@ def test_train_api_broadcasts_rank0_params_sums_accuracy_and_prints_once(tmp_pat
     assert rc == 0, f"{out}\n{err}"
     lines = [s for s in out.splitlines() if s.startswith("test acc:")]
     assert len(lines) == 1 and lines[0].endswith("on [cpu(0)] x 2 processes"), out
-    got = [json.load(open(tmp_path / f"train_api.rank{r}.json")) for r in range(2)]
+    got = [json.loads((tmp_path / f"train_api.rank{r}.json").read_text()) for r in range(2)]
     assert got[0] == got[1] and got[0]["world_size"] == 2
     # One process with 2 devices, starting from what rank 0 had, sees the same numbers.
     images, labels = dist_worker.synthetic(640)

@@ -10,6 +10,8 @@
 #include "core/parallel.h"
 #include "core/queue.h"
 #include "core/tensor.h"
+#include "ops/cpu_isa.h"
+#include "ops/gemm.h"
 #include "ops/elementwise.h"
 
 namespace py = pybind11;
@@ -191,7 +193,13 @@ py::dict build_info() {
   info["version"] = MGPU_VERSION;
   info["cpu_devices"] = true;
   info["cpu_threads"] = num_threads();
-  info["blas"] = "OpenBLAS (single-threaded calls; mgpu schedules the cores)";
+  info["blas"] = ops::cpu::blas_info();
+  const ops::cpu::IsaChoice& isa = ops::cpu::isa_choice();
+  info["cpu_model"] = ops::cpu::cpu_model();
+  info["cpu_isa"] = isa.name;
+  info["cpu_isa_reason"] = isa.reason;
+  info["cpu_isas_built"] = std::vector<std::string>{"avx2 (x86-64-v3)", "avx512 (x86-64-v4)"};
+  info["cpu_baseline"] = MGPU_BASELINE_ARCH_NAME;
   info["cuda"] = MGPU_CUDA_EMULATION_BUILD ? "emulated (cpp/cuda/emu: GPUs run on the CPU, for tests)"
                  : MGPU_BUILT_CUDA          ? "built (" + gpu::runtime_name() + ")"
                                             : std::string("not built (nvcc was not found)");

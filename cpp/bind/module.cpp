@@ -5,11 +5,15 @@
 #include "bind/bind.h"
 #include "core/error.h"
 #include "data/idx_reader.h"
+#include "ops/cpu_isa.h"
 
 namespace py = pybind11;
 
 PYBIND11_MODULE(_core, m) {
   m.doc() = "mgpu's C++ engine (private: use the mgpu package)";
+  // The CPU kernels' instruction set, chosen now: a bad MGPU_ISA, or a CPU without it, fails the
+  // import with ImportError and the reason rather than a later op.
+  mgpu::ops::cpu::isa_choice();
   static py::exception<mgpu::DeviceError> device_error(m, "DeviceError", PyExc_RuntimeError);
   static py::exception<mgpu::OutOfMemoryError> oom_error(m, "OutOfMemoryError", PyExc_MemoryError);
   py::register_exception_translator([](std::exception_ptr p) {

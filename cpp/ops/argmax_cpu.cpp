@@ -3,8 +3,9 @@
 #include <cmath>
 
 #include "ops/argmax.h"
+#include "ops/cpu_isa.h"
 
-namespace mgpu::ops::cpu {
+namespace mgpu::ops::cpu::MGPU_CPU_ISA {
 
 void argmax_rows(int64_t n, int64_t m, const float* x, int64_t* out) {
   for (int64_t i = 0; i < n; ++i) {
@@ -23,4 +24,4 @@ void argmax_rows(int64_t n, int64_t m, const float* x, int64_t* out) {
   }
 }
 
-}  // namespace mgpu::ops::cpu
+}  // namespace mgpu::ops::cpu::MGPU_CPU_ISA

@@ -7,8 +7,9 @@
 
 #include "core/parallel.h"
 #include "ops/avg_pool2d.h"
+#include "ops/cpu_isa.h"
 
-namespace mgpu::ops::cpu {
+namespace mgpu::ops::cpu::MGPU_CPU_ISA {
 
 namespace {
 
@@ -141,4 +142,4 @@ void avg_pool2d_backward(int64_t N, int64_t C, int64_t H, int64_t W, int64_t kh,
   });
 }
 
-}  // namespace mgpu::ops::cpu
+}  // namespace mgpu::ops::cpu::MGPU_CPU_ISA

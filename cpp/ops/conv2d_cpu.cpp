@@ -20,9 +20,10 @@
 #include "ops/conv2d.h"
 #include "ops/conv2d_cpu/conv2d_cpu.h"
 #include "ops/conv2d_relu_pool.h"
+#include "ops/cpu_isa.h"
 #include "ops/gemm.h"
 
-namespace mgpu::ops::cpu {
+namespace mgpu::ops::cpu::MGPU_CPU_ISA {
 
 namespace conv {
 namespace {
@@ -297,4 +298,4 @@ void conv2d_relu_pool_backward(const Conv2dShape& s, int64_t pool, const float* 
   backward_blocks(s, x, w, load, dx, dw, db, direct_fused);
 }
 
-}  // namespace mgpu::ops::cpu
+}  // namespace mgpu::ops::cpu::MGPU_CPU_ISA

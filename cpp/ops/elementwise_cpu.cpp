@@ -2,9 +2,10 @@
 // the gradient of a bias broadcast over n rows.
 #include <algorithm>
 
+#include "ops/cpu_isa.h"
 #include "ops/elementwise.h"
 
-namespace mgpu::ops::cpu {
+namespace mgpu::ops::cpu::MGPU_CPU_ISA {
 
 void bias_grad_rows(int64_t n, int64_t m, const float* dy, float* db) {
   // Row by row, so each db[j] adds dy[0, j], dy[1, j], ... in i order (the documented order of
@@ -17,4 +18,4 @@ void bias_grad_rows(int64_t n, int64_t m, const float* dy, float* db) {
   }
 }
 
-}  // namespace mgpu::ops::cpu
+}  // namespace mgpu::ops::cpu::MGPU_CPU_ISA

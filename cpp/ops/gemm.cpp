@@ -1,5 +1,6 @@
 // cpp/ops/gemm.cpp -- sgemm over CBLAS, and keeping OpenBLAS single-threaded under mgpu's own
-// threads. Shapes as in gemm.h: op(A) (m, k), op(B) (k, n), C (m, n), all row-major.
+// threads. Shapes as in gemm.h: op(A) (m, k), op(B) (k, n), C (m, n), all row-major. The BLAS is
+// PyPI's scipy-openblas32 (MGPU_BLAS_PYPI: its symbols carry a scipy_ prefix) or the system's.
 #include "ops/gemm.h"
 
 #include <cblas.h>
@@ -8,9 +9,15 @@
 #include <stdexcept>
 #include <string>
 
-// Declared weak (and redeclared here, since only OpenBLAS's cblas.h declares it) so mgpu still
-// links against a BLAS without this symbol; the pointer is then null and we skip the call.
+#if MGPU_BLAS_PYPI
+#define MGPU_CBLAS_SGEMM scipy_cblas_sgemm
+#else
+#define MGPU_CBLAS_SGEMM cblas_sgemm
+// Declared weak (and redeclared here, since only OpenBLAS's cblas.h declares them) so mgpu still
+// links against a system BLAS without these symbols; the pointers are then null and unused.
 extern "C" void openblas_set_num_threads(int num_threads) __attribute__((weak));
+extern "C" char* openblas_get_config() __attribute__((weak));
+#endif
 
 namespace mgpu::ops::cpu {
 
@@ -30,10 +37,26 @@ int blas_int(int64_t v, const char* what) {
 void blas_init_single_threaded() {
   // A function-local static runs the call once, thread-safely, however many threads get here.
   static const bool done = [] {
+#if MGPU_BLAS_PYPI
+    scipy_openblas_set_num_threads(1);
+#else
     if (openblas_set_num_threads != nullptr) openblas_set_num_threads(1);
+#endif
     return true;
   }();
   (void)done;
+}
+
+std::string blas_info() {
+  std::string info = MGPU_BLAS_PYPI ? "OpenBLAS from PyPI (scipy-openblas32)"
+                                    : "the system's BLAS (MGPU_BLAS=system)";
+#if MGPU_BLAS_PYPI
+  const char* config = scipy_openblas_get_config();
+#else
+  const char* config = openblas_get_config != nullptr ? openblas_get_config() : nullptr;
+#endif
+  if (config != nullptr) info += std::string(": ") + config;
+  return info + "; single-threaded calls, mgpu schedules the cores";
 }
 
 void sgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a,
@@ -56,7 +79,7 @@ void sgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float al
     return;
   }
   blas_init_single_threaded();
-  cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans,
+  MGPU_CBLAS_SGEMM(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans,
               trans_b ? CblasTrans : CblasNoTrans, blas_int(m, "m"), blas_int(n, "n"),
               blas_int(k, "k"), alpha, a, blas_int(lda, "lda"), b, blas_int(ldb, "ldb"), beta, c,
               blas_int(ldc, "ldc"));

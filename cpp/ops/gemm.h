@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 namespace mgpu::ops::cpu {
 
@@ -19,5 +20,8 @@ void sgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float al
 // spawned threads inside every call would oversubscribe the machine. Makes OpenBLAS
 // single-threaded; a no-op with other BLAS vendors. Idempotent, cheap, callable from any thread.
 void blas_init_single_threaded();
+
+// Which BLAS this build calls (PyPI's or the system's) and its configuration string.
+std::string blas_info();
 
 }  // namespace mgpu::ops::cpu

@@ -7,9 +7,10 @@
 #include <string>
 
 #include "core/parallel.h"
+#include "ops/cpu_isa.h"
 #include "ops/softmax_ce.h"
 
-namespace mgpu::ops::cpu {
+namespace mgpu::ops::cpu::MGPU_CPU_ISA {
 
 namespace {
 
@@ -108,4 +109,4 @@ void softmax_ce_backward(int64_t n, int64_t m, const float* logits, const int32_
   backward(n, m, logits, labels, dloss, dlogits);
 }
 
-}  // namespace mgpu::ops::cpu
+}  // namespace mgpu::ops::cpu::MGPU_CPU_ISA

@@ -8,7 +8,23 @@ ops with their backward passes (``mgpu.ops``), losses and modules (``mgpu.nn``),
 """
 import atexit
 
-from . import _core, autograd, chapter, distributed, models, nn, ops, optim, plot, random
+from . import _startup
+
+_startup.check_cpu()
+_startup.preload_blas()
+
+from . import (  # after the checks above (pyproject.toml: E402 is off for this file)
+    _core,
+    autograd,
+    chapter,
+    distributed,
+    models,
+    nn,
+    ops,
+    optim,
+    plot,
+    random,
+)
 from ._core import DeviceError, OutOfMemoryError
 from .autograd import no_grad
 from .data import DataLoader, get_fashion_mnist_labels, load_data_fashion_mnist
@@ -60,8 +76,17 @@ def waitall() -> None:
 
 
 def build_info() -> dict:
-    """What this build contains: devices, BLAS, CUDA/cuDNN/NCCL/MPI parts."""
+    """What this build contains: devices, BLAS, CPU kernel path, CUDA/cuDNN/NCCL/MPI parts."""
     return dict(_core.build_info())
+
+
+def info(file=None) -> None:
+    """Prints what a bug report needs: version, CPU and kernel path, BLAS, CUDA/cuDNN/NCCL/MPI,
+    devices, where the data set is. The same as ``python -m mgpu info``."""
+    import sys
+
+    from .cli import info_lines
+    print("\n".join(info_lines()), file=file or sys.stdout)
 
 
 def set_num_threads(n: int) -> None:
@@ -90,7 +115,7 @@ def empty_cache() -> None:
 __all__ = [
     "Device", "DeviceError", "OutOfMemoryError", "Tensor", "CrossEntropyLoss",
     "SoftmaxCrossEntropyLoss", "DataLoader",
-    "Timer", "TrainResult",
+    "Timer", "TrainResult", "build_info", "info",
     "cpu", "gpu", "try_gpu", "try_all_gpus", "num_gpus",
     "array", "tensor", "zeros", "ones", "full", "zeros_like", "ones_like", "arange", "randn",
     "from_dlpack", "random", "autograd", "chapter", "distributed", "plot", "no_grad",

@@ -37,11 +37,53 @@ def _train(args) -> int:
     return 0
 
 
+def info_lines() -> List[str]:
+    """The lines of ``python -m mgpu info``: version, CPU and kernel path, BLAS, the optional
+    parts, devices, the data set. Each part that is missing says so in its line."""
+    import os
+    import platform
+
+    from . import _core, _startup
+    b = dict(_core.build_info())
+    _, model = _startup.cpu_flags_and_model()
+    np_version = "?"
+    try:
+        import numpy
+        np_version = numpy.__version__
+    except ImportError:
+        pass
+    lines = [f"mgpu {b['version']} (Python {platform.python_version()}, NumPy {np_version}, "
+             f"{platform.system()} {platform.machine()})",
+             f"CPU: {model or b['cpu_model'] or 'unknown'}; {os.cpu_count()} logical cores, mgpu "
+             f"uses {b['cpu_threads']} threads",
+             f"CPU kernels: {b['cpu_isa']}, {b['cpu_isa_reason']}; compiled for "
+             f"{', '.join(b['cpu_isas_built'])}; set MGPU_ISA=auto|avx2|avx512 to choose",
+             f"engine compiled for: {b['cpu_baseline']}",
+             f"BLAS: {b['blas']}",
+             f"CUDA: {b['cuda']}",
+             f"cuDNN: {b['cudnn']}",
+             f"NCCL: {b['nccl']}",
+             f"MPI: {b['mpi']}"]
+    gpus = _core.num_gpus()
+    devices = ["cpu(0)"] + [f"gpu({i})" for i in range(gpus)]
+    kind = " (emulated on the CPU)" if b.get("cuda_emulation") and gpus else ""
+    lines.append(f"devices: {', '.join(devices)}{kind}" +
+                 ("" if gpus else "; no GPU (CUDA not built, or no GPU visible)"))
+    try:
+        lines.append(f"data: Fashion-MNIST found in {_core.find_fashion_mnist('')}")
+    except FileNotFoundError as e:
+        lines.append("data: " + str(e).replace("\n", "\n  "))
+    return lines
+
+
 def _info(args) -> int:
-    from . import _core
-    info = dict(_core.build_info())
-    info["num_gpus"] = _core.num_gpus()
-    print(json.dumps(info, indent=2))
+    if args.json:
+        from . import _core
+        info = dict(_core.build_info())
+        info["num_gpus"] = _core.num_gpus()
+        print(json.dumps(info, indent=2))
+        return 0
+    print("\n".join(info_lines()))
     return 0
 
 
@@ -168,7 +210,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     t.add_argument("--no-check-finite", dest="check_finite", action="store_false",
                    help="keep training when the loss becomes NaN or infinite (default: stop)")
     t.set_defaults(run=_train)
-    i = sub.add_parser("info", help="what this build contains (mgpu.build_info())")
+    i = sub.add_parser("info", help="version, CPU kernel path, BLAS, built parts, devices, data")
+    i.add_argument("--json", action="store_true", help="print mgpu.build_info() as JSON instead")
     i.set_defaults(run=_info)
     _bench_parser(sub)
     args = parser.parse_args(argv)

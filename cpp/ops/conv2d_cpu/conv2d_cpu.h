@@ -12,7 +12,7 @@
 #include "ops/conv2d.h"
 #include "ops/conv2d_relu_pool.h"
 
-namespace mgpu::ops::cpu::conv {
+namespace mgpu::ops::cpu::MGPU_CPU_ISA::conv {
 
 // Images per block (im2col and direct paths; the lane path uses kLaneBlock = 16): the unit of
 // parallel work, and the unit of the batch sums in dw and db. Each block sums its images into its
@@ -136,13 +136,12 @@ inline I widen_bytes(const uint8_t* p) {
 #endif
   return __builtin_convertvector(b, I);
 }
-inline F16 load16(const float* p) { return loadv<F16>(p); }
-inline void store16(float* p, F16 v) { storev(p, v); }
 
 // The types of an L-lane chunk of a row: floats F, compare results I, bytes B, and half-width
 // floats H with the even / odd lanes of F (2x2 pooling pairs adjacent columns) and back.
 template <int L>
 struct Lanes;
+#if defined(__AVX512F__)  // 16-float vectors only where they are one register
 template <>
 struct Lanes<16> {
   using F = F16;
@@ -155,6 +154,7 @@ struct Lanes<16> {
     return __builtin_shufflevector(v, v, 0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
   }
 };
+#endif
 template <>
 struct Lanes<8> {
   using F = F8;
@@ -197,14 +197,40 @@ constexpr auto table_1_to(Make make) {
   });
 }
 
-// Adds a vector's lanes in a fixed pairwise tree: lane j + 8 onto lane j, then j + 4, j + 2, j + 1.
-inline float sum16(F16 v) {
-  const F8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-               __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+// ---- The vector width of this instruction-set path ----
+// The kernels compute with kW-float vectors V: 16 (one zmm) on the AVX-512 path, 8 (one ymm) on
+// the AVX2 path, whose 16 registers hold a tile of 8-float accumulators but not of 16-float ones.
+// Layouts and sums stay 16 wide on both: blocks of 16 images in lanes, 16-column chunks and
+// 16-lane partial sums; the AVX2 path computes each 16-lane step as kHalves = 2 halves of 8 lanes
+// with the same operations in the same order, so both paths give the same bits.
+#if defined(__AVX512F__)
+constexpr int kW = 16;
+#else
+constexpr int kW = 8;
+#endif
+constexpr int kHalves = 16 / kW;
+using V = Lanes<kW>::F;
+using VI = Lanes<kW>::I;
+using VB = Lanes<kW>::B;
+inline V loadw(const float* p) { return loadv<V>(p); }
+inline void storew(float* p, V v) { storev(p, v); }
+
+// Adds the 16 lanes of a partial sum, given as its kHalves vectors (lanes 0-7 and 8-15, or all
+// 16), in a fixed pairwise tree: lane j + 8 onto lane j, then j + 4, j + 2, j + 1.
+inline float sum16_tree(F8 a) {
   const F4 b =
       __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
   return (b[0] + b[2]) + (b[1] + b[3]);
 }
+#if defined(__AVX512F__)
+inline float sum16(const V* halves) {
+  const V v = halves[0];
+  return sum16_tree(__builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                    __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15));
+}
+#else
+inline float sum16(const V* halves) { return sum16_tree(halves[0] + halves[1]); }
+#endif
 
 // ---- im2col.cpp: unfolding for the sgemm path, and rectangle copies ----
 void copy_rect(float* __restrict d, int64_t dstride, const float* __restrict s, int64_t sstride,
@@ -252,4 +278,4 @@ void relu_pool_grad_plane(const uint8_t* __restrict mask, const float* __restric
                           int64_t P, int64_t Q, int64_t pool, float* __restrict dy,
                           float* __restrict up);
 
-}  // namespace mgpu::ops::cpu::conv
+}  // namespace mgpu::ops::cpu::MGPU_CPU_ISA::conv

@@ -3,15 +3,17 @@
 // registers; forward, dw/db, the fused relu-pool forward and its dy-on-the-fly backward.
 #include "ops/conv2d_cpu/conv2d_cpu.h"
 
-namespace mgpu::ops::cpu::conv {
+namespace mgpu::ops::cpu::MGPU_CPU_ISA::conv {
 
 // ---- Direct convolution for few taps ----
 // With C*R*S taps <= kDirectMaxTaps, stride 1 and no padding, each output row is computed as
-// sixteen lanes at a time straight from x: lane q of tap j = (c, r, t) reads x[c, p + r, q + t],
+// kW lanes at a time straight from x: lane q of tap j = (c, r, t) reads x[c, p + r, q + t],
 // so the taps of a row chunk are kTaps unaligned loads, kept in registers while every output
-// channel is multiplied out. The chunks of a row start at 0, 16, 32, ... and the last one at
-// Q - 16 (hence Q >= 16), overlapping the one before: the overlap recomputes the same lanes with
-// the same operations, and every load stays inside the row of x it starts in.
+// channel is multiplied out. The chunks of a row start at 0, kW, 2 kW, ... and the last one at
+// Q - kW, overlapping the one before: the overlap recomputes the same lanes with the same
+// operations, and every load stays inside the row of x it starts in. Every output gets the same
+// operations whatever kW, so both paths give the same bits; the path is taken for Q >= 16 on both.
+// dw's sums run in 16-lane chunks on both paths (the AVX2 path as two halves).
 constexpr int64_t kDirectMaxTaps = 16;
 constexpr int64_t kLanes16 = 16;
 
@@ -35,20 +37,20 @@ std::array<int64_t, kTaps> tap_offsets(const Conv2dShape& s) {
 template <int kTaps>
 void direct_forward_image(const Conv2dShape& s, const float* __restrict x,
                           const float* __restrict w, float* __restrict out) {
-  const int64_t P = s.P(), Q = s.Q(), PQ = P * Q, last = Q - kLanes16;
+  const int64_t P = s.P(), Q = s.Q(), PQ = P * Q, last = Q - kW;
   const std::array<int64_t, kTaps> off = tap_offsets<kTaps>(s);
   for (int64_t p = 0; p < P; ++p) {
     const float* xp = x + p * s.W;
-    for (int64_t q0 = 0;; q0 += kLanes16) {
+    for (int64_t q0 = 0;; q0 += kW) {
       if (q0 > last) q0 = last;
-      F16 xv[kTaps];
-      for (int j = 0; j < kTaps; ++j) xv[j] = load16(xp + off[static_cast<size_t>(j)] + q0);
+      V xv[kTaps];
+      for (int j = 0; j < kTaps; ++j) xv[j] = loadw(xp + off[static_cast<size_t>(j)] + q0);
       float* o = out + p * Q + q0;
       for (int64_t k = 0; k < s.K; ++k) {
         const float* wk = w + k * kTaps;
-        F16 acc = xv[0] * wk[0];
+        V acc = xv[0] * wk[0];
         for (int j = 1; j < kTaps; ++j) acc += xv[j] * wk[j];
-        store16(o + k * PQ, acc);
+        storew(o + k * PQ, acc);
       }
       if (q0 == last) break;
     }
@@ -66,35 +68,41 @@ void direct_dw_block(const Conv2dShape& s, const float* __restrict x, int64_t B,
   const int64_t P = s.P(), Q = s.Q(), CHW = s.C * s.H * s.W;
   const std::array<int64_t, kTaps> off = tap_offsets<kTaps>(s);
   const int64_t full = Q / kLanes16 * kLanes16;  // columns covered by whole chunks
-  I16 lane;
-  for (int j = 0; j < kLanes16; ++j) lane[j] = j;
-  const I16 keep_tail = lane >= static_cast<int32_t>(kLanes16 - (Q - full));
-  const F16 zero = {};
+  const V zero = {};
   for (int64_t k = 0; k < s.K; ++k) {
-    F16 acc[kTaps] = {};
-    F16 accb = {};
-    for (int64_t i = 0; i < B; ++i) {
-      for (int64_t p = 0; p < P; ++p) {
-        const float* xp = x + i * CHW + p * s.W;
-        for (int64_t q0 = 0; q0 < full; q0 += kLanes16) {
-          const F16 d = dy_chunk(k, i, p, q0);
-          accb += d;
-          for (int j = 0; j < kTaps; ++j) {
-            acc[j] += d * load16(xp + off[static_cast<size_t>(j)] + q0);
+    V part[kTaps + 1][kHalves];  // each half's sums (taps, then db), added lane by lane at the end
+    for (int h = 0; h < kHalves; ++h) {  // the chunk's lanes [h * kW, (h + 1) * kW)
+      const int64_t lo = h * kW;
+      VI lane;
+      for (int l = 0; l < kW; ++l) lane[l] = static_cast<int32_t>(lo + l);
+      const VI keep_tail = lane >= static_cast<int32_t>(kLanes16 - (Q - full));
+      V acc[kTaps] = {};
+      V accb = {};
+      for (int64_t i = 0; i < B; ++i) {
+        for (int64_t p = 0; p < P; ++p) {
+          const float* xp = x + i * CHW + p * s.W + lo;
+          for (int64_t q0 = 0; q0 < full; q0 += kLanes16) {
+            const V d = dy_chunk(k, i, p, q0 + lo);
+            accb += d;
+            for (int j = 0; j < kTaps; ++j) {
+              acc[j] += d * loadw(xp + off[static_cast<size_t>(j)] + q0);
+            }
           }
-        }
-        if (full < Q) {
-          const int64_t q0 = Q - kLanes16;
-          const F16 d = keep_tail ? dy_chunk(k, i, p, q0) : zero;
-          accb += d;
-          for (int j = 0; j < kTaps; ++j) {
-            acc[j] += d * load16(xp + off[static_cast<size_t>(j)] + q0);
+          if (full < Q) {
+            const int64_t q0 = Q - kLanes16;
+            const V d = keep_tail ? dy_chunk(k, i, p, q0 + lo) : zero;
+            accb += d;
+            for (int j = 0; j < kTaps; ++j) {
+              acc[j] += d * loadw(xp + off[static_cast<size_t>(j)] + q0);
+            }
           }
         }
       }
+      for (int j = 0; j < kTaps; ++j) part[j][h] = acc[j];
+      part[kTaps][h] = accb;
     }
-    for (int j = 0; j < kTaps; ++j) dw[k * kTaps + j] = sum16(acc[j]);
-    if (db) db[k] = sum16(accb);
+    for (int j = 0; j < kTaps; ++j) dw[k * kTaps + j] = sum16(part[j]);
+    if (db) db[k] = sum16(part[kTaps]);
   }
 }
 
@@ -107,7 +115,7 @@ void direct_backward_block(const Conv2dShape& s, const float* __restrict x, int6
   direct_dw_block<kTaps>(
       s, x, B,
       [&](int64_t k, int64_t i, int64_t p, int64_t q0) {
-        return load16(dy + k * ld + i * PQ + p * Q + q0);
+        return loadw(dy + k * ld + i * PQ + p * Q + q0);
       },
       dw, db);
 }
@@ -119,24 +127,24 @@ template <int kTaps>
 void direct_pool2_backward_block(const Conv2dShape& s, const float* __restrict x, int64_t B,
                                  const uint8_t* __restrict mask, const float* __restrict dpooled,
                                  float* __restrict dw, float* __restrict db) {
-  using T = Lanes<16>;
+  using T = Lanes<kW>;
   const int64_t P = s.P(), Q = s.Q(), Pp = P / 2, Qp = Q / 2;
-  const F16 zero = {};
+  const V zero = {};
   direct_dw_block<kTaps>(
       s, x, B,
       [&](int64_t k, int64_t i, int64_t p, int64_t q0) {
         if (p >= 2 * Pp) return zero;
         const float* dp = dpooled + ((i * s.K + k) * Pp + p / 2) * Qp;
-        F16 up;
-        if (q0 % 2 == 0 && q0 + kLanes16 <= 2 * Qp) {
-          up = T::twice(loadv<F8>(dp + q0 / 2) * 0.25f);
+        V up;
+        if (q0 % 2 == 0 && q0 + kW <= 2 * Qp) {
+          up = T::twice(loadv<T::H>(dp + q0 / 2) * 0.25f);
         } else {
-          for (int l = 0; l < kLanes16; ++l) {
+          for (int l = 0; l < kW; ++l) {
             const int64_t q = q0 + l;
             up[l] = q < 2 * Qp ? dp[q / 2] * 0.25f : 0.0f;
           }
         }
-        const I16 keep = widen_bytes<I16, U8x16>(mask + ((i * s.K + k) * P + p) * Q + q0) != 0;
+        const VI keep = widen_bytes<VI, VB>(mask + ((i * s.K + k) * P + p) * Q + q0) != 0;
         return keep ? up : zero;
       },
       dw, db);
@@ -152,10 +160,10 @@ template <int kTaps>
 void direct_relu_pool2_image(const Conv2dShape& s, const float* __restrict x,
                              const float* __restrict w, const float* __restrict b,
                              uint8_t* __restrict mask, float* __restrict pooled) {
-  using T = Lanes<16>;
+  using T = Lanes<kW>;
   const int64_t P = s.P(), Q = s.Q(), PQ = P * Q, Pp = P / 2, Qp = Q / 2;
   const std::array<int64_t, kTaps> off = tap_offsets<kTaps>(s);
-  const F16 zero = {};
+  const V zero = {};
   // The sum of one output by the vector lanes' operations, for the columns no chunk covers.
   auto sum_at = [&](int64_t k, int64_t p, int64_t q) {
     const float* xp = x + p * s.W + q;
@@ -167,28 +175,28 @@ void direct_relu_pool2_image(const Conv2dShape& s, const float* __restrict x,
   for (int64_t pp = 0; pp < Pp; ++pp) {
     const float* x0 = x + 2 * pp * s.W;
     const float* x1 = x0 + s.W;
-    for_each_pool2_chunk<kLanes16>(Q, [&](int64_t q0) {
-      F16 a[kTaps], c[kTaps];
+    for_each_pool2_chunk<kW>(Q, [&](int64_t q0) {
+      V a[kTaps], c[kTaps];
       for (int j = 0; j < kTaps; ++j) {
-        a[j] = load16(x0 + off[static_cast<size_t>(j)] + q0);
-        c[j] = load16(x1 + off[static_cast<size_t>(j)] + q0);
+        a[j] = loadw(x0 + off[static_cast<size_t>(j)] + q0);
+        c[j] = loadw(x1 + off[static_cast<size_t>(j)] + q0);
       }
       for (int64_t k = 0; k < s.K; ++k) {
         const float* wk = w + k * kTaps;
-        F16 acc0 = a[0] * wk[0], acc1 = c[0] * wk[0];
+        V acc0 = a[0] * wk[0], acc1 = c[0] * wk[0];
         for (int j = 1; j < kTaps; ++j) {
           acc0 += a[j] * wk[j];
           acc1 += c[j] * wk[j];
         }
         const float bias = b ? b[k] : 0.0f;
-        const F16 y0 = acc0 + bias, y1 = acc1 + bias;
-        const I16 k0 = y0 > zero, k1 = y1 > zero;
+        const V y0 = acc0 + bias, y1 = acc1 + bias;
+        const VI k0 = y0 > zero, k1 = y1 > zero;
         if (mask) {
           uint8_t* m0 = mask + k * PQ + 2 * pp * Q + q0;
-          storev(m0, __builtin_convertvector(k0 & 1, U8x16));
-          storev(m0 + Q, __builtin_convertvector(k1 & 1, U8x16));
+          storev(m0, __builtin_convertvector(k0 & 1, VB));
+          storev(m0 + Q, __builtin_convertvector(k1 & 1, VB));
         }
-        const F16 sum = (k0 ? y0 : zero) + (k1 ? y1 : zero);
+        const V sum = (k0 ? y0 : zero) + (k1 ? y1 : zero);
         storev(pooled + (k * Pp + pp) * Qp + q0 / 2, (T::evens(sum) + T::odds(sum)) * 0.25f);
       }
     });
@@ -202,18 +210,18 @@ void direct_relu_pool2_image(const Conv2dShape& s, const float* __restrict x,
   }
   if (mask && P % 2 == 1) {  // odd P: the last row, as direct_forward_image computes it
     const int64_t p = P - 1;
-    for (int64_t q0 = 0;; q0 += kLanes16) {
-      if (q0 > Q - kLanes16) q0 = Q - kLanes16;
-      F16 a[kTaps];
-      for (int j = 0; j < kTaps; ++j) a[j] = load16(x + p * s.W + off[static_cast<size_t>(j)] + q0);
+    for (int64_t q0 = 0;; q0 += kW) {
+      if (q0 > Q - kW) q0 = Q - kW;
+      V a[kTaps];
+      for (int j = 0; j < kTaps; ++j) a[j] = loadw(x + p * s.W + off[static_cast<size_t>(j)] + q0);
       for (int64_t k = 0; k < s.K; ++k) {
         const float* wk = w + k * kTaps;
-        F16 acc = a[0] * wk[0];
+        V acc = a[0] * wk[0];
         for (int j = 1; j < kTaps; ++j) acc += a[j] * wk[j];
-        const F16 y = acc + (b ? b[k] : 0.0f);
-        storev(mask + k * PQ + p * Q + q0, __builtin_convertvector((y > zero) & 1, U8x16));
+        const V y = acc + (b ? b[k] : 0.0f);
+        storev(mask + k * PQ + p * Q + q0, __builtin_convertvector((y > zero) & 1, VB));
       }
-      if (q0 == Q - kLanes16) break;
+      if (q0 == Q - kW) break;
     }
   }
 }
@@ -267,4 +275,4 @@ void direct_backward_dx(const Conv2dShape& s, const float* __restrict w, int64_t
   }
 }
 
-}  // namespace mgpu::ops::cpu::conv
+}  // namespace mgpu::ops::cpu::MGPU_CPU_ISA::conv

@@ -3,7 +3,7 @@
 // dcol back into dx; plus the rectangle copies they and the pooling planes use.
 #include "ops/conv2d_cpu/conv2d_cpu.h"
 
-namespace mgpu::ops::cpu::conv {
+namespace mgpu::ops::cpu::MGPU_CPU_ISA::conv {
 
 // Rectangles of rows x n floats, source rows sstride apart and destination rows dstride apart:
 // im2col copies them, col2im adds them. Up to kFixedWidth floats wide the width is a template
@@ -164,4 +164,4 @@ void col2im_channel(const Unfold& u, const float* __restrict dcol, int64_t ld, i
   }
 }
 
-}  // namespace mgpu::ops::cpu::conv
+}  // namespace mgpu::ops::cpu::MGPU_CPU_ISA::conv

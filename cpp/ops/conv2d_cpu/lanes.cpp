@@ -3,7 +3,7 @@
 // that layout, and register-tiled FMA kernels for forward, dw and dx.
 #include "ops/conv2d_cpu/conv2d_cpu.h"
 
-namespace mgpu::ops::cpu::conv {
+namespace mgpu::ops::cpu::MGPU_CPU_ISA::conv {
 
 // ---- Batch in lanes: 16 images side by side (LeNet's conv2) ----
 // For the other convolutions with stride 1 and no padding, a block of 16 images is laid out
@@ -14,11 +14,29 @@ namespace mgpu::ops::cpu::conv {
 // arithmetic is all FMAs on full vectors. Each sum runs over a fixed order (forward and dx: the
 // taps; dw: the block's pixels, then the 16 lanes in a fixed tree), so the bits depend on the
 // shape alone. Missing images of a short last block are zero lanes.
-// Tiles: at most 8 x 3 forward, 5 x 5 dw, 5 x 5 and 10 x 1 dx accumulators (<= 25 vectors, so
-// they stay in AVX-512's 32 registers next to the operands). Chosen by alternating timed runs of
-// LeNet's conv2 on one core: forward 5 x 3 -> 8 x 3 was ~14% faster, dx 4 x 5 -> 5 x 5 ~4%;
-// 10 x 2 forward and 2 x 10 dw ran out of registers (~1.3-1.8x slower).
+// On the AVX2 path each tile runs twice, over lanes 0-7 and 8-15 (kHalves), with 8-float
+// vectors; the sums per lane are the same, so are the bits.
+// Tiles (accumulators next to their operands and one broadcast weight in the register file):
+// AVX-512 (32 zmm): at most 8 x 3 forward, 5 x 5 dw, 5 x 5 and 10 x 1 dx (<= 25 vectors). Chosen
+// by alternating timed runs of LeNet's conv2 on one core: forward 5 x 3 -> 8 x 3 was ~14%
+// faster, dx 4 x 5 -> 5 x 5 ~4%; 10 x 2 forward and 2 x 10 dw ran out of registers.
+// AVX2 (16 ymm): 3 x 3 forward, 3 x 4 dw, 2 x 5 dx and 10 x 1 dx columns (<= 12 accumulators
+// next to their loads and a broadcast). Chosen by CPU-time runs of LeNet's conv2 on one Zen 4
+// core among 3x3 / 4x3 / 5x2 / 6x2 forward, 2x5 / 2x6 / 3x4 / 4x2 dw, 2x5 / 4x3 / 5x2 dx.
+#ifndef MGPU_LANES_FWD_KT  // the AVX2 tiles can be set at compile time, to time alternatives
+#define MGPU_LANES_FWD_KT 3
+#define MGPU_LANES_FWD_QT 3
+#define MGPU_LANES_DW_KT 3
+#define MGPU_LANES_DW_JT 4
+#define MGPU_LANES_DX_CT 2
+#define MGPU_LANES_DX_WT 5
+#endif
+#if defined(__AVX512F__)
 constexpr int kFwdKT = 8, kFwdQT = 3, kDwKT = 5, kDwJT = 5, kDxCT = 5, kDxWT = 5;
+#else
+constexpr int kFwdKT = MGPU_LANES_FWD_KT, kFwdQT = MGPU_LANES_FWD_QT, kDwKT = MGPU_LANES_DW_KT,
+              kDwJT = MGPU_LANES_DW_JT, kDxCT = MGPU_LANES_DX_CT, kDxWT = MGPU_LANES_DX_WT;
+#endif
 // Border columns of dx: one column, up to 10 input channels.
 constexpr int kDxColumnCT = 10;
 
@@ -27,47 +45,52 @@ bool use_lanes(const Conv2dShape& s) {
          kLaneBlock * (s.C * s.H * s.W + 2 * s.K * s.P() * s.Q()) <= (int64_t{1} << 22);
 }
 
-// Transposes a 16 x 16 tile held as 16 row vectors, in place: v[j][i] becomes the old v[i][j].
-// Rounds d = 8, 4, 2, 1 swap the off-diagonal d x d blocks: rows a and a + d (bit d of a clear)
-// become, block by block, the even-numbered blocks of both rows and the odd-numbered ones, one
-// two-input shuffle each. Lane l of the result reads block l / d of x (even) or y (odd).
+// Transposes a kW x kW tile held as kW row vectors, in place: v[j][i] becomes the old v[i][j].
+// Rounds d = kW / 2, ..., 2, 1 swap the off-diagonal d x d blocks: rows a and a + d (bit d of a
+// clear) become, block by block, the even-numbered blocks of both rows and the odd-numbered
+// ones, one two-input shuffle each. Lane l of the result reads block l / d of x (even) or y (odd).
 template <int kD, int kHalf, size_t... kL>
-inline F16 swap_blocks(F16 x, F16 y, std::index_sequence<kL...>) {
+inline V swap_blocks(V x, V y, std::index_sequence<kL...>) {
   return __builtin_shufflevector(
-      x, y, static_cast<int>((kL / kD % 2) * 16 + kL / kD / 2 * 2 * kD + kHalf * kD + kL % kD)...);
+      x, y, static_cast<int>((kL / kD % 2) * kW + kL / kD / 2 * 2 * kD + kHalf * kD + kL % kD)...);
 }
 template <int kD>
-inline void transpose_round(F16* v) {
-  for (int a = 0; a < 16; ++a) {
+inline void transpose_round(V* v) {
+  for (int a = 0; a < kW; ++a) {
     if (a & kD) continue;
-    const F16 x = v[a], y = v[a + kD];
-    v[a] = swap_blocks<kD, 0>(x, y, std::make_index_sequence<16>{});
-    v[a + kD] = swap_blocks<kD, 1>(x, y, std::make_index_sequence<16>{});
+    const V x = v[a], y = v[a + kD];
+    v[a] = swap_blocks<kD, 0>(x, y, std::make_index_sequence<kW>{});
+    v[a + kD] = swap_blocks<kD, 1>(x, y, std::make_index_sequence<kW>{});
   }
 }
-inline void transpose16(F16* v) {
-  transpose_round<8>(v);
+inline void transpose_tile(V* v) {
+  if constexpr (kW == 16) transpose_round<8>(v);
   transpose_round<4>(v);
   transpose_round<2>(v);
   transpose_round<1>(v);
 }
 
 // xT (E, 16) from B <= 16 rows of x, rows e_stride floats apart: xT[e, i] = x[i, e], zero for
-// i >= B. Sixteen columns at a time through transpose16, the last E % 16 one by one.
+// i >= B. Sixteen columns at a time through kW x kW transposes, the last E % 16 one by one.
 void to_lanes(const float* __restrict x, int64_t e_stride, int64_t B, int64_t E,
               float* __restrict xT) {
-  const F16 zero = {};
+  const V zero = {};
   const int64_t full = E / kLaneBlock * kLaneBlock;
   for (int64_t e0 = 0; e0 < full; e0 += kLaneBlock) {
-    F16 v[kLaneBlock];
-    for (int64_t i = 0; i < kLaneBlock; ++i) v[i] = i < B ? load16(x + i * e_stride + e0) : zero;
-    transpose16(v);
-    for (int64_t e = 0; e < kLaneBlock; ++e) store16(xT + (e0 + e) * kLaneBlock, v[e]);
+    for (int ib = 0; ib < kLaneBlock; ib += kW) {
+      for (int eb = 0; eb < kLaneBlock; eb += kW) {
+        V v[kW];
+        for (int i = 0; i < kW; ++i) {
+          v[i] = ib + i < B ? loadw(x + (ib + i) * e_stride + e0 + eb) : zero;
+        }
+        transpose_tile(v);
+        for (int e = 0; e < kW; ++e) storew(xT + (e0 + eb + e) * kLaneBlock + ib, v[e]);
+      }
+    }
   }
   for (int64_t e = full; e < E; ++e) {
-    F16 v = zero;
-    for (int64_t i = 0; i < B; ++i) v[i] = x[i * e_stride + e];
-    store16(xT + e * kLaneBlock, v);
+    float* row = xT + e * kLaneBlock;
+    for (int64_t i = 0; i < kLaneBlock; ++i) row[i] = i < B ? x[i * e_stride + e] : 0.0f;
   }
 }
 
@@ -76,10 +99,14 @@ void from_lanes(const float* __restrict xT, int64_t E, int64_t B, float* __restr
                 int64_t e_stride) {
   const int64_t full = E / kLaneBlock * kLaneBlock;
   for (int64_t e0 = 0; e0 < full; e0 += kLaneBlock) {
-    F16 v[kLaneBlock];
-    for (int64_t e = 0; e < kLaneBlock; ++e) v[e] = load16(xT + (e0 + e) * kLaneBlock);
-    transpose16(v);
-    for (int64_t i = 0; i < B; ++i) store16(x + i * e_stride + e0, v[i]);
+    for (int ib = 0; ib < kLaneBlock && ib < B; ib += kW) {
+      for (int eb = 0; eb < kLaneBlock; eb += kW) {
+        V v[kW];
+        for (int e = 0; e < kW; ++e) v[e] = loadw(xT + (e0 + eb + e) * kLaneBlock + ib);
+        transpose_tile(v);
+        for (int i = 0; i < kW && ib + i < B; ++i) storew(x + (ib + i) * e_stride + e0 + eb, v[i]);
+      }
+    }
   }
   for (int64_t e = full; e < E; ++e) {
     for (int64_t i = 0; i < B; ++i) x[i * e_stride + e] = xT[e * kLaneBlock + i];
@@ -92,59 +119,69 @@ template <int KT, int QT>
 void lanes_forward_tile(const Conv2dShape& s, const float* __restrict xT,
                         const float* __restrict wT, int64_t p, int64_t q0, int64_t k0,
                         float* __restrict outT) {
-  F16 acc[KT][QT] = {};
   const int64_t P = s.P(), Q = s.Q();
-  int64_t j = 0;
-  for (int64_t c = 0; c < s.C; ++c) {
-    for (int64_t r = 0; r < s.R; ++r) {
-      const float* xrow = xT + ((c * s.H + p + r) * s.W + q0) * kLaneBlock;
-      for (int64_t t = 0; t < s.S; ++t, ++j) {
-        F16 xv[QT];
+  for (int h = 0; h < kLaneBlock; h += kW) {
+    V acc[KT][QT] = {};
+    int64_t j = 0;
+    for (int64_t c = 0; c < s.C; ++c) {
+      for (int64_t r = 0; r < s.R; ++r) {
+        const float* xrow = xT + ((c * s.H + p + r) * s.W + q0) * kLaneBlock + h;
+        for (int64_t t = 0; t < s.S; ++t, ++j) {
+          V xv[QT];
 #pragma GCC unroll 8
-        for (int m = 0; m < QT; ++m) xv[m] = load16(xrow + (t + m) * kLaneBlock);
-        const float* wj = wT + j * s.K + k0;
+          for (int m = 0; m < QT; ++m) xv[m] = loadw(xrow + (t + m) * kLaneBlock);
+          const float* wj = wT + j * s.K + k0;
 #pragma GCC unroll 8
-        for (int a = 0; a < KT; ++a) {
-          const float wa = wj[a];
+          for (int a = 0; a < KT; ++a) {
+            const float wa = wj[a];
 #pragma GCC unroll 8
-          for (int m = 0; m < QT; ++m) acc[a][m] += xv[m] * wa;
+            for (int m = 0; m < QT; ++m) acc[a][m] += xv[m] * wa;
+          }
         }
       }
     }
-  }
-  for (int a = 0; a < KT; ++a) {
-    for (int m = 0; m < QT; ++m) store16(outT + (((k0 + a) * P + p) * Q + q0 + m) * kLaneBlock,
-                                         acc[a][m]);
+    for (int a = 0; a < KT; ++a) {
+      for (int m = 0; m < QT; ++m) {
+        storew(outT + (((k0 + a) * P + p) * Q + q0 + m) * kLaneBlock + h, acc[a][m]);
+      }
+    }
   }
 }
 
 // dw tile: dw[k0 + a, j0 + b] for a < KT, b < JT (j = (c, r, t)) of one block, summed over the
-// pixels (p, q) in order, then over the lanes. xoff[j] is tap j's offset (c*H + r)*W + t.
+// pixels (p, q) in order, then over the 16 lanes (sum16). xoff[j] is tap j's offset
+// (c*H + r)*W + t.
 template <int KT, int JT>
 void lanes_dw_tile(const Conv2dShape& s, const float* __restrict xT, const float* __restrict dyT,
                    const int64_t* __restrict xoff, int64_t k0, int64_t j0, float* __restrict dw) {
-  F16 acc[KT][JT] = {};
   const int64_t P = s.P(), Q = s.Q(), CRS = s.C * s.R * s.S;
-  const float* xj[JT];
-  for (int b = 0; b < JT; ++b) xj[b] = xT + xoff[j0 + b] * kLaneBlock;
   const int64_t k_step = P * Q * kLaneBlock;
-  for (int64_t p = 0; p < P; ++p) {
-    const float* dyrow = dyT + (k0 * P + p) * Q * kLaneBlock;
-    for (int64_t q = 0; q < Q; ++q) {
-      const int64_t pix = (p * s.W + q) * kLaneBlock;
-      F16 d[KT];
+  V part[KT][JT][kHalves];  // each half's sums, added lane by lane at the end
+  for (int h = 0; h < kHalves; ++h) {
+    V acc[KT][JT] = {};
+    const float* xj[JT];
+    for (int b = 0; b < JT; ++b) xj[b] = xT + xoff[j0 + b] * kLaneBlock + h * kW;
+    for (int64_t p = 0; p < P; ++p) {
+      const float* dyrow = dyT + (k0 * P + p) * Q * kLaneBlock + h * kW;
+      for (int64_t q = 0; q < Q; ++q) {
+        const int64_t pix = (p * s.W + q) * kLaneBlock;
+        V d[KT];
 #pragma GCC unroll 8
-      for (int a = 0; a < KT; ++a) d[a] = load16(dyrow + a * k_step + q * kLaneBlock);
+        for (int a = 0; a < KT; ++a) d[a] = loadw(dyrow + a * k_step + q * kLaneBlock);
 #pragma GCC unroll 8
-      for (int b = 0; b < JT; ++b) {
-        const F16 xv = load16(xj[b] + pix);
+        for (int b = 0; b < JT; ++b) {
+          const V xv = loadw(xj[b] + pix);
 #pragma GCC unroll 8
-        for (int a = 0; a < KT; ++a) acc[a][b] += d[a] * xv;
+          for (int a = 0; a < KT; ++a) acc[a][b] += d[a] * xv;
+        }
       }
+    }
+    for (int a = 0; a < KT; ++a) {
+      for (int b = 0; b < JT; ++b) part[a][b][h] = acc[a][b];
     }
   }
   for (int a = 0; a < KT; ++a) {
-    for (int b = 0; b < JT; ++b) dw[(k0 + a) * CRS + j0 + b] = sum16(acc[a][b]);
+    for (int b = 0; b < JT; ++b) dw[(k0 + a) * CRS + j0 + b] = sum16(part[a][b]);
   }
 }
 
@@ -155,28 +192,31 @@ template <int CT, int WT>
 void lanes_dx_tile(const Conv2dShape& s, const float* __restrict w, const float* __restrict dyT,
                    int64_t h, int64_t r_lo, int64_t r_hi, int64_t w0, int64_t c0,
                    float* __restrict dxT) {
-  F16 acc[CT][WT] = {};
   const int64_t P = s.P(), Q = s.Q();
-  for (int64_t k = 0; k < s.K; ++k) {
-    for (int64_t r = r_lo; r <= r_hi; ++r) {
-      const float* dyrow = dyT + ((k * P + h - r) * Q + w0) * kLaneBlock;
-      const float* wkr = w + ((k * s.C + c0) * s.R + r) * s.S;
-      for (int64_t t = 0; t < s.S; ++t) {
-        F16 dv[WT];
+  for (int l0 = 0; l0 < kLaneBlock; l0 += kW) {
+    V acc[CT][WT] = {};
+    for (int64_t k = 0; k < s.K; ++k) {
+      for (int64_t r = r_lo; r <= r_hi; ++r) {
+        const float* dyrow = dyT + ((k * P + h - r) * Q + w0) * kLaneBlock + l0;
+        const float* wkr = w + ((k * s.C + c0) * s.R + r) * s.S;
+        for (int64_t t = 0; t < s.S; ++t) {
+          V dv[WT];
 #pragma GCC unroll 8
-        for (int m = 0; m < WT; ++m) dv[m] = load16(dyrow + (m - t) * kLaneBlock);
+          for (int m = 0; m < WT; ++m) dv[m] = loadw(dyrow + (m - t) * kLaneBlock);
 #pragma GCC unroll 8
-        for (int a = 0; a < CT; ++a) {
-          const float wa = wkr[a * s.R * s.S + t];
+          for (int a = 0; a < CT; ++a) {
+            const float wa = wkr[a * s.R * s.S + t];
 #pragma GCC unroll 8
-          for (int m = 0; m < WT; ++m) acc[a][m] += dv[m] * wa;
+            for (int m = 0; m < WT; ++m) acc[a][m] += dv[m] * wa;
+          }
         }
       }
     }
-  }
-  for (int a = 0; a < CT; ++a) {
-    for (int m = 0; m < WT; ++m) store16(dxT + (((c0 + a) * s.H + h) * s.W + w0 + m) * kLaneBlock,
-                                         acc[a][m]);
+    for (int a = 0; a < CT; ++a) {
+      for (int m = 0; m < WT; ++m) {
+        storew(dxT + (((c0 + a) * s.H + h) * s.W + w0 + m) * kLaneBlock + l0, acc[a][m]);
+      }
+    }
   }
 }
 
@@ -187,21 +227,25 @@ template <int CT>
 void lanes_dx_column(const Conv2dShape& s, const float* __restrict w, const float* __restrict dyT,
                      int64_t h, int64_t r_lo, int64_t r_hi, int64_t v, int64_t t_lo, int64_t t_hi,
                      int64_t c0, float* __restrict dxT) {
-  F16 acc[CT] = {};
   const int64_t P = s.P(), Q = s.Q(), RS = s.R * s.S, CRS = s.C * RS;
   const int64_t k_step = P * Q * kLaneBlock;
-  for (int64_t r = r_lo; r <= r_hi; ++r) {
-    for (int64_t t = t_lo; t <= t_hi; ++t) {
-      const float* dv = dyT + ((h - r) * Q + v - t) * kLaneBlock;
-      const float* wv = w + (c0 * s.R + r) * s.S + t;
-      for (int64_t k = 0; k < s.K; ++k, dv += k_step, wv += CRS) {
-        const F16 d = load16(dv);
+  for (int l0 = 0; l0 < kLaneBlock; l0 += kW) {
+    V acc[CT] = {};
+    for (int64_t r = r_lo; r <= r_hi; ++r) {
+      for (int64_t t = t_lo; t <= t_hi; ++t) {
+        const float* dv = dyT + ((h - r) * Q + v - t) * kLaneBlock + l0;
+        const float* wv = w + (c0 * s.R + r) * s.S + t;
+        for (int64_t k = 0; k < s.K; ++k, dv += k_step, wv += CRS) {
+          const V d = loadw(dv);
 #pragma GCC unroll 16
-        for (int a = 0; a < CT; ++a) acc[a] += d * wv[a * RS];
+          for (int a = 0; a < CT; ++a) acc[a] += d * wv[a * RS];
+        }
       }
     }
+    for (int a = 0; a < CT; ++a) {
+      storew(dxT + (((c0 + a) * s.H + h) * s.W + v) * kLaneBlock + l0, acc[a]);
+    }
   }
-  for (int a = 0; a < CT; ++a) store16(dxT + (((c0 + a) * s.H + h) * s.W + v) * kLaneBlock, acc[a]);
 }
 
 // The tile kernels by size, so a tail tile runs the same code with smaller bounds.
@@ -274,4 +318,4 @@ void lanes_dx(const Conv2dShape& s, const float* w, const float* dyT, float* dxT
   }
 }
 
-}  // namespace mgpu::ops::cpu::conv
+}  // namespace mgpu::ops::cpu::MGPU_CPU_ISA::conv

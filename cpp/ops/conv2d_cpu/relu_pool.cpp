@@ -3,7 +3,7 @@
 // the bits of the unfused relu and avg_pool2d ops.
 #include "ops/conv2d_cpu/conv2d_cpu.h"
 
-namespace mgpu::ops::cpu::conv {
+namespace mgpu::ops::cpu::MGPU_CPU_ISA::conv {
 
 // Divides by a window's area. x / 4 and x * 0.25f are the same float (a power of two scales
 // exactly), so LeNet's 2x2 windows multiply instead: a division per pooled value cost more than
@@ -83,7 +83,10 @@ void bias_relu_pool_plane(const float* __restrict v, float bias, int64_t P, int6
                           uint8_t* __restrict mask, float* __restrict pooled,
                           float* __restrict acc) {
   const int64_t Pp = P / pool, Qp = Q / pool;
+  // Chunks of 16 on the AVX-512 path, of 8 on the AVX2 path: the same operations per element.
+#if defined(__AVX512F__)
   if (pool == 2 && 2 * Qp >= 16) return bias_relu_pool2_plane<16>(v, bias, P, Q, mask, pooled);
+#endif
   if (pool == 2 && 2 * Qp >= 8) return bias_relu_pool2_plane<8>(v, bias, P, Q, mask, pooled);
   const DivideByArea divide(pool * pool);
   if (mask) {
@@ -128,7 +131,9 @@ void relu_pool_grad_plane(const uint8_t* __restrict mask, const float* __restric
                           int64_t P, int64_t Q, int64_t pool, float* __restrict dy,
                           float* __restrict up) {
   const int64_t Pp = P / pool, Qp = Q / pool;
+#if defined(__AVX512F__)
   if (pool == 2 && 2 * Qp >= 16) return relu_pool2_grad_plane<16>(mask, dpooled, P, Q, dy);
+#endif
   if (pool == 2 && 2 * Qp >= 8) return relu_pool2_grad_plane<8>(mask, dpooled, P, Q, dy);
   const DivideByArea divide(pool * pool);
   for (int64_t q = Qp * pool; q < Q; ++q) up[q] = 0.0f;
@@ -154,4 +159,4 @@ void relu_pool_grad_plane(const uint8_t* __restrict mask, const float* __restric
   for (int64_t j = 0; j < P * Q; ++j) dy[j] = mask[j] ? dy[j] : 0.0f;
 }
 
-}  // namespace mgpu::ops::cpu::conv
+}  // namespace mgpu::ops::cpu::MGPU_CPU_ISA::conv

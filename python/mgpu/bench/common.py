@@ -162,6 +162,9 @@ def _machine_lines(r: Dict) -> List[str]:
     lines.append(f"mgpu {m['mgpu_version']}: {m['mgpu_threads']} threads, BLAS {b.get('blas')}, "
                  f"CUDA {b.get('cuda')}, GPUs {m['num_gpus']}; Python {m['python']}, "
                  f"NumPy {m['numpy']}")
+    if b.get("cpu_isa"):
+        lines.append(f"CPU kernels: {b['cpu_isa']} ({b.get('cpu_isa_reason')}); engine "
+                     f"{b.get('cpu_baseline')}")
     return lines
 
 

@@ -221,7 +221,7 @@ def bench_train(devices: Sequence[int] = (1, 2), batch_size: int = 256, lr: floa
             fused_params[k] = (dp, devs)
 
     if "op-by-op" in parts:
-        from .chapter import train_batch as chapter_train_batch
+        from ..chapter import train_batch as chapter_train_batch
         for k in devices:
             _say(log, f"bench train: the chapter's op-by-op train_batch on {k} device(s) ...")
             devs = [try_gpu(i) for i in range(k)]
@@ -303,7 +303,7 @@ def _bench_scaling(timing: Dict, lr: float, seed: int, log: Log) -> Dict:
 
 def _bench_eval(fused_params: Dict, devices: Sequence[int], test_split, batch_size: int,
                 limit: int, seed: int, repeat: int, results: List[Dict], log: Log) -> List[Dict]:
-    from .train import evaluate_accuracy
+    from ..train import evaluate_accuracy
     out = []
     loader = DataLoader(test_split, batch_size, False, seed, limit)
     full = _full_batches(test_split, batch_size)

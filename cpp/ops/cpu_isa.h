@@ -1,0 +1,94 @@
+// cpp/ops/cpu_isa.h -- run-time choice of the instruction set the hot CPU kernels run with.
+// The kernels listed below (declared in their ops' headers) are compiled twice (CMakeLists.txt:
+// MGPU_CPU_ISA_SOURCES) into cpu::avx2 (x86-64-v3) and cpu::avx512 (x86-64-v4); cpu::NAME
+// forwards to the one chosen once, at the first call, by the CPU's features and
+// MGPU_ISA=auto|avx2|avx512. Both give the same bits. Other cpu:: kernels compile once.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "ops/argmax.h"
+#include "ops/avg_pool2d.h"
+#include "ops/conv2d.h"
+#include "ops/conv2d_relu_pool.h"
+#include "ops/elementwise.h"
+#include "ops/softmax_ce.h"
+
+namespace mgpu::ops::cpu {
+
+enum class Isa { AVX2, AVX512 };
+
+struct IsaChoice {
+  Isa isa;
+  std::string name;    // "avx2" or "avx512"
+  std::string reason;  // why: "auto: ..." or "MGPU_ISA=avx2"
+};
+
+// The path the kernels run, chosen at the first call (mgpu._core's import makes that call).
+// Throws std::invalid_argument (ValueError) when MGPU_ISA names an unknown path or one this CPU
+// lacks, std::runtime_error when the CPU is below x86-64-v3; every later call throws the same.
+const IsaChoice& isa_choice();
+inline Isa active_isa() { return isa_choice().isa; }
+
+// What the CPU and the OS support: AVX2 + FMA + BMI1/2 (x86-64-v3), AVX-512 F/BW/DQ/VL with the
+// OS saving zmm state (x86-64-v4). cpu_model() is the brand string ("" where unknown).
+bool cpu_has_avx2();
+bool cpu_has_avx512();
+std::string cpu_model();
+
+// The kernels behind each path: return type, name, parameters, arguments. cpu_isa.cpp defines
+// cpu::NAME (declared in the op's header) from this list; tests call cpu::avx2::NAME and
+// cpu::avx512::NAME to compare them. A kernel joins the list together with its source file in
+// MGPU_CPU_ISA_SOURCES, whose definitions then live in namespace cpu::MGPU_CPU_ISA.
+#define MGPU_CPU_ISA_KERNELS(X)                                                                   \
+  X(void, conv2d_forward,                                                                         \
+    (const Conv2dShape& s, const float* x, const float* w, const float* b, float* y),             \
+    (s, x, w, b, y))                                                                              \
+  X(void, conv2d_backward,                                                                        \
+    (const Conv2dShape& s, const float* x, const float* w, const float* dy, float* dx, float* dw,  \
+     float* db),                                                                                  \
+    (s, x, w, dy, dx, dw, db))                                                                    \
+  X(void, conv2d_relu_pool_forward,                                                               \
+    (const Conv2dShape& s, int64_t pool, const float* x, const float* w, const float* b,          \
+     uint8_t* mask, float* pooled),                                                               \
+    (s, pool, x, w, b, mask, pooled))                                                             \
+  X(void, conv2d_relu_pool_backward,                                                              \
+    (const Conv2dShape& s, int64_t pool, const float* x, const float* w, const uint8_t* mask,     \
+     const float* dpooled, float* dx, float* dw, float* db),                                      \
+    (s, pool, x, w, mask, dpooled, dx, dw, db))                                                   \
+  X(void, avg_pool2d_forward,                                                                     \
+    (int64_t N, int64_t C, int64_t H, int64_t W, int64_t kh, int64_t kw, int64_t sh, int64_t sw,  \
+     const float* x, float* y),                                                                   \
+    (N, C, H, W, kh, kw, sh, sw, x, y))                                                           \
+  X(void, avg_pool2d_backward,                                                                    \
+    (int64_t N, int64_t C, int64_t H, int64_t W, int64_t kh, int64_t kw, int64_t sh, int64_t sw,  \
+     const float* dy, float* dx),                                                                 \
+    (N, C, H, W, kh, kw, sh, sw, dy, dx))                                                         \
+  X(void, bias_grad_rows, (int64_t n, int64_t m, const float* dy, float* db), (n, m, dy, db))     \
+  X(void, softmax_ce_forward,                                                                     \
+    (int64_t n, int64_t m, const float* logits, const int64_t* labels, float* loss),              \
+    (n, m, logits, labels, loss))                                                                 \
+  X(void, softmax_ce_forward,                                                                     \
+    (int64_t n, int64_t m, const float* logits, const int32_t* labels, float* loss),              \
+    (n, m, logits, labels, loss))                                                                 \
+  X(void, softmax_ce_backward,                                                                    \
+    (int64_t n, int64_t m, const float* logits, const int64_t* labels, const float* dloss,        \
+     float* dlogits),                                                                             \
+    (n, m, logits, labels, dloss, dlogits))                                                       \
+  X(void, softmax_ce_backward,                                                                    \
+    (int64_t n, int64_t m, const float* logits, const int32_t* labels, const float* dloss,        \
+     float* dlogits),                                                                             \
+    (n, m, logits, labels, dloss, dlogits))                                                       \
+  X(void, argmax_rows, (int64_t n, int64_t m, const float* x, int64_t* out), (n, m, x, out))
+
+#define MGPU_CPU_ISA_DECLARE(ret, name, params, args) ret name params;
+namespace avx2 {
+MGPU_CPU_ISA_KERNELS(MGPU_CPU_ISA_DECLARE)
+}  // namespace avx2
+namespace avx512 {
+MGPU_CPU_ISA_KERNELS(MGPU_CPU_ISA_DECLARE)
+}  // namespace avx512
+#undef MGPU_CPU_ISA_DECLARE
+
+}  // namespace mgpu::ops::cpu

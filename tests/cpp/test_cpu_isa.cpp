@@ -1,0 +1,170 @@
+// tests/cpp/test_cpu_isa.cpp -- the two instruction-set paths of the CPU kernels (cpu_isa.h):
+// cpu::avx2 and cpu::avx512 called directly on the same data give the same bits, on every conv
+// algorithm (direct, lanes, im2col) with tails in every direction, the fused relu-pool kernels,
+// pooling, the loss and the bias sums. (Both are checked against float64 references by
+// test_kernels.cpp, which ctest runs once per path.) Skipped where the CPU lacks AVX-512.
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <cstring>
+#include <ostream>
+#include <vector>
+
+#include "ops/cpu_isa.h"
+
+namespace {
+
+using namespace mgpu::ops::cpu;
+using mgpu::ops::Conv2dShape;
+using Floats = std::vector<float>;
+using Bytes = std::vector<uint8_t>;
+
+Floats random_floats(size_t n, uint64_t seed) {
+  Floats v(n);
+  for (float& e : v) {
+    seed = seed * 6364136223846793005ull + 1442695040888963407ull;
+    e = static_cast<float>(static_cast<int64_t>(seed >> 40) - (int64_t{1} << 23)) /
+        static_cast<float>(int64_t{1} << 23);
+  }
+  return v;
+}
+
+template <class T>
+::testing::AssertionResult same_bits(const char* what, const std::vector<T>& a,
+                                     const std::vector<T>& b) {
+  if (a.size() != b.size()) return ::testing::AssertionFailure() << what << ": sizes differ";
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (std::memcmp(&a[i], &b[i], sizeof(T)) != 0) {
+      return ::testing::AssertionFailure() << what << ": first difference at index " << i << ": avx2 "
+                                           << +a[i] << ", avx512 " << +b[i];
+    }
+  }
+  return ::testing::AssertionSuccess();
+}
+
+struct IsaCase {
+  const char* name;
+  Conv2dShape s;
+  int64_t pool;
+};
+void PrintTo(const IsaCase& c, std::ostream* os) { *os << c.name; }
+
+// Direct path (C*R*S <= 16, Q >= 16): one chunk, a last chunk overlapping the one before, odd P
+// and Q; lane path: LeNet's conv2, a short last block, tile tails, outputs narrower than the
+// kernel; im2col: padding and strides.
+const IsaCase kCases[] = {
+    {"direct_lenet_conv1", {37, 1, 28, 28, 20, 3, 3, 1, 0}, 2},
+    {"direct_q16", {2, 1, 18, 18, 4, 3, 3, 1, 0}, 2},
+    {"direct_c2_odd_pq", {10, 2, 11, 19, 4, 2, 3, 1, 0}, 2},
+    {"direct_wide_pool3", {3, 1, 21, 37, 3, 3, 3, 1, 0}, 3},
+    {"direct_16_taps", {5, 16, 4, 40, 5, 1, 1, 1, 0}, 2},
+    {"lanes_lenet_conv2", {35, 20, 13, 13, 50, 5, 5, 1, 0}, 2},
+    {"lanes_tails_batch33", {33, 3, 8, 11, 7, 3, 4, 1, 0}, 2},
+    {"lanes_odd_pq", {17, 3, 12, 13, 6, 4, 4, 1, 0}, 2},
+    {"lanes_q_below_s", {3, 2, 6, 6, 3, 5, 5, 1, 0}, 1},
+    {"lanes_1x17", {18, 1, 3, 20, 2, 1, 17, 1, 0}, 2},
+    {"im2col_pad1", {19, 3, 20, 22, 4, 3, 3, 1, 1}, 2},
+    {"im2col_stride2", {9, 2, 9, 11, 5, 3, 3, 2, 1}, 2},
+};
+
+class CpuIsaTest : public ::testing::TestWithParam<IsaCase> {
+ protected:
+  void SetUp() override {
+    if (!cpu_has_avx512()) GTEST_SKIP() << "this CPU has no AVX-512: one path only";
+  }
+};
+
+TEST_P(CpuIsaTest, ConvForwardAndBackwardSameBits) {
+  const Conv2dShape s = GetParam().s;
+  const int64_t nx = s.N * s.C * s.H * s.W, nw = s.K * s.C * s.R * s.S;
+  const int64_t ny = s.N * s.K * s.P() * s.Q();
+  const Floats x = random_floats(nx, 1), w = random_floats(nw, 2), b = random_floats(s.K, 3);
+  const Floats dy = random_floats(ny, 4);
+  Floats y[2] = {Floats(ny), Floats(ny)}, dx[2] = {Floats(nx), Floats(nx)};
+  Floats dw[2] = {Floats(nw), Floats(nw)}, db[2] = {Floats(s.K), Floats(s.K)};
+  avx2::conv2d_forward(s, x.data(), w.data(), b.data(), y[0].data());
+  avx512::conv2d_forward(s, x.data(), w.data(), b.data(), y[1].data());
+  avx2::conv2d_backward(s, x.data(), w.data(), dy.data(), dx[0].data(), dw[0].data(), db[0].data());
+  avx512::conv2d_backward(s, x.data(), w.data(), dy.data(), dx[1].data(), dw[1].data(),
+                          db[1].data());
+  EXPECT_TRUE(same_bits("y", y[0], y[1]));
+  EXPECT_TRUE(same_bits("dx", dx[0], dx[1]));
+  EXPECT_TRUE(same_bits("dw", dw[0], dw[1]));
+  EXPECT_TRUE(same_bits("db", db[0], db[1]));
+}
+
+TEST_P(CpuIsaTest, FusedReluPoolSameBits) {
+  const Conv2dShape s = GetParam().s;
+  const int64_t pool = GetParam().pool;
+  const int64_t nx = s.N * s.C * s.H * s.W, nw = s.K * s.C * s.R * s.S;
+  const int64_t ny = s.N * s.K * s.P() * s.Q();
+  const int64_t np = s.N * s.K * (s.P() / pool) * (s.Q() / pool);
+  const Floats x = random_floats(nx, 5), w = random_floats(nw, 6), b = random_floats(s.K, 7);
+  const Floats dpooled = random_floats(np, 8);
+  Bytes mask[2] = {Bytes(ny), Bytes(ny)};
+  Floats pooled[2] = {Floats(np), Floats(np)}, dx[2] = {Floats(nx), Floats(nx)};
+  Floats dw[2] = {Floats(nw), Floats(nw)}, db[2] = {Floats(s.K), Floats(s.K)};
+  avx2::conv2d_relu_pool_forward(s, pool, x.data(), w.data(), b.data(), mask[0].data(),
+                                 pooled[0].data());
+  avx512::conv2d_relu_pool_forward(s, pool, x.data(), w.data(), b.data(), mask[1].data(),
+                                   pooled[1].data());
+  EXPECT_TRUE(same_bits("mask", mask[0], mask[1]));
+  EXPECT_TRUE(same_bits("pooled", pooled[0], pooled[1]));
+  // The first layer's backward skips dx (null), as LeNet's does; the others compute it.
+  const bool need_dx = s.C > 1;
+  avx2::conv2d_relu_pool_backward(s, pool, x.data(), w.data(), mask[0].data(), dpooled.data(),
+                                  need_dx ? dx[0].data() : nullptr, dw[0].data(), db[0].data());
+  avx512::conv2d_relu_pool_backward(s, pool, x.data(), w.data(), mask[0].data(), dpooled.data(),
+                                    need_dx ? dx[1].data() : nullptr, dw[1].data(), db[1].data());
+  EXPECT_TRUE(same_bits("dx", dx[0], dx[1]));
+  EXPECT_TRUE(same_bits("dw", dw[0], dw[1]));
+  EXPECT_TRUE(same_bits("db", db[0], db[1]));
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, CpuIsaTest, ::testing::ValuesIn(kCases),
+                         [](const auto& p) { return std::string(p.param.name); });
+
+TEST(CpuIsa, PoolLossAndBiasSumsSameBits) {
+  if (!cpu_has_avx512()) GTEST_SKIP() << "this CPU has no AVX-512: one path only";
+  const int64_t N = 7, C = 5, H = 13, W = 11, n = 37, m = 10;
+  const Floats x = random_floats(N * C * H * W, 9);
+  const int64_t P = (H - 3) / 2 + 1, Q = (W - 3) / 2 + 1;
+  Floats y[2] = {Floats(N * C * P * Q), Floats(N * C * P * Q)};
+  Floats dx[2] = {Floats(x.size()), Floats(x.size())};
+  for (int path = 0; path < 2; ++path) {
+    auto fwd = path ? avx512::avg_pool2d_forward : avx2::avg_pool2d_forward;
+    auto bwd = path ? avx512::avg_pool2d_backward : avx2::avg_pool2d_backward;
+    fwd(N, C, H, W, 3, 3, 2, 2, x.data(), y[path].data());
+    bwd(N, C, H, W, 3, 3, 2, 2, y[path].data(), dx[path].data());
+  }
+  EXPECT_TRUE(same_bits("avg_pool y", y[0], y[1]));
+  EXPECT_TRUE(same_bits("avg_pool dx", dx[0], dx[1]));
+
+  const Floats z = random_floats(n * m, 10), dloss = random_floats(n, 11);
+  std::vector<int64_t> labels(n);
+  for (int64_t i = 0; i < n; ++i) labels[i] = (i * 7) % m;
+  Floats loss[2] = {Floats(n), Floats(n)}, dz[2] = {Floats(n * m), Floats(n * m)};
+  Floats db[2] = {Floats(m), Floats(m)};
+  avx2::softmax_ce_forward(n, m, z.data(), labels.data(), loss[0].data());
+  avx512::softmax_ce_forward(n, m, z.data(), labels.data(), loss[1].data());
+  avx2::softmax_ce_backward(n, m, z.data(), labels.data(), dloss.data(), dz[0].data());
+  avx512::softmax_ce_backward(n, m, z.data(), labels.data(), dloss.data(), dz[1].data());
+  avx2::bias_grad_rows(n, m, z.data(), db[0].data());
+  avx512::bias_grad_rows(n, m, z.data(), db[1].data());
+  EXPECT_TRUE(same_bits("loss", loss[0], loss[1]));
+  EXPECT_TRUE(same_bits("dlogits", dz[0], dz[1]));
+  EXPECT_TRUE(same_bits("bias grad", db[0], db[1]));
+}
+
+// The path in use is the one isa_choice() names, and a name this CPU supports.
+TEST(CpuIsa, ChoiceIsSupported) {
+  const IsaChoice& c = isa_choice();
+  EXPECT_TRUE(c.name == "avx2" || c.name == "avx512") << c.name;
+  EXPECT_FALSE(c.reason.empty());
+  if (c.isa == Isa::AVX512) {
+    EXPECT_TRUE(cpu_has_avx512());
+  }
+  EXPECT_TRUE(cpu_has_avx2());
+}
+
+}  // namespace

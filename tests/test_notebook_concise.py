@@ -1,0 +1,93 @@
+"""notebooks/concise-multiple-gpus.ipynb (sec. 12.6) runs top to bottom and prints the book's lines.
+
+Executed like the chapter's notebook (test_notebooks.py): on a copy, in a kernel of this
+interpreter, shortened to one epoch of one batch per run (MGPU_NB_LIMIT_BATCHES=1).
+"""
+import json
+import os
+import pathlib
+import re
+
+import pytest
+
+import mgpu
+from conftest import fashion_mnist_available
+from test_notebooks import CELL_TIMEOUT, _cell, _start_kernel_manager, _stdout
+
+NOTEBOOK = (pathlib.Path(__file__).resolve().parent.parent / "notebooks" /
+            "concise-multiple-gpus.ipynb")
+SHORT_RUN = {"MGPU_NB_EPOCHS": "1", "MGPU_NB_LIMIT_BATCHES": "1"}
+
+
+@pytest.fixture(scope="module")
+def executed(tmp_path_factory):
+    """The notebook after a short run; fails on any cell error."""
+    nbformat = pytest.importorskip("nbformat", reason="nbformat not installed (see .ci/setup.sh)")
+    nbclient = pytest.importorskip("nbclient", reason="nbclient not installed (see .ci/setup.sh)")
+    pytest.importorskip("ipykernel", reason="ipykernel is not installed (see .ci/setup.sh)")
+    if not fashion_mnist_available() and not os.environ.get("CI"):
+        pytest.skip("Fashion-MNIST not installed (apt-get install dataset-fashion-mnist)")
+    work = tmp_path_factory.mktemp("notebook")
+    nb = nbformat.read(str(NOTEBOOK), as_version=4)
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            cell.outputs, cell.execution_count = [], None
+    client = nbclient.NotebookClient(
+        nb, km=_start_kernel_manager(work), timeout=CELL_TIMEOUT,
+        extra_arguments=["--InteractiveShell.colors=nocolor"],
+        resources={"metadata": {"path": str(work)}})
+    try:
+        client.execute(env={**os.environ, **SHORT_RUN})
+    except nbclient.exceptions.CellExecutionError as e:
+        nbformat.write(nb, str(work / NOTEBOOK.name))
+        pytest.fail(f"{NOTEBOOK.name} failed in a cell (this run is saved in {work}):\n{e}",
+                    pytrace=False)
+    return nb
+
+
+def test_every_cell_ran_without_error(executed):
+    code = [c for c in executed.cells if c.cell_type == "code"]
+    for i, cell in enumerate(code):
+        errors = [o for o in cell.outputs if o.get("output_type") == "error"]
+        assert not errors, \
+            f"code cell {i} raised {errors[0].get('ename')}: {errors[0].get('evalue')}"
+        assert cell.execution_count is not None, f"code cell {i} did not run"
+
+
+def test_the_layers_print_the_books_shapes(executed):
+    out = _stdout(_cell(executed, "shapes"))
+    for shape in ("(2, 64, 28, 28)", "(2, 128, 14, 14)", "(2, 256, 7, 7)", "(2, 512, 4, 4)",
+                  "(2, 512, 1, 1)", "(2, 10)"):
+        assert f"output shape: {shape}" in out, out
+    # ResNet-18 for one input channel and 10 classes: 11,175,818 trainable parameters (the
+    # figure PyTorch's d2l model gives), and the notebook's model equals mgpu.models.resnet18.
+    assert "parameters: 11175818 (the same layers as mgpu.models.resnet18: True )" in out, out
+
+
+@pytest.mark.parametrize("tag,num_devices", [("train-1", 1), ("train-2", 2)])
+def test_training_prints_the_books_line(executed, tag, num_devices):
+    devices = ", ".join(str(mgpu.try_gpu(i)) for i in range(num_devices))
+    out = _stdout(_cell(executed, tag))
+    pattern = rf"test acc: \d\.\d\d, \d+\.\d sec/epoch on \[{re.escape(devices)}\]"
+    assert re.search(pattern, out), f"no line matching {pattern!r} in:\n{out}"
+
+
+def test_synchronised_batch_norm_matches_one_device(executed):
+    out = _stdout(_cell(executed, "sync-bn"))
+    found = dict(re.findall(r"(per-device|synchronised)\s+batch norm: .*?: (\S+)$", out, re.M))
+    assert set(found) == {"per-device", "synchronised"}, out
+    per_device, synced = float(found["per-device"]), float(found["synchronised"])
+    assert synced < 1e-4, out
+    assert per_device > 10 * synced, out
+
+
+def test_committed_notebook_keeps_the_outputs_of_a_run():
+    """The file in the repository carries the outputs of a real (shortened) run."""
+    nb = json.loads(NOTEBOOK.read_text())
+    code = [c for c in nb["cells"] if c["cell_type"] == "code"]
+    for i, cell in enumerate(code):
+        assert cell.get("execution_count") is not None, f"code cell {i} has no saved run"
+        assert not [o for o in cell["outputs"] if o["output_type"] == "error"], \
+            f"code cell {i} has a saved error"
+    assert re.search(r"epochs: \d+, each cut to \d+ batches", _stdout(code[0]))
+    assert "test acc:" in _stdout(_cell(nb, "train-2"))
