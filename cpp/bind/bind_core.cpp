@@ -44,17 +44,22 @@ DType dtype_from_name(const std::string& name) {
   throw TypeError("unknown dtype '" + name + "'; use float32, int32, int64 or uint8");
 }
 
-// Waits (without the GIL) until the tensor's device has finished all queued work.
+// Waits (without the GIL) until the tensor's device has finished all queued work, then raises
+// the failure of the op that produced it, however often it is read (a sticky failure).
 void wait_ready(const Tensor& t) {
-  py::gil_scoped_release nogil;
-  queue_of(t.device()).synchronize();
+  {
+    py::gil_scoped_release nogil;
+    queue_of(t.device()).synchronize();
+  }
+  if (std::exception_ptr e = t.storage()->error()) std::rethrow_exception(e);
 }
 
 Tensor from_numpy(const py::array& arr, Device device) {
   MGPU_CHECK_VALUE(arr.flags() & py::array::c_style, "from_numpy: the array must be C-contiguous");
   check_device(device);
   Shape shape(arr.shape(), arr.shape() + arr.ndim());
-  Tensor t = Tensor::empty(shape, dtype_from_numpy(arr.dtype()), device);
+  Tensor t = Tensor::empty(shape, dtype_from_numpy(arr.dtype()), device, "array");
+  t.storage()->mark_written();  // filled below, before anyone else sees it
   // Fresh storage is touched by no queued task yet, so the host may fill it directly. A GPU's
   // copy goes through its queue instead (after the work already queued there, which may still
   // use the recycled block, or be capturing a graph), and the host waits for it.
@@ -95,6 +100,8 @@ struct Exported {
   std::vector<int64_t> shape;
 };
 
+void delete_exported(dlpack::ManagedTensor* self) { delete static_cast<Exported*>(self->manager_ctx); }
+
 dlpack::DataType dl_dtype(DType t) {
   switch (t) {
     case DType::F32: return {dlpack::kFloat, 32, 1};
@@ -114,9 +121,7 @@ py::capsule to_dlpack(const Tensor& t) {
   e->managed.dl_tensor = {t.raw(), where, static_cast<int32_t>(t.dim()),
                           dl_dtype(t.dtype()), e->shape.data(), nullptr, 0};
   e->managed.manager_ctx = e;
-  e->managed.deleter = [](dlpack::ManagedTensor* self) {
-    delete static_cast<Exported*>(self->manager_ctx);
-  };
+  e->managed.deleter = &delete_exported;
   // If no consumer ever takes the capsule, its destructor frees the export.
   return py::capsule(&e->managed, "dltensor", [](PyObject* cap) {
     if (PyCapsule_IsValid(cap, "dltensor")) {
@@ -130,6 +135,14 @@ Tensor from_dlpack_capsule(py::capsule cap) {
   MGPU_CHECK_TYPE(PyCapsule_IsValid(cap.ptr(), "dltensor"), "from_dlpack: expected an unused "
                   "'dltensor' capsule (a capsule can be consumed only once)");
   auto* m = static_cast<dlpack::ManagedTensor*>(PyCapsule_GetPointer(cap.ptr(), "dltensor"));
+  if (m->deleter == &delete_exported) {
+    // One of our own tensors: DLPack names only "the CPU", so the capsule cannot say cpu(1);
+    // the tensor itself keeps its device, its queue's order and its version counter.
+    Tensor t = static_cast<Exported*>(m->manager_ctx)->tensor;
+    PyCapsule_SetName(cap.ptr(), "used_dltensor");
+    m->deleter(m);
+    return t;
+  }
   const dlpack::Tensor& dl = m->dl_tensor;
   const bool on_gpu = dl.device.device_type == dlpack::kCUDA;
   MGPU_CHECK_VALUE(dl.device.device_type == dlpack::kCPU ||
@@ -149,6 +162,8 @@ Tensor from_dlpack_capsule(py::capsule cap) {
                     std::to_string(dl.dtype.code) + ", " + std::to_string(dl.dtype.bits) +
                     " bits); mgpu holds float32, int32, int64 or uint8");
   MGPU_CHECK_VALUE(dl.dtype.lanes == 1, "from_dlpack: vector element types are not supported");
+  MGPU_CHECK_VALUE(dl.ndim >= 0 && (dl.ndim == 0 || dl.shape), "from_dlpack: malformed tensor "
+                   "(", dl.ndim, " dims)");
   Shape shape(dl.shape, dl.shape + dl.ndim);
   if (dl.strides) {
     int64_t expect = 1;
@@ -159,7 +174,8 @@ Tensor from_dlpack_capsule(py::capsule cap) {
     }
   }
   PyCapsule_SetName(cap.ptr(), "used_dltensor");
-  size_t nbytes = static_cast<size_t>(numel(shape)) * dtype_size(dtype);
+  size_t nbytes = static_cast<size_t>(
+      checked_nbytes(shape, static_cast<int64_t>(dtype_size(dtype)), "from_dlpack"));
   void* data = static_cast<char*>(dl.data) + dl.byte_offset;
   // The producer's deleter may touch Python objects (NumPy's does), and the last reference can
   // be dropped on a device thread, so it runs with the GIL -- unless Python is already gone.
@@ -242,14 +258,21 @@ void bind_core(py::module_& m) {
       .def("same_memory", [](const Tensor& a, const Tensor& b) {
         return a.storage() == b.storage() && a.offset() == b.offset() && a.nbytes() == b.nbytes();
       }, "True when both handles view exactly the same bytes.")
+      .def("shares_memory", &Tensor::shares_memory, "True when the two tensors' bytes overlap.")
+      .def_property_readonly("version", [](const Tensor& t) { return t.storage()->version(); },
+                             "In-place changes to this memory so far (autograd's version counter).")
+      .def("bump_version", [](const Tensor& t) { t.storage()->bump_version(); },
+           "Records an in-place change (autograd's version counter).")
       .def("numpy", &to_numpy, "A NumPy copy (waits for the device).")
       .def("to_dlpack", &to_dlpack, "A DLPack capsule sharing the memory (waits for the device).")
       .def_static("from_numpy", &from_numpy, py::arg("array"), py::arg("device"),
                   "Copies a C-contiguous float32/int32/int64/uint8 array onto a device.")
       .def_static("from_dlpack", &from_dlpack_capsule, "Wraps a DLPack capsule without copying.")
-      .def_static("empty", [](std::vector<int64_t> shape, const std::string& dtype, Device d) {
-        return Tensor::empty(shape, dtype_from_name(dtype), d);
-      }, "Uninitialised memory of a shape, dtype name and device.");
+      .def_static("empty", [](std::vector<int64_t> shape, const std::string& dtype, Device d,
+                              const std::string& op) {
+        return Tensor::empty(shape, dtype_from_name(dtype), d, op.c_str());
+      }, py::arg("shape"), py::arg("dtype"), py::arg("device"), py::arg("op") = "empty",
+      "Uninitialised memory of a shape, dtype name and device (`op` names the caller in errors).");
 
   m.def("synchronize", [](Device d) {
     check_device(d);
@@ -260,6 +283,17 @@ void bind_core(py::module_& m) {
     py::gil_scoped_release nogil;
     waitall();
   }, "Waits for every device's queued work and raises the first error.");
+  m.def("queue_memory", [](Device d, bool reset) {
+    check_device(d);
+    Queue& q = queue_of(d);
+    py::dict out;
+    out["pending_bytes"] = q.pending_bytes();
+    out["peak_pending_bytes"] = q.peak_pending_bytes(reset);
+    out["budget"] = max_pending_bytes();
+    return out;
+  }, py::arg("device"), py::arg("reset") = false,
+  "Bytes held by a device queue's waiting tasks, their peak (reset=True restarts it), and the "
+  "budget ($MGPU_QUEUE_MAX_BYTES) past which ops wait before enqueueing.");
   m.def("num_gpus", &num_gpus, "Number of usable GPUs (0 without a CUDA build or GPU).");
   m.def("num_threads", &num_threads, "Threads mgpu uses for CPU compute.");
   m.def("set_num_threads", &set_num_threads, "Sets the threads mgpu uses for CPU compute.");

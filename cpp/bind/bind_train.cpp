@@ -1,10 +1,13 @@
 // cpp/bind/bind_train.cpp -- the fused data-parallel step: LeNet's train_batch and the Model of any
 // list of layers (its spec format is documented in python/mgpu/_core.pyi).
+#include <cmath>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 
 #include "bind/bind.h"
+#include "core/queue.h"
 #include "train/lenet.h"
 #include "train/train_batch.h"
 
@@ -107,7 +110,12 @@ void bind_train(py::module_& m) {
   m.def("train_batch", [](const Tensor& X, const Tensor& y,
                           const std::vector<std::vector<Tensor>>& params,
                           const std::vector<Device>& devices, float lr) {
+    MGPU_CHECK_VALUE(std::isfinite(lr) && lr > 0, "train_batch: the learning rate must be a "
+                     "finite number > 0, got ", lr);
     py::gil_scoped_release nogil;
+    // The step enqueues all-reduce parts on every device (on GPUs interleaved with each
+    // device's backward): one step at a time, so concurrent threads' collectives cannot cross.
+    std::lock_guard<std::recursive_mutex> order(collective_submission_mutex());
     return train::train_batch(X, y, params, devices, lr);
   }, "Fused LeNet step on every device; returns each device's summed loss (0-d).");
   m.def("evaluate_batch", [](const Tensor& X, const Tensor& y,
@@ -125,7 +133,17 @@ void bind_train(py::module_& m) {
            py::arg("devices"))
       .def("train_step", [](Replicated& r, const Tensor& X, const Tensor& y, float lr,
                             float momentum, float weight_decay) {
+        // PyTorch's SGD accepts lr 0; NaN or infinity would train every replica into NaN.
+        MGPU_CHECK_VALUE(std::isfinite(lr) && lr >= 0, "Model.train_step: the learning rate must "
+                         "be a finite number >= 0, got ", lr);
+        MGPU_CHECK_VALUE(std::isfinite(momentum) && momentum >= 0, "Model.train_step: momentum "
+                         "must be a finite number >= 0, got ", momentum);
+        MGPU_CHECK_VALUE(std::isfinite(weight_decay) && weight_decay >= 0, "Model.train_step: "
+                         "weight_decay must be a finite number >= 0, got ", weight_decay);
         py::gil_scoped_release nogil;
+        // The step joins each bucket's all-reduce as each device's backward reaches it: one
+        // step at a time, so another host thread's collectives cannot interleave with its parts.
+        std::lock_guard<std::recursive_mutex> order(collective_submission_mutex());
         train::Sgd sgd;
         sgd.lr = lr;
         sgd.momentum = momentum;

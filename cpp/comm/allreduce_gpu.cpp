@@ -247,6 +247,7 @@ void allreduce_gpu(const std::vector<std::vector<Tensor>>& data,
   for (const Tensor& t : data[0]) shapes.push_back(t.shape());
   GpuAllReduce all(devices, shapes);
   // Every queue gets its part in the same host order, so the barriers cannot deadlock.
+  std::lock_guard<std::recursive_mutex> order(collective_submission_mutex());
   for (size_t d = 0; d < devices.size(); ++d) all.join(d, data[d]);
 }
 

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstring>
 #include <memory>
+#include <mutex>
 
 #include "comm/allreduce.h"
 #include "comm/allreduce_gpu.h"
@@ -112,7 +113,9 @@ void allreduce(const std::vector<std::vector<Tensor>>& data) {
   for (size_t d = 0; d < k; ++d)
     for (size_t t = 0; t < m; ++t) coll->ptr[d][t] = data[d][t].f32();
   // Every queue gets its part in the same host order, so the barriers inside cannot deadlock:
-  // each queue reaches this collective after all work enqueued on it before.
+  // each queue reaches this collective after all work enqueued on it before (and the lock keeps
+  // another host thread's collective from interleaving with this one's parts).
+  std::lock_guard<std::recursive_mutex> order(collective_submission_mutex());
   for (size_t d = 0; d < k; ++d)
     enqueue_on(devices[d], "allreduce", [coll, me = static_cast<int>(d)] {
       try {

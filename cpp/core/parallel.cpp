@@ -17,17 +17,20 @@
 #include <thread>
 #include <vector>
 
+#include "core/error.h"
 #include "core/queue.h"
 
 namespace mgpu {
 namespace {
+
+constexpr int kMaxThreads = 1024;  // far above any machine's cores, far below what fails
 
 thread_local bool t_in_parallel = false;
 
 int default_threads() {
   if (const char* env = std::getenv("MGPU_NUM_THREADS")) {
     int n = std::atoi(env);
-    if (n > 0) return n;
+    if (n > 0) return std::min(n, kMaxThreads);
   }
   cpu_set_t set;
   if (sched_getaffinity(0, sizeof(set), &set) == 0) return std::max(1, CPU_COUNT(&set));
@@ -125,7 +128,13 @@ int num_threads() {
   return n;
 }
 
-void set_num_threads(int n) { g_threads.store(std::max(1, n)); }
+void set_num_threads(int n) {
+  // Threads start lazily, so an absurd count would fail much later, inside some op.
+  MGPU_CHECK_VALUE(n >= 1 && n <= kMaxThreads, "set_num_threads: n must be in [1, ", kMaxThreads,
+                   "], got ", n, "; this machine has ", std::thread::hardware_concurrency(),
+                   " hardware threads");
+  g_threads.store(n);
+}
 
 void parallel_for(int64_t n, const std::function<void(int64_t)>& fn) {
   if (n <= 0) return;

@@ -1,7 +1,11 @@
 // cpp/core/queue.cpp -- the CPU device worker thread and the device registry.
 #include "core/queue.h"
 
+#include <unistd.h>
+
+#include <algorithm>
 #include <atomic>
+#include <cstdlib>
 #include <map>
 #include <memory>
 #include <new>
@@ -42,18 +46,37 @@ Queue::~Queue() {
   if (worker_.joinable()) worker_.join();
 }
 
-uint64_t Queue::enqueue(const char* name, std::function<void()> fn) {
+uint64_t Queue::enqueue(const char* name, std::function<void()> fn, size_t bytes) {
+  static const size_t budget = max_pending_bytes();
   uint64_t seq;
   {
     std::unique_lock<std::mutex> lock(mutex_);
     // Safe to wait: every queued task depends only on work enqueued before it, which is all
-    // already in some queue, so the backlog always drains.
-    progressed_.wait(lock, [&] { return enqueued_ - done_ < kMaxPending; });
-    tasks_.push_back(Task{name, std::move(fn)});
+    // already in some queue, so the backlog always drains (collectives are enqueued in one
+    // order everywhere, see collective_submission_mutex).
+    progressed_.wait(lock, [&] {
+      return enqueued_ - done_ < kMaxPending &&
+             (pending_bytes_ == 0 || pending_bytes_ + bytes <= budget);
+    });
+    tasks_.push_back(Task{name, std::move(fn), bytes});
+    pending_bytes_ += bytes;
+    if (pending_bytes_ > peak_pending_bytes_) peak_pending_bytes_ = pending_bytes_;
     seq = ++enqueued_;
   }
   has_work_.notify_one();
   return seq;
+}
+
+size_t Queue::pending_bytes() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return pending_bytes_;
+}
+
+size_t Queue::peak_pending_bytes(bool reset) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  size_t peak = peak_pending_bytes_;
+  if (reset) peak_pending_bytes_ = pending_bytes_;
+  return peak;
 }
 
 uint64_t Queue::last_enqueued() const {
@@ -138,9 +161,19 @@ void Queue::defer_checks(const std::vector<DeferredCheck>& checks) {
 }
 
 std::exception_ptr Queue::record_error(const char* name, uint64_t seq, std::exception_ptr e) {
+  std::exception_ptr wrapped = wrap_failure(name, device_, e);
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!error_) {  // the first error explains the rest
+    error_ = wrapped;
+    error_seq_ = seq;
+  }
+  return wrapped;
+}
+
+std::exception_ptr wrap_failure(const char* name, Device device, std::exception_ptr e) {
   // Keep the exception's kind (a bad label is still a ValueError) but say where it happened:
   // by the time the host sees it, the call that enqueued the op has long returned.
-  std::string where = std::string(name) + " on " + device_.str() + " failed: ";
+  std::string where = std::string(name) + " on " + device.str() + " failed: ";
   std::exception_ptr wrapped;
   try {
     std::rethrow_exception(e);
@@ -155,18 +188,34 @@ std::exception_ptr Queue::record_error(const char* name, uint64_t seq, std::exce
   } catch (const OutOfMemoryError& x) {
     wrapped = std::make_exception_ptr(OutOfMemoryError(where + x.what()));
   } catch (const std::bad_alloc&) {
-    wrapped = std::make_exception_ptr(std::bad_alloc());
+    wrapped = std::make_exception_ptr(
+        OutOfMemoryError(where + "out of memory (a host allocation of unknown size failed)"));
   } catch (const std::exception& x) {
     wrapped = std::make_exception_ptr(DeviceError(where + x.what()));
   } catch (...) {
     wrapped = std::make_exception_ptr(DeviceError(where + "unknown error"));
   }
-  std::lock_guard<std::mutex> lock(mutex_);
-  if (!error_) {  // the first error explains the rest
-    error_ = wrapped;
-    error_seq_ = seq;
-  }
   return wrapped;
+}
+
+size_t max_pending_bytes() {
+  static const size_t budget = [] {
+    if (const char* env = std::getenv("MGPU_QUEUE_MAX_BYTES")) {
+      char* end = nullptr;
+      unsigned long long v = std::strtoull(env, &end, 10);
+      if (end != env && *end == '\0' && v > 0) return static_cast<size_t>(v);
+    }
+    size_t limit = size_t{256} << 20;
+    const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
+    if (pages > 0 && page > 0) limit = std::min(limit, static_cast<size_t>(pages) * page / 8);
+    return limit;
+  }();
+  return budget;
+}
+
+std::recursive_mutex& collective_submission_mutex() {
+  static std::recursive_mutex* m = new std::recursive_mutex;  // never destroyed, as the registry
+  return *m;
 }
 
 void Queue::run() {
@@ -211,6 +260,7 @@ void Queue::run() {
     {
       std::lock_guard<std::mutex> lock(mutex_);
       ++done_;
+      pending_bytes_ -= task.bytes;
     }
     progressed_.notify_all();
   }

@@ -30,10 +30,15 @@ class Queue {
 
   Device device() const { return device_; }
   // Appends a task and returns its sequence number (1, 2, ...). `name` (a string literal) names
-  // the op in error messages. Blocks while kMaxPending tasks are waiting, so a host loop cannot
-  // run arbitrarily far ahead of the device (each queued step holds its activations' memory).
+  // the op in error messages; `bytes` is the memory the task's outputs hold while it waits.
+  // Blocks while kMaxPending tasks are waiting or while the waiting tasks hold more than the
+  // byte budget (max_pending_bytes()), so a host loop cannot run far ahead of the device: each
+  // queued op holds its activations' memory. A task always enters an empty queue, however big.
   // Callers must not hold the GIL (the bindings release it), since a finishing task may need it.
-  uint64_t enqueue(const char* name, std::function<void()> fn);
+  uint64_t enqueue(const char* name, std::function<void()> fn, size_t bytes = 0);
+  // Bytes the waiting tasks' outputs hold now, and the most they held since the last reset.
+  size_t pending_bytes() const;
+  size_t peak_pending_bytes(bool reset = false);
   // The sequence number of the newest task (0 when none was ever enqueued).
   uint64_t last_enqueued() const;
   // For a task on another queue that consumes this queue's results: waits until every task up to
@@ -64,6 +69,7 @@ class Queue {
   struct Task {
     const char* name;
     std::function<void()> fn;
+    size_t bytes;
   };
   void run();
   // GPU queues: waits for the device's stream (a task's kernels may still be running after it
@@ -79,6 +85,8 @@ class Queue {
   std::deque<Task> tasks_;
   uint64_t enqueued_ = 0;
   uint64_t done_ = 0;
+  size_t pending_bytes_ = 0;
+  size_t peak_pending_bytes_ = 0;
   bool stopping_ = false;
   bool busy_ = false;
   std::exception_ptr error_;     // first failure not yet raised on the host
@@ -90,6 +98,20 @@ class Queue {
   uint64_t error_seq_ = 0;       // the task that hit it
   std::thread worker_;
 };
+
+// The byte budget of every queue's run-ahead: $MGPU_QUEUE_MAX_BYTES if set (bytes), else
+// 256 MiB or an eighth of the machine's memory, whichever is smaller. Read once.
+size_t max_pending_bytes();
+
+// The error a failed task leaves: same exception kind (a bad label stays a ValueError, memory
+// stays an OutOfMemoryError), its message prefixed with "<op> on <device> failed: ".
+std::exception_ptr wrap_failure(const char* name, Device device, std::exception_ptr e);
+
+// Held while enqueueing a collective (a set of tasks on several queues that wait for each
+// other, as all-reduce's): every queue must receive the collectives of concurrent host threads
+// in the same order, or two threads' halves could meet crosswise and wait for ever. Recursive,
+// so a fused step may hold it around the all-reduce it enqueues.
+std::recursive_mutex& collective_submission_mutex();
 
 // The queue of a device (created on first use; check_device first for user input).
 Queue& queue_of(Device device);

@@ -7,6 +7,8 @@
 #include <cstdlib>
 #include <mutex>
 #include <new>
+#include <sstream>
+#include <string>
 #include <unordered_map>
 #include <vector>
 
@@ -41,7 +43,25 @@ CpuCache& cache() {
 
 }  // namespace
 
+// "1.5 GiB (1610612736 bytes)": sizes in messages a user can act on.
+std::string describe_bytes(size_t n) {
+  const char* units[] = {"bytes", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"};
+  double v = static_cast<double>(n);
+  int u = 0;
+  while (v >= 1024 && u < 6) v /= 1024, ++u;
+  std::ostringstream out;
+  out.precision(u ? 3 : 0);
+  out << std::fixed << v << ' ' << units[u];
+  if (u) out << " (" << n << " bytes)";
+  return out.str();
+}
+
 std::shared_ptr<Storage> Storage::allocate(Device device, size_t nbytes) {
+  // Past this, size classes would overflow; no machine has the memory anyway.
+  constexpr size_t kMaxBytes = size_t{1} << 56;
+  if (nbytes > kMaxBytes)
+    throw OutOfMemoryError(detail::cat("out of memory: ", describe_bytes(nbytes), " requested on ",
+                                       device, ", more than any machine holds"));
   if (!device.is_cpu()) {
     size_t capacity = 0;
     void* p = gpu::allocate(device.index, nbytes, &capacity);
@@ -65,14 +85,19 @@ std::shared_ptr<Storage> Storage::allocate(Device device, size_t nbytes) {
       cpu_empty_cache();
       p = std::aligned_alloc(kAlign, cap);
     }
-    if (!p) throw std::bad_alloc();
+    if (!p)
+      throw OutOfMemoryError(detail::cat("out of memory: the system refused ",
+                                         describe_bytes(cap), " on ", device,
+                                         "; use smaller batches or free tensors"));
   }
   return std::shared_ptr<Storage>(new Storage(device, p, nbytes, cap, nullptr));
 }
 
 std::shared_ptr<Storage> Storage::wrap(Device device, void* data, size_t nbytes,
                                        std::function<void()> release) {
-  return std::shared_ptr<Storage>(new Storage(device, data, nbytes, 0, std::move(release)));
+  auto s = std::shared_ptr<Storage>(new Storage(device, data, nbytes, 0, std::move(release)));
+  s->mark_written();  // its owner filled it
+  return s;
 }
 
 Storage::~Storage() {

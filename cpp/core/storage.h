@@ -4,9 +4,12 @@
 // producer) is wrapped with its own release function.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
+#include <exception>
 #include <functional>
 #include <memory>
+#include <string>
 
 #include "core/device.h"
 
@@ -27,6 +30,28 @@ class Storage {
   void* data() const { return data_; }
   size_t nbytes() const { return nbytes_; }
 
+  // The autograd version counter, shared by every view of this memory: each in-place change
+  // bumps it, and backward refuses a saved tensor whose version moved (as PyTorch does).
+  uint64_t version() const { return version_.load(std::memory_order_relaxed); }
+  void bump_version() { version_.fetch_add(1, std::memory_order_relaxed); }
+
+  // Sticky failures. Memory from allocate() holds garbage until its first task writes it, so
+  // the first task that touches a fresh block is its producer: claim_fresh() says whether the
+  // caller is that task (once). If the producer fails, fail() keeps its error here and every
+  // later read or op on the tensor raises it again, instead of only the first wait.
+  bool claim_fresh() { return fresh_.exchange(false, std::memory_order_relaxed); }
+  void mark_written() { fresh_.store(false, std::memory_order_relaxed); }
+  void fail(std::exception_ptr error) {
+    int expect = 0;
+    if (!state_.compare_exchange_strong(expect, 1, std::memory_order_acquire)) return;
+    error_ = std::move(error);
+    state_.store(2, std::memory_order_release);
+  }
+  // The kept failure, or null.
+  std::exception_ptr error() const {
+    return state_.load(std::memory_order_acquire) == 2 ? error_ : nullptr;
+  }
+
  private:
   Storage(Device device, void* data, size_t nbytes, size_t capacity,
           std::function<void()> release)
@@ -37,7 +62,14 @@ class Storage {
   size_t nbytes_;
   size_t capacity_;  // size of the cached block (0 for wrapped memory)
   std::function<void()> release_;
+  std::atomic<uint64_t> version_{0};
+  std::atomic<bool> fresh_{true};
+  std::atomic<int> state_{0};  // 0 fine, 1 being failed, 2 failed (error_ set)
+  std::exception_ptr error_;
 };
+
+// "1.5 GiB (1610612736 bytes)".
+std::string describe_bytes(size_t n);
 
 // Bytes the CPU caching allocator holds in its free lists, and a way to give them back.
 size_t cpu_cached_bytes();

@@ -6,18 +6,23 @@
 
 namespace mgpu {
 
-Tensor Tensor::empty(const Shape& shape, DType dtype, Device device) {
-  for (int64_t d : shape)
-    MGPU_CHECK_VALUE(d >= 0, "negative dimension in shape ", shape);
+Tensor Tensor::empty(const Shape& shape, DType dtype, Device device, const char* op) {
+  const int64_t nbytes = checked_nbytes(shape, static_cast<int64_t>(dtype_size(dtype)), op);
   check_device(device);
-  size_t nbytes = static_cast<size_t>(mgpu::numel(shape)) * dtype_size(dtype);
-  return Tensor(Storage::allocate(device, nbytes), shape, dtype, 0);
+  try {
+    return Tensor(Storage::allocate(device, static_cast<size_t>(nbytes)), shape, dtype, 0);
+  } catch (const OutOfMemoryError& e) {
+    throw OutOfMemoryError(detail::cat(op, ": cannot allocate a ", dtype_name(dtype),
+                                       " tensor of shape ", shape, ": ", e.what()));
+  }
 }
 
 Tensor::Tensor(std::shared_ptr<Storage> storage, Shape shape, DType dtype, int64_t offset)
     : storage_(std::move(storage)), shape_(std::move(shape)), dtype_(dtype), offset_(offset) {
   MGPU_ASSERT(storage_ != nullptr);
-  MGPU_ASSERT(offset_ >= 0 && static_cast<size_t>(offset_) + nbytes() <= storage_->nbytes(),
+  const int64_t bytes = checked_nbytes(shape_, static_cast<int64_t>(dtype_size(dtype_)), "tensor");
+  MGPU_ASSERT(offset_ >= 0 && static_cast<size_t>(bytes) <= storage_->nbytes() &&
+                  static_cast<size_t>(offset_) <= storage_->nbytes() - static_cast<size_t>(bytes),
               "view exceeds its storage");
 }
 
@@ -29,7 +34,8 @@ Tensor Tensor::reshape(Shape shape) const {
       infer = static_cast<int64_t>(i);
     } else {
       MGPU_CHECK_VALUE(shape[i] >= 0, "reshape: invalid dimension ", shape[i], " in ", shape);
-      known *= shape[i];
+      // A product past int64 cannot equal this tensor's element count: report it as such.
+      if (__builtin_mul_overflow(known, shape[i], &known)) known = -1;
     }
   }
   if (infer >= 0 && known == 0 && infer + 1 == static_cast<int64_t>(shape.size()) &&
@@ -44,6 +50,8 @@ Tensor Tensor::reshape(Shape shape) const {
                      " (", numel(), " elements) as ", shape);
     shape[infer] = numel() / known;
   }
+  MGPU_CHECK_VALUE(known >= 0, "reshape: cannot view shape ", shape_, " (", numel(),
+                   " elements) as ", shape, ": its element count overflows int64");
   MGPU_CHECK_VALUE(mgpu::numel(shape) == numel(), "reshape: cannot view shape ", shape_, " (",
                    numel(), " elements) as ", shape, " (", mgpu::numel(shape), " elements)");
   return Tensor(storage_, std::move(shape), dtype_, offset_);
@@ -57,6 +65,13 @@ Tensor Tensor::slice_rows(int64_t begin, int64_t end) const {
   s[0] = end - begin;
   int64_t row_bytes = shape_[0] ? static_cast<int64_t>(nbytes()) / shape_[0] : 0;
   return Tensor(storage_, std::move(s), dtype_, offset_ + begin * row_bytes);
+}
+
+bool Tensor::shares_memory(const Tensor& o) const {
+  if (storage_ != o.storage_) return false;
+  int64_t a0 = offset_, a1 = offset_ + static_cast<int64_t>(nbytes());
+  int64_t b0 = o.offset_, b1 = o.offset_ + static_cast<int64_t>(o.nbytes());
+  return a0 < b1 && b0 < a1;
 }
 
 std::string describe(const Tensor& t) {

@@ -22,7 +22,7 @@ Shape check_pool(const char* op, const Tensor& x, int64_t kh, int64_t kw, int64_
 Tensor avg_pool2d_forward(const Tensor& x, int64_t kh, int64_t kw, int64_t sh, int64_t sw) {
   const char* op = "avg_pool2d_forward";
   Shape ys = check_pool(op, x, kh, kw, sh, sw);
-  Tensor y = Tensor::empty(ys, DType::F32, x.device());
+  Tensor y = Tensor::empty(ys, DType::F32, x.device(), op);
   const int64_t N = x.size(0), C = x.size(1), H = x.size(2), W = x.size(3);
   const float* xp = x.f32();
   float* yp = y.f32();

@@ -22,6 +22,8 @@ Conv2dShape check_conv(const char* op, const Tensor& x, const Tensor& w, int64_t
                    x.shape(), ") but w expects ", w.size(1), " (shape ", w.shape(), ")");
   MGPU_CHECK_VALUE(stride >= 1, op, ": stride must be >= 1, got ", stride);
   MGPU_CHECK_VALUE(pad >= 0, op, ": padding must be >= 0, got ", pad);
+  // Keeps H + 2 * pad (and the output's extents) far from int64 overflow.
+  MGPU_CHECK_VALUE(pad <= (int64_t{1} << 40), op, ": padding ", pad, " is too large (at most 2**40)");
   Conv2dShape s{x.size(0), x.size(1), x.size(2), x.size(3), w.size(0), w.size(2), w.size(3),
                      stride, pad};
   MGPU_CHECK_VALUE(x.size(2) + 2 * pad >= w.size(2) && x.size(3) + 2 * pad >= w.size(3), op,
@@ -58,7 +60,7 @@ Tensor conv2d_forward(const Tensor& x, const Tensor& w, const Tensor& b, int64_t
     MGPU_CHECK_VALUE(b.dim() == 1 && b.size(0) == s.K, op, ": b must have shape (", s.K,
                      ",), one per output channel, got ", b.shape());
   }
-  Tensor y = Tensor::empty({s.N, s.K, s.P(), s.Q()}, DType::F32, x.device());
+  Tensor y = Tensor::empty({s.N, s.K, s.P(), s.Q()}, DType::F32, x.device(), op);
   const float *xp = x.f32(), *wp = w.f32(), *bp = b.defined() ? b.f32() : nullptr;
   float* yp = y.f32();
   const bool cudnn = !x.device().is_cpu() && conv_path() == ConvPath::Cudnn;

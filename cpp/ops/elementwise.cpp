@@ -191,8 +191,18 @@ void copy(const Tensor& dst, const Tensor& src) {
   const Device other = exec == dd ? sd : dd;
   Event other_ready = record_event(other);
   Queue& eq = queue_of(exec);
-  uint64_t seq = eq.enqueue("copy", [to, from, n, dd, sd, other_ready, dst, src] {
-    other_ready.queue->wait_done_or_rethrow(other_ready.seq);
+  const detail::TaskOutputs outs = detail::claim_outputs(dst, src);
+  uint64_t seq = eq.enqueue("copy", [to, from, n, dd, sd, other_ready, dst, src,
+                                     outputs = outs.mask] {
+    try {
+      other_ready.queue->wait_done_or_rethrow(other_ready.seq);
+      // After that wait a failed producer of src has left its error on src (sticky failures).
+      if (std::exception_ptr e = detail::failed_input(outputs, dst, src)) std::rethrow_exception(e);
+    } catch (...) {
+      // Nothing waits for this copy but its own device's queue, so it may stop here.
+      detail::fail_outputs(outputs, std::current_exception(), dst, src);
+      throw;
+    }
     if (dd.is_cpu() && sd.is_cpu()) {
       std::memcpy(to, from, n);
     } else if (sd.is_cpu()) {
@@ -202,7 +212,7 @@ void copy(const Tensor& dst, const Tensor& src) {
     } else {
       gpu::copy_from_peer(dd.index, to, sd.index, from, n);
     }
-  });
+  }, outs.bytes);
   // The other queue waits for the copy, holding both tensors until then: the copy runs on the
   // exec device's stream, asynchronously to all work on the other device, so neither block may
   // return to the other device's cache (where its worker could reuse it at once, e.g. for a

@@ -69,7 +69,7 @@ LabelCheck LabelCheck::snapshot() const {
 Tensor softmax_ce_forward(const Tensor& logits, const Tensor& labels) {
   const char* op = "cross_entropy";
   check_ce(op, logits, labels);
-  Tensor loss = Tensor::empty({logits.size(0)}, DType::F32, logits.device());
+  Tensor loss = Tensor::empty({logits.size(0)}, DType::F32, logits.device(), op);
   const int64_t n = logits.size(0), m = logits.size(1);
   const float* zp = logits.f32();
   float* lp = loss.f32();

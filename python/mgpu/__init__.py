@@ -91,7 +91,8 @@ def info(file=None) -> None:
 
 def set_num_threads(n: int) -> None:
     """Threads mgpu uses for CPU compute (shared fairly by the busy CPU devices)."""
-    _core.set_num_threads(int(n))
+    from .tensor import _int
+    _core.set_num_threads(_int(n, "set_num_threads", "n"))
 
 
 def num_threads() -> int:

@@ -5,7 +5,10 @@ An op whose inputs require grad records a :class:`Node` holding its backward fun
 into ``leaf.grad`` (for a non-scalar loss it back-propagates the sum, as the chapter's MXNet code
 relies on). Recording is on by default (PyTorch's behaviour); ``with mgpu.autograd.record():`` is
 accepted so the MXNet flavour of the chapter runs too, and ``mgpu.no_grad()`` turns it off.
-In-place operations are never recorded.
+In-place operations are never recorded, but they are noticed: every in-place change bumps the
+version counter of the tensor's memory (shared by its views), each recorded op keeps the versions
+of the tensors it saved, and ``backward()`` raises RuntimeError naming the op if one of them
+changed since -- the gradient would otherwise be computed from the new values (PyTorch's rule).
 """
 from __future__ import annotations
 
@@ -42,20 +45,47 @@ def no_grad():
 
 
 class Node:
-    """One recorded op: its inputs and a function from the output's gradient to theirs."""
+    """One recorded op: its inputs, the versions of the tensors its backward reads, and a
+    function from the output's gradient to the inputs'."""
 
-    __slots__ = ("inputs", "backward_fn")
+    __slots__ = ("inputs", "backward_fn", "saved", "op")
 
-    def __init__(self, inputs: Sequence, backward_fn: Callable):
+    def __init__(self, inputs: Sequence, backward_fn: Callable, saved: Sequence, op: str):
         self.inputs = tuple(inputs)
         self.backward_fn = backward_fn  # dy -> tuple of gradients (None where not needed)
+        self.saved = tuple((t, t._t.version) for t in saved if t is not None)
+        self.op = op
+
+    def check_saved(self) -> None:
+        for t, version in self.saved:
+            now = t._t.version
+            if now != version:
+                raise RuntimeError(
+                    "one of the variables needed for gradient computation has been modified by "
+                    f"an inplace operation: the {t.dtype} tensor of shape {t.shape} on {t.device} "
+                    f"saved by {self.op} is at version {now}; expected version {version} "
+                    "instead. Compute the gradient before changing it in place, or change a "
+                    "copy (t.copy()).")
 
 
-def attach(out, inputs: Sequence, backward_fn: Callable):
-    """Records ``out = op(*inputs)`` when any input requires grad; returns ``out``."""
+def _op_name(fn: Callable) -> str:
+    """The op a backward function belongs to: ``conv2d`` for ``conv2d.<locals>.backward``."""
+    name = getattr(fn, "__qualname__", "") or "an op"
+    return name.split(".<locals>")[0]
+
+
+def attach(out, inputs: Sequence, backward_fn: Callable, saved: Optional[Sequence] = None,
+           op: Optional[str] = None):
+    """Records ``out = op(*inputs)`` when any input requires grad; returns ``out``.
+
+    ``saved`` are the tensors the backward reads (by default every input): their versions are
+    kept, and backward() refuses to run if one has changed in place since. ``op`` names the op
+    in that error (by default the function that defines ``backward_fn``).
+    """
     if is_recording() and any(t is not None and t.requires_grad for t in inputs):
         out.requires_grad = True
-        out._node = Node(inputs, backward_fn)
+        out._node = Node(inputs, backward_fn, inputs if saved is None else saved,
+                         op or _op_name(backward_fn))
     return out
 
 
@@ -89,9 +119,12 @@ def backward(root, grad: Optional[object] = None) -> None:
         if grad.shape != root.shape or grad.device != root.device:
             raise ValueError(f"backward: grad has shape {grad.shape} on {grad.device} but the "
                              f"tensor has shape {root.shape} on {root.device}; they must match")
+    order = _topological(root)
+    for t in order:  # before any gradient is written: a refused backward changes nothing
+        t._node.check_saved()
     grads = {id(root): grad if grad is not None else ones_like(root)}
     with no_grad():
-        for t in reversed(_topological(root)):
+        for t in reversed(order):
             dy = grads.pop(id(t))
             for x, g in zip(t._node.inputs, t._node.backward_fn(dy)):
                 if x is None or g is None or not x.requires_grad:

@@ -17,6 +17,9 @@ def _train(args) -> int:
         if args.op_by_op:
             raise ValueError("--op-by-op is for LeNet's chapter step; ResNet-18 always trains "
                              "through nn.DataParallel and autograd")
+        if not args.check_finite:
+            raise ValueError("--no-check-finite is for LeNet's train; ResNet-18's loop (the "
+                             "book's, through autograd) does not check its losses")
         net = models.resnet18(10, 1)
         if args.sync_bn:
             net = nn.SyncBatchNorm.convert_sync_batchnorm(net)
@@ -26,6 +29,7 @@ def _train(args) -> int:
     if args.sync_bn or args.fused:
         raise ValueError("--sync-bn and --fused need --model resnet18 (LeNet's step is fused "
                          "already and has no batch norm)")
+    kw["check_finite"] = args.check_finite
     if args.op_by_op:
         train_op_by_op(args.num_gpus, args.batch_size, args.lr, args.epochs, **kw)
     else:
@@ -203,6 +207,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--op-by-op", action="store_true",
                    help="use the chapter's Python train_batch instead of the fused one")
+    t.add_argument("--no-check-finite", dest="check_finite", action="store_false",
+                   help="keep training when the loss becomes NaN or infinite (default: stop)")
     t.set_defaults(run=_train)
     i = sub.add_parser("info", help="version, CPU kernel path, BLAS, built parts, devices, data")
     i.add_argument("--json", action="store_true", help="print mgpu.build_info() as JSON instead")
@@ -211,7 +217,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.run(args)
-    except (ValueError, TypeError, IndexError, FileNotFoundError, RuntimeError) as e:
+    except KeyboardInterrupt:
+        # Ctrl-C: one line, and the shell's status for SIGINT (128 + 2), no traceback.
+        print("mgpu: interrupted", file=sys.stderr)
+        return 130
+    except (ValueError, TypeError, IndexError, FileNotFoundError, RuntimeError, MemoryError,
+            ArithmeticError) as e:
         from . import distributed
         where = f" (rank {distributed.rank()})" if distributed.world_size() > 1 else ""
         print(f"mgpu: error{where}: {e}", file=sys.stderr)

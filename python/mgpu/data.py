@@ -29,10 +29,17 @@ class DataLoader:
 
     def __init__(self, split: "_core.DataSplit", batch_size: int, shuffle: bool, seed: int = 0,
                  limit_batches: int = 0):
-        if int(batch_size) < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        self._it = _core.BatchIterator(split, int(batch_size), bool(shuffle), int(seed),
-                                       False, int(limit_batches or 0))
+        from .random import _seed
+        from .tensor import _int
+        batch_size = _int(batch_size, "DataLoader", "batch_size")
+        if not 1 <= batch_size < 2**62:
+            raise ValueError(f"DataLoader: batch_size must be >= 1, got {batch_size}")
+        limit_batches = _int(limit_batches or 0, "DataLoader", "limit_batches")
+        if not 0 <= limit_batches < 2**62:
+            raise ValueError(f"DataLoader: limit_batches must be >= 0 (0: no limit), got "
+                             f"{limit_batches}")
+        self._it = _core.BatchIterator(split, batch_size, bool(shuffle),
+                                       _seed(seed, "DataLoader"), False, limit_batches)
         self.batch_size = int(batch_size)
 
     def __iter__(self) -> Iterator[Tuple[Tensor, Tensor]]:

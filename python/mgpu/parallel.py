@@ -4,6 +4,7 @@ of it in one C++ call.
 """
 from __future__ import annotations
 
+import numbers
 from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -11,7 +12,7 @@ import numpy as np
 from . import _core
 from . import distributed as _dist
 from .device import Device, as_device
-from .tensor import Tensor, array
+from .tensor import Tensor, _handle, _int, array
 
 
 def get_params(params: Sequence[Tensor], device: Device) -> List[Tensor]:
@@ -54,11 +55,15 @@ def allreduce(data) -> None:
     buffer in a single collective -- the efficient all-reduce of the chapter's exercise).
     """
     _core.allreduce(_flat_tensors(data))
+    for entry in data:  # summed in place
+        for t in (entry if isinstance(entry, (list, tuple)) else [entry]):
+            t._t.bump_version()
 
 
 def split_batch(X: Tensor, y: Tensor,
                 devices: Sequence[Device]) -> Tuple[List[Tensor], List[Tensor]]:
     """Splits X and y along axis 0 into one shard per device (sizes differ by at most one)."""
+    _handle(X, "split_batch", "X"), _handle(y, "split_batch", "y")
     if X.shape[:1] != y.shape[:1]:
         raise ValueError(f"split_batch: X and y must hold the same number of examples, got "
                          f"X {X.shape} and y {y.shape}")
@@ -69,7 +74,35 @@ def split_batch(X: Tensor, y: Tensor,
 
 def split_and_load(data: Tensor, devices: Sequence[Device]) -> List[Tensor]:
     """Gluon's name: splits one tensor along axis 0 over the devices."""
-    return [Tensor(t) for t in _core.split_rows(data._t, [as_device(d) for d in devices])]
+    return [Tensor(t) for t in _core.split_rows(_handle(data, "split_and_load", "data"),
+                                                [as_device(d) for d in devices])]
+
+
+def _check_lr(lr, op: str) -> float:
+    """``lr`` as a float; ValueError unless it is a finite number > 0 (NaN would train silently)."""
+    if isinstance(lr, bool) or not isinstance(lr, (numbers.Real, np.number)):
+        raise TypeError(f"{op}: lr must be a number, got {type(lr).__name__}")
+    lr = float(lr)
+    if not (np.isfinite(lr) and lr > 0):
+        raise ValueError(f"{op}: the learning rate must be a finite number > 0, got {lr}")
+    return lr
+
+
+def _check_nonnegative(v, name: str, op: str) -> float:
+    """``v`` as a float; ValueError unless it is finite and >= 0 (PyTorch's SGD accepts lr 0)."""
+    if isinstance(v, bool) or not isinstance(v, (numbers.Real, np.number)):
+        raise TypeError(f"{op}: {name} must be a number, got {type(v).__name__}")
+    v = float(v)
+    if not (np.isfinite(v) and v >= 0):
+        raise ValueError(f"{op}: {name} must be a finite number >= 0, got {v}")
+    return v
+
+
+def _check_batch_size(batch_size, op: str) -> int:
+    n = _int(batch_size, op, "batch_size")
+    if n < 1:
+        raise ValueError(f"{op}: batch_size must be >= 1, got {n}")
+    return n
 
 
 def _scale(lr: float, batch_size: int) -> float:
@@ -79,12 +112,16 @@ def _scale(lr: float, batch_size: int) -> float:
 
 def sgd(params: Sequence[Tensor], lr: float, batch_size: int) -> None:
     """Minibatch SGD in place: p -= lr * p.grad / batch_size, then the gradients are zeroed."""
-    scale = _scale(lr, batch_size)
-    for p in params:
+    scale = _scale(_check_lr(lr, "sgd"), _check_batch_size(batch_size, "sgd"))
+    params = list(params)
+    for i, p in enumerate(params):  # all checked before any is changed
+        _handle(p, "sgd", f"params[{i}]")
         if p.grad is None:
             raise ValueError("sgd: a parameter has no gradient; attach one with attach_grad() "
                              "or requires_grad_() and run backward() first")
+    for p in params:
         _core.sgd_update(p._t, p.grad._t, scale)
+        p._t.bump_version()
         p.grad.zero_()
 
 
@@ -94,7 +131,8 @@ def _replicas(device_params, devices) -> Tuple[list, list]:
     for i, ps in enumerate(device_params):
         if not isinstance(ps, (list, tuple)):
             raise TypeError(f"device_params[{i}] must be a list of the parameters on devices[{i}]")
-        handles.append([p._t for p in ps])
+        handles.append([_handle(p, "train_batch", f"device_params[{i}][{j}]")
+                        for j, p in enumerate(ps)])
     return handles, devices
 
 
@@ -108,15 +146,22 @@ def train_batch(X: Tensor, y: Tensor, device_params, devices: Sequence[Device],
     (``mgpu.distributed``) X, y are the global batch on every rank: each rank trains on its slice
     and gradients are summed across processes too, so all ranks take the global step.
     """
+    lr = _check_lr(lr, "train_batch")
+    Xh, yh = _handle(X, "train_batch", "X"), _handle(y, "train_batch", "y")
     _dist._auto_init()
     handles, devices = _replicas(device_params, devices)
-    return [Tensor(t) for t in _core.train_batch(X._t, y._t, handles, devices, float(lr))]
+    losses = [Tensor(t) for t in _core.train_batch(Xh, yh, handles, devices, lr)]
+    for ps in device_params:  # updated in place
+        for p in ps:
+            p._t.bump_version()
+    return losses
 
 
 def evaluate_counts(X: Tensor, y: Tensor, device_params, devices: Sequence[Device]) -> List[Tensor]:
     """Correct predictions of the replicas on one batch, split over the devices (0-d each)."""
+    Xh, yh = _handle(X, "evaluate_accuracy", "X"), _handle(y, "evaluate_accuracy", "y")
     handles, devices = _replicas(device_params, devices)
-    return [Tensor(t) for t in _core.evaluate_batch(X._t, y._t, handles, devices)]
+    return [Tensor(t) for t in _core.evaluate_batch(Xh, yh, handles, devices)]
 
 
 def _tensors(items, what: str) -> List["_core.Tensor"]:
@@ -185,10 +230,11 @@ class FusedModel:
         if not isinstance(X, Tensor) or not isinstance(y, Tensor):
             raise TypeError(f"train_step: X and y must be mgpu tensors, got "
                             f"{type(X).__name__} and {type(y).__name__}")
+        lr, momentum, weight_decay = (_check_nonnegative(v, name, "train_step") for v, name in (
+            (lr, "lr"), (momentum, "momentum"), (weight_decay, "weight_decay")))
         _dist._auto_init()
         self._check_labels(y)
-        return [Tensor(t) for t in self._model.train_step(X._t, y._t, float(lr), float(momentum),
-                                                          float(weight_decay))]
+        return [Tensor(t) for t in self._model.train_step(X._t, y._t, lr, momentum, weight_decay)]
 
     def evaluate_counts(self, X: Tensor, y: Tensor) -> List[Tensor]:
         """Correct predictions (batch norm with running statistics), one 0-d count per replica."""

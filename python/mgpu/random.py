@@ -5,6 +5,7 @@ gives the same numbers on every device and machine.
 """
 from __future__ import annotations
 
+import numbers
 from typing import Optional
 
 import numpy as np
@@ -15,7 +16,16 @@ _rng = np.random.default_rng()
 def seed(n: int) -> None:
     """Makes every following draw reproducible."""
     global _rng
-    _rng = np.random.default_rng(int(n))
+    _rng = np.random.default_rng(_seed(n, "mgpu.random.seed"))
+
+
+def _seed(n, op: str) -> int:
+    """A seed: an integer in [0, 2**64) (ValueError or TypeError otherwise, never truncated)."""
+    if isinstance(n, bool) or not isinstance(n, (numbers.Integral, np.integer)):
+        raise TypeError(f"{op}: the seed must be an integer, got {n!r} ({type(n).__name__})")
+    if not 0 <= int(n) < 2**64:
+        raise ValueError(f"{op}: the seed must be in [0, 2**64), got {n}")
+    return int(n)
 
 
 def normal(loc: float = 0.0, scale: float = 1.0, size=None, device=None, ctx=None,

@@ -20,6 +20,32 @@ Shape = Tuple[int, ...]
 _Op = _core.BinaryOp
 
 
+def _handle(x, op: str, arg: str) -> "_core.Tensor":
+    """The engine handle of tensor ``x``; a TypeError naming ``op`` and ``arg`` otherwise."""
+    if isinstance(x, Tensor):
+        return x._t
+    hint = (" (convert it with mgpu.array(...))" if isinstance(x, (np.ndarray, list, tuple,
+                                                                   numbers.Number)) else "")
+    raise TypeError(f"{op}: {arg} must be an mgpu tensor, got {type(x).__name__}{hint}")
+
+
+def _int(v, op: str, what: str) -> int:
+    """``v`` as a Python int; a TypeError for floats, bools and other non-integers (never
+    truncated)."""
+    if isinstance(v, bool) or not isinstance(v, (numbers.Integral, np.integer)):
+        raise TypeError(f"{op}: {what} must be an integer, got {v!r} ({type(v).__name__})")
+    return int(v)
+
+
+def _shape(shape, op: str = "shape") -> list:
+    """A shape argument (an int or a sequence of ints) as a list; floats are refused, not cut."""
+    if isinstance(shape, (numbers.Integral, np.integer)) and not isinstance(shape, bool):
+        return [int(shape)]
+    if not isinstance(shape, (tuple, list)):
+        raise TypeError(f"{op}: the shape must be an int or a tuple of ints, got {shape!r}")
+    return [_int(s, op, f"every extent of the shape {tuple(shape)!r}") for s in shape]
+
+
 class Tensor:
     """A tensor on a device. Create one with :func:`array`, :func:`zeros`, :func:`ones` ..."""
 
@@ -138,7 +164,7 @@ class Tensor:
             return self
         out = Tensor(_core.to_device(self._t, device))
         src_device = self.device
-        return autograd.attach(out, [self], lambda dy: (dy.to(src_device),))
+        return autograd.attach(out, [self], lambda dy: (dy.to(src_device),), saved=(), op="to")
 
     def copyto(self, other) -> "Tensor":
         """MXNet's copyto: a new copy on a device, or copies into an existing tensor."""
@@ -147,7 +173,11 @@ class Tensor:
                 raise ValueError(f"copyto: the target has shape {other.shape} but this tensor has "
                                  f"shape {self.shape}; reshape one of them first")
             _core.copy(other._t, self._t)
+            other._t.bump_version()
             return other
+        if other is None or isinstance(other, (np.ndarray, numbers.Number)):
+            raise TypeError(f"copyto: the target must be a device or an mgpu tensor, got "
+                            f"{type(other).__name__}")
         return Tensor(_core.to_device(self._t, as_device(other), True))
 
     def copy(self) -> "Tensor":
@@ -161,16 +191,21 @@ class Tensor:
         if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
             shape = tuple(shape[0])
         old = self.shape
-        out = Tensor(self._t.reshape([int(s) for s in shape]))
-        return autograd.attach(out, [self], lambda dy: (dy.reshape(old),))
+        out = Tensor(self._t.reshape(_shape(shape, "reshape")))
+        return autograd.attach(out, [self], lambda dy: (dy.reshape(old),), saved=(),
+                               op="reshape")
 
     # --- in place ------------------------------------------------------------------------
     def zero_(self) -> "Tensor":
         _core.fill(self._t, 0.0)
+        self._t.bump_version()
         return self
 
     def fill_(self, value: float) -> "Tensor":
+        if isinstance(value, bool) or not isinstance(value, (numbers.Real, np.number)):
+            raise TypeError(f"fill_: value must be a number, got {type(value).__name__}")
         _core.fill(self._t, float(value))
+        self._t.bump_version()
         return self
 
     def __getitem__(self, key) -> "Tensor":
@@ -186,17 +221,21 @@ class Tensor:
             else self._t.slice_rows(begin, end)
         if isinstance(value, Tensor):
             if value._t.same_memory(target):
-                return  # t[:] += u already wrote into t itself
+                return  # t[:] += u already wrote into t itself (and bumped its version)
             want = self.shape[1:] if isinstance(key, numbers.Integral) else tuple(target.shape)
             if value.shape != want and value.shape != tuple(target.shape):
                 raise ValueError(f"cannot assign a tensor of shape {value.shape} to a selection "
                                  f"of shape {want}; shapes must match (reshape the value first)")
-            _core.copy(target, value._t)
-        elif isinstance(value, numbers.Number):
+            _core.copy(target, value._t)  # a memmove on one device: overlap is safe
+        elif isinstance(value, numbers.Number) and not isinstance(value, bool):
             _core.fill(target, float(value))
+        elif value is None:
+            raise TypeError("cannot assign None to a tensor selection; assign a tensor, an array "
+                            "or a number")
         else:
             src = array(value, device=self.device, dtype=self.dtype)
             _core.copy(target, src._t)
+        self._t.bump_version()
 
     def _rows(self, key) -> Tuple[int, int]:
         """Rows [begin, end) selected by ``:``, an integer, or a step-1 slice along axis 0."""
@@ -242,12 +281,21 @@ class Tensor:
     def __neg__(self): return self._binary(-1.0, _Op.Mul)
 
     def _inplace(self, other, op: "_core.BinaryOp") -> "Tensor":
-        if isinstance(other, numbers.Number):
+        if isinstance(other, numbers.Number) and not isinstance(other, bool):
             _core.binary_scalar_inplace(op, self._t, float(other))
         elif isinstance(other, Tensor):
-            _core.binary_inplace(op, self._t, other._t)
+            src = other._t
+            if src.shares_memory(self._t) and not src.same_memory(self._t):
+                # a += a[0], a[1:] += a[:-1]: the op would read elements it already wrote, so
+                # it reads a copy, as NumPy does (an exact alias, a += a, reads each element
+                # before writing it and needs none).
+                src = _core.to_device(src, src.device, True)
+            _core.binary_inplace(op, self._t, src)
+        elif isinstance(other, (np.ndarray, list, tuple)):
+            return self._inplace(array(other, device=self.device, dtype=self.dtype), op)
         else:
             return NotImplemented
+        self._t.bump_version()
         return self
 
     def __iadd__(self, o): return self._inplace(o, _Op.Add)
@@ -261,7 +309,8 @@ class Tensor:
         out = Tensor(_core.sum(self._t))
         shape, device = self.shape, self.device
         return autograd.attach(out, [self],
-                               lambda dy: (_tensor_op(ones(shape, device=device), dy, _Op.Mul),))
+                               lambda dy: (_tensor_op(ones(shape, device=device), dy, _Op.Mul),),
+                               saved=(), op="sum")
 
     def mean(self) -> "Tensor":
         return self.sum() / max(1, self.size)
@@ -299,7 +348,9 @@ def _tensor_op(a: Tensor, b: Tensor, op: "_core.BinaryOp") -> Tensor:
         bd = b.detach()
         return _unbroadcast(dy / bd, sa), _unbroadcast(-(dy * a.detach()) / (bd * bd), sb)
 
-    return autograd.attach(out, [a, b], backward)
+    names = {_Op.Add: "add", _Op.Sub: "sub", _Op.Mul: "mul", _Op.Div: "div"}
+    saved = (a, b) if op in (_Op.Mul, _Op.Div) else ()  # add and sub read neither input
+    return autograd.attach(out, [a, b], backward, saved=saved, op=names[op])
 
 
 def _scalar_op(a: Tensor, s: float, op: "_core.BinaryOp", scalar_first: bool) -> Tensor:
@@ -317,7 +368,9 @@ def _scalar_op(a: Tensor, s: float, op: "_core.BinaryOp", scalar_first: bool) ->
             return ((dy * -s) / (ad * ad),)
         return (dy / s,)
 
-    return autograd.attach(out, [a], backward)
+    reads_a = op == _Op.Div and scalar_first  # d(s / a) reads a
+    return autograd.attach(out, [a], backward, saved=(a,) if reads_a else (),
+                           op=f"scalar {str(op).split('.')[-1].lower()}")
 
 
 # --- construction --------------------------------------------------------------------------
@@ -359,17 +412,15 @@ def tensor(obj, device: Optional[Device] = None, dtype=None) -> Tensor:
     return array(obj, device=device, dtype=dtype)
 
 
-def _shape(shape) -> list:
-    if isinstance(shape, numbers.Integral):
-        return [int(shape)]
-    return [int(s) for s in shape]
-
-
 def full(shape, value: float, device: Optional[Device] = None, dtype=np.float32,
          ctx: Optional[Device] = None) -> Tensor:
     """A tensor of ``shape`` filled with ``value``."""
-    dev = as_device(device or ctx or cpu(0))
-    t = Tensor(_core.Tensor.empty(_shape(shape), np.dtype(dtype).name, dev))
+    return _full(shape, value, device or ctx, dtype, "full")
+
+
+def _full(shape, value, device, dtype, op: str) -> Tensor:
+    t = Tensor(_core.Tensor.empty(_shape(shape, op), np.dtype(dtype).name,
+                                  as_device(device or cpu(0)), op))
     _core.fill(t._t, float(value))
     return t
 
@@ -377,13 +428,13 @@ def full(shape, value: float, device: Optional[Device] = None, dtype=np.float32,
 def zeros(shape, device: Optional[Device] = None, dtype=np.float32,
           ctx: Optional[Device] = None) -> Tensor:
     """A tensor of zeros."""
-    return full(shape, 0.0, device=device, dtype=dtype, ctx=ctx)
+    return _full(shape, 0.0, device or ctx, dtype, "zeros")
 
 
 def ones(shape, device: Optional[Device] = None, dtype=np.float32,
          ctx: Optional[Device] = None) -> Tensor:
     """A tensor of ones."""
-    return full(shape, 1.0, device=device, dtype=dtype, ctx=ctx)
+    return _full(shape, 1.0, device or ctx, dtype, "ones")
 
 
 def zeros_like(t: Tensor) -> Tensor:
@@ -397,7 +448,7 @@ def ones_like(t: Tensor) -> Tensor:
 def arange(n: int, device: Optional[Device] = None, dtype=np.float32,
            ctx: Optional[Device] = None) -> Tensor:
     """0, 1, ..., n-1 (float32 by default, as MXNet's ``np.arange`` in the chapter)."""
-    return array(np.arange(int(n)), device=device or ctx, dtype=dtype)
+    return array(np.arange(_int(n, "arange", "n")), device=device or ctx, dtype=dtype)
 
 
 def from_dlpack(obj) -> Tensor:

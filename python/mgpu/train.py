@@ -22,7 +22,7 @@ from .data import DataLoader, load_data_fashion_mnist
 from .device import Device, as_device, try_gpu
 from .models import lenet_params
 from .nn import Module
-from .parallel import evaluate_counts, get_params, train_batch
+from .parallel import _check_batch_size, _check_lr, evaluate_counts, get_params, train_batch
 from .tensor import Tensor
 
 
@@ -129,7 +129,8 @@ def _in_notebook() -> bool:
 def train(num_gpus: int, batch_size: int, lr: float, num_epochs: int = 10,
           data_dir: Optional[str] = None, limit_batches: Optional[int] = None, seed: int = 0,
           params: Optional[Sequence[Tensor]] = None, progress: Optional[bool] = None,
-          plot: Optional[bool] = None, data=None, step: Optional[Callable] = None) -> TrainResult:
+          plot: Optional[bool] = None, data=None, step: Optional[Callable] = None,
+          check_finite: bool = True) -> TrainResult:
     """Trains the chapter's LeNet data-parallel on ``num_gpus`` devices and prints its line.
 
     Devices are ``[try_gpu(i) for i in range(num_gpus)]``: GPUs where they exist, virtual CPU
@@ -139,8 +140,13 @@ def train(num_gpus: int, batch_size: int, lr: float, num_epochs: int = 10,
     shows a progress bar (default: when stderr is a terminal); ``plot`` draws the accuracy curve
     (default: in a notebook). ``step(X, y, device_params, devices, lr)`` takes one minibatch
     step: mgpu's fused ``train_batch`` by default, or e.g. the chapter's own
-    ``mgpu.chapter.train_batch``. Returns the per-epoch accuracies, losses and times.
+    ``mgpu.chapter.train_batch``. ``check_finite`` stops training with FloatingPointError,
+    naming the epoch and step, once a step's loss is NaN or infinite (checked at each epoch's end,
+    where the losses are read anyway, so the check costs the step nothing; pass False to train on).
+    Returns the per-epoch accuracies, losses and times.
     """
+    lr = _check_lr(lr, "train")
+    batch_size = _check_batch_size(batch_size, "train")
     if int(num_gpus) < 1:
         raise ValueError(f"train: num_gpus must be >= 1, got {num_gpus}")
     if int(num_epochs) < 1:
@@ -183,7 +189,10 @@ def train(num_gpus: int, batch_size: int, lr: float, num_epochs: int = 10,
         t0 = time.perf_counter()
         result.test_acc.append(evaluate_accuracy(device_params, test_iter, devices))
         result.eval_times.append(time.perf_counter() - t0)
-        loss_sum = sum(v.item() for v in losses)
+        step_losses_host = [v.item() for v in losses]
+        if check_finite:
+            _check_finite_losses(step_losses_host, max(1, len(devices)), epoch, lr)
+        loss_sum = sum(step_losses_host)
         if world > 1:
             loss_sum = _sum_over_ranks(loss_sum)
         # A step that reports no losses (the chapter's) leaves the training loss unknown.
@@ -197,6 +206,17 @@ def train(num_gpus: int, batch_size: int, lr: float, num_epochs: int = 10,
     if is_root:
         print(result.summary())
     return result
+
+
+def _check_finite_losses(losses: List[float], per_step: int, epoch: int, lr: float) -> None:
+    """FloatingPointError at the first step whose loss is not finite (steps count from 1)."""
+    for i, value in enumerate(losses):
+        if not np.isfinite(value):
+            step = i // per_step + 1
+            raise FloatingPointError(
+                f"train: the loss became {value} at epoch {epoch + 1}, step {step} (lr {lr}); "
+                "lower the learning rate, check the data for NaN or infinite values, or pass "
+                "check_finite=False (--no-check-finite) to keep training")
 
 
 def _local_devices(n: int) -> List[Device]:

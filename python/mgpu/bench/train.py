@@ -193,6 +193,11 @@ def bench_train(devices: Sequence[int] = (1, 2), batch_size: int = 256, lr: floa
         data = {"source": "fashion-mnist", "dir": data_dir}
     data.update(train_examples=int(train_split.num_examples),
                 test_examples=int(test_split.num_examples))
+    if data["train_examples"] < int(batch_size):
+        # Smaller batches would be timed as if they were full ones (a flattering figure).
+        raise ValueError(f"bench train: the training set has {data['train_examples']} examples, "
+                         f"fewer than one batch of {batch_size}; use --synthetic >= "
+                         f"--batch-size or a smaller --batch-size")
     settings = dict(devices=devices, batch_size=batch_size, lr=lr, epochs=epochs,
                     limit_batches=limit, warmup=warmup, repeat=repeat, seed=seed,
                     compare=compare, torch_threads=torch_threads, parts=list(parts),

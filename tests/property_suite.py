@@ -1,0 +1,247 @@
+"""Property-based checks of mgpu with Hypothesis, run by test_properties.py in a child process so
+a crash (a signal, an abort) is reported with the example that caused it.
+
+Usage: python property_suite.py GROUP EXAMPLES. Before each example the child writes it to stderr
+("TRY <example>"), so the parent can name the last one if the child dies; at the end it prints
+"TRIED <n>" (examples run) on stdout. GROUPs: elementwise, inplace, bad_args, idx_fuzz.
+"""
+import gzip
+import operator
+import os
+import struct
+import sys
+import tempfile
+
+import numpy as np
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import mgpu
+from mgpu import _core, parallel
+
+DEVICES = [mgpu.cpu(0), mgpu.cpu(1)] + ([mgpu.gpu(0)] if mgpu.num_gpus() > 0 else [])
+CLEAN = (TypeError, ValueError, IndexError, MemoryError)
+tried = 0
+
+
+def announce(*example) -> None:
+    global tried
+    tried += 1
+    print("TRY", *[repr(e) for e in example], file=sys.stderr, flush=True)
+
+
+shapes = st.lists(st.integers(0, 5), min_size=0, max_size=3).map(tuple)
+devices = st.sampled_from(DEVICES)
+ops = st.sampled_from(["+", "-", "*", "/"])
+
+
+def np_op(op, a, b):
+    return {"+": np.add, "-": np.subtract, "*": np.multiply, "/": np.divide}[op](a, b)
+
+
+def py_op(op, a, b):
+    """Python's operator (so mgpu's __add__/__radd__... run, never NumPy's ufuncs)."""
+    return {"+": operator.add, "-": operator.sub, "*": operator.mul,
+            "/": operator.truediv}[op](a, b)
+
+
+def values(shape, seed):
+    rng = np.random.default_rng(seed)
+    return rng.uniform(0.5, 2.0, shape).astype(np.float32) * rng.choice([-1, 1], shape)
+
+
+def as_view(a: np.ndarray, device, pad: int):
+    """``a`` on ``device`` as rows [pad, pad + n) of a bigger tensor (a view), or as itself."""
+    if pad == 0 or a.ndim == 0:
+        return mgpu.array(a, device=device)
+    big = np.concatenate([np.full((pad,) + a.shape[1:], 7, np.float32), a,
+                          np.full((1,) + a.shape[1:], 9, np.float32)])
+    return mgpu.array(big, device=device)[pad:pad + a.shape[0]]
+
+
+def close(got, expected):
+    expected = np.asarray(expected, dtype=np.float64)
+    assert got.shape == expected.shape, (got.shape, expected.shape)
+    assert np.allclose(got, expected, rtol=1e-6, atol=1e-6, equal_nan=True), (got, expected)
+
+
+CFG = dict(deadline=None, derandomize=True, database=None,
+           suppress_health_check=list(HealthCheck))
+
+
+def group_elementwise(n):
+    @settings(max_examples=n, **CFG)
+    @given(shapes, ops, devices, st.sampled_from(["same", "row", "scalar", "rscalar"]),
+           st.integers(0, 3), st.integers(0, 2**31))
+    def check(shape, op, device, kind, pad, seed):
+        announce(shape, op, device, kind, pad, seed)
+        a = values(shape, seed)
+        ta = as_view(a, device, pad)
+        if kind == "scalar" or kind == "rscalar":
+            s = float(values((), seed + 1))
+            got = py_op(op, ta, s) if kind == "scalar" else py_op(op, s, ta)
+            want = np_op(op, a.astype(np.float64), s) if kind == "scalar" else \
+                np_op(op, s, a.astype(np.float64))
+        else:
+            bshape = shape if kind == "same" or len(shape) < 2 else shape[-1:]
+            b = values(bshape, seed + 2)
+            tb = as_view(b, device, pad if kind == "same" else 0)
+            got = py_op(op, ta, tb)
+            want = np_op(op, a.astype(np.float64), b.astype(np.float64))
+        close(got.numpy(), want.astype(np.float32))
+        assert got.device == device
+    check()
+
+
+def group_inplace(n):
+    @settings(max_examples=n, **CFG)
+    @given(st.integers(1, 8), st.integers(0, 3), ops, devices, st.data())
+    def check(rows, cols, op, device, data):
+        length = data.draw(st.integers(0, rows), label="length")
+        dst = data.draw(st.integers(0, rows - length), label="dst")
+        src = data.draw(st.integers(0, rows - length), label="src")
+        row_src = data.draw(st.booleans(), label="row_src") and cols > 0
+        announce(rows, cols, op, device, length, dst, src, row_src)
+        base = values((rows, cols), rows * 31 + cols)
+        a = base.copy()
+        t = mgpu.array(base, device=device)
+        if row_src:  # a[dst:dst+length] op= a[src] (a row broadcast, overlapping the target)
+            src_np, src_t = a[src % rows], t[src % rows]
+        else:
+            src_np, src_t = a[src:src + length], t[src:src + length]
+        target_np = a[dst:dst + length]
+        expected = np_op(op, target_np, src_np.copy())  # NumPy's semantics: source read first
+        a[dst:dst + length] = expected
+        view = t[dst:dst + length]
+        if op == "+":
+            view += src_t
+        elif op == "-":
+            view -= src_t
+        elif op == "*":
+            view *= src_t
+        else:
+            view /= src_t
+        close(t.numpy(), a)
+    check()
+
+
+# --- random bad arguments: each call must succeed or raise one of CLEAN ---------------------------
+
+junk = st.one_of(st.none(), st.floats(allow_nan=True), st.integers(-2**70, 2**70),
+                 st.text(max_size=3), st.booleans(), st.just(np.zeros(2)), st.just([1, "a"]),
+                 st.just((2.5, 3)), st.just(-1), st.just(2**62), st.just(2**63), st.just(2**64))
+extent = st.one_of(st.integers(-3, 6), st.sampled_from([2**31, 2**32, 2**62, 2**62 + 1, 2**63 - 1]))
+bad_shape = st.one_of(st.lists(extent, max_size=4).map(tuple), junk)
+
+
+def calls():
+    """(description, thunk) pairs of API calls with random, mostly bad, arguments."""
+    C0 = mgpu.cpu(0)
+    x4 = st.tuples(st.integers(0, 3), st.integers(0, 3), st.integers(0, 9), st.integers(0, 9))
+    return st.one_of(
+        st.tuples(st.just("zeros"), bad_shape).map(lambda a: (a, lambda: mgpu.zeros(a[1]))),
+        st.tuples(st.just("ones"), bad_shape, st.sampled_from(["float32", "int64", "uint8"])).map(
+            lambda a: (a, lambda: mgpu.ones(a[1], dtype=a[2]))),
+        st.tuples(st.just("reshape"), bad_shape).map(
+            lambda a: (a, lambda: mgpu.arange(24).reshape(a[1]))),
+        st.tuples(st.just("getitem"), junk).map(lambda a: (a, lambda: mgpu.arange(6)[a[1]])),
+        st.tuples(st.just("setitem"), junk, junk).map(
+            lambda a: (a, lambda: mgpu.arange(6).__setitem__(a[1], a[2]))),
+        st.tuples(st.just("binary"), junk).map(lambda a: (a, lambda: mgpu.ones((2, 3)) + a[1])),
+        st.tuples(st.just("inplace"), junk).map(
+            lambda a: (a, lambda: mgpu.ones((2, 3)).__iadd__(a[1]))),
+        st.tuples(st.just("conv2d"), x4, x4, extent, extent).map(
+            lambda a: (a, lambda: mgpu.conv2d(mgpu.ones(a[1]), mgpu.ones(a[2]), stride=a[3],
+                                              padding=a[4]).numpy())),
+        st.tuples(st.just("avg_pool2d"), x4, extent, extent).map(
+            lambda a: (a, lambda: mgpu.avg_pool2d(mgpu.ones(a[1]), a[2], a[3]).numpy())),
+        st.tuples(st.just("cross_entropy"), st.integers(0, 4), st.integers(0, 4),
+                  st.lists(st.integers(-2**40, 2**40), max_size=5)).map(
+            lambda a: (a, lambda: mgpu.cross_entropy(
+                mgpu.ones((a[1], a[2])), mgpu.array(np.array(a[3], dtype=np.int64))).numpy())),
+        st.tuples(st.just("mm"), bad_shape, bad_shape).map(
+            lambda a: (a, lambda: mgpu.mm(mgpu.ones(a[1]), mgpu.ones(a[2])).numpy())),
+        st.tuples(st.just("seed"), junk).map(lambda a: (a, lambda: mgpu.random.seed(a[1]))),
+        st.tuples(st.just("set_num_threads"), junk).map(
+            lambda a: (a, lambda: mgpu.set_num_threads(a[1]))),
+        st.tuples(st.just("device"), junk).map(lambda a: (a, lambda: mgpu.cpu(a[1]))),
+        st.tuples(st.just("sgd"), junk, junk).map(
+            lambda a: (a, lambda: parallel.sgd([mgpu.ones(3).attach_grad()], a[1], a[2]))),
+        st.tuples(st.just("train_batch"), junk, junk).map(
+            lambda a: (a, lambda: parallel.train_batch(
+                a[1], mgpu.array(np.arange(4)), [mgpu.lenet_params(seed=0)], [C0], a[2]))),
+        st.tuples(st.just("split_batch"), junk).map(
+            lambda a: (a, lambda: parallel.split_batch(mgpu.ones((4, 2)), mgpu.ones(4), a[1]))),
+        st.tuples(st.just("array_loader"), junk, junk).map(
+            lambda a: (a, lambda: mgpu.data.array_loader(np.zeros((4, 2, 2)), np.zeros(4),
+                                                         a[1], seed=a[2]))),
+        st.tuples(st.just("copyto"), junk).map(lambda a: (a, lambda: mgpu.ones(2).copyto(a[1]))),
+        st.tuples(st.just("from_dlpack"), junk).map(lambda a: (a, lambda: mgpu.from_dlpack(a[1]))),
+    )
+
+
+def group_bad_args(n):
+    threads = mgpu.num_threads()
+
+    @settings(max_examples=n, **CFG)
+    @given(calls())
+    def check(call):
+        description, thunk = call
+        announce(description)
+        try:
+            thunk()
+        except CLEAN:
+            pass
+        finally:
+            try:
+                mgpu.waitall()  # an asynchronous failure must be clean too
+            except CLEAN:
+                pass
+            if mgpu.num_threads() != threads:
+                mgpu.set_num_threads(threads)
+    check()
+
+
+# --- the IDX reader on mutated files ------------------------------------------------------------
+
+def idx_bytes(array: np.ndarray) -> bytes:
+    header = struct.pack(">BBBB", 0, 0, 0x08, array.ndim) + b"".join(
+        struct.pack(">I", d) for d in array.shape)
+    return header + array.astype(np.uint8).tobytes()
+
+
+def group_idx_fuzz(n):
+    valid = idx_bytes(np.arange(3 * 4 * 5, dtype=np.uint8).reshape(3, 4, 5))
+    folder = tempfile.mkdtemp(prefix="mgpu-idx-fuzz-")
+    path = os.path.join(folder, "f-idx3-ubyte")
+
+    @settings(max_examples=n, **CFG)
+    @given(st.lists(st.tuples(st.integers(0, len(valid) + 8), st.integers(0, 255)), max_size=6),
+           st.integers(0, len(valid) + 8), st.booleans(), st.binary(max_size=8))
+    def check(edits, cut, compress, tail):
+        data = bytearray(valid)
+        for pos, byte in edits:
+            if pos < len(data):
+                data[pos] = byte
+        data = bytes(data[:cut]) + tail
+        if compress:
+            data = gzip.compress(data)
+            if edits:  # damage the compressed stream too
+                pos, byte = edits[0]
+                data = data[:pos % len(data)] + bytes([byte]) + data[pos % len(data) + 1:]
+        announce(edits, cut, compress, tail)
+        with open(path, "wb") as f:
+            f.write(data)
+        try:
+            a = _core.read_idx(path)
+            assert isinstance(a, np.ndarray) and a.dtype == np.uint8
+            assert a.size * a.itemsize <= len(data) * (1 if not compress else 1032)
+        except (ValueError, OSError, EOFError):
+            pass
+    check()
+
+
+if __name__ == "__main__":
+    group, examples = sys.argv[1], int(sys.argv[2])
+    globals()["group_" + group](examples)
+    print("TRIED", tried, flush=True)
