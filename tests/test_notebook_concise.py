@@ -4,15 +4,13 @@ Executed like the chapter's notebook (test_notebooks.py): on a copy, in a kernel
 interpreter, shortened to one epoch of one batch per run (MGPU_NB_LIMIT_BATCHES=1).
 """
 import json
-import os
 import pathlib
 import re
 
 import pytest
 
 import mgpu
-from conftest import fashion_mnist_available
-from test_notebooks import CELL_TIMEOUT, _cell, _execute, _start_kernel_manager, _stdout
+from test_notebooks import _cell, _stdout, run_notebook
 
 NOTEBOOK = (pathlib.Path(__file__).resolve().parent.parent / "notebooks" /
             "concise-multiple-gpus.ipynb")
@@ -22,27 +20,7 @@ SHORT_RUN = {"MGPU_NB_EPOCHS": "1", "MGPU_NB_LIMIT_BATCHES": "1"}
 @pytest.fixture(scope="module")
 def executed(tmp_path_factory):
     """The notebook after a short run; fails on any cell error."""
-    nbformat = pytest.importorskip("nbformat", reason="nbformat not installed (see .ci/setup.sh)")
-    nbclient = pytest.importorskip("nbclient", reason="nbclient not installed (see .ci/setup.sh)")
-    pytest.importorskip("ipykernel", reason="ipykernel is not installed (see .ci/setup.sh)")
-    if not fashion_mnist_available() and not os.environ.get("CI"):
-        pytest.skip("Fashion-MNIST not installed (apt-get install dataset-fashion-mnist)")
-    work = tmp_path_factory.mktemp("notebook")
-    nb = nbformat.read(str(NOTEBOOK), as_version=4)
-    for cell in nb.cells:
-        if cell.cell_type == "code":
-            cell.outputs, cell.execution_count = [], None
-    client = nbclient.NotebookClient(
-        nb, km=_start_kernel_manager(work), timeout=CELL_TIMEOUT,
-        extra_arguments=["--InteractiveShell.colors=nocolor"],
-        resources={"metadata": {"path": str(work)}})
-    try:
-        _execute(client, {**os.environ, **SHORT_RUN})
-    except nbclient.exceptions.CellExecutionError as e:
-        nbformat.write(nb, str(work / NOTEBOOK.name))
-        pytest.fail(f"{NOTEBOOK.name} failed in a cell (this run is saved in {work}):\n{e}",
-                    pytrace=False)
-    return nb
+    return run_notebook(NOTEBOOK, SHORT_RUN, tmp_path_factory)
 
 
 def test_every_cell_ran_without_error(executed):

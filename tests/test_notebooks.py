@@ -56,19 +56,10 @@ def _start_kernel_manager(tmp_path):
                          kernel_spec_manager=KernelSpecManager(kernel_dirs=[str(kernels)]))
 
 
-def _execute(client, env):
-    """Runs every cell, then stops the kernel (nbclient leaves a kernel manager it was given
-    running)."""
-    try:
-        client.execute(env=env)
-    finally:
-        if client.km is not None and client.km.has_kernel:
-            client.km.shutdown_kernel(now=True)
-
-
-@pytest.fixture(scope="module")
-def executed(tmp_path_factory):
-    """The notebook after a short run, every cell executed in order; fails on any cell error."""
+def run_notebook(path, short_run, tmp_path_factory):
+    """The notebook at ``path`` after a run with ``short_run``'s environment, every cell executed
+    in order on a copy; fails on any cell error. The kernel is stopped after the run (nbclient
+    leaves a kernel manager it was given running)."""
     nbformat = pytest.importorskip("nbformat", reason="nbformat not installed (see .ci/setup.sh)")
     nbclient = pytest.importorskip("nbclient", reason="nbclient not installed (see .ci/setup.sh)")
     pytest.importorskip("ipykernel", reason="ipykernel is not installed (see .ci/setup.sh)")
@@ -76,7 +67,7 @@ def executed(tmp_path_factory):
         pytest.skip("Fashion-MNIST not installed (apt-get install dataset-fashion-mnist)")
 
     work = tmp_path_factory.mktemp("notebook")
-    nb = nbformat.read(str(NOTEBOOK), as_version=4)
+    nb = nbformat.read(str(path), as_version=4)
     for cell in nb.cells:  # start clean, so every checked output comes from this run
         if cell.cell_type == "code":
             cell.outputs, cell.execution_count = [], None
@@ -86,14 +77,23 @@ def executed(tmp_path_factory):
         resources={"metadata": {"path": str(work)}})
     error = None
     try:
-        _execute(client, {**os.environ, **SHORT_RUN})
+        client.execute(env={**os.environ, **short_run})
     except nbclient.exceptions.CellExecutionError as e:
         error = e
-    nbformat.write(nb, str(work / NOTEBOOK.name))
+    finally:
+        if client.km is not None and client.km.has_kernel:
+            client.km.shutdown_kernel(now=True)
+    nbformat.write(nb, str(work / path.name))
     if error is not None:
-        pytest.fail(f"{NOTEBOOK.name} failed in a cell (this run is saved in {work}):\n{error}",
+        pytest.fail(f"{path.name} failed in a cell (this run is saved in {work}):\n{error}",
                     pytrace=False)
     return nb
+
+
+@pytest.fixture(scope="module")
+def executed(tmp_path_factory):
+    """The chapter's notebook after a short run."""
+    return run_notebook(NOTEBOOK, SHORT_RUN, tmp_path_factory)
 
 
 def _devices():
