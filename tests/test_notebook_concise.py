@@ -10,7 +10,9 @@ import re
 import pytest
 
 import mgpu
-from test_notebooks import _cell, _stdout, run_notebook
+
+# test_every_cell_ran_without_error runs here again, on this module's `executed` notebook.
+from test_notebooks import _cell, _stdout, run_notebook, test_every_cell_ran_without_error  # noqa: F401
 
 NOTEBOOK = (pathlib.Path(__file__).resolve().parent.parent / "notebooks" /
             "concise-multiple-gpus.ipynb")
@@ -21,15 +23,6 @@ SHORT_RUN = {"MGPU_NB_EPOCHS": "1", "MGPU_NB_LIMIT_BATCHES": "1"}
 def executed(tmp_path_factory):
     """The notebook after a short run; fails on any cell error."""
     return run_notebook(NOTEBOOK, SHORT_RUN, tmp_path_factory)
-
-
-def test_every_cell_ran_without_error(executed):
-    code = [c for c in executed.cells if c.cell_type == "code"]
-    for i, cell in enumerate(code):
-        errors = [o for o in cell.outputs if o.get("output_type") == "error"]
-        assert not errors, \
-            f"code cell {i} raised {errors[0].get('ename')}: {errors[0].get('evalue')}"
-        assert cell.execution_count is not None, f"code cell {i} did not run"
 
 
 def test_the_layers_print_the_books_shapes(executed):
