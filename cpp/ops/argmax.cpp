@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "ops/dispatch.h"
+#include "ops/softmax_ce.h"
 
 namespace mgpu::ops {
 
@@ -24,16 +25,7 @@ Tensor argmax(const Tensor& x) {
 
 Tensor correct_count(const Tensor& logits, const Tensor& labels) {
   const char* op = "correct_count";
-  require_dtype(op, "y_hat (the logits)", logits, DType::F32);
-  require_same_device(op, {&logits, &labels});
-  MGPU_CHECK_VALUE(logits.dim() == 2, op, ": y_hat must have 2 dims (N, M) -- one row of ",
-                   "class scores per example -- got shape ", logits.shape());
-  MGPU_CHECK_TYPE(labels.dtype() == DType::I64 || labels.dtype() == DType::I32, op,
-                  ": labels y must be int32 or int64 class indices, got ",
-                  dtype_name(labels.dtype()));
-  MGPU_CHECK_VALUE(labels.dim() == 1 && labels.size(0) == logits.size(0), op,
-                   ": labels y must have shape (", logits.size(0), ",) to match y_hat ",
-                   logits.shape(), ", got ", labels.shape());
+  check_logits_and_labels(op, logits, labels);
   Tensor out = Tensor::empty({}, DType::F32, logits.device());
   const int64_t n = logits.size(0), m = logits.size(1);
   const float* zp = logits.f32();

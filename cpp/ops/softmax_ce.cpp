@@ -10,18 +10,6 @@
 namespace mgpu::ops {
 namespace {
 
-void check_ce(const char* op, const Tensor& logits, const Tensor& labels) {
-  require_dtype(op, "y_hat (the logits)", logits, DType::F32);
-  require_same_device(op, {&logits, &labels});
-  MGPU_CHECK_VALUE(logits.dim() == 2, op, ": y_hat must have 2 dims (N, M) -- one row of ",
-                   "class scores per example -- got shape ", logits.shape());
-  MGPU_CHECK_TYPE(labels.dtype() == DType::I64 || labels.dtype() == DType::I32, op,
-                  ": labels y must be int32 or int64 class indices, got ",
-                  dtype_name(labels.dtype()));
-  MGPU_CHECK_VALUE(labels.dim() == 1 && labels.size(0) == logits.size(0), op,
-                   ": labels y must have shape (", logits.size(0), ",) to match y_hat ",
-                   logits.shape(), ", got ", labels.shape());
-}
 
 // Calls fn with the labels' typed pointer.
 template <typename Fn>
@@ -39,6 +27,19 @@ LabelCheck label_check(const char* op, const Tensor& logits, const Tensor& label
 }
 
 }  // namespace
+
+void check_logits_and_labels(const char* op, const Tensor& logits, const Tensor& labels) {
+  require_dtype(op, "y_hat (the logits)", logits, DType::F32);
+  require_same_device(op, {&logits, &labels});
+  MGPU_CHECK_VALUE(logits.dim() == 2, op, ": y_hat must have 2 dims (N, M) -- one row of ",
+                   "class scores per example -- got shape ", logits.shape());
+  MGPU_CHECK_TYPE(labels.dtype() == DType::I64 || labels.dtype() == DType::I32, op,
+                  ": labels y must be int32 or int64 class indices, got ",
+                  dtype_name(labels.dtype()));
+  MGPU_CHECK_VALUE(labels.dim() == 1 && labels.size(0) == logits.size(0), op,
+                   ": labels y must have shape (", logits.size(0), ",) to match y_hat ",
+                   logits.shape(), ", got ", labels.shape());
+}
 
 void LabelCheck::operator()() const {
   if constexpr (kGpuBuild) {  // the queue has synchronised
@@ -68,7 +69,7 @@ LabelCheck LabelCheck::snapshot() const {
 
 Tensor softmax_ce_forward(const Tensor& logits, const Tensor& labels) {
   const char* op = "cross_entropy";
-  check_ce(op, logits, labels);
+  check_logits_and_labels(op, logits, labels);
   Tensor loss = Tensor::empty({logits.size(0)}, DType::F32, logits.device(), op);
   const int64_t n = logits.size(0), m = logits.size(1);
   const float* zp = logits.f32();
@@ -86,7 +87,7 @@ Tensor softmax_ce_forward(const Tensor& logits, const Tensor& labels) {
 
 Tensor softmax_ce_backward(const Tensor& logits, const Tensor& labels, const Tensor& dloss) {
   const char* op = "cross_entropy_backward";
-  check_ce(op, logits, labels);
+  check_logits_and_labels(op, logits, labels);
   require_dtype(op, "dloss", dloss, DType::F32);
   require_same_device(op, {&logits, &dloss});
   MGPU_CHECK_VALUE(dloss.shape() == Shape{logits.size(0)}, op, ": dloss must have shape (",

@@ -12,6 +12,9 @@
 
 namespace mgpu::ops {
 
+// Checks logits (N, M) float32 and labels (N,) int32/int64 on one device, naming `op` (also used
+// by argmax.h's correct_count, which takes the same pair).
+void check_logits_and_labels(const char* op, const Tensor& logits, const Tensor& labels);
 Tensor softmax_ce_forward(const Tensor& logits, const Tensor& labels);
 Tensor softmax_ce_backward(const Tensor& logits, const Tensor& labels, const Tensor& dloss);
 
