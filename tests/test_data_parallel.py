@@ -339,10 +339,11 @@ def test_fused_train_step_rejects_what_it_cannot_compute():
         model.train_step(X, y, nn.CrossEntropyLoss(reduction="sum"), trainer)
     with pytest.raises(ValueError, match="exactly this network's parameters"):
         model.train_step(X, y, nn.CrossEntropyLoss(), mgpu.optim.SGD(tiny_net().parameters(), 0.1))
-    sync = nn.DataParallel(tiny_net(sync=True), device_ids=[mgpu.cpu(0)])
-    with pytest.raises(NotImplementedError, match="no layer for SyncBatchNorm"):
-        sync.train_step(X, y, nn.CrossEntropyLoss(),
-                        mgpu.optim.SGD(sync.module.parameters(), lr=0.1))
+    odd = nn.DataParallel(nn.Sequential(nn.Conv2d(2, 3, 3), nn.BatchNorm2d(3, momentum=None),
+                                        nn.Flatten(), nn.Linear(48, 5)),
+                          device_ids=[mgpu.cpu(0)])
+    with pytest.raises(NotImplementedError, match="no layer for BatchNorm2d"):
+        odd.train_step(X, y, nn.CrossEntropyLoss(), mgpu.optim.SGD(odd.module.parameters(), 0.1))
 
 
 # --- the chapter's train (sec. 12.6) and the CLI --------------------------------------------------

@@ -298,6 +298,26 @@ void bind_core(py::module_& m) {
   m.def("num_threads", &num_threads, "Threads mgpu uses for CPU compute.");
   m.def("set_num_threads", &set_num_threads, "Sets the threads mgpu uses for CPU compute.");
   m.def("cpu_cached_bytes", &cpu_cached_bytes, "Bytes held by the CPU caching allocator.");
+  m.def("cpu_memory_stats", [] {
+    CpuMemoryStats s = cpu_memory_stats();
+    py::dict out;
+    out["allocated"] = s.allocated;
+    out["cached"] = s.cached;
+    out["peak_allocated"] = s.peak_allocated;
+    out["system_mallocs"] = s.system_mallocs;
+    out["system_bytes"] = s.system_bytes;
+    return out;
+  }, "The CPU caching allocator: allocated, cached, peak_allocated, system_mallocs, "
+     "system_bytes.");
+  m.def("cpu_trace_begin", &cpu_trace_begin,
+        "Starts counting the CPU allocator's requests per size class.");
+  m.def("cpu_trace_end", &cpu_trace_end, "Stops counting; returns {size class: blocks}.");
+  m.def("cpu_reserve", [](const std::map<size_t, size_t>& blocks) {
+    py::gil_scoped_release nogil;
+    cpu_reserve(blocks);
+  }, "Fills the CPU allocator's free lists up to {size class: blocks}.");
+  m.def("cpu_reset_peak_memory", &cpu_reset_peak_memory,
+        "Sets the CPU allocator's peak_allocated to what is allocated now.");
   m.def("gpu_memory_stats", [](Device d) {
     MGPU_CHECK_VALUE(!d.is_cpu(), "gpu_memory_stats: ", d, " is not a GPU");
     check_device(d);

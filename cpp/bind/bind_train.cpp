@@ -8,6 +8,7 @@
 
 #include "bind/bind.h"
 #include "core/queue.h"
+#include "ops/elementwise.h"
 #include "train/lenet.h"
 #include "train/train_batch.h"
 
@@ -179,6 +180,35 @@ void bind_train(py::module_& m) {
         }
         return out;
       }, py::arg("replica"))
+      .def("set_momentum_buffers", [](Replicated& r, int64_t d,
+                                      const std::vector<std::optional<Tensor>>& bufs) {
+        const train::Replica& rep = replica(r, d);
+        const std::vector<Tensor>& ps = rep.state.params;
+        MGPU_CHECK_VALUE(bufs.size() == ps.size(), "Model.set_momentum_buffers: the model has ",
+                         ps.size(), " parameters, got ", bufs.size(), " buffers");
+        for (size_t i = 0; i < bufs.size(); ++i) {
+          if (!bufs[i]) continue;
+          const Tensor& b = *bufs[i];
+          MGPU_CHECK_TYPE(b.dtype() == DType::F32, "Model.set_momentum_buffers: buffer ", i,
+                          " must be float32, got ", describe(b));
+          MGPU_CHECK_VALUE(b.shape() == ps[i].shape(), "Model.set_momentum_buffers: buffer ", i,
+                           " has shape ", b.shape(), " but parameter ", i, " has shape ",
+                           ps[i].shape());
+        }
+        py::gil_scoped_release nogil;
+        train::Replica& mine = r.replicas[static_cast<size_t>(d)];
+        if (!mine.momentum.defined())
+          mine.momentum = Tensor::empty({r.model->flat_size()}, DType::F32, mine.device);
+        // None is a zero buffer: the next step then starts it as PyTorch does (buf = g).
+        for (size_t i = 0; i < bufs.size(); ++i) {
+          const int64_t at = r.model->offset(i);
+          Tensor dst = mine.momentum.slice_rows(at, at + ps[i].numel()).reshape(ps[i].shape());
+          if (!bufs[i]) ops::fill(dst, 0.0);
+          else if (bufs[i]->raw() != dst.raw() || bufs[i]->device() != dst.device())
+            ops::copy(dst, *bufs[i]);
+        }
+      }, py::arg("replica"), py::arg("buffers"),
+         "Sets one replica's SGD momentum buffers (copies; None: zero).")
       .def_property_readonly("num_replicas", [](const Replicated& r) { return r.replicas.size(); })
       .def_property_readonly("buckets", [](const Replicated& r) {
         std::vector<std::pair<int64_t, int64_t>> out;

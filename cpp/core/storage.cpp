@@ -4,12 +4,13 @@
 // (large malloc/free pairs would otherwise mmap and page-fault on every step).
 #include "core/storage.h"
 
+#include <algorithm>
 #include <cstdlib>
 #include <mutex>
 #include <new>
 #include <sstream>
 #include <string>
-#include <unordered_map>
+#include <map>
 #include <vector>
 
 #include "core/error.h"
@@ -32,8 +33,11 @@ size_t size_class(size_t n) {
 
 struct CpuCache {
   std::mutex mutex;
-  std::unordered_map<size_t, std::vector<void*>> free_lists;
+  std::map<size_t, std::vector<void*>> free_lists;  // by size class
+  bool tracing = false;
+  std::map<size_t, size_t> trace;  // blocks requested per size class while tracing
   size_t cached = 0;
+  CpuMemoryStats stats;  // all but cached
 };
 
 CpuCache& cache() {
@@ -69,14 +73,17 @@ std::shared_ptr<Storage> Storage::allocate(Device device, size_t nbytes) {
   }
   size_t cap = size_class(nbytes);
   void* p = nullptr;
+  CpuCache& c = cache();
   {
-    CpuCache& c = cache();
     std::lock_guard<std::mutex> lock(c.mutex);
+    if (c.tracing) c.trace[cap] += 1;
     auto it = c.free_lists.find(cap);
     if (it != c.free_lists.end() && !it->second.empty()) {
       p = it->second.back();
       it->second.pop_back();
       c.cached -= cap;
+      c.stats.allocated += cap;
+      c.stats.peak_allocated = std::max(c.stats.peak_allocated, c.stats.allocated);
     }
   }
   if (!p) {
@@ -89,6 +96,11 @@ std::shared_ptr<Storage> Storage::allocate(Device device, size_t nbytes) {
       throw OutOfMemoryError(detail::cat("out of memory: the system refused ",
                                          describe_bytes(cap), " on ", device,
                                          "; use smaller batches or free tensors"));
+    std::lock_guard<std::mutex> lock(c.mutex);
+    c.stats.allocated += cap;
+    c.stats.peak_allocated = std::max(c.stats.peak_allocated, c.stats.allocated);
+    c.stats.system_mallocs += 1;
+    c.stats.system_bytes += cap;
   }
   return std::shared_ptr<Storage>(new Storage(device, p, nbytes, cap, nullptr));
 }
@@ -114,12 +126,58 @@ Storage::~Storage() {
   std::lock_guard<std::mutex> lock(c.mutex);
   c.free_lists[capacity_].push_back(data_);
   c.cached += capacity_;
+  c.stats.allocated -= capacity_;
 }
 
 size_t cpu_cached_bytes() {
   CpuCache& c = cache();
   std::lock_guard<std::mutex> lock(c.mutex);
   return c.cached;
+}
+
+CpuMemoryStats cpu_memory_stats() {
+  CpuCache& c = cache();
+  std::lock_guard<std::mutex> lock(c.mutex);
+  CpuMemoryStats out = c.stats;
+  out.cached = c.cached;
+  return out;
+}
+
+void cpu_reset_peak_memory() {
+  CpuCache& c = cache();
+  std::lock_guard<std::mutex> lock(c.mutex);
+  c.stats.peak_allocated = c.stats.allocated;
+}
+
+void cpu_trace_begin() {
+  CpuCache& c = cache();
+  std::lock_guard<std::mutex> lock(c.mutex);
+  c.tracing = true;
+  c.trace.clear();
+}
+
+std::map<size_t, size_t> cpu_trace_end() {
+  CpuCache& c = cache();
+  std::lock_guard<std::mutex> lock(c.mutex);
+  c.tracing = false;
+  return std::move(c.trace);
+}
+
+void cpu_reserve(const std::map<size_t, size_t>& blocks) {
+  CpuCache& c = cache();
+  std::lock_guard<std::mutex> lock(c.mutex);
+  for (const auto& [cap, want] : blocks) {
+    MGPU_CHECK_VALUE(cap == size_class(cap), "cpu_reserve: ", cap, " bytes is not a size class");
+    std::vector<void*>& list = c.free_lists[cap];
+    while (list.size() < want) {
+      void* p = std::aligned_alloc(kAlign, cap);
+      if (!p) return;  // the reserve is an optimisation: later allocations report the shortage
+      list.push_back(p);
+      c.cached += cap;
+      c.stats.system_mallocs += 1;
+      c.stats.system_bytes += cap;
+    }
+  }
 }
 
 void cpu_empty_cache() {

@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <exception>
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 
@@ -73,6 +74,24 @@ std::string describe_bytes(size_t n);
 
 // Bytes the CPU caching allocator holds in its free lists, and a way to give them back.
 size_t cpu_cached_bytes();
+// The CPU caching allocator's counters (every CPU device shares it), in bytes of size classes:
+// allocated (live blocks), cached (free lists), peak_allocated (the most live at once since the
+// start or the last reset), system_mallocs / system_bytes (blocks and bytes taken from the system
+// so far: flat once a training loop reaches its steady state).
+struct CpuMemoryStats {
+  size_t allocated = 0, cached = 0, peak_allocated = 0, system_mallocs = 0, system_bytes = 0;
+};
+CpuMemoryStats cpu_memory_stats();
+// peak_allocated becomes allocated (to measure the peak of what follows).
+void cpu_reset_peak_memory();
+// Steady state without a race: the blocks a training step takes (per size class, on every
+// thread) are counted between trace_begin and trace_end; cpu_reserve then makes sure the free
+// lists hold at least that many blocks of each class. Called when nothing of the step is live
+// any more, later identical steps find a block for every request whatever order the device
+// threads release theirs in, so they take nothing from the system.
+void cpu_trace_begin();
+std::map<size_t, size_t> cpu_trace_end();
+void cpu_reserve(const std::map<size_t, size_t>& blocks);
 void cpu_empty_cache();
 
 }  // namespace mgpu

@@ -163,4 +163,30 @@ Tensor batch_norm_backward(const Tensor& x, const Tensor& dy, const Tensor& mean
   return dx;
 }
 
+std::pair<Tensor, Tensor> batch_norm_combine_stats(const Tensor& parts) {
+  const char* op = "batch_norm_combine_stats";
+  require_dtype(op, "parts", parts, DType::F32);
+  MGPU_CHECK_VALUE(parts.dim() == 2 && parts.size(1) % 2 == 1, op, ": parts must have shape "
+                   "(K, 1 + 2C), got ", parts.shape());
+  const int64_t K = parts.size(0), C = (parts.size(1) - 1) / 2;
+  Tensor mean = Tensor::empty({C}, DType::F32, parts.device());
+  Tensor var = Tensor::empty({C}, DType::F32, parts.device());
+  for_each_index(op, parts.device(), C,
+                 BatchNormCombineStats{parts.f32(), K, C, mean.f32(), var.f32()}, parts, mean,
+                 var);
+  return {mean, var};
+}
+
+std::pair<Tensor, Tensor> batch_norm_combine_sums(const Tensor& parts) {
+  const char* op = "batch_norm_combine_sums";
+  require_dtype(op, "parts", parts, DType::F32);
+  MGPU_CHECK_VALUE(parts.dim() == 2 && parts.size(1) % 2 == 0, op, ": parts must have shape "
+                   "(K, 2C), got ", parts.shape());
+  const int64_t K = parts.size(0), C = parts.size(1) / 2;
+  Tensor out = Tensor::empty({2 * C}, DType::F32, parts.device());
+  for_each_index(op, parts.device(), 2 * C, BatchNormCombineSums{parts.f32(), K, C, out.f32()},
+                 parts, out);
+  return {out.slice_rows(0, C), out.slice_rows(C, 2 * C)};
+}
+
 }  // namespace mgpu::ops

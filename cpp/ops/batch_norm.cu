@@ -244,4 +244,9 @@ void batch_norm_backward(int64_t N, int64_t C, int64_t HW, const float* x, const
   MGPU_CUDA_CHECK_LAUNCH();
 }
 
+template void for_each_index<BatchNormCombineStats>(int64_t, const BatchNormCombineStats&,
+                                                   cudaStream_t);
+template void for_each_index<BatchNormCombineSums>(int64_t, const BatchNormCombineSums&,
+                                                  cudaStream_t);
+
 }  // namespace mgpu::ops::cuda

@@ -9,6 +9,7 @@
 
 #include "core/tensor.h"
 #include "cuda/stream.h"
+#include "ops/dispatch.h"
 
 namespace mgpu::ops {
 
@@ -32,6 +33,50 @@ std::pair<Tensor, Tensor> batch_norm_backward_reduce(const Tensor& x, const Tens
 Tensor batch_norm_backward(const Tensor& x, const Tensor& dy, const Tensor& mean,
                            const Tensor& var, const Tensor* gamma, const Tensor& sum_dy,
                            const Tensor& sum_dy_xhat, double count, float eps, bool training);
+
+// ---- synchronised batch norm: K replicas' parts combined into the statistics of their union ----
+// Every replica holds the same rows (an all-reduce of zero-padded rows, each replica writing only
+// its own: an all-gather whose sums are exact) and combines them in row order 0..K-1 in double,
+// so every replica ends with the same bits, whatever the device count.
+
+// parts (K, 1 + 2C): row k = (count_k, mean_k (C), var_k (C)), biased variance; count 0 marks a
+// replica without examples. mean = sum n_k m_k / n, var = sum n_k (v_k + (m_k - mean)^2) / n
+// (Chan et al.'s parallel formula: no cancellation when the mean is far from zero).
+struct BatchNormCombineStats {
+  const float* parts; int64_t K, C; float* mean; float* var;
+  MGPU_HD void operator()(int64_t c) const {
+    const int64_t row = 1 + 2 * C;
+    double n = 0.0, s = 0.0;
+    for (int64_t k = 0; k < K; ++k) {
+      const double nk = parts[k * row];
+      n += nk;
+      s += nk * static_cast<double>(parts[k * row + 1 + c]);
+    }
+    const double m = s / n;
+    double v = 0.0;
+    for (int64_t k = 0; k < K; ++k) {
+      const double nk = parts[k * row];
+      const double d = static_cast<double>(parts[k * row + 1 + c]) - m;
+      v += nk * (static_cast<double>(parts[k * row + 1 + C + c]) + d * d);
+    }
+    mean[c] = static_cast<float>(m);
+    var[c] = static_cast<float>(v / n);
+  }
+};
+// parts (K, 2C): row k = (sum_dy_k (C), sum_dy_xhat_k (C)); out (2C,) = the row sums.
+struct BatchNormCombineSums {
+  const float* parts; int64_t K, C; float* out;
+  MGPU_HD void operator()(int64_t j) const {
+    double s = 0.0;
+    for (int64_t k = 0; k < K; ++k) s += static_cast<double>(parts[k * 2 * C + j]);
+    out[j] = static_cast<float>(s);
+  }
+};
+
+// (mean, var) (C,) each of the union from parts (K, 1 + 2C) as above; the total count must be > 0.
+std::pair<Tensor, Tensor> batch_norm_combine_stats(const Tensor& parts);
+// (sum_dy, sum_dy_xhat) (C,) each from parts (K, 2C): the sums over every replica.
+std::pair<Tensor, Tensor> batch_norm_combine_sums(const Tensor& parts);
 
 // ---- raw kernels: x, dy, y, dx (N, C, HW) contiguous; per-channel arrays (C,) ----
 // Every kernel overwrites its outputs. Per-channel sums accumulate x - shift (shift = the

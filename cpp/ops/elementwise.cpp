@@ -250,4 +250,24 @@ void sgd_update(const Tensor& param, const Tensor& grad, float scale) {
                  SgdUpdate{param.f32(), grad.f32(), scale}, param, grad);
 }
 
+void sgd_step(const Tensor& param, const Tensor& grad, const Tensor& momentum_buf, float batch,
+              float lr, float momentum, float weight_decay) {
+  require_dtype("sgd", "param", param, DType::F32);
+  require_dtype("sgd", "grad", grad, DType::F32);
+  require_same_device("sgd", {&param, &grad});
+  MGPU_CHECK_VALUE(param.shape() == grad.shape(), "sgd: grad has shape ", grad.shape(),
+                   " but the parameter has shape ", param.shape());
+  float* buf = nullptr;
+  if (momentum_buf.defined()) {
+    require_dtype("sgd", "momentum buffer", momentum_buf, DType::F32);
+    require_same_device("sgd", {&param, &momentum_buf});
+    MGPU_CHECK_VALUE(momentum_buf.shape() == param.shape(), "sgd: the momentum buffer has shape ",
+                     momentum_buf.shape(), " but the parameter has shape ", param.shape());
+    buf = momentum_buf.f32();
+  }
+  for_each_index("sgd", param.device(), param.numel(),
+                 SgdStep{param.f32(), grad.f32(), buf, batch, lr, momentum, weight_decay}, param,
+                 grad, momentum_buf);
+}
+
 }  // namespace mgpu::ops

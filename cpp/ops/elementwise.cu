@@ -11,6 +11,7 @@ using detail::ceil_div;
 
 template void for_each_index<FillOut>(int64_t, const FillOut&, cudaStream_t);
 template void for_each_index<SgdUpdate>(int64_t, const SgdUpdate&, cudaStream_t);
+template void for_each_index<SgdStep>(int64_t, const SgdStep&, cudaStream_t);
 
 #define MGPU_INSTANTIATE_BINARY(op)                                                         \
   template void for_each_index<BinaryOut<op>>(int64_t, const BinaryOut<op>&, cudaStream_t); \

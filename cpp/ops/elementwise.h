@@ -51,6 +51,23 @@ struct SgdUpdate {
   MGPU_HD void operator()(int64_t i) const { param[i] -= scale * grad[i]; }
 };
 
+// PyTorch's SGD on the mean loss in one pass, from the gradient of the summed loss over `batch`
+// examples: g = grad / batch + weight_decay * param; with a momentum buffer (buf non-null)
+// buf = momentum * buf + g and param -= lr * buf, else param -= lr * g. A zeroed buffer gives
+// PyTorch's first step (buf = g) exactly. grad is only read.
+struct SgdStep {
+  float* param; const float* grad; float* buf; float batch, lr, momentum, weight_decay;
+  MGPU_HD void operator()(int64_t i) const {
+    float g = grad[i] / batch;
+    if (weight_decay != 0.0f) g = g + param[i] * weight_decay;
+    if (buf) {
+      buf[i] = buf[i] * momentum + g;
+      g = buf[i];
+    }
+    param[i] -= lr * g;
+  }
+};
+
 Tensor binary(BinaryOp op, const Tensor& a, const Tensor& b);
 Tensor binary_scalar(BinaryOp op, const Tensor& a, float s, bool scalar_first);
 // a op= b in place (b equal-shaped or broadcast over a's rows).
@@ -68,6 +85,10 @@ Tensor to_device(const Tensor& src, Device device, bool force_copy = false);
 // Elementwise dtype conversion (float32 <-> int32/int64/uint8).
 Tensor astype(const Tensor& x, DType dtype);
 void sgd_update(const Tensor& param, const Tensor& grad, float scale);
+// SgdStep on param, grad and momentum_buf (all one shape on one device; momentum_buf undefined:
+// no momentum). Writes param and momentum_buf in place, allocates nothing.
+void sgd_step(const Tensor& param, const Tensor& grad, const Tensor& momentum_buf, float batch,
+              float lr, float momentum, float weight_decay);
 
 namespace cpu {
 // sum_to_shape's row sums: db[j] = sum_i dy[i, j] over dy (n, m), added in i order (the

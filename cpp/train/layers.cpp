@@ -26,29 +26,49 @@ bool fused_fits(const Tensor& x, const Tensor& w, int64_t pool) {
 }
 
 // What a layer's backward needs beyond its inputs: the fused layer's relu mask (or, unfused, the
-// conv and relu outputs), batch norm's batch mean and variance.
+// conv and relu outputs), batch norm's batch mean and variance (a, b) over count values per
+// channel. A synchronised batch norm gets a, b and count (of every replica's examples) from the
+// exchange before its forward, and before its backward this replica's sums (part_*) and every
+// replica's (all_*).
 struct Saved {
   Tensor a, b;
+  double count = 0.0;
+  bool synced = false;
+  Tensor part_dy, part_dy_xhat, all_dy, all_dy_xhat;
 };
 
-// Batch norm in training mode: normalise with the batch statistics (kept in s for backward) and
-// move the running ones towards them in place, PyTorch's way (running var unbiased).
+void check_bn_input(const Layer& l, const Tensor& x, const Tensor& running_mean) {
+  MGPU_CHECK_VALUE(x.dim() == 4 || x.dim() == 2, l.name, ": expects (N, C, H, W) or (N, C), "
+                   "got shape ", x.shape());
+  MGPU_CHECK_VALUE(x.size(1) == running_mean.size(0), l.name, ": the input has ", x.size(1),
+                   " channels but the layer normalises ", running_mean.size(0));
+}
+
+// Batch norm in training mode: normalise with the batch statistics (kept in s for backward and
+// for the running statistics' update, which update_running_stats makes once the whole forward
+// has been enqueued without an error).
 Tensor batch_norm_train(const Layer& l, const Tensor& x, const Tensor* gamma, const Tensor* beta,
-                        const Tensor& running_mean, const Tensor& running_var, Saved* s) {
-  const double count = static_cast<double>(x.numel() / x.size(1));
-  MGPU_CHECK_VALUE(count > 1, l.name, ": expected more than 1 value per channel when training, "
+                        Saved* s) {
+  if (!s->synced) s->count = static_cast<double>(x.numel() / x.size(1));
+  MGPU_CHECK_VALUE(s->count > 1, l.name, ": expected more than 1 value per channel when training, "
                    "got input of shape ", x.shape(), "; use a bigger batch per device");
-  std::tie(s->a, s->b) = ops::batch_norm_stats(x);
-  Tensor y = ops::batch_norm_forward(x, s->a, s->b, gamma, beta, static_cast<float>(l.eps));
+  if (!s->synced) std::tie(s->a, s->b) = ops::batch_norm_stats(x);
+  return ops::batch_norm_forward(x, s->a, s->b, gamma, beta, static_cast<float>(l.eps));
+}
+
+// Moves the running statistics towards the batch ones in place, PyTorch's way (running var
+// unbiased).
+void update_running_stats(const Layer& l, const ReplicaState& r, const Saved& s) {
+  const Tensor& running_mean = r.buffers[static_cast<size_t>(l.buffers[0])];
+  const Tensor& running_var = r.buffers[static_cast<size_t>(l.buffers[1])];
   const auto m = static_cast<float>(l.momentum);
   ops::binary_scalar_inplace(ops::BinaryOp::Mul, running_mean, 1.0f - m);
   ops::binary_inplace(ops::BinaryOp::Add, running_mean,
-                      ops::binary_scalar(ops::BinaryOp::Mul, s->a, m, false));
+                      ops::binary_scalar(ops::BinaryOp::Mul, s.a, m, false));
   ops::binary_scalar_inplace(ops::BinaryOp::Mul, running_var, 1.0f - m);
   ops::binary_inplace(ops::BinaryOp::Add, running_var,
-                      ops::binary_scalar(ops::BinaryOp::Mul, s->b,
-                                         static_cast<float>(m * count / (count - 1)), false));
-  return y;
+                      ops::binary_scalar(ops::BinaryOp::Mul, s.b,
+                                         static_cast<float>(m * s.count / (s.count - 1)), false));
 }
 
 Tensor forward(const Layer& l, const std::vector<Tensor>& in, const ReplicaState& r,
@@ -70,15 +90,12 @@ Tensor forward(const Layer& l, const std::vector<Tensor>& in, const ReplicaState
       return ops::avg_pool2d_forward(s->b, l.kh, l.kh, l.kh, l.kh);
     }
     case LayerKind::BatchNorm: {
-      MGPU_CHECK_VALUE(x.dim() == 4 || x.dim() == 2, l.name, ": expects (N, C, H, W) or (N, C), "
-                       "got shape ", x.shape());
       const Tensor* gamma = l.bias ? &p(0) : nullptr;
       const Tensor* beta = l.bias ? &p(1) : nullptr;
       const Tensor& rm = r.buffers[static_cast<size_t>(l.buffers[0])];
       const Tensor& rv = r.buffers[static_cast<size_t>(l.buffers[1])];
-      MGPU_CHECK_VALUE(x.size(1) == rm.size(0), l.name, ": the input has ", x.size(1),
-                       " channels but the layer normalises ", rm.size(0));
-      if (training) return batch_norm_train(l, x, gamma, beta, rm, rv, s);
+      check_bn_input(l, x, rm);
+      if (training) return batch_norm_train(l, x, gamma, beta, s);
       return ops::batch_norm_forward(x, rm, rv, gamma, beta, static_cast<float>(l.eps));
     }
     case LayerKind::Relu: return ops::relu_forward(x);
@@ -139,11 +156,15 @@ void backward(const Layer& l, const std::vector<Tensor>& in, const Tensor& out, 
     }
     case LayerKind::BatchNorm: {
       const auto eps = static_cast<float>(l.eps);
-      auto [sum_dy, sum_dy_xhat] = ops::batch_norm_backward_reduce(x, dy, s.a, s.b, eps);
-      const double count = static_cast<double>(x.numel() / x.size(1));
+      const bool synced = s.synced;
+      auto [sum_dy, sum_dy_xhat] = synced ? std::make_pair(s.part_dy, s.part_dy_xhat)
+                                          : ops::batch_norm_backward_reduce(x, dy, s.a, s.b, eps);
+      const double count = s.count;
+      // dx sees the statistics' dependence on every replica's x: the sums over all replicas.
       if (need_dx[0])
-        dx0 = ops::batch_norm_backward(x, dy, s.a, s.b, l.bias ? &p(0) : nullptr, sum_dy,
-                                       sum_dy_xhat, count, eps, true);
+        dx0 = ops::batch_norm_backward(x, dy, s.a, s.b, l.bias ? &p(0) : nullptr,
+                                       synced ? s.all_dy : sum_dy,
+                                       synced ? s.all_dy_xhat : sum_dy_xhat, count, eps, true);
       if (l.bias) *dp = {sum_dy_xhat, sum_dy};
       return;
     }
@@ -183,92 +204,257 @@ struct Trace {
   std::vector<Saved> saved;
 };
 
-Trace run_forward(const Model& m, const Tensor& X, const ReplicaState& r, bool training,
-                  bool for_backward) {
+// The last forward reader of each slot, so slots backward does not need are released early.
+std::vector<int> last_uses(const Model& m) {
+  std::vector<int> last_use(static_cast<size_t>(m.num_slots()), -1);
+  for (size_t i = 0; i < m.layers().size(); ++i)
+    for (int s : m.layers()[i].in) last_use[static_cast<size_t>(s)] = static_cast<int>(i);
+  return last_use;
+}
+
+Trace start_trace(const Model& m, const Tensor& X) {
   require_dtype("Model", "X", X, DType::F32);
   Trace t;
   t.slots.resize(static_cast<size_t>(m.num_slots()));
   t.saved.resize(m.layers().size());
   t.slots[0] = X;
-  // The last forward reader of each slot, so slots backward does not need are released early.
-  std::vector<int> last_use(static_cast<size_t>(m.num_slots()), -1);
-  for (size_t i = 0; i < m.layers().size(); ++i)
-    for (int s : m.layers()[i].in) last_use[static_cast<size_t>(s)] = static_cast<int>(i);
-  for (size_t i = 0; i < m.layers().size(); ++i) {
-    const Layer& l = m.layers()[i];
-    std::vector<Tensor> in;
-    for (int s : l.in) in.push_back(t.slots[static_cast<size_t>(s)]);
-    try {
-      t.slots[static_cast<size_t>(l.out)] = forward(l, in, r, training, for_backward, &t.saved[i]);
-    } catch (const ValueError& e) {
-      // An op's message about its shapes, prefixed with the layer that called it.
-      if (std::string(e.what()).rfind(l.name, 0) == 0) throw;
-      throw ValueError(l.name + ": " + e.what());
-    }
-    for (int s : l.in)
-      if (last_use[static_cast<size_t>(s)] == static_cast<int>(i) &&
-          !(for_backward && m.saved(s)))
-        t.slots[static_cast<size_t>(s)] = Tensor();
-  }
   return t;
+}
+
+void forward_layer(const Model& m, size_t i, Trace& t, const ReplicaState& r, bool training,
+                   bool for_backward, const std::vector<int>& last_use) {
+  const Layer& l = m.layers()[i];
+  std::vector<Tensor> in;
+  for (int s : l.in) in.push_back(t.slots[static_cast<size_t>(s)]);
+  try {
+    t.slots[static_cast<size_t>(l.out)] = forward(l, in, r, training, for_backward, &t.saved[i]);
+  } catch (const ValueError& e) {
+    // An op's message about its shapes, prefixed with the layer that called it.
+    if (std::string(e.what()).rfind(l.name, 0) == 0) throw;
+    throw ValueError(l.name + ": " + e.what());
+  }
+  for (int s : l.in)
+    if (last_use[static_cast<size_t>(s)] == static_cast<int>(i) && !(for_backward && m.saved(s)))
+      t.slots[static_cast<size_t>(s)] = Tensor();
+}
+
+void update_all_running_stats(const Model& m, const Trace& t, const ReplicaState& r) {
+  for (size_t i = 0; i < m.layers().size(); ++i)
+    if (m.layers()[i].kind == LayerKind::BatchNorm)
+      update_running_stats(m.layers()[i], r, t.saved[i]);
+}
+
+// One replica's step in progress.
+struct Pass {
+  Tensor X, y, grads, loss;
+  const ReplicaState* r = nullptr;
+  bool empty = false;
+  Trace t;
+  std::vector<Tensor> dslot;
+};
+
+void backward_layer(const Model& m, size_t i, Pass& p) {
+  const Layer& l = m.layers()[i];
+  Trace& t = p.t;
+  Tensor dy = std::move(p.dslot[static_cast<size_t>(l.out)]);
+  t.slots[static_cast<size_t>(l.out)] = Tensor();
+  if (!dy.defined()) {
+    // The layer does not reach the loss: its parameters' gradients are zero.
+    for (int q : l.params) ops::fill(grad_view(m, p.grads, *p.r, static_cast<size_t>(q)), 0.0);
+    return;
+  }
+  std::vector<Tensor> in, dx(l.in.size()), dp;
+  std::vector<bool> need_dx;
+  for (int s : l.in) {
+    in.push_back(t.slots[static_cast<size_t>(s)]);
+    need_dx.push_back(m.grad_needed(s));
+  }
+  backward(l, in, Tensor(), dy, *p.r, t.saved[i], need_dx, &dx, &dp);
+  t.saved[i] = Saved();
+  for (size_t k = 0; k < l.in.size(); ++k) {
+    if (!need_dx[k] || !dx[k].defined()) continue;
+    Tensor& acc = p.dslot[static_cast<size_t>(l.in[k])];
+    // A slot read by several layers gets the sum of their gradients.
+    acc = acc.defined() ? ops::binary(ops::BinaryOp::Add, acc, dx[k]) : dx[k];
+  }
+  for (size_t j = 0; j < dp.size(); ++j) {
+    const size_t q = static_cast<size_t>(l.params[j]);
+    ops::copy(grad_view(m, p.grads, *p.r, q), dp[j]);
+  }
+}
+
+// reaches[s]: backward computes d(loss)/d(slot s) -- the same on every replica and rank, so all
+// of them know which synchronised layers exchange sums in backward.
+std::vector<bool> reaches_loss(const Model& m) {
+  std::vector<bool> reaches(static_cast<size_t>(m.num_slots()), false);
+  reaches.back() = true;
+  for (int i = static_cast<int>(m.layers().size()) - 1; i >= 0; --i) {
+    const Layer& l = m.layers()[static_cast<size_t>(i)];
+    if (!reaches[static_cast<size_t>(l.out)]) continue;
+    for (int s : l.in)
+      if (m.grad_needed(s)) reaches[static_cast<size_t>(s)] = true;
+  }
+  return reaches;
+}
+
+// Each replica's zero-padded row of the step's parts: its own row `row` (width w) gets `fill`,
+// every other row zeros, so summing the buffers over the replicas gathers every row exactly.
+Tensor padded_row(Device device, size_t slots, size_t row, int64_t w,
+                  const std::function<void(const Tensor&)>& fill) {
+  Tensor parts = Tensor::empty({static_cast<int64_t>(slots) * w}, DType::F32, device);
+  ops::fill(parts, 0.0);
+  const int64_t at = static_cast<int64_t>(row) * w;
+  if (fill) fill(parts.slice_rows(at, at + w));
+  return parts;
+}
+
+// Forward of a synchronised batch norm: every replica's (count, mean, var) gathered, combined into
+// the statistics of all examples, kept in each replica's Saved for the layer's forward and backward.
+void exchange_stats(const Model& m, size_t i, std::vector<Pass>& ps, const SyncReplicas& sync) {
+  const Layer& l = m.layers()[i];
+  const size_t in = static_cast<size_t>(l.in[0]);
+  std::vector<Tensor> parts;
+  double local = 0.0;  // values per channel in one example, from a local x
+  for (Pass& p : ps) {
+    const Tensor& rm = p.r->buffers[static_cast<size_t>(l.buffers[0])];
+    const int64_t C = rm.size(0);
+    const int64_t w = 1 + 2 * C;
+    const Device dev = rm.device();
+    if (p.empty) {
+      parts.push_back(padded_row(dev, sync.slots, 0, w, nullptr));
+      continue;
+    }
+    const Tensor& x = p.t.slots[in];
+    check_bn_input(l, x, rm);
+    local = static_cast<double>(x.numel() / x.size(1)) / static_cast<double>(x.size(0));
+    auto [mean, var] = ops::batch_norm_stats(x);
+    const double n = static_cast<double>(x.numel() / x.size(1));
+    parts.push_back(padded_row(dev, sync.slots, sync.slot[&p - ps.data()], w,
+                               [&](const Tensor& row) {
+      ops::fill(row.slice_rows(0, 1), n);
+      ops::copy(row.slice_rows(1, 1 + C), mean);
+      ops::copy(row.slice_rows(1 + C, w), var);
+    }));
+  }
+  sync.sum(parts, 2 * static_cast<int64_t>(i));
+  const double count = local * static_cast<double>(sync.rows);
+  for (size_t d = 0; d < ps.size(); ++d) {
+    if (ps[d].empty) continue;
+    Saved& s = ps[d].t.saved[i];
+    std::tie(s.a, s.b) = ops::batch_norm_combine_stats(
+        parts[d].reshape({static_cast<int64_t>(sync.slots), -1}));
+    s.count = count;
+    s.synced = true;
+  }
+}
+
+// Backward of a synchronised batch norm: every replica's (sum_dy, sum_dy_xhat) gathered and added.
+void exchange_sums(const Model& m, size_t i, std::vector<Pass>& ps, const SyncReplicas& sync) {
+  const Layer& l = m.layers()[i];
+  std::vector<Tensor> parts;
+  for (Pass& p : ps) {
+    const Tensor& rm = p.r->buffers[static_cast<size_t>(l.buffers[0])];
+    const int64_t C = rm.size(0);
+    if (p.empty) {
+      parts.push_back(padded_row(rm.device(), sync.slots, 0, 2 * C, nullptr));
+      continue;
+    }
+    Saved& s = p.t.saved[i];
+    const Tensor& x = p.t.slots[static_cast<size_t>(l.in[0])];
+    const Tensor& dy = p.dslot[static_cast<size_t>(l.out)];
+    MGPU_ASSERT(dy.defined(), l.name, ": no gradient reached a synchronised batch norm");
+    std::tie(s.part_dy, s.part_dy_xhat) =
+        ops::batch_norm_backward_reduce(x, dy, s.a, s.b, static_cast<float>(l.eps));
+    parts.push_back(padded_row(rm.device(), sync.slots, sync.slot[&p - ps.data()], 2 * C,
+                               [&](const Tensor& row) {
+      ops::copy(row.slice_rows(0, C), s.part_dy);
+      ops::copy(row.slice_rows(C, 2 * C), s.part_dy_xhat);
+    }));
+  }
+  sync.sum(parts, 2 * static_cast<int64_t>(i) + 1);
+  for (size_t d = 0; d < ps.size(); ++d) {
+    if (ps[d].empty) continue;
+    Saved& s = ps[d].t.saved[i];
+    std::tie(s.all_dy, s.all_dy_xhat) = ops::batch_norm_combine_sums(
+        parts[d].reshape({static_cast<int64_t>(sync.slots), -1}));
+  }
 }
 
 }  // namespace
 
 Tensor model_forward(const Model& m, const Tensor& X, const ReplicaState& r, bool training) {
-  return run_forward(m, X, r, training, false).slots.back();
+  Trace t = start_trace(m, X);
+  const std::vector<int> last_use = last_uses(m);
+  for (size_t i = 0; i < m.layers().size(); ++i) forward_layer(m, i, t, r, training, false, last_use);
+  if (training) update_all_running_stats(m, t, r);
+  return t.slots.back();
+}
+
+std::vector<Tensor> replicas_loss_and_grads(
+    const Model& m, const std::vector<Tensor>& X, const std::vector<Tensor>& y,
+    const std::vector<const ReplicaState*>& r, const std::vector<Tensor>& grads,
+    const std::function<void(size_t, size_t)>& bucket_done, const SyncReplicas& sync) {
+  const size_t L = r.size();
+  MGPU_ASSERT(X.size() == L && y.size() == L && grads.size() == L, "one shard per replica");
+  const bool synced = m.has_sync() && sync.slots > 1;
+  MGPU_ASSERT(!synced || (sync.slot.size() == L && sync.sum), "synchronised replicas need slots");
+  const std::vector<int> last_use = last_uses(m);
+  std::vector<Pass> ps(L);
+  for (size_t d = 0; d < L; ++d) {
+    Pass& p = ps[d];
+    p.X = X[d], p.y = y[d], p.grads = grads[d], p.r = r[d];
+    p.empty = X[d].size(0) == 0;
+    if (p.empty) {
+      ops::fill(p.grads, 0.0);
+      p.loss = Tensor::empty({}, DType::F32, X[d].device());
+      ops::fill(p.loss, 0.0);
+    } else {
+      p.t = start_trace(m, X[d]);
+    }
+  }
+  for (size_t i = 0; i < m.layers().size(); ++i) {
+    const Layer& l = m.layers()[i];
+    if (synced && l.kind == LayerKind::BatchNorm && l.sync) exchange_stats(m, i, ps, sync);
+    for (Pass& p : ps)
+      if (!p.empty) forward_layer(m, i, p.t, *p.r, true, true, last_use);
+  }
+  for (Pass& p : ps) {
+    if (p.empty) continue;
+    const Tensor& logits = p.t.slots.back();
+    Tensor losses = ops::softmax_ce_forward(logits, p.y);
+    p.loss = ops::sum(losses);
+    // Backward of sum(losses): every per-example loss gets gradient one.
+    Tensor dloss = Tensor::empty_like(losses);
+    ops::fill(dloss, 1.0);
+    p.dslot.resize(static_cast<size_t>(m.num_slots()));
+    p.dslot.back() = ops::softmax_ce_backward(logits, p.y, dloss);
+  }
+  // Forward and loss are enqueued without an error: only now do the running statistics move, so
+  // a bad input (too few channels, too small an image) leaves every buffer as it was.
+  for (Pass& p : ps)
+    if (!p.empty) update_all_running_stats(m, p.t, *p.r);
+  const std::vector<bool> reaches = reaches_loss(m);
+  size_t next_bucket = 0;
+  for (int i = static_cast<int>(m.layers().size()) - 1; i >= 0; --i) {
+    const Layer& l = m.layers()[static_cast<size_t>(i)];
+    if (synced && l.kind == LayerKind::BatchNorm && l.sync && reaches[static_cast<size_t>(l.out)])
+      exchange_sums(m, static_cast<size_t>(i), ps, sync);
+    for (Pass& p : ps)
+      if (!p.empty) backward_layer(m, static_cast<size_t>(i), p);
+    while (next_bucket < m.buckets().size() && m.buckets()[next_bucket].last_layer == i) {
+      for (size_t d = 0; d < L; ++d) bucket_done(next_bucket, d);
+      ++next_bucket;
+    }
+  }
+  std::vector<Tensor> losses;
+  for (Pass& p : ps) losses.push_back(p.loss);
+  return losses;
 }
 
 Tensor model_loss_and_grads(const Model& m, const Tensor& X, const Tensor& y, const ReplicaState& r,
                             const Tensor& grads, const std::function<void(size_t)>& bucket_done) {
-  if (X.size(0) == 0) {
-    ops::fill(grads, 0.0);
-    for (size_t b = 0; b < m.buckets().size(); ++b) bucket_done(b);
-    Tensor zero = Tensor::empty({}, DType::F32, X.device());
-    ops::fill(zero, 0.0);
-    return zero;
-  }
-  Trace t = run_forward(m, X, r, true, true);
-  const Tensor& logits = t.slots.back();
-  Tensor losses = ops::softmax_ce_forward(logits, y);
-  Tensor loss_sum = ops::sum(losses);
-  // Backward of sum(losses): every per-example loss gets gradient one.
-  Tensor dloss = Tensor::empty_like(losses);
-  ops::fill(dloss, 1.0);
-  std::vector<Tensor> dslot(static_cast<size_t>(m.num_slots()));
-  dslot.back() = ops::softmax_ce_backward(logits, y, dloss);
-  size_t next_bucket = 0;
-  for (int i = static_cast<int>(m.layers().size()) - 1; i >= 0; --i) {
-    const Layer& l = m.layers()[static_cast<size_t>(i)];
-    Tensor dy = std::move(dslot[static_cast<size_t>(l.out)]);
-    t.slots[static_cast<size_t>(l.out)] = Tensor();
-    if (dy.defined()) {
-      std::vector<Tensor> in, dx(l.in.size()), dp;
-      std::vector<bool> need_dx;
-      for (int s : l.in) {
-        in.push_back(t.slots[static_cast<size_t>(s)]);
-        need_dx.push_back(m.grad_needed(s));
-      }
-      backward(l, in, Tensor(), dy, r, t.saved[static_cast<size_t>(i)], need_dx, &dx, &dp);
-      t.saved[static_cast<size_t>(i)] = Saved();
-      for (size_t k = 0; k < l.in.size(); ++k) {
-        if (!need_dx[k] || !dx[k].defined()) continue;
-        Tensor& acc = dslot[static_cast<size_t>(l.in[k])];
-        // A slot read by several layers gets the sum of their gradients.
-        acc = acc.defined() ? ops::binary(ops::BinaryOp::Add, acc, dx[k]) : dx[k];
-      }
-      for (size_t j = 0; j < dp.size(); ++j) {
-        const size_t p = static_cast<size_t>(l.params[j]);
-        ops::copy(grad_view(m, grads, r, p), dp[j]);
-      }
-    } else {
-      // The layer does not reach the loss: its parameters' gradients are zero.
-      for (int p : l.params) ops::fill(grad_view(m, grads, r, static_cast<size_t>(p)), 0.0);
-    }
-    while (next_bucket < m.buckets().size() && m.buckets()[next_bucket].last_layer == i)
-      bucket_done(next_bucket++);
-  }
-  return loss_sum;
+  return replicas_loss_and_grads(m, {X}, {y}, {&r}, {grads},
+                                 [&](size_t b, size_t) { bucket_done(b); }, SyncReplicas{})[0];
 }
 
 }  // namespace mgpu::train

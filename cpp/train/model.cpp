@@ -24,7 +24,7 @@ const std::map<std::string, KindInfo>& kinds() {
   static const auto* table = new std::map<std::string, KindInfo>{
       {"conv2d", {LayerKind::Conv2d, 1, {"stride", "padding", "bias"}}},
       {"conv2d_relu_pool", {LayerKind::Conv2dReluPool, 1, {"pool"}}},
-      {"batch_norm", {LayerKind::BatchNorm, 1, {"eps", "momentum", "affine"}}},
+      {"batch_norm", {LayerKind::BatchNorm, 1, {"eps", "momentum", "affine", "sync"}}},
       {"relu", {LayerKind::Relu, 1, {}}},
       {"avg_pool2d", {LayerKind::AvgPool2d, 1, {"kernel", "stride"}}},
       {"global_avg_pool", {LayerKind::GlobalAvgPool, 1, {}}},
@@ -132,6 +132,8 @@ Model::Model(const std::vector<LayerSpec>& spec, const std::vector<Shape>& param
     const auto& o = s.options;
     l.bias = flag(o, l.kind == LayerKind::BatchNorm ? "affine" : "bias", true);
     l.transpose = flag(o, "transpose", false);
+    l.sync = flag(o, "sync", false);
+    has_sync_ = has_sync_ || l.sync;
     l.stride = positive_int(l, o, "stride", 1, 1);
     l.padding = positive_int(l, o, "padding", 0, 0);
     if (l.kind == LayerKind::AvgPool2d) {

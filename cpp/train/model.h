@@ -32,6 +32,7 @@ struct Layer {
   int64_t kh = 2, kw = 2, sh = 2, sw = 2;  // avg_pool2d (and the fused layer's pool: kh)
   bool bias = true, transpose = false;     // conv2d / linear: has a bias; linear: W is (out, in)
   double eps = 1e-5, momentum = 0.1;       // batch_norm
+  bool sync = false;                       // batch_norm: statistics over every replica of a step
   std::vector<int> params, buffers;        // weight first, then bias (batch_norm: gamma, beta;
                                            // buffers running_mean, running_var)
 };
@@ -60,6 +61,8 @@ class Model {
   int64_t offset(size_t param) const { return offsets_[param]; }
   int64_t flat_size() const { return flat_size_; }
   const std::vector<Bucket>& buckets() const { return buckets_; }
+  // Some batch norm layer synchronises its statistics across replicas.
+  bool has_sync() const { return has_sync_; }
   // grad_needed(s): slot s depends on a parameter, so backward computes d(loss)/d(slot s).
   bool grad_needed(int slot) const { return grad_needed_[static_cast<size_t>(slot)]; }
   // saved(s): some layer's backward re-reads slot s, so forward keeps it until backward.
@@ -77,6 +80,7 @@ class Model {
   int64_t flat_size_ = 0;
   std::vector<Bucket> buckets_;
   std::vector<bool> grad_needed_, saved_;
+  bool has_sync_ = false;
 };
 
 }  // namespace mgpu::train

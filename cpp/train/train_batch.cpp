@@ -31,27 +31,23 @@ void update(const Model& m, Replica& r, const Tensor& grads, const Sgd& sgd, int
     for (size_t i = 0; i < ps.size(); ++i) ops::sgd_update(ps[i], view(m, grads, ps[i], i), scale);
     return;
   }
-  ops::binary_scalar_inplace(ops::BinaryOp::Div, grads, static_cast<float>(batch));
-  if (sgd.weight_decay != 0.0f)
-    for (size_t i = 0; i < ps.size(); ++i)
-      ops::binary_inplace(ops::BinaryOp::Add, view(m, grads, ps[i], i),
-                          ops::binary_scalar(ops::BinaryOp::Mul, ps[i], sgd.weight_decay, false));
-  Tensor step = grads;
-  if (sgd.momentum != 0.0f) {
-    if (!r.momentum.defined()) {
-      r.momentum = Tensor::empty({m.flat_size()}, DType::F32, r.device);
-      ops::copy(r.momentum, grads);
-    } else {
-      ops::binary_scalar_inplace(ops::BinaryOp::Mul, r.momentum, sgd.momentum);
-      ops::binary_inplace(ops::BinaryOp::Add, r.momentum, grads);
-    }
-    step = r.momentum;
+  // One pass per parameter, nothing allocated: the momentum buffer is made (zeroed, which makes
+  // the first step PyTorch's buf = g) at the first step with momentum and reused after.
+  if (sgd.momentum != 0.0f && !r.momentum.defined()) {
+    r.momentum = Tensor::empty({m.flat_size()}, DType::F32, r.device);
+    ops::fill(r.momentum, 0.0);
   }
-  for (size_t i = 0; i < ps.size(); ++i) ops::sgd_update(ps[i], view(m, step, ps[i], i), sgd.lr);
+  const bool with_buf = sgd.momentum != 0.0f;
+  for (size_t i = 0; i < ps.size(); ++i) {
+    const Tensor buf = with_buf ? view(m, r.momentum, ps[i], i) : Tensor();
+    ops::sgd_step(ps[i], view(m, grads, ps[i], i), buf, static_cast<float>(batch), sgd.lr,
+                  sgd.momentum, sgd.weight_decay);
+  }
 }
 
 // Batch norm's running statistics are those of the first replica's shard (rank 0's under mpirun),
-// as with PyTorch's DataParallel, and every replica keeps a copy of them.
+// as with PyTorch's DataParallel, and every replica keeps a copy of them. (A synchronised layer's
+// are the same on every replica already: each updates them from the same combined statistics.)
 void share_buffers(std::vector<Replica>& replicas) {
   const std::vector<Tensor>& first = replicas[0].state.buffers;
   if (first.empty()) return;
@@ -86,25 +82,48 @@ std::vector<Tensor> train_step(const Model& m, const Tensor& X, const Tensor& y,
   MGPU_CHECK_VALUE(X.size(0) > 0, "train_step: the minibatch is empty");
   const std::vector<Device> devices = devices_of(replicas);
   const size_t L = devices.size(), world = static_cast<size_t>(comm::dist::world_size());
+  // Synchronised batch norm meets the other replicas inside forward and backward, which a
+  // replica's captured graphs cannot: such steps run without graphs.
+  const bool synced = m.has_sync() && L * world > 1;
   // Graphs want every shard non-empty (an empty one takes the plain path's zero gradients).
-  const bool graphs = graphs_enabled(devices) && X.size(0) >= static_cast<int64_t>(L * world);
+  const bool graphs = !synced && graphs_enabled(devices) &&
+                      X.size(0) >= static_cast<int64_t>(L * world);
   const std::vector<Tensor> xs = rank_shards(X, devices, !graphs), ys = rank_shards(y, devices, !graphs);
   std::vector<int64_t> sizes;
   for (const Bucket& b : m.buckets()) sizes.push_back(b.end - b.begin);
   comm::BucketAllReduce reduce(devices, sizes, X.size(0) * 256 + static_cast<int64_t>(L));
-  std::vector<std::shared_ptr<CapturedStep>> loaded;
-  for (size_t d = 0; graphs && d < L; ++d)
-    loaded.push_back(load_captured_step(m, xs[d], ys[d], replicas[d].state, devices[d]));
   std::vector<Tensor> losses, grads;
-  for (size_t d = 0; d < L; ++d) {
-    Replica& r = replicas[d];
-    if (!graphs && !r.grads.defined()) r.grads = Tensor::empty({m.flat_size()}, DType::F32, r.device);
-    grads.push_back(graphs ? captured_grads(*loaded[d]) : r.grads);
-    auto bucket_done = [&, d](size_t b) {
-      reduce.ready(b, d, grads[d].slice_rows(m.buckets()[b].begin, m.buckets()[b].end));
-    };
-    losses.push_back(graphs ? replay_captured_step(loaded[d], devices[d], bucket_done)
-                            : model_loss_and_grads(m, xs[d], ys[d], r.state, r.grads, bucket_done));
+  auto bucket_done = [&](size_t b, size_t d) {
+    reduce.ready(b, d, grads[d].slice_rows(m.buckets()[b].begin, m.buckets()[b].end));
+  };
+  if (graphs) {
+    std::vector<std::shared_ptr<CapturedStep>> loaded;
+    for (size_t d = 0; d < L; ++d)
+      loaded.push_back(load_captured_step(m, xs[d], ys[d], replicas[d].state, devices[d]));
+    for (size_t d = 0; d < L; ++d) grads.push_back(captured_grads(*loaded[d]));
+    for (size_t d = 0; d < L; ++d)
+      losses.push_back(replay_captured_step(loaded[d], devices[d],
+                                            [&, d](size_t b) { bucket_done(b, d); }));
+  } else {
+    std::vector<const ReplicaState*> states;
+    for (Replica& r : replicas) {
+      if (!r.grads.defined()) r.grads = Tensor::empty({m.flat_size()}, DType::F32, r.device);
+      grads.push_back(r.grads);
+      states.push_back(&r.state);
+    }
+    SyncReplicas sync;
+    if (synced) {
+      // Replica d of rank k is slot k * L + d: the shard order of rank_shards.
+      sync.slots = L * world;
+      sync.rows = X.size(0);
+      for (size_t d = 0; d < L; ++d)
+        sync.slot.push_back(static_cast<size_t>(comm::dist::rank()) * L + d);
+      sync.sum = [&devices](const std::vector<Tensor>& parts, int64_t tag) {
+        comm::BucketAllReduce exchange(devices, {parts[0].numel()}, -1 - tag);
+        for (size_t d = 0; d < parts.size(); ++d) exchange.ready(0, d, parts[d]);
+      };
+    }
+    losses = replicas_loss_and_grads(m, xs, ys, states, grads, bucket_done, sync);
   }
   for (size_t d = 0; d < L; ++d) update(m, replicas[d], grads[d], sgd, X.size(0));
   share_buffers(replicas);

@@ -15,7 +15,7 @@ struct Replica {
   Device device;
   ReplicaState state;
   Tensor grads;     // flat (Model::flat_size()), made at the first step
-  Tensor momentum;  // flat like grads; undefined until the first step with momentum
+  Tensor momentum;  // flat like grads; undefined until the first step with momentum (or a set)
 };
 
 // The update. sum_rule (the chapter's LeNet step): p -= lr / N * g with g the gradient of the

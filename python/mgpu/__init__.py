@@ -107,6 +107,14 @@ def gpu_memory_stats(device) -> dict:
     return dict(_core.gpu_memory_stats(as_device(device)))
 
 
+def cpu_memory_stats() -> dict:
+    """The CPU caching allocator (shared by every CPU device) in bytes: ``allocated`` (live
+    tensors), ``cached`` (kept for reuse), ``peak_allocated``, and ``system_mallocs`` /
+    ``system_bytes`` (blocks and bytes taken from the system so far: flat once a training loop
+    reaches its steady state)."""
+    return dict(_core.cpu_memory_stats())
+
+
 def empty_cache() -> None:
     """Waits for every device, then returns the memory cached by mgpu's allocators."""
     _core.empty_cache()
@@ -124,5 +132,6 @@ __all__ = [
     "lenet", "lenet_params", "get_params", "allreduce", "split_batch", "split_and_load", "sgd",
     "train_batch", "load_data_fashion_mnist", "get_fashion_mnist_labels",
     "evaluate_accuracy", "evaluate_accuracy_gpu", "train", "train_op_by_op",
-    "waitall", "build_info", "set_num_threads", "num_threads", "gpu_memory_stats", "empty_cache",
+    "waitall", "build_info", "set_num_threads", "num_threads", "gpu_memory_stats",
+    "cpu_memory_stats", "empty_cache",
 ]

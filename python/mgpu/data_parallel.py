@@ -197,8 +197,14 @@ class DataParallel(Module):
 
         The master's parameters and running statistics are updated in place; other replicas
         are refreshed from the master before every step, so steps of both kinds can be mixed.
-        SGD's momentum buffers of this path live in the fused model (not in ``trainer``), and
-        ``num_batches_tracked`` is not counted. SyncBatchNorm is not supported here.
+        SGD's momentum buffers are shared with ``trainer``: after a fused step its buffers are
+        views of the fused model's (so ``trainer.state_dict()`` holds them), and a step finds
+        buffers that ``trainer.step()`` or ``trainer.load_state_dict()`` changed and continues
+        from those, so the book's loop and the fused step can alternate without losing momentum.
+        ``num_batches_tracked`` is not counted. SyncBatchNorm layers (``nn.SyncBatchNorm.
+        convert_sync_batchnorm(net)``) normalise with the statistics of the whole batch, over
+        every replica (and every rank under mpirun), combined in a fixed order inside the C++
+        step, so k devices compute what one device computes on the whole batch.
         """
         if not isinstance(loss, nn_CrossEntropyLoss) or loss.reduction != "mean":
             raise ValueError("train_step: the fused step computes nn.CrossEntropyLoss() (mean); "
@@ -216,14 +222,38 @@ class DataParallel(Module):
         X, y = _check_input(X, "train_step"), _check_input(y, "train_step")
         self._check_master()
         fused = self._fused_model()
+        if fused.steps == 1 and fused.trace:
+            # Steady state: the CPU allocator keeps a free block for every block the first step
+            # took, so later steps take nothing from the system whatever order the device
+            # threads release theirs in (see _core.cpu_reserve). Small blocks get a few more,
+            # for results of the previous step the caller may still hold (its loss).
+            _core.waitall()
+            _core.cpu_reserve({size: n + (4 if size <= 4096 else 0)
+                               for size, n in fused.trace.items()})
+        first = fused.steps == 0
+        if first:
+            _core.cpu_trace_begin()
+        try:
+            result = self._fused_step(fused, X, y, trainer, master)
+        finally:
+            if first:
+                fused.trace = _core.cpu_trace_end()
+        fused.steps += 1
+        return result
+
+    def _fused_step(self, fused: "_Fused", X: Tensor, y: Tensor, trainer, master) -> Tensor:
         with autograd.no_grad():
             for r in range(1, len(self.device_ids)):  # replicas start from the master
                 for dst, src in zip(fused.replica_params[r], master):
                     _core.copy(dst._t, src._t)
                 for dst, src in zip(fused.replica_buffers[r], fused.replica_buffers[0]):
                     _core.copy(dst._t, src._t)
+            if trainer.momentum != 0:
+                fused.momentum_in(trainer)
             losses = fused.model.train_step(X, y, trainer.lr, trainer.momentum,
                                             trainer.weight_decay)
+            if trainer.momentum != 0:
+                fused.momentum_out(trainer)
             total = losses[0]
             for part in losses[1:]:
                 total = total + part.to(total.device)
@@ -255,6 +285,29 @@ class _Fused:
         self.replica_params = [params] + [[p.copyto(d) for p in params] for d in devices[1:]]
         self.replica_buffers = [bufs] + [[b.copyto(d) for b in bufs] for d in devices[1:]]
         self.model = FusedModel(self.spec, self.replica_params, self.replica_buffers, devices)
+        self.steps = 0  # fused steps taken
+        self.trace: Dict[int, int] = {}  # CPU blocks per size class the first step took
+        # The trainer and its momentum buffers (with their storage versions) as the last step
+        # left them: while they are unchanged, the replicas' own buffers are current.
+        self._handed: Optional[Tuple[object, List[Optional[Tensor]], List[int]]] = None
+
+    def momentum_in(self, trainer) -> None:
+        """Copies ``trainer``'s momentum buffers into every replica unless they are the views
+        the last fused step handed out, unchanged since."""
+        current = trainer._momentum_list()
+        h = self._handed
+        if h is not None and h[0] is trainer and all(
+                a is b and (a is None or a._t.version == v)
+                for a, b, v in zip(current, h[1], h[2])):
+            return
+        for r in range(len(self.replica_params)):
+            self.model.set_momentum_buffers(current, r)
+
+    def momentum_out(self, trainer) -> None:
+        """Hands replica 0's momentum buffers (views, updated by every fused step) to trainer."""
+        views = self.model.momentum_buffers(0)
+        trainer._set_momentum_list(views)
+        self._handed = (trainer, views, [b._t.version for b in views])
 
     def _layer(self, kind: str, src: int, params=(), buffers=(), **opts) -> int:
         opts["in"] = src
@@ -287,10 +340,12 @@ class _Fused:
             ps = [m.weight] + ([m.bias] if m.bias is not None else [])
             return self._layer("conv2d", src, ps, stride=m.stride, padding=m.padding,
                                bias=m.bias is not None)
-        if type(m) is BatchNorm2d and m.track_running_stats and m.momentum is not None:
+        if type(m) in (BatchNorm2d, SyncBatchNorm) and m.track_running_stats \
+                and m.momentum is not None:
             ps = [m.weight, m.bias] if m.affine else []
             return self._layer("batch_norm", src, ps, [m.running_mean, m.running_var],
-                               eps=m.eps, momentum=float(m.momentum), affine=m.affine)
+                               eps=m.eps, momentum=float(m.momentum), affine=m.affine,
+                               sync=type(m) is SyncBatchNorm)
         if isinstance(m, ReLU):
             return self._layer("relu", src)
         if isinstance(m, Flatten):
@@ -311,8 +366,9 @@ class _Fused:
             return self._layer("relu", len(self.spec))
         raise NotImplementedError(
             f"train_step: the fused step has no layer for {type(m).__name__}; supported are "
-            "Sequential, Conv2d, BatchNorm2d, ReLU, Flatten, AvgPool2d, AdaptiveAvgPool2d((1, 1)),"
-            " Linear and models.Residual (use the book's loop for other modules)")
+            "Sequential, Conv2d, BatchNorm2d and SyncBatchNorm (with running statistics and a "
+            "momentum), ReLU, Flatten, AvgPool2d, AdaptiveAvgPool2d((1, 1)), Linear and "
+            "models.Residual (use the book's loop for other modules)")
 
 
 # --- synchronised batch norm ---------------------------------------------------------------

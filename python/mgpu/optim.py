@@ -10,8 +10,10 @@ from __future__ import annotations
 import numbers
 from typing import Dict, Iterable, List, Optional
 
+import numpy as np
+
 from .autograd import no_grad
-from .tensor import Tensor
+from .tensor import Tensor, array
 
 
 def _number(v, name: str, minimum: float = 0.0) -> float:
@@ -104,6 +106,13 @@ class SGD:
                     g = g + buf * mom if self.nesterov else buf
                 p -= g * lr
 
+    def _momentum_list(self) -> List[Optional[Tensor]]:
+        """The momentum buffer of every parameter, by position (None where there is none)."""
+        return [self._buffers.get(i) for i in range(len(self.params))]
+
+    def _set_momentum_list(self, buffers: List[Optional[Tensor]]) -> None:
+        self._buffers = {i: b for i, b in enumerate(buffers) if b is not None}
+
     def state_dict(self) -> dict:
         """Hyperparameters and momentum buffers (by parameter position), as PyTorch's."""
         return {"state": {i: {"momentum_buffer": b.detach()} for i, b in self._buffers.items()},
@@ -113,27 +122,69 @@ class SGD:
                                   "params": list(range(len(self.params)))}]}
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Restores hyperparameters and momentum buffers saved by :meth:`state_dict`."""
-        try:
-            group = state_dict["param_groups"][0]
-            state = state_dict["state"]
-        except (KeyError, IndexError, TypeError):
-            raise ValueError("SGD.load_state_dict: expected a dict from SGD.state_dict() with "
-                             "'state' and 'param_groups'") from None
-        if len(group.get("params", [])) != len(self.params):
-            raise ValueError(f"SGD.load_state_dict: the saved state is for "
-                             f"{len(group.get('params', []))} parameters, this optimizer has "
-                             f"{len(self.params)}")
-        buffers = {}
+        """Restores hyperparameters and momentum buffers saved by :meth:`state_dict` (PyTorch's
+        layout; extra keys such as PyTorch's ``maximize`` or ``foreach`` are ignored). Buffers
+        are copied to their parameters' devices. Everything is checked before anything changes:
+        a missing or misshaped entry raises and leaves the optimizer as it was."""
+        where = "SGD.load_state_dict"
+        if not isinstance(state_dict, dict):
+            raise TypeError(f"{where}: expected a dict from SGD.state_dict(), got "
+                            f"{type(state_dict).__name__}")
+        for key in ("state", "param_groups"):
+            if key not in state_dict:
+                raise ValueError(f"{where}: the dict has no '{key}'; expected SGD.state_dict()'s "
+                                 "'state' and 'param_groups'")
+        groups, state = state_dict["param_groups"], state_dict["state"]
+        if not isinstance(groups, (list, tuple)) or len(groups) != 1 \
+                or not isinstance(groups[0], dict):
+            raise ValueError(f"{where}: 'param_groups' must be a list of one group (a dict), as "
+                             "this optimizer has one")
+        group = groups[0]
+        for key in ("lr", "momentum", "dampening", "weight_decay", "nesterov", "params"):
+            if key not in group:
+                raise ValueError(f"{where}: the parameter group has no '{key}'")
+        n = len(self.params)
+        if not isinstance(group["params"], (list, tuple)) or len(group["params"]) != n:
+            got = len(group["params"]) if isinstance(group["params"], (list, tuple)) else "?"
+            raise ValueError(f"{where}: the saved state is for {got} parameters, this optimizer "
+                             f"has {n}")
+        hyper = {name: _number(group[name], name) for name in
+                 ("lr", "momentum", "dampening", "weight_decay")}
+        nesterov = group["nesterov"]
+        if not isinstance(nesterov, (bool, int)):
+            raise TypeError(f"{where}: nesterov must be a bool, got {type(nesterov).__name__}")
+        if nesterov and (hyper["momentum"] <= 0 or hyper["dampening"] != 0):
+            raise ValueError(f"{where}: nesterov momentum needs momentum > 0 and dampening = 0")
+        if not isinstance(state, dict):
+            raise TypeError(f"{where}: 'state' must be a dict {{position: {{'momentum_buffer': "
+                            f"tensor}}}}, got {type(state).__name__}")
+        checked = {}
         for i, entry in state.items():
+            if isinstance(i, bool) or not isinstance(i, numbers.Integral) or not 0 <= i < n:
+                raise ValueError(f"{where}: state key {i!r} is not a parameter position in "
+                                 f"[0, {n})")
+            if not isinstance(entry, dict) or "momentum_buffer" not in entry:
+                raise ValueError(f"{where}: state[{i}] must be a dict with a 'momentum_buffer'")
             b = entry["momentum_buffer"]
-            if not 0 <= int(i) < len(self.params) or b.shape != self.params[int(i)].shape:
-                raise ValueError(f"SGD.load_state_dict: momentum buffer {i} does not match the "
-                                 "parameter at that position")
-            buffers[int(i)] = b.copyto(self.params[int(i)].device)
-        for name in ("lr", "momentum", "dampening", "weight_decay"):
-            setattr(self, name, _number(group[name], name))
-        self.nesterov = bool(group["nesterov"])
+            if b is None:
+                continue
+            if isinstance(b, np.ndarray):
+                b = array(b.astype(np.float32, copy=False), device=self.params[int(i)].device)
+            if not isinstance(b, Tensor):
+                raise TypeError(f"{where}: state[{i}]['momentum_buffer'] is "
+                                f"{type(b).__name__}, expected an mgpu tensor or NumPy array")
+            p = self.params[int(i)]
+            if b.shape != p.shape:
+                raise ValueError(f"{where}: the momentum buffer of parameter {i} has shape "
+                                 f"{b.shape}, the parameter has shape {p.shape}")
+            if b.dtype != p.dtype:
+                raise ValueError(f"{where}: the momentum buffer of parameter {i} is {b.dtype}, "
+                                 f"the parameter is {p.dtype}")
+            checked[int(i)] = b
+        buffers = {i: b.copyto(self.params[i].device) for i, b in checked.items()}
+        for name, v in hyper.items():
+            setattr(self, name, v)
+        self.nesterov = bool(nesterov)
         self._buffers = buffers
 
     def __repr__(self) -> str:

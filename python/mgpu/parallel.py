@@ -248,3 +248,18 @@ class FusedModel:
         """SGD's momentum buffers of one replica, one per parameter (None before the first step
         with momentum); views of the replica's state, updated by every step."""
         return [None if b is None else Tensor(b) for b in self._model.momentum_buffers(replica)]
+
+    def set_momentum_buffers(self, buffers: Sequence[Optional[Tensor]], replica: int = 0) -> None:
+        """Copies ``buffers`` (one per parameter, its shape, any device; None: a fresh buffer,
+        so the next step starts it with the gradient as PyTorch does) into one replica's SGD
+        momentum; the next step continues from them."""
+        if not isinstance(buffers, (list, tuple)):
+            raise TypeError(f"set_momentum_buffers: buffers must be a list with one tensor (or "
+                            f"None) per parameter, got {type(buffers).__name__}")
+        handles = []
+        for i, b in enumerate(buffers):
+            if b is not None and not isinstance(b, Tensor):
+                raise TypeError(f"set_momentum_buffers: buffers[{i}] is {type(b).__name__}, "
+                                "expected an mgpu tensor or None")
+            handles.append(None if b is None else b._t)
+        self._model.set_momentum_buffers(replica, handles)
