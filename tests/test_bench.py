@@ -276,3 +276,74 @@ def test_train_compare_torch(tmp_path):
         if x["impl"].startswith("torch"):
             assert 0 < x["train_loss"][0] < 10, "the PyTorch code trains on the same data"
     assert "ratio" in text
+
+
+def _resnet18_forward_flops_per_image():
+    """d2l's resnet18(10, 1) on 28x28, counted by hand: (out ch, in ch, kernel, output side)."""
+    convs = [(64, 1, 3, 28)] + [(64, 64, 3, 28)] * 4
+    for c_in, c, side in ((64, 128, 14), (128, 256, 7), (256, 512, 4)):
+        convs += [(c, c_in, 3, side), (c, c, 3, side), (c, c_in, 1, side)] + [(c, c, 3, side)] * 2
+    return [2 * k * c * r * r * side * side for k, c, r, side in convs] + [2 * 512 * 10]
+
+
+def test_resnet18_flops_come_from_the_layer_shapes():
+    per_layer = _resnet18_forward_flops_per_image()
+    forward = sum(per_layer)
+    # Backward: dw and dx for every layer but the stem, whose input needs no gradient.
+    expected = 3 * forward - per_layer[0]
+    assert bench.resnet18_step_flops(1) == expected
+    assert bench.resnet18_step_flops(256) == 256 * expected
+    assert 600e9 < bench.resnet18_step_flops(256) < 800e9  # the issue's "about 700 GFLOP"
+
+
+def _check_resnet_result(r, sides):
+    assert r["settings"]["model"] == "resnet18"
+    impls = sorted((x["impl"], x["num_devices"]) for x in r["results"])
+    assert impls == sorted(sides)
+    flops = r["flops"]["per_step"]
+    assert flops == bench.resnet18_step_flops(r["settings"]["batch_size"])
+    for x in r["results"]:
+        _check_stats(x["sec_per_step"])
+        assert x["gflops"] == pytest.approx(flops / x["sec_per_step"]["median"] / 1e9)
+        assert x["peak_rss_bytes"] > 50 << 20  # each side's own process: interpreter + net
+        assert x["steps_per_epoch"] == r["settings"]["limit_batches"]
+    for x in r["results"]:
+        if x["impl"].startswith("mgpu"):
+            assert x["allocator_peak_bytes"] > 4 * 11_175_818  # at least the parameters
+            assert x["devices"] == [f"cpu({i})" for i in range(x["num_devices"])]
+
+
+def test_train_resnet18_times_each_side_in_its_own_process(tmp_path, monkeypatch):
+    # The sides' processes see CPU devices only, as on a machine without GPUs.
+    monkeypatch.setenv("MGPU_EMULATED_GPUS", "0")
+    monkeypatch.setattr(bench.train, "find_torch_python",
+                        lambda explicit=None: (None, "no torch here"))
+    code, text, r = _run(["bench", "train", "--model", "resnet18", "--synthetic", "12",
+                          "--batch-size", "4", "--limit-batches", "1", "--epochs", "1",
+                          "--warmup", "1", "--compare", "torch"], tmp_path, "resnet")
+    assert code == 0
+    _check_resnet_result(r, [("mgpu fused", 1), ("mgpu fused", 2), ("mgpu op-by-op", 1),
+                             ("mgpu op-by-op", 2)])
+    assert r["torch"] == {"skipped": "no torch here"} and r["comparisons"] == []
+    assert "ResNet-18" in text and "peak RSS MiB" in text and "skipped: no torch here" in text
+    # The same batches on every side: fused and the book's loop train alike on k devices.
+    for k in (1, 2):
+        a, b = (x["train_loss"][0] for x in r["results"] if x["num_devices"] == k)
+        assert abs(a - b) < 1e-3 * abs(a)
+
+
+def test_train_resnet18_against_torch_eager(monkeypatch):
+    py, info = bench.find_torch_python()
+    if py is None:
+        pytest.skip(info)
+    monkeypatch.setenv("MGPU_EMULATED_GPUS", "0")
+    r = bench.bench_train_resnet18(devices=[1], batch_size=4, epochs=1, limit_batches=1,
+                                   warmup=1, synthetic=12, compare="torch", parts=["fused"],
+                                   torch_variants=("resnet18",))
+    _check_resnet_result(r, [("mgpu fused", 1), ("torch eager", 1)])
+    (c,) = r["comparisons"]
+    mine, theirs = r["results"]
+    assert c["time_ratio"] == theirs["sec_per_step"]["median"] / mine["sec_per_step"]["median"]
+    assert c["memory_ratio"] == mine["peak_rss_bytes"] / theirs["peak_rss_bytes"]
+    # The same init (normal_(std=0.01), other draws) and the same batches: both near ln(10).
+    assert abs(mine["train_loss"][0] - theirs["train_loss"][0]) < 0.2

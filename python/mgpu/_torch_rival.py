@@ -270,19 +270,21 @@ def run_config(name, step, batches, epochs, warmup):
     if warmup > 0:
         for X, y in batches.epoch(warmup):
             step(X, y)
-    times, losses, seen = [], [], 0
+    times, cpu_times, losses, seen = [], [], [], 0
     for _ in range(epochs):
         total, seen = 0.0, 0
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for X, y in batches.epoch():
             total += float(step(X, y))
             seen += X.shape[0]
         times.append(time.perf_counter() - t0)
+        cpu_times.append(time.process_time() - c0)
         losses.append(total / max(1, seen))
     steps = batches.num_batches
     per_step = [t / steps for t in times]
     return {
-        "name": name, "epoch_times": times, "steps_per_epoch": steps,
+        "name": name, "epoch_times": times, "epoch_cpu_times": cpu_times,
+        "steps_per_epoch": steps,
         "full_batches": batches.full_batches,
         "sec_per_step": statistics.median(per_step),
         "sec_per_epoch": statistics.median(per_step) * batches.full_batches,

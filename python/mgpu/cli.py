@@ -107,12 +107,20 @@ def _bench(args) -> int:
     from . import bench
     log = None if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
     if args.bench == "train":
+        # ResNet-18 steps take seconds: shorter defaults than LeNet's (see --help).
+        resnet = args.model == "resnet18"
+        pick = lambda given, lenet, resnet18: (given if given is not None  # noqa: E731
+                                               else resnet18 if resnet else lenet)
+        parts = args.parts.split(",") if args.parts else (
+            list(bench.RESNET_PARTS) if resnet else list(bench.TRAIN_PARTS))
         result = bench.bench_train(
-            devices=args.devices, batch_size=args.batch_size, lr=args.lr, epochs=args.epochs,
-            limit_batches=args.limit_batches, warmup=args.warmup, repeat=args.repeat,
-            data_dir=args.data_dir, synthetic=args.synthetic, seed=args.seed,
-            compare=args.compare, torch_python=args.torch_python, torch_threads=args.torch_threads,
-            parts=args.parts.split(","), gemm_size=args.gemm_size, log=log)
+            devices=args.devices, batch_size=args.batch_size,
+            lr=pick(args.lr, 0.2, 0.1), epochs=pick(args.epochs, 3, 1),
+            limit_batches=pick(args.limit_batches, 20, 5), warmup=pick(args.warmup, 3, 2),
+            repeat=args.repeat, data_dir=args.data_dir, synthetic=args.synthetic,
+            seed=args.seed, compare=args.compare, torch_python=args.torch_python,
+            torch_threads=args.torch_threads, parts=parts, gemm_size=args.gemm_size, log=log,
+            model=args.model)
     elif args.bench == "ops":
         result = bench.bench_ops(batch_sizes=args.batch_sizes, warmup=args.warmup,
                                  repeat=args.repeat, log=log, device=args.device)
@@ -134,7 +142,7 @@ def _bench(args) -> int:
 
 
 def _bench_parser(sub) -> None:
-    from .bench import TRAIN_PARTS
+    from .bench import RESNET_PARTS, TRAIN_PARTS
     b = sub.add_parser("bench", help="benchmarks: the training step, LeNet's ops, all-reduce")
     kinds = b.add_subparsers(dest="bench", required=True)
 
@@ -147,22 +155,31 @@ def _bench_parser(sub) -> None:
         p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
         p.set_defaults(run=_bench)
 
-    t = kinds.add_parser("train", help="sec/epoch of LeNet training: fused, op by op, PyTorch")
-    common(t, 3, 3, "untimed batches before each training configuration",
-           "samples of the side measurements (input pipeline, evaluation, sgemm)")
-    t.add_argument("--epochs", type=int, default=3,
-                   help="timed epochs per training configuration (after --warmup batches)")
-    t.add_argument("--limit-batches", type=int, default=20,
-                   help="batches per timed epoch; sec/epoch is then extrapolated (0: whole epochs)")
+    t = kinds.add_parser("train", help="sec/epoch of LeNet or ResNet-18 training: fused, op by "
+                                       "op, PyTorch")
+    common(t, None, 3, "untimed batches before each training configuration (default 3; "
+           "resnet18: 2)", "samples of the side measurements (input pipeline, evaluation, sgemm)")
+    t.add_argument("--model", choices=["lenet", "resnet18"], default="lenet",
+                   help="lenet: sec. 12.5's step; resnet18: sec. 12.6's DataParallel.train_step "
+                        "and book's loop, each configuration in its own process (peak RSS), "
+                        "against PyTorch eager and torch.compile with --compare torch")
+    t.add_argument("--epochs", type=int, default=None,
+                   help="timed epochs per training configuration (after --warmup batches; "
+                        "default 3, resnet18: 1)")
+    t.add_argument("--limit-batches", type=int, default=None,
+                   help="batches per timed epoch; sec/epoch is then extrapolated (0: whole "
+                        "epochs; default 20, resnet18: 5)")
     t.add_argument("--devices", type=_ints, default=[1, 2], help="device counts, e.g. 1,2")
     t.add_argument("--batch-size", type=int, default=256, help="global minibatch size")
-    t.add_argument("--lr", type=float, default=0.2, help="learning rate")
+    t.add_argument("--lr", type=float, default=None,
+                   help="learning rate (default 0.2, resnet18: 0.1)")
     t.add_argument("--data-dir", default=None, help="directory with the Fashion-MNIST IDX files")
     t.add_argument("--synthetic", type=int, default=0, metavar="N",
                    help="train on N random images instead of Fashion-MNIST")
     t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--parts", default=",".join(TRAIN_PARTS),
-                   help="what to measure, from: " + ",".join(TRAIN_PARTS))
+    t.add_argument("--parts", default=None,
+                   help="what to measure, from: " + ",".join(TRAIN_PARTS) + " (resnet18: "
+                        + ",".join(RESNET_PARTS) + "; default all)")
     t.add_argument("--gemm-size", type=int, default=1024, help="n of the n x n sgemm reference")
     t.add_argument("--compare", choices=["torch"], default=None,
                    help="also time the chapter's PyTorch code (in another interpreter)")

@@ -22,12 +22,22 @@ from .common import (
     load,
     machine_info,
     measure,
+    module_layer_flops,
+    module_step_flops,
     save,
     summarize,
 )
 from .ops import bench_ops, format_ops
 from .plot import plot
-from .train import TRAIN_PARTS, bench_train, find_torch_python, format_train
+from .train import (
+    RESNET_PARTS,
+    TRAIN_PARTS,
+    bench_train,
+    bench_train_resnet18,
+    find_torch_python,
+    format_train,
+    resnet18_step_flops,
+)
 
 
 def format_result(r: Dict) -> str:
@@ -36,8 +46,9 @@ def format_result(r: Dict) -> str:
             "allreduce": format_allreduce}[r["benchmark"]](r)
 
 
-__all__ = ["bench_train", "bench_ops", "bench_batch_norm", "bench_allreduce", "format_result",
+__all__ = ["bench_train", "bench_train_resnet18", "bench_ops", "bench_batch_norm", "bench_allreduce", "format_result",
            "plot", "save", "load",
            "summarize", "measure", "machine_info", "lenet_layer_flops", "lenet_step_flops",
            "find_torch_python", "bus_factor", "parse_size", "format_size", "TRAIN_PARTS",
+           "RESNET_PARTS", "module_layer_flops", "module_step_flops", "resnet18_step_flops",
            "DEFAULT_SIZES", "SCHEMA"]

@@ -141,6 +141,67 @@ def lenet_step_flops(batch_size: int) -> int:
     return sum(x["forward"] + x["backward"] for x in lenet_layer_flops(batch_size))
 
 
+def module_layer_flops(net, input_chw, batch_size: int) -> List[Dict]:
+    """FLOPs (2 per multiply-add) of the conv and linear layers of an ``mgpu.nn`` network
+    (Sequential, Conv2d, Linear, models.Residual, and shape-keeping or pooling layers) for one
+    batch of ``input_chw`` images. Backward costs dw (as forward) plus dx, except a layer reading
+    the network's input, whose gradient nobody needs. Batch norm, ReLU, pooling, the residual
+    add and the loss are left out (a few percent)."""
+    from ..models import Residual
+    from ..nn import AdaptiveAvgPool2d, AvgPool2d, Conv2d, Flatten, Linear, Sequential
+    n = int(batch_size)
+    layers: List[Dict] = []
+
+    def walk(m, shape, name, is_input):
+        if isinstance(m, Sequential):
+            for child_name, child in m._modules.items():
+                shape = walk(child, shape, f"{name}.{child_name}" if name else child_name,
+                             is_input)
+                is_input = False
+            return shape
+        if isinstance(m, Residual):
+            y = walk(m.conv1, shape, name + ".conv1", is_input)
+            y = walk(m.conv2, y, name + ".conv2", False)
+            if m.conv3 is not None:
+                walk(m.conv3, shape, name + ".conv3", is_input)
+            return y
+        if isinstance(m, Conv2d):
+            c, h, w = shape
+            k, _, r, s = m.weight.shape
+            p = (h + 2 * m.padding - r) // m.stride + 1
+            q = (w + 2 * m.padding - s) // m.stride + 1
+            fwd = 2 * n * k * p * q * c * r * s
+            layers.append({"layer": name, "kind": "conv", "forward": fwd,
+                           "backward": fwd * (1 if is_input else 2),
+                           "shape": f"x ({n}, {c}, {h}, {w}) * w ({k}, {c}, {r}, {s}) stride "
+                                    f"{m.stride}"})
+            return (k, p, q)
+        if isinstance(m, Linear):
+            kout, kin = m.weight.shape
+            fwd = 2 * n * kin * kout
+            layers.append({"layer": name, "kind": "mm", "forward": fwd,
+                           "backward": fwd * (1 if is_input else 2),
+                           "shape": f"({n}, {kin}) @ ({kin}, {kout})"})
+            return (kout,)
+        if isinstance(m, AdaptiveAvgPool2d):
+            return (shape[0], 1, 1)
+        if isinstance(m, Flatten):
+            return (int(np.prod(shape)),)
+        if isinstance(m, AvgPool2d):
+            (kh, kw), (sh, sw) = m.kernel_size, m.stride
+            return (shape[0], (shape[1] - kh) // sh + 1, (shape[2] - kw) // sw + 1)
+        return shape  # batch norm, ReLU: same shape
+
+    walk(net, tuple(input_chw), "", True)
+    return layers
+
+
+def module_step_flops(net, input_chw, batch_size: int) -> int:
+    """FLOPs of one training step (forward + backward) of ``net``; see module_layer_flops."""
+    return sum(x["forward"] + x["backward"] for x in module_layer_flops(net, input_chw,
+                                                                        batch_size))
+
+
 def _n(k: int, what: str) -> str:
     return f"{k} {what}{'s' if k != 1 else ''}"
 

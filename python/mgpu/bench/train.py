@@ -33,6 +33,7 @@ from .common import (
     lenet_step_flops,
     machine_info,
     measure,
+    module_step_flops,
     summarize,
 )
 
@@ -113,7 +114,7 @@ def find_torch_python(explicit: Optional[str] = None):
 
 def _run_torch_rival(py: str, data_dir: Optional[str], synthetic: int, devices: Sequence[int],
                      batch_size: int, lr: float, epochs: int, limit: int, warmup: int,
-                     threads: int, seed: int) -> Dict:
+                     threads: int, seed: int, variants: Optional[str] = None) -> Dict:
     script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                           "_torch_rival.py")
     args = ["--batch-size", str(batch_size), "--lr", repr(lr),
@@ -121,6 +122,8 @@ def _run_torch_rival(py: str, data_dir: Optional[str], synthetic: int, devices: 
             "--limit-batches", str(limit), "--warmup", str(warmup), "--threads", str(threads),
             "--seed", str(seed)]
     args += ["--synthetic", str(synthetic)] if synthetic else ["--data-dir", data_dir]
+    if variants:
+        args += ["--variants", variants]
     # Run by path from an empty directory, so the package's own modules (random.py, data.py)
     # cannot shadow the standard library's in that interpreter, and mgpu is never imported.
     boot = ("import runpy, sys; p = sys.argv[1]; sys.argv = sys.argv[1:]; "
@@ -153,8 +156,9 @@ def bench_train(devices: Sequence[int] = (1, 2), batch_size: int = 256, lr: floa
                 repeat: int = 3, data_dir: Optional[str] = None, synthetic: int = 0,
                 seed: int = 0, compare: Optional[str] = None, torch_python: Optional[str] = None,
                 torch_threads: int = 2, parts: Sequence[str] = TRAIN_PARTS,
-                gemm_size: int = 1024, log: Log = None) -> Dict:
+                gemm_size: int = 1024, log: Log = None, model: str = "lenet") -> Dict:
     """Times LeNet training on Fashion-MNIST (or ``synthetic`` random images); returns a dict.
+    ``model='resnet18'``: bench_train_resnet18 instead (``repeat`` and ``gemm_size`` unused).
 
     Each training configuration runs ``warmup`` untimed batches, then ``epochs`` timed epochs
     cut at ``limit_batches`` (0 or None: whole epochs); sec/epoch is the median sec/step times
@@ -165,6 +169,12 @@ def bench_train(devices: Sequence[int] = (1, 2), batch_size: int = 256, lr: floa
     ``gemm_size``, ``repeat`` samples like pipeline and eval). ``compare='torch'`` also runs the
     chapter's PyTorch code and an nn.Sequential version with ``torch_threads`` threads.
     """
+    if model == "resnet18":
+        return bench_train_resnet18(devices, batch_size, lr, epochs, limit_batches, warmup,
+                                    data_dir, synthetic, seed, compare, torch_python,
+                                    torch_threads, parts, log)
+    if model != "lenet":
+        raise ValueError(f"bench train: model must be 'lenet' or 'resnet18', got {model!r}")
     devices = [int(k) for k in devices]
     if not devices or min(devices) < 1:
         raise ValueError(f"bench train: devices must be numbers of devices >= 1, got {devices}")
@@ -402,6 +412,8 @@ def _comparisons(results: List[Dict]) -> List[Dict]:
 
 def format_train(r: Dict) -> str:
     s = r["settings"]
+    if s.get("model") == "resnet18":
+        return format_train_resnet18(r)
     lines = [f"mgpu bench train: LeNet on {s['data']['source']} ({s['data']['train_examples']} "
              f"train / {s['data']['test_examples']} test images), batch {s['batch_size']}, "
              f"lr {s['lr']}"]
@@ -465,4 +477,248 @@ def format_train(r: Dict) -> str:
         lines += _table(["mgpu", "torch", "ratio"],
                         [[c["mgpu"], c["torch"], f"{c['ratio']:.2f}"] for c in r["comparisons"]],
                         "llr")
+    return "\n".join(lines)
+
+
+# --- ResNet-18 (sec. 12.6): the fused step, the book's loop, PyTorch eager and compiled --------
+
+RESNET_PARTS = ("fused", "op-by-op")
+
+
+class _ArrayBatches:
+    """``_torch_rival.Batches`` for mgpu: the same shuffles of the same images (so both sides
+    train on identical batches), gathered with NumPy and made mgpu tensors on ``device``."""
+
+    def __init__(self, images, labels, batch_size: int, limit: int, seed: int, device):
+        self.X = (images.astype(np.float32) / np.float32(255.0)).reshape(-1, 1, 28, 28)
+        self.y = labels.astype(np.int64)
+        self.batch_size, self.device = batch_size, device
+        full = -(-len(labels) // batch_size)
+        self.full_batches = full
+        self.num_batches = min(full, limit) if limit else full
+        self.rng = np.random.default_rng(seed)
+
+    def epoch(self, num_batches=None):
+        order = self.rng.permutation(len(self.y))
+        for i in range(num_batches or self.num_batches):
+            idx = order[i * self.batch_size:(i + 1) * self.batch_size]
+            yield array(self.X[idx], device=self.device), array(self.y[idx], device=self.device)
+
+
+def _resnet18_side(cfg: Dict) -> Dict:
+    """One mgpu configuration (``cfg['impl']`` 'fused' or 'op-by-op' on ``cfg['num_devices']``
+    devices), timed by ``_torch_rival.run_config`` as the PyTorch side is; run in its own process
+    so its peak RSS is its own."""
+    from .. import _torch_rival as rival
+    from .. import nn, optim
+    from ..models import resnet18
+    from ..random import seed as mgpu_seed
+    k = int(cfg["num_devices"])
+    devices = [try_gpu(i) for i in range(k)]
+    if cfg["synthetic"]:
+        images, labels = rival.synthetic_split(cfg["synthetic"], cfg["seed"])
+    else:
+        images, labels = rival.load_split(cfg["data_dir"], "train")
+    batches = _ArrayBatches(images, labels, cfg["batch_size"], cfg["limit"], cfg["seed"],
+                            devices[0])
+    mgpu_seed(cfg["seed"])
+    net = resnet18(10, 1)
+    model = nn.DataParallel(net, device_ids=devices)
+    trainer = optim.SGD(model.parameters(), lr=cfg["lr"])
+    loss = nn.CrossEntropyLoss()
+    if cfg["impl"] == "fused":
+        def step(X, y):
+            return model.train_step(X, y, loss, trainer).item() * X.shape[0]
+        name = f"mgpu ResNet-18 fused train_step, {_n(k, 'device')}"
+    else:
+        def step(X, y):
+            trainer.zero_grad()
+            out = loss(model(X), y)
+            out.backward()
+            trainer.step()
+            return out.item() * X.shape[0]
+        name = f"mgpu ResNet-18 book's loop (autograd), {_n(k, 'device')}"
+    before = _core.cpu_memory_stats()
+    r = rival.run_config(name, step, batches, cfg["epochs"], cfg["warmup"])
+    after = _core.cpu_memory_stats()
+    r.update(impl=f"mgpu {cfg['impl']}", num_devices=k, global_batch=cfg["batch_size"],
+             threads=_core.num_threads(), devices=[str(d) for d in devices],
+             peak_rss_bytes=rival.peak_rss_bytes(),
+             allocator_peak_bytes=after["peak_allocated"],
+             system_mallocs_timed=after["system_mallocs"] - before["system_mallocs"])
+    return r
+
+
+def _resnet18_side_main(argv: Sequence[str]) -> int:
+    """Entry of a side's process: one JSON config in, one JSON result line out."""
+    print(json.dumps(_resnet18_side(json.loads(argv[0]))))
+    return 0
+
+
+def _run_side(cfg: Dict) -> Dict:
+    boot = ("import sys; from mgpu.bench.train import _resnet18_side_main; "
+            "sys.exit(_resnet18_side_main(sys.argv[1:]))")
+    with tempfile.TemporaryDirectory() as cwd:
+        r = subprocess.run([sys.executable, "-c", boot, json.dumps(cfg)], capture_output=True,
+                           text=True, cwd=cwd, env=dict(os.environ, PYTHONPATH=_package_root()
+                                                        + os.pathsep
+                                                        + os.environ.get("PYTHONPATH", "")))
+    if r.returncode != 0:
+        raise RuntimeError(f"bench train: the mgpu run {cfg['impl']} on "
+                           f"{_n(cfg['num_devices'], 'device')} failed:\n"
+                           f"{r.stderr.strip()[-2000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def _package_root() -> str:
+    # The directory holding this mgpu package, so the side process imports the same build.
+    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def resnet18_step_flops(batch_size: int) -> int:
+    """FLOPs of one ResNet-18 training step (d2l's resnet18(10, 1) on 28x28 images)."""
+    from ..models import resnet18
+    return module_step_flops(resnet18(10, 1), (1, 28, 28), batch_size)
+
+
+def _entry(r: Dict, flops: int) -> Dict:
+    out = dict(r)
+    per_step = summarize([t / r["steps_per_epoch"] for t in r["epoch_times"]])
+    out.update(sec_per_step=per_step, sec_per_epoch=per_step["median"] * r["full_batches"],
+               images_per_sec=r["global_batch"] / per_step["median"],
+               gflops=flops / per_step["median"] / 1e9)
+    if r.get("epoch_cpu_times"):
+        out["cpu_sec_per_step"] = summarize([t / r["steps_per_epoch"]
+                                             for t in r["epoch_cpu_times"]])
+    return out
+
+
+def bench_train_resnet18(devices: Sequence[int] = (1, 2), batch_size: int = 256,
+                         lr: float = 0.1, epochs: int = 1, limit_batches: Optional[int] = 5,
+                         warmup: int = 2, data_dir: Optional[str] = None, synthetic: int = 0,
+                         seed: int = 0, compare: Optional[str] = None,
+                         torch_python: Optional[str] = None, torch_threads: int = 2,
+                         parts: Sequence[str] = RESNET_PARTS, log: Log = None,
+                         torch_variants: Sequence[str] = ("resnet18", "resnet18-compile")) -> Dict:
+    """Times a ResNet-18 training step (sec. 12.6) on the same batches: the fused step
+    (``DataParallel.train_step``) and the book's loop through autograd on each k in ``devices``,
+    and with ``compare='torch'`` d2l's PyTorch ResNet-18 eager and through torch.compile
+    (``torch_threads`` threads, one device; ``torch_variants`` picks). Every configuration runs
+    in its own process, so its
+    peak RSS (ru_maxrss) is its own. Reports ms/step, GFLOP/s (conv and linear FLOPs of forward
+    and backward), peak memory and the ratios against PyTorch."""
+    devices = [int(k) for k in devices]
+    if not devices or min(devices) < 1:
+        raise ValueError(f"bench train: devices must be numbers of devices >= 1, got {devices}")
+    for name, v in (("batch_size", batch_size), ("epochs", epochs)):
+        if int(v) < 1:
+            raise ValueError(f"bench train: {name} must be >= 1, got {v}")
+    sides = [p for p in RESNET_PARTS if p in parts]
+    if not sides:
+        raise ValueError(f"bench train --model resnet18: parts must include one of "
+                         f"{RESNET_PARTS}, got {list(parts)}")
+    if compare not in (None, "torch"):
+        raise ValueError(f"bench train: --compare takes 'torch', got {compare!r}")
+    torch_py, torch_info = None, None
+    if compare == "torch":
+        torch_py, torch_info = find_torch_python(torch_python)
+        if torch_py is None and torch_python:
+            raise ValueError(f"bench train: --torch-python {torch_python} cannot import torch: "
+                             f"{torch_info}")
+    limit, warmup = int(limit_batches or 0), max(0, int(warmup))
+    if synthetic:
+        data = {"source": "synthetic", "train_examples": int(synthetic)}
+    else:
+        data_dir = find_data_dir(data_dir)
+        data = {"source": "fashion-mnist", "dir": data_dir, "train_examples": 60000}
+    if data["train_examples"] < int(batch_size):
+        raise ValueError(f"bench train: the training set has {data['train_examples']} examples, "
+                         f"fewer than one batch of {batch_size}; use --synthetic >= "
+                         "--batch-size or a smaller --batch-size")
+    settings = dict(model="resnet18", devices=devices, batch_size=batch_size, lr=lr,
+                    epochs=epochs, limit_batches=limit, warmup=warmup, seed=seed,
+                    compare=compare, torch_threads=torch_threads, parts=sides, data=data)
+    out = header("train", settings)
+    flops = resnet18_step_flops(batch_size)
+    out["flops"] = {"per_step": flops, "per_image": flops // int(batch_size)}
+    results: List[Dict] = []
+    out["results"] = results
+    base = dict(batch_size=int(batch_size), lr=float(lr), epochs=int(epochs), limit=limit,
+                warmup=warmup, seed=int(seed), synthetic=int(synthetic),
+                data_dir=data.get("dir"))
+    for side in sides:
+        for k in devices:
+            _say(log, f"bench train: ResNet-18 {side} on {_n(k, 'device')} (own process) ...")
+            results.append(_entry(_run_side(dict(base, impl=side, num_devices=k)), flops))
+    if compare == "torch":
+        if torch_py is None:
+            _say(log, f"bench train: skipping the PyTorch comparison: {torch_info}")
+            out["torch"] = {"skipped": torch_info}
+        else:
+            out["torch"] = {"python": torch_py, "torch_version": torch_info}
+            for variant in torch_variants:
+                _say(log, f"bench train: PyTorch {variant} with {torch_py} (own process) ...")
+                rival = _run_torch_rival(torch_py, data.get("dir"), int(synthetic), [1],
+                                         batch_size, lr, epochs, limit, warmup, torch_threads,
+                                         seed, variants=variant)
+                out["torch"]["threads"] = rival["threads"]
+                for r in rival["results"]:
+                    r["impl"] = "torch " + ("compile" if variant.endswith("compile") else "eager")
+                    results.append(_entry(r, flops))
+    out["comparisons"] = _resnet_comparisons(results)
+    out["machine"]["loadavg_end"] = machine_info()["loadavg"]
+    return out
+
+
+def _resnet_comparisons(results: List[Dict]) -> List[Dict]:
+    """time ratio = torch sec/step / mgpu sec/step (above 1: mgpu is faster); memory ratio =
+    mgpu peak RSS / torch peak RSS (below 1: mgpu uses less)."""
+    out = []
+    for theirs in (r for r in results if r["impl"].startswith("torch")):
+        for mine in (r for r in results if r["impl"].startswith("mgpu")):
+            a, b = mine["sec_per_step"]["median"], theirs["sec_per_step"]["median"]
+            out.append({"mgpu": mine["name"], "torch": theirs["name"], "time_ratio": b / a,
+                        "memory_ratio": mine["peak_rss_bytes"] / theirs["peak_rss_bytes"]})
+    return out
+
+
+def _mib(n: Optional[int]) -> str:
+    return "-" if n is None else f"{n / 2 ** 20:.0f}"
+
+
+def format_train_resnet18(r: Dict) -> str:
+    s = r["settings"]
+    lines = [f"mgpu bench train: ResNet-18 (d2l resnet18(10, 1)) on {s['data']['source']}, "
+             f"batch {s['batch_size']}, lr {s['lr']}; every configuration in its own process"]
+    lines += _machine_lines(r)
+    cut = f"cut at {s['limit_batches']} batches" if s["limit_batches"] else "whole"
+    lines.append(f"each configuration: {s['warmup']} warm-up batches, then {s['epochs']} timed "
+                 f"epoch(s) ({cut}); the same shuffled batches on every side")
+    f = r["flops"]
+    lines.append(f"FLOPs (conv + linear, forward + backward): {f['per_image'] / 1e9:.2f} GFLOP "
+                 f"per image, {f['per_step'] / 1e9:.1f} GFLOP per step")
+    lines.append("")
+    rows = []
+    for x in r["results"]:
+        cpu = x.get("cpu_sec_per_step")
+        rows.append([x["name"], str(x.get("threads", "")), _ms(x["sec_per_step"]["median"]),
+                     _ms(cpu["median"]) if cpu else "-", f"{x['gflops']:.1f}",
+                     _mib(x.get("peak_rss_bytes")), _mib(x.get("allocator_peak_bytes")),
+                     str(x.get("system_mallocs_timed", "-"))])
+    lines += _table(["configuration", "threads", "ms/step", "cpu ms/step", "GFLOP/s",
+                     "peak RSS MiB", "alloc peak MiB", "mallocs"], rows, "lrrrrrrr")
+    lines.append("cpu ms/step: process CPU time per step (all threads); mallocs: blocks mgpu's "
+                 "CPU allocator took from the system during the timed epochs")
+    t = r.get("torch")
+    if t and "skipped" in t:
+        lines.append(f"PyTorch comparison skipped: {t['skipped']}")
+    elif t:
+        lines.append(f"PyTorch {t['torch_version']} ({t['python']}), {t.get('threads')} threads")
+    if r.get("comparisons"):
+        lines.append("")
+        lines.append("time = torch ms/step / mgpu ms/step (above 1: mgpu faster); memory = mgpu "
+                     "peak RSS / torch peak RSS (below 1: mgpu smaller)")
+        lines += _table(["mgpu", "torch", "time", "memory"],
+                        [[c["mgpu"], c["torch"], f"{c['time_ratio']:.2f}",
+                          f"{c['memory_ratio']:.2f}"] for c in r["comparisons"]], "llrr")
     return "\n".join(lines)
