@@ -664,6 +664,7 @@ def bench_train_resnet18(devices: Sequence[int] = (1, 2), batch_size: int = 256,
                 out["torch"]["threads"] = rival["threads"]
                 for r in rival["results"]:
                     r["impl"] = "torch " + ("compile" if variant.endswith("compile") else "eager")
+                    r["threads"] = rival["threads"]
                     results.append(_entry(r, flops))
     out["comparisons"] = _resnet_comparisons(results)
     out["machine"]["loadavg_end"] = machine_info()["loadavg"]
