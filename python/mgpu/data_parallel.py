@@ -188,7 +188,7 @@ class DataParallel(Module):
                             f"{type(out).__name__}")
         return out
 
-    def train_step(self, X: Tensor, y: Tensor, loss, trainer) -> Tensor:
+    def train_step(self, X: Tensor, y: Tensor, loss, trainer, deterministic=False) -> Tensor:
         """One fused data-parallel step: every replica's forward, loss, backward, bucketed
         all-reduce and SGD update run in C++ from this one call (``mgpu._core.Model``, built
         from the module tree on first use). Computes what the book's loop computes with
@@ -205,6 +205,10 @@ class DataParallel(Module):
         convert_sync_batchnorm(net)``) normalise with the statistics of the whole batch, over
         every replica (and every rank under mpirun), combined in a fixed order inside the C++
         step, so k devices compute what one device computes on the whole batch.
+
+        ``deterministic=True`` (or a number of logical shards) gives bitwise the same parameters
+        on any number of devices (``parallel.train_batch`` says how); batch norm then normalises
+        per logical shard and takes its running statistics from the first shard.
         """
         if not isinstance(loss, nn_CrossEntropyLoss) or loss.reduction != "mean":
             raise ValueError("train_step: the fused step computes nn.CrossEntropyLoss() (mean); "
@@ -234,14 +238,15 @@ class DataParallel(Module):
         if first:
             _core.cpu_trace_begin()
         try:
-            result = self._fused_step(fused, X, y, trainer, master)
+            result = self._fused_step(fused, X, y, trainer, master, deterministic)
         finally:
             if first:
                 fused.trace = _core.cpu_trace_end()
         fused.steps += 1
         return result
 
-    def _fused_step(self, fused: "_Fused", X: Tensor, y: Tensor, trainer, master) -> Tensor:
+    def _fused_step(self, fused: "_Fused", X: Tensor, y: Tensor, trainer, master,
+                    deterministic) -> Tensor:
         with autograd.no_grad():
             for r in range(1, len(self.device_ids)):  # replicas start from the master
                 for dst, src in zip(fused.replica_params[r], master):
@@ -251,7 +256,7 @@ class DataParallel(Module):
             if trainer.momentum != 0:
                 fused.momentum_in(trainer)
             losses = fused.model.train_step(X, y, trainer.lr, trainer.momentum,
-                                            trainer.weight_decay)
+                                            trainer.weight_decay, deterministic)
             if trainer.momentum != 0:
                 fused.momentum_out(trainer)
             total = losses[0]
