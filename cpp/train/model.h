@@ -60,6 +60,8 @@ class Model {
   int64_t offset(size_t param) const { return offsets_[param]; }
   int64_t flat_size() const { return flat_size_; }
   const std::vector<Bucket>& buckets() const { return buckets_; }
+  // The logits' width when the last layer is a linear one (the classes labels index), else 0.
+  int64_t classes() const { return classes_; }
   // grad_needed(s): slot s depends on a parameter, so backward computes d(loss)/d(slot s).
   bool grad_needed(int slot) const { return grad_needed_[static_cast<size_t>(slot)]; }
   // saved(s): some layer's backward re-reads slot s, so forward keeps it until backward.
@@ -76,6 +78,7 @@ class Model {
   std::vector<int64_t> offsets_;
   int64_t flat_size_ = 0;
   std::vector<Bucket> buckets_;
+  int64_t classes_ = 0;
   std::vector<bool> grad_needed_, saved_;
 };
 

@@ -33,8 +33,13 @@ void check_replicas(const char* op, const Model& m, const std::vector<Replica>& 
 // Returns each replica's summed loss (0-d tensors, computed asynchronously). In a multi-process
 // world (comm/allreduce_mpi.h) X, y are the global batch on every rank; each rank trains on its
 // rows and the gradients are summed across processes too, so every rank takes the same step.
+// Atomic for labels outside the logits' classes (a model whose last layer is linear): labels the
+// host can read raise IndexError before anything changes; labels on a device leave parameters,
+// momentum and batch-norm statistics as they were, and the IndexError comes at the next wait (the
+// returned losses keep it). Errors name `op`.
 std::vector<Tensor> train_step(const Model& m, const Tensor& X, const Tensor& y,
-                               std::vector<Replica>& replicas, const Sgd& sgd);
+                               std::vector<Replica>& replicas, const Sgd& sgd,
+                               const char* op = "train_step");
 // Correct predictions (batch norm in evaluation mode), one 0-d float32 count per replica; across
 // processes each rank counts its rows only.
 std::vector<Tensor> evaluate_step(const Model& m, const Tensor& X, const Tensor& y,
