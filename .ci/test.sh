@@ -28,7 +28,7 @@ cmake --build build/cpp-tests -j "$(nproc)" >/dev/null
 
 if [ "${MGPU_CI_SANITIZE:-1}" != 0 ]; then
   # ASan + UBSan on the CPU engine, the C++ engine tests and _core only (no emulator, no CUDA,
-  # no MPI), with ccache where there is one. Cold (no ccache) it costs about 13 CPU-minutes.
+  # no MPI), with ccache where there is one (cold: about 7 min on 2 shared cores).
   echo "== Sanitizer build (AddressSanitizer + UBSan, CPU only): C++ tests and a Python smoke suite"
   launcher=()
   if command -v ccache >/dev/null; then launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache); fi
