@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Sets everything up (.ci/setup.sh), lints python/ and tests/ (ruff), then runs:
 #   1. the C++ tests (ctest, GPU backend on mgpu's CUDA emulator, plus the nvcc compile check;
-#      the CPU kernel tests run on both the avx2 and the avx512 path);
+#      the CPU kernel tests run on both the avx2 and the avx512 path), then the sanitizer build
+#      (ASan + UBSan): the C++ engine tests and a Python smoke suite under it (MGPU_CI_SANITIZE=0
+#      skips it, for quick local runs);
 #   2. the Python suite against the installed package;
 #   3. the tests marked `gpu` again against the emulated build's package, where gpu(0) and gpu(1)
 #      are emulated GPUs running our CUDA kernels;
@@ -24,9 +26,9 @@ cmake -S . -B build/cpp-tests -DMGPU_BUILD_TESTS=ON -DMGPU_BUILD_PYTHON=ON -DMGP
 cmake --build build/cpp-tests -j "$(nproc)" >/dev/null
 (cd build/cpp-tests && ctest --output-on-failure -j 2)
 
-if [ "${MGPU_CI_SANITIZE:-0}" = 1 ]; then
-  # Opt-in (MGPU_CI_SANITIZE=1): ASan + UBSan on the CPU engine, the C++ engine tests and _core
-  # only (no emulator, no CUDA, no MPI), with ccache.
+if [ "${MGPU_CI_SANITIZE:-1}" != 0 ]; then
+  # ASan + UBSan on the CPU engine, the C++ engine tests and _core only (no emulator, no CUDA,
+  # no MPI), with ccache where there is one (cold: about 7 min on 2 shared cores).
   echo "== Sanitizer build (AddressSanitizer + UBSan, CPU only): C++ tests and a Python smoke suite"
   launcher=()
   if command -v ccache >/dev/null; then launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache); fi
@@ -43,9 +45,12 @@ if [ "${MGPU_CI_SANITIZE:-0}" = 1 ]; then
   # Python itself is not instrumented: the ASan runtime must be loaded first, and libstdc++ with
   # it (or ASan's __cxa_throw interceptor finds no real one and aborts); leaks are CPython's.
   asan_preload="$(g++ -print-file-name=libasan.so) $(g++ -print-file-name=libstdc++.so)"
+  # The smoke: robustness, tensors and errors, and the concise chapter's code (nn modules,
+  # batch norm, DataParallel steps, the fused step of a residual net on cpu(0), cpu(1)).
   (cd tests && LD_PRELOAD="$asan_preload" ASAN_OPTIONS=detect_leaks=0 \
     MGPU_EMULATED_GPUS=0 PYTHONPATH="$PWD/../build/asan/python" ../.venv/bin/python -m pytest -q \
-    -p no:cacheprovider test_robust.py test_tensor.py test_errors.py -k "not cli and not gpu")
+    -p no:cacheprovider test_robust.py test_tensor.py test_errors.py test_nn.py \
+    test_fused_step.py test_data_parallel.py -k "not cli and not gpu and not concise and not resnet18")
 fi
 
 echo "== Python tests (pytest) of the installed package"

@@ -171,7 +171,7 @@ def test_bad_label_raises_and_leaves_parameters_unchanged():
     X, y, params = problem()
     model, reps = make(params, [mgpu.cpu(0), mgpu.cpu(1)])
     y[3] = 3
-    with pytest.raises(ValueError, match="label 3 is out of range for 3 classes"):
+    with pytest.raises(IndexError, match="label 3 in row 3 is out of range for 3 classes"):
         model.train_step(mgpu.array(X), mgpu.array(y), lr=0.1, momentum=0.9)
     for d in range(2):
         for p, p0 in zip(reps[d], params):

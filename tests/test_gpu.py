@@ -230,7 +230,8 @@ def test_bad_label_inside_a_replayed_graph_is_an_index_error(monkeypatch):
     params = [mgpu.get_params(mgpu.lenet_params(seed=1), G0)]
     mgpu.train_batch(X, y, params, [G0], 0.1)  # captured here
     mgpu.waitall()
-    bad = mgpu.array(np.array([1, 2, 10, 3], dtype=np.int64))
+    # On the GPU, so the step cannot check them on the host first (that raises at the call).
+    bad = mgpu.array(np.array([1, 2, 10, 3], dtype=np.int64), device=G0)
     mgpu.train_batch(X, bad, params, [G0], 0.1)  # replayed with a label out of range
     with pytest.raises(IndexError, match=r"label 10.*row 2"):
         mgpu.waitall()

@@ -496,3 +496,188 @@ def test_two_threads_step_one_fused_model_as_one_thread():
     r = run_child(code, timeout=90)
     assert r.returncode == 0, r.stderr
     assert "SAME True True" in r.stdout, r.stdout + r.stderr
+
+
+def test_threads_stepping_different_models_on_shared_devices_equal_sequential_steps():
+    """Model.train_step holds the collective lock: without it two models' bucketed all-reduces on
+    cpu(0), cpu(1) cross (a hang, caught by the watchdog) or mix gradients (wrong numbers). Two
+    threads each train their own small residual net with batch norm (momentum, weight decay)
+    while a third runs LeNet's train_batch, all on the same two devices; each must end bitwise
+    where the same steps run one after the other end."""
+    code = """
+        import threading, numpy as np, mgpu
+        from mgpu import nn, parallel
+        from mgpu.models import Residual
+        devs = [mgpu.cpu(0), mgpu.cpu(1)]
+        rng = np.random.default_rng(0)
+        X = mgpu.array(rng.normal(size=(16, 1, 8, 8)).astype(np.float32))
+        y = mgpu.array(rng.integers(0, 5, 16))
+        XL = mgpu.array(rng.random((16, 1, 28, 28), dtype=np.float32))
+        yL = mgpu.array(rng.integers(0, 10, 16))
+        def model(seed):
+            mgpu.random.seed(seed)
+            net = nn.Sequential(nn.Conv2d(1, 3, 3, padding=1), nn.BatchNorm2d(3), nn.ReLU(),
+                                Residual(3, 4, use_1x1conv=True, strides=2),
+                                nn.AdaptiveAvgPool2d((1, 1)), nn.Flatten(), nn.Linear(4, 5))
+            return nn.DataParallel(net, device_ids=devs)._fused_model().model
+        def lenet():
+            return [parallel.get_params(mgpu.lenet_params(scale=0.1, seed=0), d) for d in devs]
+        def run(m, steps=12):
+            for _ in range(steps):
+                m.train_step(X, y, 0.05, momentum=0.9, weight_decay=1e-3)
+        def run_lenet(ps, steps=12):
+            for _ in range(steps):
+                parallel.train_batch(XL, yL, ps, devs, 0.1)
+        def state(m):
+            out = []
+            for d in range(len(devs)):
+                out += [t.numpy() for t in m._model.params(d) + m._model.buffers(d)]
+            return out
+        shared = [model(1), model(2)]
+        shared_lenet = lenet()
+        threads = [threading.Thread(target=run, args=(m,)) for m in shared]
+        threads.append(threading.Thread(target=run_lenet, args=(shared_lenet,)))
+        [t.start() for t in threads]
+        [t.join() for t in threads]
+        alone = [model(1), model(2)]
+        alone_lenet = lenet()
+        for m in alone:
+            run(m)
+        run_lenet(alone_lenet)
+        same = all(all(np.array_equal(a, b) for a, b in zip(state(s), state(a)))
+                   for s, a in zip(shared, alone))
+        same_lenet = all(np.array_equal(a.numpy(), b.numpy())
+                         for a, b in zip(shared_lenet[1], alone_lenet[1]))
+        print("SAME", same, same_lenet)
+    """
+    r = run_child(code, timeout=240)
+    assert r.returncode == 0, r.stderr
+    assert "SAME True True" in r.stdout, r.stdout + r.stderr
+
+# --- 8. atomic fused steps: a bad label changes nothing -----------------------------------------
+
+NUM_GPUS = mgpu.num_gpus()
+gpus2 = [pytest.mark.gpu, pytest.mark.skipif(
+    NUM_GPUS < 2, reason="needs gpu(0), gpu(1): the emulated build (build/dev) has them")]
+KINDS = [pytest.param("cpu", id="cpu"), pytest.param("gpu", id="gpu", marks=gpus2)]
+
+
+def _kind_devices(kind):
+    return [mgpu.cpu(0), mgpu.cpu(1)] if kind == "cpu" else [mgpu.gpu(0), mgpu.gpu(1)]
+
+
+def _labels(values, where, devices):
+    """Labels the host can read (a NumPy array's copy) or labels written by a queued task on the
+    first device (the step must then check them there, without waiting)."""
+    values = np.asarray(values, dtype=np.int64)
+    if where == "host":
+        return mgpu.array(values)
+    return mgpu.array(values, device=mgpu.cpu(1)).to(devices[0])
+
+
+def _snapshot(tensors):
+    return [t.numpy().copy() for t in tensors]
+
+
+def _unchanged(tensors, before):
+    return all(np.array_equal(t.numpy(), b, equal_nan=True) for t, b in zip(tensors, before))
+
+
+def _expect_failed_step(call, where, match):
+    """A bad step raises IndexError at once (host labels) or at the next wait (device labels),
+    and its losses keep the error on every read."""
+    if where == "host":
+        with pytest.raises(IndexError, match=match):
+            call()
+        return
+    losses = call()
+    with pytest.raises(IndexError, match=match):
+        mgpu.waitall()
+    for loss in losses:
+        for _ in range(2):
+            with pytest.raises(IndexError, match=match):
+                loss.numpy()
+
+
+@pytest.mark.parametrize("where", ["host", "device"])
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("graphs", ["0", "1"])
+def test_lenet_step_with_a_bad_label_leaves_every_replica_unchanged(kind, where, graphs,
+                                                                     monkeypatch):
+    if kind == "cpu" and graphs == "1":
+        pytest.skip("CUDA graphs are a GPU path")
+    monkeypatch.setenv("MGPU_CUDA_GRAPH", graphs)
+    devs = _kind_devices(kind)
+    rng = np.random.default_rng(3)
+    X = mgpu.array(rng.random((8, 1, 28, 28), dtype=np.float32))
+    good = rng.integers(0, 10, 8)
+    reps = [parallel.get_params(mgpu.lenet_params(scale=0.1, seed=0), d) for d in devs]
+    mgpu.train_batch(X, _labels(good, where, devs), reps, devs, 0.1)  # a step (graphs captured)
+    mgpu.waitall()
+    before = [_snapshot(r) for r in reps]
+    bad = good.copy()
+    bad[6] = 12
+    _expect_failed_step(lambda: mgpu.train_batch(X, _labels(bad, where, devs), reps, devs, 0.1),
+                        where, r"label 12 in row \d is out of range for 10 classes")
+    for r, b in zip(reps, before):
+        assert _unchanged(r, b), "a failed step changed the parameters"
+    # The replicas go on as if the bad step had never been called.
+    fresh = [[mgpu.array(a, device=d) for a in b] for b, d in zip(before, devs)]
+    for ps in (reps, fresh):
+        mgpu.train_batch(X, _labels(good, where, devs), ps, devs, 0.1)
+    assert all(np.array_equal(a.numpy(), b.numpy()) for a, b in zip(reps[1], fresh[1]))
+
+
+def _bn_model(devs):
+    from mgpu import nn
+    from mgpu.models import Residual
+    mgpu.random.seed(0)
+    net = nn.Sequential(nn.Conv2d(1, 3, 3, padding=1), nn.BatchNorm2d(3), nn.ReLU(),
+                        Residual(3, 4, use_1x1conv=True, strides=2),
+                        nn.AdaptiveAvgPool2d((1, 1)), nn.Flatten(), nn.Linear(4, 5))
+    return nn.DataParallel(net, device_ids=devs)
+
+
+@pytest.mark.parametrize("where", ["host", "device"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_model_step_with_a_bad_label_leaves_params_momentum_and_bn_unchanged(kind, where):
+    devs = _kind_devices(kind)
+    model = _bn_model(devs)
+    trainer = mgpu.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3)
+    loss = mgpu.nn.CrossEntropyLoss()
+    rng = np.random.default_rng(5)
+    X = mgpu.array(rng.normal(size=(8, 1, 6, 6)).astype(np.float32))
+    good = rng.integers(0, 5, 8)
+    for _ in range(2):  # momentum buffers exist from the first step on
+        model.train_step(X, _labels(good, where, devs), loss, trainer)
+    mgpu.waitall()
+    fused = model._fused.model
+    state = []
+    for d in range(len(devs)):
+        state += fused._model.params(d) + fused._model.buffers(d)
+        state += [b for b in fused._model.momentum_buffers(d) if b is not None]
+    state = [mgpu.Tensor(t) for t in state]
+    assert len(state) > 2 * len(list(model.parameters())), "no momentum or BN state to check"
+    before = _snapshot(state)
+    bad = good.copy()
+    bad[2] = -1
+    _expect_failed_step(lambda: fused.train_step(X, _labels(bad, where, devs), 0.1, 0.9, 1e-3),
+                        where, r"label -1 in row \d is out of range for 5 classes")
+    assert _unchanged(state, before), "a failed step changed parameters, momentum or BN statistics"
+    model.train_step(X, _labels(good, where, devs), loss, trainer)  # the model goes on
+    mgpu.waitall()
+    assert not _unchanged(state, before)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_bad_first_momentum_step_on_device_labels_creates_no_buffers(kind):
+    devs = _kind_devices(kind)
+    model = _bn_model(devs)
+    fused = model._fused_model().model
+    params = [mgpu.Tensor(t) for t in fused._model.params(1)]
+    before = _snapshot(params)
+    X = mgpu.array(np.ones((4, 1, 6, 6), dtype=np.float32))
+    with pytest.raises(IndexError, match="label 9 in row 3"):
+        fused.train_step(X, _labels([0, 1, 2, 9], "device", devs), 0.1, momentum=0.9)
+    assert fused.momentum_buffers(0) == [None] * len(params)
+    assert _unchanged(params, before)

@@ -114,3 +114,48 @@ def test_short_training_run_on_real_data_learns():
     assert result.train_loss[-1] < 0.8 * np.log(10), result.train_loss
     assert result.train_loss[-1] < result.train_loss[0]
     assert result.test_acc[-1] > 0.5, result.test_acc
+
+
+# NaN through the fused conv + relu + avg-pool layer (LeNet's blocks): relu keeps NaN, as IEEE,
+# PyTorch and mgpu.relu do, so a NaN pixel reaches its image's logits and loss instead of
+# vanishing in relu's mask. CPU devices run the fused kernels (both ISA paths: .ci/test.sh runs
+# this file again with MGPU_ISA=avx2), GPUs the three ops.
+
+def _nan_images(n, bad, seed=0):
+    X = np.random.default_rng(seed).random((n, 1, 28, 28)).astype(np.float32)
+    X[bad, 0, 3, 5] = np.nan
+    return X
+
+
+def test_fused_conv_relu_pool_propagates_nan(device):
+    rng = np.random.default_rng(1)
+    W = (0.3 * rng.standard_normal((4, 1, 5, 5))).astype(np.float32)
+    b = np.full(4, -5.0, np.float32)  # every conv output negative: relu's mask is all zeros
+    L = (0.1 * rng.standard_normal((3, 4 * 12 * 12))).astype(np.float32)
+    spec = [("conv2d_relu_pool", {"pool": 2}), ("flatten",), ("linear", {"transpose": True})]
+    params = [mgpu.array(a, device=device) for a in (W, b, L, np.zeros(3, np.float32))]
+    model = mgpu.parallel.FusedModel(spec, [params], [[]], [device])
+    X = _nan_images(3, bad=1)
+    logits = model.forward(mgpu.array(X, device=device)).numpy()
+    assert np.isnan(logits[1]).all(), "the NaN pixel vanished in relu"
+    assert np.array_equal(logits[[0, 2]], np.zeros((2, 3), np.float32))
+    # The op-by-op chain agrees where the NaN went.
+    pooled = mgpu.avg_pool2d(mgpu.relu(mgpu.conv2d(mgpu.array(X, device=device),
+                                                   params[0], params[1])), 2).numpy()
+    assert np.isnan(pooled[1]).any() and not np.isnan(pooled[[0, 2]]).any()
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_lenet_fused_step_on_a_nan_image_gives_a_non_finite_loss(k):
+    X = _nan_images(8, bad=7)
+    y = np.arange(8) % 10
+    devices = [mgpu.try_gpu(i) for i in range(k)]
+    reps = [mgpu.get_params(mgpu.lenet_params(scale=0.1, seed=0), d) for d in devices]
+    losses = [l.item() for l in mgpu.train_batch(mgpu.array(X), mgpu.array(y), reps, devices, 0.1)]
+    assert not np.isfinite(losses[-1]), f"the NaN image's loss is {losses}"
+    if k == 2:
+        assert np.isfinite(losses[0]), "the other device's shard has no NaN"
+    data = ([(mgpu.array(X), mgpu.array(y))] * 2, [(mgpu.array(X), mgpu.array(y))])
+    with pytest.raises(FloatingPointError, match=r"epoch 1, step 1"):
+        mgpu.train(k, 8, 0.1, 1, data=data, params=mgpu.lenet_params(scale=0.1, seed=0),
+                   progress=False)

@@ -53,6 +53,13 @@ class Storage {
     return state_.load(std::memory_order_acquire) == 2 ? error_ : nullptr;
   }
 
+  // Whether any task was ever enqueued with this memory. Until then only the host wrote it (a
+  // NumPy array's copy, a data batch), so the host may read it without waiting for a queue.
+  void note_queued() {
+    if (!queued_.load(std::memory_order_relaxed)) queued_.store(true, std::memory_order_relaxed);
+  }
+  bool queued() const { return queued_.load(std::memory_order_relaxed); }
+
  private:
   Storage(Device device, void* data, size_t nbytes, size_t capacity,
           std::function<void()> release)
@@ -65,6 +72,7 @@ class Storage {
   std::function<void()> release_;
   std::atomic<uint64_t> version_{0};
   std::atomic<bool> fresh_{true};
+  std::atomic<bool> queued_{false};
   std::atomic<int> state_{0};  // 0 fine, 1 being failed, 2 failed (error_ set)
   std::exception_ptr error_;
 };

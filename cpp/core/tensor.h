@@ -98,7 +98,8 @@ struct TaskOutputs {
   size_t bytes = 0;   // the outputs' bytes
 };
 
-// Host side, before enqueueing: claims the fresh outputs.
+// Host side, before enqueueing: notes that every kept tensor is queued and claims the fresh
+// outputs.
 template <typename... Keep>
 TaskOutputs claim_outputs(const Keep&... keep) {
   TaskOutputs out;
@@ -106,6 +107,7 @@ TaskOutputs claim_outputs(const Keep&... keep) {
   auto visit = [&](const Tensor& t) {
     const uint64_t bit = i < 64 ? uint64_t{1} << i : 0;
     ++i;
+    if (t.defined()) t.storage()->note_queued();
     if (bit && t.defined() && t.storage()->claim_fresh()) {
       out.mask |= bit;
       out.bytes += t.storage()->nbytes();

@@ -1,7 +1,8 @@
 // cpp/ops/conv2d_relu_pool.h -- conv2d + bias, relu and avg_pool2d (pool x pool windows, stride
 // pool) fused in one op: LeNet's two conv blocks on CPU devices. x, w, b as conv2d (conv2d.h);
-// pooled (N, K, P / pool, Q / pool) has the bits of the three ops in a row. Forward keeps relu's
-// mask (uint8, y > 0) instead of y; backward writes dx, dw, db. Kernels: conv2d_cpu.cpp (no CUDA).
+// pooled (N, K, P / pool, Q / pool) has the bits of the three ops in a row, NaN included. Forward
+// keeps relu's mask (uint8, !(y <= 0): set for NaN, as relu passes it) instead of y; backward
+// writes dx, dw, db. Kernels: conv2d_cpu.cpp (no CUDA: GPUs run the three ops).
 #pragma once
 
 #include <cstdint>

@@ -4,6 +4,9 @@
 // IndexError the CPU raises at the next wait.
 #include "ops/softmax_ce.h"
 
+#include <stdexcept>
+#include <string>
+
 #include "core/gpu.h"
 #include "ops/dispatch.h"
 
@@ -106,6 +109,90 @@ Tensor softmax_ce_backward(const Tensor& logits, const Tensor& labels, const Ten
              logits, labels, dloss, dz);
   });
   return dz;
+}
+
+Tensor find_bad_label(const Tensor& labels, int64_t m) {
+  const char* op = "find_bad_label";
+  MGPU_CHECK_TYPE(labels.dtype() == DType::I64 || labels.dtype() == DType::I32, op,
+                  ": labels must be int32 or int64, got ", dtype_name(labels.dtype()));
+  Tensor flag = Tensor::empty({}, DType::I32, labels.device(), op);
+  const int64_t n = labels.numel();
+  int32_t* fp = flag.data<int32_t>();
+  with_labels(labels, [&](auto* yp) {
+    dispatch(labels.device(), op, [=] {
+               int32_t row = cuda::kNoBadRow;
+               for (int64_t i = 0; i < n && row == cuda::kNoBadRow; ++i)
+                 if (yp[i] < 0 || yp[i] >= m) row = static_cast<int32_t>(i);
+               *fp = row;
+             },
+             [=](cudaStream_t stream) { cuda::find_bad_label(n, m, yp, fp, stream); }, labels,
+             flag);
+  });
+  return flag;
+}
+
+void restore_if_flagged(const Tensor& dst, const Tensor& src, const Tensor& flag) {
+  const char* op = "restore_if_flagged";
+  require_dtype(op, "dst", dst, DType::F32);
+  require_dtype(op, "src", src, DType::F32);
+  MGPU_CHECK_VALUE(dst.shape() == src.shape() && flag.dtype() == DType::I32 && flag.numel() == 1,
+                   op, ": dst ", dst.shape(), " and src ", src.shape(), " differ, or the flag is "
+                   "not a 0-d int32");
+  require_same_device(op, {&dst, &src, &flag});
+  for_each_index(op, dst.device(), dst.numel(),
+                 RestoreIfFlagged{dst.f32(), src.f32(), flag.data<int32_t>()}, dst, src, flag);
+}
+
+namespace {
+
+// Raises the flagged row's error in cross_entropy's words, after leaving it on `poison` as a
+// failed task leaves its error on its outputs (the queue wraps what is thrown the same way).
+[[noreturn]] void fail_bad_row(const char* op, Device device, int32_t row, int64_t label,
+                               int64_t m, const Tensor& poison) {
+  try {
+    cuda::check_bad_row(op, row, label, m);
+  } catch (...) {
+    if (poison.defined()) poison.storage()->fail(wrap_failure(op, device, std::current_exception()));
+    throw;
+  }
+  throw std::logic_error("fail_bad_row: row " + std::to_string(row) + " is not flagged");
+}
+
+}  // namespace
+
+void raise_if_flagged(const char* op, const Tensor& flag, const Tensor& labels, int64_t m,
+                      const Tensor& poison) {
+  const Device dev = flag.device();
+  MGPU_CHECK_VALUE(labels.device() == dev, op, ": the labels must be on the flag's device ", dev);
+  if (dev.is_cpu()) {
+    enqueue_on(dev, op, [op, dev, flag, labels, m, poison] {
+      const int32_t row = *flag.data<int32_t>();
+      if (row == cuda::kNoBadRow) return;
+      const int64_t label = labels.dtype() == DType::I64 ? labels.data<int64_t>()[row]
+                                                         : labels.data<int32_t>()[row];
+      fail_bad_row(op, dev, row, label, m, poison);
+    }, flag, labels);
+    return;
+  }
+  if constexpr (kGpuBuild) {
+    // The flag is known once the stream has run: the check waits for the queue's next wait.
+    enqueue_on(dev, op, [op, dev, flag, labels, m, poison] {
+      queue_of(dev).defer_check([op, dev, flag, labels, m, poison] {
+        int32_t row = cuda::kNoBadRow;
+        gpu::read_to_host(dev.index, &row, flag.raw(), sizeof row);
+        if (row == cuda::kNoBadRow) return;
+        int64_t label = 0;
+        if (labels.dtype() == DType::I64) {
+          gpu::read_to_host(dev.index, &label, labels.data<int64_t>() + row, sizeof label);
+        } else {
+          int32_t narrow = 0;
+          gpu::read_to_host(dev.index, &narrow, labels.data<int32_t>() + row, sizeof narrow);
+          label = narrow;
+        }
+        fail_bad_row(op, dev, row, label, m, poison);
+      });
+    }, flag, labels);
+  }
 }
 
 }  // namespace mgpu::ops

@@ -1,7 +1,8 @@
 // cpp/ops/softmax_ce.cu -- softmax cross-entropy as CUDA kernels, one warp per row. logits,
 // dlogits (n, m); labels (n) int64 or int32; loss, dloss (n). loss_i = z_top - z_label +
 // log1p(sum_{j != top} exp(z_j - z_top)), z_top the row's first maximum (cpu::'s formula); backward
-// dlogits_i = (softmax(z_i) - onehot(y_i)) * dloss_i. Executed on emulated GPUs against cpu::;
+// dlogits_i = (softmax(z_i) - onehot(y_i)) * dloss_i. Also the fused step's label guard
+// (find_bad_label, restore_if_flagged). Executed on emulated GPUs against cpu::;
 // compiled by nvcc for real GPUs.
 #include <cmath>
 
@@ -125,7 +126,41 @@ void backward(int64_t n, int64_t m, const float* logits, const Label* labels, co
   MGPU_CUDA_CHECK_LAUNCH();
 }
 
+template <class Label>
+__global__ void find_bad_label_kernel(int n, int64_t m, const Label* __restrict__ labels,
+                                      int32_t* bad_row) {
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+    const int64_t label = labels[i];
+    if (label < 0 || label >= m) atomicMin(bad_row, i);
+  }
+}
+
+template <class Label>
+void find_bad(int64_t n, int64_t m, const Label* labels, int32_t* bad_row, cudaStream_t stream) {
+  const char* op = "cuda::find_bad_label";
+  MGPU_CUDA_CHECK(cudaMemsetAsync(bad_row, 0x7f, sizeof(int32_t), stream));
+  if (n <= 0) return;
+  const int ni = detail::as_int(op, "n", n);
+  constexpr int kThreads = 256;
+  auto* kernel = find_bad_label_kernel<Label>;
+  MGPU_LAUNCH(kernel, detail::ceil_div(ni, kThreads) < 64 ? detail::ceil_div(ni, kThreads) : 64,
+              kThreads, 0, stream)
+  (ni, m, labels, bad_row);
+  MGPU_CUDA_CHECK_LAUNCH();
+}
+
 }  // namespace
+
+template void for_each_index<RestoreIfFlagged>(int64_t, const RestoreIfFlagged&, cudaStream_t);
+
+void find_bad_label(int64_t n, int64_t m, const int64_t* labels, int32_t* bad_row,
+                    cudaStream_t stream) {
+  find_bad(n, m, labels, bad_row, stream);
+}
+void find_bad_label(int64_t n, int64_t m, const int32_t* labels, int32_t* bad_row,
+                    cudaStream_t stream) {
+  find_bad(n, m, labels, bad_row, stream);
+}
 
 void softmax_ce_forward(int64_t n, int64_t m, const float* logits, const int64_t* labels,
                         float* loss, int32_t* bad_row, cudaStream_t stream) {

@@ -9,6 +9,7 @@
 
 #include "core/tensor.h"
 #include "cuda/stream.h"
+#include "ops/dispatch.h"
 
 namespace mgpu::ops {
 
@@ -29,6 +30,27 @@ struct LabelCheck {
   int64_t m;
   void operator()() const;
   LabelCheck snapshot() const;
+};
+
+// A fused step's label guard (train/train_batch.cpp), for labels the host cannot read without
+// waiting (on a GPU, or written by a queued task). All three run on the device's queue.
+// find_bad_label: a 0-d int32 on the labels' device, the first row whose label is outside [0, m),
+// or cuda::kNoBadRow when every label is in range.
+Tensor find_bad_label(const Tensor& labels, int64_t m);
+// dst = src (float32, same shape, dst's device) where flag names a bad row; else nothing: puts a
+// failed step's state back from the copies taken before it.
+void restore_if_flagged(const Tensor& dst, const Tensor& src, const Tensor& flag);
+// Once the device has run everything before it (a GPU: at the queue's next wait), raises the
+// IndexError of the row flag names (naming `op`, the label and m) and leaves it on `poison`, a
+// result of the failed step, so every later read of it raises too (sticky).
+void raise_if_flagged(const char* op, const Tensor& flag, const Tensor& labels, int64_t m,
+                      const Tensor& poison);
+
+struct RestoreIfFlagged {
+  float* dst; const float* src; const int32_t* flag;
+  MGPU_HD void operator()(int64_t i) const {
+    if (*flag != 0x7f7f7f7f) dst[i] = src[i];  // cuda::kNoBadRow
+  }
 };
 
 namespace cpu {
@@ -66,6 +88,11 @@ void softmax_ce_backward(int64_t n, int64_t m, const float* logits, const int32_
 // Host side, after synchronising: throws std::out_of_range in cpu::'s words if bad_row_value (the
 // downloaded *bad_row) names a row; `label` is that row's label, downloaded by the caller.
 void check_bad_row(const char* op, int32_t bad_row_value, int64_t label, int64_t m);
+// find_bad_label's kernel: *bad_row = the smallest row with a label outside [0, m), or kNoBadRow.
+void find_bad_label(int64_t n, int64_t m, const int64_t* labels, int32_t* bad_row,
+                    cudaStream_t stream);
+void find_bad_label(int64_t n, int64_t m, const int32_t* labels, int32_t* bad_row,
+                    cudaStream_t stream);
 }  // namespace cuda
 
 }  // namespace mgpu::ops

@@ -175,6 +175,10 @@ Model::Model(const std::vector<LayerSpec>& spec, const std::vector<Shape>& param
   for (size_t j = 0; j < buffer_owner.size(); ++j)
     MGPU_CHECK_VALUE(buffer_owner[j] >= 0, "Model: buffer ", j, " is used by no layer");
 
+  const Layer& last = layers_.back();
+  if (last.kind == LayerKind::Linear)
+    classes_ = param_shapes[static_cast<size_t>(last.params[0])][last.transpose ? 0 : 1];
+
   // Which slots need a gradient, and which forward must keep for backward.
   grad_needed_.assign(static_cast<size_t>(num_slots()), false);
   saved_.assign(static_cast<size_t>(num_slots()), false);

@@ -63,6 +63,8 @@ class Model {
   const std::vector<Bucket>& buckets() const { return buckets_; }
   // Some batch norm layer synchronises its statistics across replicas.
   bool has_sync() const { return has_sync_; }
+  // The logits' width when the last layer is a linear one (the classes labels index), else 0.
+  int64_t classes() const { return classes_; }
   // grad_needed(s): slot s depends on a parameter, so backward computes d(loss)/d(slot s).
   bool grad_needed(int slot) const { return grad_needed_[static_cast<size_t>(slot)]; }
   // saved(s): some layer's backward re-reads slot s, so forward keeps it until backward.
@@ -79,6 +81,7 @@ class Model {
   std::vector<int64_t> offsets_;
   int64_t flat_size_ = 0;
   std::vector<Bucket> buckets_;
+  int64_t classes_ = 0;
   std::vector<bool> grad_needed_, saved_;
   bool has_sync_ = false;
 };

@@ -5,6 +5,7 @@
 
 #include "comm/allreduce_mpi.h"
 #include "comm/bucket_allreduce.h"
+#include "core/gpu.h"
 #include "ops/argmax.h"
 #include "ops/elementwise.h"
 #include "ops/softmax_ce.h"
@@ -164,6 +165,90 @@ std::vector<Tensor> sharded_sums(const Model& m, const Tensor& X, const Tensor& 
   return losses;
 }
 
+// Atomic steps: labels outside [0, classes) leave parameters, momentum and batch-norm statistics
+// as they were. Labels in host memory that no queued task has touched (a NumPy array's copy, a
+// data batch) are read here, before anything is enqueued; returns false for the others.
+bool labels_checked_on_host(const char* op, const Tensor& y, int64_t classes) {
+  if (!y.device().is_cpu() || y.storage()->queued()) return false;
+  for (int64_t i = 0; i < y.numel(); ++i) {
+    const int64_t label = y.dtype() == DType::I64 ? y.data<int64_t>()[i] : y.data<int32_t>()[i];
+    MGPU_CHECK_INDEX(label >= 0 && label < classes, op, ": label ", label, " in row ", i,
+                     " is out of range for ", classes, " classes; labels must be class indices "
+                     "in [0, ", classes, ")");
+  }
+  return true;
+}
+
+// The others are guarded on the devices: each device checks the whole label vector
+// (find_bad_label), the step keeps copies of the state it changes, and where the check found a
+// bad label restore_if_flagged puts them back after the update; raise_if_flagged then raises the
+// error at the next wait and leaves it on the step's loss. The host does not wait.
+struct LabelGuard {
+  std::vector<Tensor> labels, flags;              // per device: the labels there, the verdict
+  std::vector<std::vector<Tensor>> state, saved;  // per device: what the step changes, copies
+};
+
+// The flag's row and its label, read on the host once the device has computed them.
+std::pair<int32_t, int64_t> read_flag_now(const Tensor& flag, const Tensor& labels) {
+  const Event done = record_event(flag.device());
+  done.queue->wait_done_or_rethrow(done.seq);
+  int32_t row = 0;
+  int64_t label = 0;
+  int32_t narrow = 0;
+  const bool wide = labels.dtype() == DType::I64;
+  if (flag.device().is_cpu()) {
+    row = *flag.data<int32_t>();
+    if (row != ops::cuda::kNoBadRow)
+      label = wide ? labels.data<int64_t>()[row] : labels.data<int32_t>()[row];
+    return {row, label};
+  }
+  const int index = flag.device().index;
+  gpu::read_to_host(index, &row, flag.raw(), sizeof row);
+  if (row == ops::cuda::kNoBadRow) return {row, 0};
+  if (wide) gpu::read_to_host(index, &label, labels.data<int64_t>() + row, sizeof label);
+  else gpu::read_to_host(index, &narrow, labels.data<int32_t>() + row, sizeof narrow);
+  return {row, wide ? label : narrow};
+}
+
+// Enqueued before any of the step's work: the checks and the copies (batch norm's running
+// statistics change in forward already).
+LabelGuard start_guard(const char* op, int64_t classes, const Tensor& y,
+                       const std::vector<Replica>& replicas, const Sgd& sgd) {
+  LabelGuard g;
+  bool first_momentum = false;
+  for (const Replica& r : replicas) {
+    g.labels.push_back(ops::to_device(y, r.device));
+    g.flags.push_back(ops::find_bad_label(g.labels.back(), classes));
+    first_momentum = first_momentum || (sgd.momentum != 0.0f && !r.momentum.defined());
+  }
+  // A first step with momentum creates the buffers, which a failed step must not leave behind:
+  // this once, the host waits for the verdict.
+  if (first_momentum) {
+    auto [row, label] = read_flag_now(g.flags[0], g.labels[0]);
+    MGPU_CHECK_INDEX(row == ops::cuda::kNoBadRow, op, ": label ", label, " in row ", row,
+                     " is out of range for ", classes, " classes; labels must be class indices "
+                     "in [0, ", classes, ")");
+  }
+  for (const Replica& r : replicas) {
+    std::vector<Tensor> state = r.state.params, saved;
+    state.insert(state.end(), r.state.buffers.begin(), r.state.buffers.end());
+    if (r.momentum.defined()) state.push_back(r.momentum);
+    for (const Tensor& t : state) saved.push_back(ops::to_device(t, r.device, true));
+    g.state.push_back(std::move(state));
+    g.saved.push_back(std::move(saved));
+  }
+  return g;
+}
+
+void finish_guard(const char* op, const LabelGuard& g, int64_t classes,
+                  const std::vector<Tensor>& losses) {
+  for (size_t d = 0; d < g.flags.size(); ++d) {
+    for (size_t j = 0; j < g.state[d].size(); ++j)
+      ops::restore_if_flagged(g.state[d][j], g.saved[d][j], g.flags[d]);
+    ops::raise_if_flagged(op, g.flags[d], g.labels[d], classes, losses[d]);
+  }
+}
+
 }  // namespace
 
 void check_replicas(const char* op, const Model& m, const std::vector<Replica>& replicas) {
@@ -183,18 +268,25 @@ void check_replicas(const char* op, const Model& m, const std::vector<Replica>& 
 
 std::vector<Tensor> train_step(const Model& m, const Tensor& X, const Tensor& y,
                                std::vector<Replica>& replicas, const Sgd& sgd,
-                               int64_t num_shards) {
-  check_replicas("train_step", m, replicas);
-  MGPU_CHECK_VALUE(X.dim() >= 1 && y.dim() == 1 && X.size(0) == y.size(0), "train_step: X and "
+                               int64_t num_shards, const char* op) {
+  check_replicas(op, m, replicas);
+  MGPU_CHECK_VALUE(X.dim() >= 1 && y.dim() == 1 && X.size(0) == y.size(0), op, ": X and "
                    "y must hold the same number of examples, got X ", X.shape(), " and y ",
                    y.shape());
-  MGPU_CHECK_VALUE(X.size(0) > 0, "train_step: the minibatch is empty");
-  MGPU_CHECK_VALUE(num_shards >= 0, "train_step: the number of logical shards must be >= 1 "
+  MGPU_CHECK_VALUE(X.size(0) > 0, op, ": the minibatch is empty");
+  MGPU_CHECK_TYPE(y.dtype() == DType::I64 || y.dtype() == DType::I32, op, ": labels y must be "
+                  "int32 or int64 class indices, got ", dtype_name(y.dtype()));
+  MGPU_CHECK_VALUE(num_shards >= 0, op, ": the number of logical shards must be >= 1 "
                    "(or 0: one shard per device), got ", num_shards);
+  const int64_t classes = m.classes();
+  const bool guarded = classes > 0 && !labels_checked_on_host(op, y, classes);
+  LabelGuard guard;
+  if (guarded) guard = start_guard(op, classes, y, replicas, sgd);
   if (num_shards > 0) {
     std::vector<Tensor> losses = sharded_sums(m, X, y, replicas, num_shards);
     for (Replica& r : replicas) update(m, r, r.grads, sgd, X.size(0));
     share_buffers(replicas);
+    if (guarded) finish_guard(op, guard, classes, losses);
     return losses;
   }
   const std::vector<Device> devices = devices_of(replicas);
@@ -244,6 +336,7 @@ std::vector<Tensor> train_step(const Model& m, const Tensor& X, const Tensor& y,
   }
   for (size_t d = 0; d < L; ++d) update(m, replicas[d], grads[d], sgd, X.size(0));
   share_buffers(replicas);
+  if (guarded) finish_guard(op, guard, classes, losses);
   return losses;
 }
 
@@ -297,7 +390,7 @@ std::vector<Tensor> train_batch(const Tensor& X, const Tensor& y,
   Sgd sgd;
   sgd.lr = lr;
   sgd.sum_rule = true;
-  return train_step(lenet_model(params[0]), X, y, replicas, sgd, num_shards);
+  return train_step(lenet_model(params[0]), X, y, replicas, sgd, num_shards, "train_batch");
 }
 
 std::vector<Tensor> evaluate_batch(const Tensor& X, const Tensor& y,

@@ -41,9 +41,13 @@ void check_replicas(const char* op, const Model& m, const std::vector<Replica>& 
 // and shard gradients and losses are added in the fixed tree of shard_tree.h. So any number of
 // devices and ranks of one kind gives bitwise the same parameters; the whole loss is reported by
 // rank 0's first replica, every other replica reports 0.
+// Atomic for labels outside the logits' classes (a model whose last layer is linear): labels the
+// host can read raise IndexError before anything changes; labels on a device leave parameters,
+// momentum and batch-norm statistics as they were, and the IndexError comes at the next wait (the
+// returned losses keep it). Errors name `op`.
 std::vector<Tensor> train_step(const Model& m, const Tensor& X, const Tensor& y,
                                std::vector<Replica>& replicas, const Sgd& sgd,
-                               int64_t num_shards = 0);
+                               int64_t num_shards = 0, const char* op = "train_step");
 // Correct predictions (batch norm in evaluation mode), one 0-d float32 count per replica; across
 // processes each rank counts its rows only.
 std::vector<Tensor> evaluate_step(const Model& m, const Tensor& X, const Tensor& y,

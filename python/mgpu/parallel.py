@@ -229,29 +229,6 @@ class FusedModel:
                             f"{type(spec).__name__}")
         self._model = _core.Model(list(spec), params, buffers, devices)
         self.devices = devices
-        self._classes = self._num_classes(spec, params[0] if params else [])
-
-    @staticmethod
-    def _num_classes(spec, params):
-        # The logits' width when the last layer is a linear one (its weight's out side).
-        if not spec or spec[-1][0] != "linear":
-            return None
-        opts = spec[-1][1] if len(spec[-1]) > 1 else {}
-        if "params" in opts:
-            w = params[opts["params"][0]]
-        else:  # parameters are taken in layer order: the last linear's weight is first of its two
-            w = params[len(params) - (2 if opts.get("bias", True) else 1)]
-        return w.shape[0] if opts.get("transpose", False) else w.shape[1]
-
-    def _check_labels(self, y: Tensor) -> None:
-        # Checked before the step so a bad label raises with every parameter unchanged.
-        if self._classes is None or y.device.kind != _core.DeviceKind.CPU:
-            return
-        labels = y.numpy()
-        if labels.size and (labels.min() < 0 or labels.max() >= self._classes):
-            bad = labels[(labels < 0) | (labels >= self._classes)][0]
-            raise ValueError(f"train_step: label {int(bad)} is out of range for "
-                             f"{self._classes} classes; labels must be in [0, {self._classes})")
 
     def train_step(self, X: Tensor, y: Tensor, lr: float, momentum: float = 0.0,
                    weight_decay: float = 0.0, deterministic=False) -> List[Tensor]:
@@ -265,7 +242,7 @@ class FusedModel:
             (lr, "lr"), (momentum, "momentum"), (weight_decay, "weight_decay")))
         shards = _shards(deterministic, "train_step")
         _dist._auto_init()
-        self._check_labels(y)
+        # A label out of range raises IndexError and changes nothing (the step checks them).
         return [Tensor(t) for t in self._model.train_step(X._t, y._t, lr, momentum, weight_decay,
                                                           shards)]
 

@@ -416,17 +416,26 @@ void PrintTo(const FusedCase& c, std::ostream* os) { *os << c.name; }
 
 class ConvReluPoolTest : public ::testing::TestWithParam<FusedCase> {};
 
+// relu as relu_forward computes it: NaN passes (!(e <= 0) is true for NaN).
 Floats relu(Floats v) {
-  for (float& e : v) e = e > 0.0f ? e : 0.0f;
+  for (float& e : v) e = !(e <= 0.0f) ? e : 0.0f;
   return v;
 }
 
-// The fused kernels promise the bits of the op-by-op chain, at any thread count.
-TEST_P(ConvReluPoolTest, EqualsConvReluPoolChainBitForBit) {
-  const Conv2dShape s = GetParam().s;
-  const int64_t k = GetParam().pool;
+// Equal floats, bit for bit, where a is not NaN; NaN where a is NaN (its payload aside).
+bool same_bits_or_nan(const Floats& a, const Floats& b) {
+  if (a.size() != b.size()) return false;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (std::isnan(a[i]) ? !std::isnan(b[i]) : std::memcmp(&a[i], &b[i], sizeof(float)) != 0)
+      return false;
+  }
+  return true;
+}
+
+// The fused kernels promise the bits of the op-by-op chain, at any thread count (NaN where the
+// chain has NaN).
+void expect_fused_equals_chain(const Conv2dShape& s, int64_t k, const ConvData& d) {
   const PoolShape ps{s.N, s.K, s.P(), s.Q(), k, k, k, k};
-  const ConvData d(s, 5);
   Rng rng(6);
   const Floats dpooled = rng.floats(s.N * s.K * ps.P() * ps.Q());
 
@@ -437,9 +446,12 @@ TEST_P(ConvReluPoolTest, EqualsConvReluPoolChainBitForBit) {
   avg_pool2d_forward(ps.N, ps.C, ps.H, ps.W, k, k, k, k, a.data(), pooled.data());
   Floats da(y.size()), dy(y.size()), dx(numel(s)), dw(w_numel(s)), db(s.K);
   avg_pool2d_backward(ps.N, ps.C, ps.H, ps.W, k, k, k, k, dpooled.data(), da.data());
-  for (size_t i = 0; i < dy.size(); ++i) dy[i] = y[i] > 0.0f ? da[i] : 0.0f;
+  for (size_t i = 0; i < dy.size(); ++i) dy[i] = !(y[i] <= 0.0f) ? da[i] : 0.0f;
   conv2d_backward(s, d.x.data(), d.w.data(), dy.data(), dx.data(), dw.data(), db.data());
-  EXPECT_TRUE(all_close("chain vs reference", pooled, ref_pool_forward(ps, relu(y)), kSum));
+  const bool has_nan = std::any_of(d.x.begin(), d.x.end(), [](float v) { return std::isnan(v); });
+  if (!has_nan) {
+    EXPECT_TRUE(all_close("chain vs reference", pooled, ref_pool_forward(ps, relu(y)), kSum));
+  }
 
   for (int threads : {1, 3}) {
     ThreadCount count(threads);
@@ -450,22 +462,48 @@ TEST_P(ConvReluPoolTest, EqualsConvReluPoolChainBitForBit) {
     conv2d_relu_pool_forward(s, k, d.x.data(), d.w.data(), d.b.data(), nullptr,
                              fpooled_only.data());
     for (size_t i = 0; i < y.size(); ++i) {
-      ASSERT_EQ(mask[i], y[i] > 0.0f ? 1 : 0) << "mask[" << i << "], " << threads << " threads";
+      ASSERT_EQ(mask[i], !(y[i] <= 0.0f) ? 1 : 0) << "mask[" << i << "], " << threads
+                                                    << " threads";
     }
-    EXPECT_TRUE(same_bits(fpooled, pooled)) << threads << " threads";
-    EXPECT_TRUE(same_bits(fpooled_only, pooled)) << threads << " threads";
+    EXPECT_TRUE(same_bits_or_nan(pooled, fpooled)) << threads << " threads";
+    EXPECT_TRUE(same_bits_or_nan(pooled, fpooled_only)) << threads << " threads";
 
     Floats fdx(dx.size(), kNaN), fdw(dw.size(), kNaN), fdb(db.size(), kNaN);
     conv2d_relu_pool_backward(s, k, d.x.data(), d.w.data(), mask.data(), dpooled.data(),
                               fdx.data(), fdw.data(), fdb.data());
-    EXPECT_TRUE(same_bits(fdx, dx)) << threads << " threads";
-    EXPECT_TRUE(same_bits(fdw, dw)) << threads << " threads";
-    EXPECT_TRUE(same_bits(fdb, db)) << threads << " threads";
+    EXPECT_TRUE(same_bits_or_nan(dx, fdx)) << threads << " threads";
+    EXPECT_TRUE(same_bits_or_nan(dw, fdw)) << threads << " threads";
+    EXPECT_TRUE(same_bits_or_nan(db, fdb)) << threads << " threads";
     Floats fdw_only(dw.size(), kNaN);
     conv2d_relu_pool_backward(s, k, d.x.data(), d.w.data(), mask.data(), dpooled.data(),
                               nullptr, fdw_only.data(), nullptr);
-    EXPECT_TRUE(same_bits(fdw_only, dw)) << threads << " threads";
+    EXPECT_TRUE(same_bits_or_nan(dw, fdw_only)) << threads << " threads";
   }
+}
+
+TEST_P(ConvReluPoolTest, EqualsConvReluPoolChainBitForBit) {
+  expect_fused_equals_chain(GetParam().s, GetParam().pool, ConvData(GetParam().s, 5));
+}
+
+// NaN in the image reaches relu as NaN, which passes it (as relu_forward and PyTorch do): the
+// windows that hold it pool to NaN and its mask is set. NaN at the first pixel, one in the
+// middle and the last pixel (so also in the row and column no window covers, for odd P, Q).
+TEST_P(ConvReluPoolTest, NaNPropagatesAsInTheChain) {
+  const Conv2dShape s = GetParam().s;
+  ConvData d(s, 5);
+  d.x.front() = kNaN;
+  d.x[d.x.size() / 2] = kNaN;
+  d.x.back() = kNaN;
+  expect_fused_equals_chain(s, GetParam().pool, d);
+  // Not vacuous: the NaNs reach pooled outputs.
+  const PoolShape ps{s.N, s.K, s.P(), s.Q(), GetParam().pool, GetParam().pool, GetParam().pool,
+                     GetParam().pool};
+  Floats pooled(static_cast<size_t>(s.N * s.K * ps.P() * ps.Q()));
+  conv2d_relu_pool_forward(s, GetParam().pool, d.x.data(), d.w.data(), d.b.data(), nullptr,
+                           pooled.data());
+  EXPECT_TRUE(std::isnan(pooled.front())) << "the first window holds the first pixel's NaN";
+  EXPECT_TRUE(std::any_of(pooled.begin(), pooled.end(), [](float v) { return std::isnan(v); }));
+  EXPECT_FALSE(std::all_of(pooled.begin(), pooled.end(), [](float v) { return std::isnan(v); }));
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, ConvReluPoolTest, ::testing::ValuesIn(kFusedCases),

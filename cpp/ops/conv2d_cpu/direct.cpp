@@ -190,7 +190,7 @@ void direct_relu_pool2_image(const Conv2dShape& s, const float* __restrict x,
         }
         const float bias = b ? b[k] : 0.0f;
         const V y0 = acc0 + bias, y1 = acc1 + bias;
-        const VI k0 = y0 > zero, k1 = y1 > zero;
+        const VI k0 = ~(y0 <= zero), k1 = ~(y1 <= zero);  // relu keeps NaN
         if (mask) {
           uint8_t* m0 = mask + k * PQ + 2 * pp * Q + q0;
           storev(m0, __builtin_convertvector(k0 & 1, VB));
@@ -203,8 +203,8 @@ void direct_relu_pool2_image(const Conv2dShape& s, const float* __restrict x,
     if (mask && Q % 2 == 1) {  // odd Q: the last column
       for (int64_t k = 0; k < s.K; ++k) {
         const float bias = b ? b[k] : 0.0f;
-        mask[k * PQ + 2 * pp * Q + Q - 1] = sum_at(k, 2 * pp, Q - 1) + bias > 0.0f;
-        mask[k * PQ + (2 * pp + 1) * Q + Q - 1] = sum_at(k, 2 * pp + 1, Q - 1) + bias > 0.0f;
+        mask[k * PQ + 2 * pp * Q + Q - 1] = !(sum_at(k, 2 * pp, Q - 1) + bias <= 0.0f);
+        mask[k * PQ + (2 * pp + 1) * Q + Q - 1] = !(sum_at(k, 2 * pp + 1, Q - 1) + bias <= 0.0f);
       }
     }
   }
@@ -219,7 +219,7 @@ void direct_relu_pool2_image(const Conv2dShape& s, const float* __restrict x,
         V acc = a[0] * wk[0];
         for (int j = 1; j < kTaps; ++j) acc += a[j] * wk[j];
         const V y = acc + (b ? b[k] : 0.0f);
-        storev(mask + k * PQ + p * Q + q0, __builtin_convertvector((y > zero) & 1, VB));
+        storev(mask + k * PQ + p * Q + q0, __builtin_convertvector(~(y <= zero) & 1, VB));
       }
       if (q0 == Q - kW) break;
     }

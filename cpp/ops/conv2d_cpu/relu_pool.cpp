@@ -33,7 +33,8 @@ void bias_relu_pool2_plane(const float* __restrict v, float bias, int64_t P, int
     float* out = pooled + pp * Qp;
     for_each_pool2_chunk<L>(Q, [&](int64_t q0) {
       const F a0 = loadv<F>(v0 + q0) + bias, a1 = loadv<F>(v1 + q0) + bias;
-      const typename T::I k0 = a0 > zero, k1 = a1 > zero;
+      // relu passes y where !(y <= 0): NaN passes, as in relu_forward.
+      const typename T::I k0 = ~(a0 <= zero), k1 = ~(a1 <= zero);
       if (m0) {
         storev(m0 + q0, __builtin_convertvector(k0 & 1, typename T::B));
         storev(m0 + Q + q0, __builtin_convertvector(k1 & 1, typename T::B));
@@ -42,12 +43,12 @@ void bias_relu_pool2_plane(const float* __restrict v, float bias, int64_t P, int
       storev(out + q0 / 2, (T::evens(sum) + T::odds(sum)) * 0.25f);
     });
     if (m0 && Q % 2 == 1) {  // the column no window covers
-      m0[Q - 1] = v0[Q - 1] + bias > 0.0f;
-      m0[2 * Q - 1] = v1[Q - 1] + bias > 0.0f;
+      m0[Q - 1] = !(v0[Q - 1] + bias <= 0.0f);
+      m0[2 * Q - 1] = !(v1[Q - 1] + bias <= 0.0f);
     }
   }
   if (mask) {  // the row no window covers
-    for (int64_t j = 2 * Pp * Q; j < P * Q; ++j) mask[j] = v[j] + bias > 0.0f;
+    for (int64_t j = 2 * Pp * Q; j < P * Q; ++j) mask[j] = !(v[j] + bias <= 0.0f);
   }
 }
 
@@ -75,8 +76,9 @@ void relu_pool2_grad_plane(const uint8_t* __restrict mask, const float* __restri
   std::fill(dy + 2 * Pp * Q, dy + P * Q, 0.0f);
 }
 
-// One plane of the fused forward: with y = v + bias (P, Q), mask = (y > 0) and pooled =
-// avg_pool(relu(y)) over pool x pool windows with stride pool (Pp, Qp). The sums run in
+// One plane of the fused forward: with y = v + bias (P, Q), mask = !(y <= 0) and pooled =
+// avg_pool(relu(y)) over pool x pool windows with stride pool (Pp, Qp). relu keeps NaN (the
+// mask is set for it), so a window holding a NaN pools to NaN, as the unfused ops give. The sums run in
 // avg_pool2d_forward's order (the window's rows first, then its columns), so the bits equal
 // relu_forward then avg_pool2d_forward. mask may be null; acc holds Q floats.
 void bias_relu_pool_plane(const float* __restrict v, float bias, int64_t P, int64_t Q, int64_t pool,
@@ -90,7 +92,7 @@ void bias_relu_pool_plane(const float* __restrict v, float bias, int64_t P, int6
   if (pool == 2 && 2 * Qp >= 8) return bias_relu_pool2_plane<8>(v, bias, P, Q, mask, pooled);
   const DivideByArea divide(pool * pool);
   if (mask) {
-    for (int64_t j = 0; j < P * Q; ++j) mask[j] = v[j] + bias > 0.0f;
+    for (int64_t j = 0; j < P * Q; ++j) mask[j] = !(v[j] + bias <= 0.0f);
   }
   for (int64_t pp = 0; pp < Pp; ++pp) {
     const float* __restrict v0 = v + pp * pool * Q;
@@ -99,20 +101,20 @@ void bias_relu_pool_plane(const float* __restrict v, float bias, int64_t P, int6
       const float* __restrict v1 = v0 + Q;
       for (int64_t q = 0; q < 2 * Qp; ++q) {
         const float a0 = v0[q] + bias, a1 = v1[q] + bias;
-        acc[q] = (a0 > 0.0f ? a0 : 0.0f) + (a1 > 0.0f ? a1 : 0.0f);
+        acc[q] = (!(a0 <= 0.0f) ? a0 : 0.0f) + (!(a1 <= 0.0f) ? a1 : 0.0f);
       }
       for (int64_t qq = 0; qq < Qp; ++qq) out[qq] = (acc[2 * qq] + acc[2 * qq + 1]) * 0.25f;
       continue;
     }
     for (int64_t q = 0; q < Q; ++q) {
       const float a = v0[q] + bias;
-      acc[q] = a > 0.0f ? a : 0.0f;
+      acc[q] = !(a <= 0.0f) ? a : 0.0f;
     }
     for (int64_t i = 1; i < pool; ++i) {
       const float* __restrict vi = v0 + i * Q;
       for (int64_t q = 0; q < Q; ++q) {
         const float a = vi[q] + bias;
-        acc[q] += a > 0.0f ? a : 0.0f;
+        acc[q] += !(a <= 0.0f) ? a : 0.0f;
       }
     }
     for (int64_t qq = 0; qq < Qp; ++qq) {
