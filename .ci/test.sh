@@ -9,9 +9,10 @@
 #      are emulated GPUs running our CUDA kernels;
 #   4. the CPU op and training tests with the AVX2 kernel path forced (the runs above take the
 #      widest path the CPU has);
-#   5. the pip-only route: a wheel built by `pip wheel .` in isolation (OpenBLAS from PyPI, the
-#      system's ignored; cached in build/pip-smoke by source hash), installed into a fresh venv:
-#      import, one fused step, `mgpu info`.
+#   5. the pip-only route (.ci/wheel.sh): the sdist, a CPU-only wheel built from it in isolation
+#      (OpenBLAS from PyPI, the system's ignored; no CUDA, no MPI) and repaired for manylinux,
+#      cached in build/pip-smoke by source hash, installed into a fresh venv: import, one fused
+#      step, `mgpu info`, tests/test_info.py.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash .ci/setup.sh
@@ -66,25 +67,35 @@ echo "== CPU op and training tests with MGPU_ISA=avx2 (the installed package)"
 (cd tests && MGPU_ISA=avx2 ../.venv/bin/python -m pytest -q -p no:cacheprovider -m "not gpu" \
   "$PWD/test_ops.py" "$PWD/test_train.py")
 
-echo "== pip-only smoke test: pip wheel . (isolated, PyPI OpenBLAS), fresh venv, one step, info"
+echo "== pip-only route: sdist, CPU-only manylinux wheel from it (.ci/wheel.sh), fresh venv, tests"
+# One build checks both routes: the wheel is built from the sdist (isolated: PyPI's OpenBLAS, no
+# system BLAS, CUDA or MPI), repaired for manylinux, and cached in build/pip-smoke by source hash.
 smoke=build/pip-smoke
-key=$(cat pyproject.toml CMakeLists.txt $(git ls-files cpp python) | sha256sum | cut -c1-16)
+key=$(cat pyproject.toml CMakeLists.txt README.md $(git ls-files cpp python) | sha256sum | cut -c1-16)
 mkdir -p "$smoke"
-if ! ls "$smoke/wheel-$key"/mgpu-*.whl >/dev/null 2>&1; then
-  rm -rf "$smoke"/wheel-*
-  .venv/bin/python -m pip wheel -q --disable-pip-version-check --no-deps -w "$smoke/wheel-$key" \
-    -C cmake.define.MGPU_BLAS=pypi -C cmake.define.MGPU_WITH_CUDA=OFF \
-    -C "build-dir=$smoke/build" .
+if ! ls "$smoke/dist-$key"/mgpu-*manylinux*.whl >/dev/null 2>&1; then
+  rm -rf "$smoke"/dist-*
+  bash .ci/wheel.sh "$smoke/dist-$key"
 fi
+# The sdist holds every tracked file the build reads and nothing from build/ or .venv/.
+tar tzf "$smoke/dist-$key"/mgpu-*.tar.gz | sed 's|^[^/]*/||' | grep -v '/$' | sort >"$smoke/sdist.txt"
+if grep -E '^(build|\.venv|venv|dist)/' "$smoke/sdist.txt"; then
+  echo "the sdist holds build outputs (above)"; exit 1
+fi
+missing=$(git ls-files cpp python CMakeLists.txt pyproject.toml README.md | sort |
+          comm -23 - "$smoke/sdist.txt")
+if [ -n "$missing" ]; then echo "the sdist lacks: $missing"; exit 1; fi
 rm -rf "$smoke/venv"
 "${PYTHON:-python3}" -m venv "$smoke/venv"
-"$smoke/venv/bin/python" -m pip install -q --disable-pip-version-check "$smoke/wheel-$key"/mgpu-*.whl
+"$smoke/venv/bin/python" -m pip install -q --disable-pip-version-check \
+  "$smoke/dist-$key"/mgpu-*manylinux*.whl "pytest>=7"
 (cd "$smoke" && venv/bin/python - <<'PY'
 import numpy as np
 import mgpu
 from mgpu import _core as C
 info = mgpu.build_info()
 assert info["blas"].startswith("OpenBLAS from PyPI"), info["blas"]
+assert "MGPU_WITH_CUDA=OFF" in info["cuda"] and "MGPU_WITH_MPI=OFF" in info["mpi"], info
 dev = C.Device(C.DeviceKind.CPU, 0)
 rng = np.random.default_rng(0)
 shapes = [(20, 1, 3, 3), (20,), (50, 20, 5, 5), (50,), (800, 128), (128,), (128, 10), (10,)]
@@ -98,3 +109,5 @@ print("pip-only smoke: one fused step ran; kernels", info["cpu_isa"], "BLAS", in
 PY
 )
 (cd "$smoke" && venv/bin/python -m mgpu info)
+# The info lines and the data-not-found messages of this build (CUDA and MPI switched off).
+(cd tests && "../$smoke/venv/bin/python" -m pytest -q -p no:cacheprovider "$PWD/test_info.py")

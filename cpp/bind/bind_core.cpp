@@ -200,17 +200,35 @@ py::dict build_info() {
   info["cpu_isa_reason"] = isa.reason;
   info["cpu_isas_built"] = std::vector<std::string>{"avx2 (x86-64-v3)", "avx512 (x86-64-v4)"};
   info["cpu_baseline"] = MGPU_BASELINE_ARCH_NAME;
-  info["cuda"] = MGPU_CUDA_EMULATION_BUILD ? "emulated (cpp/cuda/emu: GPUs run on the CPU, for tests)"
-                 : MGPU_BUILT_CUDA          ? "built (" + gpu::runtime_name() + ")"
-                                            : std::string("not built (nvcc was not found)");
+  // A part that is not built says whether it was switched off or not found, and how to get it.
+  const std::string off = "not built: switched off at build time (";
+  const std::string reinstall = "; to build it, reinstall with `pip install . -C cmake.define.";
+  info["cuda"] =
+      MGPU_CUDA_EMULATION_BUILD ? "emulated (cpp/cuda/emu: GPUs run on the CPU, for tests)"
+      : MGPU_BUILT_CUDA         ? "built (" + gpu::runtime_name() + ")"
+      : MGPU_CUDA_SWITCHED_OFF  ? off + "MGPU_WITH_CUDA=OFF)" + reinstall +
+                                     "MGPU_WITH_CUDA=ON` where the CUDA toolkit (nvcc) is installed"
+                                : std::string("not built: nvcc was not found at build time; "
+                                              "install the CUDA toolkit (nvcc on PATH or in "
+                                              "/usr/local/cuda) and reinstall mgpu");
   info["gpus"] = num_gpus();
-  info["cudnn"] = MGPU_BUILT_CUDNN ? "built"
-                  : MGPU_CUDA_EMULATION_BUILD ? "not in the emulated build (our conv kernels run)"
-                                              : "not built";
-  info["nccl"] = MGPU_BUILT_NCCL ? "built"
-                 : MGPU_CUDA_EMULATION_BUILD ? "not in the emulated build (our peer-copy "
-                                               "all-reduce runs)"
-                                             : "not built";
+  info["gpu_query_error"] = gpu::device_query_error();
+  const char* no_cuda = "not built (it needs the CUDA backend, which is not built)";
+  info["cudnn"] =
+      MGPU_BUILT_CUDNN            ? std::string("built")
+      : MGPU_CUDA_EMULATION_BUILD ? std::string("not in the emulated build (our conv kernels run)")
+      : !MGPU_BUILT_CUDA          ? std::string(no_cuda)
+      : MGPU_CUDNN_SWITCHED_OFF   ? off + "MGPU_WITH_CUDNN=OFF); our conv kernels run"
+                                  : std::string("not built: cudnn.h or libcudnn was not found at "
+                                                "build time; our conv kernels run");
+  info["nccl"] =
+      MGPU_BUILT_NCCL             ? std::string("built")
+      : MGPU_CUDA_EMULATION_BUILD ? std::string("not in the emulated build (our peer-copy "
+                                                "all-reduce runs)")
+      : !MGPU_BUILT_CUDA          ? std::string(no_cuda)
+      : MGPU_NCCL_SWITCHED_OFF    ? off + "MGPU_WITH_NCCL=OFF); our peer-copy all-reduce runs"
+                                  : std::string("not built: nccl.h or libnccl was not found at "
+                                                "build time; our peer-copy all-reduce runs");
   info["gpu_gemm"] = !MGPU_GPU_BUILD ? std::string("none")
                      : MGPU_CUDA_EMULATION_BUILD ? std::string("native (our tiled kernel)")
                                                  : "cublas by default; MGPU_GEMM=native|cublas";
@@ -219,7 +237,13 @@ py::dict build_info() {
                            std::string(MGPU_BUILT_CUDNN && !MGPU_CUDA_EMULATION_BUILD
                                            ? "; MGPU_CONV=cudnn selects cuDNN"
                                            : "");
-  info["mpi"] = MGPU_BUILT_MPI ? "built" : "not built (needs Open MPI: libopenmpi-dev)";
+  info["mpi"] = MGPU_BUILT_MPI ? std::string("built")
+                : MGPU_MPI_SWITCHED_OFF
+                    ? off + "MGPU_WITH_MPI=OFF); multi-process training needs it" + reinstall +
+                          "MGPU_WITH_MPI=ON` after `apt-get install openmpi-bin libopenmpi-dev`"
+                    : std::string("not built: no MPI was found at build time; for multi-process "
+                                  "training `apt-get install openmpi-bin libopenmpi-dev` and "
+                                  "reinstall mgpu");
   info["cuda_emulation"] = static_cast<bool>(MGPU_CUDA_EMULATION_BUILD);
   return info;
 }

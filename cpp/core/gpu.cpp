@@ -98,17 +98,32 @@ void free_cached_locked(DeviceState& s) {
 
 }  // namespace
 
-int device_count() {
-  static const int count = [] {
+namespace {
+struct DeviceQuery {
+  int count = 0;
+  std::string error;
+};
+
+const DeviceQuery& device_query() {
+  static const DeviceQuery query = [] {
+    DeviceQuery q;
     int n = 0;
-    if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    const cudaError_t err = cudaGetDeviceCount(&n);
+    if (err != cudaSuccess) {
+      q.error = cudaGetErrorString(err);
       cudaGetLastError();  // no driver or no device: clear the error, report none
       n = 0;
     }
-    return std::min(n, kMaxGpus);
+    q.count = std::min(n, kMaxGpus);
+    return q;
   }();
-  return count;
+  return query;
 }
+}  // namespace
+
+int device_count() { return device_query().count; }
+
+std::string device_query_error() { return device_query().error; }
 
 std::string runtime_name() {
 #if defined(MGPU_CUDA_EMULATION)
@@ -410,6 +425,7 @@ std::shared_ptr<GraphPool> end_graph_pool() {
 namespace mgpu::gpu {
 
 int device_count() { return 0; }
+std::string device_query_error() { return ""; }
 std::string runtime_name() { return "not built"; }
 
 namespace {

@@ -30,6 +30,9 @@ constexpr int kMaxGpus = 64;
 
 // Usable GPUs (cudaGetDeviceCount; 0 when it fails: no driver, no device, CPU-only build).
 int device_count();
+// Why device_count() is 0 where the GPU query failed (cudaGetErrorString of
+// cudaGetDeviceCount's error: no driver, no device), or "" where it succeeded or nothing was asked.
+std::string device_query_error();
 // "CUDA <version>", "emulated CUDA (mgpu's emulator)" or "not built".
 std::string runtime_name();
 

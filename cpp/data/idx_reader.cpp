@@ -27,10 +27,12 @@ namespace fs = std::filesystem;
 constexpr uint8_t kTypeUByte = 0x08;
 
 const char* const kHowToGet =
-    "To get Fashion-MNIST: `apt-get install dataset-fashion-mnist` (Debian puts the files in "
-    "/usr/share/datasets/fashion-mnist), or put the four IDX files (train-images-idx3-ubyte, "
-    "train-labels-idx1-ubyte, t10k-images-idx3-ubyte, t10k-labels-idx1-ubyte, each raw or .gz) in "
-    "a directory and pass data_dir= or set MGPU_DATA to it.";
+    "To get Fashion-MNIST, either:\n"
+    "  1. `apt-get install dataset-fashion-mnist` (Debian's package: the files go to "
+    "/usr/share/datasets/fashion-mnist, searched by default), or\n"
+    "  2. put the four IDX files (train-images-idx3-ubyte, train-labels-idx1-ubyte, "
+    "t10k-images-idx3-ubyte, t10k-labels-idx1-ubyte, each raw or .gz) in a folder and set "
+    "MGPU_DATA to it (or pass data_dir=, or use ~/.mgpu/data).";
 
 using ::mgpu::detail::cat;  // message building shared with the engine (core/error.h)
 
@@ -313,6 +315,7 @@ std::vector<std::string> fashion_mnist_search_dirs(const std::string& explicit_d
 std::string find_fashion_mnist(const std::string& explicit_dir) {
   std::string tried;
   const char* home = std::getenv("HOME");
+  const char* env = std::getenv("MGPU_DATA");
   const std::vector<std::string> dirs = fashion_mnist_search_dirs(explicit_dir);
   for (size_t i = 0; i < dirs.size(); ++i) {
     const std::string& dir = dirs[i];
@@ -323,8 +326,15 @@ std::string find_fashion_mnist(const std::string& explicit_dir) {
     if (explicit_dir.empty() && i + 1 == dirs.size() && (!home || !*home)) {
       tried += "\n  ~/.mgpu/data  (skipped: HOME is not set)";
     }
-    tried += cat("\n  ", dir, "  (", why, ")");
+    // Which setting named the directory: the explicit one, $MGPU_DATA (first when set), the
+    // home folder (before the last), or Debian's (always last).
+    const char* source = !explicit_dir.empty()            ? "data_dir"
+                         : i == 0 && env && *env          ? "MGPU_DATA"
+                         : i + 1 == dirs.size()           ? "Debian's dataset-fashion-mnist"
+                                                          : "~/.mgpu/data";
+    tried += cat("\n  ", dir, "  (", source, ": ", why, ")");
   }
+  if (explicit_dir.empty() && !(env && *env)) tried = "\n  MGPU_DATA  (not set)" + tried;
   throw DataNotFoundError(cat("find_fashion_mnist: Fashion-MNIST not found. Searched:", tried,
                               "\n", kHowToGet));
 }

@@ -67,15 +67,27 @@ def info_lines() -> List[str]:
              f"NCCL: {b['nccl']}",
              f"MPI: {b['mpi']}"]
     gpus = _core.num_gpus()
-    devices = ["cpu(0)"] + [f"gpu({i})" for i in range(gpus)]
-    kind = " (emulated on the CPU)" if b.get("cuda_emulation") and gpus else ""
-    lines.append(f"devices: {', '.join(devices)}{kind}" +
-                 ("" if gpus else "; no GPU (CUDA not built, or no GPU visible)"))
+    devices = ["cpu(0), cpu(1), ... (virtual CPU devices)"] + [f"gpu({i})" for i in range(gpus)]
+    lines.append(f"devices: {', '.join(devices)}" + _no_gpu_why(b, gpus))
     try:
         lines.append(f"data: Fashion-MNIST found in {_core.find_fashion_mnist('')}")
-    except FileNotFoundError as e:
+    except Exception as e:  # FileNotFoundError names every place searched and how to get it
         lines.append("data: " + str(e).replace("\n", "\n  "))
     return lines
+
+
+def _no_gpu_why(b: dict, gpus: int) -> str:
+    """The end of the devices line: what the GPUs are, or why there are none."""
+    emulated = bool(b.get("cuda_emulation"))
+    if gpus:
+        return " (emulated on the CPU: MGPU_EMULATED_GPUS sets how many)" if emulated else ""
+    if not emulated and not b["cuda"].startswith("built"):
+        return "; no GPU: the CUDA backend is not built (see the CUDA line)"
+    why = b.get("gpu_query_error") or "the CUDA runtime reports 0 devices"
+    hint = ("set MGPU_EMULATED_GPUS=2 for two emulated GPUs" if emulated
+            else "is the NVIDIA driver installed and a GPU visible (nvidia-smi, "
+                 "CUDA_VISIBLE_DEVICES)?")
+    return f"; no GPU visible: {why} ({hint})"
 
 
 def _info(args) -> int:

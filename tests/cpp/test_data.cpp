@@ -449,7 +449,7 @@ TEST(FashionMnistFiles, ExplicitDirIsTheOnlyOneSearched) {
 
   const std::string none = tmp / "does-not-exist";
   EXPECT_CONTAINS(message_of<DataNotFoundError>([&] { find_fashion_mnist(none); }),
-                  none + "  (no such directory)");
+                  none + "  (data_dir: no such directory)");
 }
 
 TEST(FashionMnistFiles, MgpuDataBeforeHome) {
@@ -501,10 +501,11 @@ TEST(FashionMnistFiles, NotFoundAnywhereListsEveryDir) {
   EnvVar h("HOME", tmp / "home");
   EnvVar d("MGPU_DATA", tmp / "env");
   const std::string msg = message_of<DataNotFoundError>([&] { find_fashion_mnist(""); });
-  EXPECT_CONTAINS(msg, tmp / "env");
-  EXPECT_CONTAINS(msg, tmp / "home/.mgpu/data");
-  EXPECT_CONTAINS(msg, kSystemFashionMnistDir);
-  EXPECT_CONTAINS(msg, "apt-get install dataset-fashion-mnist");
+  EXPECT_CONTAINS(msg, tmp / "env" + "  (MGPU_DATA: no such directory)");
+  EXPECT_CONTAINS(msg, tmp / "home/.mgpu/data" + "  (~/.mgpu/data: no such directory)");
+  EXPECT_CONTAINS(msg, std::string(kSystemFashionMnistDir) + "  (Debian's dataset-fashion-mnist: ");
+  EXPECT_CONTAINS(msg, "1. `apt-get install dataset-fashion-mnist`");
+  EXPECT_CONTAINS(msg, "2. put the four IDX files");
 }
 
 TEST(FashionMnistFiles, LoadMixedRawAndGzip) {
