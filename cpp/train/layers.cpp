@@ -5,6 +5,7 @@
 #include <string>
 #include <tuple>
 
+#include "core/trace.h"
 #include "ops/avg_pool2d.h"
 #include "ops/batch_norm.h"
 #include "ops/conv2d.h"
@@ -199,6 +200,7 @@ Trace run_forward(const Model& m, const Tensor& X, const ReplicaState& r, bool t
     std::vector<Tensor> in;
     for (int s : l.in) in.push_back(t.slots[static_cast<size_t>(s)]);
     try {
+      trace::Label label([&] { return l.name + (training ? " forward" : " forward (eval)"); });
       t.slots[static_cast<size_t>(l.out)] = forward(l, in, r, training, for_backward, &t.saved[i]);
     } catch (const ValueError& e) {
       // An op's message about its shapes, prefixed with the layer that called it.
@@ -230,18 +232,23 @@ Tensor model_loss_and_grads(const Model& m, const Tensor& X, const Tensor& y, co
   }
   Trace t = run_forward(m, X, r, true, true);
   const Tensor& logits = t.slots.back();
-  Tensor losses = ops::softmax_ce_forward(logits, y);
-  Tensor loss_sum = ops::sum(losses);
-  // Backward of sum(losses): every per-example loss gets gradient one.
-  Tensor dloss = Tensor::empty_like(losses);
-  ops::fill(dloss, 1.0);
   std::vector<Tensor> dslot(static_cast<size_t>(m.num_slots()));
-  dslot.back() = ops::softmax_ce_backward(logits, y, dloss);
+  Tensor loss_sum;
+  {
+    trace::Label label([] { return std::string("loss forward and backward"); });
+    Tensor losses = ops::softmax_ce_forward(logits, y);
+    loss_sum = ops::sum(losses);
+    // Backward of sum(losses): every per-example loss gets gradient one.
+    Tensor dloss = Tensor::empty_like(losses);
+    ops::fill(dloss, 1.0);
+    dslot.back() = ops::softmax_ce_backward(logits, y, dloss);
+  }
   size_t next_bucket = 0;
   for (int i = static_cast<int>(m.layers().size()) - 1; i >= 0; --i) {
     const Layer& l = m.layers()[static_cast<size_t>(i)];
     Tensor dy = std::move(dslot[static_cast<size_t>(l.out)]);
     t.slots[static_cast<size_t>(l.out)] = Tensor();
+    trace::Label label([&] { return l.name + " backward"; });
     if (dy.defined()) {
       std::vector<Tensor> in, dx(l.in.size()), dp;
       std::vector<bool> need_dx;
@@ -265,8 +272,14 @@ Tensor model_loss_and_grads(const Model& m, const Tensor& X, const Tensor& y, co
       // The layer does not reach the loss: its parameters' gradients are zero.
       for (int p : l.params) ops::fill(grad_view(m, grads, r, static_cast<size_t>(p)), 0.0);
     }
-    while (next_bucket < m.buckets().size() && m.buckets()[next_bucket].last_layer == i)
+    while (next_bucket < m.buckets().size() && m.buckets()[next_bucket].last_layer == i) {
+      trace::Label bucket([&] {
+        const Bucket& k = m.buckets()[next_bucket];
+        return "allreduce bucket " + std::to_string(next_bucket) + " (" +
+               std::to_string(k.end - k.begin) + " floats)";
+      });
       bucket_done(next_bucket++);
+    }
   }
   return loss_sum;
 }

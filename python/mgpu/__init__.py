@@ -24,6 +24,7 @@ from . import (  # after the checks above (pyproject.toml: E402 is off for this 
     optim,
     plot,
     random,
+    trace,
 )
 from ._core import DeviceError, OutOfMemoryError
 from .autograd import no_grad
@@ -34,6 +35,7 @@ from .nn import CrossEntropyLoss, SoftmaxCrossEntropyLoss
 from .ops import argmax, avg_pool2d, batch_norm, conv2d, cross_entropy, dot, mm, relu
 from .parallel import allreduce, get_params, sgd, split_and_load, split_batch, train_batch
 from .random import randn
+from .trace import profile
 from .tensor import (
     Tensor,
     arange,
@@ -68,6 +70,7 @@ def _drain_at_exit() -> None:
 
 
 atexit.register(_drain_at_exit)
+trace._start_from_env()  # MGPU_TRACE=path: the whole program's timeline, written at exit
 
 
 def waitall() -> None:
@@ -119,7 +122,7 @@ __all__ = [
     "cpu", "gpu", "try_gpu", "try_all_gpus", "num_gpus",
     "array", "tensor", "zeros", "ones", "full", "zeros_like", "ones_like", "arange", "randn",
     "from_dlpack", "random", "autograd", "chapter", "distributed", "plot", "no_grad",
-    "models", "nn", "ops", "optim",
+    "models", "nn", "ops", "optim", "profile", "trace",
     "conv2d", "avg_pool2d", "relu", "batch_norm", "mm", "dot", "cross_entropy", "argmax",
     "lenet", "lenet_params", "get_params", "allreduce", "split_batch", "split_and_load", "sgd",
     "train_batch", "load_data_fashion_mnist", "get_fashion_mnist_labels",

@@ -11,6 +11,7 @@ from collections import OrderedDict
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from . import _core, autograd
+from . import trace as _trace
 from . import ops as functional
 from .device import Device, as_device, try_all_gpus, try_gpu
 from .nn import CrossEntropyLoss as nn_CrossEntropyLoss
@@ -188,6 +189,7 @@ class DataParallel(Module):
                             f"{type(out).__name__}")
         return out
 
+    @_trace.span("DataParallel.train_step")
     def train_step(self, X: Tensor, y: Tensor, loss, trainer) -> Tensor:
         """One fused data-parallel step: every replica's forward, loss, backward, bucketed
         all-reduce and SGD update run in C++ from this one call (``mgpu._core.Model``, built
