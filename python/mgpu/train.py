@@ -23,7 +23,14 @@ from .data import DataLoader, load_data_fashion_mnist
 from .device import Device, as_device, try_gpu
 from .models import lenet_params
 from .nn import Module
-from .parallel import _check_batch_size, _check_lr, evaluate_counts, get_params, train_batch
+from .parallel import (
+    _check_batch_size,
+    _check_lr,
+    _shards,
+    evaluate_counts,
+    get_params,
+    train_batch,
+)
 from .tensor import Tensor
 
 
@@ -132,7 +139,7 @@ def train(num_gpus: int, batch_size: int, lr: float, num_epochs: int = 10,
           data_dir: Optional[str] = None, limit_batches: Optional[int] = None, seed: int = 0,
           params: Optional[Sequence[Tensor]] = None, progress: Optional[bool] = None,
           plot: Optional[bool] = None, data=None, step: Optional[Callable] = None,
-          check_finite: bool = True) -> TrainResult:
+          check_finite: bool = True, deterministic=False) -> TrainResult:
     """Trains the chapter's LeNet data-parallel on ``num_gpus`` devices and prints its line.
 
     Devices are ``[try_gpu(i) for i in range(num_gpus)]``: GPUs where they exist, virtual CPU
@@ -145,6 +152,8 @@ def train(num_gpus: int, batch_size: int, lr: float, num_epochs: int = 10,
     ``mgpu.chapter.train_batch``. ``check_finite`` stops training with FloatingPointError,
     naming the epoch and step, once a step's loss is NaN or infinite (checked at each epoch's end,
     where the losses are read anyway, so the check costs the step nothing; pass False to train on).
+    ``deterministic=True`` (or a number of logical shards) trains with the fused step's
+    deterministic mode: the same parameters, bit for bit, on any number of devices and processes.
     Returns the per-epoch accuracies, losses and times.
     """
     lr = _check_lr(lr, "train")
@@ -153,6 +162,13 @@ def train(num_gpus: int, batch_size: int, lr: float, num_epochs: int = 10,
         raise ValueError(f"train: num_gpus must be >= 1, got {num_gpus}")
     if int(num_epochs) < 1:
         raise ValueError(f"train: num_epochs must be >= 1, got {num_epochs}")
+    shards = _shards(deterministic, "train")
+    if shards and step is not None:
+        raise ValueError("train: deterministic is a mode of the fused train_batch; pass either "
+                         "deterministic or step, not both")
+    if step is None:
+        def step(X, y, device_params, devices, lr):
+            return train_batch(X, y, device_params, devices, lr, deterministic=shards)
     train_iter, test_iter = data if data is not None else load_data_fashion_mnist(
         batch_size, data_dir=data_dir, seed=seed, limit_batches=limit_batches)
     _dist._auto_init()
@@ -180,7 +196,7 @@ def train(num_gpus: int, batch_size: int, lr: float, num_epochs: int = 10,
         seen = 0
         timer.start()
         for X, y in train_iter:
-            step_losses = (step or train_batch)(X, y, device_params, devices, lr)
+            step_losses = step(X, y, device_params, devices, lr)
             if step_losses is not None:
                 losses.extend(step_losses)
             seen += X.shape[0]
@@ -234,14 +250,22 @@ def _progress_bar(total: int, desc: str):
 
 
 def train_op_by_op(num_gpus: int, batch_size: int, lr: float, num_epochs: int = 10,
-                   **kw) -> TrainResult:
-    """``train`` with the chapter's Python-level train_batch (autograd, op by op)."""
+                   deterministic=False, **kw) -> TrainResult:
+    """``train`` with the chapter's Python-level train_batch (autograd, op by op); with
+    ``deterministic`` its variant in the deterministic step's shards and tree
+    (``chapter.train_batch_sharded``), bitwise the fused deterministic training."""
+    shards = _shards(deterministic, "train_op_by_op")
     _dist._auto_init()
     if _dist.world_size() > 1:
         raise ValueError("train_op_by_op: the chapter's op-by-op step runs in one process; under "
                          "mpirun use the fused train (drop --op-by-op)")
     from .chapter import train_batch as chapter_train_batch
-    return train(num_gpus, batch_size, lr, num_epochs, step=chapter_train_batch, **kw)
+    from .chapter import train_batch_sharded
+    step = chapter_train_batch
+    if shards:
+        def step(X, y, device_params, devices, lr):
+            return train_batch_sharded(X, y, device_params, devices, lr, shards)
+    return train(num_gpus, batch_size, lr, num_epochs, step=step, **kw)
 
 
 __all__ = ["Timer", "TrainResult", "evaluate_accuracy", "evaluate_accuracy_gpu", "train",
