@@ -268,8 +268,9 @@ def parse_step_trace(doc: Dict, steps: int, device: str = "cpu(0)") -> Dict:
     entries = []
     for name in order:
         ts = times[name]
-        # A name met more often than once per step (a layer run twice) counts its total.
-        per_step = sum(ts) / steps if len(ts) > steps else statistics.median(ts)
+        # The least perturbed step (timings on a shared machine only ever grow); a name met
+        # more often than once per step (a layer run twice) counts its mean total.
+        per_step = sum(ts) / steps if len(ts) > steps else min(ts)
         phase = ("update" if name == "sgd update" else "split" if name.startswith("split")
                  else "loss" if name.startswith("loss") else
                  "backward" if name.endswith("backward") else "forward")
@@ -291,7 +292,7 @@ def parse_step_trace(doc: Dict, steps: int, device: str = "cpu(0)") -> Dict:
     host_steps = [e["dur"] * 1e-6 for e in host if e["name"] in _HOST_STEP]
     if not entries or not host_steps:
         raise ValueError("advise: the step's trace has no layer spans on " + device)
-    return {"entries": entries, "buckets": buckets, "host": statistics.median(host_steps)}
+    return {"entries": entries, "buckets": buckets, "host": min(host_steps)}
 
 
 def _gemm_flops(threads: int, n: int = 384, repeat: int = 5) -> float:
@@ -331,7 +332,7 @@ def measure_allreduce(ks: Sequence[int], sizes: Sequence[int], repeat: int = 5) 
                 allreduce(data)
                 _core.waitall()
                 ts.append(time.perf_counter() - t0)
-            points.append((k, size, statistics.median(ts)))
+            points.append((k, size, min(ts)))
     return fit_allreduce(points)
 
 
@@ -353,7 +354,7 @@ def measure_mpi_allreduce(sizes: Sequence[int], repeat: int = 5) -> Optional[Dic
             distributed.allreduce(t)
             _core.waitall()
             ts.append(time.perf_counter() - t0)
-        points.append((distributed.world_size(), size, statistics.median(ts)))
+        points.append((distributed.world_size(), size, min(ts)))
     return fit_allreduce(points)
 
 
@@ -380,7 +381,7 @@ def measure_input(batches: Sequence[int], n: int) -> Optional[Dict]:
         loads = [e["dur"] * 1e-6 for e in tr.get("data loader", []) if e["name"] == "load batch"]
         if loads:
             xs.append(b)
-            ys.append(statistics.median(loads))
+            ys.append(min(loads))
     if not xs:
         return None
     a, c = _fit_line(xs, ys)
@@ -481,7 +482,8 @@ def _machine_name() -> str:
 
 
 def measure_step(model: str, k: int, batch: int, steps: int = 5, repeat: int = 3) -> float:
-    """A real run: seconds per step of `steps` back-to-back steps (median of `repeat`)."""
+    """A real run: seconds per step of `steps` back-to-back steps (the best of `repeat`: the
+    model predicts an unloaded machine, and load only ever adds time)."""
     from . import _core
     from .device import try_gpu
     devs = [try_gpu(i) for i in range(k)]
@@ -497,7 +499,7 @@ def measure_step(model: str, k: int, batch: int, steps: int = 5, repeat: int = 3
             step(X, y)
         _core.waitall()
         ts.append((time.perf_counter() - t0) / steps)
-    return statistics.median(ts)
+    return min(ts)
 
 
 # ---- the command ---------------------------------------------------------------------------------
