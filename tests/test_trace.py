@@ -27,7 +27,7 @@ def _lenet_step(devices, steps, X, y, seed=0):
     dp = [mgpu.get_params(params, d) for d in devices]
     losses = []
     for _ in range(steps):
-        losses.append([l.item() for l in mgpu.train_batch(X, y, dp, devices, 0.1)])
+        losses.append([v.item() for v in mgpu.train_batch(X, y, dp, devices, 0.1)])
     return [p.numpy() for p in dp[0]] + [p.numpy() for p in dp[-1]], losses
 
 
@@ -67,7 +67,8 @@ def _trace_step(tmp_path, devices, n=48):
 
 
 def _inside(inner, outer):
-    return outer["ts"] <= inner["ts"] and inner["ts"] + inner["dur"] <= outer["ts"] + outer["dur"] + 1e-3
+    end = outer["ts"] + outer["dur"] + 1e-3
+    return outer["ts"] <= inner["ts"] and inner["ts"] + inner["dur"] <= end
 
 
 def _check_step_tracks(spans, devs):

@@ -35,7 +35,6 @@ from .nn import CrossEntropyLoss, SoftmaxCrossEntropyLoss
 from .ops import argmax, avg_pool2d, batch_norm, conv2d, cross_entropy, dot, mm, relu
 from .parallel import allreduce, get_params, sgd, split_and_load, split_batch, train_batch
 from .random import randn
-from .trace import profile
 from .tensor import (
     Tensor,
     arange,
@@ -48,6 +47,7 @@ from .tensor import (
     zeros,
     zeros_like,
 )
+from .trace import profile
 from .train import (
     Timer,
     TrainResult,

@@ -174,7 +174,8 @@ def crossover(meas: Dict, k: int = 2, machine: Optional[Dict] = None,
               batches: Sequence[int] = tuple(2 ** i for i in range(4, 15))) -> Optional[int]:
     """The smallest global batch at which k devices beat one (None if none in `batches`)."""
     for b in batches:
-        if predict(meas, 1, b, machine=machine)["step"] > predict(meas, k, b, machine=machine)["step"]:
+        one, more = (predict(meas, n, b, machine=machine)["step"] for n in (1, k))
+        if one > more:
             return b
     return None
 
@@ -213,15 +214,18 @@ def _trace_steps(step: Callable, X, y, steps: int) -> Dict:
     from .trace import profile
     fd, path = tempfile.mkstemp(suffix=".json")
     os.close(fd)
+    prof = profile(path)
     try:
-        with profile(path):
+        with prof:
             for _ in range(steps):
                 step(X, y)
                 _core.waitall()
-        with open(path) as f:
+        with open(prof.written[0]) as f:  # under mpirun, this rank's file
             return json.load(f)
     finally:
-        os.unlink(path)
+        for f in {path, *prof.written}:
+            if os.path.exists(f):
+                os.unlink(f)
 
 
 def _tracks(doc: Dict) -> Dict[str, List[Dict]]:
@@ -370,14 +374,17 @@ def measure_input(batches: Sequence[int], n: int) -> Optional[Dict]:
             return None
         fd, path = tempfile.mkstemp(suffix=".json")
         os.close(fd)
+        prof = profile(path)
         try:
-            with profile(path):
+            with prof:
                 for _ in it:
                     pass
-            with open(path) as f:
+            with open(prof.written[0]) as f:  # under mpirun, this rank's file
                 tr = _tracks(json.load(f))
         finally:
-            os.unlink(path)
+            for f in {path, *prof.written}:
+                if os.path.exists(f):
+                    os.unlink(f)
         loads = [e["dur"] * 1e-6 for e in tr.get("data loader", []) if e["name"] == "load batch"]
         if loads:
             xs.append(b)

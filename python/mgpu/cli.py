@@ -74,7 +74,8 @@ def _advise_parser(sub) -> None:
     a.add_argument("--epoch-examples", type=int, default=60000,
                    help="examples per epoch for the epoch-time column")
     a.add_argument("--plot", metavar="PATH.png", default=None, help="draw speed-up vs batch size")
-    a.add_argument("--json", metavar="PATH", default=None, help="write measurements and predictions")
+    a.add_argument("--json", metavar="PATH", default=None,
+                   help="write measurements and predictions")
     a.add_argument("--quick", action="store_true", help="few, small measurements (seconds)")
     a.add_argument("--validate", action="store_true",
                    help="also time real runs (1 and 2 devices, each batch size) and report the "

@@ -11,8 +11,8 @@ from collections import OrderedDict
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from . import _core, autograd
-from . import trace as _trace
 from . import ops as functional
+from . import trace as _trace
 from .device import Device, as_device, try_all_gpus, try_gpu
 from .nn import CrossEntropyLoss as nn_CrossEntropyLoss
 from .nn import Module, _BatchNorm, _calls, _check_input
