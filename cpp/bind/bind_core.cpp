@@ -10,6 +10,7 @@
 #include "core/parallel.h"
 #include "core/queue.h"
 #include "core/tensor.h"
+#include "core/trace.h"
 #include "ops/cpu_isa.h"
 #include "ops/gemm.h"
 #include "ops/elementwise.h"
@@ -307,6 +308,18 @@ void bind_core(py::module_& m) {
     py::gil_scoped_release nogil;
     waitall();
   }, "Waits for every device's queued work and raises the first error.");
+  // The timeline (issue 14; python/mgpu/trace.py drives it).
+  m.def("trace_start", &trace::start, "Starts recording the timeline (ValueError if it is on).");
+  m.def("trace_stop", [](int pid, const std::string& process_name) {
+    py::gil_scoped_release nogil;
+    return trace::stop(pid, process_name);
+  }, py::arg("pid"), py::arg("process_name"),
+  "Stops recording; returns the events as the comma-separated body of a JSON array.");
+  m.def("trace_running", &trace::running, "Whether the timeline is being recorded.");
+  m.def("trace_record", [](const std::string& name, int64_t t0, int64_t t1) {
+    if (trace::on()) trace::record(trace::thread_track(), nullptr, trace::intern(name), t0, t1);
+  }, py::arg("name"), py::arg("t0_ns"), py::arg("t1_ns"),
+  "Records a span of the calling thread (times from time.monotonic_ns()).");
   m.def("queue_memory", [](Device d, bool reset) {
     check_device(d);
     Queue& q = queue_of(d);

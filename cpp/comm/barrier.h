@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "core/error.h"
+#include "core/trace.h"
 
 namespace mgpu::comm {
 
@@ -19,6 +20,7 @@ class Barrier {
   explicit Barrier(int count) : count_(count) {}
 
   void arrive_and_wait() {
+    trace::Span span("wait for peers");
     const int gen = generation_.load(std::memory_order_acquire);
     if (aborted_.load(std::memory_order_acquire)) throw_aborted();
     if (arrived_.fetch_add(1, std::memory_order_acq_rel) + 1 == count_) {

@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstring>
 #include <atomic>
 #include <cstdlib>
 #include <map>
@@ -13,6 +14,7 @@
 
 #include "core/error.h"
 #include "core/gpu.h"
+#include "core/trace.h"
 
 namespace mgpu {
 namespace {
@@ -54,11 +56,15 @@ uint64_t Queue::enqueue(const char* name, std::function<void()> fn, size_t bytes
     // Safe to wait: every queued task depends only on work enqueued before it, which is all
     // already in some queue, so the backlog always drains (collectives are enqueued in one
     // order everywhere, see collective_submission_mutex).
-    progressed_.wait(lock, [&] {
+    auto room = [&] {
       return enqueued_ - done_ < kMaxPending &&
              (pending_bytes_ == 0 || pending_bytes_ + bytes <= budget);
-    });
-    tasks_.push_back(Task{name, std::move(fn), bytes});
+    };
+    if (!room()) {
+      trace::Span waiting("queue full", [&] { return "wait for room on " + device_.str(); });
+      progressed_.wait(lock, room);
+    }
+    tasks_.push_back(Task{name, std::move(fn), bytes, trace::on() ? trace::current_label() : 0});
     pending_bytes_ += bytes;
     if (pending_bytes_ > peak_pending_bytes_) peak_pending_bytes_ = pending_bytes_;
     seq = ++enqueued_;
@@ -85,6 +91,7 @@ uint64_t Queue::last_enqueued() const {
 }
 
 void Queue::wait_done_or_rethrow(uint64_t seq) {
+  trace::Span waiting("wait", [&] { return "wait for " + device_.str(); });
   {
     std::unique_lock<std::mutex> lock(mutex_);
     progressed_.wait(lock, [&] { return done_ >= seq; });
@@ -218,7 +225,18 @@ std::recursive_mutex& collective_submission_mutex() {
   return *m;
 }
 
+// Collectives run on the device's worker too, but the timeline shows them on the device's
+// communication track, so their overlap with compute (or the lack of it) is visible.
+static bool is_collective(const char* name) {
+  return std::strncmp(name, "allreduce", 9) == 0 || std::strncmp(name, "distributed.", 12) == 0;
+}
+
 void Queue::run() {
+  // The timeline's tracks of this worker: what runs here ("gpu(0)": on a GPU the host-side
+  // launches, which on the emulator include the kernels' execution) and its collectives.
+  trace::set_thread_track(device_.str());
+  const uint32_t compute_track = trace::thread_track();
+  const uint32_t comm_track = trace::intern(device_.str() + " comm");
   // A GPU's worker makes its device current once: every task it runs launches there.
   std::exception_ptr start_error;
   if (!device_.is_cpu()) {
@@ -248,11 +266,23 @@ void Queue::run() {
     }
     running_name_ = task.name;
     running_seq_ = done_ + 1;
+    const bool tracing = trace::on();
+    int64_t t0 = 0;
+    uint32_t track = compute_track;
+    if (tracing) {
+      track = is_collective(task.name) ? comm_track : compute_track;
+      trace::set_thread_track_id(track);
+      t0 = trace::now_ns();
+    }
     try {
       if (start_error) std::rethrow_exception(start_error);
       task.fn();
     } catch (...) {
       record_error(task.name, done_ + 1, std::current_exception());
+    }
+    if (tracing) {
+      trace::record(track, task.name, task.label, t0, trace::now_ns(), true);
+      trace::set_thread_track_id(compute_track);
     }
     // Drop the captured tensors before announcing completion, so a host that waited for this
     // task sees their storage released (and wrapped memory handed back) already.

@@ -70,6 +70,7 @@ class Queue {
     const char* name;
     std::function<void()> fn;
     size_t bytes;
+    uint32_t label;  // the trace label of the enqueueing scope (core/trace.h); 0 when off
   };
   void run();
   // GPU queues: waits for the device's stream (a task's kernels may still be running after it

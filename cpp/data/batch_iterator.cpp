@@ -14,6 +14,7 @@
 #include <thread>
 #include <utility>
 
+#include "core/trace.h"
 #include "core/error.h"
 
 namespace mgpu::data {
@@ -209,6 +210,7 @@ struct BatchIterator::Impl {
   }
 
   void run() {
+    trace::set_thread_track("data loader");
     std::vector<int64_t> order;
     uint64_t order_generation = 0;  // generations start at 1, so the first epoch computes it
     std::unique_lock<std::mutex> lock(mutex);
@@ -234,6 +236,7 @@ struct BatchIterator::Impl {
           order = epoch_order(n, shuffle, seed, e);
           order_generation = gen;
         }
+        trace::Span span("load batch");
         batch = make_batch(order, index, e);
       } catch (...) {
         failure = std::current_exception();
@@ -331,7 +334,10 @@ bool BatchIterator::next(Batch& out) {
   if (s.epoch < 0) s.start_locked(0);
   if (s.error) std::rethrow_exception(s.error);
   if (s.consumed >= s.num_batches) return false;
-  s.cv.wait(lock, [&s] { return s.ready.has_value() || s.error; });
+  {
+    trace::Span waiting("wait for data loader");
+    s.cv.wait(lock, [&s] { return s.ready.has_value() || s.error; });
+  }
   if (s.error) std::rethrow_exception(s.error);
   out = std::move(*s.ready);
   s.ready.reset();

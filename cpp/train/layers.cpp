@@ -5,6 +5,7 @@
 #include <string>
 #include <tuple>
 
+#include "core/trace.h"
 #include "ops/avg_pool2d.h"
 #include "ops/batch_norm.h"
 #include "ops/conv2d.h"
@@ -227,6 +228,7 @@ void forward_layer(const Model& m, size_t i, Trace& t, const ReplicaState& r, bo
   std::vector<Tensor> in;
   for (int s : l.in) in.push_back(t.slots[static_cast<size_t>(s)]);
   try {
+    trace::Label label([&] { return l.name + (training ? " forward" : " forward (eval)"); });
     t.slots[static_cast<size_t>(l.out)] = forward(l, in, r, training, for_backward, &t.saved[i]);
   } catch (const ValueError& e) {
     // An op's message about its shapes, prefixed with the layer that called it.
@@ -258,6 +260,7 @@ void backward_layer(const Model& m, size_t i, Pass& p) {
   Trace& t = p.t;
   Tensor dy = std::move(p.dslot[static_cast<size_t>(l.out)]);
   t.slots[static_cast<size_t>(l.out)] = Tensor();
+  trace::Label label([&] { return l.name + " backward"; });
   if (!dy.defined()) {
     // The layer does not reach the loss: its parameters' gradients are zero.
     for (int q : l.params) ops::fill(grad_view(m, p.grads, *p.r, static_cast<size_t>(q)), 0.0);
@@ -421,6 +424,7 @@ std::vector<Tensor> replicas_loss_and_grads(
   for (Pass& p : ps) {
     if (p.empty) continue;
     const Tensor& logits = p.t.slots.back();
+    trace::Label label([] { return std::string("loss forward and backward"); });
     Tensor losses = ops::softmax_ce_forward(logits, p.y);
     p.loss = ops::sum(losses);
     // Backward of sum(losses): every per-example loss gets gradient one.
@@ -442,6 +446,11 @@ std::vector<Tensor> replicas_loss_and_grads(
     for (Pass& p : ps)
       if (!p.empty) backward_layer(m, static_cast<size_t>(i), p);
     while (next_bucket < m.buckets().size() && m.buckets()[next_bucket].last_layer == i) {
+      trace::Label bucket([&] {
+        const Bucket& k = m.buckets()[next_bucket];
+        return "allreduce bucket " + std::to_string(next_bucket) + " (" +
+               std::to_string(k.end - k.begin) + " floats)";
+      });
       for (size_t d = 0; d < L; ++d) bucket_done(next_bucket, d);
       ++next_bucket;
     }

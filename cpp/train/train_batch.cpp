@@ -6,6 +6,7 @@
 #include "comm/allreduce_mpi.h"
 #include "comm/bucket_allreduce.h"
 #include "core/gpu.h"
+#include "core/trace.h"
 #include "ops/argmax.h"
 #include "ops/elementwise.h"
 #include "ops/softmax_ce.h"
@@ -269,6 +270,7 @@ void check_replicas(const char* op, const Model& m, const std::vector<Replica>& 
 std::vector<Tensor> train_step(const Model& m, const Tensor& X, const Tensor& y,
                                std::vector<Replica>& replicas, const Sgd& sgd,
                                int64_t num_shards, const char* op) {
+  trace::Span span(op);
   check_replicas(op, m, replicas);
   MGPU_CHECK_VALUE(X.dim() >= 1 && y.dim() == 1 && X.size(0) == y.size(0), op, ": X and "
                    "y must hold the same number of examples, got X ", X.shape(), " and y ",
@@ -297,7 +299,12 @@ std::vector<Tensor> train_step(const Model& m, const Tensor& X, const Tensor& y,
   // Graphs want every shard non-empty (an empty one takes the plain path's zero gradients).
   const bool graphs = !synced && graphs_enabled(devices) &&
                       X.size(0) >= static_cast<int64_t>(L * world);
-  const std::vector<Tensor> xs = rank_shards(X, devices, !graphs), ys = rank_shards(y, devices, !graphs);
+  std::vector<Tensor> xs, ys;
+  {
+    trace::Label label([] { return std::string("split and copy batch"); });
+    xs = rank_shards(X, devices, !graphs);
+    ys = rank_shards(y, devices, !graphs);
+  }
   std::vector<int64_t> sizes;
   for (const Bucket& b : m.buckets()) sizes.push_back(b.end - b.begin);
   comm::BucketAllReduce reduce(devices, sizes, X.size(0) * 256 + static_cast<int64_t>(L));
@@ -334,14 +341,19 @@ std::vector<Tensor> train_step(const Model& m, const Tensor& X, const Tensor& y,
     }
     losses = replicas_loss_and_grads(m, xs, ys, states, grads, bucket_done, sync);
   }
-  for (size_t d = 0; d < L; ++d) update(m, replicas[d], grads[d], sgd, X.size(0));
-  share_buffers(replicas);
+  {
+    trace::Label label([] { return std::string("sgd update"); });
+    for (size_t d = 0; d < L; ++d) update(m, replicas[d], grads[d], sgd, X.size(0));
+    share_buffers(replicas);
+  }
   if (guarded) finish_guard(op, guard, classes, losses);
   return losses;
 }
 
 std::vector<Tensor> evaluate_step(const Model& m, const Tensor& X, const Tensor& y,
                                   const std::vector<Replica>& replicas) {
+  trace::Span span("evaluate_step");
+  trace::Label label([] { return std::string("evaluate"); });
   check_replicas("evaluate_accuracy", m, replicas);
   MGPU_CHECK_VALUE(X.dim() >= 1 && y.dim() == 1 && X.size(0) == y.size(0), "evaluate_accuracy: "
                    "X and y must hold the same number of examples, got X ", X.shape(), " and y ",

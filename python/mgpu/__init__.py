@@ -24,6 +24,7 @@ from . import (  # after the checks above (pyproject.toml: E402 is off for this 
     optim,
     plot,
     random,
+    trace,
 )
 from ._core import DeviceError, OutOfMemoryError
 from .autograd import no_grad
@@ -46,6 +47,7 @@ from .tensor import (
     zeros,
     zeros_like,
 )
+from .trace import profile
 from .train import (
     Timer,
     TrainResult,
@@ -68,6 +70,7 @@ def _drain_at_exit() -> None:
 
 
 atexit.register(_drain_at_exit)
+trace._start_from_env()  # MGPU_TRACE=path: the whole program's timeline, written at exit
 
 
 def waitall() -> None:
@@ -127,7 +130,7 @@ __all__ = [
     "cpu", "gpu", "try_gpu", "try_all_gpus", "num_gpus",
     "array", "tensor", "zeros", "ones", "full", "zeros_like", "ones_like", "arange", "randn",
     "from_dlpack", "random", "autograd", "chapter", "distributed", "plot", "no_grad",
-    "models", "nn", "ops", "optim",
+    "models", "nn", "ops", "optim", "profile", "trace",
     "conv2d", "avg_pool2d", "relu", "batch_norm", "mm", "dot", "cross_entropy", "argmax",
     "lenet", "lenet_params", "get_params", "allreduce", "split_batch", "split_and_load", "sgd",
     "train_batch", "load_data_fashion_mnist", "get_fashion_mnist_labels",

@@ -16,6 +16,8 @@ import contextlib
 import threading
 from typing import Callable, List, Optional, Sequence
 
+from . import trace as _trace
+
 _state = threading.local()
 
 
@@ -126,7 +128,12 @@ def backward(root, grad: Optional[object] = None) -> None:
     with no_grad():
         for t in reversed(order):
             dy = grads.pop(id(t))
-            for x, g in zip(t._node.inputs, t._node.backward_fn(dy)):
+            if _trace._on:  # a host span per op's backward on the timeline
+                with _trace.scope(t._node.op + " backward"):
+                    dxs = t._node.backward_fn(dy)
+            else:
+                dxs = t._node.backward_fn(dy)
+            for x, g in zip(t._node.inputs, dxs):
                 if x is None or g is None or not x.requires_grad:
                     continue
                 if x._node is None:

@@ -9,6 +9,16 @@ from typing import List, Optional
 
 
 def _train(args) -> int:
+    if args.trace:
+        from .trace import profile
+        with profile(args.trace) as p:
+            code = _train_run(args)
+        print(f"timeline written to {', '.join(p.written)}", file=sys.stderr)
+        return code
+    return _train_run(args)
+
+
+def _train_run(args) -> int:
     from .train import train, train_op_by_op
     kw = dict(data_dir=args.data_dir, limit_batches=args.limit_batches, seed=args.seed)
     if args.model == "resnet18":
@@ -37,6 +47,42 @@ def _train(args) -> int:
     else:
         train(args.num_gpus, args.batch_size, args.lr, args.epochs, **kw)
     return 0
+
+
+def _trace_merge(args) -> int:
+    from .trace import merge
+    print(f"merged {len(args.inputs)} traces into {merge(args.inputs, args.out)}")
+    return 0
+
+
+def _advise(args) -> int:
+    from . import advisor
+    return advisor.main(args)
+
+
+def _advise_parser(sub) -> None:
+    a = sub.add_parser("advise", help="measure this machine's step parts and predict the speed-up "
+                                      "of more devices, other batch sizes or another machine")
+    a.add_argument("--model", choices=["lenet", "resnet18"], default="lenet")
+    a.add_argument("--batch-size", type=_ints, default=[256],
+                   help="global batch size(s) to predict for, e.g. 64,256,1024")
+    a.add_argument("--devices", type=int, default=None,
+                   help="predict for 1..N devices (default: 8 for a described machine, else 2)")
+    a.add_argument("--machine", metavar="FILE.json", default=None,
+                   help="predict for a described machine (not measured): device FLOP/s, memory "
+                        "and link bandwidth, link latency; see mgpu.advisor.EXAMPLE_MACHINES")
+    a.add_argument("--epoch-examples", type=int, default=60000,
+                   help="examples per epoch for the epoch-time column")
+    a.add_argument("--plot", metavar="PATH.png", default=None, help="draw speed-up vs batch size")
+    a.add_argument("--json", metavar="PATH", default=None,
+                   help="write measurements and predictions")
+    a.add_argument("--quick", action="store_true", help="few, small measurements (seconds)")
+    a.add_argument("--validate", action="store_true",
+                   help="also time real runs (1 and 2 devices, each batch size) and report the "
+                        "prediction error")
+    a.add_argument("--from-json", metavar="PATH", default=None,
+                   help="reuse the measurements of an earlier --json instead of measuring")
+    a.set_defaults(run=_advise)
 
 
 def info_lines() -> List[str]:
@@ -244,7 +290,15 @@ def main(argv: Optional[List[str]] = None) -> int:
                         "chapter's step in that order, the same bits again")
     t.add_argument("--no-check-finite", dest="check_finite", action="store_false",
                    help="keep training when the loss becomes NaN or infinite (default: stop)")
+    t.add_argument("--trace", metavar="PATH.json", default=None,
+                   help="write a Chrome/Perfetto timeline of the run (one file per rank under "
+                        "mpirun; see trace-merge)")
     t.set_defaults(run=_train)
+    m = sub.add_parser("trace-merge", help="join per-rank timelines into one (ranks as processes)")
+    m.add_argument("out", help="the merged trace to write")
+    m.add_argument("inputs", nargs="+", help="the ranks' trace files")
+    m.set_defaults(run=_trace_merge)
+    _advise_parser(sub)
     i = sub.add_parser("info", help="version, CPU kernel path, BLAS, built parts, devices, data")
     i.add_argument("--json", action="store_true", help="print mgpu.build_info() as JSON instead")
     i.set_defaults(run=_info)

@@ -12,6 +12,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from . import _core, autograd
 from . import ops as functional
+from . import trace as _trace
 from .device import Device, as_device, try_all_gpus, try_gpu
 from .nn import CrossEntropyLoss as nn_CrossEntropyLoss
 from .nn import Module, _BatchNorm, _calls, _check_input
@@ -188,6 +189,7 @@ class DataParallel(Module):
                             f"{type(out).__name__}")
         return out
 
+    @_trace.span("DataParallel.train_step")
     def train_step(self, X: Tensor, y: Tensor, loss, trainer, deterministic=False) -> Tensor:
         """One fused data-parallel step: every replica's forward, loss, backward, bucketed
         all-reduce and SGD update run in C++ from this one call (``mgpu._core.Model``, built

@@ -11,6 +11,7 @@ import numpy as np
 
 from . import _core
 from . import distributed as _dist
+from . import trace as _trace
 from .device import Device, as_device
 from .tensor import Tensor, _handle, _int, array
 
@@ -48,6 +49,7 @@ def _flat_tensors(data) -> List[List["_core.Tensor"]]:
     return out
 
 
+@_trace.span("allreduce")
 def allreduce(data) -> None:
     """Sums tensors across devices in place; afterwards every device holds the sum.
 
@@ -60,6 +62,7 @@ def allreduce(data) -> None:
             t._t.bump_version()
 
 
+@_trace.span("split_batch")
 def split_batch(X: Tensor, y: Tensor,
                 devices: Sequence[Device]) -> Tuple[List[Tensor], List[Tensor]]:
     """Splits X and y along axis 0 into one shard per device (sizes differ by at most one)."""
@@ -159,6 +162,7 @@ def _replicas(device_params, devices) -> Tuple[list, list]:
     return handles, devices
 
 
+@_trace.span("train_batch")
 def train_batch(X: Tensor, y: Tensor, device_params, devices: Sequence[Device],
                 lr: float, deterministic=False) -> List[Tensor]:
     """One fused data-parallel LeNet step (GIL released, every device at once).
@@ -187,6 +191,7 @@ def train_batch(X: Tensor, y: Tensor, device_params, devices: Sequence[Device],
     return losses
 
 
+@_trace.span("evaluate_counts")
 def evaluate_counts(X: Tensor, y: Tensor, device_params, devices: Sequence[Device]) -> List[Tensor]:
     """Correct predictions of the replicas on one batch, split over the devices (0-d each)."""
     Xh, yh = _handle(X, "evaluate_accuracy", "X"), _handle(y, "evaluate_accuracy", "y")

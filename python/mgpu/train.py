@@ -17,6 +17,7 @@ import numpy as np
 
 from . import _core
 from . import distributed as _dist
+from . import trace as _trace
 from .autograd import no_grad
 from .data import DataLoader, load_data_fashion_mnist
 from .device import Device, as_device, try_gpu
@@ -54,6 +55,7 @@ class Timer:
         return sum(self.times)
 
 
+@_trace.span("evaluate_accuracy")
 def evaluate_accuracy(net_or_params, data_iter,
                       devices: Optional[Sequence[Device]] = None) -> float:
     """Test accuracy, computed on all ``devices`` at once.

@@ -1,0 +1,66 @@
+"""What the timeline costs (issue 14): process CPU time per fused LeNet step on 2 CPU devices with
+tracing off and on, interleaved rounds, medians. Run with MGPU_NUM_THREADS=1 so CPU time is not
+inflated by spinning helpers; for the cost of the span sites while off, run the "off" figure of this
+build against a build without them (same command, other PYTHONPATH).
+
+    MGPU_NUM_THREADS=1 python -m mgpu.bench.trace_cost --batch-size 16 --rounds 7
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+
+import numpy as np
+
+
+def cpu_per_step(step, steps: int) -> float:
+    from .. import _core
+    t0 = time.process_time()
+    for _ in range(steps):
+        step()
+    _core.waitall()
+    return (time.process_time() - t0) / steps
+
+
+def main(argv=None) -> int:
+    import mgpu
+    p = argparse.ArgumentParser(prog="python -m mgpu.bench.trace_cost", description=__doc__)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--steps", type=int, default=40, help="steps per sample")
+    p.add_argument("--rounds", type=int, default=7, help="off/on sample pairs")
+    args = p.parse_args(argv)
+    devs = [mgpu.cpu(0), mgpu.cpu(1)]
+    dp = [mgpu.get_params(mgpu.lenet_params(seed=0), d) for d in devs]
+    rng = np.random.default_rng(0)
+    X = mgpu.array(rng.random((args.batch_size, 1, 28, 28), dtype=np.float32))
+    y = mgpu.array(rng.integers(0, 10, args.batch_size).astype(np.int64))
+
+    def step():
+        mgpu.train_batch(X, y, dp, devs, 0.01)
+    cpu_per_step(step, 3)
+    fd, path = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    off, on = [], []
+    try:
+        for _ in range(args.rounds):
+            off.append(cpu_per_step(step, args.steps))
+            with mgpu.profile(path):
+                on.append(cpu_per_step(step, args.steps))
+        with open(path) as f:
+            events = len(json.load(f)["traceEvents"])
+    finally:
+        os.unlink(path)
+    a, b = statistics.median(off), statistics.median(on)
+    print(f"LeNet fused step, batch {args.batch_size}, 2 CPU devices, "
+          f"{mgpu.num_threads()} thread(s), process CPU time, median of {args.rounds}:")
+    print(f"  tracing off {a * 1e3:.3f} ms/step, on {b * 1e3:.3f} ms/step "
+          f"({(b / a - 1) * 100:+.1f} %); {events / args.steps:.0f} trace events per step")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,152 @@
+"""The scaling advisor (issue 14): its model gives the hand-computed prediction of a synthetic
+measurement table, its fits recover known latency and bandwidth, and `python -m mgpu advise`
+runs end to end in --quick mode."""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from mgpu import advisor
+
+# A synthetic machine with 2 cores: a forward of 1 ms/example and a backward of 2 ms/example with
+# both threads (twice that with one), one 1M-float bucket after the backward, a 1 ms update.
+TABLE = {
+    "model": "synthetic", "cores": 2, "device_kind": "cpu",
+    "compute": {
+        "2": {"steps": [
+            {"name": "f", "phase": "forward", "fixed": 0.0, "per_example": 1e-3, "ops": 1},
+            {"name": "b", "phase": "backward", "fixed": 0.0, "per_example": 2e-3, "ops": 2},
+            {"name": "bucket 0", "phase": "bucket", "floats": 1_000_000},
+            {"name": "sgd update", "phase": "update", "fixed": 1e-3, "per_example": 0.0,
+             "ops": 1}]},
+        "1": {"steps": [
+            {"name": "f", "phase": "forward", "fixed": 0.0, "per_example": 2e-3, "ops": 1},
+            {"name": "b", "phase": "backward", "fixed": 0.0, "per_example": 4e-3, "ops": 2},
+            {"name": "bucket 0", "phase": "bucket", "floats": 1_000_000},
+            {"name": "sgd update", "phase": "update", "fixed": 1e-3, "per_example": 0.0,
+             "ops": 1}]},
+    },
+    "gemm_flops": {"2": 1e11, "1": 5e10},
+    "allreduce": {"latency": 1e-4, "bus_bandwidth": 1e9},
+    "host": {"fixed": 1e-3, "per_device": 5e-4},
+    "input": None, "param_floats": 1_000_000,
+}
+
+
+def test_one_device_prediction_by_hand():
+    r = advisor.predict(TABLE, 1, 100)
+    # device: 100 * 1 ms + 100 * 2 ms + 1 ms = 0.301 s, no all-reduce with one device;
+    # host: 1 ms + 0.5 ms; cores: (host + 0.301 s * 2 threads) / 2 cores = 0.30175 s.
+    assert r["device"] == pytest.approx(0.301)
+    assert r["parts"]["overhead"] == pytest.approx(0.0015)
+    assert r["parts"]["communication"] == pytest.approx(0.0)
+    assert r["step"] == pytest.approx(0.30175)
+    assert r["bound"] == "compute"
+    assert r["epoch"] == pytest.approx(0.30175 * 600)  # 60000 examples / 100
+
+
+def test_two_device_prediction_by_hand():
+    r = advisor.predict(TABLE, 2, 100)
+    # shard 50 at 1 thread: 50 * 2 ms + 50 * 4 ms + 1 ms = 0.301 s of compute; the bucket's
+    # all-reduce on the same threads: 2 * 1 * 100 us + 2 * 1/2 * 4 MB / 1 GB/s = 4.2 ms.
+    assert r["shard"] == 50
+    assert r["parts"]["compute"] == pytest.approx(0.301)
+    assert r["parts"]["communication"] == pytest.approx(0.0042)
+    assert r["step"] == pytest.approx(0.3052)
+    rows = advisor.predict_table(TABLE, 2, [100])
+    assert rows[1]["speedup"] == pytest.approx(0.30175 / 0.3052)
+
+
+def test_communication_bound_and_crossover():
+    slow_link = dict(TABLE, allreduce={"latency": 1e-4, "bus_bandwidth": 1e7})
+    r = advisor.predict(slow_link, 2, 10)
+    # 2 * 100 us + 4 MB / 10 MB/s = 0.4002 s of all-reduce against 31 ms of compute.
+    assert r["parts"]["communication"] == pytest.approx(0.4002)
+    assert r["bound"] == "communication"
+    # Per example, 2 devices at one thread each (6 ms / 2 shards) equal 1 device at two threads
+    # (3 ms): the all-reduce is never hidden, 2 devices never win.
+    assert advisor.crossover(TABLE) is None
+    fast = json.loads(json.dumps(TABLE))
+    fast["allreduce"] = {"latency": 1e-4, "bus_bandwidth": 1e8}
+    for e in fast["compute"]["1"]["steps"]:
+        if "per_example" in e:
+            e["per_example"] = e["per_example"] / 2 * 0.8  # one thread does 80 % of two's work
+    # k=1: cores bound 0.003 B + 0.00175 s; k=2: 0.0012 B + 0.001 s compute + 0.0402 s
+    # all-reduce. 2 devices win once 0.0018 B > 0.04345: B > 24.1, so at 32 (not at 16).
+    assert advisor.crossover(fast) == 32
+    assert advisor.predict(fast, 2, 32)["step"] < advisor.predict(fast, 1, 32)["step"]
+    assert advisor.predict(fast, 2, 16)["step"] > advisor.predict(fast, 1, 16)["step"]
+
+
+def test_described_machine_overlaps_buckets_with_backward():
+    m = {"name": "toy", "devices": 4, "device_flops": 1e12, "memory_bandwidth": 1e12,
+         "link_bandwidth": 1e10, "link_latency": 1e-5, "launch_overhead": 1e-6}
+    r = advisor.predict(TABLE, 4, 400, machine=m)
+    # shard 100; FLOPs per example = s/example * this machine's 1e11 FLOP/s; at 1e12 FLOP/s:
+    # f: 1 op * 1 us + 100 * 1e-3 * 1e11 / 1e12 = 0.010001 s; b: 2 us + 0.02 s.
+    # all-reduce over 4: 6 * 10 us + 1.5 * 4 MB / 10 GB/s = 0.00066 s (starts after b);
+    # update waits for it: 1 us + 12 B * 1M / 1e12 = 1.3 us.
+    f, b = 1e-6 + 0.01, 2e-6 + 0.02
+    ar = 6 * 1e-5 + 1.5 * 4e6 / 1e10
+    assert r["parts"]["compute"] == pytest.approx(f + b + 1e-6 + 12e6 / 1e12)
+    assert r["device"] == pytest.approx(f + b + ar + 1e-6 + 12e6 / 1e12)
+    assert r["measured"] is False
+    text = advisor.format_table(advisor.predict_table(TABLE, 4, [400], machine=m), False, "toy")
+    assert "NOT MEASURED" in text
+
+
+def test_allreduce_fit_recovers_known_latency_and_bandwidth():
+    lat, bw = 3e-5, 2e9
+    pts = [(k, n, advisor.allreduce_time(n, k, lat, bw)) for k in (2, 3) for n in
+           (4096, 65536, 1 << 20, 1 << 23)]
+    fit = advisor.fit_allreduce(pts)
+    assert fit["latency"] == pytest.approx(lat, rel=1e-6)
+    assert fit["bus_bandwidth"] == pytest.approx(bw, rel=1e-6)
+    assert advisor.allreduce_time(1e6, 1, lat, bw) == 0.0
+
+
+def test_bad_inputs_raise_clear_errors(tmp_path):
+    with pytest.raises(ValueError, match=">= 1"):
+        advisor.predict(TABLE, 0, 10)
+    with pytest.raises(ValueError, match="mpirun"):
+        advisor.predict(TABLE, 1, 10, ranks=2)
+    bad = tmp_path / "m.json"
+    bad.write_text(json.dumps({"devices": 8}))
+    with pytest.raises(ValueError, match="lacks device_flops"):
+        advisor._load_machine(str(bad))
+    with pytest.raises(FileNotFoundError, match="8gpu-nvlink"):
+        advisor._load_machine(str(tmp_path / "none.json"))
+
+
+def test_advise_command_runs_end_to_end_quick(tmp_path):
+    out, png = str(tmp_path / "a.json"), str(tmp_path / "a.png")
+    env = dict(os.environ, MGPU_EMULATED_GPUS="0")
+    r = subprocess.run([sys.executable, "-m", "mgpu", "advise", "--model", "lenet",
+                        "--batch-size", "32,128", "--quick", "--json", out, "--plot", png],
+                       capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert "predicted from measurements on this machine" in r.stdout
+    with open(out) as f:
+        doc = json.load(f)
+    rows = doc["predictions"]
+    assert [(x["batch"], x["devices"]) for x in rows] == [(32, 1), (32, 2), (128, 1), (128, 2)]
+    for x in rows:
+        assert x["step"] > 0 and x["bound"] in ("compute", "communication", "overhead", "input")
+        assert math.isclose(x["speedup"] * x["step"],
+                            next(y["step"] for y in rows if y["batch"] == x["batch"] and
+                                 y["devices"] == 1), rel_tol=1e-9)
+    meas = doc["measurements"]
+    phases = [e["phase"] for e in meas["compute"]["1"]["steps"]]
+    assert phases.count("bucket") == 2 and phases[-1] == "update"
+    assert phases.index("bucket") > phases.index("backward")
+    assert meas["allreduce"]["bus_bandwidth"] > 0
+    assert os.path.getsize(png) > 5000
+    # The described machine, from the saved measurements: labelled as not measured.
+    r = subprocess.run([sys.executable, "-m", "mgpu", "advise", "--from-json", out, "--machine",
+                        "8gpu-nvlink", "--batch-size", "64,1024"], capture_output=True, text=True,
+                       env=env, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "NOT MEASURED" in r.stdout and "8 GPUs on NVLink" in r.stdout
