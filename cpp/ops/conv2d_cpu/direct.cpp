@@ -196,7 +196,8 @@ void direct_relu_pool2_image(const Conv2dShape& s, const float* __restrict x,
           storev(m0, __builtin_convertvector(k0 & 1, VB));
           storev(m0 + Q, __builtin_convertvector(k1 & 1, VB));
         }
-        const V sum = (k0 ? y0 : zero) + (k1 ? y1 : zero);
+        // relu as relu_forward computes it: NaN passes through (y <= 0 is false for NaN).
+        const V sum = (y0 <= zero ? zero : y0) + (y1 <= zero ? zero : y1);
         storev(pooled + (k * Pp + pp) * Qp + q0 / 2, (T::evens(sum) + T::odds(sum)) * 0.25f);
       }
     });

@@ -33,12 +33,13 @@ void bias_relu_pool2_plane(const float* __restrict v, float bias, int64_t P, int
     float* out = pooled + pp * Qp;
     for_each_pool2_chunk<L>(Q, [&](int64_t q0) {
       const F a0 = loadv<F>(v0 + q0) + bias, a1 = loadv<F>(v1 + q0) + bias;
-      const typename T::I k0 = a0 > zero, k1 = a1 > zero;
       if (m0) {
+        const typename T::I k0 = a0 > zero, k1 = a1 > zero;
         storev(m0 + q0, __builtin_convertvector(k0 & 1, typename T::B));
         storev(m0 + Q + q0, __builtin_convertvector(k1 & 1, typename T::B));
       }
-      const F sum = (k0 ? a0 : zero) + (k1 ? a1 : zero);
+      // relu as relu_forward computes it: NaN passes through (a <= 0 is false for NaN).
+      const F sum = (a0 <= zero ? zero : a0) + (a1 <= zero ? zero : a1);
       storev(out + q0 / 2, (T::evens(sum) + T::odds(sum)) * 0.25f);
     });
     if (m0 && Q % 2 == 1) {  // the column no window covers
@@ -99,20 +100,20 @@ void bias_relu_pool_plane(const float* __restrict v, float bias, int64_t P, int6
       const float* __restrict v1 = v0 + Q;
       for (int64_t q = 0; q < 2 * Qp; ++q) {
         const float a0 = v0[q] + bias, a1 = v1[q] + bias;
-        acc[q] = (a0 > 0.0f ? a0 : 0.0f) + (a1 > 0.0f ? a1 : 0.0f);
+        acc[q] = (a0 <= 0.0f ? 0.0f : a0) + (a1 <= 0.0f ? 0.0f : a1);
       }
       for (int64_t qq = 0; qq < Qp; ++qq) out[qq] = (acc[2 * qq] + acc[2 * qq + 1]) * 0.25f;
       continue;
     }
     for (int64_t q = 0; q < Q; ++q) {
       const float a = v0[q] + bias;
-      acc[q] = a > 0.0f ? a : 0.0f;
+      acc[q] = a <= 0.0f ? 0.0f : a;  // NaN passes through, as in relu_forward
     }
     for (int64_t i = 1; i < pool; ++i) {
       const float* __restrict vi = v0 + i * Q;
       for (int64_t q = 0; q < Q; ++q) {
         const float a = vi[q] + bias;
-        acc[q] += a > 0.0f ? a : 0.0f;
+        acc[q] += a <= 0.0f ? 0.0f : a;
       }
     }
     for (int64_t qq = 0; qq < Qp; ++qq) {
