@@ -180,11 +180,30 @@ def train_batch(X: Tensor, y: Tensor, device_params, devices: Sequence[Device],
     Xh, yh = _handle(X, "train_batch", "X"), _handle(y, "train_batch", "y")
     _dist._auto_init()
     handles, devices = _replicas(device_params, devices)
+    _check_lenet_labels(y, handles)
     losses = [Tensor(t) for t in _core.train_batch(Xh, yh, handles, devices, lr, shards)]
     for ps in device_params:  # updated in place
         for p in ps:
             p._t.bump_version()
     return losses
+
+
+def _check_lenet_labels(y: Tensor, handles) -> None:
+    """IndexError for a label outside [0, classes) before the step starts, so a refused step
+    leaves every replica unchanged (checked in the step's kernels, the error would come at the
+    next wait, after the update had run on garbage gradients). Labels on a CPU device only: it
+    reads them on the host. Classes come from the last bias (b4: (10,))."""
+    if (not handles or len(handles[0]) != 8 or y.device.kind != _core.DeviceKind.CPU
+            or y.dtype.name not in ("int32", "int64") or y.ndim != 1):
+        return  # the step's own checks report these
+    classes = handles[0][7].shape[0] if len(handles[0][7].shape) == 1 else None
+    labels = y.numpy()
+    if classes is None or not labels.size:
+        return
+    bad = np.flatnonzero((labels < 0) | (labels >= classes))
+    if bad.size:
+        raise IndexError(f"train_batch: label {int(labels[bad[0]])} in row {int(bad[0])} is out "
+                         f"of range for {classes} classes; labels must be in [0, {classes})")
 
 
 def evaluate_counts(X: Tensor, y: Tensor, device_params, devices: Sequence[Device]) -> List[Tensor]:
