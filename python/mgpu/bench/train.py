@@ -468,8 +468,9 @@ def format_train(r: Dict) -> str:
                      f"{x['sec_per_epoch']:.2f}" + ("*" if x["extrapolated"] else ""),
                      f"{x['images_per_sec']:.0f}",
                      f"{x['gflops']:.1f}" if "gflops" in x else "-"])
-    lines += _table(["configuration", "batch", "threads", "ms/step", "spread", "sec/epoch",
-                     "img/s", "GFLOP/s"], rows, "lrrrrrrr")
+    if rows:  # none when only the side parts (e.g. --parts deterministic) ran
+        lines += _table(["configuration", "batch", "threads", "ms/step", "spread", "sec/epoch",
+                         "img/s", "GFLOP/s"], rows, "lrrrrrrr")
     if extrapolated:
         lines.append("* sec/epoch extrapolated: median sec/step x batches in a whole epoch")
     sc = r.get("scaling")
