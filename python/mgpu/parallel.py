@@ -180,7 +180,8 @@ def train_batch(X: Tensor, y: Tensor, device_params, devices: Sequence[Device],
     Xh, yh = _handle(X, "train_batch", "X"), _handle(y, "train_batch", "y")
     _dist._auto_init()
     handles, devices = _replicas(device_params, devices)
-    _check_lenet_labels(y, handles)
+    if devices and devices[0].kind == _core.DeviceKind.CPU:  # GPU steps: their kernels check
+        _check_lenet_labels(y, handles)
     losses = [Tensor(t) for t in _core.train_batch(Xh, yh, handles, devices, lr, shards)]
     for ps in device_params:  # updated in place
         for p in ps:
@@ -191,8 +192,8 @@ def train_batch(X: Tensor, y: Tensor, device_params, devices: Sequence[Device],
 def _check_lenet_labels(y: Tensor, handles) -> None:
     """IndexError for a label outside [0, classes) before the step starts, so a refused step
     leaves every replica unchanged (checked in the step's kernels, the error would come at the
-    next wait, after the update had run on garbage gradients). Labels on a CPU device only: it
-    reads them on the host. Classes come from the last bias (b4: (10,))."""
+    next wait, after the update had run on garbage gradients). For steps on CPU devices with
+    labels on a CPU device: it reads them on the host. Classes come from the last bias (b4)."""
     if (not handles or len(handles[0]) != 8 or y.device.kind != _core.DeviceKind.CPU
             or y.dtype.name not in ("int32", "int64") or y.ndim != 1):
         return  # the step's own checks report these
