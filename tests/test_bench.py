@@ -46,6 +46,21 @@ def train_result(tmp_path_factory):
     return text, r
 
 
+def test_train_reports_the_cost_of_the_deterministic_step(train_result):
+    text, r = train_result
+    assert [d["num_devices"] for d in r["deterministic"]] == [1, 2]
+    for d in r["deterministic"]:
+        assert d["shards"] == 8 and d["steps_per_epoch"] == 3
+        for mode in ("default", "deterministic"):
+            for clock in ("wall", "cpu"):
+                _check_stats(d[mode][clock])
+                assert len(d[mode][clock]["times"]) == 2  # interleaved epochs, at least two
+        a, b = d["default"]["cpu"]["median"], d["deterministic"]["cpu"]["median"]
+        assert d["cpu_cost_percent"] == pytest.approx(100 * (b - a) / a)
+    assert "deterministic (train_batch deterministic=True, 8 shards) on 2 devices" in text
+    assert "% CPU (process CPU time" in text
+
+
 def test_train_reports_every_configuration(train_result):
     text, r = train_result
     _check_machine(r)

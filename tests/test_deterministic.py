@@ -79,6 +79,20 @@ def test_the_shard_count_matters_and_is_checked():
     assert DEFAULT_SHARDS == 8
 
 
+def test_a_shard_count_that_is_no_power_of_two_is_invariant_too():
+    """7 shards: the tree's right spine has uneven nodes ([4, 7) = [4, 6) + [6, 7))."""
+    Xn, yn, params = dist_worker.problem(45)
+    out = []
+    for k in (1, 3, 4):
+        reps = [mgpu.get_params(params, d) for d in CPUS[:k]]
+        for n in (45, 45, 20, 6):
+            mgpu.train_batch(mgpu.array(Xn[:n]), mgpu.array(yn[:n].astype(np.int32)), reps,
+                             CPUS[:k], lr=0.3, deterministic=7)
+        out.append([p.numpy() for p in reps[-1]])
+    assert_bitwise(out[1], out[0], "7 shards, 3 devices against 1")
+    assert_bitwise(out[2], out[0], "7 shards, 4 devices against 1")
+
+
 @pytest.fixture(scope="module")
 def bn_one_device():
     return dist_worker.deterministic_bn(CPUS[:1])

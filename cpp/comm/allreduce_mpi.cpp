@@ -67,7 +67,10 @@ std::string describe(const Call& c) {
   std::ostringstream out;
   switch (static_cast<Op>(c.op)) {
     case Op::Allreduce: out << "allreduce of " << c.count << " " << dtype_name(DType::F32); break;
-    case Op::Broadcast: out << "broadcast of " << c.count << " bytes from root " << c.root; break;
+    case Op::Broadcast:
+      out << "broadcast of " << c.count << " bytes from root " << c.root << ", "
+          << (c.dtype == kMixedDtypes ? "mixed dtypes" : dtype_name(static_cast<DType>(c.dtype)));
+      break;
     case Op::Barrier: out << "barrier"; break;
     case Op::TrainStep:
       out << "train_batch gradient all-reduce of " << c.count << " float32 (global batch "
@@ -468,11 +471,15 @@ void run_broadcast(const Call& call, const std::vector<Tensor>& tensors) {
   State& s = state();
   Exchange ex(call, "the transfer");
   char* bytes = flat_view<char>(tensors, call.count, ex);  // packed on every rank: cheap
+  // The tag carries the dtype: ranks that disagree on it (the same byte count of int32 and
+  // float32, say) never match, so the receiver fails at the timeout instead of reinterpreting
+  // bytes (with MGPU_DIST_CHECK=1 the fingerprints catch it at once).
+  const int tag = kTagBroadcast + 16 * static_cast<int>(call.dtype + 1);
   if (s.rank == call.root) {
     for (int p = 0; p < s.size; ++p)
-      if (p != s.rank) ex.send(bytes, call.count, MPI_BYTE, p, kTagBroadcast);
+      if (p != s.rank) ex.send(bytes, call.count, MPI_BYTE, p, tag);
   } else {
-    ex.recv(bytes, call.count, MPI_BYTE, static_cast<int>(call.root), kTagBroadcast);
+    ex.recv(bytes, call.count, MPI_BYTE, static_cast<int>(call.root), tag);
   }
   ex.wait();
   if (s.rank != call.root) unpack(tensors, bytes);
@@ -504,8 +511,9 @@ bool multi_process(const char* op) {
   State& s = state();
   std::lock_guard<std::mutex> lock(s.mutex);
   bool multi = s.initialized && s.use_mpi && s.size > 1;
-  MGPU_CHECK_VALUE(!(multi && s.finalized), op, ": mgpu.distributed.finalize() was called "
-                   "already; no collective can reach the other ranks now");
+  // Also in a one-process world: a program that collects after finalize is wrong at any size.
+  MGPU_CHECK_VALUE(!s.finalized, op, ": mgpu.distributed.finalize() was called already; no "
+                   "collective can run after it");
   return multi;
 }
 

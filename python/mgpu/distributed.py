@@ -21,6 +21,7 @@ uncaught exception on one rank ends every rank (``MPI_Abort`` at exit), so a job
 from __future__ import annotations
 
 import atexit
+import math
 import os
 import sys
 from typing import Optional, Sequence, Union
@@ -41,8 +42,8 @@ def _env_float(name: str, default: float) -> float:
         value = float(raw)
     except ValueError:
         raise ValueError(f"{name}={raw!r} is not a number of seconds") from None
-    if value <= 0:
-        raise ValueError(f"{name}={raw!r} must be > 0 seconds")
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name}={raw!r} must be a finite number > 0 (seconds)")
     return value
 
 
@@ -94,12 +95,22 @@ def init(backend: str = "auto", timeout: Optional[float] = None, check: Optional
     previous = _state["backend"]
     if previous is not None and previous != ("mpi" if use_mpi else "single"):
         raise ValueError(f"init: already initialised as {previous!r}; call init once per process")
-    _core.dist_set_timeout(float(timeout) if timeout is not None
-                           else _env_float("MGPU_DIST_TIMEOUT", _core.dist_timeout()))
-    _core.dist_set_check(bool(check) if check is not None
-                         else _env_flag("MGPU_DIST_CHECK", _core.dist_check()))
-    _core.dist_set_algorithm(algorithm if algorithm is not None
-                             else os.environ.get("MGPU_DIST_ALGORITHM", _core.dist_algorithm()))
+    # Every setting is read and checked before any is applied: a bad one changes nothing.
+    timeout = (float(timeout) if timeout is not None
+               else _env_float("MGPU_DIST_TIMEOUT", _core.dist_timeout()))
+    check = bool(check) if check is not None else _env_flag("MGPU_DIST_CHECK", _core.dist_check())
+    if algorithm is None:
+        algorithm = os.environ.get("MGPU_DIST_ALGORITHM", "").strip() or _core.dist_algorithm()
+        if algorithm not in ("ordered", "mpi"):
+            raise ValueError(f"MGPU_DIST_ALGORITHM={algorithm!r}: use 'ordered' (rank-ordered "
+                             "sums, bitwise the in-process result) or 'mpi'")
+    if not (math.isfinite(timeout) and timeout > 0):
+        raise ValueError(f"init: timeout must be a finite number > 0 (seconds), got {timeout}")
+    if algorithm not in ("ordered", "mpi"):
+        raise ValueError(f"init: algorithm must be 'ordered' or 'mpi', got {algorithm!r}")
+    _core.dist_set_timeout(timeout)
+    _core.dist_set_check(check)
+    _core.dist_set_algorithm(algorithm)
     _core.dist_init(use_mpi)
     _state["backend"] = "mpi" if use_mpi else "single"
     if use_mpi and not _state["hooked"]:

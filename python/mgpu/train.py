@@ -168,7 +168,7 @@ def train(num_gpus: int, batch_size: int, lr: float, num_epochs: int = 10,
                          "deterministic or step, not both")
     if step is None:
         def step(X, y, device_params, devices, lr):
-            return train_batch(X, y, device_params, devices, lr, deterministic=shards)
+            return train_batch(X, y, device_params, devices, lr, deterministic=shards or False)
     train_iter, test_iter = data if data is not None else load_data_fashion_mnist(
         batch_size, data_dir=data_dir, seed=seed, limit_batches=limit_batches)
     _dist._auto_init()

@@ -148,7 +148,7 @@ def _torch_entry(r: Dict) -> Dict:
     return out
 
 
-TRAIN_PARTS = ("fused", "op-by-op", "scaling", "pipeline", "eval", "flops")
+TRAIN_PARTS = ("fused", "op-by-op", "scaling", "pipeline", "eval", "flops", "deterministic")
 
 
 def bench_train(devices: Sequence[int] = (1, 2), batch_size: int = 256, lr: float = 0.2,
@@ -245,6 +245,9 @@ def bench_train(devices: Sequence[int] = (1, 2), batch_size: int = 256, lr: floa
     if "scaling" in parts:
         out["scaling"] = _bench_scaling(timing, lr, seed, log)
 
+    if "deterministic" in parts:
+        out["deterministic"] = _bench_deterministic(timing, devices, lr, seed, log)
+
     if "pipeline" in parts:
         _say(log, "bench train: the train loader alone ...")
         loader = DataLoader(train_split, batch_size, True, seed, limit)
@@ -274,6 +277,51 @@ def bench_train(devices: Sequence[int] = (1, 2), batch_size: int = 256, lr: floa
                                     results + out.get("scaling", {}).get("runs", []), data)
     out["comparisons"] = _comparisons(results)
     out["machine"]["loadavg_end"] = machine_info()["loadavg"]
+    return out
+
+
+def _bench_deterministic(timing: Dict, devices: Sequence[int], lr: float, seed: int,
+                         log: Log) -> List[Dict]:
+    """The cost of device-count invariance: ``train_batch`` with deterministic=True (the default
+    8 logical shards, fixed summation tree) against the default step, on each device count.
+
+    The two modes run interleaved, epoch by epoch (A B A B ...), each on its own replicas, and
+    every epoch records wall time and this process's CPU time (all threads): on a shared,
+    loaded machine the CPU time is the figure to trust; in a quiet window both agree."""
+    from ..parallel import DEFAULT_SHARDS
+    split, batch, epochs = timing["split"], timing["batch_size"], timing["epochs"]
+    loader = DataLoader(split, batch, True, seed, timing["limit"])
+    out = []
+    for k in devices:
+        _say(log, f"bench train: deterministic against default step on {_n(k, 'device')} ...")
+        devs = [try_gpu(i) for i in range(k)]
+        modes = {"default": False, "deterministic": True}
+        reps = {m: [get_params(lenet_params(seed=seed), d) for d in devs] for m in modes}
+        wall: Dict[str, List[float]] = {m: [] for m in modes}
+        cpu_time: Dict[str, List[float]] = {m: [] for m in modes}
+        for m, det in modes.items():  # warm-up
+            for i, (X, y) in enumerate(loader):
+                if i >= max(1, timing["warmup"]):
+                    break
+                train_batch(X, y, reps[m], devs, lr, deterministic=det)
+            _core.waitall()
+        for _ in range(max(2, epochs)):
+            for m, det in modes.items():
+                t0, c0 = time.perf_counter(), time.process_time()
+                for X, y in loader:
+                    train_batch(X, y, reps[m], devs, lr, deterministic=det)
+                _core.waitall()
+                wall[m].append((time.perf_counter() - t0) / len(loader))
+                cpu_time[m].append((time.process_time() - c0) / len(loader))
+        entry = {"num_devices": k, "shards": DEFAULT_SHARDS, "steps_per_epoch": len(loader),
+                 "threads": _core.num_threads()}
+        for m in modes:
+            entry[m] = {"wall": summarize(wall[m]), "cpu": summarize(cpu_time[m])}
+        for clock in ("wall", "cpu"):
+            a = entry["default"][clock]["median"]
+            b = entry["deterministic"][clock]["median"]
+            entry[f"{clock}_cost_percent"] = 100.0 * (b - a) / a if a > 0 else 0.0
+        out.append(entry)
     return out
 
 
@@ -432,8 +480,9 @@ def format_train(r: Dict) -> str:
                      f"{x['sec_per_epoch']:.2f}" + ("*" if x["extrapolated"] else ""),
                      f"{x['images_per_sec']:.0f}",
                      f"{x['gflops']:.1f}" if "gflops" in x else "-"])
-    lines += _table(["configuration", "batch", "threads", "ms/step", "spread", "sec/epoch",
-                     "img/s", "GFLOP/s"], rows, "lrrrrrrr")
+    if rows:  # none when only the side parts (e.g. --parts deterministic) ran
+        lines += _table(["configuration", "batch", "threads", "ms/step", "spread", "sec/epoch",
+                         "img/s", "GFLOP/s"], rows, "lrrrrrrr")
     if extrapolated:
         lines.append("* sec/epoch extrapolated: median sec/step x batches in a whole epoch")
     sc = r.get("scaling")
@@ -443,6 +492,14 @@ def format_train(r: Dict) -> str:
                      f"{_ms(two['sec_per_step']['median'])} ms/step vs batch {one['global_batch']} "
                      f"on 1 device, 1 thread {_ms(one['sec_per_step']['median'])} ms/step: "
                      f"efficiency {sc['efficiency']:.2f} (1.0 = perfect weak scaling)")
+    for d in r.get("deterministic", []):
+        a, b = d["default"], d["deterministic"]
+        lines.append(f"deterministic (train_batch deterministic=True, {d['shards']} shards) on "
+                     f"{_n(d['num_devices'], 'device')}: {_ms(b['wall']['median'])} ms/step wall, "
+                     f"{_ms(b['cpu']['median'])} ms/step CPU against the default step's "
+                     f"{_ms(a['wall']['median'])} wall, {_ms(a['cpu']['median'])} CPU: cost "
+                     f"{d['wall_cost_percent']:+.1f}% wall, {d['cpu_cost_percent']:+.1f}% CPU "
+                     "(process CPU time, all threads; interleaved epochs, medians)")
     p = r.get("pipeline")
     if p:
         pct = ", ".join(f"{v:.1f}% of the fused epoch on {_n(int(k), 'device')}"
