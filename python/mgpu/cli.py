@@ -10,7 +10,9 @@ from typing import List, Optional
 
 def _train(args) -> int:
     from .train import train, train_op_by_op
-    kw = dict(data_dir=args.data_dir, limit_batches=args.limit_batches, seed=args.seed)
+    kw = dict(data_dir=args.data_dir, limit_batches=args.limit_batches, seed=args.seed,
+              checkpoint=args.checkpoint, checkpoint_every=args.checkpoint_every,
+              resume=args.resume)
     if args.model == "resnet18":
         # Sec. 12.6: modules, nn.DataParallel and the book's loop through autograd.
         from . import chapter, models, nn
@@ -209,6 +211,13 @@ def main(argv: Optional[List[str]] = None) -> int:
                    help="use the chapter's Python train_batch instead of the fused one")
     t.add_argument("--no-check-finite", dest="check_finite", action="store_false",
                    help="keep training when the loss becomes NaN or infinite (default: stop)")
+    t.add_argument("--checkpoint", metavar="DIR", default=None,
+                   help="save the run's state in DIR at each epoch's end (and every K steps)")
+    t.add_argument("--checkpoint-every", metavar="K", type=int, default=None,
+                   help="also save a checkpoint every K steps (needs --checkpoint)")
+    t.add_argument("--resume", action="store_true",
+                   help="continue from the newest checkpoint in --checkpoint DIR (a fresh run "
+                        "if there is none); ends with the parameters of an uninterrupted run")
     t.set_defaults(run=_train)
     i = sub.add_parser("info", help="version, CPU kernel path, BLAS, built parts, devices, data")
     i.add_argument("--json", action="store_true", help="print mgpu.build_info() as JSON instead")
@@ -221,7 +230,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         # Ctrl-C: one line, and the shell's status for SIGINT (128 + 2), no traceback.
         print("mgpu: interrupted", file=sys.stderr)
         return 130
-    except (ValueError, TypeError, IndexError, FileNotFoundError, RuntimeError, MemoryError,
+    except (ValueError, TypeError, IndexError, OSError, RuntimeError, MemoryError,
             ArithmeticError) as e:
         from . import distributed
         where = f" (rank {distributed.rank()})" if distributed.world_size() > 1 else ""
