@@ -17,6 +17,7 @@ import pytest
 
 import ckpt_worker
 import mgpu
+from conftest import requires_fashion_mnist
 from mgpu import checkpoint as ck
 from mgpu.data import array_loader
 
@@ -397,6 +398,41 @@ def test_module_and_sgd_with_momentum_continue_bitwise_through_save_and_load(tmp
         assert np.array_equal(a.numpy(), b.numpy()), k
 
 
+# --- the command line ----------------------------------------------------------------------------
+
+def _cli(*args):
+    env = dict(os.environ, MGPU_EMULATED_GPUS="0")
+    return subprocess.run([sys.executable, "-m", "mgpu", "train", *map(str, args)], cwd=HERE,
+                          env=env, capture_output=True, text=True, timeout=300)
+
+
+@requires_fashion_mnist
+def test_cli_checkpoints_resumes_and_refuses_a_damaged_or_foreign_checkpoint(tmp_path):
+    d = tmp_path / "run"
+    common = ["--batch-size", "32", "--limit-batches", "2", "--checkpoint", d]
+    r = _cli(*common, "--epochs", "1", "--checkpoint-every", "1")
+    assert r.returncode == 0, r.stderr
+    assert sorted(os.listdir(d)) == ["ckpt-000000001.mgpu", "ckpt-000000002.mgpu"]
+    r = _cli(*common, "--epochs", "2", "--resume")
+    assert r.returncode == 0, r.stderr
+    assert "resuming from" in r.stdout and "(epoch 2, step 2)" in r.stdout
+    assert int(mgpu.load(d / "ckpt-000000004.mgpu")["step"]) == 4
+    r = _cli(*common, "--epochs", "2")
+    assert r.returncode == 2 and "already holds checkpoints" in r.stderr
+    r = _cli("--model", "resnet18", *common, "--epochs", "3", "--resume")
+    assert r.returncode == 2
+    assert "ckpt-000000004.mgpu: holds 'mgpu.train', not the state of a 'mgpu.train_concise'" \
+        in r.stderr
+    newest = d / "ckpt-000000004.mgpu"
+    data = bytearray(newest.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    newest.write_bytes(bytes(data))
+    r = _cli(*common, "--epochs", "3", "--resume")
+    assert r.returncode == 2
+    assert f"mgpu: error: checkpoint {newest}: checksum mismatch" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
 # --- SIGKILL at chosen and random points -------------------------------------------------------
 
 def _worker(ckdir, out, epochs=3, every=2, devices=1, env=None):
@@ -464,3 +500,49 @@ def test_sigkill_at_many_points_then_resume_gives_the_uninterrupted_bits(tmp_pat
     assert rc == 0, err
     assert _same(_arrays(out), reference)
     print(f"{killed} processes killed with SIGKILL, resumed to identical bits")
+
+
+# --- under mpirun: a rank killed mid-step, then --resume ----------------------------------------
+
+def _mpirun(ckdir, out, env=None, limit=120):
+    from test_distributed import MPIRUN
+    full = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+                MGPU_DIST_TIMEOUT="10", **(env or {}))
+    full.pop("MGPU_NUM_THREADS", None)
+    cmd = [MPIRUN, "-np", "2", "--oversubscribe", sys.executable,
+           os.path.join(HERE, "ckpt_worker.py"), str(ckdir), str(out), "3", "2", "1"]
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=HERE, env=full, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=limit)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"mpirun hung for {limit} s\n{stdout}\n{stderr}")
+    return proc.returncode, stdout, stderr, time.perf_counter() - t0
+
+
+def _needs_mpi():
+    from test_distributed import HAVE_MPI
+    if not HAVE_MPI:
+        pytest.skip("needs mpirun and an mgpu built with MPI")
+
+
+def test_a_rank_killed_mid_step_ends_the_job_naming_it_and_resume_gives_the_same_bits(tmp_path):
+    _needs_mpi()
+    # 2 ranks x 1 device sum in rank order: the parameters of 2 devices in one process.
+    ref, ref_result = _run(tmp_path, None, 3, devices=2)
+    ckdir, out = tmp_path / "c", tmp_path / "final.npz"
+    rc, stdout, err, secs = _mpirun(ckdir, out, env={"MGPU_TEST_CHECKPOINT_FAULT": "step@7",
+                                                     "MGPU_TEST_CHECKPOINT_FAULT_RANK": "1"})
+    assert rc != 0 and not out.exists()
+    assert secs < 60, f"the job took {secs:.0f} s to end after rank 1 died (timeout 10 s)"
+    assert "rank 1" in err and ("signal 9" in err or "Killed" in err), err
+    assert sorted(os.listdir(ckdir)) == ["ckpt-000000005.mgpu", "ckpt-000000006.mgpu"]
+    rc, stdout, err, _ = _mpirun(ckdir, out)
+    assert rc == 0, err
+    assert stdout.count("resuming from") == 1 and "ckpt-000000006.mgpu" in stdout  # rank 0
+    got = _arrays(out)
+    assert _same(got[:8], ref)
+    assert got[9].tolist() == ref_result.test_acc

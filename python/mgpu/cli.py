@@ -22,6 +22,10 @@ def _train(args) -> int:
         if not args.check_finite:
             raise ValueError("--no-check-finite is for LeNet's train; ResNet-18's loop (the "
                              "book's, through autograd) does not check its losses")
+        # Seeded first: the default init of the biases draws from mgpu.random too, so --seed
+        # fixes the whole initial network (train_concise re-draws only the weights).
+        from . import random
+        random.seed(args.seed)
         net = models.resnet18(10, 1)
         if args.sync_bn:
             net = nn.SyncBatchNorm.convert_sync_batchnorm(net)
@@ -118,6 +122,10 @@ def _bench(args) -> int:
     elif args.bench == "ops":
         result = bench.bench_ops(batch_sizes=args.batch_sizes, warmup=args.warmup,
                                  repeat=args.repeat, log=log, device=args.device)
+    elif args.bench == "checkpoint":
+        result = bench.bench_checkpoint(models=args.models.split(","), momentum=args.momentum,
+                                        warmup=args.warmup, repeat=args.repeat,
+                                        directory=args.dir, log=log)
     elif args.bench == "batch_norm":
         result = bench.bench_batch_norm(shape=args.shape, warmup=args.warmup, repeat=args.repeat,
                                         log=log, device=args.device)
@@ -180,6 +188,14 @@ def _bench_parser(sub) -> None:
     n.add_argument("--shape", type=_ints, default=[256, 64, 28, 28],
                    help="x shape, e.g. 256,64,28,28")
     n.add_argument("--device", default="cpu:0", help="the device to time, e.g. cpu:0 or gpu:0")
+    c = kinds.add_parser("checkpoint", help="write and load time of LeNet's and ResNet-18's "
+                         "training checkpoints")
+    common(c, 1, 5)
+    c.add_argument("--models", default="lenet,resnet18", help="from: lenet,resnet18")
+    c.add_argument("--no-momentum", dest="momentum", action="store_false",
+                   help="leave SGD's momentum buffers out (half the size for ResNet-18)")
+    c.add_argument("--dir", default=None,
+                   help="where to write (default: the system's temporary directory)")
     a = kinds.add_parser("allreduce", help="all-reduce time, algbw and busbw over sizes")
     common(a, 3, 10)
     a.add_argument("--devices", type=_ints, default=[2], help="device counts k, e.g. 2,3,4")
