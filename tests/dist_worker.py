@@ -129,6 +129,13 @@ def train_api(out, epochs, batch_size):
 def mismatch(out, kind):
     """Ranks that call different collectives: they must fail loudly, never hang."""
     r = dist.rank()
+    if kind in ("dtype", "bcast_size"):  # a broadcast whose dtype or length differs on rank 1
+        dtype = np.int32 if kind == "dtype" and r == 1 else np.float32
+        x = mgpu.array(np.ones(4 + (r if kind == "bcast_size" else 0), dtype))
+        dist.broadcast(x, root=0)
+        x.numpy()
+        print(f"rank {r}: the mismatched collective returned", flush=True)
+        return
     x = mgpu.array(np.ones(4 + (r if kind == "size" else 0), np.float32))
     if kind == "op" and r == 1:
         dist.broadcast(x, root=0)
@@ -228,8 +235,76 @@ def fused_model(out, local_devices, n):
     save(out, f"fused_model_L{local_devices}_n{n}", state)
 
 
+def _devices(local_devices):
+    on_gpus = os.environ.get("MGPU_TEST_ON_GPUS") == "1"
+    return [mgpu.gpu(i) if on_gpus else mgpu.cpu(i) for i in range(int(local_devices))]
+
+
+def deterministic_lenet(devices, steps=50, shards=True):
+    """`steps` deterministic fused LeNet steps over 250 shuffled examples in batches of 24 (every
+    11th batch has the uneven 10), then one batch of 5 (fewer examples than logical shards).
+    Returns replica 0's and the last replica's parameters and every step's summed loss."""
+    images, labels = synthetic(250)
+    it = array_loader(images, labels, 24, shuffle=True, seed=3)
+    replicas = [mgpu.get_params(mgpu.lenet_params(seed=0), d) for d in devices]
+    losses = []
+
+    def step(X, y):
+        ls = mgpu.train_batch(X, y, replicas, devices, lr=0.2, deterministic=shards)
+        losses.append(sum(v.item() for v in ls))
+
+    done = 0
+    while done < steps:
+        for X, y in it:
+            step(X, y)
+            done += 1
+            if done == steps:
+                break
+    step(mgpu.array(images[:5].reshape(5, 1, 28, 28).astype(np.float32) / 255),
+         mgpu.array(labels[:5].astype(np.int32)))
+    return ([p.numpy() for p in replicas[0]] + [p.numpy() for p in replicas[-1]] +
+            [np.array(losses)])
+
+
+def bn_net():
+    """A small residual network with batch norm (the concise chapter's kinds of layers)."""
+    from mgpu import nn
+    from mgpu.models import Residual
+    mgpu.random.seed(11)
+    return nn.Sequential(nn.Conv2d(1, 4, kernel_size=3, padding=1), nn.BatchNorm2d(4), nn.ReLU(),
+                         Residual(4, 6, use_1x1conv=True, strides=2), nn.AdaptiveAvgPool2d((1, 1)),
+                         nn.Flatten(), nn.Linear(6, 10))
+
+
+def deterministic_bn(devices, steps=6, shards=True):
+    """`steps` DataParallel.train_step calls (SGD with momentum and weight decay) on batches of
+    20, the last one of 13; returns the master's parameters and buffers, the last replica's
+    parameters, and the losses."""
+    from mgpu import nn, optim
+    net = bn_net()
+    dp = nn.DataParallel(net, device_ids=devices)
+    trainer = optim.SGD(net.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3)
+    loss = nn.CrossEntropyLoss()
+    rng = np.random.default_rng(5)
+    losses = []
+    for s in range(steps):
+        n = 13 if s == steps - 1 else 20
+        X = mgpu.array(rng.standard_normal((n, 1, 8, 8)).astype(np.float32))
+        y = mgpu.array(rng.integers(0, 10, size=n).astype(np.int32))
+        losses.append(dp.train_step(X, y, loss, trainer, deterministic=shards).item())
+    state = [p.numpy() for p in net.parameters()] + [b.numpy() for b in net.buffers()]
+    return state + [p.numpy() for p in dp._fused.replica_params[-1]] + [np.array(losses)]
+
+
+def deterministic(out, kind, local_devices, steps=None):
+    run = deterministic_lenet if kind == "lenet" else deterministic_bn
+    kw = {} if steps is None else {"steps": int(steps)}
+    save(out, f"det_{kind}_L{local_devices}", run(_devices(local_devices), **kw))
+
+
 MODES = {"basics": basics, "train_steps": train_steps, "train_api": train_api,
-         "mismatch": mismatch, "die": die, "bench": bench, "fused_model": fused_model}
+         "mismatch": mismatch, "die": die, "bench": bench, "fused_model": fused_model,
+         "deterministic": deterministic}
 
 if __name__ == "__main__":
     mode, outdir, rest = sys.argv[1], sys.argv[2], sys.argv[3:]

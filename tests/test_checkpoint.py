@@ -275,6 +275,35 @@ def test_two_devices_resume_bitwise_and_another_device_count_is_refused(tmp_path
     assert _same(got, ref)
 
 
+def _final_params(ckdir):
+    newest = sorted(f for f in os.listdir(ckdir) if f.startswith("ckpt-"))[-1]
+    return mgpu.load(os.path.join(ckdir, newest))["params"]
+
+
+def test_deterministic_training_resumes_on_another_device_count(tmp_path, monkeypatch):
+    def train(name, devices, deterministic=True):
+        return mgpu.train(devices, ckpt_worker.BATCH, ckpt_worker.LR, num_epochs=2,
+                          params=mgpu.lenet_params(scale=0.1, seed=4), data=ckpt_worker.data(),
+                          progress=False, deterministic=deterministic,
+                          checkpoint=str(tmp_path / name), checkpoint_every=3, resume=True)
+    train("ref", 1)
+    count = {"n": 0}
+
+    def crash(point):
+        count["n"] += point == "step"
+        if count["n"] == 8:
+            raise KeyboardInterrupt("simulated crash")
+    monkeypatch.setattr(ck, "_fault", crash)
+    with pytest.raises(KeyboardInterrupt):
+        train("c", 2)
+    monkeypatch.undo()
+    with pytest.raises(ck.CheckpointError, match="written with deterministic=8 .*this run has "
+                       "deterministic=False"):
+        train("c", 3, deterministic=False)
+    train("c", 3)  # 3 devices continue what 2 started: the bits of 1 device
+    assert _same(_final_params(tmp_path / "c"), _final_params(tmp_path / "ref"))
+
+
 def test_a_fresh_run_refuses_a_directory_with_checkpoints(tmp_path):
     _run(tmp_path, "c", 1)
     with pytest.raises(ValueError, match="already holds checkpoints.*resume=True"):

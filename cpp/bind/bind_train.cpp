@@ -109,15 +109,18 @@ const train::Replica& replica(const Replicated& r, int64_t d) {
 void bind_train(py::module_& m) {
   m.def("train_batch", [](const Tensor& X, const Tensor& y,
                           const std::vector<std::vector<Tensor>>& params,
-                          const std::vector<Device>& devices, float lr) {
+                          const std::vector<Device>& devices, float lr, int64_t shards) {
     MGPU_CHECK_VALUE(std::isfinite(lr) && lr > 0, "train_batch: the learning rate must be a "
                      "finite number > 0, got ", lr);
     py::gil_scoped_release nogil;
     // The step enqueues all-reduce parts on every device (on GPUs interleaved with each
     // device's backward): one step at a time, so concurrent threads' collectives cannot cross.
     std::lock_guard<std::recursive_mutex> order(collective_submission_mutex());
-    return train::train_batch(X, y, params, devices, lr);
-  }, "Fused LeNet step on every device; returns each device's summed loss (0-d).");
+    return train::train_batch(X, y, params, devices, lr, shards);
+  }, py::arg("X"), py::arg("y"), py::arg("params"), py::arg("devices"), py::arg("lr"),
+     py::arg("shards") = 0,
+     "Fused LeNet step on every device; returns each device's summed loss (0-d). shards > 0: "
+     "the deterministic step over that many logical shards.");
   m.def("evaluate_batch", [](const Tensor& X, const Tensor& y,
                              const std::vector<std::vector<Tensor>>& params,
                              const std::vector<Device>& devices) {
@@ -132,7 +135,7 @@ void bind_train(py::module_& m) {
       .def(py::init(&make), py::arg("spec"), py::arg("params"), py::arg("buffers"),
            py::arg("devices"))
       .def("train_step", [](Replicated& r, const Tensor& X, const Tensor& y, float lr,
-                            float momentum, float weight_decay) {
+                            float momentum, float weight_decay, int64_t shards) {
         // PyTorch's SGD accepts lr 0; NaN or infinity would train every replica into NaN.
         MGPU_CHECK_VALUE(std::isfinite(lr) && lr >= 0, "Model.train_step: the learning rate must "
                          "be a finite number >= 0, got ", lr);
@@ -148,9 +151,9 @@ void bind_train(py::module_& m) {
         sgd.lr = lr;
         sgd.momentum = momentum;
         sgd.weight_decay = weight_decay;
-        return train::train_step(*r.model, X, y, r.replicas, sgd);
+        return train::train_step(*r.model, X, y, r.replicas, sgd, shards);
       }, py::arg("X"), py::arg("y"), py::arg("lr"), py::arg("momentum") = 0.0f,
-         py::arg("weight_decay") = 0.0f)
+         py::arg("weight_decay") = 0.0f, py::arg("shards") = 0)
       .def("evaluate_batch", [](const Replicated& r, const Tensor& X, const Tensor& y) {
         py::gil_scoped_release nogil;
         return train::evaluate_step(*r.model, X, y, r.replicas);

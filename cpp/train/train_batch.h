@@ -33,18 +33,28 @@ void check_replicas(const char* op, const Model& m, const std::vector<Replica>& 
 // Returns each replica's summed loss (0-d tensors, computed asynchronously). In a multi-process
 // world (comm/allreduce_mpi.h) X, y are the global batch on every rank; each rank trains on its
 // rows and the gradients are summed across processes too, so every rank takes the same step.
+// num_shards 0: one shard per device (of every rank), batch norm per replica, gradients summed
+// bucket by bucket as backward produces them. num_shards S > 0, the deterministic step: the
+// batch is cut into S logical shards (shard_ranges(N, S)) whatever the devices; each shard's
+// forward and backward runs whole on one device (devices of ranks 0, 1, ... take contiguous runs
+// of shards), batch norm normalises per shard and takes its running statistics from shard 0,
+// and shard gradients and losses are added in the fixed tree of shard_tree.h. So any number of
+// devices and ranks of one kind gives bitwise the same parameters; the whole loss is reported by
+// rank 0's first replica, every other replica reports 0.
 std::vector<Tensor> train_step(const Model& m, const Tensor& X, const Tensor& y,
-                               std::vector<Replica>& replicas, const Sgd& sgd);
+                               std::vector<Replica>& replicas, const Sgd& sgd,
+                               int64_t num_shards = 0);
 // Correct predictions (batch norm in evaluation mode), one 0-d float32 count per replica; across
 // processes each rank counts its rows only.
 std::vector<Tensor> evaluate_step(const Model& m, const Tensor& X, const Tensor& y,
                                   const std::vector<Replica>& replicas);
 
 // The chapter's LeNet step: params[d] is device d's replica (W1, b1, ..., W4, b4 on devices[d]),
-// updated in place with p -= lr / N * g.
+// updated in place with p -= lr / N * g. num_shards as for train_step.
 std::vector<Tensor> train_batch(const Tensor& X, const Tensor& y,
                                 const std::vector<std::vector<Tensor>>& params,
-                                const std::vector<Device>& devices, float lr);
+                                const std::vector<Device>& devices, float lr,
+                                int64_t num_shards = 0);
 std::vector<Tensor> evaluate_batch(const Tensor& X, const Tensor& y,
                                    const std::vector<std::vector<Tensor>>& params,
                                    const std::vector<Device>& devices);

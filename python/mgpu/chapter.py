@@ -20,7 +20,8 @@ from .data import load_data_fashion_mnist
 from .device import try_gpu
 from .models import lenet
 from .nn import CrossEntropyLoss
-from .parallel import sgd, split_batch
+from .parallel import _shards, sgd, split_batch
+from .tensor import zeros_like
 from .train import (
     Timer,
     TrainResult,
@@ -62,14 +63,70 @@ def train_batch(X, y, device_params, devices, lr):
         sgd(param, lr, X.shape[0])  # Here, we use a full-size batch
 
 
+def _tree_split(lo: int, hi: int) -> int:
+    """The deterministic step's tree (cpp/train/shard_tree.h): node [lo, hi) splits after the
+    largest power of two below hi - lo."""
+    p = 1
+    while 2 * p < hi - lo:
+        p *= 2
+    return lo + p
+
+
+def _ranges(n: int, k: int):
+    base, extra = divmod(n, k)
+    out, at = [], 0
+    for i in range(k):
+        size = base + (1 if i < extra else 0)
+        out.append((at, at + size))
+        at += size
+    return out
+
+
+def train_batch_sharded(X, y, device_params, devices, lr, shards: int = 8):
+    """The chapter's step op by op, in the deterministic step's order: the batch cut into
+    ``shards`` logical shards, device d taking a contiguous run of them, each shard's loss and
+    gradients through autograd on its device, the shard gradients added in the fixed tree, and
+    every replica updated with the same sum. Every device count gives the same bits, and they
+    are the bits of the fused ``train_batch(..., deterministic=shards)``: its kernels add in the
+    order of these ops, and the tree is the same."""
+    rows = _ranges(X.shape[0], shards)
+    owner = [d for d, (a, b) in enumerate(_ranges(shards, len(devices))) for _ in range(a, b)]
+    def leaf(s):
+        d, (lo, hi) = owner[s], rows[s]
+        W = device_params[d]
+        if hi == lo:  # an empty shard adds zero gradients
+            return [zeros_like(p) for p in W]
+        for p in W:
+            p.grad.zero_()
+        loss(lenet(X[lo:hi].to(devices[d]), W), y[lo:hi].to(devices[d])).sum().backward()
+        return [p.grad.copyto(p.device) for p in W]
+
+    def node(lo, hi):
+        if hi - lo == 1:
+            return leaf(lo)
+        mid = _tree_split(lo, hi)
+        left, right = node(lo, mid), node(mid, hi)
+        with no_grad():
+            for a, b in zip(left, right):
+                a[:] += b.to(a.device)
+        return left
+
+    total = node(0, shards)
+    for param in device_params:
+        with no_grad():
+            for p, g in zip(param, total):
+                p.grad[:] = g.to(p.device)
+        sgd(param, lr, X.shape[0])
+
+
 # --- sec. 12.6, the concise implementation ------------------------------------------------------
 
 def train_concise(net, num_gpus: int, batch_size: int, lr: float, num_epochs: int = 10,
                   data=None, data_dir: Optional[str] = None,
                   limit_batches: Optional[int] = None, seed: int = 0,
                   progress: Optional[bool] = None, fused: bool = False,
-                  checkpoint: Optional[str] = None, checkpoint_every: Optional[int] = None,
-                  resume: bool = False) -> TrainResult:
+                  deterministic=False, checkpoint: Optional[str] = None,
+                  checkpoint_every: Optional[int] = None, resume: bool = False) -> TrainResult:
     """The concise chapter's ``train(net, num_gpus, batch_size, lr)`` (sec. 12.6), as printed:
     ``normal_(std=0.01)`` init of Linear and Conv2d weights, ``nn.DataParallel``, SGD and the
     mean cross-entropy, the book's loop, test accuracy on all devices after every epoch, and
@@ -78,14 +135,19 @@ def train_concise(net, num_gpus: int, batch_size: int, lr: float, num_epochs: in
     ``data`` is a (train_iter, test_iter) pair to use instead of Fashion-MNIST, ``limit_batches``
     shortens every epoch (and the evaluation), ``seed`` fixes the initial weights and shuffles.
     ``fused=True`` replaces the loop's body by ``net.train_step(X, y, loss, trainer)``, the same
-    step in one C++ call. ``checkpoint``, ``checkpoint_every`` and ``resume`` save and resume
-    the run as in ``mgpu.train`` (parameters, BatchNorm buffers, SGD's momentum, data order and
-    position, RNG, step).
+    step in one C++ call; ``deterministic=True`` (with ``fused``) makes that step's result the
+    same bits on any number of devices (``DataParallel.train_step``). ``checkpoint``,
+    ``checkpoint_every`` and ``resume`` save and resume the run as in ``mgpu.train``
+    (parameters, BatchNorm buffers, SGD's momentum, data order and position, RNG, step).
     Returns the per-epoch accuracies and times.
     """
     if int(num_gpus) < 1:
         raise ValueError(f"train_concise: num_gpus must be >= 1, got {num_gpus}")
+    if deterministic and not fused:
+        raise ValueError("train_concise: deterministic needs fused=True (the book's loop through "
+                         "autograd sums gradients in device order)")
     ckpts = _checkpoints(checkpoint, checkpoint_every, resume, "train_concise")
+    shards = _shards(deterministic, "train_concise")
     random.seed(seed)
     train_iter, test_iter = data if data is not None else load_data_fashion_mnist(
         batch_size, data_dir=data_dir, seed=seed, limit_batches=limit_batches)
@@ -110,9 +172,9 @@ def train_concise(net, num_gpus: int, batch_size: int, lr: float, num_epochs: in
         loaded = ckpts.start(resume)
         if loaded is not None:
             run = _resume_concise(*loaded, net.module, trainer, train_iter, result, batch_size,
-                                  len(devices), fused)
+                                  len(devices), fused, shards)
     config = {"batch_size": batch_size, "num_devices": len(devices), "world_size": 1,
-              "lr": lr, "seed": seed, "fused": bool(fused)}
+              "lr": lr, "seed": seed, "fused": bool(fused), "deterministic": shards}
 
     def save_state(epoch_next: int) -> None:
         waitall()
@@ -134,7 +196,7 @@ def train_concise(net, num_gpus: int, batch_size: int, lr: float, num_epochs: in
         losses = run.losses
         for X, y in train_iter:
             if fused:
-                l = net.train_step(X, y, loss, trainer)
+                l = net.train_step(X, y, loss, trainer, deterministic=deterministic)
             else:
                 trainer.zero_grad()
                 X, y = X.to(devices[0]), y.to(devices[0])
@@ -166,9 +228,9 @@ def train_concise(net, num_gpus: int, batch_size: int, lr: float, num_epochs: in
 
 
 def _resume_concise(path: str, state, module, trainer, train_iter, result: TrainResult,
-                    batch_size: int, num_devices: int, fused: bool) -> _Progress:
+                    batch_size: int, num_devices: int, fused: bool, shards: int) -> _Progress:
     """Puts a checkpoint's state into the run: everything is checked before anything changes."""
-    check_run(path, state, "mgpu.train_concise", batch_size, num_devices, 1)
+    check_run(path, state, "mgpu.train_concise", batch_size, num_devices, 1, shards)
     saved, mine = state["model"], module.state_dict()
     if not isinstance(saved, dict) or list(saved) != list(mine):
         names = list(saved) if isinstance(saved, dict) else type(saved).__name__

@@ -429,8 +429,10 @@ class TrainCheckpoints:
 
 
 def check_run(path: str, state, kind: str, batch_size: int, num_devices: int,
-              world_size: int) -> None:
-    """CheckpointError unless ``state`` is a ``kind`` run's state that this run can continue."""
+              world_size: int, deterministic: int = 0) -> None:
+    """CheckpointError unless ``state`` is a ``kind`` run's state that this run can continue:
+    same batch size and deterministic mode (logical shard count, 0 for off), and, unless that
+    mode is on, the same devices and processes (otherwise the gradients add in another order)."""
     if not isinstance(state, dict) or state.get("kind") != kind:
         got = state.get("kind") if isinstance(state, dict) else type(state).__name__
         raise CheckpointError(path, f"holds {got!r}, not the state of a {kind!r} run; resume "
@@ -439,12 +441,21 @@ def check_run(path: str, state, kind: str, batch_size: int, num_devices: int,
     if cfg.get("batch_size") != batch_size:
         raise CheckpointError(path, f"was written with batch size {cfg.get('batch_size')}, this "
                               f"run has {batch_size}; resume with the same batch size")
+    saved_shards = cfg.get("deterministic", 0)
+    if saved_shards != deterministic:
+        def mode(n):
+            return f"deterministic={n} (logical shards)" if n else "deterministic=False"
+        raise CheckpointError(path, f"was written with {mode(saved_shards)}, this run has "
+                              f"{mode(deterministic)}; resume in the same mode")
+    if deterministic:  # the same bits on any device and process count
+        return
     if (cfg.get("num_devices"), cfg.get("world_size")) != (num_devices, world_size):
         raise CheckpointError(
             path, f"was written by a run on {cfg.get('num_devices')} device(s) x "
             f"{cfg.get('world_size')} process(es), this run has {num_devices} x {world_size}: "
             "the gradients would be summed in another order, so the run would not continue bit "
-            "for bit. Resume on the same devices, or start a new run from its parameters "
+            "for bit. Resume on the same devices, train with deterministic=True (--deterministic: "
+            "the same bits on any device count), or start a new run from its parameters "
             "(mgpu.load(file)).")
 
 

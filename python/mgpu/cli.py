@@ -30,12 +30,14 @@ def _train(args) -> int:
         if args.sync_bn:
             net = nn.SyncBatchNorm.convert_sync_batchnorm(net)
         chapter.train_concise(net, args.num_gpus, args.batch_size, args.lr, args.epochs,
-                              fused=args.fused, **kw)
+                              fused=args.fused, deterministic=args.deterministic, **kw)
         return 0
     if args.sync_bn or args.fused:
         raise ValueError("--sync-bn and --fused need --model resnet18 (LeNet's step is fused "
                          "already and has no batch norm)")
     kw["check_finite"] = args.check_finite
+    if args.deterministic:
+        kw["deterministic"] = True
     if args.op_by_op:
         train_op_by_op(args.num_gpus, args.batch_size, args.lr, args.epochs, **kw)
     else:
@@ -225,6 +227,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--op-by-op", action="store_true",
                    help="use the chapter's Python train_batch instead of the fused one")
+    t.add_argument("--deterministic", action="store_true",
+                   help="bitwise the same parameters on any number of devices or processes "
+                        "(fixed logical shards, fixed summation tree); with --op-by-op the "
+                        "chapter's step in that order, the same bits again")
     t.add_argument("--no-check-finite", dest="check_finite", action="store_false",
                    help="keep training when the loss becomes NaN or infinite (default: stop)")
     t.add_argument("--checkpoint", metavar="DIR", default=None,

@@ -188,7 +188,7 @@ class DataParallel(Module):
                             f"{type(out).__name__}")
         return out
 
-    def train_step(self, X: Tensor, y: Tensor, loss, trainer) -> Tensor:
+    def train_step(self, X: Tensor, y: Tensor, loss, trainer, deterministic=False) -> Tensor:
         """One fused data-parallel step: every replica's forward, loss, backward, bucketed
         all-reduce and SGD update run in C++ from this one call (``mgpu._core.Model``, built
         from the module tree on first use). Computes what the book's loop computes with
@@ -199,6 +199,10 @@ class DataParallel(Module):
         are refreshed from the master before every step, so steps of both kinds can be mixed.
         SGD's momentum buffers of this path live in the fused model (not in ``trainer``), and
         ``num_batches_tracked`` is not counted. SyncBatchNorm is not supported here.
+
+        ``deterministic=True`` (or a number of logical shards) gives bitwise the same parameters
+        on any number of devices (``parallel.train_batch`` says how); batch norm then normalises
+        per logical shard and takes its running statistics from the first shard.
         """
         if not isinstance(loss, nn_CrossEntropyLoss) or loss.reduction != "mean":
             raise ValueError("train_step: the fused step computes nn.CrossEntropyLoss() (mean); "
@@ -223,7 +227,7 @@ class DataParallel(Module):
                 for dst, src in zip(fused.replica_buffers[r], fused.replica_buffers[0]):
                     _core.copy(dst._t, src._t)
             losses = fused.model.train_step(X, y, trainer.lr, trainer.momentum,
-                                            trainer.weight_decay)
+                                            trainer.weight_decay, deterministic)
             total = losses[0]
             for part in losses[1:]:
                 total = total + part.to(total.device)

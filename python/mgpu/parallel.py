@@ -105,6 +105,29 @@ def _check_batch_size(batch_size, op: str) -> int:
     return n
 
 
+# Logical shards of deterministic=True: a fixed count (not a size), so every global batch -- the
+# uneven last one too -- is cut the same way whatever the devices; 8 keeps 1, 2, 4 and 8 devices
+# evenly loaded and each shard big enough for the kernels to stay efficient.
+DEFAULT_SHARDS = 8
+
+
+def _shards(deterministic, op: str) -> int:
+    """The logical shard count of ``deterministic``: 0 for False (one shard per device, today's
+    fastest step), DEFAULT_SHARDS for True, or the given count n >= 1."""
+    if deterministic is None or deterministic is False:
+        return 0
+    if deterministic is True:
+        return DEFAULT_SHARDS
+    if not isinstance(deterministic, (numbers.Integral, np.integer)):
+        raise TypeError(f"{op}: deterministic must be True, False or a number of logical shards, "
+                        f"got {type(deterministic).__name__}")
+    n = int(deterministic)
+    if n < 1:
+        raise ValueError(f"{op}: deterministic takes a number of logical shards >= 1 (or True "
+                         f"for {DEFAULT_SHARDS}), got {n}")
+    return n
+
+
 def _scale(lr: float, batch_size: int) -> float:
     # float32 arithmetic, exactly as the fused step computes lr / N in C++.
     return float(np.float32(lr) / np.float32(batch_size))
@@ -137,7 +160,7 @@ def _replicas(device_params, devices) -> Tuple[list, list]:
 
 
 def train_batch(X: Tensor, y: Tensor, device_params, devices: Sequence[Device],
-                lr: float) -> List[Tensor]:
+                lr: float, deterministic=False) -> List[Tensor]:
     """One fused data-parallel LeNet step (GIL released, every device at once).
 
     Splits the minibatch over ``devices``, computes each shard's loss and gradients on its
@@ -145,12 +168,19 @@ def train_batch(X: Tensor, y: Tensor, device_params, devices: Sequence[Device],
     p -= lr * grad / X.shape[0]. Returns each device's summed loss (0-d tensors). Under mpirun
     (``mgpu.distributed``) X, y are the global batch on every rank: each rank trains on its slice
     and gradients are summed across processes too, so all ranks take the global step.
+
+    ``deterministic=True`` (or a number of logical shards; True means ``DEFAULT_SHARDS``) cuts
+    the batch into that many shards whatever the devices, computes each shard whole on one device
+    and adds the shard gradients in one fixed tree: 1, 2, 3, 4 devices, and k processes x m
+    devices under mpirun, give bitwise the same parameters. The whole loss is then returned by
+    the first device (of rank 0) and the others return 0.
     """
     lr = _check_lr(lr, "train_batch")
+    shards = _shards(deterministic, "train_batch")
     Xh, yh = _handle(X, "train_batch", "X"), _handle(y, "train_batch", "y")
     _dist._auto_init()
     handles, devices = _replicas(device_params, devices)
-    losses = [Tensor(t) for t in _core.train_batch(Xh, yh, handles, devices, lr)]
+    losses = [Tensor(t) for t in _core.train_batch(Xh, yh, handles, devices, lr, shards)]
     for ps in device_params:  # updated in place
         for p in ps:
             p._t.bump_version()
@@ -224,17 +254,20 @@ class FusedModel:
                              f"{self._classes} classes; labels must be in [0, {self._classes})")
 
     def train_step(self, X: Tensor, y: Tensor, lr: float, momentum: float = 0.0,
-                   weight_decay: float = 0.0) -> List[Tensor]:
+                   weight_decay: float = 0.0, deterministic=False) -> List[Tensor]:
         """One step of SGD on the mean loss over the whole batch (PyTorch's rule, with momentum
-        and weight decay); returns each replica's summed loss (0-d tensors)."""
+        and weight decay); returns each replica's summed loss (0-d tensors). ``deterministic``
+        as for ``train_batch`` (batch norm then normalises per logical shard)."""
         if not isinstance(X, Tensor) or not isinstance(y, Tensor):
             raise TypeError(f"train_step: X and y must be mgpu tensors, got "
                             f"{type(X).__name__} and {type(y).__name__}")
         lr, momentum, weight_decay = (_check_nonnegative(v, name, "train_step") for v, name in (
             (lr, "lr"), (momentum, "momentum"), (weight_decay, "weight_decay")))
+        shards = _shards(deterministic, "train_step")
         _dist._auto_init()
         self._check_labels(y)
-        return [Tensor(t) for t in self._model.train_step(X._t, y._t, lr, momentum, weight_decay)]
+        return [Tensor(t) for t in self._model.train_step(X._t, y._t, lr, momentum, weight_decay,
+                                                          shards)]
 
     def evaluate_counts(self, X: Tensor, y: Tensor) -> List[Tensor]:
         """Correct predictions (batch norm with running statistics), one 0-d count per replica."""

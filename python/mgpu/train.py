@@ -24,7 +24,14 @@ from .data import DataLoader, load_data_fashion_mnist
 from .device import Device, as_device, try_gpu
 from .models import lenet_params
 from .nn import Module
-from .parallel import _check_batch_size, _check_lr, evaluate_counts, get_params, train_batch
+from .parallel import (
+    _check_batch_size,
+    _check_lr,
+    _shards,
+    evaluate_counts,
+    get_params,
+    train_batch,
+)
 from .tensor import Tensor, array
 
 
@@ -132,7 +139,7 @@ def train(num_gpus: int, batch_size: int, lr: float, num_epochs: int = 10,
           data_dir: Optional[str] = None, limit_batches: Optional[int] = None, seed: int = 0,
           params: Optional[Sequence[Tensor]] = None, progress: Optional[bool] = None,
           plot: Optional[bool] = None, data=None, step: Optional[Callable] = None,
-          check_finite: bool = True, checkpoint: Optional[str] = None,
+          check_finite: bool = True, deterministic=False, checkpoint: Optional[str] = None,
           checkpoint_every: Optional[int] = None, resume: bool = False) -> TrainResult:
     """Trains the chapter's LeNet data-parallel on ``num_gpus`` devices and prints its line.
 
@@ -146,6 +153,8 @@ def train(num_gpus: int, batch_size: int, lr: float, num_epochs: int = 10,
     ``mgpu.chapter.train_batch``. ``check_finite`` stops training with FloatingPointError,
     naming the epoch and step, once a step's loss is NaN or infinite (checked at each epoch's end,
     where the losses are read anyway, so the check costs the step nothing; pass False to train on).
+    ``deterministic=True`` (or a number of logical shards) trains with the fused step's
+    deterministic mode: the same parameters, bit for bit, on any number of devices and processes.
     ``checkpoint`` is a directory where the run's state (parameters, the data order and
     position, the RNG, the step, the results so far) is saved every ``checkpoint_every`` steps
     and at each epoch's end (``mgpu.checkpoint``); with ``resume=True`` the run continues from
@@ -161,6 +170,13 @@ def train(num_gpus: int, batch_size: int, lr: float, num_epochs: int = 10,
     if int(num_epochs) < 1:
         raise ValueError(f"train: num_epochs must be >= 1, got {num_epochs}")
     ckpts = _checkpoints(checkpoint, checkpoint_every, resume, "train")
+    shards = _shards(deterministic, "train")
+    if shards and step is not None:
+        raise ValueError("train: deterministic is a mode of the fused train_batch; pass either "
+                         "deterministic or step, not both")
+    if step is None:
+        def step(X, y, device_params, devices, lr):
+            return train_batch(X, y, device_params, devices, lr, deterministic=shards or False)
     train_iter, test_iter = data if data is not None else load_data_fashion_mnist(
         batch_size, data_dir=data_dir, seed=seed, limit_batches=limit_batches)
     if ckpts is not None:
@@ -181,7 +197,7 @@ def train(num_gpus: int, batch_size: int, lr: float, num_epochs: int = 10,
         loaded = ckpts.start(resume)
         if loaded is not None:
             run = _resume_lenet(*loaded, device_params, train_iter, result, batch_size,
-                                len(devices), world, is_root)
+                                len(devices), world, is_root, shards)
     animator = None
     if is_root and (plot if plot is not None else _in_notebook()):
         from .plot import Animator
@@ -190,7 +206,7 @@ def train(num_gpus: int, batch_size: int, lr: float, num_epochs: int = 10,
                             else (sys.stderr.isatty() and animator is None))
     timer = Timer()
     config = {"batch_size": batch_size, "num_devices": len(devices), "world_size": world,
-              "lr": lr, "seed": seed}
+              "lr": lr, "seed": seed, "deterministic": shards}
 
     def save_state(epoch_next: int) -> None:
         # Collective under mpirun: every rank gathers its losses, rank 0 writes.
@@ -209,7 +225,7 @@ def train(num_gpus: int, batch_size: int, lr: float, num_epochs: int = 10,
         bar = _progress_bar(len(train_iter), title) if show_bar else None
         timer.start()
         for X, y in train_iter:
-            step_losses = (step or train_batch)(X, y, device_params, devices, lr)
+            step_losses = step(X, y, device_params, devices, lr)
             if step_losses is not None:
                 run.losses.extend(step_losses)
             run.seen += X.shape[0]
@@ -307,18 +323,23 @@ def _gather_losses(losses: list, world: int) -> np.ndarray:
 
 
 def _resume_lenet(path: str, state, device_params, train_iter, result: TrainResult,
-                  batch_size: int, num_devices: int, world: int, is_root: bool) -> _Progress:
+                  batch_size: int, num_devices: int, world: int, is_root: bool,
+                  shards: int) -> _Progress:
     """Puts a checkpoint's state into the run: everything is checked before anything changes."""
-    _checkpoint.check_run(path, state, "mgpu.train", batch_size, num_devices, world)
+    _checkpoint.check_run(path, state, "mgpu.train", batch_size, num_devices, world, shards)
     _checkpoint.check_shapes(path, "parameters", state["params"], device_params[0])
     try:
         rng = _random._generator(state["rng"])
     except ValueError as e:
         raise _checkpoint.CheckpointError(path, str(e)) from None
     losses = state["epoch_losses"]
-    if losses.ndim != 2 or losses.shape[0] != world:
+    if losses.ndim != 2:
         raise _checkpoint.CheckpointError(path, f"its epoch losses have shape {losses.shape}, "
-                                          f"expected one row per rank ({world})")
+                                          "expected one row per rank")
+    if losses.shape[0] == world:
+        mine = losses[_dist.rank()]
+    else:  # deterministic, on another process count: rank 0 carries the epoch's losses so far
+        mine = losses.reshape(-1) if _dist.rank() == 0 else losses[:0, 0]
     try:
         train_iter.load_state_dict(state["loader"])  # checks before it changes anything
     except ValueError as e:
@@ -332,7 +353,7 @@ def _resume_lenet(path: str, state, device_params, train_iter, result: TrainResu
     if is_root:
         print(f"resuming from {path} (epoch {state['epoch'] + 1}, step {state['step']})")
     return _Progress(epoch=int(state["epoch"]), step=int(state["step"]),
-                     losses=[float(v) for v in losses[_dist.rank()]],
+                     losses=[float(v) for v in mine],
                      seen=int(state["epoch_seen"]), elapsed=float(state["epoch_elapsed"]))
 
 
@@ -360,14 +381,22 @@ def _progress_bar(total: int, desc: str):
 
 
 def train_op_by_op(num_gpus: int, batch_size: int, lr: float, num_epochs: int = 10,
-                   **kw) -> TrainResult:
-    """``train`` with the chapter's Python-level train_batch (autograd, op by op)."""
+                   deterministic=False, **kw) -> TrainResult:
+    """``train`` with the chapter's Python-level train_batch (autograd, op by op); with
+    ``deterministic`` its variant in the deterministic step's shards and tree
+    (``chapter.train_batch_sharded``), bitwise the fused deterministic training."""
+    shards = _shards(deterministic, "train_op_by_op")
     _dist._auto_init()
     if _dist.world_size() > 1:
         raise ValueError("train_op_by_op: the chapter's op-by-op step runs in one process; under "
                          "mpirun use the fused train (drop --op-by-op)")
     from .chapter import train_batch as chapter_train_batch
-    return train(num_gpus, batch_size, lr, num_epochs, step=chapter_train_batch, **kw)
+    from .chapter import train_batch_sharded
+    step = chapter_train_batch
+    if shards:
+        def step(X, y, device_params, devices, lr):
+            return train_batch_sharded(X, y, device_params, devices, lr, shards)
+    return train(num_gpus, batch_size, lr, num_epochs, step=step, **kw)
 
 
 __all__ = ["Timer", "TrainResult", "evaluate_accuracy", "evaluate_accuracy_gpu", "train",

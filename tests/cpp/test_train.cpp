@@ -10,6 +10,7 @@
 #include "train/layers.h"
 #include "train/lenet.h"
 #include "train/model.h"
+#include "train/shard_tree.h"
 
 namespace mgpu {
 namespace {
@@ -85,6 +86,26 @@ TEST(Model, BadSpecsNameTheLayer) {
     EXPECT_NE(std::string(e.what()).find("layer 1 (conv2d): option stride"), std::string::npos)
         << e.what();
   }
+}
+
+TEST(ShardTree, SplitsAfterTheLargestPowerOfTwoSoLeftSubtreesAreComplete) {
+  EXPECT_EQ(train::tree_split(0, 2), 1);
+  EXPECT_EQ(train::tree_split(0, 8), 4);
+  EXPECT_EQ(train::tree_split(0, 7), 4);
+  EXPECT_EQ(train::tree_split(4, 7), 6);
+  EXPECT_EQ(train::tree_split(0, 9), 8);
+  EXPECT_EQ(train::tree_split(8, 12), 10);
+}
+
+TEST(ShardTree, MaximalNodesTileARangeWithTreeNodes) {
+  using N = std::vector<train::ShardSpan>;
+  EXPECT_EQ(train::maximal_nodes(8, 0, 8), (N{{0, 8}}));
+  EXPECT_EQ(train::maximal_nodes(8, 0, 3), (N{{0, 2}, {2, 3}}));   // 3 devices: 3, 3, 2 shards
+  EXPECT_EQ(train::maximal_nodes(8, 3, 6), (N{{3, 4}, {4, 6}}));
+  EXPECT_EQ(train::maximal_nodes(8, 6, 8), (N{{6, 8}}));
+  EXPECT_EQ(train::maximal_nodes(8, 5, 5), N{});
+  EXPECT_EQ(train::maximal_nodes(7, 4, 7), (N{{4, 7}}));
+  EXPECT_EQ(train::maximal_nodes(1, 0, 1), (N{{0, 1}}));
 }
 
 TEST(BucketAllReduce, SumsEveryBucketOnEveryDeviceWhateverOrderDevicesJoinIn) {
