@@ -255,13 +255,18 @@ def _same(a, b):
 @pytest.mark.parametrize("crash_at, every", [(7, 3), (2, 1), (10, None)])
 def test_train_resumed_after_a_crash_ends_bitwise_like_an_uninterrupted_run(
         tmp_path, crash_at, every):
+    mgpu.random.seed(5)
     ref, ref_result = _run(tmp_path, None, 3)
+    ref_rng = mgpu.random.get_state()
+    mgpu.random.seed(5)
     with pytest.raises(KeyboardInterrupt):
         _run(tmp_path, "c", 3, crash_at=crash_at, every=every)
+    mgpu.random.seed(6)  # the resumed run takes the generator's state from the checkpoint
     got, result = _run(tmp_path, "c", 3, every=every)
     assert _same(got, ref)
     assert result.train_loss == ref_result.train_loss
     assert result.test_acc == ref_result.test_acc
+    assert mgpu.random.get_state() == ref_rng
 
 
 def test_two_devices_resume_bitwise_and_another_device_count_is_refused(tmp_path):
