@@ -220,9 +220,10 @@ def test_a_data_loader_resumes_mid_epoch_with_the_same_batches():
     with pytest.raises(ValueError, match=r"another data order: seed 3 \(this loader: 4\)"):
         c.load_state_dict(state)
     assert c.state_dict()["epoch"] == -1  # unchanged
+    assert a.state_dict()["epoch"] == 3 and a.state_dict()["batch"] == 0  # iteration ended
     d = array_loader(images, labels, 16, shuffle=True, seed=3)
-    d.load_state_dict(dict(state, batch=len(d)))  # a finished epoch: the next one follows
-    assert _labels_of(d) == after
+    d.load_state_dict(dict(state, batch=len(d)))  # after the last batch: the rest is empty
+    assert _labels_of(d) == [] and _labels_of(d) == after
 
 
 # --- training resumes bit for bit --------------------------------------------------------------
@@ -267,6 +268,29 @@ def test_train_resumed_after_a_crash_ends_bitwise_like_an_uninterrupted_run(
     assert result.train_loss == ref_result.train_loss
     assert result.test_acc == ref_result.test_acc
     assert mgpu.random.get_state() == ref_rng
+
+
+@pytest.mark.parametrize("point, n", [("prune", 6), ("rename", 7), ("step", 10)])
+def test_train_resumed_after_a_crash_inside_a_checkpoint_write_ends_bitwise(
+        tmp_path, monkeypatch, point, n):
+    """Writes with every=2 over 3 epochs of 5 steps: steps 2, 4, 5 (epoch end), 6, 8, 10 (after
+    the epoch's last step, before its evaluation), 10 (epoch end)...: prune@6 resumes from the
+    file of an epoch whose batches are all done but which is not yet evaluated."""
+    ref, ref_result = _run(tmp_path, None, 3)
+    count = {"n": 0}
+
+    def crash(where):
+        count["n"] += where == point
+        if where == point and count["n"] == n:
+            raise KeyboardInterrupt(f"simulated crash at {point}@{n}")
+    monkeypatch.setattr(ck, "_fault", crash)
+    with pytest.raises(KeyboardInterrupt):
+        _run(tmp_path, "c", 3)
+    monkeypatch.undo()
+    got, result = _run(tmp_path, "c", 3)
+    assert _same(got, ref)
+    assert result.train_loss == ref_result.train_loss
+    assert result.test_acc == ref_result.test_acc
 
 
 def test_two_devices_resume_bitwise_and_another_device_count_is_refused(tmp_path):

@@ -49,6 +49,7 @@ class DataLoader:
         self._limit_batches = limit_batches
         self._epoch = -1     # the epoch being (or last) iterated
         self._position = 0   # batches of it handed out so far
+        self._finished = False  # its iteration has ended
         self._resume_at: Optional[Tuple[int, int]] = None  # (epoch, batch) for the next iter()
 
     def __iter__(self) -> Iterator[Tuple[Tensor, Tensor]]:
@@ -57,20 +58,28 @@ class DataLoader:
             self._resume_at = None
         else:
             self._epoch, self._position = self._epoch + 1, 0
+        self._finished = False
         self._it.start_epoch_at(self._epoch, self._position)
         while True:
             batch = self._it.next()
             if batch is None:
+                self._finished = True
                 return
             self._position += 1
             yield Tensor(batch[0]), Tensor(batch[1])
 
     def state_dict(self) -> dict:
-        """Where the loader is: the epoch being iterated and the batches of it handed out (the
-        next ``iter()`` after a finished epoch starts the one after), plus what fixes the order
-        (seed, shuffle, batch size, dataset size, batch limit), checked on loading."""
-        pending = self._resume_at
-        epoch, position = pending if pending is not None else (self._epoch, self._position)
+        """Where the next ``iter()`` continues: the epoch under way and the batches of it handed
+        out, or the next epoch at batch 0 once an epoch's iteration has ended; plus what fixes
+        the order (seed, shuffle, batch size, dataset size, batch limit), checked on loading.
+        After the last batch of an epoch, before its iteration ends, the position is
+        ``len(loader)``: a loader restored there first gives that epoch's (empty) rest."""
+        if self._resume_at is not None:
+            epoch, position = self._resume_at
+        elif self._finished:
+            epoch, position = self._epoch + 1, 0
+        else:
+            epoch, position = self._epoch, self._position
         return {"epoch": int(epoch), "batch": int(position),
                 "batches_per_epoch": int(len(self)), "batch_size": self.batch_size,
                 "num_examples": int(self._it.num_examples), "shuffle": bool(self._it.shuffle),
@@ -104,10 +113,9 @@ class DataLoader:
                              f"batch in [0, {len(self)}])")
         if epoch == -1:  # saved before the first epoch: start from the beginning
             self._resume_at, self._epoch, self._position = None, -1, 0
-        elif position == len(self):  # a finished epoch: the next iter() starts the one after
-            self._resume_at, self._epoch, self._position = None, epoch, position
         else:
             self._resume_at = (epoch, position)
+        self._finished = False
 
     def __len__(self) -> int:
         return self._it.num_batches
