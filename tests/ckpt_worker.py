@@ -1,10 +1,11 @@
 """One training process of the checkpoint tests (tests/test_checkpoint.py starts it, killed or not).
 
-    python ckpt_worker.py CKPT_DIR OUT.npz EPOCHS [EVERY] [DEVICES]
+    python ckpt_worker.py CKPT_DIR OUT.npz EPOCHS [EVERY] [DEVICES] [det]
 
 Trains LeNet on synthetic data with ``mgpu.train(checkpoint=CKPT_DIR, resume=True)``, printing
 "step N" after every step so the test can kill it at a chosen point, and writes the final
-parameters to OUT.npz. Under mpirun the same script trains one process per rank.
+parameters to OUT.npz (with "det": trains deterministic=True, leaving the final parameters in the
+newest checkpoint). Under mpirun the same script trains one process per rank.
 """
 import os
 import sys
@@ -29,7 +30,13 @@ def data():
             array_loader(images[:64], labels[:64], 64))
 
 
-def main(ckpt_dir, out, epochs, every=None, devices=1):
+def main(ckpt_dir, out, epochs, every=None, devices=1, deterministic=""):
+    if deterministic:  # the fused step in its deterministic mode: the same bits on any devices
+        mgpu.train(int(devices), BATCH, LR, num_epochs=int(epochs),
+                   params=mgpu.lenet_params(scale=0.1, seed=4), data=data(), progress=False,
+                   deterministic=True, checkpoint=ckpt_dir, checkpoint_every=int(every),
+                   resume=True)
+        return
     seen = {}
 
     def printing_step(X, y, device_params, devs, lr):

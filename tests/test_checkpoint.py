@@ -562,13 +562,14 @@ def test_sigkill_at_many_points_then_resume_gives_the_uninterrupted_bits(tmp_pat
 
 # --- under mpirun: a rank killed mid-step, then --resume ----------------------------------------
 
-def _mpirun(ckdir, out, env=None, limit=120):
+def _mpirun(ckdir, out, env=None, limit=120, det=False):
     from test_distributed import MPIRUN
     full = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
                 MGPU_DIST_TIMEOUT="10", **(env or {}))
     full.pop("MGPU_NUM_THREADS", None)
     cmd = [MPIRUN, "-np", "2", "--oversubscribe", sys.executable,
-           os.path.join(HERE, "ckpt_worker.py"), str(ckdir), str(out), "3", "2", "1"]
+           os.path.join(HERE, "ckpt_worker.py"), str(ckdir), str(out), "3", "2", "1",
+           *(["det"] if det else [])]
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=HERE, env=full, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -604,3 +605,25 @@ def test_a_rank_killed_mid_step_ends_the_job_naming_it_and_resume_gives_the_same
     got = _arrays(out)
     assert _same(got[:8], ref)
     assert got[9].tolist() == ref_result.test_acc
+
+
+def test_a_deterministic_run_killed_under_mpirun_resumes_in_one_process(tmp_path, monkeypatch):
+    """2 ranks x 1 device, rank 1 killed mid-epoch; 1 process with 1 device then finishes the
+    run, rank 0's losses of the interrupted epoch carried over: the deterministic run's bits."""
+    _needs_mpi()
+    ckdir = tmp_path / "c"
+    rc, _, err, _ = _mpirun(ckdir, "-", det=True, env={"MGPU_TEST_CHECKPOINT_FAULT": "step@7",
+                                                       "MGPU_TEST_CHECKPOINT_FAULT_RANK": "1"})
+    assert rc != 0 and "rank 1" in err, err
+    assert sorted(os.listdir(ckdir))[-1] == "ckpt-000000006.mgpu"
+
+    def run(name):
+        return mgpu.train(1, ckpt_worker.BATCH, ckpt_worker.LR, num_epochs=3,
+                          params=mgpu.lenet_params(scale=0.1, seed=4), data=ckpt_worker.data(),
+                          progress=False, deterministic=True, checkpoint=str(tmp_path / name),
+                          checkpoint_every=2, resume=True)
+    ref = run("ref")
+    got = run("c")
+    assert _same(_final_params(ckdir), _final_params(tmp_path / "ref"))
+    assert got.test_acc == ref.test_acc
+    assert np.allclose(got.train_loss, ref.train_loss, rtol=1e-6)  # summed in another order

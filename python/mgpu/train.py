@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -215,7 +215,7 @@ def train(num_gpus: int, batch_size: int, lr: float, num_epochs: int = 10,
                  "params": [p.numpy() for p in device_params[0]],
                  "loader": train_iter.state_dict(), "rng": _random.get_state(),
                  "result": _result_state(result),
-                 "epoch_losses": _gather_losses(run.losses, world),
+                 "epoch_losses": _gather_losses(run.losses, world),  # (rows, counts)
                  "epoch_seen": run.seen, "epoch_elapsed": run.elapsed + timer.stop()}
         timer.times.pop()  # the timer keeps running for the epoch
         ckpts.write(state, run.step)
@@ -309,17 +309,25 @@ def _restore_result(result: TrainResult, saved: dict) -> None:
         getattr(result, name)[:] = [float(v) for v in saved[name]]
 
 
-def _gather_losses(losses: list, world: int) -> np.ndarray:
-    """Every rank's step losses of the epoch so far, one row per rank (rows are added across
-    ranks with zeros elsewhere, so every value arrives exactly)."""
-    from .tensor import array
-    rows = np.zeros((world, len(losses)), dtype=np.float32)
-    rows[_dist.rank()] = [_host(v) for v in losses]
+def _gather_losses(losses: list, world: int) -> Tuple[np.ndarray, List[int]]:
+    """Every rank's step losses of the epoch so far: one zero-padded row per rank and each
+    row's length (rows are added across ranks with zeros elsewhere, so every value arrives
+    exactly; ranks may hold different counts after a deterministic resume on other ranks)."""
+    values = [_host(v) for v in losses]
+    counts = np.zeros(world, dtype=np.float32)  # exact: an epoch has far fewer than 2^24 steps
+    counts[_dist.rank()] = len(values)
+    if world > 1:
+        t = array(counts)
+        _dist.allreduce(t)
+        counts = t.numpy()
+    counts = [int(c) for c in counts]
+    rows = np.zeros((world, max(counts, default=0)), dtype=np.float32)
+    rows[_dist.rank(), :len(values)] = values
     if world > 1:
         t = array(rows)
         _dist.allreduce(t)
         rows = t.numpy()
-    return rows
+    return rows, counts
 
 
 def _resume_lenet(path: str, state, device_params, train_iter, result: TrainResult,
@@ -332,14 +340,16 @@ def _resume_lenet(path: str, state, device_params, train_iter, result: TrainResu
         rng = _random._generator(state["rng"])
     except ValueError as e:
         raise _checkpoint.CheckpointError(path, str(e)) from None
-    losses = state["epoch_losses"]
-    if losses.ndim != 2:
-        raise _checkpoint.CheckpointError(path, f"its epoch losses have shape {losses.shape}, "
-                                          "expected one row per rank")
-    if losses.shape[0] == world:
-        mine = losses[_dist.rank()]
+    try:
+        rows, counts = state["epoch_losses"]
+        saved = [[float(v) for v in row[:int(n)]] for row, n in zip(rows, counts, strict=True)]
+    except (TypeError, ValueError, IndexError):
+        raise _checkpoint.CheckpointError(path, "its epoch losses are not (rows, counts) with "
+                                          "one row per rank (corrupt)") from None
+    if len(saved) == world:
+        mine = saved[_dist.rank()]
     else:  # deterministic, on another process count: rank 0 carries the epoch's losses so far
-        mine = losses.reshape(-1) if _dist.rank() == 0 else losses[:0, 0]
+        mine = [v for row in saved for v in row] if _dist.rank() == 0 else []
     try:
         train_iter.load_state_dict(state["loader"])  # checks before it changes anything
     except ValueError as e:
@@ -353,7 +363,7 @@ def _resume_lenet(path: str, state, device_params, train_iter, result: TrainResu
     if is_root:
         print(f"resuming from {path} (epoch {state['epoch'] + 1}, step {state['step']})")
     return _Progress(epoch=int(state["epoch"]), step=int(state["step"]),
-                     losses=[float(v) for v in mine],
+                     losses=mine,
                      seen=int(state["epoch_seen"]), elapsed=float(state["epoch_elapsed"]))
 
 
