@@ -83,7 +83,12 @@ void bind_data(py::module_& m) {
                                                           seed, drop_last, limit_batches);
            }), py::arg("split"), py::arg("batch_size"), py::arg("shuffle"), py::arg("seed"),
            py::arg("drop_last") = false, py::arg("limit_batches") = 0)
-      .def("start_epoch", [](data::BatchIterator& it) { it.start_epoch(); })
+      .def("start_epoch", [](data::BatchIterator& it) { it.start_epoch(); },
+           "Starts the next epoch.")
+      .def("start_epoch_at", [](data::BatchIterator& it, int64_t epoch, int64_t first_batch) {
+             it.start_epoch(epoch, first_batch);
+           }, py::arg("epoch"), py::arg("first_batch"),
+           "Starts epoch `epoch` at batch `first_batch` (resuming a run).")
       .def("next", [](data::BatchIterator& it) -> py::object {
         data::Batch b;
         bool more;
@@ -98,7 +103,11 @@ void bind_data(py::module_& m) {
       .def_property_readonly("num_batches", &data::BatchIterator::num_batches)
       .def_property_readonly("num_examples", &data::BatchIterator::num_examples)
       .def_property_readonly("examples_per_epoch", &data::BatchIterator::examples_per_epoch)
-      .def_property_readonly("batch_size", &data::BatchIterator::batch_size);
+      .def_property_readonly("batch_size", &data::BatchIterator::batch_size)
+      .def_property_readonly("shuffle", &data::BatchIterator::shuffle)
+      .def_property_readonly("seed", &data::BatchIterator::seed)
+      .def_property_readonly("epoch", &data::BatchIterator::epoch,
+                             "The current epoch, -1 before the first one starts.");
 }
 
 }  // namespace mgpu::bind

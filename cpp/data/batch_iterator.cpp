@@ -172,11 +172,11 @@ struct BatchIterator::Impl {
     if (worker.joinable()) worker.join();
   }
 
-  void start_locked(int64_t e) {
+  void start_locked(int64_t e, int64_t first_batch = 0) {
     ++generation;
     epoch = e;
-    produced = 0;
-    consumed = 0;
+    produced = first_batch;
+    consumed = first_batch;
     ready.reset();
     error = nullptr;
     cv.notify_all();
@@ -326,6 +326,19 @@ void BatchIterator::start_epoch(int64_t epoch) {
   }
   std::lock_guard<std::mutex> lock(impl_->mutex);
   impl_->start_locked(epoch);
+}
+
+void BatchIterator::start_epoch(int64_t epoch, int64_t first_batch) {
+  if (epoch < 0) {
+    throw std::invalid_argument(cat("BatchIterator.start_epoch: epoch must be >= 0, got ", epoch));
+  }
+  if (first_batch < 0 || first_batch > impl_->num_batches) {
+    throw std::invalid_argument(cat("BatchIterator.start_epoch: first_batch must be in [0, ",
+                                    impl_->num_batches, "] (batches per epoch), got ",
+                                    first_batch));
+  }
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  impl_->start_locked(epoch, first_batch);
 }
 
 bool BatchIterator::next(Batch& out) {

@@ -54,6 +54,10 @@ class BatchIterator {
   void start_epoch();
   // Starts epoch e, e.g. to resume a run; later start_epoch() calls continue from e + 1.
   void start_epoch(int64_t epoch);
+  // Starts epoch e at batch first_batch (0 <= first_batch <= num_batches()), the batches before
+  // it skipped without being prepared: a checkpointed run resumes mid-epoch with the very
+  // batches it would have seen. first_batch == num_batches() gives an epoch with no batches left.
+  void start_epoch(int64_t epoch, int64_t first_batch);
 
   // Moves the next batch of the current epoch into out and returns true, or returns false when
   // the epoch is over (until the next start_epoch). The first call ever starts epoch 0 if

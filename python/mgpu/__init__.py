@@ -17,6 +17,7 @@ from . import (  # after the checks above (pyproject.toml: E402 is off for this 
     _core,
     autograd,
     chapter,
+    checkpoint,
     distributed,
     models,
     nn,
@@ -28,6 +29,7 @@ from . import (  # after the checks above (pyproject.toml: E402 is off for this 
 )
 from ._core import DeviceError, OutOfMemoryError
 from .autograd import no_grad
+from .checkpoint import CheckpointError, load, save
 from .data import DataLoader, get_fashion_mnist_labels, load_data_fashion_mnist
 from .device import Device, cpu, gpu, num_gpus, try_all_gpus, try_gpu
 from .models import lenet, lenet_params
@@ -129,7 +131,8 @@ __all__ = [
     "Timer", "TrainResult", "build_info", "info",
     "cpu", "gpu", "try_gpu", "try_all_gpus", "num_gpus",
     "array", "tensor", "zeros", "ones", "full", "zeros_like", "ones_like", "arange", "randn",
-    "from_dlpack", "random", "autograd", "chapter", "distributed", "plot", "no_grad",
+    "from_dlpack", "random", "autograd", "chapter", "checkpoint", "distributed", "plot", "no_grad",
+    "save", "load", "CheckpointError",
     "models", "nn", "ops", "optim", "profile", "trace",
     "conv2d", "avg_pool2d", "relu", "batch_norm", "mm", "dot", "cross_entropy", "argmax",
     "lenet", "lenet_params", "get_params", "allreduce", "split_batch", "split_and_load", "sgd",

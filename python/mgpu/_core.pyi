@@ -169,9 +169,13 @@ class BatchIterator:
     num_examples: int
     examples_per_epoch: int
     batch_size: int
+    shuffle: bool
+    seed: int
+    epoch: int
     def __init__(self, split: DataSplit, batch_size: int, shuffle: bool, seed: int,
                  drop_last: bool = False, limit_batches: int = 0) -> None: ...
     def start_epoch(self) -> None: ...
+    def start_epoch_at(self, epoch: int, first_batch: int) -> None: ...
     def next(self) -> Optional[Tuple[Tensor, Tensor]]: ...
 
 # --- multi-process (cpp/bind/bind_distributed.cpp) ---

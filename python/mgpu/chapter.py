@@ -15,13 +15,25 @@ import numpy as np
 from . import nn, optim, random
 from ._core import waitall
 from .autograd import no_grad
+from .checkpoint import CheckpointError, _fault, check_run
 from .data import load_data_fashion_mnist
 from .device import try_gpu
 from .models import lenet
 from .nn import CrossEntropyLoss
-from .parallel import sgd, split_batch
+from .parallel import _shards, sgd, split_batch
 from .tensor import zeros_like
-from .train import Timer, TrainResult, _progress_bar, evaluate_accuracy_gpu
+from .train import (
+    Timer,
+    TrainResult,
+    _check_resumable_loader,
+    _checkpoints,
+    _host,
+    _Progress,
+    _progress_bar,
+    _restore_result,
+    _result_state,
+    evaluate_accuracy_gpu,
+)
 
 loss = CrossEntropyLoss(reduction="none")
 
@@ -113,7 +125,8 @@ def train_concise(net, num_gpus: int, batch_size: int, lr: float, num_epochs: in
                   data=None, data_dir: Optional[str] = None,
                   limit_batches: Optional[int] = None, seed: int = 0,
                   progress: Optional[bool] = None, fused: bool = False,
-                  deterministic=False) -> TrainResult:
+                  deterministic=False, checkpoint: Optional[str] = None,
+                  checkpoint_every: Optional[int] = None, resume: bool = False) -> TrainResult:
     """The concise chapter's ``train(net, num_gpus, batch_size, lr)`` (sec. 12.6), as printed:
     ``normal_(std=0.01)`` init of Linear and Conv2d weights, ``nn.DataParallel``, SGD and the
     mean cross-entropy, the book's loop, test accuracy on all devices after every epoch, and
@@ -123,7 +136,9 @@ def train_concise(net, num_gpus: int, batch_size: int, lr: float, num_epochs: in
     shortens every epoch (and the evaluation), ``seed`` fixes the initial weights and shuffles.
     ``fused=True`` replaces the loop's body by ``net.train_step(X, y, loss, trainer)``, the same
     step in one C++ call; ``deterministic=True`` (with ``fused``) makes that step's result the
-    same bits on any number of devices (``DataParallel.train_step``).
+    same bits on any number of devices (``DataParallel.train_step``). ``checkpoint``,
+    ``checkpoint_every`` and ``resume`` save and resume the run as in ``mgpu.train``
+    (parameters, BatchNorm buffers, SGD's momentum, data order and position, RNG, step).
     Returns the per-epoch accuracies and times.
     """
     if int(num_gpus) < 1:
@@ -131,9 +146,13 @@ def train_concise(net, num_gpus: int, batch_size: int, lr: float, num_epochs: in
     if deterministic and not fused:
         raise ValueError("train_concise: deterministic needs fused=True (the book's loop through "
                          "autograd sums gradients in device order)")
+    ckpts = _checkpoints(checkpoint, checkpoint_every, resume, "train_concise")
+    shards = _shards(deterministic, "train_concise")
     random.seed(seed)
     train_iter, test_iter = data if data is not None else load_data_fashion_mnist(
         batch_size, data_dir=data_dir, seed=seed, limit_batches=limit_batches)
+    if ckpts is not None:
+        _check_resumable_loader(train_iter, "train_concise")
     devices = [try_gpu(i) for i in range(num_gpus)]
 
     def init_weights(module):
@@ -148,12 +167,33 @@ def train_concise(net, num_gpus: int, batch_size: int, lr: float, num_epochs: in
     timer = Timer()
     result = TrainResult(devices=devices)
     show_bar = progress if progress is not None else sys.stderr.isatty()
-    for epoch in range(int(num_epochs)):
+    run = _Progress()
+    if ckpts is not None:
+        loaded = ckpts.start(resume)
+        if loaded is not None:
+            run = _resume_concise(*loaded, net.module, trainer, train_iter, result, batch_size,
+                                  len(devices), fused, shards)
+    config = {"batch_size": batch_size, "num_devices": len(devices), "world_size": 1,
+              "lr": lr, "seed": seed, "fused": bool(fused), "deterministic": shards}
+
+    def save_state(epoch_next: int) -> None:
+        waitall()
+        run.losses[:] = [_host(v) for v in run.losses]
+        state = {"kind": "mgpu.train_concise", "step": run.step, "epoch": epoch_next,
+                 "config": config, "model": net.module.state_dict(),
+                 "optimizer": trainer.state_dict(), "loader": train_iter.state_dict(),
+                 "rng": random.get_state(), "result": _result_state(result),
+                 "epoch_losses": np.array(run.losses, dtype=np.float32),
+                 "epoch_elapsed": run.elapsed + timer.stop()}
+        timer.times.pop()  # the timer keeps running for the epoch
+        ckpts.write(state, run.step)
+
+    for epoch in range(run.epoch, int(num_epochs)):
         bar = _progress_bar(len(train_iter), f"epoch {epoch + 1}/{num_epochs}") \
             if show_bar else None
         net.train()
         timer.start()
-        losses = []
+        losses = run.losses
         for X, y in train_iter:
             if fused:
                 l = net.train_step(X, y, loss, trainer, deterministic=deterministic)
@@ -164,15 +204,62 @@ def train_concise(net, num_gpus: int, batch_size: int, lr: float, num_epochs: in
                 l.backward()
                 trainer.step()
             losses.append(l.detach())
+            run.step += 1
+            if ckpts is not None:
+                _fault("step")
+                if ckpts.due(run.step):
+                    save_state(epoch)
             if bar is not None:
                 bar.update(1)
         waitall()
-        result.epoch_times.append(timer.stop())
-        result.train_loss.append(float(np.mean([v.item() for v in losses])) if losses
+        result.epoch_times.append(run.elapsed + timer.stop())
+        result.train_loss.append(float(np.mean([_host(v) for v in losses])) if losses
                                  else float("nan"))
         result.test_acc.append(evaluate_accuracy_gpu(net, test_iter))
         if bar is not None:
             bar.close()
+        run.losses, run.elapsed = [], 0.0
+        if ckpts is not None:
+            timer.start()
+            save_state(epoch + 1)
     print(f'test acc: {result.test_acc[-1]:.2f}, {timer.avg():.1f} sec/epoch '
           f'on {str(devices)}')
     return result
+
+
+def _resume_concise(path: str, state, module, trainer, train_iter, result: TrainResult,
+                    batch_size: int, num_devices: int, fused: bool, shards: int) -> _Progress:
+    """Puts a checkpoint's state into the run: everything is checked before anything changes."""
+    check_run(path, state, "mgpu.train_concise", batch_size, num_devices, 1, shards)
+    saved, mine = state["model"], module.state_dict()
+    if not isinstance(saved, dict) or list(saved) != list(mine):
+        names = list(saved) if isinstance(saved, dict) else type(saved).__name__
+        raise CheckpointError(path, f"holds the state of another network (its entries "
+                              f"{str(names)[:200]} differ from this network's "
+                              f"{str(list(mine))[:200]})")
+    for k, v in mine.items():
+        if tuple(saved[k].shape) != tuple(v.shape):
+            raise CheckpointError(path, f"'{k}' has shape {tuple(saved[k].shape)}, this "
+                                  f"network's has {tuple(v.shape)}: it belongs to another network")
+    if fused and trainer.momentum:
+        raise NotImplementedError("train_concise: resuming the fused step with momentum needs "
+                                  "its momentum buffers to be settable (issue 13)")
+    opt = state["optimizer"]
+    try:
+        rng = random._generator(state["rng"])
+        if len(opt["param_groups"][0]["params"]) != len(trainer.params):
+            raise ValueError("its optimizer state is for another parameter count")
+        for i, entry in opt["state"].items():
+            if tuple(entry["momentum_buffer"].shape) != tuple(trainer.params[int(i)].shape):
+                raise ValueError(f"momentum buffer {i} has another shape than parameter {i}")
+        train_iter.load_state_dict(state["loader"])  # checks before it changes anything
+    except (ValueError, KeyError, IndexError, TypeError) as e:
+        raise CheckpointError(path, str(e)) from None
+    trainer.load_state_dict(opt)
+    module.load_state_dict(saved)
+    random._rng = rng
+    _restore_result(result, state["result"])
+    print(f"resuming from {path} (epoch {state['epoch'] + 1}, step {state['step']})")
+    return _Progress(epoch=int(state["epoch"]), step=int(state["step"]),
+                     losses=[float(v) for v in state["epoch_losses"]],
+                     elapsed=float(state["epoch_elapsed"]))

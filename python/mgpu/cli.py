@@ -20,7 +20,9 @@ def _train(args) -> int:
 
 def _train_run(args) -> int:
     from .train import train, train_op_by_op
-    kw = dict(data_dir=args.data_dir, limit_batches=args.limit_batches, seed=args.seed)
+    kw = dict(data_dir=args.data_dir, limit_batches=args.limit_batches, seed=args.seed,
+              checkpoint=args.checkpoint, checkpoint_every=args.checkpoint_every,
+              resume=args.resume)
     if args.model == "resnet18":
         # Sec. 12.6: modules, nn.DataParallel and the book's loop through autograd.
         from . import chapter, models, nn
@@ -30,6 +32,10 @@ def _train_run(args) -> int:
         if not args.check_finite:
             raise ValueError("--no-check-finite is for LeNet's train; ResNet-18's loop (the "
                              "book's, through autograd) does not check its losses")
+        # Seeded first: the default init of the biases draws from mgpu.random too, so --seed
+        # fixes the whole initial network (train_concise re-draws only the weights).
+        from . import random
+        random.seed(args.seed)
         net = models.resnet18(10, 1)
         if args.sync_bn:
             net = nn.SyncBatchNorm.convert_sync_batchnorm(net)
@@ -184,6 +190,10 @@ def _bench(args) -> int:
     elif args.bench == "ops":
         result = bench.bench_ops(batch_sizes=args.batch_sizes, warmup=args.warmup,
                                  repeat=args.repeat, log=log, device=args.device)
+    elif args.bench == "checkpoint":
+        result = bench.bench_checkpoint(models=args.models.split(","), momentum=args.momentum,
+                                        warmup=args.warmup, repeat=args.repeat,
+                                        directory=args.dir, log=log)
     elif args.bench == "batch_norm":
         result = bench.bench_batch_norm(shape=args.shape, warmup=args.warmup, repeat=args.repeat,
                                         log=log, device=args.device)
@@ -255,6 +265,14 @@ def _bench_parser(sub) -> None:
     n.add_argument("--shape", type=_ints, default=[256, 64, 28, 28],
                    help="x shape, e.g. 256,64,28,28")
     n.add_argument("--device", default="cpu:0", help="the device to time, e.g. cpu:0 or gpu:0")
+    c = kinds.add_parser("checkpoint", help="write and load time of LeNet's and ResNet-18's "
+                         "training checkpoints")
+    common(c, 1, 5)
+    c.add_argument("--models", default="lenet,resnet18", help="from: lenet,resnet18")
+    c.add_argument("--no-momentum", dest="momentum", action="store_false",
+                   help="leave SGD's momentum buffers out (half the size for ResNet-18)")
+    c.add_argument("--dir", default=None,
+                   help="where to write (default: the system's temporary directory)")
     a = kinds.add_parser("allreduce", help="all-reduce time, algbw and busbw over sizes")
     common(a, 3, 10)
     a.add_argument("--devices", type=_ints, default=[2], help="device counts k, e.g. 2,3,4")
@@ -293,6 +311,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     t.add_argument("--trace", metavar="PATH.json", default=None,
                    help="write a Chrome/Perfetto timeline of the run (one file per rank under "
                         "mpirun; see trace-merge)")
+    t.add_argument("--checkpoint", metavar="DIR", default=None,
+                   help="save the run's state in DIR at each epoch's end (and every K steps)")
+    t.add_argument("--checkpoint-every", metavar="K", type=int, default=None,
+                   help="also save a checkpoint every K steps (needs --checkpoint)")
+    t.add_argument("--resume", action="store_true",
+                   help="continue from the newest checkpoint in --checkpoint DIR (a fresh run "
+                        "if there is none); ends with the parameters of an uninterrupted run")
     t.set_defaults(run=_train)
     m = sub.add_parser("trace-merge", help="join per-rank timelines into one (ranks as processes)")
     m.add_argument("out", help="the merged trace to write")
@@ -310,7 +335,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         # Ctrl-C: one line, and the shell's status for SIGINT (128 + 2), no traceback.
         print("mgpu: interrupted", file=sys.stderr)
         return 130
-    except (ValueError, TypeError, IndexError, FileNotFoundError, RuntimeError, MemoryError,
+    except (ValueError, TypeError, IndexError, OSError, RuntimeError, MemoryError,
             ArithmeticError) as e:
         from . import distributed
         where = f" (rank {distributed.rank()})" if distributed.world_size() > 1 else ""

@@ -19,6 +19,31 @@ def seed(n: int) -> None:
     _rng = np.random.default_rng(_seed(n, "mgpu.random.seed"))
 
 
+def get_state() -> dict:
+    """The generator's state as plain numbers and strings (NumPy's ``bit_generator.state``),
+    e.g. for a checkpoint; :func:`set_state` restores it, so the draws continue identically."""
+    return _rng.bit_generator.state
+
+
+def set_state(state: dict) -> None:
+    """Restores a state from :func:`get_state` (ValueError if it is not one)."""
+    global _rng
+    _rng = _generator(state)
+
+
+def _generator(state) -> np.random.Generator:
+    """A generator in ``state`` (checked: ValueError names what is wrong)."""
+    if not isinstance(state, dict) or state.get("bit_generator") != "PCG64":
+        raise ValueError("mgpu.random.set_state: expected a state from mgpu.random.get_state() "
+                         f"(a dict with bit_generator 'PCG64'), got {str(state)[:80]}")
+    g = np.random.default_rng()
+    try:
+        g.bit_generator.state = state
+    except (TypeError, ValueError, KeyError) as e:
+        raise ValueError(f"mgpu.random.set_state: not a PCG64 state: {e}") from None
+    return g
+
+
 def _seed(n, op: str) -> int:
     """A seed: an integer in [0, 2**64) (ValueError or TypeError otherwise, never truncated)."""
     if isinstance(n, bool) or not isinstance(n, (numbers.Integral, np.integer)):

@@ -11,12 +11,14 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from . import _core
+from . import checkpoint as _checkpoint
 from . import distributed as _dist
+from . import random as _random
 from . import trace as _trace
 from .autograd import no_grad
 from .data import DataLoader, load_data_fashion_mnist
@@ -31,7 +33,7 @@ from .parallel import (
     get_params,
     train_batch,
 )
-from .tensor import Tensor
+from .tensor import Tensor, array
 
 
 class Timer:
@@ -139,7 +141,8 @@ def train(num_gpus: int, batch_size: int, lr: float, num_epochs: int = 10,
           data_dir: Optional[str] = None, limit_batches: Optional[int] = None, seed: int = 0,
           params: Optional[Sequence[Tensor]] = None, progress: Optional[bool] = None,
           plot: Optional[bool] = None, data=None, step: Optional[Callable] = None,
-          check_finite: bool = True, deterministic=False) -> TrainResult:
+          check_finite: bool = True, deterministic=False, checkpoint: Optional[str] = None,
+          checkpoint_every: Optional[int] = None, resume: bool = False) -> TrainResult:
     """Trains the chapter's LeNet data-parallel on ``num_gpus`` devices and prints its line.
 
     Devices are ``[try_gpu(i) for i in range(num_gpus)]``: GPUs where they exist, virtual CPU
@@ -154,6 +157,12 @@ def train(num_gpus: int, batch_size: int, lr: float, num_epochs: int = 10,
     where the losses are read anyway, so the check costs the step nothing; pass False to train on).
     ``deterministic=True`` (or a number of logical shards) trains with the fused step's
     deterministic mode: the same parameters, bit for bit, on any number of devices and processes.
+    ``checkpoint`` is a directory where the run's state (parameters, the data order and
+    position, the RNG, the step, the results so far) is saved every ``checkpoint_every`` steps
+    and at each epoch's end (``mgpu.checkpoint``); with ``resume=True`` the run continues from
+    the newest checkpoint there (or starts afresh if there is none) and ends with the very
+    parameters an uninterrupted run would have, on the same devices. Under mpirun rank 0
+    writes and every rank reads.
     Returns the per-epoch accuracies, losses and times.
     """
     lr = _check_lr(lr, "train")
@@ -162,6 +171,7 @@ def train(num_gpus: int, batch_size: int, lr: float, num_epochs: int = 10,
         raise ValueError(f"train: num_gpus must be >= 1, got {num_gpus}")
     if int(num_epochs) < 1:
         raise ValueError(f"train: num_epochs must be >= 1, got {num_epochs}")
+    ckpts = _checkpoints(checkpoint, checkpoint_every, resume, "train")
     shards = _shards(deterministic, "train")
     if shards and step is not None:
         raise ValueError("train: deterministic is a mode of the fused train_batch; pass either "
@@ -171,6 +181,8 @@ def train(num_gpus: int, batch_size: int, lr: float, num_epochs: int = 10,
             return train_batch(X, y, device_params, devices, lr, deterministic=shards or False)
     train_iter, test_iter = data if data is not None else load_data_fashion_mnist(
         batch_size, data_dir=data_dir, seed=seed, limit_batches=limit_batches)
+    if ckpts is not None:
+        _check_resumable_loader(train_iter, "train")
     _dist._auto_init()
     world, is_root = _dist.world_size(), _dist.rank() == 0
     devices = _local_devices(int(num_gpus))
@@ -182,6 +194,12 @@ def train(num_gpus: int, batch_size: int, lr: float, num_epochs: int = 10,
         _dist.broadcast(params, root=0)
     device_params = [get_params(params, d) for d in devices]
     result = TrainResult(devices=devices, world_size=world)
+    run = _Progress()
+    if ckpts is not None:
+        loaded = ckpts.start(resume)
+        if loaded is not None:
+            run = _resume_lenet(*loaded, device_params, train_iter, result, batch_size,
+                                len(devices), world, is_root, shards)
     animator = None
     if is_root and (plot if plot is not None else _in_notebook()):
         from .plot import Animator
@@ -189,25 +207,45 @@ def train(num_gpus: int, batch_size: int, lr: float, num_epochs: int = 10,
     show_bar = is_root and (progress if progress is not None
                             else (sys.stderr.isatty() and animator is None))
     timer = Timer()
-    for epoch in range(int(num_epochs)):
+    config = {"batch_size": batch_size, "num_devices": len(devices), "world_size": world,
+              "lr": lr, "seed": seed, "deterministic": shards}
+
+    def save_state(epoch_next: int) -> None:
+        # Collective under mpirun: every rank gathers its losses, rank 0 writes.
+        _core.waitall()
+        state = {"kind": "mgpu.train", "step": run.step, "epoch": epoch_next, "config": config,
+                 "params": [p.numpy() for p in device_params[0]],
+                 "loader": train_iter.state_dict(), "rng": _random.get_state(),
+                 "result": _result_state(result),
+                 "epoch_losses": _gather_losses(run.losses, world),  # (rows, counts)
+                 "epoch_seen": run.seen, "epoch_elapsed": run.elapsed + timer.stop()}
+        timer.times.pop()  # the timer keeps running for the epoch
+        ckpts.write(state, run.step)
+
+    for epoch in range(run.epoch, int(num_epochs)):
         title = f"epoch {epoch + 1}/{num_epochs}"
         bar = _progress_bar(len(train_iter), title) if show_bar else None
-        losses: List[Tensor] = []
-        seen = 0
         timer.start()
         for X, y in train_iter:
             step_losses = step(X, y, device_params, devices, lr)
             if step_losses is not None:
-                losses.extend(step_losses)
-            seen += X.shape[0]
+                run.losses.extend(step_losses)
+            run.seen += X.shape[0]
+            run.step += 1
+            if ckpts is not None:
+                _checkpoint._fault("step")
+                if ckpts.due(run.step):
+                    run.losses[:] = [_host(v) for v in run.losses]
+                    save_state(epoch)
             if bar is not None:
                 bar.update(1)
         _core.waitall()
-        result.epoch_times.append(timer.stop())
+        result.epoch_times.append(run.elapsed + timer.stop())
         t0 = time.perf_counter()
         result.test_acc.append(evaluate_accuracy(device_params, test_iter, devices))
         result.eval_times.append(time.perf_counter() - t0)
-        step_losses_host = [v.item() for v in losses]
+        losses, seen = run.losses, run.seen
+        step_losses_host = [_host(v) for v in losses]
         if check_finite:
             _check_finite_losses(step_losses_host, max(1, len(devices)), epoch, lr)
         loss_sum = sum(step_losses_host)
@@ -221,9 +259,114 @@ def train(num_gpus: int, batch_size: int, lr: float, num_epochs: int = 10,
             bar.close()
         if animator is not None:
             animator.add(epoch + 1, (result.test_acc[-1],))
+        run.losses, run.seen, run.elapsed = [], 0, 0.0
+        if ckpts is not None:
+            timer.start()
+            save_state(epoch + 1)
     if is_root:
         print(result.summary())
     return result
+
+
+# --- checkpoints (mgpu.checkpoint) ------------------------------------------------------------
+
+@dataclass
+class _Progress:
+    """Where a run is: the epoch under way, steps taken, and the epoch's partial results."""
+    epoch: int = 0
+    step: int = 0
+    losses: list = field(default_factory=list)  # the epoch's step losses (tensors or floats)
+    seen: int = 0
+    elapsed: float = 0.0  # seconds of the epoch spent before the run was resumed
+
+
+def _host(v) -> float:
+    return v if isinstance(v, float) else v.item()
+
+
+def _checkpoints(checkpoint, every, resume, op: str):
+    """The run's checkpoint directory, or None; ValueError for options that need one."""
+    if checkpoint is None:
+        if resume or every is not None:
+            raise ValueError(f"{op}: resume and checkpoint_every need checkpoint=DIR (the "
+                             "directory of the run's checkpoints)")
+        return None
+    return _checkpoint.TrainCheckpoints(checkpoint, every, op)
+
+
+def _check_resumable_loader(train_iter, op: str) -> None:
+    if not (hasattr(train_iter, "state_dict") and hasattr(train_iter, "load_state_dict")):
+        raise TypeError(f"{op}: checkpoints save the training data's order and position, so the "
+                        "training iterator must be an mgpu DataLoader (load_data_fashion_mnist, "
+                        f"mgpu.data.array_loader), got {type(train_iter).__name__}")
+
+
+def _result_state(result: TrainResult) -> dict:
+    return {"test_acc": list(result.test_acc), "train_loss": list(result.train_loss),
+            "epoch_times": list(result.epoch_times), "eval_times": list(result.eval_times)}
+
+
+def _restore_result(result: TrainResult, saved: dict) -> None:
+    for name in ("test_acc", "train_loss", "epoch_times", "eval_times"):
+        getattr(result, name)[:] = [float(v) for v in saved[name]]
+
+
+def _gather_losses(losses: list, world: int) -> Tuple[np.ndarray, List[int]]:
+    """Every rank's step losses of the epoch so far: one zero-padded row per rank and each
+    row's length (rows are added across ranks with zeros elsewhere, so every value arrives
+    exactly; ranks may hold different counts after a deterministic resume on other ranks)."""
+    values = [_host(v) for v in losses]
+    counts = np.zeros(world, dtype=np.float32)  # exact: an epoch has far fewer than 2^24 steps
+    counts[_dist.rank()] = len(values)
+    if world > 1:
+        t = array(counts)
+        _dist.allreduce(t)
+        counts = t.numpy()
+    counts = [int(c) for c in counts]
+    rows = np.zeros((world, max(counts, default=0)), dtype=np.float32)
+    rows[_dist.rank(), :len(values)] = values
+    if world > 1:
+        t = array(rows)
+        _dist.allreduce(t)
+        rows = t.numpy()
+    return rows, counts
+
+
+def _resume_lenet(path: str, state, device_params, train_iter, result: TrainResult,
+                  batch_size: int, num_devices: int, world: int, is_root: bool,
+                  shards: int) -> _Progress:
+    """Puts a checkpoint's state into the run: everything is checked before anything changes."""
+    _checkpoint.check_run(path, state, "mgpu.train", batch_size, num_devices, world, shards)
+    _checkpoint.check_shapes(path, "parameters", state["params"], device_params[0])
+    try:
+        rng = _random._generator(state["rng"])
+    except ValueError as e:
+        raise _checkpoint.CheckpointError(path, str(e)) from None
+    try:
+        rows, counts = state["epoch_losses"]
+        saved = [[float(v) for v in row[:int(n)]] for row, n in zip(rows, counts, strict=True)]
+    except (TypeError, ValueError, IndexError):
+        raise _checkpoint.CheckpointError(path, "its epoch losses are not (rows, counts) with "
+                                          "one row per rank (corrupt)") from None
+    if len(saved) == world:
+        mine = saved[_dist.rank()]
+    else:  # deterministic, on another process count: rank 0 carries the epoch's losses so far
+        mine = [v for row in saved for v in row] if _dist.rank() == 0 else []
+    try:
+        train_iter.load_state_dict(state["loader"])  # checks before it changes anything
+    except ValueError as e:
+        raise _checkpoint.CheckpointError(path, str(e)) from None
+    _random._rng = rng
+    for ps in device_params:
+        for p, v in zip(ps, state["params"]):
+            _core.copy(p._t, array(v, device=p.device)._t)
+            p._t.bump_version()
+    _restore_result(result, state["result"])
+    if is_root:
+        print(f"resuming from {path} (epoch {state['epoch'] + 1}, step {state['step']})")
+    return _Progress(epoch=int(state["epoch"]), step=int(state["step"]),
+                     losses=mine,
+                     seen=int(state["epoch_seen"]), elapsed=float(state["epoch_elapsed"]))
 
 
 def _check_finite_losses(losses: List[float], per_step: int, epoch: int, lr: float) -> None:

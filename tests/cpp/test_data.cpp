@@ -639,8 +639,8 @@ std::vector<int64_t> examples_in(const Batch& b) {
 }
 
 // Runs one epoch and returns the examples in the order served.
-std::vector<int64_t> run_epoch(BatchIterator& it) {
-  it.start_epoch();
+// The examples of the batches left in the current epoch, in order.
+std::vector<int64_t> run_epoch_from_here(BatchIterator& it) {
   std::vector<int64_t> order;
   Batch b;
   while (it.next(b)) {
@@ -648,6 +648,11 @@ std::vector<int64_t> run_epoch(BatchIterator& it) {
     order.insert(order.end(), ex.begin(), ex.end());
   }
   return order;
+}
+
+std::vector<int64_t> run_epoch(BatchIterator& it) {
+  it.start_epoch();
+  return run_epoch_from_here(it);
 }
 
 std::vector<int64_t> identity(int64_t n) {
@@ -778,6 +783,19 @@ TEST(BatchIterator, OrderChangesPerEpochAndIsReproducible) {
   ASSERT_TRUE(c.next(first));
   EXPECT_EQ(examples_in(first), std::vector<int64_t>(orders[2].begin(), orders[2].begin() + 32));
   EXPECT_EQ(c.epoch(), 2);
+
+  // Resuming mid-epoch: batch 3 of epoch 1 onwards, exactly the rest of that epoch's order (the
+  // last batch of 300 / 32 is the short one), and the next epoch follows in sequence.
+  BatchIterator d(images, labels, 32, true, 2024);
+  d.start_epoch(1, 3);
+  EXPECT_EQ(run_epoch_from_here(d),
+            std::vector<int64_t>(orders[1].begin() + 3 * 32, orders[1].end()));
+  EXPECT_EQ(run_epoch(d), orders[2]);
+  d.start_epoch(0, d.num_batches());  // a finished epoch: nothing left
+  Batch none;
+  EXPECT_FALSE(d.next(none));
+  EXPECT_THROW(d.start_epoch(0, d.num_batches() + 1), std::invalid_argument);
+  EXPECT_THROW(d.start_epoch(0, -1), std::invalid_argument);
 }
 
 TEST(BatchIterator, DifferentSeedsDiffer) {

@@ -1,6 +1,6 @@
-"""Benchmarks behind ``python -m mgpu bench {train,ops,batch_norm,allreduce}``: plain-dict results
-(JSON). Every measurement warms up, repeats and keeps each raw time; tables show the median and
-the spread ((max - min) / median), because a shared machine is noisy.
+"""Benchmarks behind ``python -m mgpu bench {train,ops,batch_norm,allreduce,checkpoint}``:
+plain-dict results (JSON). Every measurement warms up, repeats and keeps each raw time; tables
+show the median and the spread ((max - min) / median), because a shared machine is noisy.
 """
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from .allreduce import (
     parse_size,
 )
 from .batch_norm import bench_batch_norm, format_batch_norm
+from .checkpoint import bench_checkpoint, format_checkpoint
 from .common import (
     SCHEMA,
     lenet_layer_flops,
@@ -43,10 +44,11 @@ from .train import (
 def format_result(r: Dict) -> str:
     """The readable table for any bench result."""
     return {"train": format_train, "ops": format_ops, "batch_norm": format_batch_norm,
-            "allreduce": format_allreduce}[r["benchmark"]](r)
+            "allreduce": format_allreduce, "checkpoint": format_checkpoint}[r["benchmark"]](r)
 
 
-__all__ = ["bench_train", "bench_train_resnet18", "bench_ops", "bench_batch_norm", "bench_allreduce", "format_result",
+__all__ = ["bench_train", "bench_train_resnet18", "bench_ops", "bench_batch_norm", "bench_allreduce",
+           "bench_checkpoint", "format_result",
            "plot", "save", "load",
            "summarize", "measure", "machine_info", "lenet_layer_flops", "lenet_step_flops",
            "find_torch_python", "bus_factor", "parse_size", "format_size", "TRAIN_PARTS",

@@ -58,6 +58,15 @@ def plot(r: Dict, path: Optional[str] = None, ax=None):
         ax.set_xticks(np.arange(len(rows)), [x["op"] for x in rows], rotation=30, fontsize=7)
         ax.set_ylabel("GB/s (bytes read + written / median time)")
         ax.set_title(f"batch norm {tuple(r['settings']['shape'])} on {r['settings']['device']}")
+    elif kind == "checkpoint":
+        rows = r["models"]
+        x = np.arange(len(rows))
+        ax.bar(x - 0.2, [m["save"]["median"] * 1e3 for m in rows], 0.4, label="save")
+        ax.bar(x + 0.2, [m["load"]["median"] * 1e3 for m in rows], 0.4, label="load")
+        ax.set_xticks(x, [f"{m['model']} ({m['bytes'] / 1e6:.1f} MB)" for m in rows])
+        ax.set_ylabel("ms (median)")
+        ax.set_title("checkpoint write and load")
+        ax.legend()
     else:
         raise ValueError(f"plot: unknown benchmark {kind!r}")
     ax.grid(True, alpha=0.3)
