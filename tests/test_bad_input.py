@@ -163,8 +163,9 @@ def _python(code, env=None):
     ("MGPU_DIST_ALGORITHM", "fastest", "fastest"),
 ])
 def test_nonsense_dist_environment_is_refused_naming_the_variable(name, value, match):
-    code = ("import mgpu\nfrom mgpu import distributed as dist\nbefore = (mgpu._core.dist_timeout(), "
-            "mgpu._core.dist_check(), mgpu._core.dist_algorithm())\n"
+    code = ("import mgpu\nfrom mgpu import distributed as dist\n"
+            "before = (mgpu._core.dist_timeout(), mgpu._core.dist_check(), "
+            "mgpu._core.dist_algorithm())\n"
             "try:\n    dist.init()\nexcept ValueError as e:\n    print('ValueError:', e)\n"
             "after = (mgpu._core.dist_timeout(), mgpu._core.dist_check(), "
             "mgpu._core.dist_algorithm())\nprint('unchanged' if before == after else 'changed')\n")

@@ -151,7 +151,7 @@ def test_lenet_fused_step_on_a_nan_image_gives_a_non_finite_loss(k):
     y = np.arange(8) % 10
     devices = [mgpu.try_gpu(i) for i in range(k)]
     reps = [mgpu.get_params(mgpu.lenet_params(scale=0.1, seed=0), d) for d in devices]
-    losses = [l.item() for l in mgpu.train_batch(mgpu.array(X), mgpu.array(y), reps, devices, 0.1)]
+    losses = [t.item() for t in mgpu.train_batch(mgpu.array(X), mgpu.array(y), reps, devices, 0.1)]
     assert not np.isfinite(losses[-1]), f"the NaN image's loss is {losses}"
     if k == 2:
         assert np.isfinite(losses[0]), "the other device's shard has no NaN"

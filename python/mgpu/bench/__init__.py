@@ -47,8 +47,8 @@ def format_result(r: Dict) -> str:
             "allreduce": format_allreduce, "checkpoint": format_checkpoint}[r["benchmark"]](r)
 
 
-__all__ = ["bench_train", "bench_train_resnet18", "bench_ops", "bench_batch_norm", "bench_allreduce",
-           "bench_checkpoint", "format_result",
+__all__ = ["bench_train", "bench_train_resnet18", "bench_ops", "bench_batch_norm",
+           "bench_allreduce", "bench_checkpoint", "format_result",
            "plot", "save", "load",
            "summarize", "measure", "machine_info", "lenet_layer_flops", "lenet_step_flops",
            "find_torch_python", "bus_factor", "parse_size", "format_size", "TRAIN_PARTS",
