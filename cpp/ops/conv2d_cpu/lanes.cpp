@@ -37,8 +37,12 @@ constexpr int kFwdKT = 8, kFwdQT = 3, kDwKT = 5, kDwJT = 5, kDxCT = 5, kDxWT = 5
 constexpr int kFwdKT = MGPU_LANES_FWD_KT, kFwdQT = MGPU_LANES_FWD_QT, kDwKT = MGPU_LANES_DW_KT,
               kDwJT = MGPU_LANES_DW_JT, kDxCT = MGPU_LANES_DX_CT, kDxWT = MGPU_LANES_DX_WT;
 #endif
-// Border columns of dx: one column, up to 10 input channels.
-constexpr int kDxColumnCT = 10;
+// Border columns of dx: one column, up to 10 input channels (AVX-512), 5 with both halves'
+// accumulators (AVX2: 10 of 16 registers).
+#ifndef MGPU_LANES_DX_COLUMN_CT
+#define MGPU_LANES_DX_COLUMN_CT 5
+#endif
+constexpr int kDxColumnCT = kW == 16 ? 10 : MGPU_LANES_DX_COLUMN_CT;
 
 bool use_lanes(const Conv2dShape& s) {
   return s.stride == 1 && s.pad == 0 && !use_direct(s) &&
@@ -222,28 +226,33 @@ void lanes_dx_tile(const Conv2dShape& s, const float* __restrict w, const float*
 
 // dx of one border column v (it sees only the taps t in [t_lo, t_hi]) for CT input channels: the
 // sum over (r, t, k) in order from zero, k innermost so the short tap ranges cost no loop
-// overhead.
+// overhead. Both halves of the 16 lanes go through one pass (AVX2): each weight's broadcast then
+// serves two FMAs, where a pass per half was bound by its loads (a broadcast per FMA).
 template <int CT>
 void lanes_dx_column(const Conv2dShape& s, const float* __restrict w, const float* __restrict dyT,
                      int64_t h, int64_t r_lo, int64_t r_hi, int64_t v, int64_t t_lo, int64_t t_hi,
                      int64_t c0, float* __restrict dxT) {
   const int64_t P = s.P(), Q = s.Q(), RS = s.R * s.S, CRS = s.C * RS;
   const int64_t k_step = P * Q * kLaneBlock;
-  for (int l0 = 0; l0 < kLaneBlock; l0 += kW) {
-    V acc[CT] = {};
-    for (int64_t r = r_lo; r <= r_hi; ++r) {
-      for (int64_t t = t_lo; t <= t_hi; ++t) {
-        const float* dv = dyT + ((h - r) * Q + v - t) * kLaneBlock + l0;
-        const float* wv = w + (c0 * s.R + r) * s.S + t;
-        for (int64_t k = 0; k < s.K; ++k, dv += k_step, wv += CRS) {
-          const V d = loadw(dv);
+  V acc[CT][kHalves] = {};
+  for (int64_t r = r_lo; r <= r_hi; ++r) {
+    for (int64_t t = t_lo; t <= t_hi; ++t) {
+      const float* dv = dyT + ((h - r) * Q + v - t) * kLaneBlock;
+      const float* wv = w + (c0 * s.R + r) * s.S + t;
+      for (int64_t k = 0; k < s.K; ++k, dv += k_step, wv += CRS) {
+        V d[kHalves];
+        for (int l = 0; l < kHalves; ++l) d[l] = loadw(dv + l * kW);
 #pragma GCC unroll 16
-          for (int a = 0; a < CT; ++a) acc[a] += d * wv[a * RS];
+        for (int a = 0; a < CT; ++a) {
+          const float wa = wv[a * RS];
+          for (int l = 0; l < kHalves; ++l) acc[a][l] += d[l] * wa;
         }
       }
     }
-    for (int a = 0; a < CT; ++a) {
-      storew(dxT + (((c0 + a) * s.H + h) * s.W + v) * kLaneBlock + l0, acc[a]);
+  }
+  for (int a = 0; a < CT; ++a) {
+    for (int l = 0; l < kHalves; ++l) {
+      storew(dxT + (((c0 + a) * s.H + h) * s.W + v) * kLaneBlock + l * kW, acc[a][l]);
     }
   }
 }
