@@ -117,13 +117,30 @@ void from_lanes(const float* __restrict xT, int64_t E, int64_t B, float* __restr
   }
 }
 
+// w (K, C*R*S) packed for lanes_forward: the output channels in tiles of kFwdKT (the last one
+// narrower), each tile's weights (C*R*S, tile width) contiguous from wP + k0 * C*R*S, so a tile
+// reads its weights as one sequential stream (with w as (C*R*S, K) every tap's few weights sat in
+// a cache line of their own, and the AVX2 tiles, which need twice the passes, ran out of cache
+// bandwidth).
+void pack_forward_weights(const Conv2dShape& s, const float* __restrict w, float* __restrict wP) {
+  const int64_t CRS = s.C * s.R * s.S;
+  for (int64_t k0 = 0; k0 < s.K; k0 += kFwdKT) {
+    const int64_t nk = std::min<int64_t>(kFwdKT, s.K - k0);
+    float* tile = wP + k0 * CRS;
+    for (int64_t j = 0; j < CRS; ++j) {
+      for (int64_t a = 0; a < nk; ++a) tile[j * nk + a] = w[(k0 + a) * CRS + j];
+    }
+  }
+}
+
 // Forward tile: outT[k0 + a, p, q0 + m] for a < KT, m < QT, summed over the taps (c, r, t) in
-// order from zero. wT is w as (C*R*S, K).
+// order from zero. wP is w packed by pack_forward_weights (KT is this tile's width).
 template <int KT, int QT>
 void lanes_forward_tile(const Conv2dShape& s, const float* __restrict xT,
-                        const float* __restrict wT, int64_t p, int64_t q0, int64_t k0,
+                        const float* __restrict wP, int64_t p, int64_t q0, int64_t k0,
                         float* __restrict outT) {
   const int64_t P = s.P(), Q = s.Q();
+  const float* __restrict wtile = wP + k0 * s.C * s.R * s.S;
   for (int h = 0; h < kLaneBlock; h += kW) {
     V acc[KT][QT] = {};
     int64_t j = 0;
@@ -134,7 +151,7 @@ void lanes_forward_tile(const Conv2dShape& s, const float* __restrict xT,
           V xv[QT];
 #pragma GCC unroll 8
           for (int m = 0; m < QT; ++m) xv[m] = loadw(xrow + (t + m) * kLaneBlock);
-          const float* wj = wT + j * s.K + k0;
+          const float* wj = wtile + j * KT;
 #pragma GCC unroll 8
           for (int a = 0; a < KT; ++a) {
             const float wa = wj[a];
@@ -267,15 +284,15 @@ constexpr auto kLanesDx = table_1_to<kDxCT, kDxWT>(
 constexpr auto kLanesDxColumn =
     table_1_to<kDxColumnCT>([](auto a) { return &lanes_dx_column<decltype(a)::value>; });
 
-// One block's forward: outT (K, P, Q, 16) from xT.
-void lanes_forward(const Conv2dShape& s, const float* xT, const float* wT, float* outT) {
+// One block's forward: outT (K, P, Q, 16) from xT and the packed weights.
+void lanes_forward(const Conv2dShape& s, const float* xT, const float* wP, float* outT) {
   const int64_t P = s.P(), Q = s.Q();
   for (int64_t p = 0; p < P; ++p) {
     for (int64_t q0 = 0; q0 < Q; q0 += kFwdQT) {
       const int64_t nq = std::min<int64_t>(kFwdQT, Q - q0);
       for (int64_t k0 = 0; k0 < s.K; k0 += kFwdKT) {
         const int64_t nk = std::min<int64_t>(kFwdKT, s.K - k0);
-        kLanesForward[static_cast<size_t>(nk - 1)][static_cast<size_t>(nq - 1)](s, xT, wT, p, q0,
+        kLanesForward[static_cast<size_t>(nk - 1)][static_cast<size_t>(nq - 1)](s, xT, wP, p, q0,
                                                                                 k0, outT);
       }
     }
