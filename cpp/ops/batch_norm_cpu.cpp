@@ -1,14 +1,16 @@
 // cpp/ops/batch_norm_cpu.cpp -- batch norm's CPU kernels: x, y, dy, dx (N, C, HW), per-channel
 // arrays (C,). The reductions read x once (shifted sums in double, one task per channel); forward
 // and dx read and write each element once, in parallel over fixed blocks of (n, c) rows. Plain
-// loops the compiler vectorises; results never depend on the thread count.
+// loops the compiler vectorises, compiled once per instruction-set path (cpu_isa.h); results
+// never depend on the thread count, and both paths give the same bits.
 #include <algorithm>
 #include <cmath>
 
 #include "core/parallel.h"
 #include "ops/batch_norm.h"
+#include "ops/cpu_isa.h"
 
-namespace mgpu::ops::cpu {
+namespace mgpu::ops::cpu::MGPU_CPU_ISA {
 
 namespace {
 
@@ -151,4 +153,4 @@ void batch_norm_backward(int64_t N, int64_t C, int64_t HW, const float* x, const
   });
 }
 
-}  // namespace mgpu::ops::cpu
+}  // namespace mgpu::ops::cpu::MGPU_CPU_ISA

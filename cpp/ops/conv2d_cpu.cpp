@@ -62,17 +62,15 @@ void forward_blocks(const Conv2dShape& s, const float* x, const float* w, const 
     return;
   }
   if (use_lanes(s)) {  // blocks of 16 images in lanes; the product goes back to (K, B*P*Q)
-    float* wT = scratch(tl_weights, s.K * CRS);  // w as (C*R*S, K)
-    for (int64_t k = 0; k < s.K; ++k) {
-      for (int64_t j = 0; j < CRS; ++j) wT[j * s.K + k] = w[k * CRS + j];
-    }
+    float* wP = scratch(tl_weights, s.K * CRS);
+    pack_forward_weights(s, w, wP);
     parallel_for((s.N + kLaneBlock - 1) / kLaneBlock, [&](int64_t blk) {
       const int64_t n0 = blk * kLaneBlock, B = std::min(s.N - n0, kLaneBlock), ld = B * PQ;
       float* xT = scratch(tl_lanes, kLaneBlock * (CHW + s.K * PQ));
       float* outT = xT + kLaneBlock * CHW;
       float* out = scratch(tl_mat, s.K * ld);
       to_lanes(x + n0 * CHW, CHW, B, CHW, xT);
-      lanes_forward(s, xT, wT, outT);
+      lanes_forward(s, xT, wP, outT);
       for (int64_t k = 0; k < s.K; ++k) {
         from_lanes(outT + k * PQ * kLaneBlock, PQ, B, out + k * ld, PQ);
       }

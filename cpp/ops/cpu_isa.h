@@ -10,6 +10,7 @@
 
 #include "ops/argmax.h"
 #include "ops/avg_pool2d.h"
+#include "ops/batch_norm.h"
 #include "ops/conv2d.h"
 #include "ops/conv2d_relu_pool.h"
 #include "ops/elementwise.h"
@@ -65,7 +66,26 @@ std::string cpu_model();
     (int64_t N, int64_t C, int64_t H, int64_t W, int64_t kh, int64_t kw, int64_t sh, int64_t sw,  \
      const float* dy, float* dx),                                                                 \
     (N, C, H, W, kh, kw, sh, sw, dy, dx))                                                         \
+  X(void, batch_norm_stats,                                                                       \
+    (int64_t N, int64_t C, int64_t HW, const float* x, float* mean, float* var),                  \
+    (N, C, HW, x, mean, var))                                                                     \
+  X(void, batch_norm_forward,                                                                     \
+    (int64_t N, int64_t C, int64_t HW, const float* x, const float* mean, const float* var,       \
+     const float* gamma, const float* beta, float eps, float* y),                                 \
+    (N, C, HW, x, mean, var, gamma, beta, eps, y))                                                \
+  X(void, batch_norm_backward_reduce,                                                             \
+    (int64_t N, int64_t C, int64_t HW, const float* x, const float* dy, const float* mean,        \
+     const float* var, float eps, float* sum_dy, float* sum_dy_xhat),                             \
+    (N, C, HW, x, dy, mean, var, eps, sum_dy, sum_dy_xhat))                                       \
+  X(void, batch_norm_backward,                                                                    \
+    (int64_t N, int64_t C, int64_t HW, const float* x, const float* dy, const float* mean,        \
+     const float* var, const float* gamma, const float* sum_dy, const float* sum_dy_xhat,         \
+     double count, float eps, bool training, float* dx),                                          \
+    (N, C, HW, x, dy, mean, var, gamma, sum_dy, sum_dy_xhat, count, eps, training, dx))           \
   X(void, bias_grad_rows, (int64_t n, int64_t m, const float* dy, float* db), (n, m, dy, db))     \
+  X(void, add_elements, (int64_t n, const float* a, const float* b, float* out), (n, a, b, out))  \
+  X(void, sgd_step, (int64_t n, float* param, const float* grad, float scale),                    \
+    (n, param, grad, scale))                                                                      \
   X(void, softmax_ce_forward,                                                                     \
     (int64_t n, int64_t m, const float* logits, const int64_t* labels, float* loss),              \
     (n, m, logits, labels, loss))                                                                 \

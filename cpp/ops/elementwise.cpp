@@ -31,6 +31,18 @@ void check_float_operands(BinaryOp op, const Tensor& a, const Tensor& b) {
 template <BinaryOp op>
 void launch_binary(const Tensor& a, const Tensor& b, const Tensor& out) {
   int64_t n = out.numel();
+  if constexpr (op == BinaryOp::Add) {
+    if (a.numel() == n && b.numel() == n) {
+      // The add on the CPU is a kernel of each instruction-set path (cpu_isa.h).
+      if (n == 0) return;
+      const float *pa = a.f32(), *pb = b.f32();
+      float* po = out.f32();
+      dispatch(out.device(), op_name(op), [=] { cpu::add_elements(n, pa, pb, po); },
+               [=](cudaStream_t s) { cuda::for_each_index(n, BinarySameOut<op>{pa, pb, po}, s); },
+               a, b, out);
+      return;
+    }
+  }
   if (a.numel() == n && b.numel() == n)
     for_each_index(op_name(op), out.device(), n, BinarySameOut<op>{a.f32(), b.f32(), out.f32()},
                    a, b, out);
@@ -246,8 +258,13 @@ void sgd_update(const Tensor& param, const Tensor& grad, float scale) {
   require_same_device("sgd", {&param, &grad});
   MGPU_CHECK_VALUE(param.shape() == grad.shape(), "sgd: grad has shape ", grad.shape(),
                    " but the parameter has shape ", param.shape());
-  for_each_index("sgd", param.device(), param.numel(),
-                 SgdUpdate{param.f32(), grad.f32(), scale}, param, grad);
+  const int64_t n = param.numel();
+  if (n == 0) return;
+  float* p = param.f32();
+  const float* g = grad.f32();
+  dispatch(param.device(), "sgd", [=] { cpu::sgd_step(n, p, g, scale); },
+           [=](cudaStream_t s) { cuda::for_each_index(n, SgdUpdate{p, g, scale}, s); }, param,
+           grad);
 }
 
 void sgd_step(const Tensor& param, const Tensor& grad, const Tensor& momentum_buf, float batch,

@@ -94,6 +94,10 @@ namespace cpu {
 // sum_to_shape's row sums: db[j] = sum_i dy[i, j] over dy (n, m), added in i order (the
 // documented order of the batch sum).
 void bias_grad_rows(int64_t n, int64_t m, const float* dy, float* db);
+// out[i] = a[i] + b[i] for i in [0, n) (BinarySameOut<Add>); out may be a or b.
+void add_elements(int64_t n, const float* a, const float* b, float* out);
+// param[i] -= scale * grad[i] for i in [0, n) (SgdUpdate).
+void sgd_step(int64_t n, float* param, const float* grad, float scale);
 }  // namespace cpu
 
 namespace cuda {

@@ -1,7 +1,7 @@
 // tests/cpp/test_cpu_isa.cpp -- the two instruction-set paths of the CPU kernels (cpu_isa.h):
 // cpu::avx2 and cpu::avx512 called directly on the same data give the same bits, on every conv
 // algorithm (direct, lanes, im2col) with tails in every direction, the fused relu-pool kernels,
-// pooling, the loss and the bias sums. (Both are checked against float64 references by
+// pooling, the loss and the bias sums, batch norm, the elementwise add and the SGD step. (Both are checked against float64 references by
 // test_kernels.cpp, which ctest runs once per path.) Skipped where the CPU lacks AVX-512.
 #include <gtest/gtest.h>
 
@@ -154,6 +154,71 @@ TEST(CpuIsa, PoolLossAndBiasSumsSameBits) {
   EXPECT_TRUE(same_bits("loss", loss[0], loss[1]));
   EXPECT_TRUE(same_bits("dlogits", dz[0], dz[1]));
   EXPECT_TRUE(same_bits("bias grad", db[0], db[1]));
+}
+
+// Batch norm (ResNet-18's): the statistics, forward, the backward's sums and dx, with and without
+// the affine parameters, HW with and without a tail of the 16 lanes, and (N, C) inputs (HW = 1).
+TEST(CpuIsa, BatchNormSameBits) {
+  if (!cpu_has_avx512()) GTEST_SKIP() << "this CPU has no AVX-512: one path only";
+  struct Case {
+    int64_t N, C, HW;
+  };
+  for (const Case c : {Case{4, 3, 49}, Case{3, 5, 64}, Case{9, 7, 1}, Case{2, 2, 17}}) {
+    SCOPED_TRACE(::testing::Message() << "N=" << c.N << " C=" << c.C << " HW=" << c.HW);
+    const size_t n = static_cast<size_t>(c.N * c.C * c.HW), C = static_cast<size_t>(c.C);
+    Floats x = random_floats(n, 12);
+    for (float& e : x) e = 3.0f + 2.0f * e;  // mean well away from 0
+    const Floats dy = random_floats(n, 13), gamma = random_floats(C, 14);
+    const Floats beta = random_floats(C, 15);
+    Floats mean[2] = {Floats(C), Floats(C)}, var[2] = {Floats(C), Floats(C)};
+    Floats y[2] = {Floats(n), Floats(n)}, y0[2] = {Floats(n), Floats(n)};
+    Floats sdy[2] = {Floats(C), Floats(C)}, sdx[2] = {Floats(C), Floats(C)};
+    Floats dx[2] = {Floats(n), Floats(n)}, dxe[2] = {Floats(n), Floats(n)};
+    for (int path = 0; path < 2; ++path) {
+      auto stats = path ? avx512::batch_norm_stats : avx2::batch_norm_stats;
+      auto fwd = path ? avx512::batch_norm_forward : avx2::batch_norm_forward;
+      auto reduce = path ? avx512::batch_norm_backward_reduce : avx2::batch_norm_backward_reduce;
+      auto bwd = path ? avx512::batch_norm_backward : avx2::batch_norm_backward;
+      const size_t p = static_cast<size_t>(path);
+      stats(c.N, c.C, c.HW, x.data(), mean[p].data(), var[p].data());
+      fwd(c.N, c.C, c.HW, x.data(), mean[p].data(), var[p].data(), gamma.data(), beta.data(),
+          1e-5f, y[p].data());
+      fwd(c.N, c.C, c.HW, x.data(), mean[p].data(), var[p].data(), nullptr, nullptr, 1e-5f,
+          y0[p].data());
+      reduce(c.N, c.C, c.HW, x.data(), dy.data(), mean[p].data(), var[p].data(), 1e-5f,
+             sdy[p].data(), sdx[p].data());
+      bwd(c.N, c.C, c.HW, x.data(), dy.data(), mean[p].data(), var[p].data(), gamma.data(),
+          sdy[p].data(), sdx[p].data(), static_cast<double>(c.N * c.HW), 1e-5f, true,
+          dx[p].data());
+      bwd(c.N, c.C, c.HW, x.data(), dy.data(), mean[p].data(), var[p].data(), nullptr, nullptr,
+          nullptr, 0.0, 1e-5f, false, dxe[p].data());
+    }
+    EXPECT_TRUE(same_bits("mean", mean[0], mean[1]));
+    EXPECT_TRUE(same_bits("var", var[0], var[1]));
+    EXPECT_TRUE(same_bits("y", y[0], y[1]));
+    EXPECT_TRUE(same_bits("y without gamma, beta", y0[0], y0[1]));
+    EXPECT_TRUE(same_bits("sum_dy", sdy[0], sdy[1]));
+    EXPECT_TRUE(same_bits("sum_dy_xhat", sdx[0], sdx[1]));
+    EXPECT_TRUE(same_bits("dx", dx[0], dx[1]));
+    EXPECT_TRUE(same_bits("dx in evaluation", dxe[0], dxe[1]));
+  }
+}
+
+// The residual add and the SGD step, over more than one parallel block and a vector tail, in
+// place as the ops use them.
+TEST(CpuIsa, AddAndSgdSameBits) {
+  if (!cpu_has_avx512()) GTEST_SKIP() << "this CPU has no AVX-512: one path only";
+  const int64_t n = (1 << 15) + 37;
+  const Floats a = random_floats(n, 16), b = random_floats(n, 17);
+  Floats sum[2] = {a, a}, param[2] = {b, b};
+  avx2::add_elements(n, sum[0].data(), b.data(), sum[0].data());
+  avx512::add_elements(n, sum[1].data(), b.data(), sum[1].data());
+  avx2::sgd_step(n, param[0].data(), a.data(), 0.37f);
+  avx512::sgd_step(n, param[1].data(), a.data(), 0.37f);
+  EXPECT_TRUE(same_bits("a + b", sum[0], sum[1]));
+  EXPECT_TRUE(same_bits("sgd", param[0], param[1]));
+  EXPECT_EQ(sum[0][5], a[5] + b[5]);
+  EXPECT_FLOAT_EQ(param[0][n - 1], b[n - 1] - 0.37f * a[n - 1]);
 }
 
 // The path in use is the one isa_choice() names, and a name this CPU supports.

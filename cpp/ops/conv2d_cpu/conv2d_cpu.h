@@ -31,7 +31,7 @@ constexpr int64_t kReduceChunk = 4096;
 
 // Per-thread scratch, grown once to the largest shape seen and then reused, so steady-state
 // training never allocates here. Workers use col, mat, row and lanes; the calling thread holds the
-// slots, the lane path's transposed weights and its tap offsets.
+// slots, the lane path's packed weights and its tap offsets.
 inline thread_local std::vector<float> tl_col, tl_mat, tl_row, tl_slots, tl_lanes, tl_weights;
 inline thread_local std::vector<int64_t> tl_offsets;
 
@@ -265,7 +265,8 @@ void to_lanes(const float* __restrict x, int64_t e_stride, int64_t B, int64_t E,
               float* __restrict xT);
 void from_lanes(const float* __restrict xT, int64_t E, int64_t B, float* __restrict x,
                 int64_t e_stride);
-void lanes_forward(const Conv2dShape& s, const float* xT, const float* wT, float* outT);
+void pack_forward_weights(const Conv2dShape& s, const float* __restrict w, float* __restrict wP);
+void lanes_forward(const Conv2dShape& s, const float* xT, const float* wP, float* outT);
 void lanes_dw(const Conv2dShape& s, const float* xT, const float* dyT, const int64_t* xoff,
               float* dw);
 void lanes_dx(const Conv2dShape& s, const float* w, const float* dyT, float* dxT);

@@ -37,8 +37,12 @@ constexpr int kFwdKT = 8, kFwdQT = 3, kDwKT = 5, kDwJT = 5, kDxCT = 5, kDxWT = 5
 constexpr int kFwdKT = MGPU_LANES_FWD_KT, kFwdQT = MGPU_LANES_FWD_QT, kDwKT = MGPU_LANES_DW_KT,
               kDwJT = MGPU_LANES_DW_JT, kDxCT = MGPU_LANES_DX_CT, kDxWT = MGPU_LANES_DX_WT;
 #endif
-// Border columns of dx: one column, up to 10 input channels.
-constexpr int kDxColumnCT = 10;
+// Border columns of dx: one column, up to 10 input channels (AVX-512), 5 with both halves'
+// accumulators (AVX2: 10 of 16 registers).
+#ifndef MGPU_LANES_DX_COLUMN_CT
+#define MGPU_LANES_DX_COLUMN_CT 5
+#endif
+constexpr int kDxColumnCT = kW == 16 ? 10 : MGPU_LANES_DX_COLUMN_CT;
 
 bool use_lanes(const Conv2dShape& s) {
   return s.stride == 1 && s.pad == 0 && !use_direct(s) &&
@@ -113,13 +117,30 @@ void from_lanes(const float* __restrict xT, int64_t E, int64_t B, float* __restr
   }
 }
 
+// w (K, C*R*S) packed for lanes_forward: the output channels in tiles of kFwdKT (the last one
+// narrower), each tile's weights (C*R*S, tile width) contiguous from wP + k0 * C*R*S, so a tile
+// reads its weights as one sequential stream (with w as (C*R*S, K) every tap's few weights sat in
+// a cache line of their own, and the AVX2 tiles, which need twice the passes, ran out of cache
+// bandwidth).
+void pack_forward_weights(const Conv2dShape& s, const float* __restrict w, float* __restrict wP) {
+  const int64_t CRS = s.C * s.R * s.S;
+  for (int64_t k0 = 0; k0 < s.K; k0 += kFwdKT) {
+    const int64_t nk = std::min<int64_t>(kFwdKT, s.K - k0);
+    float* tile = wP + k0 * CRS;
+    for (int64_t j = 0; j < CRS; ++j) {
+      for (int64_t a = 0; a < nk; ++a) tile[j * nk + a] = w[(k0 + a) * CRS + j];
+    }
+  }
+}
+
 // Forward tile: outT[k0 + a, p, q0 + m] for a < KT, m < QT, summed over the taps (c, r, t) in
-// order from zero. wT is w as (C*R*S, K).
+// order from zero. wP is w packed by pack_forward_weights (KT is this tile's width).
 template <int KT, int QT>
 void lanes_forward_tile(const Conv2dShape& s, const float* __restrict xT,
-                        const float* __restrict wT, int64_t p, int64_t q0, int64_t k0,
+                        const float* __restrict wP, int64_t p, int64_t q0, int64_t k0,
                         float* __restrict outT) {
   const int64_t P = s.P(), Q = s.Q();
+  const float* __restrict wtile = wP + k0 * s.C * s.R * s.S;
   for (int h = 0; h < kLaneBlock; h += kW) {
     V acc[KT][QT] = {};
     int64_t j = 0;
@@ -130,7 +151,7 @@ void lanes_forward_tile(const Conv2dShape& s, const float* __restrict xT,
           V xv[QT];
 #pragma GCC unroll 8
           for (int m = 0; m < QT; ++m) xv[m] = loadw(xrow + (t + m) * kLaneBlock);
-          const float* wj = wT + j * s.K + k0;
+          const float* wj = wtile + j * KT;
 #pragma GCC unroll 8
           for (int a = 0; a < KT; ++a) {
             const float wa = wj[a];
@@ -222,28 +243,33 @@ void lanes_dx_tile(const Conv2dShape& s, const float* __restrict w, const float*
 
 // dx of one border column v (it sees only the taps t in [t_lo, t_hi]) for CT input channels: the
 // sum over (r, t, k) in order from zero, k innermost so the short tap ranges cost no loop
-// overhead.
+// overhead. Both halves of the 16 lanes go through one pass (AVX2): each weight's broadcast then
+// serves two FMAs, where a pass per half was bound by its loads (a broadcast per FMA).
 template <int CT>
 void lanes_dx_column(const Conv2dShape& s, const float* __restrict w, const float* __restrict dyT,
                      int64_t h, int64_t r_lo, int64_t r_hi, int64_t v, int64_t t_lo, int64_t t_hi,
                      int64_t c0, float* __restrict dxT) {
   const int64_t P = s.P(), Q = s.Q(), RS = s.R * s.S, CRS = s.C * RS;
   const int64_t k_step = P * Q * kLaneBlock;
-  for (int l0 = 0; l0 < kLaneBlock; l0 += kW) {
-    V acc[CT] = {};
-    for (int64_t r = r_lo; r <= r_hi; ++r) {
-      for (int64_t t = t_lo; t <= t_hi; ++t) {
-        const float* dv = dyT + ((h - r) * Q + v - t) * kLaneBlock + l0;
-        const float* wv = w + (c0 * s.R + r) * s.S + t;
-        for (int64_t k = 0; k < s.K; ++k, dv += k_step, wv += CRS) {
-          const V d = loadw(dv);
+  V acc[CT][kHalves] = {};
+  for (int64_t r = r_lo; r <= r_hi; ++r) {
+    for (int64_t t = t_lo; t <= t_hi; ++t) {
+      const float* dv = dyT + ((h - r) * Q + v - t) * kLaneBlock;
+      const float* wv = w + (c0 * s.R + r) * s.S + t;
+      for (int64_t k = 0; k < s.K; ++k, dv += k_step, wv += CRS) {
+        V d[kHalves];
+        for (int l = 0; l < kHalves; ++l) d[l] = loadw(dv + l * kW);
 #pragma GCC unroll 16
-          for (int a = 0; a < CT; ++a) acc[a] += d * wv[a * RS];
+        for (int a = 0; a < CT; ++a) {
+          const float wa = wv[a * RS];
+          for (int l = 0; l < kHalves; ++l) acc[a][l] += d[l] * wa;
         }
       }
     }
-    for (int a = 0; a < CT; ++a) {
-      storew(dxT + (((c0 + a) * s.H + h) * s.W + v) * kLaneBlock + l0, acc[a]);
+  }
+  for (int a = 0; a < CT; ++a) {
+    for (int l = 0; l < kHalves; ++l) {
+      storew(dxT + (((c0 + a) * s.H + h) * s.W + v) * kLaneBlock + l * kW, acc[a][l]);
     }
   }
 }
@@ -258,15 +284,15 @@ constexpr auto kLanesDx = table_1_to<kDxCT, kDxWT>(
 constexpr auto kLanesDxColumn =
     table_1_to<kDxColumnCT>([](auto a) { return &lanes_dx_column<decltype(a)::value>; });
 
-// One block's forward: outT (K, P, Q, 16) from xT.
-void lanes_forward(const Conv2dShape& s, const float* xT, const float* wT, float* outT) {
+// One block's forward: outT (K, P, Q, 16) from xT and the packed weights.
+void lanes_forward(const Conv2dShape& s, const float* xT, const float* wP, float* outT) {
   const int64_t P = s.P(), Q = s.Q();
   for (int64_t p = 0; p < P; ++p) {
     for (int64_t q0 = 0; q0 < Q; q0 += kFwdQT) {
       const int64_t nq = std::min<int64_t>(kFwdQT, Q - q0);
       for (int64_t k0 = 0; k0 < s.K; k0 += kFwdKT) {
         const int64_t nk = std::min<int64_t>(kFwdKT, s.K - k0);
-        kLanesForward[static_cast<size_t>(nk - 1)][static_cast<size_t>(nq - 1)](s, xT, wT, p, q0,
+        kLanesForward[static_cast<size_t>(nk - 1)][static_cast<size_t>(nq - 1)](s, xT, wP, p, q0,
                                                                                 k0, outT);
       }
     }
