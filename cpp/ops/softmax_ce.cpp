@@ -13,7 +13,6 @@
 namespace mgpu::ops {
 namespace {
 
-
 // Calls fn with the labels' typed pointer.
 template <typename Fn>
 void with_labels(const Tensor& labels, Fn&& fn) {
@@ -195,4 +194,17 @@ void raise_if_flagged(const char* op, const Tensor& flag, const Tensor& labels, 
   }
 }
 
+namespace cuda {
+
+void check_bad_row(const char* op, int32_t bad_row_value, int64_t label, int64_t m) {
+  if (bad_row_value == kNoBadRow) return;
+  // cpu::softmax_ce_*'s wording (softmax_ce_cpu.cpp), so a user sees one message on any device.
+  // Host code: CPU-only builds raise a flagged row through it too.
+  throw std::out_of_range(std::string(op) + ": label " + std::to_string(label) + " in row " +
+                          std::to_string(bad_row_value) + " is out of range for " +
+                          std::to_string(m) + " classes; labels must be class indices in [0, " +
+                          std::to_string(m) + ")");
+}
+
+}  // namespace cuda
 }  // namespace mgpu::ops

@@ -181,13 +181,4 @@ void softmax_ce_backward(int64_t n, int64_t m, const float* logits, const int32_
   backward(n, m, logits, labels, dloss, dlogits, bad_row, stream);
 }
 
-void check_bad_row(const char* op, int32_t bad_row_value, int64_t label, int64_t m) {
-  if (bad_row_value == kNoBadRow) return;
-  // cpu::softmax_ce_*'s wording (softmax_ce_cpu.cpp), so a user sees one message on any device.
-  throw std::out_of_range(std::string(op) + ": label " + std::to_string(label) + " in row " +
-                          std::to_string(bad_row_value) + " is out of range for " +
-                          std::to_string(m) + " classes; labels must be class indices in [0, " +
-                          std::to_string(m) + ")");
-}
-
 }  // namespace mgpu::ops::cuda
