@@ -563,23 +563,14 @@ def test_sigkill_at_many_points_then_resume_gives_the_uninterrupted_bits(tmp_pat
 # --- under mpirun: a rank killed mid-step, then --resume ----------------------------------------
 
 def _mpirun(ckdir, out, env=None, limit=120, det=False):
-    from test_distributed import MPIRUN
+    from test_distributed import MPIRUN, run_watched
     full = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
                 MGPU_DIST_TIMEOUT="10", **(env or {}))
     full.pop("MGPU_NUM_THREADS", None)
     cmd = [MPIRUN, "-np", "2", "--oversubscribe", sys.executable,
            os.path.join(HERE, "ckpt_worker.py"), str(ckdir), str(out), "3", "2", "1",
            *(["det"] if det else [])]
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=HERE, env=full, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=limit)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
-        pytest.fail(f"mpirun hung for {limit} s\n{stdout}\n{stderr}")
-    return proc.returncode, stdout, stderr, time.perf_counter() - t0
+    return run_watched(cmd, full, limit, "mpirun")
 
 
 def _needs_mpi():

@@ -7,7 +7,16 @@ import pytest
 import mgpu
 import nn_reference as nref
 from mgpu import nn
-from test_data_parallel import EPS, LR, MOMENTUM, batch, close, host_state, tiny_net
+from test_data_parallel import (
+    EPS,
+    LR,
+    MOMENTUM,
+    batch,
+    close,
+    fused_equals_books_loop,
+    host_state,
+    tiny_net,
+)
 
 
 def fused_step_and_check(net, devices, X, y, label):
@@ -57,27 +66,8 @@ def test_fused_sync_batch_norm_with_an_empty_replica():
 
 @pytest.mark.parametrize("k", [2, 3])
 def test_fused_sync_batch_norm_equals_the_books_loop(k):
-    """Two steps with momentum and weight decay: DataParallel.train_step and the book's loop
-    (SyncBatchNorm through autograd) give the same parameters and running statistics."""
-    devices = [mgpu.cpu(i) for i in range(k)]
-    nets = [tiny_net(sync=True), tiny_net(sync=True)]
-    models = [nn.DataParallel(n, device_ids=devices) for n in nets]
-    trainers = [mgpu.optim.SGD(m.parameters(), lr=LR, momentum=0.9, weight_decay=1e-3)
-                for m in models]
-    loss = nn.CrossEntropyLoss()
-    for step in range(2):
-        X, y = batch(8, seed=step)
-        Xt, yt = mgpu.array(X), mgpu.array(y)
-        trainers[0].zero_grad()
-        book = loss(models[0](Xt), yt)
-        book.backward()
-        trainers[0].step()
-        fused = models[1].train_step(Xt, yt, loss, trainers[1])
-        close(fused.item(), book.item(), f"loss, step {step}")
-    book, fused = nets[0].state_dict(), nets[1].state_dict()
-    for name in book:
-        if not name.endswith("num_batches_tracked"):
-            close(fused[name].numpy(), book[name].numpy(), f"fused vs book: {name}")
+    """SyncBatchNorm through autograd (the book's loop) and inside the fused step agree."""
+    fused_equals_books_loop(k, sync=True)
 
 
 def test_fused_sync_layer_spec_on_one_device_is_plain_batch_norm_bitwise():

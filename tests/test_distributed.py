@@ -39,15 +39,21 @@ def mpirun(np_, mode, outdir, *args, timeout=60, env=None, limit=90):
     full_env.update(env or {})
     cmd = [MPIRUN, "-np", str(np_), "--oversubscribe", sys.executable,
            os.path.join(HERE, "dist_worker.py"), mode, str(outdir), *map(str, args)]
+    return run_watched(cmd, full_env, limit, f"mpirun {mode}")
+
+
+def run_watched(cmd, env, limit, what):
+    """Runs cmd in its own session; a run past `limit` seconds is killed with its children and
+    fails the test. Returns (returncode, stdout, stderr, seconds)."""
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=HERE, env=full_env, stdout=subprocess.PIPE,
+    proc = subprocess.Popen(cmd, cwd=HERE, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=limit)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
-        pytest.fail(f"mpirun {mode} hung for {limit} s (it must fail or finish)\n{out}\n{err}")
+        pytest.fail(f"{what} hung for {limit} s (it must fail or finish)\n{out}\n{err}")
     return proc.returncode, out, err, time.perf_counter() - t0
 
 
