@@ -331,7 +331,8 @@ def test_batch_norm_needs_more_than_one_value_per_channel():
                        [mgpu.cpu(0)])
     with pytest.raises(ValueError, match=r"layer 0 \(batch_norm\): expected more than 1 value "
                                          "per channel"):
-        model.train_step(mgpu.array(np.ones((1, 4), np.float32)), mgpu.array(np.zeros(1)), lr=0.1)
+        model.train_step(mgpu.array(np.ones((1, 4), np.float32)), mgpu.array(np.zeros(1, np.int64)),
+                         lr=0.1)
 
 
 @pytest.mark.gpu
