@@ -63,6 +63,7 @@ struct Call {
 constexpr int kFingerprintLen = 6;
 constexpr int64_t kMixedDtypes = 99;
 
+#if MGPU_BUILT_MPI  // the collectives that report these run over MPI only
 std::string describe(const Call& c) {
   std::ostringstream out;
   switch (static_cast<Op>(c.op)) {
@@ -81,6 +82,7 @@ std::string describe(const Call& c) {
   out << " (collective #" << c.seq << ")";
   return out.str();
 }
+#endif
 
 // Waits for the turn of ticket `seq`; the next ticket's turn comes when this object dies, also
 // when the collective failed, so one failure never stalls the collectives queued behind it.
@@ -106,6 +108,7 @@ class Turn {
   uint64_t seq_;
 };
 
+#if MGPU_BUILT_MPI
 std::string broken_reason() {
   State& s = state();
   std::lock_guard<std::mutex> lock(s.turn_mutex);
@@ -119,6 +122,7 @@ void mark_broken(const std::string& why) {
 }
 
 std::string prefix() { return "mgpu.distributed: rank " + std::to_string(state().rank) + ": "; }
+#endif
 
 void validate(const char* op, const std::vector<Tensor>& tensors, bool float_only) {
   MGPU_CHECK_VALUE(!tensors.empty(), op, ": got no tensors; pass a tensor or a list of tensors");
@@ -146,13 +150,13 @@ bool staged_through_host(const std::vector<Tensor>& tensors, Fn&& collective) {
   return true;
 }
 
+#if MGPU_BUILT_MPI
 int64_t total_elements(const std::vector<Tensor>& ts) {
   int64_t n = 0;
   for (const Tensor& t : ts) n += t.numel();
   return n;
 }
 
-#if MGPU_BUILT_MPI
 
 std::string mpi_error_string(int code) {
   char text[MPI_MAX_ERROR_STRING];
