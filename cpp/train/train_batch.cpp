@@ -270,7 +270,7 @@ void check_replicas(const char* op, const Model& m, const std::vector<Replica>& 
 std::vector<Tensor> train_step(const Model& m, const Tensor& X, const Tensor& y,
                                std::vector<Replica>& replicas, const Sgd& sgd,
                                int64_t num_shards, const char* op) {
-  trace::Span span(op);
+  trace::Span span("train_step");
   check_replicas(op, m, replicas);
   MGPU_CHECK_VALUE(X.dim() >= 1 && y.dim() == 1 && X.size(0) == y.size(0), op, ": X and "
                    "y must hold the same number of examples, got X ", X.shape(), " and y ",
