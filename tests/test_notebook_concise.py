@@ -9,10 +9,14 @@ import re
 
 import pytest
 
-import mgpu
-
 # test_every_cell_ran_without_error runs here again, on this module's `executed` notebook.
-from test_notebooks import _cell, _stdout, run_notebook, test_every_cell_ran_without_error  # noqa: F401
+from test_notebooks import (  # noqa: F401
+    _cell,
+    _stdout,
+    assert_books_training_line,
+    run_notebook,
+    test_every_cell_ran_without_error,
+)
 
 NOTEBOOK = (pathlib.Path(__file__).resolve().parent.parent / "notebooks" /
             "concise-multiple-gpus.ipynb")
@@ -37,10 +41,7 @@ def test_the_layers_print_the_books_shapes(executed):
 
 @pytest.mark.parametrize("tag,num_devices", [("train-1", 1), ("train-2", 2)])
 def test_training_prints_the_books_line(executed, tag, num_devices):
-    devices = ", ".join(str(mgpu.try_gpu(i)) for i in range(num_devices))
-    out = _stdout(_cell(executed, tag))
-    pattern = rf"test acc: \d\.\d\d, \d+\.\d sec/epoch on \[{re.escape(devices)}\]"
-    assert re.search(pattern, out), f"no line matching {pattern!r} in:\n{out}"
+    assert_books_training_line(_stdout(_cell(executed, tag)), num_devices)
 
 
 def test_synchronised_batch_norm_matches_one_device(executed):

@@ -142,8 +142,12 @@ def test_split_puts_one_half_on_each_device(executed):
 @pytest.mark.parametrize("tag,num_devices", [("train-1", 1), ("train-2", 2),
                                              ("fused-1", 1), ("fused-2", 2)])
 def test_training_prints_the_chapter_line(executed, tag, num_devices):
+    assert_books_training_line(_stdout(_cell(executed, tag)), num_devices)
+
+
+def assert_books_training_line(out, num_devices):
+    """The book's closing line of a training run on try_gpu(0..num_devices-1) is in `out`."""
     devices = ", ".join(str(mgpu.try_gpu(i)) for i in range(num_devices))
-    out = _stdout(_cell(executed, tag))
     pattern = rf"test acc: \d\.\d\d, \d+\.\d sec/epoch on \[{re.escape(devices)}\]"
     assert re.search(pattern, out), f"no line matching {pattern!r} in:\n{out}"
 
