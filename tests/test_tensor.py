@@ -474,6 +474,22 @@ def test_seed_makes_normal_reproducible():
     assert r.shape == (2, 5) and r.dtype == np.float32
 
 
+def test_a_fresh_process_draws_the_same_initial_weights():
+    # Without a seed call, a new interpreter starts from PyTorch's default seed: two runs of a
+    # script build the same network (the CLI and the chapter's train() agree on one epoch).
+    import subprocess
+    import sys
+    code = ("import numpy as np, mgpu\n"
+            "net = mgpu.nn.Linear(6, 3)\n"
+            "w = mgpu.random.normal(size=(4,)).numpy()\n"
+            "v = [net.weight.numpy().ravel(), net.bias.numpy().ravel(), w]\n"
+            "print(np.concatenate(v).tobytes().hex())\n")
+    runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                           check=True).stdout.strip() for _ in range(2)]
+    assert runs[0] and runs[0] == runs[1]
+    assert mgpu.random.DEFAULT_SEED == 67280421310721
+
+
 def test_normal_statistics():
     mgpu.random.seed(0)
     x = mgpu.random.normal(size=(100_000,)).numpy().astype(np.float64)

@@ -10,7 +10,12 @@ from typing import Optional
 
 import numpy as np
 
-_rng = np.random.default_rng()
+# A fresh process starts from a fixed seed, PyTorch's default (``torch.initial_seed()`` in a new
+# interpreter), so two runs of the same script draw the same initial weights unless the program
+# asks otherwise; ``seed`` sets another.
+DEFAULT_SEED = 67280421310721
+
+_rng = np.random.default_rng(DEFAULT_SEED)
 
 
 def seed(n: int) -> None:
