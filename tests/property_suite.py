@@ -3,9 +3,12 @@ a crash (a signal, an abort) is reported with the example that caused it.
 
 Usage: python property_suite.py GROUP EXAMPLES. Before each example the child writes it to stderr
 ("TRY <example>"), so the parent can name the last one if the child dies; at the end it prints
-"TRIED <n>" (examples run) on stdout. GROUPs: elementwise, inplace, bad_args, idx_fuzz.
+"TRIED <n>" (examples run) on stdout. GROUPs: elementwise, inplace, bad_args, idx_fuzz,
+ckpt_fuzz.
 """
 import gzip
+import hashlib
+import json
 import operator
 import os
 import struct
@@ -248,6 +251,94 @@ def group_idx_fuzz(n):
             assert a.size * a.itemsize <= len(data) * (1 if not compress else 1032)
         except (ValueError, OSError, EOFError):
             pass
+    check()
+
+
+# --- the checkpoint reader on mutated files ------------------------------------------------------
+
+def resign(data: bytes) -> bytes:
+    """``data`` with its header length and checksum made right again (as mgpu.save computes
+    them), so the reader gets past the checksum to the header's and the tree's contents."""
+    from mgpu import checkpoint as ck
+    (n,) = struct.unpack_from("<Q", data, 0)
+    header, body = data[8:8 + n], data[8 + n:]
+    at = header.find(b"sha256:")
+    if at < 0 or len(header) < at + len(ck._CHECKSUM_PLACEHOLDER):
+        return data
+    header = header[:at] + ck._CHECKSUM_PLACEHOLDER.encode() + header[at + 71:]
+    digest = hashlib.sha256(struct.pack("<Q", len(header)) + header + body).hexdigest()
+    header = header[:at] + f"sha256:{digest}".encode() + header[at + 71:]
+    return struct.pack("<Q", len(header)) + header + body
+
+
+# What a damaged header may hold in place of a value: JSON of every kind, odd numbers included.
+json_junk = st.recursive(
+    st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70),
+              st.sampled_from([0, 1, -1, 4, 2**31, 2**32, 2**62, 2**63, 2**64]),
+              st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=4),
+              st.sampled_from(["F32", "I64", "U8", "BOOL", "F16", "x", "__tensor__", "w"])),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(
+        st.sampled_from(["__tensor__", "__ndarray__", "__tuple__", "__float__", "__dict__", "w",
+                         "a"]), inner, max_size=2),
+    max_leaves=6)
+
+
+def group_ckpt_fuzz(n):
+    """Raw damage (bytes changed, the file cut, a tail added: the checksum must refuse it) and
+    re-signed damage (a header field or the stored tree replaced by arbitrary JSON, the checksum
+    made right again): mgpu.load returns an object or raises CheckpointError, nothing else."""
+    from mgpu import checkpoint as ck
+    folder = tempfile.mkdtemp(prefix="mgpu-ckpt-fuzz-")
+    good = os.path.join(folder, "good.mgpu")
+    mgpu.save({"w": mgpu.array(np.arange(6, dtype=np.float32).reshape(2, 3)),
+               "raw": np.arange(4, dtype=np.int64), "pair": (1, "two", None),
+               "state": {0: {"m": mgpu.array(np.full(2, -0.5, np.float32))}},
+               "nan": float("nan"), "zero": np.zeros((0, 3), np.float32)}, good)
+    valid = open(good, "rb").read()
+    (hn,) = struct.unpack_from("<Q", valid, 0)
+    header = json.loads(valid[8:8 + hn])
+    names = sorted(k for k in header if k != "__metadata__")
+    path = os.path.join(folder, "f.mgpu")
+
+    @settings(max_examples=n, **CFG)
+    @given(st.sampled_from(["bytes", "entry", "tree"]),
+           st.lists(st.tuples(st.integers(0, len(valid) + 8), st.integers(0, 255)), max_size=4),
+           st.integers(0, len(valid) + 8), st.binary(max_size=8),
+           st.sampled_from(names), st.sampled_from(["dtype", "shape", "data_offsets", "*"]),
+           json_junk, st.booleans())
+    def check(kind, edits, cut, tail, name, field, junk_value, whole_tree):
+        if kind == "bytes":  # the checksum (or the length) must catch it
+            data = bytearray(valid)
+            for pos, byte in edits:
+                if pos < len(data):
+                    data[pos] = byte
+            data = bytes(data[:cut]) + tail
+        else:
+            h = json.loads(valid[8:8 + hn])
+            if kind == "entry":
+                if field == "*":
+                    h[name] = junk_value
+                else:
+                    h[name][field] = junk_value
+            else:
+                tree = json.loads(h["__metadata__"]["tree"])
+                if whole_tree or not isinstance(tree, dict):
+                    tree = junk_value
+                else:
+                    tree[sorted(tree)[len(edits) % len(tree)]] = junk_value
+                h["__metadata__"]["tree"] = json.dumps(tree)
+            text = json.dumps(h, separators=(",", ":")).encode()
+            text += b" " * (-len(text) % 8)
+            data = resign(struct.pack("<Q", len(text)) + text + valid[8 + hn:])
+        announce(kind, edits, cut, tail, name, field, junk_value, whole_tree)
+        with open(path, "wb") as f:
+            f.write(data)
+        try:
+            mgpu.load(path)
+            if kind == "bytes":
+                assert data == valid, "damaged bytes were loaded: the checksum missed them"
+        except ck.CheckpointError as e:
+            assert path in str(e), e  # names the file
     check()
 
 
