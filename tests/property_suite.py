@@ -53,13 +53,19 @@ def values(shape, seed):
     return rng.uniform(0.5, 2.0, shape).astype(np.float32) * rng.choice([-1, 1], shape)
 
 
-def as_view(a: np.ndarray, device, pad: int):
-    """``a`` on ``device`` as rows [pad, pad + n) of a bigger tensor (a view), or as itself."""
+def as_view(a: np.ndarray, device, pad: int, dtype=np.float32):
+    """``a`` (as ``dtype``) on ``device`` as rows [pad, pad + n) of a bigger tensor (a view), or
+    as itself."""
     if pad == 0 or a.ndim == 0:
-        return mgpu.array(a, device=device)
+        return mgpu.array(a.astype(dtype), device=device, dtype=dtype)
     big = np.concatenate([np.full((pad,) + a.shape[1:], 7, np.float32), a,
                           np.full((1,) + a.shape[1:], 9, np.float32)])
-    return mgpu.array(big, device=device)[pad:pad + a.shape[0]]
+    return mgpu.array(big.astype(dtype), device=device, dtype=dtype)[pad:pad + a.shape[0]]
+
+
+# The dtypes mgpu tensors hold; the arithmetic ops take float32 only and refuse the others with a
+# TypeError naming the operand (float32 is drawn more often: it is the one that computes).
+DTYPES = [np.float32, np.float32, np.float32, np.int32, np.int64, np.uint8]
 
 
 def close(got, expected):
@@ -75,24 +81,37 @@ CFG = dict(deadline=None, derandomize=True, database=None,
 def group_elementwise(n):
     @settings(max_examples=n, **CFG)
     @given(shapes, ops, devices, st.sampled_from(["same", "row", "scalar", "rscalar"]),
-           st.integers(0, 3), st.integers(0, 2**31))
-    def check(shape, op, device, kind, pad, seed):
-        announce(shape, op, device, kind, pad, seed)
+           st.integers(0, 3), st.integers(0, 2**31), st.sampled_from(DTYPES),
+           st.sampled_from(DTYPES))
+    def check(shape, op, device, kind, pad, seed, dtype_a, dtype_b):
+        scalar = kind in ("scalar", "rscalar")
+        announce(shape, op, device, kind, pad, seed, dtype_a.__name__,
+                 None if scalar else dtype_b.__name__)
         a = values(shape, seed)
-        ta = as_view(a, device, pad)
-        if kind == "scalar" or kind == "rscalar":
+        ta = as_view(a, device, pad, dtype_a)
+        if scalar:
             s = float(values((), seed + 1))
-            got = py_op(op, ta, s) if kind == "scalar" else py_op(op, s, ta)
+            call = (lambda: py_op(op, ta, s)) if kind == "scalar" else (lambda: py_op(op, s, ta))
             want = np_op(op, a.astype(np.float64), s) if kind == "scalar" else \
                 np_op(op, s, a.astype(np.float64))
+            dtypes = [dtype_a]
         else:
             bshape = shape if kind == "same" or len(shape) < 2 else shape[-1:]
             b = values(bshape, seed + 2)
-            tb = as_view(b, device, pad if kind == "same" else 0)
-            got = py_op(op, ta, tb)
+            tb = as_view(b, device, pad if kind == "same" else 0, dtype_b)
+            call = lambda: py_op(op, ta, tb)  # noqa: E731
             want = np_op(op, a.astype(np.float64), b.astype(np.float64))
+            dtypes = [dtype_a, dtype_b]
+        if any(d != np.float32 for d in dtypes):
+            try:
+                call()
+            except TypeError as e:
+                assert "float32" in str(e), e
+                return
+            raise AssertionError(f"{op} on {[d.__name__ for d in dtypes]} did not raise")
+        got = call()
         close(got.numpy(), want.astype(np.float32))
-        assert got.device == device
+        assert got.device == device and got.dtype == np.float32
     check()
 
 
