@@ -361,7 +361,15 @@ def group_ckpt_fuzz(n):
     check()
 
 
+# The child's address space is capped (4 GiB; $MGPU_TEST_MAX_VM_BYTES to change it): a huge but
+# representable request (mgpu.ones((2**31,), dtype="int64"), 16 GiB) must then be refused with a
+# MemoryError whatever the machine. Without the cap the system may grant it and the kernel's OOM
+# killer end this process (or another one on the machine) when the memory is written.
+MAX_VM_BYTES = int(os.environ.get("MGPU_TEST_MAX_VM_BYTES", 4 << 30))
+
 if __name__ == "__main__":
+    import resource
+    resource.setrlimit(resource.RLIMIT_AS, (MAX_VM_BYTES, MAX_VM_BYTES))
     group, examples = sys.argv[1], int(sys.argv[2])
     globals()["group_" + group](examples)
     print("TRIED", tried, flush=True)
