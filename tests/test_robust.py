@@ -359,6 +359,33 @@ def test_versions_count_every_inplace_op():
     assert t._t.version == v + 6 and p._t.version == 1
 
 
+def test_fused_steps_and_allreduce_count_as_inplace_changes():
+    """train_batch, allreduce and FusedModel.train_step (DataParallel's fused step) change their
+    tensors in place: each moves their versions, so a graph that saved one refuses backward."""
+    params = [parallel.get_params(mgpu.lenet_params(seed=0), C0)]
+    x = mgpu.array(np.ones(10, dtype=np.float32)).requires_grad_()
+    saved = (x * params[0][7]).sum()  # mul saves b4
+    versions = [p._t.version for p in params[0]]
+    X, y = mgpu.zeros((4, 1, 28, 28)), mgpu.array(np.arange(4))
+    parallel.train_batch(X, y, params, [C0], 0.1)
+    assert [p._t.version for p in params[0]] == [v + 1 for v in versions]
+    with pytest.raises(RuntimeError, match="modified by an inplace operation.*saved by mul"):
+        saved.backward()
+    ts = [mgpu.ones((3,), device=C0), mgpu.ones((3,), device=C1)]
+    versions = [t._t.version for t in ts]
+    parallel.allreduce(ts)
+    assert [t._t.version for t in ts] == [v + 1 for v in versions]
+    model, replicas = _fused([C0, C1])
+    x = mgpu.array(np.ones(3, dtype=np.float32)).requires_grad_()
+    saved = (x * replicas[0][3]).sum()  # the linear layer's bias on cpu(0)
+    versions = [[p._t.version for p in r] for r in replicas]
+    Xs = mgpu.array(np.random.default_rng(1).random((4, 1, 5, 5), dtype=np.float32))
+    model.train_step(Xs, mgpu.array(np.array([0, 1, 2, 1])), 0.1)
+    assert [[p._t.version for p in r] for r in replicas] == [[v + 1 for v in r] for r in versions]
+    with pytest.raises(RuntimeError, match="modified by an inplace operation.*saved by mul"):
+        saved.backward()
+
+
 def test_the_chapters_step_still_runs_backward_then_sgd():
     x = mgpu.array([1.0, 2.0]).attach_grad()
     loss = (x * x).sum()
