@@ -17,10 +17,25 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash .ci/setup.sh
 
-echo "== Lint (ruff) of python/ and tests/"
+# Each stage starts with a "== <name>" line and ends with "== <name> took N s" (bash's SECONDS),
+# so the log shows what every stage costs; the last stage's line comes from the EXIT trap, which
+# also times a stage that fails.
+stage_name="" stage_start=0
+end_stage() {
+  if [ -n "$stage_name" ]; then echo "== $stage_name took $((SECONDS - stage_start)) s"; fi
+  stage_name=""
+}
+stage() {
+  end_stage
+  stage_name=$1 stage_start=$SECONDS
+  echo "== $1"
+}
+trap end_stage EXIT
+
+stage "Lint (ruff) of python/ and tests/"
 .venv/bin/ruff check python tests
 
-echo "== C++ unit tests (ctest): engine, CUDA emulator, CUDA kernels on emulated GPUs"
+stage "C++ unit tests (ctest): engine, CUDA emulator, CUDA kernels on emulated GPUs"
 cmake -S . -B build/cpp-tests -DMGPU_BUILD_TESTS=ON -DMGPU_BUILD_PYTHON=ON -DMGPU_CUDA_EMULATION=ON \
   -DCMAKE_BUILD_TYPE=Release -DPython_EXECUTABLE="$PWD/.venv/bin/python" \
   -Dpybind11_DIR="$(.venv/bin/python -m pybind11 --cmakedir)" >/dev/null
@@ -30,7 +45,7 @@ cmake --build build/cpp-tests -j "$(nproc)" >/dev/null
 if [ "${MGPU_CI_SANITIZE:-1}" != 0 ]; then
   # ASan + UBSan on the CPU engine, the C++ engine tests and _core only (no emulator, no CUDA,
   # no MPI), with ccache where there is one (cold: about 7 min on 2 shared cores).
-  echo "== Sanitizer build (AddressSanitizer + UBSan, CPU only): C++ tests and a Python smoke suite"
+  stage "Sanitizer build (AddressSanitizer + UBSan, CPU only): C++ tests and a Python smoke suite"
   launcher=()
   if command -v ccache >/dev/null; then launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache); fi
   cmake -S . -B build/asan -DMGPU_SANITIZE=ON -DMGPU_BUILD_TESTS=ON -DMGPU_BUILD_PYTHON=ON \
@@ -54,20 +69,20 @@ if [ "${MGPU_CI_SANITIZE:-1}" != 0 ]; then
     test_fused_step.py test_data_parallel.py -k "not cli and not gpu and not concise and not resnet18")
 fi
 
-echo "== Python tests (pytest) of the installed package"
+stage "Python tests (pytest) of the installed package"
 # Run from tests/ so `import mgpu` finds the installed package, never python/mgpu.
 (cd tests && ../.venv/bin/python -m pytest -q -p no:cacheprovider "$@")
 
-echo "== Python GPU tests on emulated GPUs (the emulated build's package)"
+stage "Python GPU tests on emulated GPUs (the emulated build's package)"
 (cd tests && PYTHONPATH="$PWD/../build/cpp-tests/python" \
   ../.venv/bin/python -m pytest -q -p no:cacheprovider -m gpu "$@")
 
-echo "== CPU op and training tests with MGPU_ISA=avx2 (the installed package)"
+stage "CPU op and training tests with MGPU_ISA=avx2 (the installed package)"
 # Paths from the repository root, so the pass finds its files whatever the working directory.
 (cd tests && MGPU_ISA=avx2 ../.venv/bin/python -m pytest -q -p no:cacheprovider -m "not gpu" \
   "$PWD/test_ops.py" "$PWD/test_train.py")
 
-echo "== pip-only route: sdist, CPU-only manylinux wheel from it (.ci/wheel.sh), fresh venv, tests"
+stage "pip-only route: sdist, CPU-only manylinux wheel from it (.ci/wheel.sh), fresh venv, tests"
 # One build checks both routes: the wheel is built from the sdist (isolated: PyPI's OpenBLAS, no
 # system BLAS, CUDA or MPI), repaired for manylinux, and cached in build/pip-smoke by source hash.
 smoke=build/pip-smoke

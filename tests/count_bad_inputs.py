@@ -1,7 +1,7 @@
 """Counts the bad inputs the suites try in one run, reproducibly: the collected pytest cases of
 the bad-input tests (every parametrized case counts once), the Hypothesis examples of the
-bad-argument and IDX-fuzz groups (each fuzz example is one mutated file), and the fixed
-corrupt-file cases of the IDX tests. Run from tests/ with the package on PYTHONPATH:
+bad-argument, IDX-fuzz and checkpoint-fuzz groups (each fuzz example is one mutated file), and the
+fixed corrupt-file cases of the IDX tests. Run from tests/ with the package on PYTHONPATH:
 
     python count_bad_inputs.py [--run]
 
@@ -22,7 +22,7 @@ OTHER_FILES = ["test_tensor.py", "test_ops.py", "test_nn.py", "test_fused_step.p
                "test_data_parallel.py", "test_train.py", "test_data.py", "test_bench.py",
                "test_gpu.py", "test_chapter.py"]
 BAD_NAMES = "bad or reject or refuse or invalid or raise or error or wrong or out_of_range"
-BAD_GROUPS = ("bad_args", "idx_fuzz")
+BAD_GROUPS = ("bad_args", "idx_fuzz", "ckpt_fuzz")
 
 
 def pytest_ids(args):

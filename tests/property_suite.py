@@ -3,9 +3,12 @@ a crash (a signal, an abort) is reported with the example that caused it.
 
 Usage: python property_suite.py GROUP EXAMPLES. Before each example the child writes it to stderr
 ("TRY <example>"), so the parent can name the last one if the child dies; at the end it prints
-"TRIED <n>" (examples run) on stdout. GROUPs: elementwise, inplace, bad_args, idx_fuzz.
+"TRIED <n>" (examples run) on stdout. GROUPs: elementwise, inplace, bad_args, idx_fuzz,
+ckpt_fuzz.
 """
 import gzip
+import hashlib
+import json
 import operator
 import os
 import struct
@@ -50,13 +53,19 @@ def values(shape, seed):
     return rng.uniform(0.5, 2.0, shape).astype(np.float32) * rng.choice([-1, 1], shape)
 
 
-def as_view(a: np.ndarray, device, pad: int):
-    """``a`` on ``device`` as rows [pad, pad + n) of a bigger tensor (a view), or as itself."""
+def as_view(a: np.ndarray, device, pad: int, dtype=np.float32):
+    """``a`` (as ``dtype``) on ``device`` as rows [pad, pad + n) of a bigger tensor (a view), or
+    as itself."""
     if pad == 0 or a.ndim == 0:
-        return mgpu.array(a, device=device)
+        return mgpu.array(a.astype(dtype), device=device, dtype=dtype)
     big = np.concatenate([np.full((pad,) + a.shape[1:], 7, np.float32), a,
                           np.full((1,) + a.shape[1:], 9, np.float32)])
-    return mgpu.array(big, device=device)[pad:pad + a.shape[0]]
+    return mgpu.array(big.astype(dtype), device=device, dtype=dtype)[pad:pad + a.shape[0]]
+
+
+# The dtypes mgpu tensors hold; the arithmetic ops take float32 only and refuse the others with a
+# TypeError naming the operand (float32 is drawn more often: it is the one that computes).
+DTYPES = [np.float32, np.float32, np.float32, np.int32, np.int64, np.uint8]
 
 
 def close(got, expected):
@@ -72,24 +81,37 @@ CFG = dict(deadline=None, derandomize=True, database=None,
 def group_elementwise(n):
     @settings(max_examples=n, **CFG)
     @given(shapes, ops, devices, st.sampled_from(["same", "row", "scalar", "rscalar"]),
-           st.integers(0, 3), st.integers(0, 2**31))
-    def check(shape, op, device, kind, pad, seed):
-        announce(shape, op, device, kind, pad, seed)
+           st.integers(0, 3), st.integers(0, 2**31), st.sampled_from(DTYPES),
+           st.sampled_from(DTYPES))
+    def check(shape, op, device, kind, pad, seed, dtype_a, dtype_b):
+        scalar = kind in ("scalar", "rscalar")
+        announce(shape, op, device, kind, pad, seed, dtype_a.__name__,
+                 None if scalar else dtype_b.__name__)
         a = values(shape, seed)
-        ta = as_view(a, device, pad)
-        if kind == "scalar" or kind == "rscalar":
+        ta = as_view(a, device, pad, dtype_a)
+        if scalar:
             s = float(values((), seed + 1))
-            got = py_op(op, ta, s) if kind == "scalar" else py_op(op, s, ta)
+            call = (lambda: py_op(op, ta, s)) if kind == "scalar" else (lambda: py_op(op, s, ta))
             want = np_op(op, a.astype(np.float64), s) if kind == "scalar" else \
                 np_op(op, s, a.astype(np.float64))
+            dtypes = [dtype_a]
         else:
             bshape = shape if kind == "same" or len(shape) < 2 else shape[-1:]
             b = values(bshape, seed + 2)
-            tb = as_view(b, device, pad if kind == "same" else 0)
-            got = py_op(op, ta, tb)
+            tb = as_view(b, device, pad if kind == "same" else 0, dtype_b)
+            call = lambda: py_op(op, ta, tb)  # noqa: E731
             want = np_op(op, a.astype(np.float64), b.astype(np.float64))
+            dtypes = [dtype_a, dtype_b]
+        if any(d != np.float32 for d in dtypes):
+            try:
+                call()
+            except TypeError as e:
+                assert "float32" in str(e), e
+                return
+            raise AssertionError(f"{op} on {[d.__name__ for d in dtypes]} did not raise")
+        got = call()
         close(got.numpy(), want.astype(np.float32))
-        assert got.device == device
+        assert got.device == device and got.dtype == np.float32
     check()
 
 
@@ -251,7 +273,103 @@ def group_idx_fuzz(n):
     check()
 
 
+# --- the checkpoint reader on mutated files ------------------------------------------------------
+
+def resign(data: bytes) -> bytes:
+    """``data`` with its header length and checksum made right again (as mgpu.save computes
+    them), so the reader gets past the checksum to the header's and the tree's contents."""
+    from mgpu import checkpoint as ck
+    (n,) = struct.unpack_from("<Q", data, 0)
+    header, body = data[8:8 + n], data[8 + n:]
+    at = header.find(b"sha256:")
+    if at < 0 or len(header) < at + len(ck._CHECKSUM_PLACEHOLDER):
+        return data
+    header = header[:at] + ck._CHECKSUM_PLACEHOLDER.encode() + header[at + 71:]
+    digest = hashlib.sha256(struct.pack("<Q", len(header)) + header + body).hexdigest()
+    header = header[:at] + f"sha256:{digest}".encode() + header[at + 71:]
+    return struct.pack("<Q", len(header)) + header + body
+
+
+# What a damaged header may hold in place of a value: JSON of every kind, odd numbers included.
+json_junk = st.recursive(
+    st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70),
+              st.sampled_from([0, 1, -1, 4, 2**31, 2**32, 2**62, 2**63, 2**64]),
+              st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=4),
+              st.sampled_from(["F32", "I64", "U8", "BOOL", "F16", "x", "__tensor__", "w"])),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(
+        st.sampled_from(["__tensor__", "__ndarray__", "__tuple__", "__float__", "__dict__", "w",
+                         "a"]), inner, max_size=2),
+    max_leaves=6)
+
+
+def group_ckpt_fuzz(n):
+    """Raw damage (bytes changed, the file cut, a tail added: the checksum must refuse it) and
+    re-signed damage (a header field or the stored tree replaced by arbitrary JSON, the checksum
+    made right again): mgpu.load returns an object or raises CheckpointError, nothing else."""
+    from mgpu import checkpoint as ck
+    folder = tempfile.mkdtemp(prefix="mgpu-ckpt-fuzz-")
+    good = os.path.join(folder, "good.mgpu")
+    mgpu.save({"w": mgpu.array(np.arange(6, dtype=np.float32).reshape(2, 3)),
+               "raw": np.arange(4, dtype=np.int64), "pair": (1, "two", None),
+               "state": {0: {"m": mgpu.array(np.full(2, -0.5, np.float32))}},
+               "nan": float("nan"), "zero": np.zeros((0, 3), np.float32)}, good)
+    valid = open(good, "rb").read()
+    (hn,) = struct.unpack_from("<Q", valid, 0)
+    header = json.loads(valid[8:8 + hn])
+    names = sorted(k for k in header if k != "__metadata__")
+    path = os.path.join(folder, "f.mgpu")
+
+    @settings(max_examples=n, **CFG)
+    @given(st.sampled_from(["bytes", "entry", "tree"]),
+           st.lists(st.tuples(st.integers(0, len(valid) + 8), st.integers(0, 255)), max_size=4),
+           st.integers(0, len(valid) + 8), st.binary(max_size=8),
+           st.sampled_from(names), st.sampled_from(["dtype", "shape", "data_offsets", "*"]),
+           json_junk, st.booleans())
+    def check(kind, edits, cut, tail, name, field, junk_value, whole_tree):
+        if kind == "bytes":  # the checksum (or the length) must catch it
+            data = bytearray(valid)
+            for pos, byte in edits:
+                if pos < len(data):
+                    data[pos] = byte
+            data = bytes(data[:cut]) + tail
+        else:
+            h = json.loads(valid[8:8 + hn])
+            if kind == "entry":
+                if field == "*":
+                    h[name] = junk_value
+                else:
+                    h[name][field] = junk_value
+            else:
+                tree = json.loads(h["__metadata__"]["tree"])
+                if whole_tree or not isinstance(tree, dict):
+                    tree = junk_value
+                else:
+                    tree[sorted(tree)[len(edits) % len(tree)]] = junk_value
+                h["__metadata__"]["tree"] = json.dumps(tree)
+            text = json.dumps(h, separators=(",", ":")).encode()
+            text += b" " * (-len(text) % 8)
+            data = resign(struct.pack("<Q", len(text)) + text + valid[8 + hn:])
+        announce(kind, edits, cut, tail, name, field, junk_value, whole_tree)
+        with open(path, "wb") as f:
+            f.write(data)
+        try:
+            mgpu.load(path)
+            if kind == "bytes":
+                assert data == valid, "damaged bytes were loaded: the checksum missed them"
+        except ck.CheckpointError as e:
+            assert path in str(e), e  # names the file
+    check()
+
+
+# The child's address space is capped (4 GiB; $MGPU_TEST_MAX_VM_BYTES to change it): a huge but
+# representable request (mgpu.ones((2**31,), dtype="int64"), 16 GiB) must then be refused with a
+# MemoryError whatever the machine. Without the cap the system may grant it and the kernel's OOM
+# killer end this process (or another one on the machine) when the memory is written.
+MAX_VM_BYTES = int(os.environ.get("MGPU_TEST_MAX_VM_BYTES", 4 << 30))
+
 if __name__ == "__main__":
+    import resource
+    resource.setrlimit(resource.RLIMIT_AS, (MAX_VM_BYTES, MAX_VM_BYTES))
     group, examples = sys.argv[1], int(sys.argv[2])
     globals()["group_" + group](examples)
     print("TRIED", tried, flush=True)

@@ -1,7 +1,8 @@
 """Property-based tests (Hypothesis): elementwise and in-place ops on random shapes, devices and
 views against NumPy; random bad arguments that must raise TypeError, ValueError, IndexError or
-MemoryError; a bounded fuzz of the IDX reader. Each group runs in a child process
-(property_suite.py), so a crash or a hang is reported with the example that caused it.
+MemoryError; bounded fuzz runs of the IDX reader and the checkpoint reader. Each group runs in a
+child process (property_suite.py), so a crash or a hang is reported with the example that caused
+it.
 """
 import os
 import subprocess
@@ -13,7 +14,8 @@ pytest.importorskip("hypothesis", reason="needs Hypothesis (pip install hypothes
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # Examples per group: enough to reach the odd corners, few enough for CI (a few seconds each).
-GROUPS = {"elementwise": 300, "inplace": 300, "bad_args": 600, "idx_fuzz": 400}
+GROUPS = {"elementwise": 300, "inplace": 300, "bad_args": 600, "idx_fuzz": 400,
+          "ckpt_fuzz": 300}
 
 
 @pytest.mark.parametrize("group", sorted(GROUPS))

@@ -131,9 +131,18 @@ def test_a_failed_result_poisons_what_is_computed_from_it():
 
 # --- 3. threads sharing devices -----------------------------------------------------------------
 
+# Steps from host threads on shared devices are serialised by the collective lock the fused steps
+# hold (collective_submission_mutex, taken in bind_train.cpp). The tests below run with a queue
+# budget of one byte: every enqueue then waits until the device has drained, so one step's
+# enqueueing is spread over its whole run time and two threads' steps, if nothing serialised
+# them, would interleave on every device (a forward reading parameters another step is about to
+# update, gradients summed twice), which no serial order gives.
+SERIAL_ENV = {"MGPU_QUEUE_MAX_BYTES": "1"}
+
+
 def test_two_threads_train_on_the_same_devices_without_deadlock():
-    """Each step is the same map p -> p - lr * grad(p) on one batch, so 2 x 15 steps from two
-    threads must give exactly the parameters of 30 steps from one, if steps are serialised."""
+    """Each step is the same map p -> p - lr * grad(p) on one batch, so 2 x 10 steps from two
+    threads must give exactly the parameters of 20 steps from one, if steps are serialised."""
     code = """
         import threading, numpy as np, mgpu
         from mgpu import parallel
@@ -144,20 +153,22 @@ def test_two_threads_train_on_the_same_devices_without_deadlock():
         def replicas():
             return [parallel.get_params(mgpu.lenet_params(scale=0.1, seed=0), d) for d in devs]
         shared, alone = replicas(), replicas()
+        start = threading.Barrier(2)
         def work():
-            for _ in range(15):
+            start.wait()
+            for _ in range(10):
                 parallel.train_batch(X, y, shared, devs, 0.1)
         threads = [threading.Thread(target=work) for _ in range(2)]
         [t.start() for t in threads]
         [t.join() for t in threads]
-        for _ in range(30):
+        for _ in range(20):
             parallel.train_batch(X, y, alone, devs, 0.1)
         same = all(np.array_equal(a.numpy(), b.numpy()) for a, b in zip(shared[0], alone[0]))
         replicas_agree = all(np.array_equal(a.numpy(), b.numpy())
                              for a, b in zip(shared[0], shared[1]))
         print("SAME", same, replicas_agree)
     """
-    r = run_child(code, timeout=90)
+    r = run_child(code, timeout=120, env=SERIAL_ENV)
     assert r.returncode == 0, r.stderr
     assert "SAME True True" in r.stdout, r.stdout + r.stderr
 
@@ -348,6 +359,33 @@ def test_versions_count_every_inplace_op():
     assert t._t.version == v + 6 and p._t.version == 1
 
 
+def test_fused_steps_and_allreduce_count_as_inplace_changes():
+    """train_batch, allreduce and FusedModel.train_step (DataParallel's fused step) change their
+    tensors in place: each moves their versions, so a graph that saved one refuses backward."""
+    params = [parallel.get_params(mgpu.lenet_params(seed=0), C0)]
+    x = mgpu.array(np.ones(10, dtype=np.float32)).requires_grad_()
+    saved = (x * params[0][7]).sum()  # mul saves b4
+    versions = [p._t.version for p in params[0]]
+    X, y = mgpu.zeros((4, 1, 28, 28)), mgpu.array(np.arange(4))
+    parallel.train_batch(X, y, params, [C0], 0.1)
+    assert [p._t.version for p in params[0]] == [v + 1 for v in versions]
+    with pytest.raises(RuntimeError, match="modified by an inplace operation.*saved by mul"):
+        saved.backward()
+    ts = [mgpu.ones((3,), device=C0), mgpu.ones((3,), device=C1)]
+    versions = [t._t.version for t in ts]
+    parallel.allreduce(ts)
+    assert [t._t.version for t in ts] == [v + 1 for v in versions]
+    model, replicas = _fused([C0, C1])
+    x = mgpu.array(np.ones(3, dtype=np.float32)).requires_grad_()
+    saved = (x * replicas[0][3]).sum()  # the linear layer's bias on cpu(0)
+    versions = [[p._t.version for p in r] for r in replicas]
+    Xs = mgpu.array(np.random.default_rng(1).random((4, 1, 5, 5), dtype=np.float32))
+    model.train_step(Xs, mgpu.array(np.array([0, 1, 2, 1])), 0.1)
+    assert [[p._t.version for p in r] for r in replicas] == [[v + 1 for v in r] for r in versions]
+    with pytest.raises(RuntimeError, match="modified by an inplace operation.*saved by mul"):
+        saved.backward()
+
+
 def test_the_chapters_step_still_runs_backward_then_sgd():
     x = mgpu.array([1.0, 2.0]).attach_grad()
     loss = (x * x).sum()
@@ -465,35 +503,50 @@ def test_fused_model_step_refuses_bad_hyperparameters_changing_nothing(name, val
 
 def test_two_threads_step_one_fused_model_as_one_thread():
     """A step is the same map on one batch, so 2 x 10 steps from two threads on one FusedModel
-    equal 20 steps from one thread exactly (the replicas stay equal too)."""
+    (batch norm, momentum, weight decay) equal 20 steps from one thread exactly: parameters,
+    momentum buffers and batch norm's running statistics, on every replica."""
     code = """
         import threading, numpy as np, mgpu
         from mgpu import parallel
         devs = [mgpu.cpu(0), mgpu.cpu(1)]
-        spec = [("conv2d", {"padding": 1}), ("relu",), ("global_avg_pool",), ("flatten",),
-                ("linear", {"transpose": True})]
+        spec = [("conv2d", {"padding": 1}), ("batch_norm",), ("relu",), ("global_avg_pool",),
+                ("flatten",), ("linear", {"transpose": True})]
         rng = np.random.default_rng(0)
         arrays = [rng.standard_normal(s).astype(np.float32)
-                  for s in [(4, 1, 3, 3), (4,), (3, 4), (3,)]]
+                  for s in [(4, 1, 3, 3), (4,), (4,), (4,), (3, 4), (3,)]]
         X = mgpu.array(rng.random((16, 1, 6, 6), dtype=np.float32))
         y = mgpu.array(rng.integers(0, 3, 16))
         def model():
             reps = [[mgpu.array(a, device=d) for a in arrays] for d in devs]
-            return parallel.FusedModel(spec, reps, [[], []], devs), reps
-        (shared, sp), (alone, ap) = model(), model()
+            bufs = [[mgpu.zeros((4,), device=d), mgpu.ones((4,), device=d)] for d in devs]
+            return parallel.FusedModel(spec, reps, bufs, devs)
+        def step(m):
+            m.train_step(X, y, 0.05, momentum=0.9, weight_decay=1e-3)
+        def state(m):
+            out = []
+            for d in range(len(devs)):
+                out += [t.numpy() for t in m._model.params(d) + m._model.buffers(d)]
+                out += [b.numpy() for b in m.momentum_buffers(d)]
+            return out
+        shared, alone = model(), model()
+        start = threading.Barrier(2)
         def work():
+            start.wait()
             for _ in range(10):
-                shared.train_step(X, y, 0.1, momentum=0.9)
+                step(shared)
         threads = [threading.Thread(target=work) for _ in range(2)]
         [t.start() for t in threads]
         [t.join() for t in threads]
         for _ in range(20):
-            alone.train_step(X, y, 0.1, momentum=0.9)
-        same = all(np.array_equal(a.numpy(), b.numpy()) for a, b in zip(sp[0], ap[0]))
-        agree = all(np.array_equal(a.numpy(), b.numpy()) for a, b in zip(sp[0], sp[1]))
+            step(alone)
+        a, b = state(shared), state(alone)
+        half = len(a) // 2
+        same = len(a) == len(b) == 2 * (6 + 2 + 6) and all(
+            np.array_equal(u, v) for u, v in zip(a, b))
+        agree = all(np.array_equal(u, v) for u, v in zip(a[:half], a[half:]))
         print("SAME", same, agree)
     """
-    r = run_child(code, timeout=90)
+    r = run_child(code, timeout=120, env=SERIAL_ENV)
     assert r.returncode == 0, r.stderr
     assert "SAME True True" in r.stdout, r.stdout + r.stderr
 

@@ -109,6 +109,8 @@ def _encode(obj, path: str, tensors: List[Tuple[str, np.ndarray]], names: set):
 
 
 def _decode(node, arrays: Dict[str, np.ndarray], device, where: str):
+    """The object of a stored tree; CheckpointError where the tree is not one save() writes
+    (a damaged file whose checksum was made to fit must not end in a TypeError or a KeyError)."""
     if isinstance(node, list):
         return [_decode(v, arrays, device, where) for v in node]
     if not isinstance(node, dict):
@@ -116,22 +118,42 @@ def _decode(node, arrays: Dict[str, np.ndarray], device, where: str):
     if len(node) == 1:
         (tag, value), = node.items()
         if tag in ("__tensor__", "__ndarray__"):
-            if value not in arrays:
-                raise CheckpointError(where, f"its structure refers to a tensor '{value}' that "
+            if not isinstance(value, str) or value not in arrays:
+                raise CheckpointError(where, f"its structure refers to a tensor {value!r} that "
                                       "the file does not hold (corrupt)")
             if tag == "__ndarray__":
                 return arrays[value].copy()
             from .tensor import array
-            return array(arrays[value], device=device, dtype=arrays[value].dtype)
+            try:
+                return array(arrays[value], device=device, dtype=arrays[value].dtype)
+            except (TypeError, ValueError) as e:
+                raise CheckpointError(where, f"tensor '{value}' cannot be an mgpu tensor ({e}); "
+                                      "the file is corrupt") from None
         if tag == "__tuple__":
+            if not isinstance(value, list):
+                raise CheckpointError(where, f"its structure has a tuple stored as {value!r} "
+                                      "(corrupt)")
             return tuple(_decode(v, arrays, device, where) for v in value)
         if tag == "__float__":
+            if value not in ("nan", "inf", "-inf"):  # the only floats JSON cannot hold
+                raise CheckpointError(where, f"its structure has a float stored as {value!r} "
+                                      "(corrupt)")
             return float(value)
         if tag == "__dict__":
+            if not isinstance(value, list) or not all(
+                    isinstance(kv, list) and len(kv) == 2 for kv in value):
+                raise CheckpointError(where, "its structure has a dict whose items are not "
+                                      "[key, value] pairs (corrupt)")
             out = {}
             for k, v in value:
                 k = _decode(k, arrays, device, where)
-                out[tuple(k) if isinstance(k, list) else k] = _decode(v, arrays, device, where)
+                k = tuple(k) if isinstance(k, list) else k
+                try:
+                    hash(k)
+                except TypeError:
+                    raise CheckpointError(where, f"its structure has a dict key {k!r} that is "
+                                          "not a str, number, bool or None (corrupt)") from None
+                out[k] = _decode(v, arrays, device, where)
             return out
     return {k: _decode(v, arrays, device, where) for k, v in node.items()}
 
@@ -249,7 +271,7 @@ def _parse(path) -> Tuple[Any, Dict[str, np.ndarray], dict, str]:
     raw_header = data[8:8 + n]
     try:
         header = json.loads(raw_header.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError):
+    except (UnicodeDecodeError, ValueError, RecursionError):
         raise CheckpointError(path, "its header is not valid JSON: the file is corrupt, or not "
                               "an mgpu checkpoint") from None
     meta = header.get("__metadata__") if isinstance(header, dict) else None
@@ -286,19 +308,24 @@ def _parse(path) -> Tuple[Any, Dict[str, np.ndarray], dict, str]:
     for name, e in entries.items():
         try:
             dtype = np.dtype(_DTYPES[e["dtype"]])
-            shape = tuple(int(d) for d in e["shape"])
-            begin, stop = (int(v) for v in e["data_offsets"])
-            count = int(np.prod(shape, dtype=np.int64))
+            shape, offsets = list(e["shape"]), list(e["data_offsets"])
+            # Integers only (a float or a bool in a shape is damage, not a size), and the element
+            # count in Python's integers: a product that overflows int64 cannot pass as small.
+            if not all(isinstance(v, int) and not isinstance(v, bool) for v in shape + offsets):
+                raise ValueError
+            begin, stop = offsets
+            count = math.prod(shape)
             if min(shape, default=0) < 0 or stop - begin != count * dtype.itemsize or begin < 0:
                 raise ValueError
+            arrays[name] = np.frombuffer(body, dtype=dtype, count=count,
+                                         offset=begin).reshape(shape)
         except (KeyError, TypeError, ValueError):
             raise CheckpointError(path, f"tensor '{name}' has an invalid entry {e!r} "
                                   "(corrupt)") from None
-        arrays[name] = np.frombuffer(body, dtype=dtype, count=count, offset=begin).reshape(shape)
     try:
         tree = json.loads(meta["tree"])
         extra = json.loads(meta.get("meta", "{}"))
-    except (KeyError, TypeError, ValueError):
+    except (KeyError, TypeError, ValueError, RecursionError):
         raise CheckpointError(path, "its stored structure is not valid JSON (corrupt)") from None
     return tree, arrays, extra, checksum
 

@@ -234,6 +234,10 @@ class FusedModel:
                             f"{type(spec).__name__}")
         self._model = _core.Model(list(spec), params, buffers, devices)
         self.devices = devices
+        # What a step changes in place (every replica's parameters and buffers): their versions
+        # move after each step, so a graph that saved one of them refuses backward.
+        self._changed = [t for d in range(len(devices))
+                         for t in self._model.params(d) + self._model.buffers(d)]
 
     def train_step(self, X: Tensor, y: Tensor, lr: float, momentum: float = 0.0,
                    weight_decay: float = 0.0, deterministic=False) -> List[Tensor]:
@@ -248,8 +252,10 @@ class FusedModel:
         shards = _shards(deterministic, "train_step")
         _dist._auto_init()
         # A label out of range raises IndexError and changes nothing (the step checks them).
-        return [Tensor(t) for t in self._model.train_step(X._t, y._t, lr, momentum, weight_decay,
-                                                          shards)]
+        losses = self._model.train_step(X._t, y._t, lr, momentum, weight_decay, shards)
+        for t in self._changed:  # updated in place
+            t.bump_version()
+        return [Tensor(t) for t in losses]
 
     def evaluate_counts(self, X: Tensor, y: Tensor) -> List[Tensor]:
         """Correct predictions (batch norm with running statistics), one 0-d count per replica."""
