@@ -209,3 +209,36 @@ def test_validate_times_real_runs_in_process_and_under_mpirun(tmp_path):
         assert x["error"] == pytest.approx(x["step"] / x["measured_step"] - 1)
     mpi = doc["measurements"]["mpi"]["2"]
     assert mpi["threads"] >= 1 and mpi["cores"] >= 1 and mpi["bus_bandwidth"] > 0
+
+
+def _span(tid, name, cat, ts, dur):
+    return {"ph": "X", "pid": 1, "tid": tid, "name": name, "cat": cat, "ts": ts, "dur": dur}
+
+
+def test_step_trace_parts_by_hand():
+    """parse_step_trace on a hand-made trace of 2 steps: a layer's time is its tasks' busy time
+    (median over steps), tasks outside every layer are the device's other work, and the host's
+    overhead is its step call less the time it sat blocked on a full queue."""
+    meta = [{"ph": "M", "pid": 1, "tid": t, "name": "thread_name", "args": {"name": n}}
+            for t, n in ((1, "host"), (2, "cpu(0)"))]
+    ev = []
+    for i, (fwd, bwd) in enumerate(((100, 300), (200, 500))):
+        t0 = i * 10_000
+        ev += [_span(1, "train_batch", "span", t0, 2000),
+               _span(1, "queue full", "span", t0 + 500, 1200),          # host blocked 1.2 ms
+               _span(2, "copy in", "task", t0 + 100, 50),                # in no layer span
+               _span(2, "layer 1 (linear) forward", "layer", t0 + 200, 1000),
+               _span(2, "gemm", "task", t0 + 300, fwd),
+               _span(2, "layer 1 (linear) backward", "layer", t0 + 2000, 1000),
+               _span(2, "gemm", "task", t0 + 2100, bwd / 2),
+               _span(2, "gemm", "task", t0 + 2500, bwd / 2),
+               _span(2, "sgd update", "layer", t0 + 4000, 100),
+               _span(2, "axpy", "task", t0 + 4010, 20)]
+    p = advisor.parse_step_trace({"traceEvents": meta + ev}, 2, "cpu(0)")
+    by = {e["name"]: e for e in p["entries"]}
+    assert [e["phase"] for e in p["entries"]] == ["split", "forward", "backward", "update"]
+    assert by["other device work"]["seconds"] == pytest.approx(50e-6)
+    assert by["layer 1 (linear) forward"]["seconds"] == pytest.approx(150e-6)   # median
+    assert by["layer 1 (linear) backward"]["seconds"] == pytest.approx(400e-6)
+    assert by["layer 1 (linear) backward"]["ops"] == 2
+    assert p["host"] == pytest.approx(800e-6)

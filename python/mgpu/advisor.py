@@ -293,6 +293,7 @@ def parse_step_trace(doc: Dict, steps: int, device: str = "cpu(0)") -> Dict:
     times: Dict[str, List[float]] = {}
     counts: Dict[str, List[int]] = {}
     j = 0
+    other, other_n = 0.0, 0  # tasks in no layer span (input copies, the label guard's copies)
     for g in groups:
         # A layer's time is its tasks' (busy) time: the gaps between them are the device
         # waiting for the host or for the operating system, not the layer's work.
@@ -301,13 +302,21 @@ def parse_step_trace(doc: Dict, steps: int, device: str = "cpu(0)") -> Dict:
             if tasks[j]["ts"] >= g["ts"]:
                 busy += tasks[j]["dur"] * 1e-6
                 n += 1
+            else:
+                other += tasks[j]["dur"] * 1e-6
+                other_n += 1
             j += 1
         name = g["name"]
         if name not in times:
             order.append(name)
         times.setdefault(name, []).append(busy)
         counts.setdefault(name, []).append(n)
+    other += sum(e["dur"] for e in tasks[j:]) * 1e-6
+    other_n += len(tasks) - j
     entries = []
+    if other_n:
+        entries.append({"name": "other device work", "phase": "split", "seconds": other / steps,
+                        "ops": round(other_n / steps)})
     for name in order:
         ts = times[name]
         # The median step (on a shared machine the measured runs see the same load, so the
@@ -465,8 +474,12 @@ def measure(model: str = "lenet", max_devices: int = 2, quick: bool = False,
         for t in threads:
             _core.set_num_threads(t)
             meas["gemm_flops"][str(t)] = _gemm_flops(t)
-            per_batch = []
-            for b in batches:
+        # Each batch size at every thread count in turn, so the counts compared with each other
+        # are measured close together (on a shared machine the load drifts).
+        per_batch: Dict[int, List[Tuple[int, Dict]]] = {t: [] for t in threads}
+        for b in batches:
+            for t in threads:
+                _core.set_num_threads(t)
                 log(f"advise: {model} step, batch {b} on 1 device, {t} thread(s) ...")
                 dev = [try_gpu(0)]
                 step = _runner(model, dev)
@@ -474,11 +487,12 @@ def measure(model: str = "lenet", max_devices: int = 2, quick: bool = False,
                 for _ in range(2):
                     step(X, y)
                 _core.waitall()
-                per_batch.append((b, parse_step_trace(_trace_steps(step, X, y, steps), steps,
-                                                      str(dev[0]))))
+                per_batch[t].append((b, parse_step_trace(_trace_steps(step, X, y, steps), steps,
+                                                         str(dev[0]))))
                 if t == max(threads):
-                    host_by_k.setdefault(1, per_batch[-1][1]["host"])
-            meas["compute"][str(t)] = {"steps": _fit_steps(per_batch)}
+                    host_by_k.setdefault(1, per_batch[t][-1][1]["host"])
+        for t in threads:
+            meas["compute"][str(t)] = {"steps": _fit_steps(per_batch[t])}
         _core.set_num_threads(own)
         # The host's overhead per extra device: a 2-device step's host time (same code path).
         if max_devices >= 2:
@@ -679,22 +693,25 @@ def format_table(rows: List[Dict], measured: bool, title: str) -> str:
 
 
 def plot_speedup(rows: List[Dict], path: Optional[str] = None, ax=None, title: str = ""):
-    """Speed-up against global batch size, one line per device count (measured points, where
-    the rows carry them, as markers)."""
+    """Speed-up against global batch size, one line per configuration (devices in a process,
+    or MPI ranks), the measured points, where the rows carry them, as markers."""
     from matplotlib.figure import Figure
     fig = None
     if ax is None:
         fig = Figure(figsize=(6, 3.5), layout="constrained")
         ax = fig.subplots()
-    ks = sorted({r["devices"] for r in rows if r["devices"] > 1})
-    for i, k in enumerate(ks):
-        rs = sorted((r for r in rows if r["devices"] == k), key=lambda r: r["batch"])
+    configs = sorted({(r["devices"], r.get("ranks", 1)) for r in rows} - {(1, 1)},
+                     key=lambda c: (c[1], c[0]))
+    for i, (k, n) in enumerate(configs):
+        rs = sorted((r for r in rows if (r["devices"], r.get("ranks", 1)) == (k, n)),
+                    key=lambda r: r["batch"])
+        what = f"{k} devices" if n == 1 else f"{n} MPI ranks"
         ax.plot([r["batch"] for r in rs], [r["speedup"] for r in rs], marker=".",
-                color=f"C{i}", label=f"{k} devices, predicted")
+                color=f"C{i}", label=f"{what}, predicted")
         ms = [r for r in rs if "measured_speedup" in r]
         if ms:
             ax.plot([r["batch"] for r in ms], [r["measured_speedup"] for r in ms], "x",
-                    color=f"C{i}", markersize=8, label=f"{k} devices, measured")
+                    color=f"C{i}", markersize=8, label=f"{what}, measured")
     ax.axhline(1.0, color="0.5", linewidth=0.8)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("global batch size")
@@ -791,8 +808,8 @@ def main(args) -> int:
     summary = ""
     if validating:
         steps = args.limit_batches or (3 if args.quick else 8)
-        rows, rounds = validate(args.model, batches, n, ranks, args.rounds, steps,
-                                2 if args.quick else 3, args.quick, log)
+        rows, rounds = validate(args.model, batches, n, ranks, args.rounds, steps, 2,
+                                args.quick, log)
         meas = rounds[-1]
         errs = [abs(r["error"]) for r in rows]
         summary = (f"prediction error: median {statistics.median(errs) * 100:.1f} %, worst "
