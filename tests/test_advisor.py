@@ -65,6 +65,22 @@ def test_two_device_prediction_by_hand():
     assert rows[1]["speedup"] == pytest.approx(0.30175 / 0.3062)
 
 
+def test_fewer_effective_cores_slow_concurrent_devices_by_hand():
+    """Where other jobs leave this process one core's worth of the 2 (effective_cores 1), two
+    1-thread devices run at half their measured speed; one 2-thread device is unchanged (its
+    layer times were measured under the same share)."""
+    table = dict(TABLE, effective_cores=1.0)
+    assert advisor.core_share(table, 2) == (1, 2.0, 1.0, 1.0)
+    assert advisor.core_share(table, 1) == (2, 1.0, 1.0, 1.0)
+    one, two = advisor.predict(table, 1, 100), advisor.predict(table, 2, 100)
+    # 1 device: 0.301 s of layers; its core-seconds 0.0015 + 0.301 x min(2, 1) on 1 core.
+    assert one["step"] == pytest.approx(0.3025)
+    # 2 devices: (0.301 s + 4.2 ms all-reduce) x 2 = 0.6104 s; core-seconds 0.002 + 2 x 0.3052.
+    assert two["parts"]["compute"] == pytest.approx(0.602)
+    assert two["device"] == pytest.approx(0.6104)
+    assert two["step"] == pytest.approx(0.6124)
+
+
 # Under mpirun (Open MPI 4 on 2 cores): 2 ranks are bound to a core each (1 thread), 3 ranks are
 # left unbound with 2 threads each; each count has its own MPI all-reduce fit.
 MPI = {"2": {"latency": 1e-4, "bus_bandwidth": 1e9, "threads": 1, "cores": 1},
@@ -84,7 +100,7 @@ def test_mpi_ranks_prediction_by_hand():
     # 3 ranks of 2 threads on 2 cores: 6 threads want 2 cores, each runs 3x slower than alone:
     # shard 100 at 2 threads, (0.1 + 0.2 + 0.001) s x 3 = 0.903 s; the all-reduce over 3 ranks:
     # 4 * 200 us + 4/3 * 4 MB / 0.5 GB/s = 11.4667 ms.
-    assert advisor.core_share(table, 1, 3) == (2, 3.0, 2)
+    assert advisor.core_share(table, 1, 3) == (2, 3.0, 2.0, 2.0)
     assert r["parts"]["compute"] == pytest.approx(0.903)
     assert r["parts"]["communication"] == pytest.approx(0.0008 + 4 / 3 * 4e6 / 5e8)
     assert r["step"] == pytest.approx(0.903 + 0.0008 + 4 / 3 * 4e6 / 5e8)

@@ -80,15 +80,19 @@ def _rank_layout(meas: Dict, ranks: int) -> Tuple[int, int]:
     return int(info["threads"]), int(info["cores"])
 
 
-def core_share(meas: Dict, k: int, ranks: int = 1) -> Tuple[int, float, int]:
-    """How many threads one of k busy devices (per rank, `ranks` processes) computes with, how
-    much slower than alone those threads run because more of them want the cores than there are
-    (k devices in a rank get threads/k each, all ranks' device threads share the machine), and the
-    cores one rank may use: (threads per device, slowdown, rank's cores)."""
+def core_share(meas: Dict, k: int, ranks: int = 1) -> Tuple[int, float, float, float]:
+    """How one of k busy devices (per rank, `ranks` processes) computes: with how many threads
+    (k devices in a rank get threads/k each), how much slower its layers run than measured (the
+    measurement ran those threads alone; here all ranks' device threads share the cores this
+    process really gets, `effective_cores`, and a rank's own cores, in proportion), and the
+    effective cores of one rank and of the machine: (threads, slowdown, rank's cores, cores)."""
     threads, rank_cores = _rank_layout(meas, ranks)
+    cores = int(meas["cores"])
+    eff = float(meas.get("effective_cores") or cores)
+    rank_eff = rank_cores * eff / cores
     t = max(1, threads // k)
-    slow = max(1.0, k * t / rank_cores, ranks * k * t / int(meas["cores"]))
-    return t, slow, rank_cores
+    slow = max(1.0, k * t / rank_eff, ranks * k * t / eff) / max(1.0, t / eff)
+    return t, slow, rank_eff, eff
 
 
 def _compute_table(meas: Dict, t: int) -> List[Dict]:
@@ -121,9 +125,9 @@ def predict(meas: Dict, k: int, batch: int, ranks: int = 1, machine: Optional[Di
     cpu = machine is None and meas.get("device_kind", "cpu") == "cpu"
     if machine is None:
         if cpu:
-            t, slow, rank_cores = core_share(meas, k, ranks)
+            t, slow, rank_cores, eff = core_share(meas, k, ranks)
         else:
-            t, slow, rank_cores = int(meas["cores"]), 1.0, int(meas["cores"])
+            t, slow, rank_cores, eff = int(meas["cores"]), 1.0, 1.0, 1.0
         steps = _compute_table(meas, t)
 
         def dur(e):
@@ -183,9 +187,10 @@ def predict(meas: Dict, k: int, batch: int, ranks: int = 1, machine: Optional[Di
     cores_t = 0.0
     if cpu:
         # Core-seconds of one rank's step: host, input thread, k devices' t threads each (the
-        # compute and in-process all-reduce as they take with t threads, before the slowdown).
-        busy = host + input_t + k * t * (compute + comm_local) / slow
-        cores_t = max(busy / rank_cores, ranks * busy / int(meas["cores"]))
+        # compute and in-process all-reduce as measured with t threads, which ran on min(t,
+        # effective cores) cores), over the effective cores of a rank and of the machine.
+        busy = host + input_t + k * min(t, eff) * (compute + comm_local) / slow
+        cores_t = max(busy / rank_cores, ranks * busy / eff)
     step = max(host, device, input_t, cores_t)
     parts = {"compute": compute, "communication": device - compute, "overhead": host,
              "input": input_t}
@@ -352,6 +357,44 @@ def parse_step_trace(doc: Dict, steps: int, device: str = "cpu(0)") -> Dict:
     return {"entries": entries, "buckets": buckets, "host": statistics.median(host_steps)}
 
 
+def measure_effective_cores(cores: int, n: int = 384, reps: int = 6, rounds: int = 7) -> float:
+    """How many cores this process really gets: `cores` CPU devices each multiply matrices with
+    one thread at the same time, against one device alone (interleaved, the median of `rounds`).
+    On a quiet machine each runs as fast as alone (the full count); where other jobs hold the
+    cores (or a scheduler caps this process's share) they slow each other down, and k busy
+    device threads run k / effective-cores slower than alone. At most `cores`."""
+    from . import _core
+    from .device import cpu
+    from .ops import mm
+    from .tensor import array
+    if cores <= 1:
+        return 1.0
+    rng = np.random.default_rng(0)
+    mats = [array(rng.random((n, n), dtype=np.float32), device=cpu(i)) for i in range(cores)]
+    own = _core.num_threads()
+
+    def run(devs: int) -> float:
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            for a in mats[:devs]:
+                mm(a, a)
+        _core.waitall()
+        return time.perf_counter() - t0
+    ratios = []
+    try:
+        _core.set_num_threads(cores)
+        run(cores)  # warm up every device
+        for _ in range(rounds):
+            _core.set_num_threads(1)
+            alone = run(1)
+            _core.set_num_threads(cores)  # each of `cores` busy devices gets one thread
+            together = run(cores)
+            ratios.append(alone / together)
+    finally:
+        _core.set_num_threads(own)
+    return float(min(cores, max(1.0, cores * statistics.median(ratios))))
+
+
 def _gemm_flops(threads: int, n: int = 384, repeat: int = 5) -> float:
     """This machine's sgemm rate (FLOP/s) with `threads` threads: the yardstick that turns its
     per-example times into FLOPs for a described machine."""
@@ -471,6 +514,9 @@ def measure(model: str = "lenet", max_devices: int = 2, quick: bool = False,
                   "batches": batches, "quick": quick}
     try:
         host_by_k: Dict[int, float] = {}
+        if not gpus and world == 1:
+            log("advise: the cores this process really gets ...")
+            meas["effective_cores"] = measure_effective_cores(own)
         for t in threads:
             _core.set_num_threads(t)
             meas["gemm_flops"][str(t)] = _gemm_flops(t)
