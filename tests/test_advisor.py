@@ -258,3 +258,19 @@ def test_step_trace_parts_by_hand():
     assert by["layer 1 (linear) backward"]["seconds"] == pytest.approx(400e-6)
     assert by["layer 1 (linear) backward"]["ops"] == 2
     assert p["host"] == pytest.approx(800e-6)
+
+
+def test_median_table_takes_each_number_s_median():
+    a = json.loads(json.dumps(TABLE))
+    b = json.loads(json.dumps(TABLE))
+    c = json.loads(json.dumps(TABLE))
+    for t, bw in ((a, 1e9), (b, 3e9), (c, 2e9)):
+        t["allreduce"]["bus_bandwidth"] = bw
+    c["compute"]["1"]["steps"][0]["per_example"] = 9.0
+    m = advisor.median_table([a, b, c])
+    assert m["allreduce"]["bus_bandwidth"] == 2e9
+    assert m["compute"]["1"]["steps"][0]["per_example"] == 2e-3
+    assert m["compute"]["1"]["steps"][0]["name"] == "f" and m["input"] is None
+    # The all-reduce at 2 GB/s: 2 x 100 us + 4 MB / 2 GB/s = 2.2 ms; the cores bound
+    # (0.002 + 2 x 0.3032) / 2.
+    assert advisor.predict(m, 2, 100)["step"] == pytest.approx(0.3042)

@@ -771,6 +771,22 @@ def plot_speedup(rows: List[Dict], path: Optional[str] = None, ax=None, title: s
     return fig
 
 
+def median_table(tables: Sequence[Dict]):
+    """The measurement table whose every number is the median of the tables' (same layout: the
+    rounds of validate); strings and layout come from the first."""
+    first = tables[0]
+    if isinstance(first, dict):
+        return {key: median_table([t.get(key) for t in tables]) if all(
+            isinstance(t, dict) and key in t for t in tables) else first[key] for key in first}
+    if isinstance(first, list) and all(isinstance(t, list) and len(t) == len(first)
+                                       for t in tables):
+        return [median_table([t[i] for t in tables]) for i in range(len(first))]
+    if isinstance(first, (int, float)) and not isinstance(first, bool) and all(
+            isinstance(t, (int, float)) for t in tables):
+        return statistics.median(tables)
+    return first
+
+
 def validate(model: str, batches: Sequence[int], max_devices: int = 2,
              ranks: Sequence[int] = (), repeats: int = 3, steps: int = 8, repeat: int = 3,
              quick: bool = False, log=lambda s: None) -> Tuple[List[Dict], List[Dict]]:
@@ -781,7 +797,8 @@ def validate(model: str, batches: Sequence[int], max_devices: int = 2,
     `repeats` rounds measures the model's inputs (the measurement table, and with each mpirun
     the MPI all-reduce fit) and then the real runs (each the median of `repeat` timings of
     `steps` steps). A row's predicted and measured step are the medians over the rounds, each
-    round's figures kept beside them. Returns (rows, the rounds' measurement tables)."""
+    round's figures kept beside them. Returns (rows, the rounds' measurement tables; their
+    median_table is the one to predict other cases from)."""
     configs = [(k, 1) for k in range(1, max_devices + 1)] + [(1, r) for r in ranks if r > 1]
     rounds = []
     for i in range(repeats):
@@ -856,7 +873,7 @@ def main(args) -> int:
         steps = args.limit_batches or (3 if args.quick else 8)
         rows, rounds = validate(args.model, batches, n, ranks, args.rounds, steps, 2,
                                 args.quick, log)
-        meas = rounds[-1]
+        meas = median_table(rounds)
         errs = [abs(r["error"]) for r in rows]
         summary = (f"prediction error: median {statistics.median(errs) * 100:.1f} %, worst "
                    f"{max(errs) * 100:.1f} % over {len(rows)} configurations; medians of "
