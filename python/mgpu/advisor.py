@@ -775,6 +775,8 @@ def median_table(tables: Sequence[Dict]):
     """The measurement table whose every number is the median of the tables' (same layout: the
     rounds of validate); strings and layout come from the first."""
     first = tables[0]
+    if all(t == first for t in tables):
+        return first
     if isinstance(first, dict):
         return {key: median_table([t.get(key) for t in tables]) if all(
             isinstance(t, dict) and key in t for t in tables) else first[key] for key in first}
