@@ -799,7 +799,8 @@ def validate(model: str, batches: Sequence[int], max_devices: int = 2,
     `repeats` rounds measures the model's inputs (the measurement table, and with each mpirun
     the MPI all-reduce fit) and then the real runs (each the median of `repeat` timings of
     `steps` steps). A row's predicted and measured step are the medians over the rounds, each
-    round's figures kept beside them. Returns (rows, the rounds' measurement tables; their
+    round's figures kept beside them (the predicted median of an even count is the lower middle
+    round's, so a row's parts are one round's). Returns (rows, the rounds' measurement tables; their
     median_table is the one to predict other cases from)."""
     configs = [(k, 1) for k in range(1, max_devices + 1)] + [(1, r) for r in ranks if r > 1]
     rounds = []
@@ -826,9 +827,10 @@ def validate(model: str, batches: Sequence[int], max_devices: int = 2,
     for b in batches:
         for k, r in configs:
             preds = [predict(m, k, b, r) for m, _ in rounds]
-            row = sorted(preds, key=lambda p: p["step"])[len(preds) // 2]  # the median round's
-            row = dict(row, step=statistics.median(p["step"] for p in preds),
-                       predicted_steps=[p["step"] for p in preds],
+            # The median round's prediction (the lower middle one of an even count), whole, so
+            # its parts add up to its step.
+            row = sorted(preds, key=lambda p: p["step"])[(len(preds) - 1) // 2]
+            row = dict(row, predicted_steps=[p["step"] for p in preds],
                        measured_steps=[ms[(k, r, b)] for _, ms in rounds])
             row["measured_step"] = statistics.median(row["measured_steps"])
             row["error"] = row["step"] / row["measured_step"] - 1
