@@ -4,11 +4,13 @@ runs end to end in --quick mode."""
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 
 import pytest
 
+import mgpu
 from mgpu import advisor
 
 # A synthetic machine with 2 cores: a forward of 1 ms/example and a backward of 2 ms/example with
@@ -52,12 +54,59 @@ def test_two_device_prediction_by_hand():
     r = advisor.predict(TABLE, 2, 100)
     # shard 50 at 1 thread: 50 * 2 ms + 50 * 4 ms + 1 ms = 0.301 s of compute; the bucket's
     # all-reduce on the same threads: 2 * 1 * 100 us + 2 * 1/2 * 4 MB / 1 GB/s = 4.2 ms.
+    # Both device threads are busy through compute and all-reduce (2 x 0.3052 core-seconds) and
+    # the host's 2 ms need a core too: the 2 cores bound the step at (0.002 + 0.6104) / 2.
+    assert r["shard"] == 50
+    assert r["parts"]["compute"] == pytest.approx(0.301)
+    assert r["parts"]["communication"] == pytest.approx(0.0042)
+    assert r["device"] == pytest.approx(0.3052)
+    assert r["step"] == pytest.approx(0.3062)
+    rows = advisor.predict_table(TABLE, 2, [100])
+    assert rows[1]["speedup"] == pytest.approx(0.30175 / 0.3062)
+
+
+def test_fewer_effective_cores_slow_concurrent_devices_by_hand():
+    """Where other jobs leave this process one core's worth of the 2 (effective_cores 1), two
+    1-thread devices run at half their measured speed; one 2-thread device is unchanged (its
+    layer times were measured under the same share)."""
+    table = dict(TABLE, effective_cores=1.0)
+    assert advisor.core_share(table, 2) == (1, 2.0, 1.0, 1.0)
+    assert advisor.core_share(table, 1) == (2, 1.0, 1.0, 1.0)
+    one, two = advisor.predict(table, 1, 100), advisor.predict(table, 2, 100)
+    # 1 device: 0.301 s of layers; its core-seconds 0.0015 + 0.301 x min(2, 1) on 1 core.
+    assert one["step"] == pytest.approx(0.3025)
+    # 2 devices: (0.301 s + 4.2 ms all-reduce) x 2 = 0.6104 s; core-seconds 0.002 + 2 x 0.3052.
+    assert two["parts"]["compute"] == pytest.approx(0.602)
+    assert two["device"] == pytest.approx(0.6104)
+    assert two["step"] == pytest.approx(0.6124)
+
+
+# Under mpirun (Open MPI 4 on 2 cores): 2 ranks are bound to a core each (1 thread), 3 ranks are
+# left unbound with 2 threads each; each count has its own MPI all-reduce fit.
+MPI = {"2": {"latency": 1e-4, "bus_bandwidth": 1e9, "threads": 1, "cores": 1},
+       "3": {"latency": 2e-4, "bus_bandwidth": 5e8, "threads": 2, "cores": 2}}
+
+
+def test_mpi_ranks_prediction_by_hand():
+    table = dict(TABLE, mpi=MPI)
+    r = advisor.predict(table, 1, 100, ranks=2)
+    # 2 ranks, one core each: shard 50 at 1 thread, 0.301 s; the MPI all-reduce of 4 MB over
+    # 2 ranks: 2 * 100 us + 4 MB / 1 GB/s = 4.2 ms after it.
     assert r["shard"] == 50
     assert r["parts"]["compute"] == pytest.approx(0.301)
     assert r["parts"]["communication"] == pytest.approx(0.0042)
     assert r["step"] == pytest.approx(0.3052)
-    rows = advisor.predict_table(TABLE, 2, [100])
-    assert rows[1]["speedup"] == pytest.approx(0.30175 / 0.3052)
+    r = advisor.predict(table, 1, 300, ranks=3)
+    # 3 ranks of 2 threads on 2 cores: 6 threads want 2 cores, each runs 3x slower than alone:
+    # shard 100 at 2 threads, (0.1 + 0.2 + 0.001) s x 3 = 0.903 s; the all-reduce over 3 ranks:
+    # 4 * 200 us + 4/3 * 4 MB / 0.5 GB/s = 11.4667 ms.
+    assert advisor.core_share(table, 1, 3) == (2, 3.0, 2.0, 2.0)
+    assert r["parts"]["compute"] == pytest.approx(0.903)
+    assert r["parts"]["communication"] == pytest.approx(0.0008 + 4 / 3 * 4e6 / 5e8)
+    assert r["step"] == pytest.approx(0.903 + 0.0008 + 4 / 3 * 4e6 / 5e8)
+    assert r["cores"] == pytest.approx(3 * (0.0015 + 2 * 0.301) / 2)  # below the device's
+    with pytest.raises(ValueError, match="4 ranks"):
+        advisor.predict(table, 1, 100, ranks=4)
 
 
 def test_communication_bound_and_crossover():
@@ -74,8 +123,9 @@ def test_communication_bound_and_crossover():
     for e in fast["compute"]["1"]["steps"]:
         if "per_example" in e:
             e["per_example"] = e["per_example"] / 2 * 0.8  # one thread does 80 % of two's work
-    # k=1: cores bound 0.003 B + 0.00175 s; k=2: 0.0012 B + 0.001 s compute + 0.0402 s
-    # all-reduce. 2 devices win once 0.0018 B > 0.04345: B > 24.1, so at 32 (not at 16).
+    # k=1: cores bound 0.003 B + 0.00175 s; k=2: cores bound, 0.0012 B + 0.001 s compute +
+    # 0.0402 s all-reduce + half the host's 2 ms. 2 devices win once 0.0018 B > 0.04245:
+    # B > 23.6, so at 32 (not at 16).
     assert advisor.crossover(fast) == 32
     assert advisor.predict(fast, 2, 32)["step"] < advisor.predict(fast, 1, 32)["step"]
     assert advisor.predict(fast, 2, 16)["step"] > advisor.predict(fast, 1, 16)["step"]
@@ -150,3 +200,77 @@ def test_advise_command_runs_end_to_end_quick(tmp_path):
                        env=env, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "NOT MEASURED" in r.stdout and "8 GPUs on NVLink" in r.stdout
+
+
+@pytest.mark.skipif(shutil.which("mpirun") is None or
+                    mgpu.build_info()["mpi"] != "built",
+                    reason="needs mpirun and an mgpu built with MPI")
+def test_validate_times_real_runs_in_process_and_under_mpirun(tmp_path):
+    """--validate --quick: one round of the model's inputs and real runs, 1 and 2 devices and 2
+    MPI ranks through mpirun; every row carries a measured step and its error."""
+    out = str(tmp_path / "v.json")
+    env = dict(os.environ, MGPU_EMULATED_GPUS="0")
+    r = subprocess.run([sys.executable, "-m", "mgpu", "advise", "--model", "lenet",
+                        "--batch-size", "64", "--quick", "--validate", "--rounds", "1",
+                        "--ranks", "2", "--limit-batches", "2", "--json", out],
+                       capture_output=True, text=True, env=env, timeout=900)
+    assert r.returncode == 0, r.stderr
+    assert "prediction error" in r.stdout and "2 ranks" in r.stdout, r.stdout
+    with open(out) as f:
+        doc = json.load(f)
+    rows = doc["predictions"]
+    assert [(x["devices"], x["ranks"]) for x in rows] == [(1, 1), (2, 1), (1, 2)]
+    for x in rows:
+        assert x["measured_step"] > 0 and len(x["measured_steps"]) == 1
+        assert x["error"] == pytest.approx(x["step"] / x["measured_step"] - 1)
+    mpi = doc["measurements"]["mpi"]["2"]
+    assert mpi["threads"] >= 1 and mpi["cores"] >= 1 and mpi["bus_bandwidth"] > 0
+
+
+def _span(tid, name, cat, ts, dur):
+    return {"ph": "X", "pid": 1, "tid": tid, "name": name, "cat": cat, "ts": ts, "dur": dur}
+
+
+def test_step_trace_parts_by_hand():
+    """parse_step_trace on a hand-made trace of 2 steps: a layer's time is its tasks' busy time
+    (median over steps), tasks outside every layer are the device's other work, and the host's
+    overhead is its step call less the time it sat blocked on a full queue."""
+    meta = [{"ph": "M", "pid": 1, "tid": t, "name": "thread_name", "args": {"name": n}}
+            for t, n in ((1, "host"), (2, "cpu(0)"))]
+    ev = []
+    for i, (fwd, bwd) in enumerate(((100, 300), (200, 500))):
+        t0 = i * 10_000
+        ev += [_span(1, "train_batch", "span", t0, 2000),
+               _span(1, "queue full", "span", t0 + 500, 1200),          # host blocked 1.2 ms
+               _span(2, "copy in", "task", t0 + 100, 50),                # in no layer span
+               _span(2, "layer 1 (linear) forward", "layer", t0 + 200, 1000),
+               _span(2, "gemm", "task", t0 + 300, fwd),
+               _span(2, "layer 1 (linear) backward", "layer", t0 + 2000, 1000),
+               _span(2, "gemm", "task", t0 + 2100, bwd / 2),
+               _span(2, "gemm", "task", t0 + 2500, bwd / 2),
+               _span(2, "sgd update", "layer", t0 + 4000, 100),
+               _span(2, "axpy", "task", t0 + 4010, 20)]
+    p = advisor.parse_step_trace({"traceEvents": meta + ev}, 2, "cpu(0)")
+    by = {e["name"]: e for e in p["entries"]}
+    assert [e["phase"] for e in p["entries"]] == ["split", "forward", "backward", "update"]
+    assert by["other device work"]["seconds"] == pytest.approx(50e-6)
+    assert by["layer 1 (linear) forward"]["seconds"] == pytest.approx(150e-6)   # median
+    assert by["layer 1 (linear) backward"]["seconds"] == pytest.approx(400e-6)
+    assert by["layer 1 (linear) backward"]["ops"] == 2
+    assert p["host"] == pytest.approx(800e-6)
+
+
+def test_median_table_takes_each_number_s_median():
+    a = json.loads(json.dumps(TABLE))
+    b = json.loads(json.dumps(TABLE))
+    c = json.loads(json.dumps(TABLE))
+    for t, bw in ((a, 1e9), (b, 3e9), (c, 2e9)):
+        t["allreduce"]["bus_bandwidth"] = bw
+    c["compute"]["1"]["steps"][0]["per_example"] = 9.0
+    m = advisor.median_table([a, b, c])
+    assert m["allreduce"]["bus_bandwidth"] == 2e9
+    assert m["compute"]["1"]["steps"][0]["per_example"] == 2e-3
+    assert m["compute"]["1"]["steps"][0]["name"] == "f" and m["input"] is None
+    # The all-reduce at 2 GB/s: 2 x 100 us + 4 MB / 2 GB/s = 2.2 ms; the cores bound
+    # (0.002 + 2 x 0.3032) / 2.
+    assert advisor.predict(m, 2, 100)["step"] == pytest.approx(0.3042)

@@ -64,53 +64,90 @@ def fit_allreduce(points: Sequence[Tuple[int, int, float]]) -> Dict:
             "points": [list(p) for p in points]}
 
 
-def _threads_for(meas: Dict, k: int) -> Tuple[str, float]:
-    """The measured thread count nearest to a CPU device's share with k devices, and the slowdown
-    when k devices are more than the cores (they then time-share them)."""
+def _rank_layout(meas: Dict, ranks: int) -> Tuple[int, int]:
+    """(threads, cores) of one process: the threads its mgpu runs kernels with and the cores its
+    affinity lets it use. One process owns the machine; under mpirun each rank's measured layout
+    (Open MPI 4 binds each of 2 ranks to a core of its own and leaves 3 ranks on 2 cores
+    unbound, each rank with 2 threads)."""
     cores = int(meas["cores"])
-    share = max(1, cores // k)
-    have = sorted(int(t) for t in meas["compute"])
-    t = min(have, key=lambda x: (abs(x - share), x))
-    return str(t), max(1.0, k * t / cores)
+    if ranks <= 1:
+        return int(meas.get("threads", cores)), cores
+    info = (meas.get("mpi") or {}).get(str(ranks))
+    if not info:
+        raise ValueError(f"predict: {ranks} ranks need an MPI measurement with {ranks} ranks "
+                         "(advise --validate --ranks runs them through mpirun, or run the "
+                         "advisor under mpirun)")
+    return int(info["threads"]), int(info["cores"])
+
+
+def core_share(meas: Dict, k: int, ranks: int = 1) -> Tuple[int, float, float, float]:
+    """How one of k busy devices (per rank, `ranks` processes) computes: with how many threads
+    (k devices in a rank get threads/k each), how much slower its layers run than measured (the
+    measurement ran those threads alone; here all ranks' device threads share the cores this
+    process really gets, `effective_cores`, and a rank's own cores, in proportion), and the
+    effective cores of one rank and of the machine: (threads, slowdown, rank's cores, cores)."""
+    threads, rank_cores = _rank_layout(meas, ranks)
+    cores = int(meas["cores"])
+    eff = float(meas.get("effective_cores") or cores)
+    rank_eff = rank_cores * eff / cores
+    t = max(1, threads // k)
+    slow = max(1.0, k * t / rank_eff, ranks * k * t / eff) / max(1.0, t / eff)
+    return t, slow, rank_eff, eff
+
+
+def _compute_table(meas: Dict, t: int) -> List[Dict]:
+    """The step's entries measured with t threads (the nearest measured count if t was not)."""
+    have = sorted(int(x) for x in meas["compute"])
+    return meas["compute"][str(min(have, key=lambda x: (abs(x - t), x)))]["steps"]
 
 
 def predict(meas: Dict, k: int, batch: int, ranks: int = 1, machine: Optional[Dict] = None,
             epoch_examples: int = 60000) -> Dict:
-    """Step time of k devices per rank (ranks processes) with global batch `batch`.
+    """Step time of k devices per rank (`ranks` processes) with global batch `batch`.
 
     The step: the host enqueues it (overhead: fixed + per device), the devices run it, the input
-    pipeline prepares the next batch, all at once: step = max(host, device, input). A device runs
-    its steps in order (split/copy, each layer forward, loss, each layer backward, update); a
-    gradient bucket's all-reduce runs when the last device has produced it: on CPU devices on the
-    same worker threads (in series with compute), on a described GPU machine on a communication
-    stream (overlapping the remaining backward; the update waits for it). On CPU devices that
-    share the machine's cores with the host, the cores also bound it: (host + busy core-seconds)
-    / cores. Returns the parts, the step, the epoch time and the bounding part.
+    pipeline's thread prepares the next batch, all at once: step = max(host, device, input). A
+    device runs its steps in order (split/copy, each layer forward, loss, each layer backward,
+    update) with the threads it gets (core_share: the layer times measured at that thread count,
+    slowed down where more threads than cores want to run); a gradient bucket's all-reduce runs
+    when the last device has produced it: on CPU devices on the same worker threads (in series
+    with compute), then across ranks (the MPI fit of that many ranks), on a described GPU machine
+    on a communication stream (overlapping the remaining backward; the update waits for it). On
+    CPU devices the host and input threads share the cores with the kernels, so the cores also
+    bound a step: the core-seconds of host, input and kernels over the cores a rank may use, and
+    over the machine's cores for all ranks together. Returns the parts, the step, the epoch time
+    and the bounding part.
     """
     if k < 1 or batch < 1 or ranks < 1:
         raise ValueError(f"predict: devices, batch and ranks must be >= 1, got {k}, {batch}, "
                          f"{ranks}")
     shard = math.ceil(batch / (k * ranks))
+    cpu = machine is None and meas.get("device_kind", "cpu") == "cpu"
     if machine is None:
-        tkey, slow = _threads_for(meas, k)
-        steps = meas["compute"][tkey]["steps"]
+        if cpu:
+            t, slow, rank_cores, eff = core_share(meas, k, ranks)
+        else:
+            t, slow, rank_cores, eff = int(meas["cores"]), 1.0, 1.0, 1.0
+        steps = _compute_table(meas, t)
 
         def dur(e):
             return (e["fixed"] + e["per_example"] * shard) * slow
         ar = meas.get("allreduce") or {}
-        mpi = meas.get("mpi") or {}
+        mpi = (meas.get("mpi") or {}).get(str(ranks)) if ranks > 1 else None
+        if ranks > 1 and not mpi:
+            _rank_layout(meas, ranks)  # raises the clear error
 
         def comm(nbytes):
-            t = allreduce_time(nbytes, k, ar.get("latency", 0.0), ar.get("bus_bandwidth", 1e30))
-            if ranks > 1:
-                if not mpi:
-                    raise ValueError("predict: ranks > 1 needs an MPI all-reduce measurement "
-                                     "(run the advisor under mpirun)")
-                t += allreduce_time(nbytes, ranks, mpi["latency"], mpi["bus_bandwidth"])
-            return t
+            # (seconds, of which on this rank's device threads): the in-process all-reduce
+            # runs on the devices' threads; the MPI one between ranks.
+            local = allreduce_time(nbytes, k, ar.get("latency", 0.0),
+                                   ar.get("bus_bandwidth", 1e30)) * slow
+            across = allreduce_time(nbytes, ranks, mpi["latency"], mpi["bus_bandwidth"]) \
+                if mpi else 0.0
+            return local + across, local
         overlap = False
     else:
-        top = str(max(int(t) for t in meas["compute"]))
+        top = str(max(int(x) for x in meas["compute"]))
         steps = meas["compute"][top]["steps"]
         flops_here = meas["gemm_flops"][top]
 
@@ -124,30 +161,36 @@ def predict(meas: Dict, k: int, batch: int, ranks: int = 1, machine: Optional[Di
 
         def comm(nbytes):
             return allreduce_time(nbytes, k * ranks, machine["link_latency"],
-                                  machine["link_bandwidth"])
+                                  machine["link_bandwidth"]), 0.0
         overlap = machine.get("overlap", True)
-    t = comm_free = compute = comm_total = 0.0
+    now = comm_free = compute = comm_total = comm_local = 0.0
     for e in steps:
         if e["phase"] == "bucket":
-            c = comm(4 * e["floats"])
+            c, local = comm(4 * e["floats"])
             comm_total += c
+            comm_local += local
             if overlap:
-                comm_free = max(t, comm_free) + c
+                comm_free = max(now, comm_free) + c
             else:
-                t += c
+                now += c
             continue
         if e["phase"] == "update" and overlap:
-            t = max(t, comm_free)
+            now = max(now, comm_free)
         d = dur(e)
         compute += d
-        t += d
-    device = max(t, comm_free)
+        now += d
+    device = max(now, comm_free)
     host = meas["host"]["fixed"] + meas["host"]["per_device"] * k
     inp = meas.get("input")
-    input_t = (inp["fixed"] + inp["per_example"] * batch) if inp else 0.0
+    # Under mpirun every rank loads the whole global batch and takes its slice.
+    input_t = (inp["fixed"] + inp["per_example"] * batch) if inp and machine is None else 0.0
     cores_t = 0.0
-    if machine is None and meas.get("device_kind", "cpu") == "cpu":
-        cores_t = (host + k * compute * int(tkey) / slow) / int(meas["cores"])
+    if cpu:
+        # Core-seconds of one rank's step: host, input thread, k devices' t threads each (the
+        # compute and in-process all-reduce as measured with t threads, which ran on min(t,
+        # effective cores) cores), over the effective cores of a rank and of the machine.
+        busy = host + input_t + k * min(t, eff) * (compute + comm_local) / slow
+        cores_t = max(busy / rank_cores, ranks * busy / eff)
     step = max(host, device, input_t, cores_t)
     parts = {"compute": compute, "communication": device - compute, "overhead": host,
              "input": input_t}
@@ -255,6 +298,7 @@ def parse_step_trace(doc: Dict, steps: int, device: str = "cpu(0)") -> Dict:
     times: Dict[str, List[float]] = {}
     counts: Dict[str, List[int]] = {}
     j = 0
+    other, other_n = 0.0, 0  # tasks in no layer span (input copies, the label guard's copies)
     for g in groups:
         # A layer's time is its tasks' (busy) time: the gaps between them are the device
         # waiting for the host or for the operating system, not the layer's work.
@@ -263,18 +307,27 @@ def parse_step_trace(doc: Dict, steps: int, device: str = "cpu(0)") -> Dict:
             if tasks[j]["ts"] >= g["ts"]:
                 busy += tasks[j]["dur"] * 1e-6
                 n += 1
+            else:
+                other += tasks[j]["dur"] * 1e-6
+                other_n += 1
             j += 1
         name = g["name"]
         if name not in times:
             order.append(name)
         times.setdefault(name, []).append(busy)
         counts.setdefault(name, []).append(n)
+    other += sum(e["dur"] for e in tasks[j:]) * 1e-6
+    other_n += len(tasks) - j
     entries = []
+    if other_n:
+        entries.append({"name": "other device work", "phase": "split", "seconds": other / steps,
+                        "ops": round(other_n / steps)})
     for name in order:
         ts = times[name]
-        # The least perturbed step (timings on a shared machine only ever grow); a name met
-        # more often than once per step (a layer run twice) counts its mean total.
-        per_step = sum(ts) / steps if len(ts) > steps else min(ts)
+        # The median step (on a shared machine the measured runs see the same load, so the
+        # prediction takes the typical step, not the least perturbed one); a name met more
+        # often than once per step (a layer run twice) counts its mean total.
+        per_step = sum(ts) / steps if len(ts) > steps else statistics.median(ts)
         phase = ("update" if name == "sgd update" else "split" if name.startswith("split")
                  else "loss" if name.startswith("loss") else
                  "backward" if name.endswith("backward") else "forward")
@@ -293,10 +346,53 @@ def parse_step_trace(doc: Dict, steps: int, device: str = "cpu(0)") -> Dict:
         b = {"name": e["name"].split(" (")[0], "after": after, "floats": floats}
         if b not in buckets:
             buckets.append(b)
-    host_steps = [e["dur"] * 1e-6 for e in host if e["name"] in _HOST_STEP]
+    # The host's own work per step: the step call less the time it sat blocked (a device queue
+    # full, a wait for a device): on a GPU machine those waits would be other work's time.
+    waits = [e for e in host if e["name"] == "queue full" or e["name"].startswith("wait")]
+    host_steps = [(e["dur"] - sum(w["dur"] for w in waits if e["ts"] <= w["ts"] and
+                                  w["ts"] + w["dur"] <= e["ts"] + e["dur"])) * 1e-6
+                  for e in host if e["name"] in _HOST_STEP]
     if not entries or not host_steps:
         raise ValueError("advise: the step's trace has no layer spans on " + device)
-    return {"entries": entries, "buckets": buckets, "host": min(host_steps)}
+    return {"entries": entries, "buckets": buckets, "host": statistics.median(host_steps)}
+
+
+def measure_effective_cores(cores: int, n: int = 384, reps: int = 6, rounds: int = 7) -> float:
+    """How many cores this process really gets: `cores` CPU devices each multiply matrices with
+    one thread at the same time, against one device alone (interleaved, the median of `rounds`).
+    On a quiet machine each runs as fast as alone (the full count); where other jobs hold the
+    cores (or a scheduler caps this process's share) they slow each other down, and k busy
+    device threads run k / effective-cores slower than alone. At most `cores`."""
+    from . import _core
+    from .device import cpu
+    from .ops import mm
+    from .tensor import array
+    if cores <= 1:
+        return 1.0
+    rng = np.random.default_rng(0)
+    mats = [array(rng.random((n, n), dtype=np.float32), device=cpu(i)) for i in range(cores)]
+    own = _core.num_threads()
+
+    def run(devs: int) -> float:
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            for a in mats[:devs]:
+                mm(a, a)
+        _core.waitall()
+        return time.perf_counter() - t0
+    ratios = []
+    try:
+        _core.set_num_threads(cores)
+        run(cores)  # warm up every device
+        for _ in range(rounds):
+            _core.set_num_threads(1)
+            alone = run(1)
+            _core.set_num_threads(cores)  # each of `cores` busy devices gets one thread
+            together = run(cores)
+            ratios.append(alone / together)
+    finally:
+        _core.set_num_threads(own)
+    return float(min(cores, max(1.0, cores * statistics.median(ratios))))
 
 
 def _gemm_flops(threads: int, n: int = 384, repeat: int = 5) -> float:
@@ -400,23 +496,36 @@ def measure(model: str = "lenet", max_devices: int = 2, quick: bool = False,
     """The measurement table of this machine for `model` (see predict for what it holds)."""
     from . import _core, distributed
     from .device import try_gpu
-    cores = _core.num_threads()
+    world = distributed.world_size()
+    # The machine's cores (under mpirun a rank may be bound to fewer: its threads say so).
+    cores = (os.cpu_count() or 1) if world > 1 else len(os.sched_getaffinity(0))
+    own = _core.num_threads()
     gpus = _core.num_gpus() > 0
     batches = ([16, 64] if quick else [32, 128, 512]) if model == "lenet" else \
         ([4, 8] if quick else [8, 16, 32])
     steps = 3 if quick else 6
     ks = range(1, max_devices + 1)
-    threads = sorted({max(1, cores // k) for k in ks}) if not gpus else [cores]
-    meas: Dict = {"model": model, "cores": cores, "device_kind": "gpu" if gpus else "cpu",
+    # Every thread count a device gets in the configurations predicted: own // k for k devices
+    # in this process, and 1 (a rank bound to one core, or a device among more than the cores).
+    threads = sorted({max(1, own // k) for k in ks} | {1}) if not gpus else [own]
+    meas: Dict = {"model": model, "cores": cores, "threads": own,
+                  "device_kind": "gpu" if gpus else "cpu",
                   "measured_on": _machine_name(), "compute": {}, "gemm_flops": {},
                   "batches": batches, "quick": quick}
     try:
         host_by_k: Dict[int, float] = {}
+        if not gpus and world == 1:
+            log("advise: the cores this process really gets ...")
+            meas["effective_cores"] = measure_effective_cores(own)
         for t in threads:
             _core.set_num_threads(t)
             meas["gemm_flops"][str(t)] = _gemm_flops(t)
-            per_batch = []
-            for b in batches:
+        # Each batch size at every thread count in turn, so the counts compared with each other
+        # are measured close together (on a shared machine the load drifts).
+        per_batch: Dict[int, List[Tuple[int, Dict]]] = {t: [] for t in threads}
+        for b in batches:
+            for t in threads:
+                _core.set_num_threads(t)
                 log(f"advise: {model} step, batch {b} on 1 device, {t} thread(s) ...")
                 dev = [try_gpu(0)]
                 step = _runner(model, dev)
@@ -424,12 +533,13 @@ def measure(model: str = "lenet", max_devices: int = 2, quick: bool = False,
                 for _ in range(2):
                     step(X, y)
                 _core.waitall()
-                per_batch.append((b, parse_step_trace(_trace_steps(step, X, y, steps), steps,
-                                                      str(dev[0]))))
+                per_batch[t].append((b, parse_step_trace(_trace_steps(step, X, y, steps), steps,
+                                                         str(dev[0]))))
                 if t == max(threads):
-                    host_by_k.setdefault(1, per_batch[-1][1]["host"])
-            meas["compute"][str(t)] = {"steps": _fit_steps(per_batch)}
-        _core.set_num_threads(cores)
+                    host_by_k.setdefault(1, per_batch[t][-1][1]["host"])
+        for t in threads:
+            meas["compute"][str(t)] = {"steps": _fit_steps(per_batch[t])}
+        _core.set_num_threads(own)
         # The host's overhead per extra device: a 2-device step's host time (same code path).
         if max_devices >= 2:
             devs = [try_gpu(i) for i in range(2)]
@@ -446,15 +556,17 @@ def measure(model: str = "lenet", max_devices: int = 2, quick: bool = False,
         log("advise: all-reduce over " + ", ".join(f"{k} devices" for k in ks if k > 1) + " ...")
         meas["allreduce"] = measure_allreduce([k for k in ks if k > 1] or [2], sizes,
                                               3 if quick else 7)
-        meas["mpi"] = measure_mpi_allreduce(sizes, 3 if quick else 7)
-        meas["world_size"] = distributed.world_size()
+        here = measure_mpi_allreduce(sizes, 3 if quick else 7)
+        meas["mpi"] = {str(world): dict(here, threads=own,
+                                        cores=len(os.sched_getaffinity(0)))} if here else {}
+        meas["world_size"] = world
         log("advise: input pipeline ...")
         meas["input"] = measure_input([batches[0] * 4, batches[-1] * 4], 3 if quick else 8)
         meas["param_floats"] = sum(b["floats"] for b in
                                    meas["compute"][str(threads[0])]["steps"]
                                    if b["phase"] == "bucket")
     finally:
-        _core.set_num_threads(cores)
+        _core.set_num_threads(own)
     return meas
 
 
@@ -488,25 +600,91 @@ def _machine_name() -> str:
     return f"{m.get('cpu_model') or '?'}, load {load[0]:.1f}" if load else m.get("cpu_model", "?")
 
 
-def measure_step(model: str, k: int, batch: int, steps: int = 5, repeat: int = 3) -> float:
-    """A real run: seconds per step of `steps` back-to-back steps (the best of `repeat`: the
-    model predicts an unloaded machine, and load only ever adds time)."""
-    from . import _core
+def measure_step(model: str, k: int, batch: int, steps: int = 5, repeat: int = 3,
+                devices=None) -> List[float]:
+    """Real runs: after 2 warm-up steps, `repeat` times the seconds per step of `steps`
+    back-to-back steps drawn from the data loader (Fashion-MNIST, its prefetch thread at work as
+    in training; one synthetic batch reused when it is not installed). Returns every
+    repetition's time (the caller takes the median). Under mpirun every rank runs this and the
+    ranks start each repetition together."""
+    from . import _core, distributed
+    from .data import load_data_fashion_mnist
     from .device import try_gpu
-    devs = [try_gpu(i) for i in range(k)]
+    devs = devices or [try_gpu(i) for i in range(k)]
     step = _runner(model, devs)
-    X, y = _batch(batch)
+    count = 2 + repeat * steps
+    try:
+        loader = iter(load_data_fashion_mnist(batch, limit_batches=count)[0])
+    except FileNotFoundError:
+        loader = iter([_batch(batch)] * count)
     for _ in range(2):
-        step(X, y)
-    _core.waitall()
+        step(*next(loader))
     ts = []
     for _ in range(repeat):
+        _core.waitall()
+        if distributed.world_size() > 1:
+            distributed.barrier()
         t0 = time.perf_counter()
         for _ in range(steps):
-            step(X, y)
+            step(*next(loader))
         _core.waitall()
         ts.append((time.perf_counter() - t0) / steps)
-    return min(ts)
+    return ts
+
+
+# ---- MPI ranks, through mpirun ----------------------------------------------------------------
+
+def mpirun_command(ranks: int) -> List[str]:
+    """mpirun for `ranks` processes of this Python on this machine (more ranks than cores need
+    --oversubscribe; Open MPI refuses root without --allow-run-as-root)."""
+    import shutil
+    mpirun = shutil.which("mpirun")
+    if mpirun is None:
+        raise FileNotFoundError("advise: --ranks needs mpirun (apt-get install openmpi-bin)")
+    root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
+    return [mpirun, *root, "--oversubscribe", "-np", str(ranks), sys.executable]
+
+
+def measure_mpi(model: str, ranks: int, batches: Sequence[int], steps: int, repeat: int,
+                quick: bool = False, timeout: float = 600) -> Dict:
+    """One mpirun of `ranks` processes (1 device each): each rank's threads and cores, the MPI
+    all-reduce fit of that many ranks, and the measured step time of each batch size (every
+    repetition). Both come from the same launch, so they see the same load."""
+    import subprocess
+    fd, out = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    env = dict(os.environ)
+    for var in ("MGPU_NUM_THREADS", "MGPU_TRACE"):  # each rank chooses as a user's would
+        env.pop(var, None)
+    job = {"model": model, "batches": list(batches), "steps": steps, "repeat": repeat,
+           "quick": quick, "out": out}
+    try:
+        r = subprocess.run(mpirun_command(ranks) + ["-m", "mgpu.advisor", "--mpi-worker",
+                                                    json.dumps(job)],
+                           capture_output=True, text=True, env=env, timeout=timeout)
+        if r.returncode != 0:
+            raise RuntimeError(f"advise: mpirun -np {ranks} failed ({r.returncode}):\n"
+                               f"{r.stdout[-2000:]}\n{r.stderr[-2000:]}")
+        with open(out) as f:
+            return json.load(f)
+    finally:
+        os.unlink(out)
+
+
+def _mpi_worker(job: Dict) -> None:
+    """One rank of measure_mpi."""
+    from . import _core, distributed
+    distributed.init()
+    sizes = [4096, 262144, 2097152] if job["quick"] else [4096, 65536, 524288, 4194304]
+    fit = measure_mpi_allreduce(sizes, 3 if job["quick"] else 7)
+    res = dict(fit, threads=_core.num_threads(), cores=len(os.sched_getaffinity(0)),
+               ranks=distributed.world_size(), steps={})
+    for b in job["batches"]:
+        res["steps"][str(b)] = measure_step(job["model"], 1, b, job["steps"], job["repeat"],
+                                            devices=[distributed.device()])
+    if distributed.rank() == 0:
+        with open(job["out"], "w") as f:
+            json.dump(res, f)
 
 
 # ---- the command ---------------------------------------------------------------------------------
@@ -537,15 +715,23 @@ def _load_machine(path: str) -> Dict:
 
 
 def format_table(rows: List[Dict], measured: bool, title: str) -> str:
+    """The predictions as text: one line per batch size and configuration (devices per process
+    x processes), the parts of the step and what bounds it; validated rows add the measured
+    step (the median, and the spread of the rounds) and the error."""
     lines = [title, "figures are " + ("predicted from measurements on this machine" if measured
                                       else "NOT MEASURED: predicted for a described machine"),
-             f"{'batch':>6} {'dev':>3} {'step ms':>9} {'epoch s':>8} {'speedup':>7} "
+             f"{'batch':>6} {'config':>9} {'step ms':>9} {'epoch s':>8} {'speedup':>7} "
              f"{'compute':>8} {'comm':>7} {'host':>7} {'input':>7}  bound"]
     for r in rows:
         p = r["parts"]
-        extra = f"  measured {r['measured_step'] * 1e3:.2f} ms ({r['error'] * 100:+.0f} %)" \
-            if "measured_step" in r else ""
-        lines.append(f"{r['batch']:>6} {r['devices']:>3} {r['step'] * 1e3:>9.2f} "
+        config = f"{r['devices']} dev" if r.get("ranks", 1) == 1 else f"{r['ranks']} ranks"
+        extra = ""
+        if "measured_step" in r:
+            ms = r["measured_steps"]
+            extra = (f"  measured {r['measured_step'] * 1e3:.2f} ms "
+                     f"[{min(ms) * 1e3:.2f}-{max(ms) * 1e3:.2f}], speed-up "
+                     f"{r['measured_speedup']:.2f}, error {r['error'] * 100:+.0f} %")
+        lines.append(f"{r['batch']:>6} {config:>9} {r['step'] * 1e3:>9.2f} "
                      f"{r['epoch']:>8.2f} {r['speedup']:>7.2f} {p['compute'] * 1e3:>8.2f} "
                      f"{p['communication'] * 1e3:>7.2f} {p['overhead'] * 1e3:>7.2f} "
                      f"{p['input'] * 1e3:>7.2f}  {r['bound']}{extra}")
@@ -553,22 +739,25 @@ def format_table(rows: List[Dict], measured: bool, title: str) -> str:
 
 
 def plot_speedup(rows: List[Dict], path: Optional[str] = None, ax=None, title: str = ""):
-    """Speed-up against global batch size, one line per device count (measured points, where
-    the rows carry them, as markers)."""
+    """Speed-up against global batch size, one line per configuration (devices in a process,
+    or MPI ranks), the measured points, where the rows carry them, as markers."""
     from matplotlib.figure import Figure
     fig = None
     if ax is None:
         fig = Figure(figsize=(6, 3.5), layout="constrained")
         ax = fig.subplots()
-    ks = sorted({r["devices"] for r in rows if r["devices"] > 1})
-    for i, k in enumerate(ks):
-        rs = sorted((r for r in rows if r["devices"] == k), key=lambda r: r["batch"])
+    configs = sorted({(r["devices"], r.get("ranks", 1)) for r in rows} - {(1, 1)},
+                     key=lambda c: (c[1], c[0]))
+    for i, (k, n) in enumerate(configs):
+        rs = sorted((r for r in rows if (r["devices"], r.get("ranks", 1)) == (k, n)),
+                    key=lambda r: r["batch"])
+        what = f"{k} devices" if n == 1 else f"{n} MPI ranks"
         ax.plot([r["batch"] for r in rs], [r["speedup"] for r in rs], marker=".",
-                color=f"C{i}", label=f"{k} devices, predicted")
+                color=f"C{i}", label=f"{what}, predicted")
         ms = [r for r in rs if "measured_speedup" in r]
         if ms:
             ax.plot([r["batch"] for r in ms], [r["measured_speedup"] for r in ms], "x",
-                    color=f"C{i}", markersize=8, label=f"{k} devices, measured")
+                    color=f"C{i}", markersize=8, label=f"{what}, measured")
     ax.axhline(1.0, color="0.5", linewidth=0.8)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("global batch size")
@@ -582,59 +771,134 @@ def plot_speedup(rows: List[Dict], path: Optional[str] = None, ax=None, title: s
     return fig
 
 
-def validate(meas: Dict, model: str, batches: Sequence[int], max_devices: int,
-             steps: int = 5, repeat: int = 3, log=lambda s: None) -> List[Dict]:
-    """Predicted against measured step time for 1..max_devices devices and each batch size."""
-    rows = predict_table(meas, max_devices, batches)
-    base: Dict[int, float] = {}
-    for r in rows:
-        log(f"advise: validating {r['devices']} device(s), batch {r['batch']} ...")
-        r["measured_step"] = measure_step(model, r["devices"], r["batch"], steps, repeat)
-        r["error"] = r["step"] / r["measured_step"] - 1
-        if r["devices"] == 1:
-            base[r["batch"]] = r["measured_step"]
-        r["measured_speedup"] = base[r["batch"]] / r["measured_step"]
-    return rows
+def median_table(tables: Sequence[Dict]):
+    """The measurement table whose every number is the median of the tables' (same layout: the
+    rounds of validate); strings and layout come from the first."""
+    first = tables[0]
+    if all(t == first for t in tables):
+        return first
+    if isinstance(first, dict):
+        return {key: median_table([t.get(key) for t in tables]) if all(
+            isinstance(t, dict) and key in t for t in tables) else first[key] for key in first}
+    if isinstance(first, list) and all(isinstance(t, list) and len(t) == len(first)
+                                       for t in tables):
+        return [median_table([t[i] for t in tables]) for i in range(len(first))]
+    if isinstance(first, (int, float)) and not isinstance(first, bool) and all(
+            isinstance(t, (int, float)) for t in tables):
+        return statistics.median(tables)
+    return first
+
+
+def validate(model: str, batches: Sequence[int], max_devices: int = 2,
+             ranks: Sequence[int] = (), repeats: int = 3, steps: int = 8, repeat: int = 3,
+             quick: bool = False, log=lambda s: None) -> Tuple[List[Dict], List[Dict]]:
+    """Predicted against measured step time: 1..max_devices devices in this process and, through
+    mpirun, each count in `ranks` of processes with one device each, for every batch size.
+
+    On a shared machine both drift with the load, so they are measured interleaved: each of
+    `repeats` rounds measures the model's inputs (the measurement table, and with each mpirun
+    the MPI all-reduce fit) and then the real runs (each the median of `repeat` timings of
+    `steps` steps). A row's predicted and measured step are the medians over the rounds, each
+    round's figures kept beside them (the predicted median of an even count is the lower middle
+    round's, so a row's parts are one round's). Returns (rows, the rounds' measurement tables; their
+    median_table is the one to predict other cases from)."""
+    configs = [(k, 1) for k in range(1, max_devices + 1)] + [(1, r) for r in ranks if r > 1]
+    rounds = []
+    for i in range(repeats):
+        log(f"advise: validation round {i + 1} of {repeats}: measuring the model's inputs ...")
+        meas = measure(model, max(2, max_devices), quick, log)
+        meas["mpi"] = dict(meas.get("mpi") or {})
+        measured: Dict[Tuple[int, int, int], float] = {}
+        for k in range(1, max_devices + 1):
+            for b in batches:
+                log(f"advise: round {i + 1}: real run, {k} device(s), batch {b} ...")
+                measured[(k, 1, b)] = statistics.median(measure_step(model, k, b, steps, repeat))
+        for r in ranks:
+            if r <= 1:
+                continue
+            log(f"advise: round {i + 1}: mpirun -np {r}: MPI all-reduce and real runs ...")
+            res = measure_mpi(model, r, batches, steps, repeat, quick)
+            meas["mpi"][str(r)] = {key: res[key] for key in
+                                   ("latency", "bus_bandwidth", "points", "threads", "cores")}
+            for b in batches:
+                measured[(1, r, b)] = statistics.median(res["steps"][str(b)])
+        rounds.append((meas, measured))
+    rows = []
+    for b in batches:
+        for k, r in configs:
+            preds = [predict(m, k, b, r) for m, _ in rounds]
+            # The median round's prediction (the lower middle one of an even count), whole, so
+            # its parts add up to its step.
+            row = sorted(preds, key=lambda p: p["step"])[(len(preds) - 1) // 2]
+            row = dict(row, predicted_steps=[p["step"] for p in preds],
+                       measured_steps=[ms[(k, r, b)] for _, ms in rounds])
+            row["measured_step"] = statistics.median(row["measured_steps"])
+            row["error"] = row["step"] / row["measured_step"] - 1
+            rows.append(row)
+    for row in rows:
+        base = next(x for x in rows if x["batch"] == row["batch"] and x["devices"] == 1 and
+                    x["ranks"] == 1)
+        row["speedup"] = base["step"] / row["step"]
+        row["measured_speedup"] = base["measured_step"] / row["measured_step"]
+        row["epoch"] = row["step"] * math.ceil(60000 / row["batch"])
+    return rows, [m for m, _ in rounds]
 
 
 def main(args) -> int:
     from . import distributed
-    log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
+    start = time.perf_counter()
+
+    def log(text: str) -> None:
+        print(f"[{time.perf_counter() - start:6.1f} s] {text}", file=sys.stderr, flush=True)
     machine = _load_machine(args.machine) if args.machine else None
     if any(b < 1 for b in args.batch_size):
         raise ValueError(f"advise: batch sizes must be >= 1, got {args.batch_size}")
     n = args.devices or (machine["devices"] if machine else 2)
     if n < 1:
         raise ValueError(f"advise: --devices must be >= 1, got {n}")
+    ranks = sorted(set(args.ranks or []))
+    if any(r < 2 for r in ranks):
+        raise ValueError(f"advise: --ranks counts processes and must be >= 2, got {args.ranks}")
+    if args.rounds < 1 or (args.limit_batches is not None and args.limit_batches < 1):
+        raise ValueError("advise: --rounds and --limit-batches must be >= 1")
+    if ranks and (machine or not args.validate):
+        raise ValueError("advise: --ranks goes with --validate (it times real mpirun runs)")
+    batches = sorted(set(args.batch_size))
+    validating = args.validate and machine is None
+    rounds: List[Dict] = []
     if args.from_json:
         with open(args.from_json) as f:
             meas = json.load(f)["measurements"]
-    else:
+    elif not validating:
         meas = measure(args.model, max(2, n) if machine is None else 2, args.quick, log)
-    out = {"measurements": meas}
     world = distributed.world_size()
+    summary = ""
+    if validating:
+        steps = args.limit_batches or (3 if args.quick else 8)
+        rows, rounds = validate(args.model, batches, n, ranks, args.rounds, steps, 2,
+                                args.quick, log)
+        meas = median_table(rounds)
+        errs = [abs(r["error"]) for r in rows]
+        summary = (f"prediction error: median {statistics.median(errs) * 100:.1f} %, worst "
+                   f"{max(errs) * 100:.1f} % over {len(rows)} configurations; medians of "
+                   f"{args.rounds} interleaved round(s), load average now "
+                   f"{os.getloadavg()[0]:.1f}")
+    elif machine is None:
+        rows = predict_table(meas, n, batches)
+    else:
+        rows = predict_table(meas, n, batches, machine=machine, epoch_examples=args.epoch_examples)
+    out: Dict = {"measurements": meas}
+    if rounds:
+        out["rounds"] = rounds
     if machine is None:
-        batches = sorted(set(args.batch_size))
-        if args.validate:
-            rows = validate(meas, args.model, batches, n, 3 if args.quick else 8,
-                            2 if args.quick else 5, log)
-            errs = [abs(r["error"]) for r in rows]
-            summary = (f"prediction error: median {statistics.median(errs) * 100:.1f} %, worst "
-                       f"{max(errs) * 100:.1f} % over {len(rows)} runs")
-        else:
-            rows = predict_table(meas, n, batches)
-            summary = ""
         title = f"{args.model}: this machine ({meas['measured_on']}, {meas['cores']} cores)"
-        if world > 1 and meas.get("mpi"):
+        if world > 1 and (meas.get("mpi") or {}).get(str(world)):
             extra = [predict(meas, 1, b, ranks=world) for b in batches]
             summary += f"\n{world} MPI ranks, 1 device each: " + ", ".join(
                 f"batch {r['batch']}: {r['step'] * 1e3:.2f} ms/step ({r['bound']})" for r in extra)
             out["mpi_predictions"] = extra
     else:
-        batches = sorted(set(args.batch_size))
-        rows = predict_table(meas, n, batches, machine=machine, epoch_examples=args.epoch_examples)
         title = f"{args.model}: {machine['name']}"
-        summary = ""
         out["machine"] = machine
     out["predictions"] = rows
     cross = crossover(meas, 2, machine)
@@ -654,3 +918,12 @@ def main(args) -> int:
             plot_speedup(rows, args.plot, title=title)
             print(f"plot written to {args.plot}")
     return 0
+
+
+if __name__ == "__main__":
+    # One rank of measure_mpi: python -m mgpu.advisor --mpi-worker JOB_JSON (under mpirun).
+    if len(sys.argv) == 3 and sys.argv[1] == "--mpi-worker":
+        _mpi_worker(json.loads(sys.argv[2]))
+    else:
+        sys.exit("usage: mpirun ... python -m mgpu.advisor --mpi-worker JOB_JSON "
+                 "(what `python -m mgpu advise --validate --ranks` starts)")

@@ -84,8 +84,16 @@ def _advise_parser(sub) -> None:
                    help="write measurements and predictions")
     a.add_argument("--quick", action="store_true", help="few, small measurements (seconds)")
     a.add_argument("--validate", action="store_true",
-                   help="also time real runs (1 and 2 devices, each batch size) and report the "
-                        "prediction error")
+                   help="also time real runs (1..N devices, each batch size; with --ranks, MPI "
+                        "runs through mpirun) and report the prediction error")
+    a.add_argument("--ranks", type=_ints, default=None,
+                   help="with --validate: also predict and time these MPI process counts (one "
+                        "device each), e.g. 2,3; needs mpirun")
+    a.add_argument("--rounds", type=int, default=3,
+                   help="with --validate: rounds of (measure the model's inputs, time the real "
+                        "runs), interleaved so both see the same load; medians are reported")
+    a.add_argument("--limit-batches", type=int, default=None,
+                   help="with --validate: steps per timed run (default 8, 3 with --quick)")
     a.add_argument("--from-json", metavar="PATH", default=None,
                    help="reuse the measurements of an earlier --json instead of measuring")
     a.set_defaults(run=_advise)
