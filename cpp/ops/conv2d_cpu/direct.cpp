@@ -155,11 +155,15 @@ void direct_pool2_backward_block(const Conv2dShape& s, const float* __restrict x
 // operations of bias_relu_pool2_plane on the same sums, so the bits of the unfused chain. Chunks
 // go as for_each_pool2_chunk says; an odd Q's last column and an odd P's last row (no window
 // covers them) only get their mask.
-// mask may be null.
-template <int kTaps>
-void direct_relu_pool2_image(const Conv2dShape& s, const float* __restrict x,
-                             const float* __restrict w, const float* __restrict b,
-                             uint8_t* __restrict mask, float* __restrict pooled) {
+// mask may be null. kS > 0 says the taps are one channel's kTaps / kS rows of kS columns (C == 1,
+// S == kS): the pair's second row then reads the first row's taps one row down, so the chunk
+// loads the (kTaps / kS + 1) * kS distinct vectors once instead of 2 * kTaps (12 instead of 18 for
+// 3x3), which with the two sums and a weight fits the AVX2 path's 16 ymm registers. The same
+// loads feed the same operations, so the same bits.
+template <int kTaps, int kS>
+void direct_relu_pool2_rows(const Conv2dShape& s, const float* __restrict x,
+                            const float* __restrict w, const float* __restrict b,
+                            uint8_t* __restrict mask, float* __restrict pooled) {
   using T = Lanes<kW>;
   const int64_t P = s.P(), Q = s.Q(), PQ = P * Q, Pp = P / 2, Qp = Q / 2;
   const std::array<int64_t, kTaps> off = tap_offsets<kTaps>(s);
@@ -176,17 +180,23 @@ void direct_relu_pool2_image(const Conv2dShape& s, const float* __restrict x,
     const float* x0 = x + 2 * pp * s.W;
     const float* x1 = x0 + s.W;
     for_each_pool2_chunk<kW>(Q, [&](int64_t q0) {
-      V a[kTaps], c[kTaps];
-      for (int j = 0; j < kTaps; ++j) {
-        a[j] = loadw(x0 + off[static_cast<size_t>(j)] + q0);
-        c[j] = loadw(x1 + off[static_cast<size_t>(j)] + q0);
+      // in[j] is tap j of the first row, in[j + kSecond] tap j of the second.
+      constexpr int kSecond = kS > 0 ? kS : kTaps;
+      V in[kTaps + kSecond];
+      if constexpr (kS > 0) {
+        for (int i = 0; i < kTaps + kS; ++i) in[i] = loadw(x0 + (i / kS) * s.W + i % kS + q0);
+      } else {
+        for (int j = 0; j < kTaps; ++j) {
+          in[j] = loadw(x0 + off[static_cast<size_t>(j)] + q0);
+          in[j + kTaps] = loadw(x1 + off[static_cast<size_t>(j)] + q0);
+        }
       }
       for (int64_t k = 0; k < s.K; ++k) {
         const float* wk = w + k * kTaps;
-        V acc0 = a[0] * wk[0], acc1 = c[0] * wk[0];
+        V acc0 = in[0] * wk[0], acc1 = in[kSecond] * wk[0];
         for (int j = 1; j < kTaps; ++j) {
-          acc0 += a[j] * wk[j];
-          acc1 += c[j] * wk[j];
+          acc0 += in[j] * wk[j];
+          acc1 += in[j + kSecond] * wk[j];
         }
         const float bias = b ? b[k] : 0.0f;
         const V y0 = acc0 + bias, y1 = acc1 + bias;
@@ -224,6 +234,19 @@ void direct_relu_pool2_image(const Conv2dShape& s, const float* __restrict x,
       if (q0 == Q - kW) break;
     }
   }
+}
+
+// The fused forward for kTaps taps: on the AVX2 path, one channel's 3x3 taps (LeNet's conv1)
+// share their rows (direct_relu_pool2_rows); 18 tap vectors held for every output channel spill
+// 16 ymm registers. The AVX-512 path's 32 zmm registers hold them.
+template <int kTaps>
+void direct_relu_pool2_image(const Conv2dShape& s, const float* __restrict x,
+                             const float* __restrict w, const float* __restrict b,
+                             uint8_t* __restrict mask, float* __restrict pooled) {
+  if constexpr (kW == 8 && kTaps == 9) {
+    if (s.C == 1 && s.S == 3) return direct_relu_pool2_rows<kTaps, 3>(s, x, w, b, mask, pooled);
+  }
+  direct_relu_pool2_rows<kTaps, 0>(s, x, w, b, mask, pooled);
 }
 
 constexpr auto kDirectForward =
