@@ -61,8 +61,11 @@ void direct_forward_image(const Conv2dShape& s, const float* __restrict x,
 // from dy_chunk(k, i, p, q0) (16 lanes of image i, channel k, row p from column q0). Each sum runs
 // in sixteen lanes over the block's (image, row, chunk) in order, then the lanes are added in a
 // fixed tree. The last chunk of a row starts at Q - 16 like forward's, with the lanes the chunk
-// before already counted set to zero.
-template <int kTaps, class DyChunk>
+// before already counted set to zero. kS > 0 says the taps are one channel's rows of kS columns
+// (C == 1, S == kS): tap j is then read at row j / kS, column j % kS, a row pointer plus a
+// constant, instead of through kTaps offsets that do not fit the general registers (reloaded from
+// the stack at every chunk).
+template <int kTaps, int kS, class DyChunk>
 void direct_dw_block(const Conv2dShape& s, const float* __restrict x, int64_t B,
                      const DyChunk& dy_chunk, float* __restrict dw, float* __restrict db) {
   const int64_t P = s.P(), Q = s.Q(), CHW = s.C * s.H * s.W;
@@ -81,20 +84,32 @@ void direct_dw_block(const Conv2dShape& s, const float* __restrict x, int64_t B,
       for (int64_t i = 0; i < B; ++i) {
         for (int64_t p = 0; p < P; ++p) {
           const float* xp = x + i * CHW + p * s.W + lo;
+          // Tap j's offset from xp: a constant per row of taps where kS > 0.
+          auto tap = [&](int j) -> int64_t {
+            if constexpr (kS > 0) {
+              return (j / kS) * s.W + j % kS;
+            } else {
+              return off[static_cast<size_t>(j)];
+            }
+          };
           for (int64_t q0 = 0; q0 < full; q0 += kLanes16) {
             const V d = dy_chunk(k, i, p, q0 + lo);
             accb += d;
             for (int j = 0; j < kTaps; ++j) {
-              acc[j] += d * loadw(xp + off[static_cast<size_t>(j)] + q0);
+              acc[j] += d * loadw(xp + tap(j) + q0);
             }
           }
           if (full < Q) {
             const int64_t q0 = Q - kLanes16;
             const V d = keep_tail ? dy_chunk(k, i, p, q0 + lo) : zero;
             accb += d;
-            for (int j = 0; j < kTaps; ++j) {
-              acc[j] += d * loadw(xp + off[static_cast<size_t>(j)] + q0);
-            }
+            const float* xq = xp + q0;
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+            // Hides xq's value where kS > 0, so the loads below address the taps from it (row
+            // offsets plus constants) instead of GCC hoisting kTaps offsets, which spill.
+            if constexpr (kS > 0) asm("" : "+r"(xq));
+#endif
+            for (int j = 0; j < kTaps; ++j) acc[j] += d * loadw(xq + tap(j));
           }
         }
       }
@@ -106,13 +121,25 @@ void direct_dw_block(const Conv2dShape& s, const float* __restrict x, int64_t B,
   }
 }
 
+// direct_dw_block for kTaps taps: on the AVX2 path, one channel's 3x3 taps (LeNet's conv1) by
+// rows. (The AVX-512 path has the same general registers; its half as many chunks reload them
+// half as often.)
+template <int kTaps, class DyChunk>
+void direct_dw(const Conv2dShape& s, const float* __restrict x, int64_t B, const DyChunk& dy_chunk,
+               float* __restrict dw, float* __restrict db) {
+  if constexpr (kW == 8 && kTaps == 9) {
+    if (s.C == 1 && s.S == 3) return direct_dw_block<kTaps, 3>(s, x, B, dy_chunk, dw, db);
+  }
+  direct_dw_block<kTaps, 0>(s, x, B, dy_chunk, dw, db);
+}
+
 // direct_dw_block with dy (K, B*P*Q, image-major columns, rows ld floats apart).
 template <int kTaps>
 void direct_backward_block(const Conv2dShape& s, const float* __restrict x, int64_t B,
                            const float* __restrict dy, int64_t ld, float* __restrict dw,
                            float* __restrict db) {
   const int64_t PQ = s.P() * s.Q(), Q = s.Q();
-  direct_dw_block<kTaps>(
+  direct_dw<kTaps>(
       s, x, B,
       [&](int64_t k, int64_t i, int64_t p, int64_t q0) {
         return loadw(dy + k * ld + i * PQ + p * Q + q0);
@@ -130,7 +157,7 @@ void direct_pool2_backward_block(const Conv2dShape& s, const float* __restrict x
   using T = Lanes<kW>;
   const int64_t P = s.P(), Q = s.Q(), Pp = P / 2, Qp = Q / 2;
   const V zero = {};
-  direct_dw_block<kTaps>(
+  direct_dw<kTaps>(
       s, x, B,
       [&](int64_t k, int64_t i, int64_t p, int64_t q0) {
         if (p >= 2 * Pp) return zero;
