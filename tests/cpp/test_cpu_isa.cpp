@@ -50,12 +50,14 @@ struct IsaCase {
 void PrintTo(const IsaCase& c, std::ostream* os) { *os << c.name; }
 
 // Direct path (C*R*S <= 16, Q >= 16): one chunk, a last chunk overlapping the one before, odd P
-// and Q; lane path: LeNet's conv2, a short last block, tile tails, outputs narrower than the
-// kernel; im2col: padding and strides.
+// and Q (one channel of 3x3 taps, whose rows the AVX2 path shares, and two channels); lane path:
+// LeNet's conv2, a short last block, tile tails, outputs narrower than the kernel; im2col:
+// padding and strides.
 const IsaCase kCases[] = {
     {"direct_lenet_conv1", {37, 1, 28, 28, 20, 3, 3, 1, 0}, 2},
     {"direct_q16", {2, 1, 18, 18, 4, 3, 3, 1, 0}, 2},
     {"direct_c2_odd_pq", {10, 2, 11, 19, 4, 2, 3, 1, 0}, 2},
+    {"direct_c1_3x3_odd_pq", {3, 1, 21, 19, 5, 3, 3, 1, 0}, 2},
     {"direct_wide_pool3", {3, 1, 21, 37, 3, 3, 3, 1, 0}, 3},
     {"direct_16_taps", {5, 16, 4, 40, 5, 1, 1, 1, 0}, 2},
     {"lanes_lenet_conv2", {35, 20, 13, 13, 50, 5, 5, 1, 0}, 2},

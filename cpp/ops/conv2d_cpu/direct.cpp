@@ -61,8 +61,11 @@ void direct_forward_image(const Conv2dShape& s, const float* __restrict x,
 // from dy_chunk(k, i, p, q0) (16 lanes of image i, channel k, row p from column q0). Each sum runs
 // in sixteen lanes over the block's (image, row, chunk) in order, then the lanes are added in a
 // fixed tree. The last chunk of a row starts at Q - 16 like forward's, with the lanes the chunk
-// before already counted set to zero.
-template <int kTaps, class DyChunk>
+// before already counted set to zero. kS > 0 says the taps are one channel's rows of kS columns
+// (C == 1, S == kS): tap j is then read at row j / kS, column j % kS, a row pointer plus a
+// constant, instead of through kTaps offsets that do not fit the general registers (reloaded from
+// the stack at every chunk).
+template <int kTaps, int kS, class DyChunk>
 void direct_dw_block(const Conv2dShape& s, const float* __restrict x, int64_t B,
                      const DyChunk& dy_chunk, float* __restrict dw, float* __restrict db) {
   const int64_t P = s.P(), Q = s.Q(), CHW = s.C * s.H * s.W;
@@ -81,20 +84,32 @@ void direct_dw_block(const Conv2dShape& s, const float* __restrict x, int64_t B,
       for (int64_t i = 0; i < B; ++i) {
         for (int64_t p = 0; p < P; ++p) {
           const float* xp = x + i * CHW + p * s.W + lo;
+          // Tap j's offset from xp: a constant per row of taps where kS > 0.
+          auto tap = [&](int j) -> int64_t {
+            if constexpr (kS > 0) {
+              return (j / kS) * s.W + j % kS;
+            } else {
+              return off[static_cast<size_t>(j)];
+            }
+          };
           for (int64_t q0 = 0; q0 < full; q0 += kLanes16) {
             const V d = dy_chunk(k, i, p, q0 + lo);
             accb += d;
             for (int j = 0; j < kTaps; ++j) {
-              acc[j] += d * loadw(xp + off[static_cast<size_t>(j)] + q0);
+              acc[j] += d * loadw(xp + tap(j) + q0);
             }
           }
           if (full < Q) {
             const int64_t q0 = Q - kLanes16;
             const V d = keep_tail ? dy_chunk(k, i, p, q0 + lo) : zero;
             accb += d;
-            for (int j = 0; j < kTaps; ++j) {
-              acc[j] += d * loadw(xp + off[static_cast<size_t>(j)] + q0);
-            }
+            const float* xq = xp + q0;
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+            // Hides xq's value where kS > 0, so the loads below address the taps from it (row
+            // offsets plus constants) instead of GCC hoisting kTaps offsets, which spill.
+            if constexpr (kS > 0) asm("" : "+r"(xq));
+#endif
+            for (int j = 0; j < kTaps; ++j) acc[j] += d * loadw(xq + tap(j));
           }
         }
       }
@@ -106,13 +121,25 @@ void direct_dw_block(const Conv2dShape& s, const float* __restrict x, int64_t B,
   }
 }
 
+// direct_dw_block for kTaps taps: on the AVX2 path, one channel's 3x3 taps (LeNet's conv1) by
+// rows. (The AVX-512 path has the same general registers; its half as many chunks reload them
+// half as often.)
+template <int kTaps, class DyChunk>
+void direct_dw(const Conv2dShape& s, const float* __restrict x, int64_t B, const DyChunk& dy_chunk,
+               float* __restrict dw, float* __restrict db) {
+  if constexpr (kW == 8 && kTaps == 9) {
+    if (s.C == 1 && s.S == 3) return direct_dw_block<kTaps, 3>(s, x, B, dy_chunk, dw, db);
+  }
+  direct_dw_block<kTaps, 0>(s, x, B, dy_chunk, dw, db);
+}
+
 // direct_dw_block with dy (K, B*P*Q, image-major columns, rows ld floats apart).
 template <int kTaps>
 void direct_backward_block(const Conv2dShape& s, const float* __restrict x, int64_t B,
                            const float* __restrict dy, int64_t ld, float* __restrict dw,
                            float* __restrict db) {
   const int64_t PQ = s.P() * s.Q(), Q = s.Q();
-  direct_dw_block<kTaps>(
+  direct_dw<kTaps>(
       s, x, B,
       [&](int64_t k, int64_t i, int64_t p, int64_t q0) {
         return loadw(dy + k * ld + i * PQ + p * Q + q0);
@@ -130,7 +157,7 @@ void direct_pool2_backward_block(const Conv2dShape& s, const float* __restrict x
   using T = Lanes<kW>;
   const int64_t P = s.P(), Q = s.Q(), Pp = P / 2, Qp = Q / 2;
   const V zero = {};
-  direct_dw_block<kTaps>(
+  direct_dw<kTaps>(
       s, x, B,
       [&](int64_t k, int64_t i, int64_t p, int64_t q0) {
         if (p >= 2 * Pp) return zero;
@@ -155,11 +182,15 @@ void direct_pool2_backward_block(const Conv2dShape& s, const float* __restrict x
 // operations of bias_relu_pool2_plane on the same sums, so the bits of the unfused chain. Chunks
 // go as for_each_pool2_chunk says; an odd Q's last column and an odd P's last row (no window
 // covers them) only get their mask.
-// mask may be null.
-template <int kTaps>
-void direct_relu_pool2_image(const Conv2dShape& s, const float* __restrict x,
-                             const float* __restrict w, const float* __restrict b,
-                             uint8_t* __restrict mask, float* __restrict pooled) {
+// mask may be null. kS > 0 says the taps are one channel's kTaps / kS rows of kS columns (C == 1,
+// S == kS): the pair's second row then reads the first row's taps one row down, so the chunk
+// loads the (kTaps / kS + 1) * kS distinct vectors once instead of 2 * kTaps (12 instead of 18 for
+// 3x3), which with the two sums and a weight fits the AVX2 path's 16 ymm registers. The same
+// loads feed the same operations, so the same bits.
+template <int kTaps, int kS>
+void direct_relu_pool2_rows(const Conv2dShape& s, const float* __restrict x,
+                            const float* __restrict w, const float* __restrict b,
+                            uint8_t* __restrict mask, float* __restrict pooled) {
   using T = Lanes<kW>;
   const int64_t P = s.P(), Q = s.Q(), PQ = P * Q, Pp = P / 2, Qp = Q / 2;
   const std::array<int64_t, kTaps> off = tap_offsets<kTaps>(s);
@@ -176,17 +207,23 @@ void direct_relu_pool2_image(const Conv2dShape& s, const float* __restrict x,
     const float* x0 = x + 2 * pp * s.W;
     const float* x1 = x0 + s.W;
     for_each_pool2_chunk<kW>(Q, [&](int64_t q0) {
-      V a[kTaps], c[kTaps];
-      for (int j = 0; j < kTaps; ++j) {
-        a[j] = loadw(x0 + off[static_cast<size_t>(j)] + q0);
-        c[j] = loadw(x1 + off[static_cast<size_t>(j)] + q0);
+      // in[j] is tap j of the first row, in[j + kSecond] tap j of the second.
+      constexpr int kSecond = kS > 0 ? kS : kTaps;
+      V in[kTaps + kSecond];
+      if constexpr (kS > 0) {
+        for (int i = 0; i < kTaps + kS; ++i) in[i] = loadw(x0 + (i / kS) * s.W + i % kS + q0);
+      } else {
+        for (int j = 0; j < kTaps; ++j) {
+          in[j] = loadw(x0 + off[static_cast<size_t>(j)] + q0);
+          in[j + kTaps] = loadw(x1 + off[static_cast<size_t>(j)] + q0);
+        }
       }
       for (int64_t k = 0; k < s.K; ++k) {
         const float* wk = w + k * kTaps;
-        V acc0 = a[0] * wk[0], acc1 = c[0] * wk[0];
+        V acc0 = in[0] * wk[0], acc1 = in[kSecond] * wk[0];
         for (int j = 1; j < kTaps; ++j) {
-          acc0 += a[j] * wk[j];
-          acc1 += c[j] * wk[j];
+          acc0 += in[j] * wk[j];
+          acc1 += in[j + kSecond] * wk[j];
         }
         const float bias = b ? b[k] : 0.0f;
         const V y0 = acc0 + bias, y1 = acc1 + bias;
@@ -224,6 +261,19 @@ void direct_relu_pool2_image(const Conv2dShape& s, const float* __restrict x,
       if (q0 == Q - kW) break;
     }
   }
+}
+
+// The fused forward for kTaps taps: on the AVX2 path, one channel's 3x3 taps (LeNet's conv1)
+// share their rows (direct_relu_pool2_rows); 18 tap vectors held for every output channel spill
+// 16 ymm registers. The AVX-512 path's 32 zmm registers hold them.
+template <int kTaps>
+void direct_relu_pool2_image(const Conv2dShape& s, const float* __restrict x,
+                             const float* __restrict w, const float* __restrict b,
+                             uint8_t* __restrict mask, float* __restrict pooled) {
+  if constexpr (kW == 8 && kTaps == 9) {
+    if (s.C == 1 && s.S == 3) return direct_relu_pool2_rows<kTaps, 3>(s, x, w, b, mask, pooled);
+  }
+  direct_relu_pool2_rows<kTaps, 0>(s, x, w, b, mask, pooled);
 }
 
 constexpr auto kDirectForward =
