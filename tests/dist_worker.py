@@ -296,6 +296,31 @@ def deterministic_bn(devices, steps=6, shards=True):
     return state + [p.numpy() for p in dp._fused.replica_params[-1]] + [np.array(losses)]
 
 
+def sync_bn_steps(devices, steps=4, n=20, sync=True):
+    """`steps` DataParallel.train_step calls of bn_net with every batch norm synchronised
+    (nn.SyncBatchNorm.convert_sync_batchnorm), SGD with momentum and weight decay, on batches of
+    n; returns the master's parameters and buffers (running statistics) and the losses. Under
+    mpirun every rank passes the whole batch and takes its own shards of it. sync=False keeps
+    per-replica statistics (the control)."""
+    from mgpu import nn, optim
+    net = nn.SyncBatchNorm.convert_sync_batchnorm(bn_net()) if sync else bn_net()
+    dp = nn.DataParallel(net, device_ids=devices)
+    trainer = optim.SGD(net.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3)
+    loss = nn.CrossEntropyLoss()
+    rng = np.random.default_rng(8)
+    losses = []
+    for _ in range(steps):
+        X = mgpu.array(rng.standard_normal((n, 1, 8, 8)).astype(np.float32))
+        y = mgpu.array(rng.integers(0, 10, size=n).astype(np.int32))
+        losses.append(dp.train_step(X, y, loss, trainer).item())
+    state = [p.numpy() for p in net.parameters()] + [b.numpy() for b in net.buffers()]
+    return state + [np.array(losses)]
+
+
+def sync_bn(out, local_devices):
+    save(out, f"sync_bn_L{local_devices}", sync_bn_steps(_devices(local_devices)))
+
+
 def deterministic(out, kind, local_devices, steps=None):
     run = deterministic_lenet if kind == "lenet" else deterministic_bn
     kw = {} if steps is None else {"steps": int(steps)}
@@ -304,7 +329,7 @@ def deterministic(out, kind, local_devices, steps=None):
 
 MODES = {"basics": basics, "train_steps": train_steps, "train_api": train_api,
          "mismatch": mismatch, "die": die, "bench": bench, "fused_model": fused_model,
-         "deterministic": deterministic}
+         "deterministic": deterministic, "sync_bn": sync_bn}
 
 if __name__ == "__main__":
     mode, outdir, rest = sys.argv[1], sys.argv[2], sys.argv[3:]

@@ -146,6 +146,29 @@ def test_fused_model_with_batch_norm_under_mpirun_matches_one_process(tmp_path):
 
 
 @needs_mpi
+def test_synchronised_batch_norm_under_mpirun_matches_one_process(tmp_path):
+    """SyncBatchNorm across processes: 2 ranks x 1 device take the steps of 1 process x 2 devices
+    (the statistics of the whole batch, exchanged over MPI inside the fused step) and, within
+    float32 tolerance, of 1 device on the whole batch; every rank ends with the same state."""
+    rc, out, err, _ = mpirun(2, "sync_bn", tmp_path, 1)
+    assert rc == 0, f"mpirun sync_bn failed:\n{out}\n{err}"
+    two = dist_worker.sync_bn_steps([mgpu.cpu(0), mgpu.cpu(1)])
+    one = dist_worker.sync_bn_steps([mgpu.cpu(0)])
+    per_replica = dist_worker.sync_bn_steps([mgpu.cpu(0), mgpu.cpu(1)], sync=False)
+    ranks = [load(tmp_path, "sync_bn_L1", r) for r in range(2)]
+    for r, got in enumerate(ranks):
+        assert len(got.files) == len(two)
+        for i, e in enumerate(two[:-1]):  # parameters and running statistics
+            assert_close(got[f"arr_{i}"], e, "sum", f"state {i} of rank {r} vs 1 process x 2")
+            assert_close(got[f"arr_{i}"], one[i], "sum", f"state {i} of rank {r} vs 1 device")
+    # Each rank's loss is its shards' part of the batch mean: the parts add up to the whole.
+    last = f"arr_{len(two) - 1}"
+    assert_close(ranks[0][last] + ranks[1][last], two[-1], "sum", "losses summed over ranks")
+    # The test can fail: per-replica statistics (no sync) give other parameters.
+    assert not np.allclose(two[0], per_replica[0], rtol=1e-4, atol=1e-6)
+
+
+@needs_mpi
 def test_a_few_hundred_steps_give_the_in_process_parameters(tmp_path):
     """300 shuffled steps: 2 processes equal 1 process x 2 devices bitwise and 1 device closely."""
     steps, batch = 300, 32

@@ -347,12 +347,14 @@ void bind_core(py::module_& m) {
   }, "The CPU caching allocator: allocated, cached, peak_allocated, system_mallocs, "
      "system_bytes.");
   m.def("cpu_trace_begin", &cpu_trace_begin,
-        "Starts counting the CPU allocator's requests per size class.");
-  m.def("cpu_trace_end", &cpu_trace_end, "Stops counting; returns {size class: blocks}.");
+        "Starts recording per size class the CPU blocks a step needs (storage.h).");
+  m.def("cpu_trace_end", &cpu_trace_end, "Stops recording; returns {size class: blocks} (large "
+        "classes: the most live at once; small ones: every request).");
   m.def("cpu_reserve", [](const std::map<size_t, size_t>& blocks) {
     py::gil_scoped_release nogil;
     cpu_reserve(blocks);
-  }, "Fills the CPU allocator's free lists up to {size class: blocks}.");
+  }, "Fills the CPU allocator's free lists until each large size class holds {size class: "
+     "blocks} blocks, live or free, and each small one that many free.");
   m.def("cpu_reset_peak_memory", &cpu_reset_peak_memory,
         "Sets the CPU allocator's peak_allocated to what is allocated now.");
   m.def("gpu_memory_stats", [](Device d) {

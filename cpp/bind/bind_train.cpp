@@ -145,6 +145,11 @@ void bind_train(py::module_& m) {
         MGPU_CHECK_VALUE(std::isfinite(weight_decay) && weight_decay >= 0, "Model.train_step: "
                          "weight_decay must be a finite number >= 0, got ", weight_decay);
         py::gil_scoped_release nogil;
+        // The previous step's tasks have all run (and released their tensors) before this one
+        // allocates: each step then needs the same blocks at once, which the CPU allocator keeps
+        // after the first, so the steady state takes nothing from the system even when the
+        // caller never waits. It costs the device the host's enqueueing of the step's first ops.
+        for (const train::Replica& rep : r.replicas) queue_of(rep.device).drain();
         // The step joins each bucket's all-reduce as each device's backward reaches it: one
         // step at a time, so another host thread's collectives cannot interleave with its parts.
         std::lock_guard<std::recursive_mutex> order(collective_submission_mutex());

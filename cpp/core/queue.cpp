@@ -100,6 +100,13 @@ void Queue::wait_done_or_rethrow(uint64_t seq) {
   finish_device_work();
 }
 
+void Queue::drain() {
+  trace::Span waiting("wait", [&] { return "drain " + device_.str(); });
+  std::unique_lock<std::mutex> lock(mutex_);
+  const uint64_t target = enqueued_;
+  progressed_.wait(lock, [&] { return done_ >= target; });
+}
+
 void Queue::synchronize() {
   uint64_t target;
   {

@@ -46,6 +46,10 @@ class Queue {
   // failure if it happened at or before `seq`, so a result computed from a failed op fails too
   // instead of silently reading garbage.
   void wait_done_or_rethrow(uint64_t seq);
+  // Waits until every task enqueued so far has run (on a GPU: returned from its launch), and
+  // raises nothing: a failure stays for the next wait that reports it. The fused step starts
+  // with this, so no step's tensors are still held when the next one allocates its own.
+  void drain();
   // Waits for all enqueued work, then raises the first error a task hit since the last call
   // (as the same exception kind, its message naming the op and the device).
   void synchronize();

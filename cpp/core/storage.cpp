@@ -20,6 +20,8 @@ namespace mgpu {
 namespace {
 
 constexpr size_t kAlign = 64;
+// Blocks up to this size are "small" to the steady-state trace (see cpu_trace_end).
+constexpr size_t kSmallClass = 64 * 1024;
 
 // Size classes: multiples of 64 B up to 4 KiB, then a quarter-power-of-two ladder so rounding
 // wastes at most ~19 % while sizes that repeat every step land on the same list.
@@ -34,8 +36,11 @@ size_t size_class(size_t n) {
 struct CpuCache {
   std::mutex mutex;
   std::map<size_t, std::vector<void*>> free_lists;  // by size class
+  std::map<size_t, size_t> live;   // blocks handed out and not yet released, per size class
   bool tracing = false;
-  std::map<size_t, size_t> trace;  // blocks requested per size class while tracing
+  // While tracing, per size class: the most blocks live at once, the requests, and the blocks
+  // live when tracing began.
+  std::map<size_t, size_t> trace_peak, trace_requests;
   size_t cached = 0;
   CpuMemoryStats stats;  // all but cached
 };
@@ -76,7 +81,12 @@ std::shared_ptr<Storage> Storage::allocate(Device device, size_t nbytes) {
   CpuCache& c = cache();
   {
     std::lock_guard<std::mutex> lock(c.mutex);
-    if (c.tracing) c.trace[cap] += 1;
+    const size_t live = ++c.live[cap];
+    if (c.tracing) {
+      size_t& most = c.trace_peak[cap];
+      most = std::max(most, live);
+      c.trace_requests[cap] += 1;
+    }
     auto it = c.free_lists.find(cap);
     if (it != c.free_lists.end() && !it->second.empty()) {
       p = it->second.back();
@@ -91,6 +101,10 @@ std::shared_ptr<Storage> Storage::allocate(Device device, size_t nbytes) {
     if (!p) {
       cpu_empty_cache();
       p = std::aligned_alloc(kAlign, cap);
+    }
+    if (!p) {
+      std::lock_guard<std::mutex> lock(c.mutex);
+      c.live[cap] -= 1;
     }
     if (!p)
       throw OutOfMemoryError(detail::cat("out of memory: the system refused ",
@@ -125,6 +139,7 @@ Storage::~Storage() {
   CpuCache& c = cache();
   std::lock_guard<std::mutex> lock(c.mutex);
   c.free_lists[capacity_].push_back(data_);
+  c.live[capacity_] -= 1;
   c.cached += capacity_;
   c.stats.allocated -= capacity_;
 }
@@ -153,14 +168,22 @@ void cpu_trace_begin() {
   CpuCache& c = cache();
   std::lock_guard<std::mutex> lock(c.mutex);
   c.tracing = true;
-  c.trace.clear();
+  c.trace_peak.clear();
+  c.trace_requests.clear();
 }
 
 std::map<size_t, size_t> cpu_trace_end() {
   CpuCache& c = cache();
   std::lock_guard<std::mutex> lock(c.mutex);
   c.tracing = false;
-  return std::move(c.trace);
+  // Small classes: every request (cpu_reserve keeps that many free: no timing can need more, and
+  // it costs little). Large ones: the most live at once, which bounds the cache's memory; it
+  // depends on how far the host ran ahead of the devices, which the queues' byte budget bounds.
+  std::map<size_t, size_t> out;
+  for (const auto& [cap, peak] : c.trace_peak) {
+    out[cap] = cap <= kSmallClass ? c.trace_requests[cap] : peak;
+  }
+  return out;
 }
 
 void cpu_reserve(const std::map<size_t, size_t>& blocks) {
@@ -169,7 +192,10 @@ void cpu_reserve(const std::map<size_t, size_t>& blocks) {
   for (const auto& [cap, want] : blocks) {
     MGPU_CHECK_VALUE(cap == size_class(cap), "cpu_reserve: ", cap, " bytes is not a size class");
     std::vector<void*>& list = c.free_lists[cap];
-    while (list.size() < want) {
+    // Small classes want that many free blocks, large ones that many live or free.
+    auto held = c.live.find(cap);
+    const size_t live = cap <= kSmallClass || held == c.live.end() ? 0 : held->second;
+    while (list.size() + live < want) {
       void* p = std::aligned_alloc(kAlign, cap);
       if (!p) return;  // the reserve is an optimisation: later allocations report the shortage
       list.push_back(p);

@@ -92,11 +92,13 @@ struct CpuMemoryStats {
 CpuMemoryStats cpu_memory_stats();
 // peak_allocated becomes allocated (to measure the peak of what follows).
 void cpu_reset_peak_memory();
-// Steady state without a race: the blocks a training step takes (per size class, on every
-// thread) are counted between trace_begin and trace_end; cpu_reserve then makes sure the free
-// lists hold at least that many blocks of each class. Called when nothing of the step is live
-// any more, later identical steps find a block for every request whatever order the device
-// threads release theirs in, so they take nothing from the system.
+// Steady state without a race: between trace_begin and trace_end the allocator records, per
+// size class, how many blocks a step may need: for large classes (over 64 KiB) the most live at
+// once (on every thread: the step's peak, including blocks that outlive it such as gradients),
+// for small ones every request. cpu_reserve then makes sure each large class holds at least
+// that many blocks, live or on its free list, and each small class that many free blocks. Later
+// identical steps find a free block for every request, and for large blocks the cache holds the
+// step's peak per class instead of a block for every request.
 void cpu_trace_begin();
 std::map<size_t, size_t> cpu_trace_end();
 void cpu_reserve(const std::map<size_t, size_t>& blocks);

@@ -110,14 +110,19 @@ void backward_blocks(const Conv2dShape& s, const float* x, const float* w, const
   // 500 floats); LeNet's conv1 (9-float patches) is faster from col with the transpose flag.
   // A function of the shape alone, so every thread count takes the same path.
   const bool patch_rows = CRS >= kPatchRowsMin;
-  // Block 0 writes straight into dw and db; blocks 1.. into slots in this thread's scratch.
+  // Block 0 writes straight into dw and db; blocks 1.. into slots in this thread's scratch. The
+  // blocks run in waves of `wave`, each wave's slots added into dw and db (in block order) before
+  // the next wave reuses them: the scratch holds `wave` slots instead of one per block (31 x
+  // 9.4 MB for a 512-channel 3x3 convolution at batch 256), and the sums are the same
+  // dw_0 + dw_1 + ... in block order whatever the wave size, so it may follow the thread count.
   const bool lanes = use_lanes(s);
   const int64_t block = lanes ? kLaneBlock : kBlock;
   const int64_t blocks = (s.N + block - 1) / block;
-  float* slots = scratch(tl_slots, (blocks - 1) * (KCRS + s.K));
-  auto dw_slot = [&](int64_t blk) { return blk == 0 ? dw : slots + (blk - 1) * KCRS; };
+  const int64_t wave = std::min<int64_t>(blocks, std::max(4, 2 * num_threads()));
+  float* slots = scratch(tl_slots, wave * (KCRS + s.K));
+  auto dw_slot = [&](int64_t blk) { return blk == 0 ? dw : slots + (blk % wave) * KCRS; };
   auto db_slot = [&](int64_t blk) {
-    return blk == 0 ? db : slots + (blocks - 1) * KCRS + (blk - 1) * s.K;
+    return blk == 0 ? db : slots + wave * KCRS + (blk % wave) * s.K;
   };
 
   const bool direct = use_direct(s);
@@ -134,7 +139,7 @@ void backward_blocks(const Conv2dShape& s, const float* x, const float* w, const
     }
   }
 
-  parallel_for(blocks, [&](int64_t blk) {
+  auto run_block = [&](int64_t blk) {
     const int64_t n0 = blk * block, B = std::min(s.N - n0, block), ld = B * PQ;
     if (direct && direct_fused && !dx) {
       direct_fused(n0, B, dw_slot(blk), db ? db_slot(blk) : nullptr);
@@ -189,19 +194,22 @@ void backward_blocks(const Conv2dShape& s, const float* x, const float* w, const
         col2im_channel(u, col, ld, B, c, dxb);
       }
     }
-  });
+  };
 
-  if (blocks > 1) {
+  for (int64_t first = 0; first < blocks; first += wave) {
+    const int64_t end = std::min(blocks, first + wave), lo = std::max<int64_t>(first, 1);
+    parallel_for(end - first, [&](int64_t j) { run_block(first + j); });
+    if (end <= lo) continue;
     parallel_for((KCRS + kReduceChunk - 1) / kReduceChunk, [&](int64_t chunk) {
       const int64_t i0 = chunk * kReduceChunk, i1 = std::min(KCRS, i0 + kReduceChunk);
       float* __restrict dst = dw;
-      for (int64_t blk = 1; blk < blocks; ++blk) {
+      for (int64_t blk = lo; blk < end; ++blk) {
         const float* __restrict src = dw_slot(blk);
         for (int64_t i = i0; i < i1; ++i) dst[i] += src[i];
       }
     });
     if (db) {
-      for (int64_t blk = 1; blk < blocks; ++blk) {
+      for (int64_t blk = lo; blk < end; ++blk) {
         const float* src = db_slot(blk);
         for (int64_t k = 0; k < s.K; ++k) db[k] += src[k];
       }

@@ -126,7 +126,7 @@ Tensor forward(const Layer& l, const std::vector<Tensor>& in, const ReplicaState
   return {};
 }
 
-// Given dy, writes the inputs' gradients (dx[k], left undefined where need_dx[k] is false) and
+// Given dy (and the layer's output, which relu's backward reads), writes the inputs' gradients (dx[k], left undefined where need_dx[k] is false) and
 // the parameters' (dp, in the layer's parameter order).
 void backward(const Layer& l, const std::vector<Tensor>& in, const Tensor& out, const Tensor& dy,
               const ReplicaState& r, const Saved& s, const std::vector<bool>& need_dx,
@@ -169,7 +169,8 @@ void backward(const Layer& l, const std::vector<Tensor>& in, const Tensor& out, 
       if (l.bias) *dp = {sum_dy_xhat, sum_dy};
       return;
     }
-    case LayerKind::Relu: dx0 = ops::relu_backward(x, dy); return;
+    // relu(x) > 0 exactly where x > 0 (NaN stays NaN), so the output gives the input's mask.
+    case LayerKind::Relu: dx0 = ops::relu_backward(out, dy); return;
     case LayerKind::AvgPool2d:
       dx0 = ops::avg_pool2d_backward(x, dy, l.kh, l.kw, l.sh, l.sw);
       return;
@@ -191,7 +192,6 @@ void backward(const Layer& l, const std::vector<Tensor>& in, const Tensor& out, 
       (*dx)[1] = dy;
       return;
   }
-  (void)out;
 }
 
 // The view of parameter p's gradient in the flat buffer.
@@ -259,6 +259,9 @@ void backward_layer(const Model& m, size_t i, Pass& p) {
   const Layer& l = m.layers()[i];
   Trace& t = p.t;
   Tensor dy = std::move(p.dslot[static_cast<size_t>(l.out)]);
+  // The output leaves the trace now (every later reader's backward has run) and goes when this
+  // backward is enqueued.
+  const Tensor out = std::move(t.slots[static_cast<size_t>(l.out)]);
   t.slots[static_cast<size_t>(l.out)] = Tensor();
   trace::Label label([&] { return l.name + " backward"; });
   if (!dy.defined()) {
@@ -272,7 +275,7 @@ void backward_layer(const Model& m, size_t i, Pass& p) {
     in.push_back(t.slots[static_cast<size_t>(s)]);
     need_dx.push_back(m.grad_needed(s));
   }
-  backward(l, in, Tensor(), dy, *p.r, t.saved[i], need_dx, &dx, &dp);
+  backward(l, in, out, dy, *p.r, t.saved[i], need_dx, &dx, &dp);
   t.saved[i] = Saved();
   for (size_t k = 0; k < l.in.size(); ++k) {
     if (!need_dx[k] || !dx[k].defined()) continue;

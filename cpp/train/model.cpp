@@ -186,9 +186,12 @@ Model::Model(const std::vector<LayerSpec>& spec, const std::vector<Shape>& param
     bool g = !l.params.empty();
     for (int s : l.in) g = g || grad_needed_[static_cast<size_t>(s)];
     grad_needed_[static_cast<size_t>(l.out)] = g;
-    // Every backward but add's re-reads its input (flatten and pooling for its shape).
-    if (l.kind != LayerKind::Add && g)
-      for (int s : l.in) saved_[static_cast<size_t>(s)] = true;
+    // Relu's backward reads its output (x > 0 exactly where relu(x) > 0), which the next layer
+    // usually keeps anyway, so the batch norm or add output before it is freed in forward; add
+    // reads nothing; every other backward re-reads its input (flatten and pooling for its shape).
+    if (!g || l.kind == LayerKind::Add) continue;
+    if (l.kind == LayerKind::Relu) saved_[static_cast<size_t>(l.out)] = true;
+    else for (int s : l.in) saved_[static_cast<size_t>(s)] = true;
   }
 
   // Flat layout in reverse forward order, cut into buckets at layer boundaries.

@@ -67,7 +67,8 @@ class Model {
   int64_t classes() const { return classes_; }
   // grad_needed(s): slot s depends on a parameter, so backward computes d(loss)/d(slot s).
   bool grad_needed(int slot) const { return grad_needed_[static_cast<size_t>(slot)]; }
-  // saved(s): some layer's backward re-reads slot s, so forward keeps it until backward.
+  // saved(s): some layer's backward re-reads slot s (an input, or relu's output), so forward
+  // keeps it until backward.
   bool saved(int slot) const { return saved_[static_cast<size_t>(slot)]; }
 
   // Checks one replica: the parameter and buffer counts, shapes, float32, all on `device`.

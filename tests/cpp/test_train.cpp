@@ -63,7 +63,8 @@ TEST(Model, SlotsFanOutAndOnlyWhatBackwardReadsIsSaved) {
   EXPECT_FALSE(m.grad_needed(0));  // the input needs no gradient
   for (int s = 1; s < m.num_slots(); ++s) EXPECT_TRUE(m.grad_needed(s)) << s;
   EXPECT_TRUE(m.saved(0));   // conv 0's dw re-reads X
-  EXPECT_TRUE(m.saved(2));   // both convs re-read relu's output
+  EXPECT_FALSE(m.saved(1));  // relu's backward reads its output, not conv 0's
+  EXPECT_TRUE(m.saved(2));   // both convs and relu itself re-read relu's output
   EXPECT_FALSE(m.saved(3));  // add re-reads neither operand
   EXPECT_FALSE(m.saved(4));
   EXPECT_EQ(m.layers()[3].params, (std::vector<int>{4}));
