@@ -16,7 +16,6 @@ from .allreduce import (
 )
 from .batch_norm import bench_batch_norm, format_batch_norm
 from .checkpoint import bench_checkpoint, format_checkpoint
-from .conv import bench_conv, format_conv
 from .common import (
     SCHEMA,
     lenet_layer_flops,
@@ -29,6 +28,7 @@ from .common import (
     save,
     summarize,
 )
+from .conv import bench_conv, format_conv
 from .ops import bench_ops, format_ops
 from .plot import plot
 from .train import (
@@ -45,7 +45,8 @@ from .train import (
 def format_result(r: Dict) -> str:
     """The readable table for any bench result."""
     return {"train": format_train, "ops": format_ops, "batch_norm": format_batch_norm,
-            "allreduce": format_allreduce, "checkpoint": format_checkpoint, "conv": format_conv}[r["benchmark"]](r)
+            "allreduce": format_allreduce, "checkpoint": format_checkpoint,
+            "conv": format_conv}[r["benchmark"]](r)
 
 
 __all__ = ["bench_train", "bench_train_resnet18", "bench_ops", "bench_batch_norm", "bench_conv",
