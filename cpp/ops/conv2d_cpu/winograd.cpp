@@ -108,25 +108,38 @@ int64_t block_images(const Conv2dShape& s, const Tiles& t) {
 
 // U (36, K, C) from w (K, C, 3, 3): U[xi][k][c] = (G g G^T)[xi] of g = w[k, c], or, when
 // flip_transpose, of g[r][t] = w[c, k, 2 - r, 2 - t] with w read as (C, K, 3, 3) (the data
-// gradient's kernel). Computed in double, rounded once.
+// gradient's kernel). In double, kL input channels side by side in lanes, rounded once.
 void transform_weights(const float* w, int64_t K, int64_t C, bool flip_transpose, float* U) {
   parallel_for(K, [&](int64_t k) {
-    for (int64_t c = 0; c < C; ++c) {
-      double g[3][3];
-      for (int r = 0; r < 3; ++r) {
-        for (int t = 0; t < 3; ++t) {
-          g[r][t] = flip_transpose ? w[((c * K + k) * 3 + (2 - r)) * 3 + (2 - t)]
-                                   : w[((k * C + c) * 3 + r) * 3 + t];
+    for (int64_t c0 = 0; c0 < C; c0 += kL) {
+      const int64_t n = std::min<int64_t>(kL, C - c0);
+      double g[3][3][kL];
+      for (int64_t l = 0; l < kL; ++l) {
+        const int64_t c = c0 + std::min(l, n - 1);
+        for (int r = 0; r < 3; ++r) {
+          for (int t = 0; t < 3; ++t) {
+            g[r][t][l] = flip_transpose ? w[((c * K + k) * 3 + (2 - r)) * 3 + (2 - t)]
+                                        : w[((k * C + c) * 3 + r) * 3 + t];
+          }
         }
       }
-      double gg[kAlpha][3];  // G g
+      double gg[kAlpha][3][kL];  // G g
       for (int a = 0; a < kAlpha; ++a) {
-        for (int t = 0; t < 3; ++t) gg[a][t] = kG[a][0] * g[0][t] + kG[a][1] * g[1][t] + kG[a][2] * g[2][t];
+        for (int t = 0; t < 3; ++t) {
+          for (int l = 0; l < kL; ++l) {
+            gg[a][t][l] = (kG[a][0] * g[0][t][l] + kG[a][1] * g[1][t][l]) + kG[a][2] * g[2][t][l];
+          }
+        }
       }
       for (int a = 0; a < kAlpha; ++a) {
         for (int b = 0; b < kAlpha; ++b) {
-          const double u = gg[a][0] * kG[b][0] + gg[a][1] * kG[b][1] + gg[a][2] * kG[b][2];
-          U[((a * kAlpha + b) * K + k) * C + c] = static_cast<float>(u);
+          float* dst = U + ((a * kAlpha + b) * K + k) * C + c0;
+          float u[kL];
+          for (int l = 0; l < kL; ++l) {
+            u[l] = static_cast<float>((gg[a][0][l] * kG[b][0] + gg[a][1][l] * kG[b][1]) +
+                                      gg[a][2][l] * kG[b][2]);
+          }
+          for (int64_t l = 0; l < n; ++l) dst[l] = u[l];
         }
       }
     }
@@ -339,22 +352,30 @@ void winograd_backward(const Conv2dShape& s, const float* x, const float* w, con
       });
     }
   }
-  // dw[k][c] = G^T dU[k][c] G, in double.
+  // dw[k][c] = G^T dU[k][c] G, in double, kL input channels side by side in lanes.
   parallel_for(s.K, [&](int64_t k) {
-    for (int64_t c = 0; c < s.C; ++c) {
-      double t[3][kAlpha];  // G^T dU
-      for (int r = 0; r < 3; ++r) {
+    for (int64_t c0 = 0; c0 < s.C; c0 += kL) {
+      const int64_t n = std::min<int64_t>(kL, s.C - c0);
+      double t[3][kAlpha][kL] = {};  // G^T dU
+      for (int a = 0; a < kAlpha; ++a) {
         for (int b = 0; b < kAlpha; ++b) {
-          double acc = 0;
-          for (int a = 0; a < kAlpha; ++a) acc += kG[a][r] * du[(a * kAlpha + b) * KC + k * s.C + c];
-          t[r][b] = acc;
+          const float* src = du + (a * kAlpha + b) * KC + k * s.C + c0;
+          double d[kL];
+          for (int64_t l = 0; l < kL; ++l) d[l] = src[std::min(l, n - 1)];
+          for (int r = 0; r < 3; ++r) {
+            for (int l = 0; l < kL; ++l) t[r][b][l] += kG[a][r] * d[l];
+          }
         }
       }
       for (int r = 0; r < 3; ++r) {
         for (int q = 0; q < 3; ++q) {
-          double acc = 0;
-          for (int b = 0; b < kAlpha; ++b) acc += t[r][b] * kG[b][q];
-          dw[((k * s.C + c) * 3 + r) * 3 + q] = static_cast<float>(acc);
+          double acc[kL] = {};
+          for (int b = 0; b < kAlpha; ++b) {
+            for (int l = 0; l < kL; ++l) acc[l] += t[r][b][l] * kG[b][q];
+          }
+          for (int64_t l = 0; l < n; ++l) {
+            dw[((k * s.C + c0 + l) * 3 + r) * 3 + q] = static_cast<float>(acc[l]);
+          }
         }
       }
     }
