@@ -166,3 +166,18 @@ def test_resnet18_steps_with_winograd_stay_within_float32_noise(monkeypatch):
     moved = max(float(np.abs(a - b).max()) for a, b in zip(p_noisy, p_direct))
     wino_moved = max(float(np.abs(a - b).max()) for a, b in zip(p_wino, p_direct))
     assert wino_moved <= 5 * moved, (wino_moved, moved)
+
+
+def test_winograd_gives_the_same_bits_on_1_and_2_threads(monkeypatch, rng):
+    monkeypatch.setenv("MGPU_CONV_ALGO", "winograd")
+    x, w, b = _inputs(rng, (5, 17, 9, 7), 19)
+    threads = mgpu._core.num_threads()
+    try:
+        outs = []
+        for n in (1, 2):
+            mgpu._core.set_num_threads(n)
+            outs.append(_run(x, w, b, 1, 4))
+    finally:
+        mgpu._core.set_num_threads(threads)
+    for a, c in zip(*outs):
+        assert np.array_equal(a, c)
