@@ -6,6 +6,7 @@ import contextlib
 import gzip
 import io
 import json
+import os
 
 import numpy as np
 import pytest
@@ -362,3 +363,22 @@ def test_train_resnet18_against_torch_eager(monkeypatch):
     assert c["memory_ratio"] == mine["peak_rss_bytes"] / theirs["peak_rss_bytes"]
     # The same init (normal_(std=0.01), other draws) and the same batches: both near ln(10).
     assert abs(mine["train_loss"][0] - theirs["train_loss"][0]) < 0.2
+
+
+def test_conv_times_each_algorithm_at_resnet18_layers(tmp_path, monkeypatch):
+    monkeypatch.setenv("MGPU_CONV_ALGO", "im2col")
+    code, text, r = _run(["bench", "conv", "--batch", "1", "--rounds", "2", "--repeat", "1",
+                          "--warmup", "0", "--algos", "direct,winograd"], tmp_path, "conv")
+    assert code == 0
+    _check_machine(r)
+    assert [(x["C"], x["H"], x["algo"]) for x in r["layers"]] == [
+        (c, h, a) for c, h in ((64, 28), (128, 14), (256, 7), (512, 4))
+        for a in ("direct", "winograd")]
+    for x in r["layers"]:
+        for phase in ("forward", "backward"):
+            _check_stats(x[phase])
+            assert x[phase]["n"] == 2
+        flops = 2 * x["C"] * x["C"] * 9 * x["H"] * x["H"]
+        assert x["gflops_forward"] == pytest.approx(flops / x["forward"]["median"] / 1e9)
+    assert "512ch 4x4" in text
+    assert os.environ["MGPU_CONV_ALGO"] == "im2col"  # the bench puts the caller's value back

@@ -375,6 +375,9 @@ void bind_core(py::module_& m) {
     for (int i = 0; i < num_gpus(); ++i) gpu::empty_cache(i);
   }, "Waits for all devices, then returns cached CPU and GPU memory to the system.");
   m.def("build_info", &build_info, "What this build of mgpu contains.");
+  m.def("conv_autotune_report", &ops::cpu::conv_autotune_report,
+        "What MGPU_CONV_ALGO=auto measured in this process: one line per conv shape and "
+        "direction (pick, direct and Winograd times).");
 }
 
 }  // namespace mgpu::bind

@@ -2,6 +2,9 @@
 // CUDA kernels, or cuDNN when MGPU_CONV=cudnn (vendor_gpu.h).
 #include "ops/conv2d.h"
 
+#include <cstdlib>
+#include <string>
+
 #include "core/gpu.h"
 #include "ops/dispatch.h"
 #include "ops/vendor_gpu.h"
@@ -50,10 +53,24 @@ struct Workspace {
 
 }  // namespace
 
+namespace cpu {
+ConvAlgo conv_algo() {
+  const char* env = std::getenv("MGPU_CONV_ALGO");
+  const std::string v = env ? env : "";
+  if (v.empty() || v == "auto") return ConvAlgo::Auto;
+  if (v == "direct") return ConvAlgo::Direct;
+  if (v == "im2col") return ConvAlgo::Im2col;
+  MGPU_CHECK_VALUE(v == "winograd", "MGPU_CONV_ALGO=", v, " is not understood; use auto "
+                   "(measure once per shape), direct, im2col or winograd");
+  return ConvAlgo::Winograd;
+}
+}  // namespace cpu
+
 Tensor conv2d_forward(const Tensor& x, const Tensor& w, const Tensor& b, int64_t stride,
                       int64_t pad) {
   const char* op = "conv2d_forward";
   Conv2dShape s = check_conv(op, x, w, stride, pad);
+  if (x.device().is_cpu()) cpu::conv_algo();  // a bad MGPU_CONV_ALGO raises here
   if (b.defined()) {
     require_dtype(op, "b", b, DType::F32);
     require_same_device(op, {&x, &b});
@@ -84,6 +101,7 @@ Conv2dGrads conv2d_backward(const Tensor& x, const Tensor& w, const Tensor& dy, 
                             int64_t pad, bool need_dx, bool has_bias) {
   const char* op = "conv2d_backward";
   Conv2dShape s = check_conv(op, x, w, stride, pad);
+  if (x.device().is_cpu()) cpu::conv_algo();  // a bad MGPU_CONV_ALGO raises here
   require_dtype(op, "dy", dy, DType::F32);
   require_same_device(op, {&x, &dy});
   Shape want{s.N, s.K, s.P(), s.Q()};

@@ -6,6 +6,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
 
 #include "core/tensor.h"
 #include "cuda/stream.h"
@@ -44,6 +45,22 @@ void conv2d_forward(const Conv2dShape& s, const float* x, const float* w, const 
 // additions depends on the shape but never on the thread count.
 void conv2d_backward(const Conv2dShape& s, const float* x, const float* w, const float* dy,
                      float* dx, float* dw, float* db);
+
+// Which algorithm the CPU conv2d_forward / conv2d_backward run, from MGPU_CONV_ALGO (read at
+// every call, so a test or a benchmark may switch it between calls):
+// - auto (or unset): Winograd F(4x4, 3x3) or direct, whichever ran faster when the shape
+//   (without the batch size) was first seen in this process, for 3x3 stride-1 convs with pad <= 2
+//   and >= 16 channels in and out; direct for the rest. Not cached across processes.
+// - direct: the shape's rule (direct loops or lanes without padding, im2col + sgemm otherwise;
+//   the only choice before Winograd, bitwise reproducible).
+// - im2col: im2col + sgemm for every shape.
+// - winograd: Winograd for every 3x3 stride-1 conv with pad <= 2, direct for the rest.
+// conv2d_relu_pool (LeNet's fused blocks) always runs the shape's rule.
+enum class ConvAlgo { Auto, Direct, Im2col, Winograd };
+// Throws ValueError for a value it does not know.
+ConvAlgo conv_algo();
+// One line per shape auto has measured in this process (direction, shape, pick, both times).
+std::string conv_autotune_report();
 }  // namespace cpu
 
 namespace cuda {

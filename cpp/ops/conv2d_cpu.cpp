@@ -1,6 +1,6 @@
-// cpp/ops/conv2d_cpu.cpp -- conv2d forward and backward on the CPU (LeNet's two convolutions).
-// x (N, C, H, W), w (K, C, R, S) seen as a (K, C*R*S) matrix, b (K), y and dy (N, K, P, Q).
-// Three ways, chosen by the shape alone (so every thread count computes the same bits):
+// cpp/ops/conv2d_cpu.cpp -- conv2d forward and backward on the CPU (LeNet's and ResNet's
+// convolutions). x (N, C, H, W), w (K, C, R, S) seen as a (K, C*R*S) matrix, b (K), y and dy
+// (N, K, P, Q). Four ways:
 // - few taps (C*R*S <= 16, stride 1, no padding, Q >= 16: LeNet's conv1): direct loops over the
 //   taps, sixteen output columns at a time (im2col and a packed sgemm would cost more than the
 //   arithmetic);
@@ -8,12 +8,24 @@
 //   side in vector lanes, multiplied out by register-tiled FMA kernels (no im2col, no packing);
 // - the rest (padding, strides): a block of B images is unfolded (im2col) into col (C*R*S,
 //   B*P*Q), so y = w * col, dw = dy * col^T and dcol = w^T * dy are sgemm calls and
-//   dx = col2im(dcol).
+//   dx = col2im(dcol);
+// - 3x3 stride-1 convolutions (ResNet's): Winograd F(4x4, 3x3) (winograd.cpp).
+// The first three are "direct", chosen by the shape alone (so every thread count computes the
+// same bits). MGPU_CONV_ALGO (conv2d.h) forces one, or under auto (the default) the first call
+// for each Winograd-eligible shape with >= 16 channels in and out measures direct against
+// Winograd and keeps the faster for the process (run_chosen).
 // conv2d_relu_pool_* (LeNet's conv + relu + avg-pool blocks) share the block loops and apply
-// The algorithms live in cpp/ops/conv2d_cpu/ (im2col.cpp, direct.cpp, lanes.cpp, relu_pool.cpp);
-// this file picks one by the shape and runs the block loops around it.
+// the shape's rule (no Winograd).
+// The algorithms live in cpp/ops/conv2d_cpu/ (im2col.cpp, direct.cpp, lanes.cpp, relu_pool.cpp,
+// winograd.cpp); this file picks one and runs the block loops around it.
 #include <algorithm>
+#include <array>
+#include <chrono>
 #include <functional>
+#include <map>
+#include <mutex>
+#include <sstream>
+#include <string>
 #include <vector>
 
 #include "core/parallel.h"
@@ -47,10 +59,12 @@ float sum_lanes(const float* __restrict x, int64_t n) {
 // The forward product, block by block: unfolds each block of B images, multiplies, and hands
 // the block's (K, B*P*Q) product (image-major columns, ld = B*P*Q) to emit(out, ld, n0, B), which
 // runs on the worker that computed it while the product is still in its cache.
+// only_im2col skips the direct and lane paths (MGPU_CONV_ALGO=im2col).
 template <class Emit>
-void forward_blocks(const Conv2dShape& s, const float* x, const float* w, const Emit& emit) {
+void forward_blocks(const Conv2dShape& s, const float* x, const float* w, const Emit& emit,
+                    bool only_im2col = false) {
   const int64_t PQ = s.P() * s.Q(), CRS = s.C * s.R * s.S, CHW = s.C * s.H * s.W;
-  if (use_direct(s)) {  // one image at a time: the product is (K, P*Q), ld = P*Q
+  if (!only_im2col && use_direct(s)) {  // one image at a time: the product is (K, P*Q), ld = P*Q
     const auto direct = direct_forward_kernel(CRS);
     parallel_for((s.N + kBlock - 1) / kBlock, [&](int64_t blk) {
       float* out = scratch(tl_mat, s.K * PQ);
@@ -61,7 +75,7 @@ void forward_blocks(const Conv2dShape& s, const float* x, const float* w, const 
     });
     return;
   }
-  if (use_lanes(s)) {  // blocks of 16 images in lanes; the product goes back to (K, B*P*Q)
+  if (!only_im2col && use_lanes(s)) {  // blocks of 16 images in lanes; the product goes back to (K, B*P*Q)
     float* wP = scratch(tl_weights, s.K * CRS);
     pack_forward_weights(s, w, wP);
     parallel_for((s.N + kLaneBlock - 1) / kLaneBlock, [&](int64_t blk) {
@@ -97,7 +111,8 @@ void forward_blocks(const Conv2dShape& s, const float* x, const float* w, const 
 using DirectDw = std::function<void(int64_t, int64_t, float*, float*)>;
 template <class Load>
 void backward_blocks(const Conv2dShape& s, const float* x, const float* w, const Load& load,
-                     float* dx, float* dw, float* db, const DirectDw& direct_fused = nullptr) {
+                     float* dx, float* dw, float* db, const DirectDw& direct_fused = nullptr,
+                     bool only_im2col = false) {
   const int64_t PQ = s.P() * s.Q(), CRS = s.C * s.R * s.S, CHW = s.C * s.H * s.W;
   const int64_t KCRS = s.K * CRS, RS = s.R * s.S;
   const Unfold u(s);
@@ -115,7 +130,7 @@ void backward_blocks(const Conv2dShape& s, const float* x, const float* w, const
   // the next wave reuses them: the scratch holds `wave` slots instead of one per block (31 x
   // 9.4 MB for a 512-channel 3x3 convolution at batch 256), and the sums are the same
   // dw_0 + dw_1 + ... in block order whatever the wave size, so it may follow the thread count.
-  const bool lanes = use_lanes(s);
+  const bool lanes = !only_im2col && use_lanes(s);
   const int64_t block = lanes ? kLaneBlock : kBlock;
   const int64_t blocks = (s.N + block - 1) / block;
   const int64_t wave = std::min<int64_t>(blocks, std::max(4, 2 * num_threads()));
@@ -125,7 +140,7 @@ void backward_blocks(const Conv2dShape& s, const float* x, const float* w, const
     return blk == 0 ? db : slots + wave * KCRS + (blk % wave) * s.K;
   };
 
-  const bool direct = use_direct(s);
+  const bool direct = !only_im2col && use_direct(s);
   const auto direct_dw = direct ? direct_backward_kernel(CRS) : nullptr;
   int64_t* xoff = nullptr;  // tap j = (c, r, t) of the lanes' dw: its offset in an image
   if (lanes) {
@@ -222,18 +237,106 @@ void backward_blocks(const Conv2dShape& s, const float* x, const float* w, const
 
 using namespace conv;
 
+namespace conv {
+namespace {
+
+// ---- The per-shape choice (MGPU_CONV_ALGO, see ConvAlgo in conv2d.h) ----
+// Rule: today's rule by the shape (direct or lanes where they apply, else im2col); Im2col: im2col
+// everywhere; Winograd: winograd.cpp, for the shapes it fits.
+enum class Algo { Rule, Im2col, Winograd };
+const char* algo_name(Algo a) {
+  return a == Algo::Winograd ? "winograd" : a == Algo::Im2col ? "im2col" : "direct";
+}
+
+// auto measures only where both input and output have this many channels: below it the
+// transforms cost more than the products they save (LeNet, ResNet's 1-channel stem).
+constexpr int64_t kTuneMinChannels = 16;
+
+// What auto measured, per shape without the batch size (shards of a batch and the last, short
+// batch then run the same algorithm as the full batch) and direction.
+struct Tuned {
+  Algo pick;
+  double seconds[2];  // Rule, Winograd: the best of two runs each
+};
+using TuneKey = std::array<int64_t, 9>;  // C, H, W, K, R, S, stride, pad, direction
+std::mutex tune_mutex;
+std::map<TuneKey, Tuned>& tune_cache() {
+  static std::map<TuneKey, Tuned> cache;
+  return cache;
+}
+
+// Runs the algorithm MGPU_CONV_ALGO asks for on shape s: run(algo) must write the whole output.
+// direction tells apart forward (0) and backward with (1) or without (2) dx. Under auto the first
+// call for a shape times Rule and Winograd twice each, interleaved, keeps the faster (its output
+// is the one left), and later calls look it up; the lock makes concurrent devices wait for the
+// measurement instead of disturbing it.
+template <class Run>
+void run_chosen(const Conv2dShape& s, int64_t direction, const Run& run) {
+  const ConvAlgo want = conv_algo();
+  if (want == ConvAlgo::Im2col) return run(Algo::Im2col);
+  const bool fits = winograd_fits(s);
+  if (want == ConvAlgo::Winograd) return run(fits ? Algo::Winograd : Algo::Rule);
+  if (want == ConvAlgo::Direct || !fits || s.C < kTuneMinChannels || s.K < kTuneMinChannels ||
+      s.N == 0) {
+    return run(Algo::Rule);
+  }
+  const TuneKey key{s.C, s.H, s.W, s.K, s.R, s.S, s.stride, s.pad, direction};
+  std::unique_lock<std::mutex> lock(tune_mutex);
+  auto it = tune_cache().find(key);
+  if (it != tune_cache().end()) {
+    const Algo pick = it->second.pick;
+    lock.unlock();
+    return run(pick);
+  }
+  Tuned t{Algo::Rule, {1e300, 1e300}};
+  const Algo candidates[2] = {Algo::Rule, Algo::Winograd};
+  for (int rep = 0; rep < 2; ++rep) {
+    for (int i = 0; i < 2; ++i) {
+      const auto t0 = std::chrono::steady_clock::now();
+      run(candidates[i]);
+      const std::chrono::duration<double> dt = std::chrono::steady_clock::now() - t0;
+      t.seconds[i] = std::min(t.seconds[i], dt.count());
+    }
+  }
+  t.pick = t.seconds[1] < t.seconds[0] ? Algo::Winograd : Algo::Rule;
+  tune_cache()[key] = t;
+  if (t.pick != Algo::Winograd) run(t.pick);  // the last run was Winograd's
+}
+
+}  // namespace
+}  // namespace conv
+
+std::string conv_autotune_report() {
+  std::lock_guard<std::mutex> lock(tune_mutex);
+  std::ostringstream out;
+  for (const auto& [key, t] : tune_cache()) {
+    static const char* const kDirection[3] = {"forward", "backward", "backward without dx"};
+    out << kDirection[key[8]] << " C=" << key[0] << " H=" << key[1] << " W=" << key[2]
+        << " K=" << key[3] << " " << key[4] << "x" << key[5] << " stride " << key[6] << " pad "
+        << key[7] << ": " << algo_name(t.pick) << " (direct " << t.seconds[0] * 1e3
+        << " ms, winograd " << t.seconds[1] * 1e3 << " ms)\n";
+  }
+  return out.str();
+}
+
 void conv2d_forward(const Conv2dShape& s, const float* x, const float* w, const float* b,
                     float* y) {
   const int64_t PQ = s.P() * s.Q(), KPQ = s.K * PQ;
-  forward_blocks(s, x, w, [&](const float* out, int64_t ld, int64_t n0, int64_t B) {
-    for (int64_t i = 0; i < B; ++i) {
-      for (int64_t k = 0; k < s.K; ++k) {
-        const float* __restrict src = out + k * ld + i * PQ;
-        float* __restrict dst = y + (n0 + i) * KPQ + k * PQ;
-        const float bias = b ? b[k] : 0.0f;
-        for (int64_t j = 0; j < PQ; ++j) dst[j] = src[j] + bias;
-      }
-    }
+  run_chosen(s, 0, [&](Algo algo) {
+    if (algo == Algo::Winograd) return winograd_forward(s, x, w, b, y);
+    forward_blocks(
+        s, x, w,
+        [&](const float* out, int64_t ld, int64_t n0, int64_t B) {
+          for (int64_t i = 0; i < B; ++i) {
+            for (int64_t k = 0; k < s.K; ++k) {
+              const float* __restrict src = out + k * ld + i * PQ;
+              float* __restrict dst = y + (n0 + i) * KPQ + k * PQ;
+              const float bias = b ? b[k] : 0.0f;
+              for (int64_t j = 0; j < PQ; ++j) dst[j] = src[j] + bias;
+            }
+          }
+        },
+        algo == Algo::Im2col);
   });
 }
 
@@ -247,7 +350,10 @@ void conv2d_backward(const Conv2dShape& s, const float* x, const float* w, const
       }
     }
   };
-  backward_blocks(s, x, w, load, dx, dw, db);
+  run_chosen(s, dx ? 1 : 2, [&](Algo algo) {
+    if (algo == Algo::Winograd) return winograd_backward(s, x, w, dy, dx, dw, db);
+    backward_blocks(s, x, w, load, dx, dw, db, nullptr, algo == Algo::Im2col);
+  });
 }
 
 void conv2d_relu_pool_forward(const Conv2dShape& s, int64_t pool, const float* x, const float* w,

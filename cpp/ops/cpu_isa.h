@@ -50,6 +50,7 @@ std::string cpu_model();
     (const Conv2dShape& s, const float* x, const float* w, const float* dy, float* dx, float* dw,  \
      float* db),                                                                                  \
     (s, x, w, dy, dx, dw, db))                                                                    \
+  X(std::string, conv_autotune_report, (), ())                                                   \
   X(void, conv2d_relu_pool_forward,                                                               \
     (const Conv2dShape& s, int64_t pool, const float* x, const float* w, const float* b,          \
      uint8_t* mask, float* pooled),                                                               \

@@ -202,6 +202,10 @@ def _bench(args) -> int:
         result = bench.bench_checkpoint(models=args.models.split(","), momentum=args.momentum,
                                         warmup=args.warmup, repeat=args.repeat,
                                         directory=args.dir, log=log)
+    elif args.bench == "conv":
+        result = bench.bench_conv(batch=args.batch, algos=args.algos.split(","),
+                                  rounds=args.rounds, repeat=args.repeat, warmup=args.warmup,
+                                  log=log, device=args.device)
     elif args.bench == "batch_norm":
         result = bench.bench_batch_norm(shape=args.shape, warmup=args.warmup, repeat=args.repeat,
                                         log=log, device=args.device)
@@ -273,6 +277,13 @@ def _bench_parser(sub) -> None:
     n.add_argument("--shape", type=_ints, default=[256, 64, 28, 28],
                    help="x shape, e.g. 256,64,28,28")
     n.add_argument("--device", default="cpu:0", help="the device to time, e.g. cpu:0 or gpu:0")
+    v = kinds.add_parser("conv", help="the CPU conv's algorithms (MGPU_CONV_ALGO) at ResNet-18's "
+                         "3x3 layers, interleaved")
+    common(v, 1, 3)
+    v.add_argument("--batch", type=int, default=64, help="images per call")
+    v.add_argument("--algos", default="direct,winograd", help="from: direct,im2col,winograd")
+    v.add_argument("--rounds", type=int, default=3, help="rounds over all algorithms")
+    v.add_argument("--device", default="cpu:0", help="the CPU device to time")
     c = kinds.add_parser("checkpoint", help="write and load time of LeNet's and ResNet-18's "
                          "training checkpoints")
     common(c, 1, 5)

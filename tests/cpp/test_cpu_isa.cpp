@@ -6,8 +6,10 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <ostream>
+#include <string>
 #include <vector>
 
 #include "ops/cpu_isa.h"
@@ -125,6 +127,48 @@ TEST_P(CpuIsaTest, FusedReluPoolSameBits) {
 
 INSTANTIATE_TEST_SUITE_P(Shapes, CpuIsaTest, ::testing::ValuesIn(kCases),
                          [](const auto& p) { return std::string(p.param.name); });
+
+// Winograd F(4x4, 3x3) (MGPU_CONV_ALGO=winograd): ResNet-18's 4x4 layer, tiles overhanging the
+// image (7x7, 5x6), a 1x1 image, pad 0 and 2, dx skipped; against float64 in
+// tests/test_conv_winograd.py.
+TEST(CpuIsa, WinogradSameBits) {
+  if (!cpu_has_avx512()) GTEST_SKIP() << "this CPU has no AVX-512: one path only";
+  const char* old = std::getenv("MGPU_CONV_ALGO");
+  const std::string saved = old ? old : "";
+  setenv("MGPU_CONV_ALGO", "winograd", 1);
+  for (const Conv2dShape& s : {Conv2dShape{3, 64, 4, 4, 32, 3, 3, 1, 1},
+                               Conv2dShape{2, 5, 7, 7, 6, 3, 3, 1, 1},
+                               Conv2dShape{1, 3, 5, 6, 2, 3, 3, 1, 2},
+                               Conv2dShape{2, 2, 1, 1, 3, 3, 3, 1, 1},
+                               Conv2dShape{2, 4, 9, 11, 3, 3, 3, 1, 0}}) {
+    SCOPED_TRACE(::testing::Message() << "C=" << s.C << " H=" << s.H << " W=" << s.W
+                                      << " K=" << s.K << " pad=" << s.pad);
+    const int64_t nx = s.N * s.C * s.H * s.W, nw = s.K * s.C * 9, ny = s.N * s.K * s.P() * s.Q();
+    const Floats x = random_floats(nx, 21), w = random_floats(nw, 22), b = random_floats(s.K, 23);
+    const Floats dy = random_floats(ny, 24);
+    Floats y[2] = {Floats(ny), Floats(ny)}, dx[2] = {Floats(nx), Floats(nx)};
+    Floats dw[2] = {Floats(nw), Floats(nw)}, db[2] = {Floats(s.K), Floats(s.K)};
+    Floats dw_only[2] = {Floats(nw), Floats(nw)};
+    for (int path = 0; path < 2; ++path) {
+      auto fwd = path ? avx512::conv2d_forward : avx2::conv2d_forward;
+      auto bwd = path ? avx512::conv2d_backward : avx2::conv2d_backward;
+      const size_t p = static_cast<size_t>(path);
+      fwd(s, x.data(), w.data(), b.data(), y[p].data());
+      bwd(s, x.data(), w.data(), dy.data(), dx[p].data(), dw[p].data(), db[p].data());
+      bwd(s, x.data(), w.data(), dy.data(), nullptr, dw_only[p].data(), nullptr);
+    }
+    EXPECT_TRUE(same_bits("y", y[0], y[1]));
+    EXPECT_TRUE(same_bits("dx", dx[0], dx[1]));
+    EXPECT_TRUE(same_bits("dw", dw[0], dw[1]));
+    EXPECT_TRUE(same_bits("db", db[0], db[1]));
+    EXPECT_TRUE(same_bits("dw without dx", dw_only[0], dw[0]));
+  }
+  if (old) {
+    setenv("MGPU_CONV_ALGO", saved.c_str(), 1);
+  } else {
+    unsetenv("MGPU_CONV_ALGO");
+  }
+}
 
 TEST(CpuIsa, PoolLossAndBiasSumsSameBits) {
   if (!cpu_has_avx512()) GTEST_SKIP() << "this CPU has no AVX-512: one path only";

@@ -271,6 +271,14 @@ void lanes_dw(const Conv2dShape& s, const float* xT, const float* dyT, const int
               float* dw);
 void lanes_dx(const Conv2dShape& s, const float* w, const float* dyT, float* dxT);
 
+// ---- winograd.cpp: F(4x4, 3x3) for 3x3 stride-1 convs with pad <= 2 ----
+bool winograd_fits(const Conv2dShape& s);
+void winograd_forward(const Conv2dShape& s, const float* x, const float* w, const float* b,
+                      float* y);
+// As conv2d_backward: dx and db may be null, dw may not.
+void winograd_backward(const Conv2dShape& s, const float* x, const float* w, const float* dy,
+                       float* dx, float* dw, float* db);
+
 // ---- relu_pool.cpp: bias + relu + average pooling of one plane, and its gradient ----
 void bias_relu_pool_plane(const float* __restrict v, float bias, int64_t P, int64_t Q, int64_t pool,
                           uint8_t* __restrict mask, float* __restrict pooled,
