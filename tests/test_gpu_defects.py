@@ -207,3 +207,17 @@ def test_collectives_and_the_fused_step_on_more_gpus(count):
         cwd=here, env=env, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
     assert " passed" in run.stdout and "skipped" not in run.stdout.splitlines()[-1], run.stdout
+
+
+@needs_gpus(1)
+def test_host_to_device_copies_reuse_staging_buffers_only_after_their_copies(rng):
+    """Two pinned staging buffers take turns: one is refilled only once its previous copy has
+    left it. Three chunks per copy and two copies back to back reuse both; on the strict
+    emulator (copies run behind the host) a missing wait shows as wrong data."""
+    g0 = mgpu.gpu(0)
+    first = rng.normal(size=(5, 1024, 1024)).astype(np.float32)  # 20 MiB: 8 + 8 + 4 MiB
+    second = rng.normal(size=(5, 1024, 1024)).astype(np.float32)
+    a = mgpu.array(first, device=g0)
+    b = mgpu.array(second, device=g0)
+    np.testing.assert_array_equal(a.numpy(), first)
+    np.testing.assert_array_equal(b.numpy(), second)
