@@ -21,8 +21,9 @@ namespace mgpu::emu {
 // the generic text of a code; MGPU_CUDA_CHECK appends this.
 const std::string& last_error_detail();
 
-// Re-reads MGPU_EMULATED_GPUS (device count, default 2), MGPU_EMU_SEED (fiber order, default 1)
-// and MGPU_EMU_STACK_KIB (fiber stack, default 64) and forgets all devices' state: allocations,
+// Re-reads MGPU_EMULATED_GPUS (device count, default 2), MGPU_EMU_SEED (fiber order and the
+// strict mode's choices, default 1), MGPU_EMU_STRICT (0 or 1, see strict()) and
+// MGPU_EMU_STACK_KIB (fiber stack, default 64) and forgets all devices' state: allocations,
 // streams, events, peer access, pending errors. Tests only; nothing may run on a device meanwhile.
 void reset_from_env();
 // Fiber order: 0 runs the threads of a block in ascending order in every phase; any other value
