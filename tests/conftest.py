@@ -10,6 +10,28 @@ import pytest
 
 import mgpu
 
+
+def _strict_emulator():
+    if os.environ.get("MGPU_EMU_STRICT") != "1" or not mgpu.build_info()["cuda_emulation"]:
+        return None
+    return f"MGPU_EMU_STRICT=1 MGPU_EMU_SEED={os.environ.get('MGPU_EMU_SEED', '1')}"
+
+
+def pytest_report_header(config):
+    strict = _strict_emulator()
+    return [f"strict CUDA emulator: {strict}"] if strict else []
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failing test on the strict emulator names the seed, so its run can be replayed."""
+    outcome = yield
+    report = outcome.get_result()
+    strict = _strict_emulator()
+    if strict and report.failed:
+        report.sections.append(("strict CUDA emulator", f"replay with {strict}"))
+
+
 # Tolerances, one row per kind of op, float32 results against float64 references:
 #  - elementwise ops round once per element: 1e-6 relative;
 #  - sums over many terms (conv, mm, pooling, softmax cross-entropy, whole LeNet steps) round once

@@ -121,7 +121,7 @@ def test_large_host_to_device_copy_crosses_staging_chunks(rng):
 @needs_gpus(2)
 @pytest.mark.parametrize("shapes", [[(7,)], [(3, 5), (1,), (129,), (2, 2, 2)], [(1,)]])
 def test_allreduce_on_gpus_is_bitwise_the_cpu_devices(rng, shapes):
-    k = 2
+    k = NUM_GPUS  # every GPU: test_gpu_defects.py runs this on 3 and 4 emulated GPUs too
     values = [[rng.normal(size=s).astype(np.float32) for s in shapes] for _ in range(k)]
     on_gpus = [[mgpu.array(v, device=mgpu.gpu(d)) for v in values[d]] for d in range(k)]
     on_cpus = [[mgpu.array(v, device=mgpu.cpu(d)) for v in values[d]] for d in range(k)]
@@ -167,6 +167,21 @@ def test_fused_step_on_two_gpus_equals_one_cpu_device():
         assert_close(a, ref, what=name, device=G0)
         np.testing.assert_array_equal(a, b, err_msg=f"{name}: the two GPU replicas differ")
     assert len(losses) == 2
+
+
+@needs_gpus(2)
+def test_fused_step_on_every_gpu_equals_one_cpu_device():
+    """All of this process's GPUs (test_gpu_defects.py runs it on 3 and 4 emulated GPUs): the
+    all-reduce's chunks and neighbours change with the count."""
+    devices = [mgpu.gpu(i) for i in range(NUM_GPUS)]
+    X, y = _batch(12, seed=8)
+    cpu_params, _ = _fused_steps([C0], X, y, steps=2)
+    gpu_params, _ = _fused_steps(devices, X, y, steps=2)
+    for i, ref in enumerate(cpu_params[0]):
+        assert_close(gpu_params[0][i], ref, what=f"param {i}", device=G0)
+        for d in range(1, NUM_GPUS):
+            np.testing.assert_array_equal(gpu_params[d][i], gpu_params[0][i],
+                                          err_msg=f"param {i}: gpu({d}) differs from gpu(0)")
 
 
 @needs_gpus(2)

@@ -180,13 +180,46 @@ Tensor from_dlpack_capsule(py::capsule cap) {
   void* data = static_cast<char*>(dl.data) + dl.byte_offset;
   // The producer's deleter may touch Python objects (NumPy's does), and the last reference can
   // be dropped on a device thread, so it runs with the GIL -- unless Python is already gone.
-  auto storage = Storage::wrap(device, data, nbytes, [m] {
+  auto give_back = [m] {
     if (!m->deleter) return;
     if (!Py_IsInitialized()) return;
     py::gil_scoped_acquire gil;
     m->deleter(m);
-  });
-  return Tensor(storage, shape, dtype, 0);
+  };
+  if (!on_gpu) return Tensor(Storage::wrap(device, data, nbytes, give_back), shape, dtype, 0);
+#if MGPU_GPU_BUILD
+  // Stream order in: the producer was asked (tensor.py) to order its pending work before the
+  // device's DLPack stream; the compute stream waits for that point before mgpu's first use.
+  const int index = device.index;
+  std::shared_ptr<gpu::ImportFence> fence = gpu::import_fence(index);
+  queue_of(device).enqueue("from_dlpack (waits for the producer's stream)",
+                           [index, fence] { gpu::wait_import_fence(index, *fence); });
+  // Stream order out: the last handle can go while mgpu's kernels on the memory are still
+  // queued or running; the producer may reuse it as soon as its deleter runs (a caching
+  // allocator does). So the deleter runs on the device's worker after everything queued before,
+  // once the compute stream has finished it.
+  auto release = [device, give_back] {
+    Queue& q = queue_of(device);
+    auto after_device = [device, give_back] {
+      try {
+        gpu::synchronize(device.index);
+      } catch (...) {  // a failed kernel: the queue reports it; the memory is still given back
+      }
+      give_back();
+    };
+    if (q.on_worker_thread()) after_device();
+    else if (Py_IsInitialized() && PyGILState_Check()) {
+      // enqueue may wait for room while the worker runs a task that needs the GIL.
+      py::gil_scoped_release nogil;
+      q.enqueue("from_dlpack (gives the memory back)", after_device);
+    } else {
+      q.enqueue("from_dlpack (gives the memory back)", after_device);
+    }
+  };
+  return Tensor(Storage::wrap(device, data, nbytes, release), shape, dtype, 0);
+#else
+  return Tensor(Storage::wrap(device, data, nbytes, give_back), shape, dtype, 0);
+#endif
 }
 
 py::dict build_info() {
@@ -299,6 +332,14 @@ void bind_core(py::module_& m) {
       }, py::arg("shape"), py::arg("dtype"), py::arg("device"), py::arg("op") = "empty",
       "Uninitialised memory of a shape, dtype name and device (`op` names the caller in errors).");
 
+  m.def("_dlpack_stream", [](int gpu_index) -> uintptr_t {
+    check_device(Device{DeviceKind::CUDA, gpu_index});
+#if MGPU_GPU_BUILD
+    return reinterpret_cast<uintptr_t>(gpu::import_stream(gpu_index));
+#else
+    return 0;
+#endif
+  }, "The stream a DLPack producer on gpu(i) orders its pending work before (__dlpack__'s stream).");
   m.def("synchronize", [](Device d) {
     check_device(d);
     py::gil_scoped_release nogil;

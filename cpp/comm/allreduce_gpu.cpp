@@ -43,6 +43,26 @@ void nccl_check(ncclResult_t r, const char* call) {
   }
 }
 
+// An NCCL group on this thread, ended when it goes out of scope, a throw included: a group left
+// open (an ncclAllReduce that failed between start and end) would hold back every later
+// collective of this thread, which then never launches and hangs.
+class NcclGroup {
+ public:
+  NcclGroup() { nccl_check(ncclGroupStart(), "ncclGroupStart"); }
+  ~NcclGroup() {
+    if (open_) ncclGroupEnd();  // unwinding: the first error is the one reported
+  }
+  void end() {
+    open_ = false;
+    nccl_check(ncclGroupEnd(), "ncclGroupEnd");
+  }
+  NcclGroup(const NcclGroup&) = delete;
+  NcclGroup& operator=(const NcclGroup&) = delete;
+
+ private:
+  bool open_ = true;
+};
+
 // One communicator per GPU for each set of devices, made once by ncclCommInitAll.
 std::vector<ncclComm_t>& communicators(const std::vector<int>& gpus) {
   static std::mutex mutex;
@@ -177,16 +197,15 @@ struct GpuCollective {
       // One grouped call launches the reduction on all devices' communication streams (no
       // cudaFree meanwhile: see gpu::device_wide_mutex).
       std::lock_guard<std::mutex> lock(gpu::device_wide_mutex());
-      nccl_check(ncclGroupStart(), "ncclGroupStart");
+      NcclGroup group;
       for (int d = 0; d < k(); ++d) {
         nccl_check(ncclAllReduce(flat[d].f32(), flat[d].f32(), static_cast<size_t>(total),
                                  ncclFloat, ncclSum, (*comms)[d], gpu::comm_stream(gpu[d])),
                    "ncclAllReduce");
       }
-      nccl_check(ncclGroupEnd(), "ncclGroupEnd");
-      // NCCL switched devices to launch on the others: make this worker's GPU current again
-      // (directly: gpu::set_device's per-thread cache still says it is).
-      MGPU_CUDA_CHECK(cudaSetDevice(gpu[me]));
+      group.end();
+      // NCCL switched devices to launch on the others: make this worker's GPU current again.
+      gpu::set_device(gpu[me]);
     }
     barrier.arrive_and_wait();  // the reduction is enqueued on every communication stream
     // Unpacked on the communication stream, so the compute stream need not wait here: with

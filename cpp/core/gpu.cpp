@@ -32,6 +32,7 @@ struct DeviceState {
   std::once_flag streams_once;
   cudaStream_t compute = nullptr;
   cudaStream_t comm = nullptr;
+  cudaStream_t dlpack = nullptr;  // DLPack producers order their work before mgpu's on it
 
   std::mutex capture_mutex;  // synchronize() vs. begin/end of a capture
   bool capturing = false;
@@ -54,17 +55,28 @@ DeviceState& state(int device) {
   return states[device];
 }
 
-thread_local int t_current = -1;
 thread_local int t_pool_device = -1;
 thread_local std::shared_ptr<PoolState> t_pool;
+
+// The thread's current device as the runtime has it (-1 if it cannot say). Never cached: other
+// code on the same thread (PyTorch, CuPy, a user's cudaSetDevice) changes it behind mgpu's back.
+int runtime_current_device() {
+  int d = -1;
+  if (cudaGetDevice(&d) != cudaSuccess) {
+    cudaGetLastError();
+    return -1;
+  }
+  return d;
+}
 
 // Makes `device` current for a scope and restores the thread's previous device after.
 class DeviceGuard {
  public:
-  explicit DeviceGuard(int device) : previous_(t_current) { set_device(device); }
+  explicit DeviceGuard(int device) : previous_(runtime_current_device()) { set_device(device); }
   ~DeviceGuard() {
-    if (previous_ >= 0 && previous_ != t_current && cudaSetDevice(previous_) == cudaSuccess)
-      t_current = previous_;
+    if (previous_ >= 0 && previous_ != runtime_current_device() &&
+        cudaSetDevice(previous_) != cudaSuccess)
+      cudaGetLastError();
   }
   DeviceGuard(const DeviceGuard&) = delete;
   DeviceGuard& operator=(const DeviceGuard&) = delete;
@@ -135,9 +147,10 @@ std::string runtime_name() {
 }
 
 void set_device(int device) {
-  if (t_current == device) return;
+  // cudaGetDevice reads the runtime's own per-thread state (no driver call): asking is cheap, and
+  // it is the truth even when other code switched devices since mgpu's last call.
+  if (runtime_current_device() == device) return;
   MGPU_CUDA_CHECK(cudaSetDevice(device));
-  t_current = device;
 }
 
 std::mutex& device_wide_mutex() {
@@ -152,6 +165,7 @@ DeviceState& with_streams(int device) {
     DeviceGuard guard(device);
     MGPU_CUDA_CHECK(cudaStreamCreateWithFlags(&s.compute, cudaStreamNonBlocking));
     MGPU_CUDA_CHECK(cudaStreamCreateWithFlags(&s.comm, cudaStreamNonBlocking));
+    MGPU_CUDA_CHECK(cudaStreamCreateWithFlags(&s.dlpack, cudaStreamNonBlocking));
     // Direct access to the other GPUs where the hardware allows it: peer copies (and NCCL's
     // fallbacks) then go over NVLink/PCIe instead of through host memory. Where it is not
     // possible, cudaMemcpyPeerAsync still works, staged by the driver.
@@ -169,6 +183,27 @@ DeviceState& with_streams(int device) {
 }  // namespace
 
 cudaStream_t compute_stream(int device) { return with_streams(device).compute; }
+cudaStream_t import_stream(int device) { return with_streams(device).dlpack; }
+
+struct ImportFence {
+  cudaEvent_t event = nullptr;
+  ~ImportFence() {
+    if (event && cudaEventDestroy(event) != cudaSuccess) cudaGetLastError();
+  }
+};
+
+std::shared_ptr<ImportFence> import_fence(int device) {
+  DeviceState& s = with_streams(device);
+  DeviceGuard guard(device);
+  auto fence = std::make_shared<ImportFence>();
+  MGPU_CUDA_CHECK(cudaEventCreateWithFlags(&fence->event, cudaEventDisableTiming));
+  MGPU_CUDA_CHECK(cudaEventRecord(fence->event, s.dlpack));
+  return fence;
+}
+
+void wait_import_fence(int device, const ImportFence& fence) {
+  MGPU_CUDA_CHECK(cudaStreamWaitEvent(with_streams(device).compute, fence.event, 0));
+}
 cudaStream_t comm_stream(int device) { return with_streams(device).comm; }
 
 void synchronize(int device) {
@@ -179,8 +214,9 @@ void synchronize(int device) {
     e = s.capturing ? cudaEventSynchronize(s.before_capture) : cudaStreamSynchronize(s.compute);
   }
   if (e != cudaSuccess) {
-    throw DeviceError("gpu(" + std::to_string(device) + "): a kernel or copy failed: " +
-                      cuda_detail::error_message(e, "cudaStreamSynchronize", __FILE__, __LINE__));
+    std::string message = cuda_detail::error_message(e, "cudaStreamSynchronize", __FILE__, __LINE__);
+    cudaGetLastError();  // reported here: the next launch check must not blame its kernel for it
+    throw DeviceError("gpu(" + std::to_string(device) + "): a kernel or copy failed: " + message);
   }
 }
 
@@ -254,16 +290,29 @@ void* allocate(int device, size_t nbytes, size_t* capacity) {
 
 void release(int device, void* ptr, size_t capacity) {
   DeviceState& s = state(device);
-  std::lock_guard<std::mutex> lock(s.mutex);
-  auto it = s.pooled.find(ptr);
-  if (it != s.pooled.end()) {
-    if (it->second->alive) {  // a graph still replays kernels that use this block
-      it->second->released.emplace_back(ptr, capacity);
-      s.stats.allocated -= capacity;
-      return;
+  {
+    std::lock_guard<std::mutex> lock(s.mutex);
+    auto it = s.pooled.find(ptr);
+    if (it != s.pooled.end()) {
+      if (it->second->alive) {  // a graph still replays kernels that use this block
+        it->second->released.emplace_back(ptr, capacity);
+        s.stats.allocated -= capacity;
+        return;
+      }
+      s.pooled.erase(it);
     }
-    s.pooled.erase(it);
   }
+#if defined(MGPU_CUDA_EMULATION)
+  // The strict emulator: the block is poisoned (NaN as floats) in the compute stream's order, so
+  // work of another stream that still reads it without a wait (a use after free) reads NaN.
+  if (emu::strict()) {
+    DeviceState& ss = with_streams(device);
+    std::lock_guard<std::mutex> lock(ss.capture_mutex);
+    if (!ss.capturing && cudaMemsetAsync(ptr, 0xff, capacity, ss.compute) != cudaSuccess)
+      cudaGetLastError();
+  }
+#endif
+  std::lock_guard<std::mutex> lock(s.mutex);
   s.free_lists[capacity].push_back(ptr);
   s.stats.allocated -= capacity;
   s.stats.cached += capacity;
@@ -437,6 +486,10 @@ namespace {
 void set_device(int) { not_built(); }
 cudaStream_t compute_stream(int) { not_built(); }
 cudaStream_t comm_stream(int) { not_built(); }
+cudaStream_t import_stream(int) { not_built(); }
+struct ImportFence {};
+std::shared_ptr<ImportFence> import_fence(int) { not_built(); }
+void wait_import_fence(int, const ImportFence&) { not_built(); }
 void synchronize(int) { not_built(); }
 void* allocate(int, size_t, size_t*) { not_built(); }
 void release(int, void*, size_t) { not_built(); }

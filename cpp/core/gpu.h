@@ -36,11 +36,20 @@ std::string device_query_error();
 // "CUDA <version>", "emulated CUDA (mgpu's emulator)" or "not built".
 std::string runtime_name();
 
-// Makes `device` the calling thread's current device (cached per thread).
+// Makes `device` the calling thread's current device (asks the runtime which one is current:
+// other code on the thread may have changed it, so nothing is cached).
 void set_device(int device);
 // The device's streams, created on first use and kept for the process's life.
 cudaStream_t compute_stream(int device);
 cudaStream_t comm_stream(int device);
+// DLPack import: the stream a producer is asked to order its pending work before (`stream` of
+// __dlpack__), never used by mgpu's worker, so a foreign thread's wait on it cannot land in a
+// graph the worker captures; import_fence records where the producer's work ends on it, and
+// wait_import_fence (by the device's worker) makes the compute stream wait for that point.
+cudaStream_t import_stream(int device);
+struct ImportFence;
+std::shared_ptr<ImportFence> import_fence(int device);
+void wait_import_fence(int device, const ImportFence& fence);
 // Blocks until the compute stream has finished everything issued so far; a failed kernel (an
 // asynchronous error on a real GPU) is thrown as DeviceError naming the device. While the stream
 // is capturing a graph (below) it waits for the work issued before the capture began instead:

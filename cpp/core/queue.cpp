@@ -285,6 +285,7 @@ void Queue::run() {
       if (start_error) std::rethrow_exception(start_error);
       task.fn();
     } catch (...) {
+      ++failed_tasks_;
       record_error(task.name, done_ + 1, std::current_exception());
     }
     if (tracing) {

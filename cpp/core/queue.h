@@ -29,6 +29,8 @@ class Queue {
   Queue& operator=(const Queue&) = delete;
 
   Device device() const { return device_; }
+  // Whether the calling thread is this queue's worker.
+  bool on_worker_thread() const { return std::this_thread::get_id() == worker_.get_id(); }
   // Appends a task and returns its sequence number (1, 2, ...). `name` (a string literal) names
   // the op in error messages; `bytes` is the memory the task's outputs hold while it waits.
   // Blocks while kMaxPending tasks are waiting or while the waiting tasks hold more than the
@@ -67,6 +69,9 @@ class Queue {
   };
   void begin_graph_checks();
   std::vector<DeferredCheck> end_graph_checks();
+  // How many of this queue's tasks have thrown so far (worker thread only): a capture compares
+  // it at its start and end, and a graph whose capture saw a task fail is incomplete.
+  uint64_t failed_tasks() const { return failed_tasks_; }
   void defer_checks(const std::vector<DeferredCheck>& checks);
 
  private:
@@ -100,6 +105,7 @@ class Queue {
   std::vector<DeferredCheck> graph_checks_;
   const char* running_name_ = "";  // the task the worker runs (worker thread only)
   uint64_t running_seq_ = 0;
+  uint64_t failed_tasks_ = 0;      // worker thread only
   uint64_t error_seq_ = 0;       // the task that hit it
   std::thread worker_;
 };

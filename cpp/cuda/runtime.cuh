@@ -60,8 +60,12 @@ inline std::string error_message(cudaError_t error, const char* expr, const char
   do {                                                                                      \
     const cudaError_t mgpu_cuda_error_ = (expr);                                            \
     if (mgpu_cuda_error_ != cudaSuccess) {                                                  \
-      throw MGPU_CUDA_ERROR_TYPE(                                                           \
-          ::mgpu::cuda_detail::error_message(mgpu_cuda_error_, #expr, __FILE__, __LINE__)); \
+      std::string mgpu_cuda_message_ =                                                      \
+          ::mgpu::cuda_detail::error_message(mgpu_cuda_error_, #expr, __FILE__, __LINE__);  \
+      /* Clears the error it reports: the next launch check must not find it again and */  \
+      /* blame its own kernel. */                                                           \
+      static_cast<void>(cudaGetLastError());                                                \
+      throw MGPU_CUDA_ERROR_TYPE(mgpu_cuda_message_);                                       \
     }                                                                                       \
   } while (0)
 // After a launch: a bad configuration (and, emulated, any failure of the kernel) shows here.

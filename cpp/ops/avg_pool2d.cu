@@ -17,7 +17,8 @@ struct PoolDims {
 __global__ void avg_pool2d_forward_kernel(int total, PoolDims d, const float* __restrict__ x,
                                           float* __restrict__ y) {
   const float area = static_cast<float>(d.kh * d.kw);
-  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += blockDim.x * gridDim.x) {
+  for (int64_t idx = detail::grid_index(); idx < total; idx += detail::grid_stride()) {
+    const int i = static_cast<int>(idx);  // < total, an int
     const int plane = i / (d.P * d.Q), p = i / d.Q % d.P, q = i % d.Q;
     const float* at = x + (plane * d.H + p * d.sh) * d.W + q * d.sw;
     // The window's rows first, then its columns: the order of cpu::avg_pool2d_forward.
@@ -36,7 +37,8 @@ __global__ void avg_pool2d_forward_kernel(int total, PoolDims d, const float* __
 __global__ void avg_pool2d_backward_kernel(int total, PoolDims d, const float* __restrict__ dy,
                                            float* __restrict__ dx) {
   const float area = static_cast<float>(d.kh * d.kw);
-  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += blockDim.x * gridDim.x) {
+  for (int64_t idx = detail::grid_index(); idx < total; idx += detail::grid_stride()) {
+    const int i = static_cast<int>(idx);  // < total, an int
     const int plane = i / (d.H * d.W), h = i / d.W % d.H, w = i % d.W;
     const int p_lo = h - d.kh + 1 > 0 ? (h - d.kh + d.sh) / d.sh : 0;
     const int p_hi = min(h / d.sh + 1, d.P);

@@ -102,6 +102,9 @@ cudnnContext* cudnn_handle(int device) {
 }
 
 size_t conv2d_cudnn_workspace_bytes(cudnnContext* handle, const Conv2dShape& s) {
+  // An empty batch or filter bank needs no workspace, and cuDNN refuses descriptors with a zero
+  // dimension (CUDNN_STATUS_BAD_PARAM): forward and backward handle those shapes without cuDNN.
+  if (s.N == 0 || s.K == 0) return 0;
   const Descriptors d(s);
   size_t fwd = 0, data = 0, filter = 0;
   check(cudnnGetConvolutionForwardWorkspaceSize(handle, d.x.get(), d.w.get(), d.conv.get(),
@@ -144,6 +147,14 @@ void conv2d_cudnn_backward(cudnnContext* handle, const Conv2dShape& s, const flo
     check(cudnnGetStream(handle, &stream), "cudnnGetStream");
     MGPU_CUDA_CHECK(cudaMemsetAsync(dw, 0, sizeof(float) * s.K * s.C * s.R * s.S, stream));
     if (db != nullptr) MGPU_CUDA_CHECK(cudaMemsetAsync(db, 0, sizeof(float) * s.K, stream));
+    return;
+  }
+  if (s.K == 0) {  // no filters: nothing flows back to x, and dw, db are empty
+    cudaStream_t stream = nullptr;
+    check(cudnnGetStream(handle, &stream), "cudnnGetStream");
+    if (dx != nullptr) {
+      MGPU_CUDA_CHECK(cudaMemsetAsync(dx, 0, sizeof(float) * s.N * s.C * s.H * s.W, stream));
+    }
     return;
   }
   const Descriptors d(s);

@@ -33,14 +33,18 @@ inline void require(bool ok, const char* op, const std::string& what) {
 
 __host__ __device__ inline int ceil_div(int a, int b) { return (a + b - 1) / b; }
 
-// Grid-stride loop: a bounded grid covers any n, each thread taking i, i + grid size, ...
-// 64-bit i: the per-element ops also run on tensors larger than 2^31 elements.
+// Grid-stride loops: a bounded grid covers any n, each thread taking i, i + grid size, ... Every
+// such loop counts in 64 bits (`for (int64_t i = grid_index(); i < n; i += grid_stride())`): with
+// an int counter, i + stride overflows once n is within one stride of 2^31, even where n itself
+// fits an int.
+__device__ inline int64_t grid_index() {
+  return static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+}
+__device__ inline int64_t grid_stride() { return static_cast<int64_t>(blockDim.x) * gridDim.x; }
+
 template <class Body>
 __global__ void elementwise_kernel(int64_t n, Body body) {
-  const int64_t step = static_cast<int64_t>(blockDim.x) * gridDim.x;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += step) {
-    body(i);
-  }
+  for (int64_t i = grid_index(); i < n; i += grid_stride()) body(i);
 }
 
 constexpr int kElementThreads = 256;

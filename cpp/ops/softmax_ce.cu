@@ -129,7 +129,8 @@ void backward(int64_t n, int64_t m, const float* logits, const Label* labels, co
 template <class Label>
 __global__ void find_bad_label_kernel(int n, int64_t m, const Label* __restrict__ labels,
                                       int32_t* bad_row) {
-  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+  for (int64_t idx = detail::grid_index(); idx < n; idx += detail::grid_stride()) {
+    const int i = static_cast<int>(idx);  // < n, an int
     const int64_t label = labels[i];
     if (label < 0 || label >= m) atomicMin(bad_row, i);
   }

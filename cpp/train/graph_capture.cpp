@@ -4,6 +4,7 @@
 // overwritten by a later replay. Executed on emulated GPUs (cpp/cuda/emu); on real GPUs only compiled.
 #include "train/graph_capture.h"
 
+#include <atomic>
 #include <cstdlib>
 #include <deque>
 #include <map>
@@ -24,6 +25,10 @@ struct CapturedStep {
   std::vector<std::shared_ptr<gpu::Graph>> graphs;  // one per bucket, set by the capturing tasks
   std::vector<Queue::DeferredCheck> checks;   // the label checks, re-armed at every replay
   std::shared_ptr<gpu::GraphPool> pool;       // the intermediates' memory
+  // Set by the worker when a task failed during the capture (the graphs would lack its work) or
+  // a capture could not be ended: never replayed, and load_captured_step captures anew.
+  std::atomic<bool> failed{false};
+  uint64_t failures_at_begin = 0;             // the queue's failed_tasks() when capture began
 };
 
 namespace {
@@ -46,13 +51,14 @@ std::shared_ptr<CapturedStep> capture(const Model& m, const Tensor& xs, const Te
   g->graphs.resize(n);
   Queue& q = queue_of(dev);
   const bool cublas = ops::gemm_path() == ops::GemmPath::Cublas;
-  q.enqueue("train step (capturing a CUDA graph)", [dev, &q, cublas] {
+  q.enqueue("train step (capturing a CUDA graph)", [g, dev, &q, cublas] {
 #if MGPU_BUILT_CUDA && !MGPU_CUDA_EMULATION_BUILD
     // cublasCreate allocates device memory (cudaMalloc), which the capturing thread may not do:
     // make the handle before the capture, not at the first mm inside it.
     if (cublas) ops::cuda::cublas_handle(dev.index);
 #endif
     (void)cublas;
+    g->failures_at_begin = q.failed_tasks();
     gpu::begin_capture(dev.index);
     q.begin_graph_checks();
   });
@@ -65,9 +71,13 @@ std::shared_ptr<CapturedStep> capture(const Model& m, const Tensor& xs, const Te
       try {
         g->graphs[b] = gpu::end_capture(dev.index);
       } catch (...) {
+        g->failed = true;
         if (b + 1 < n) gpu::begin_capture(dev.index);  // later graphs are still captured (and
         throw;                                          // ended): the state stays consistent
       }
+      // A task that threw while this step was captured left its work out of the graphs: they
+      // are incomplete, and a replay would compute something else without a word.
+      if (q.failed_tasks() != g->failures_at_begin) g->failed = true;
       if (b + 1 < n) gpu::begin_capture(dev.index);
     });
   };
@@ -111,10 +121,11 @@ std::shared_ptr<CapturedStep> load_captured_step(const Model& m, const Tensor& x
     std::lock_guard<std::mutex> lock(mutex);
     auto it = cache->find(key);
     if (it != cache->end()) g = it->second;
+    if (g && g->failed) g = nullptr;  // its capture failed (the error was raised): capture again
     if (!g) {
       g = capture(m, xs, ys, r, dev);
+      if (cache->count(key) == 0) order->push_back(key);
       (*cache)[key] = g;
-      order->push_back(key);
       if (order->size() > kMaxCapturedSteps) {
         cache->erase(order->front());
         order->pop_front();
@@ -133,7 +144,7 @@ Tensor replay_captured_step(const std::shared_ptr<CapturedStep>& g, Device dev,
   Queue& q = queue_of(dev);
   for (size_t b = 0; b < g->graphs.size(); ++b) {
     q.enqueue("train step (CUDA graph)", [g, dev, &q, b] {
-      if (!g->graphs[b]) capture_failed();
+      if (g->failed || !g->graphs[b]) capture_failed();
       gpu::launch(*g->graphs[b], dev.index);
       if (b != 0) return;
       // Every replay writes the same flag and label buffers: check copies of this replay's, so

@@ -451,11 +451,22 @@ def arange(n: int, device: Optional[Device] = None, dtype=np.float32,
     return array(np.arange(_int(n, "arange", "n")), device=device or ctx, dtype=dtype)
 
 
+_DLPACK_CUDA = 2  # kDLCUDA, DLPack's device type of CUDA memory
+
+
 def from_dlpack(obj) -> Tensor:
     """A tensor sharing memory with any DLPack producer (NumPy array, PyTorch CPU tensor, ...)."""
     if hasattr(obj, "__dlpack__"):
+        # A producer on one of our GPUs is asked to order its pending work before the stream
+        # mgpu reads after (the protocol's `stream`): mgpu's own streams do not wait for its
+        # default stream by themselves.
+        kwargs = {}
+        where = obj.__dlpack_device__() if hasattr(obj, "__dlpack_device__") else None
+        on_gpu = where is not None and int(where[0]) == _DLPACK_CUDA
+        if on_gpu and 0 <= int(where[1]) < _core.num_gpus():
+            kwargs["stream"] = _core._dlpack_stream(int(where[1]))
         try:
-            capsule = obj.__dlpack__()
+            capsule = obj.__dlpack__(**kwargs)
         except (TypeError, BufferError) as e:
             raise ValueError(f"from_dlpack: the object refused to export: {e}") from e
     elif type(obj).__name__ == "PyCapsule":

@@ -4,6 +4,7 @@
 // g++ with -DMGPU_CUDA_EMULATION. Each launcher only launches: tests read cudaGetLastError().
 #include <cassert>  // before cuda/runtime.cuh, whose emulated assert() fails the launch instead
 #include <climits>
+#include <cstdint>
 
 #include "cuda/runtime.cuh"
 
@@ -133,7 +134,9 @@ void histogram(const int* values, int n, unsigned* bins, int num_bins, float* su
 
 // ---- y = a x + y over a grid smaller than n: the grid-stride loop -------------------------------
 __global__ void saxpy_kernel(int n, float a, const float* __restrict__ x, float* __restrict__ y) {
-  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += blockDim.x * gridDim.x) {
+  const int64_t stride = static_cast<int64_t>(blockDim.x) * gridDim.x;  // 64 bits: no overflow
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += stride) {
     y[i] = a * x[i] + y[i];
   }
 }
@@ -191,6 +194,15 @@ void barrier_shuffle_deadlock(float* out, cudaStream_t stream) {
 }
 void gather(const float* x, const int* index, float* out, int n, int m, cudaStream_t stream) {
   MGPU_LAUNCH(gather_kernel, (m + 127) / 128, 128, 0, stream)(x, index, out, n, m);
+}
+
+// ---- The order in which a grid's blocks ran: block b's thread 0 takes the next turn -------------
+__global__ void block_turns_kernel(int* turns, int* counter) {
+  if (threadIdx.x == 0) turns[blockIdx.x] = atomicAdd(counter, 1);
+}
+
+void block_turns(int* turns, int* counter, int blocks, cudaStream_t stream) {
+  MGPU_LAUNCH(block_turns_kernel, blocks, 32, 0, stream)(turns, counter);
 }
 
 }  // namespace mgpu_test

@@ -6,6 +6,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <random>
@@ -29,6 +30,7 @@ void reverse_chunks(const float* in, float* out, int n, int threads, cudaStream_
 void divergent_barrier(float* out, cudaStream_t stream);
 void barrier_shuffle_deadlock(float* out, cudaStream_t stream);
 void gather(const float* x, const int* index, float* out, int n, int m, cudaStream_t stream);
+void block_turns(int* turns, int* counter, int blocks, cudaStream_t stream);
 }  // namespace mgpu_test
 
 namespace {
@@ -703,6 +705,126 @@ TEST_F(Emu, CaptureRejectsSynchronisingCalls) {
   EXPECT_EQ(cudaGraphDestroy(graph), cudaSuccess);
   EXPECT_EQ(cudaFree(p), cudaSuccess);
   EXPECT_EQ(cudaStreamDestroy(s), cudaSuccess);
+}
+
+// ---- Strict mode (MGPU_EMU_STRICT=1) --------------------------------------------------------------
+class StrictEmu : public ::testing::Test {
+ protected:
+  void SetUp() override { strict(1); }
+  void TearDown() override {
+    cudaGetLastError();
+    unsetenv("MGPU_EMU_STRICT");
+    unsetenv("MGPU_EMU_SEED");
+    mgpu::emu::reset_from_env();
+  }
+  static void strict(uint64_t seed) {
+    setenv("MGPU_EMU_STRICT", "1", 1);
+    setenv("MGPU_EMU_SEED", std::to_string(seed).c_str(), 1);
+    mgpu::emu::reset_from_env();
+  }
+};
+
+TEST_F(StrictEmu, BlocksOfAGridRunInARandomOrderEveryBlockOnce) {
+  constexpr int kBlocks = 64;
+  DeviceVector<int> turns(std::vector<int>(kBlocks, -1)), counter(std::vector<int>{0});
+  mgpu_test::block_turns(turns.get(), counter.get(), kBlocks, nullptr);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess) << last_error_detail();
+  std::vector<int> got = turns.download(), sorted = got;
+  std::sort(sorted.begin(), sorted.end());
+  for (int b = 0; b < kBlocks; ++b) EXPECT_EQ(sorted[b], b) << "every block runs once";
+  int in_place = 0;
+  for (int b = 0; b < kBlocks; ++b) in_place += got[b] == b;
+  EXPECT_LT(in_place, kBlocks / 2) << "the blocks ran (nearly) in ascending order";
+  // The lenient emulator runs them in ascending order.
+  unsetenv("MGPU_EMU_STRICT");
+  mgpu::emu::reset_from_env();
+  DeviceVector<int> turns2(std::vector<int>(kBlocks, -1)), counter2(std::vector<int>{0});
+  mgpu_test::block_turns(turns2.get(), counter2.get(), kBlocks, nullptr);
+  std::vector<int> ascending(kBlocks);
+  for (int b = 0; b < kBlocks; ++b) ascending[b] = b;
+  EXPECT_EQ(turns2.download(), ascending);
+}
+
+// Stream B reads what stream A writes. With the event wait the result is right for every seed;
+// without it (a planted missing stream wait) some seed runs B before A, as a GPU may.
+TEST_F(StrictEmu, AMissingStreamWaitShowsAsAWrongResultForSomeSeed) {
+  constexpr int kN = 1000;
+  auto run = [](uint64_t seed, bool wait) {
+    strict(seed);
+    cudaStream_t a = nullptr, b = nullptr;
+    cudaEvent_t written = nullptr;
+    EXPECT_EQ(cudaStreamCreateWithFlags(&a, cudaStreamNonBlocking), cudaSuccess);
+    EXPECT_EQ(cudaStreamCreateWithFlags(&b, cudaStreamNonBlocking), cudaSuccess);
+    EXPECT_EQ(cudaEventCreateWithFlags(&written, cudaEventDisableTiming), cudaSuccess);
+    DeviceVector<float> x(std::vector<float>(kN, 1.0f)), y(std::vector<float>(kN, 0.0f));
+    mgpu_test::saxpy(kN, 1.0f, x.get(), x.get(), 4, 64, a);  // x = 2 on stream a
+    EXPECT_EQ(cudaEventRecord(written, a), cudaSuccess);
+    if (wait) {
+      EXPECT_EQ(cudaStreamWaitEvent(b, written, 0), cudaSuccess);
+    }
+    mgpu_test::saxpy(kN, 1.0f, x.get(), y.get(), 4, 64, b);  // y = x on stream b
+    EXPECT_EQ(cudaStreamSynchronize(b), cudaSuccess);
+    std::vector<float> got = y.download();
+    EXPECT_EQ(cudaStreamSynchronize(a), cudaSuccess);
+    cudaEventDestroy(written);
+    cudaStreamDestroy(a);
+    cudaStreamDestroy(b);
+    bool right = true;
+    for (float v : got) right = right && v == 2.0f;
+    return right;
+  };
+  int wrong_without_wait = 0;
+  for (uint64_t seed = 1; seed <= 8; ++seed) {
+    EXPECT_TRUE(run(seed, true)) << "seed " << seed << ", with the wait";
+    wrong_without_wait += run(seed, false) ? 0 : 1;
+  }
+  EXPECT_GT(wrong_without_wait, 0) << "no seed ran stream b ahead of stream a";
+}
+
+TEST_F(StrictEmu, WorkOnAStreamWaitsUntilTheHostSynchronises) {
+  // Some seed leaves a launch pending after it returns (seed-dependent by design); sync runs it.
+  bool seen_pending = false;
+  for (uint64_t seed = 1; seed <= 8 && !seen_pending; ++seed) {
+    strict(seed);
+    cudaStream_t s = nullptr;
+    ASSERT_EQ(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), cudaSuccess);
+    std::vector<float> host(16, 0.0f);
+    DeviceVector<float> x(std::vector<float>(16, 1.0f));
+    mgpu_test::saxpy(16, 1.0f, x.get(), x.get(), 1, 16, s);  // x = 2, maybe not yet
+    // A plain cudaMemcpy (legacy stream) does not wait for a non-blocking stream.
+    ASSERT_EQ(cudaMemcpy(host.data(), x.get(), 16 * sizeof(float), cudaMemcpyDeviceToHost),
+              cudaSuccess);
+    seen_pending = host[0] == 1.0f;
+    ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+    EXPECT_EQ(x.download(), std::vector<float>(16, 2.0f)) << "seed " << seed;
+    cudaStreamDestroy(s);
+  }
+  EXPECT_TRUE(seen_pending);
+}
+
+TEST_F(StrictEmu, AnEventRecordedInACaptureCannotBeWaitedOnOutsideIt) {
+  cudaStream_t s = nullptr;
+  cudaEvent_t e = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), cudaSuccess);
+  ASSERT_EQ(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), cudaSuccess);
+  ASSERT_EQ(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+  ASSERT_EQ(cudaEventRecord(e, s), cudaSuccess);
+  cudaGraph_t g = nullptr;
+  ASSERT_EQ(cudaStreamEndCapture(s, &g), cudaSuccess);
+  EXPECT_EQ(cudaEventSynchronize(e), cudaErrorCapturedEvent);
+  EXPECT_EQ(cudaEventQuery(e), cudaErrorCapturedEvent);
+  EXPECT_EQ(cudaEventRecord(e, s), cudaSuccess);  // recorded outside: a point in time again
+  EXPECT_EQ(cudaEventSynchronize(e), cudaSuccess);
+  cudaGraphDestroy(g);
+  cudaEventDestroy(e);
+  cudaStreamDestroy(s);
+}
+
+TEST_F(StrictEmu, AKernelFailureNamesTheSeedToReplay) {
+  DeviceVector<float> out(std::vector<float>(64, 0.0f));
+  mgpu_test::divergent_barrier(out.get(), nullptr);
+  cudaDeviceSynchronize();
+  EXPECT_THAT(last_error_detail(), HasSubstr("MGPU_EMU_STRICT=1 MGPU_EMU_SEED=1"));
 }
 
 }  // namespace

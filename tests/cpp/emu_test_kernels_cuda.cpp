@@ -17,6 +17,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "core/gpu.h"
 #include "cuda/runtime.cuh"
 #include "ops/argmax.h"
 #include "ops/avg_pool2d.h"
@@ -191,6 +192,38 @@ TEST_F(CudaKernels, Conv2dRejectsWhatItCannotLaunch) {
   EXPECT_THROW(gpu::conv2d_backward(Conv2dShape{1, 1, 5, 5, 1, 3, 3, 1, 0}, buf.get(), buf.get(),
                                     buf.get(), nullptr, nullptr, nullptr, stream_),
                std::invalid_argument);
+}
+
+// A failed runtime call is reported once, by its own check: the launch check after the next,
+// good kernel does not find the old error and blame that kernel (issue 21, finding 11).
+TEST_F(CudaKernels, AFailedCallIsNotReportedAgainByTheNextKernelsLaunchCheck) {
+  float host = 0.0f;  // pageable host memory: cudaMemsetAsync refuses it
+  EXPECT_THROW(MGPU_CUDA_CHECK(cudaMemsetAsync(&host, 0, sizeof host, stream_)), std::exception);
+  const Floats x = random_floats(2 * 3 * 4 * 4, 7);
+  DeviceVector<float> x_(x), y_(Floats(2 * 3 * 2 * 2, kNaN));
+  EXPECT_NO_THROW(gpu::avg_pool2d_forward(2, 3, 4, 4, 2, 2, 2, 2, x_.get(), y_.get(), stream_));
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+}
+
+// mgpu's allocator puts a block on the device asked for even when other code on the thread (PyTorch,
+// CuPy, a user's cudaSetDevice) switched the current device since mgpu last set it (issue 21,
+// finding 4), and leaves the thread's current device as that code set it.
+TEST(GpuDevice, AllocationLandsOnItsDeviceAfterOtherCodeSwitchedTheCurrentDevice) {
+  int count = 0;
+  ASSERT_EQ(cudaGetDeviceCount(&count), cudaSuccess);
+  if (count < 2) GTEST_SKIP() << "needs 2 emulated GPUs";
+  mgpu::gpu::set_device(1);
+  ASSERT_EQ(cudaSetDevice(0), cudaSuccess);  // the other code's switch
+  size_t capacity = 0;
+  void* p = mgpu::gpu::allocate(1, (size_t(3) << 20) + 123, &capacity);  // a size no test caches
+  // cudaMemcpyPeer checks that each side is memory of the device it names.
+  EXPECT_EQ(cudaMemcpyPeer(p, 1, p, 1, 4), cudaSuccess) << mgpu::emu::last_error_detail();
+  int current = -1;
+  EXPECT_EQ(cudaGetDevice(&current), cudaSuccess);
+  EXPECT_EQ(current, 0);
+  cudaGetLastError();
+  // Straight back to the emulator, not into the cache: the fixtures' resets free every allocation.
+  cudaFree(p);
 }
 
 // ================================ avg_pool2d ================================

@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <numeric>
 #include <stdexcept>
 
 #include "cuda/emu/internal.h"
@@ -348,31 +349,36 @@ cudaError_t run_grid(const LaunchSpec& s) {
   sched.block = &b;
   gridDim = s.grid;
   blockDim = s.block;
-  uint64_t linear = 0;
+  // Blocks in ascending order; in strict mode in a random order per launch (an affine
+  // permutation k -> (a k + c) mod blocks with a coprime to blocks), as a GPU's scheduler gives
+  // no order: a kernel that depends on block order fails.
+  const uint64_t gx = s.grid.x, gxy = gx * s.grid.y, blocks = gxy * s.grid.z;
+  uint64_t a = 1, c = 0;
+  if (g_strict.load() && blocks > 1 && blocks <= (uint64_t(1) << 32)) {  // a k + c fits 64 bits
+    c = strict_draw() % blocks;
+    do a = strict_draw() % blocks; while (a == 0 || std::gcd(a, blocks) != 1);
+  }
   cudaError_t result = cudaSuccess;
-  for (unsigned bz = 0; bz < s.grid.z && result == cudaSuccess; ++bz) {
-    for (unsigned by = 0; by < s.grid.y && result == cudaSuccess; ++by) {
-      for (unsigned bx = 0; bx < s.grid.x; ++bx, ++linear) {
-        blockIdx = uint3{bx, by, bz};
-        for (Fiber* f : b.fibers) {
-          f->state = FiberState::runnable;
-          f->abort = false;
-        }
-        b.exited = 0;
-        b.arrived = 0;
-        b.events = 0;
-        std::memset(shared.get(), 0xff, s.shared_bytes);
-        run_block(b, linear);
-        if (b.failed) {
-          std::string thread =
-              b.has_thread ? cat(", ", thread_str(b, b.failed_tid)) : std::string();
-          result = report_kernel_failure(
-              s.device, b.code,
-              cat(launch_name(s), " failed in block ", dim_str(dim3(blockIdx)), " of grid ",
-                  dim_str(s.grid), " (block size ", dim_str(s.block), ")", thread, ": ", b.what));
-          break;
-        }
-      }
+  for (uint64_t k = 0; k < blocks; ++k) {
+    const uint64_t linear = (a * k + c) % blocks;
+    blockIdx = uint3{static_cast<unsigned>(linear % gx), static_cast<unsigned>(linear % gxy / gx),
+                     static_cast<unsigned>(linear / gxy)};
+    for (Fiber* f : b.fibers) {
+      f->state = FiberState::runnable;
+      f->abort = false;
+    }
+    b.exited = 0;
+    b.arrived = 0;
+    b.events = 0;
+    std::memset(shared.get(), 0xff, s.shared_bytes);
+    run_block(b, linear);
+    if (b.failed) {
+      std::string thread = b.has_thread ? cat(", ", thread_str(b, b.failed_tid)) : std::string();
+      result = report_kernel_failure(
+          s.device, b.code,
+          cat(launch_name(s), " failed in block ", dim_str(dim3(blockIdx)), " of grid ",
+              dim_str(s.grid), " (block size ", dim_str(s.block), ")", thread, ": ", b.what));
+      break;
     }
   }
   sched.block = nullptr;

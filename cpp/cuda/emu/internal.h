@@ -5,6 +5,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <deque>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -38,11 +39,18 @@ struct CUstream_st {
   cudaStreamCaptureMode mode = cudaStreamCaptureModeGlobal;
   std::thread::id capture_thread;
   std::vector<Work> recorded;
+  // Strict mode (MGPU_EMU_STRICT=1): work issued but not yet run, in stream order; it runs when
+  // something synchronises with the stream (or at a random earlier point), on that thread.
+  std::mutex pending_mu;
+  std::deque<Work> pending;
+  std::mutex exec_mu;  // one thread at a time runs a stream's pending work, in order
 };
 struct CUevent_st {
   int device = 0;
   unsigned flags = 0;
   bool recorded = false;
+  CUstream_st* stream = nullptr;  // where it was last recorded (strict mode runs it up to there)
+  bool captured = false;          // last recorded into a capture: a node, not a point in time
   std::chrono::steady_clock::time_point time;
 };
 struct CUgraph_st {
@@ -115,6 +123,17 @@ inline constexpr size_t kDefaultStack = 256 * 1024;  // ASan's redzones make fra
 inline constexpr size_t kDefaultStack = 64 * 1024;
 #endif
 extern std::atomic<uint64_t> g_seed;
+// Strict mode (MGPU_EMU_STRICT=1): streams run behind the host, blocks of a grid in a random
+// order, freed memory is poisoned, and CUDA's capture rules on events apply. Its random choices
+// come from MGPU_EMU_SEED (a failing run names the seed, to replay it).
+extern std::atomic<bool> g_strict;
+// The next number of the strict mode's seeded sequence (shared by all threads).
+uint64_t strict_draw();
+// Runs a stream's pending work (strict mode), on this thread; its errors go to the device's
+// next synchronisation, not to this thread's last error.
+void flush_stream(CUstream_st* s);
+// Every stream of `device` (-1: of every device).
+void flush_device(int device);
 extern std::atomic<size_t> g_stack_size;
 
 // The checks every runtime call shares (state.cpp); each returns the error it recorded with fail().

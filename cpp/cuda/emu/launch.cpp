@@ -1,6 +1,8 @@
 // cpp/cuda/emu/launch.cpp -- a kernel launch: the configuration checked as CUDA checks it (block
 // and grid limits, dynamic shared memory against the kernel's limit), every pointer argument
 // checked against the launching device's memory, then the grid run (fibers.cpp) or recorded.
+#include <cstdlib>
+#include <cstring>
 #include <memory>
 
 #include "cuda/emu/internal.h"
@@ -13,6 +15,10 @@ std::string launch_name(const LaunchSpec& s) {
 
 cudaError_t report_kernel_failure(int device, cudaError_t code, std::string message) {
   Runtime& r = runtime();
+  if (g_strict.load()) {
+    message += cat(" [strict emulator: replay with MGPU_EMU_STRICT=1 MGPU_EMU_SEED=", g_seed.load(),
+                   "]");
+  }
   {
     std::lock_guard<std::mutex> lock(r.mu);
     if (device >= 0 && device < int(r.pending.size()) && r.pending[device] == cudaSuccess) {
@@ -112,6 +118,19 @@ void launch(const LaunchSite& site, dim3 grid, dim3 block, size_t shared_bytes, 
     return;
   }
   if (check_config(spec)) return;
+  if (s->capturing) {
+    // Fault injection for tests: MGPU_EMU_FAIL_CAPTURED_KERNEL=NAME refuses every launch of a
+    // kernel whose name contains NAME into a capturing stream, as a launch refused before it
+    // reaches the stream (the capture itself goes on). Read at each such launch, so a test may
+    // set and unset it between steps.
+    const char* name = std::getenv("MGPU_EMU_FAIL_CAPTURED_KERNEL");
+    if (name != nullptr && *name != '\0' && std::strstr(spec.site.kernel, name) != nullptr) {
+      fail(cudaErrorLaunchFailure,
+           cat(launch_name(spec), ": refused on purpose while capturing a graph "
+                                  "(MGPU_EMU_FAIL_CAPTURED_KERNEL=", name, ")"));
+      return;
+    }
+  }
   bool legacy = s->is_default && stream != cudaStreamPerThread;
   auto shared_spec = std::make_shared<const LaunchSpec>(std::move(spec));
   issue("kernel launch", s, legacy, [shared_spec] {

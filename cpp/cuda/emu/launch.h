@@ -21,13 +21,18 @@ namespace mgpu::emu {
 // the generic text of a code; MGPU_CUDA_CHECK appends this.
 const std::string& last_error_detail();
 
-// Re-reads MGPU_EMULATED_GPUS (device count, default 2), MGPU_EMU_SEED (fiber order, default 1)
-// and MGPU_EMU_STACK_KIB (fiber stack, default 64) and forgets all devices' state: allocations,
+// Re-reads MGPU_EMULATED_GPUS (device count, default 2), MGPU_EMU_SEED (fiber order and the
+// strict mode's choices, default 1), MGPU_EMU_STRICT (0 or 1, see strict()) and
+// MGPU_EMU_STACK_KIB (fiber stack, default 64) and forgets all devices' state: allocations,
 // streams, events, peer access, pending errors. Tests only; nothing may run on a device meanwhile.
 void reset_from_env();
 // Fiber order: 0 runs the threads of a block in ascending order in every phase; any other value
 // seeds a shuffle per block and barrier phase. Takes effect at the next launch.
 void set_seed(uint64_t seed);
+// Whether strict mode is on (MGPU_EMU_STRICT=1): streams run behind the host in a seeded random
+// interleaving, a grid's blocks in a random order, freed memory is poisoned, captured events
+// cannot be waited on. The caching allocator poisons the blocks it takes back when it is on.
+bool strict();
 // How many fiber switches this OS thread has made, and how many fibers (stacks) it keeps for
 // reuse: as many as the largest block it ran, whatever the grid size.
 uint64_t fiber_switches();

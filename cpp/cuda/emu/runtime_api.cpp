@@ -51,6 +51,8 @@ constexpr ErrorText kErrors[] = {
      "capture was not ended in the same stream as it began"},
     {cudaErrorStreamCaptureImplicit, "cudaErrorStreamCaptureImplicit",
      "operation would make the legacy stream depend on a capturing blocking stream"},
+    {cudaErrorCapturedEvent, "cudaErrorCapturedEvent",
+     "operation not permitted on an event last recorded in a capturing stream"},
     {cudaErrorUnknown, "cudaErrorUnknown", "unknown error"},
 };
 const ErrorText* find_error(cudaError_t e) {
@@ -141,6 +143,7 @@ cudaError_t cudaGetDeviceProperties(cudaDeviceProp* prop, int device) {
 cudaError_t cudaDeviceSynchronize(void) {
   if (!mgpu::emu::valid_device(tls.device))
     return mgpu::emu::bad_device("cudaDeviceSynchronize", tls.device);
+  if (mgpu::emu::g_strict.load()) mgpu::emu::flush_device(tls.device);
   {
     auto& r = runtime();
     std::lock_guard<std::mutex> lock(r.mu);
@@ -251,6 +254,8 @@ cudaError_t release(const char* api, void* p, bool device_memory) {
   if (p == nullptr) return cudaSuccess;
   if (cudaError_t e = mgpu::emu::check_capture_safe(api, cudaErrorStreamCaptureUnsupported))
     return e;
+  // cudaFree waits for the device to be idle (every stream's work so far), as on a real GPU.
+  if (mgpu::emu::g_strict.load()) mgpu::emu::flush_device(-1);
   auto& r = runtime();
   std::lock_guard<std::mutex> lock(r.mu);
   auto it = r.allocations.find(reinterpret_cast<uintptr_t>(p));
@@ -260,6 +265,9 @@ cudaError_t release(const char* api, void* p, bool device_memory) {
                     device_memory ? "cudaMalloc" : "cudaMallocHost", " allocation"));
   }
   if (it->second.device >= 0) r.allocated[it->second.device] -= it->second.size;
+  // Strict mode: the memory is poisoned (NaN as floats) before it goes, for a use after free
+  // that escapes the pointer checks (a kernel holding a pointer into a later allocation).
+  if (mgpu::emu::g_strict.load()) std::memset(p, 0xff, it->second.size);
   r.allocations.erase(it);
   std::free(p);
   return cudaSuccess;
@@ -381,7 +389,10 @@ cudaError_t cudaStreamCreateWithFlags(cudaStream_t* pStream, unsigned int flags)
 }
 cudaError_t cudaStreamDestroy(cudaStream_t stream) {
   auto& r = runtime();
+  if (live(r.streams, stream)) mgpu::emu::flush_stream(stream);  // its work still completes
   std::lock_guard<std::mutex> lock(r.mu);
+  for (CUevent_st* e : r.events)
+    if (e->stream == stream) e->stream = nullptr;
   if (r.streams.erase(stream) == 0) {
     return fail(cudaErrorInvalidResourceHandle,
                 cat("cudaStreamDestroy: ", mgpu::emu::ptr_str(stream), " is not a live stream"));
@@ -397,6 +408,7 @@ cudaError_t cudaStreamSynchronize(cudaStream_t stream) {
     return fail(cudaErrorStreamCaptureUnsupported,
                 "cudaStreamSynchronize on a capturing stream; end the capture first");
   }
+  mgpu::emu::flush_stream(s);
   return mgpu::emu::take_pending(s->device);
 }
 cudaError_t cudaStreamQuery(cudaStream_t stream) {
@@ -406,7 +418,8 @@ cudaError_t cudaStreamQuery(cudaStream_t stream) {
     s->invalidated = true;
     return fail(cudaErrorStreamCaptureUnsupported, "cudaStreamQuery on a capturing stream");
   }
-  return cudaSuccess;  // work runs when issued, so a stream is always idle
+  mgpu::emu::flush_stream(s);  // strict mode: its work is done by the time it says so
+  return cudaSuccess;
 }
 cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event, unsigned int flags) {
   (void)flags;
@@ -415,8 +428,18 @@ cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event, unsigned
   if (!live(runtime().events, event)) {
     return fail(cudaErrorInvalidResourceHandle, "cudaStreamWaitEvent: not a live event");
   }
-  // Everything before the event's record has already run; in a capture the order is the
-  // recording order, so the wait is a no-op either way.
+  // Lenient: everything before the event's record has already run. Strict: it runs now, on this
+  // thread, so that what `stream` issues after this call comes after it. In a capture the order
+  // is the recording order, so the wait is a no-op.
+  if (mgpu::emu::g_strict.load() && !s->capturing) {
+    if (event->captured) {
+      return fail(cudaErrorCapturedEvent,
+                  "cudaStreamWaitEvent outside the capture on an event last recorded in a "
+                  "capturing stream");
+    }
+    // A capturing stream's queue holds only work issued before the capture: run it.
+    if (event->stream != nullptr) mgpu::emu::flush_stream(event->stream);
+  }
   return cudaSuccess;
 }
 
@@ -447,6 +470,8 @@ cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream) {
                     " but the stream to device ", s->device));
   }
   bool legacy = s->is_default && stream != cudaStreamPerThread;
+  event->stream = s;
+  event->captured = s->capturing;
   return mgpu::emu::issue("cudaEventRecord", s, legacy, [event] {
     event->recorded = true;
     event->time = std::chrono::steady_clock::now();
@@ -457,11 +482,28 @@ cudaError_t cudaEventSynchronize(cudaEvent_t event) {
   if (!live(runtime().events, event)) {
     return fail(cudaErrorInvalidResourceHandle, "cudaEventSynchronize: not a live event");
   }
+  if (mgpu::emu::g_strict.load()) {
+    if (event->captured) {
+      return fail(cudaErrorCapturedEvent,
+                  "cudaEventSynchronize on an event last recorded in a capturing stream (it is "
+                  "a node of the graph, not a point in time); record it outside the capture");
+    }
+    // A capturing stream's queue holds only work issued before the capture: run it.
+    if (event->stream != nullptr) mgpu::emu::flush_stream(event->stream);
+  }
   return mgpu::emu::take_pending(event->device);
 }
 cudaError_t cudaEventQuery(cudaEvent_t event) {
   if (!live(runtime().events, event)) {
     return fail(cudaErrorInvalidResourceHandle, "cudaEventQuery: not a live event");
+  }
+  if (mgpu::emu::g_strict.load()) {
+    if (event->captured) {
+      return fail(cudaErrorCapturedEvent,
+                  "cudaEventQuery on an event last recorded in a capturing stream");
+    }
+    // A capturing stream's queue holds only work issued before the capture: run it.
+    if (event->stream != nullptr) mgpu::emu::flush_stream(event->stream);
   }
   return cudaSuccess;
 }

@@ -30,6 +30,7 @@ enum cudaError {
   cudaErrorStreamCaptureInvalidated = 901,
   cudaErrorStreamCaptureUnmatched = 903,
   cudaErrorStreamCaptureImplicit = 906,
+  cudaErrorCapturedEvent = 907,
   cudaErrorUnknown = 999,
 };
 typedef enum cudaError cudaError_t;

@@ -40,6 +40,54 @@ Runtime& rt() {
 
 std::atomic<uint64_t> g_seed{kDefaultSeed};
 std::atomic<size_t> g_stack_size{kDefaultStack};
+std::atomic<bool> g_strict{false};
+namespace {
+std::atomic<uint64_t> g_draws{0};
+uint64_t mix(uint64_t z) {
+  z += 0x9e3779b97f4a7c15ull;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+}  // namespace
+
+uint64_t strict_draw() { return mix(g_seed.load() ^ mix(g_draws.fetch_add(1))); }
+
+void flush_stream(CUstream_st* s) {
+  std::lock_guard<std::mutex> exec(s->exec_mu);
+  const ThreadState saved = tls;
+  for (;;) {
+    Work w;
+    {
+      std::lock_guard<std::mutex> lock(s->pending_mu);
+      if (s->pending.empty()) break;
+      w = std::move(s->pending.front());
+      s->pending.pop_front();
+    }
+    if (cudaError_t e = w()) {
+      Runtime& r = runtime();
+      std::lock_guard<std::mutex> lock(r.mu);
+      if (s->device < int(r.pending.size()) && r.pending[s->device] == cudaSuccess) {
+        r.pending[s->device] = e;
+        r.pending_detail[s->device] = tls.detail;
+      }
+    }
+  }
+  tls = saved;
+}
+
+void flush_device(int device) {
+  Runtime& r = runtime();
+  std::vector<CUstream_st*> streams;
+  {
+    std::lock_guard<std::mutex> lock(r.mu);
+    for (CUstream_st* s : r.streams)
+      if (device < 0 || s->device == device) streams.push_back(s);
+    for (auto& s : r.default_streams)
+      if (device < 0 || s->device == device) streams.push_back(s.get());
+  }
+  for (CUstream_st* s : streams) flush_stream(s);
+}
 
 void configure_locked() {
   Runtime& r = rt();
@@ -51,6 +99,8 @@ void configure_locked() {
   if (parse_env("MGPU_EMULATED_GPUS", 0, kMaxDevices, &v, &r.config_error)) r.device_count = int(v);
   if (!r.config_error.empty()) r.device_count = 0;
   if (parse_env("MGPU_EMU_SEED", 0, INT64_MAX, &v, &r.config_error)) g_seed = uint64_t(v);
+  g_strict = false;
+  if (parse_env("MGPU_EMU_STRICT", 0, 1, &v, &r.config_error)) g_strict = v == 1;
   if (parse_env("MGPU_EMU_STACK_KIB", 16, 1 << 20, &v, &r.config_error))
     g_stack_size = size_t(v) * 1024;
   int n = r.device_count;
@@ -201,7 +251,12 @@ cudaError_t resolve_stream(const char* api, cudaStream_t handle, CUstream_st** o
   return cudaSuccess;
 }
 
-// Issues work on a stream: runs it now, or records it if the stream is capturing.
+// Issues work on a stream: runs it now, or records it if the stream is capturing. In strict mode
+// work on a stream other than the legacy default stream waits in the stream's queue until
+// something synchronises with the stream, or one time in four runs (with what waits before it)
+// at once: host code runs ahead, and streams interleave in a seeded random order. The legacy
+// default stream's work (cudaMemcpy, cudaMemset) runs at once, as those calls are synchronous,
+// but it does not wait for the non-blocking streams: nothing in CUDA makes it.
 cudaError_t issue(const char* api, CUstream_st* s, bool legacy, Work work) {
   if (s->capturing) {
     s->recorded.push_back(std::move(work));
@@ -210,7 +265,13 @@ cudaError_t issue(const char* api, CUstream_st* s, bool legacy, Work work) {
   if (legacy) {
     if (cudaError_t e = check_capture_safe(api, cudaErrorStreamCaptureImplicit)) return e;
   }
-  return work();
+  if (!g_strict.load() || legacy) return work();
+  {
+    std::lock_guard<std::mutex> lock(s->pending_mu);
+    s->pending.push_back(std::move(work));
+  }
+  if (strict_draw() % 4 == 0) flush_stream(s);
+  return cudaSuccess;
 }
 
 // ---- The emulator's settings ---------------------------------------------------------------
@@ -219,6 +280,7 @@ const std::string& last_error_detail() { return tls.detail; }
 void reset_from_env() {
   Runtime& r = rt();
   std::lock_guard<std::mutex> lock(r.mu);
+  for (auto& s : r.default_streams) s->pending.clear();  // strict mode's unrun work is dropped
   for (auto& [base, alloc] : r.allocations) std::free(reinterpret_cast<void*>(base));
   r.allocations.clear();
   for (CUstream_st* s : r.streams) delete s;
@@ -238,5 +300,10 @@ void reset_from_env() {
 }
 
 void set_seed(uint64_t s) { g_seed = s; }
+
+bool strict() {
+  runtime();  // configured from the environment
+  return g_strict.load();
+}
 
 }  // namespace mgpu::emu
