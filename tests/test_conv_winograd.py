@@ -2,7 +2,7 @@
 data gradient and weight gradient, and the forced direct and im2col paths, against the float64
 references of reference.py at ResNet-18's 3x3 stride-1 shapes (small batch) and at odd sizes
 (tiles overhanging the image, a 1x1 image, 1 and 3 channels, batch 1, pad 0 and 2); auto's
-per-shape measurement; and a bad value's error.
+choice by the shape, tune's per-shape measurement; and a bad value's error.
 
 Error measure: the largest absolute error over a tensor divided by the tensor's largest
 reference magnitude (normwise; Winograd's error is spread over a tile, so a relative error per
@@ -69,7 +69,7 @@ def _errors(x, w, b, pad, out):
     return {"y": err(y, ry), "dx": err(dx, rdx), "dw": err(dw, rdw), "db": err(db, rdb)}
 
 
-@pytest.mark.parametrize("algo", ["winograd", "im2col", "direct", "auto"])
+@pytest.mark.parametrize("algo", ["winograd", "im2col", "direct", "auto", "tune"])
 @pytest.mark.parametrize("xshape, K, pad", RESNET + ODD)
 def test_conv_algorithms_match_float64(monkeypatch, rng, algo, xshape, K, pad):
     monkeypatch.setenv("MGPU_CONV_ALGO", algo)
@@ -92,8 +92,8 @@ def test_winograd_is_a_different_path_from_im2col(monkeypatch, rng, xshape, K, p
         assert not np.array_equal(outs["winograd"][i], outs["im2col"][i]), name
 
 
-def test_auto_measures_each_shape_once_and_reports_it(monkeypatch, rng):
-    monkeypatch.setenv("MGPU_CONV_ALGO", "auto")
+def test_tune_measures_each_shape_once_and_reports_it(monkeypatch, rng):
+    monkeypatch.setenv("MGPU_CONV_ALGO", "tune")
     x, w, b = _inputs(rng, (3, 16, 9, 10), 17)
     first = _run(x, w, b, 1, 2)
     report = mgpu._core.conv_autotune_report()
@@ -110,11 +110,31 @@ def test_auto_measures_each_shape_once_and_reports_it(monkeypatch, rng):
     assert mgpu._core.conv_autotune_report() == report
 
 
-def test_auto_leaves_few_channels_and_other_shapes_to_the_rule(monkeypatch, rng):
-    monkeypatch.setenv("MGPU_CONV_ALGO", "auto")
+def test_tune_leaves_few_channels_and_other_shapes_to_the_rule(monkeypatch, rng):
+    monkeypatch.setenv("MGPU_CONV_ALGO", "tune")
     x, w, b = _inputs(rng, (2, 3, 8, 8), 15)
     before = mgpu._core.conv_autotune_report()
     _run(x, w, b, 1, 3)
+    assert mgpu._core.conv_autotune_report() == before
+
+
+@pytest.mark.parametrize("xshape, K, pad, want", [
+    ((2, 16, 7, 7), 16, 1, "winograd"),   # 7x7 output, 16 channels: Winograd
+    ((2, 16, 6, 6), 16, 1, "winograd"),   # 6x6: the smallest output auto gives Winograd
+    ((2, 16, 5, 5), 16, 1, "direct"),     # 5x5 output: below the size where it pays
+    ((2, 15, 8, 8), 16, 1, "direct"),     # too few input channels
+    ((2, 16, 8, 8), 15, 1, "direct"),     # too few output channels
+])
+def test_auto_chooses_by_the_shape_alone(monkeypatch, rng, xshape, K, pad, want):
+    # auto's result is bit for bit the forced algorithm's, and it measures nothing.
+    x, w, b = _inputs(rng, xshape, K)
+    before = mgpu._core.conv_autotune_report()
+    monkeypatch.setenv("MGPU_CONV_ALGO", "auto")
+    got = _run(x, w, b, pad, 1)
+    monkeypatch.setenv("MGPU_CONV_ALGO", want)
+    forced = _run(x, w, b, pad, 1)
+    for name, a, c in zip(["y", "dx", "dw", "db"], got, forced):
+        assert np.array_equal(a, c), f"auto differs from {want} in {name}"
     assert mgpu._core.conv_autotune_report() == before
 
 

@@ -58,10 +58,11 @@ ConvAlgo conv_algo() {
   const char* env = std::getenv("MGPU_CONV_ALGO");
   const std::string v = env ? env : "";
   if (v.empty() || v == "auto") return ConvAlgo::Auto;
+  if (v == "tune") return ConvAlgo::Tune;
   if (v == "direct") return ConvAlgo::Direct;
   if (v == "im2col") return ConvAlgo::Im2col;
   MGPU_CHECK_VALUE(v == "winograd", "MGPU_CONV_ALGO=", v, " is not understood; use auto "
-                   "(measure once per shape), direct, im2col or winograd");
+                   "(by the shape), tune (measure once per shape), direct, im2col or winograd");
   return ConvAlgo::Winograd;
 }
 }  // namespace cpu

@@ -48,18 +48,22 @@ void conv2d_backward(const Conv2dShape& s, const float* x, const float* w, const
 
 // Which algorithm the CPU conv2d_forward / conv2d_backward run, from MGPU_CONV_ALGO (read at
 // every call, so a test or a benchmark may switch it between calls):
-// - auto (or unset): Winograd F(4x4, 3x3) or direct, whichever ran faster when the shape
-//   (without the batch size) was first seen in this process, for 3x3 stride-1 convs with pad <= 2
-//   and >= 16 channels in and out; direct for the rest. Not cached across processes.
+// - auto (or unset): Winograd F(4x4, 3x3) for 3x3 stride-1 convs with pad <= 2, >= 16 channels
+//   in and out and outputs of at least 6x6 (ResNet-18's 28x28, 14x14 and 7x7 layers, where it
+//   measured faster), the shape's rule for the rest. A function of the shape alone, like every
+//   other choice here, so every process, rank and run computes the same bits.
+// - tune: like cuDNN's benchmark mode, for the same eligible shapes (any output size) the first
+//   call for a shape (without the batch size) in this process times Winograd against the rule
+//   and keeps the faster; not cached across processes, so two processes may pick differently.
 // - direct: the shape's rule (direct loops or lanes without padding, im2col + sgemm otherwise;
-//   the only choice before Winograd, bitwise reproducible).
+//   the only choice before Winograd).
 // - im2col: im2col + sgemm for every shape.
 // - winograd: Winograd for every 3x3 stride-1 conv with pad <= 2, direct for the rest.
 // conv2d_relu_pool (LeNet's fused blocks) always runs the shape's rule.
-enum class ConvAlgo { Auto, Direct, Im2col, Winograd };
+enum class ConvAlgo { Auto, Tune, Direct, Im2col, Winograd };
 // Throws ValueError for a value it does not know.
 ConvAlgo conv_algo();
-// One line per shape auto has measured in this process (direction, shape, pick, both times).
+// One line per shape tune has measured in this process (direction, shape, pick, both times).
 std::string conv_autotune_report();
 }  // namespace cpu
 

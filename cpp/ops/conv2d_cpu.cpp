@@ -10,10 +10,10 @@
 //   B*P*Q), so y = w * col, dw = dy * col^T and dcol = w^T * dy are sgemm calls and
 //   dx = col2im(dcol);
 // - 3x3 stride-1 convolutions (ResNet's): Winograd F(4x4, 3x3) (winograd.cpp).
-// The first three are "direct", chosen by the shape alone (so every thread count computes the
-// same bits). MGPU_CONV_ALGO (conv2d.h) forces one, or under auto (the default) the first call
-// for each Winograd-eligible shape with >= 16 channels in and out measures direct against
-// Winograd and keeps the faster for the process (run_chosen).
+// The first three are "direct". MGPU_CONV_ALGO (conv2d.h) forces one; auto (the default) takes
+// Winograd for the 3x3 stride-1 shapes where it pays and the direct rule elsewhere, by the shape
+// alone, so every thread count, process and run computes the same bits; tune measures instead
+// (run_chosen).
 // conv2d_relu_pool_* (LeNet's conv + relu + avg-pool blocks) share the block loops and apply
 // the shape's rule (no Winograd).
 // The algorithms live in cpp/ops/conv2d_cpu/ (im2col.cpp, direct.cpp, lanes.cpp, relu_pool.cpp,
@@ -248,11 +248,14 @@ const char* algo_name(Algo a) {
   return a == Algo::Winograd ? "winograd" : a == Algo::Im2col ? "im2col" : "direct";
 }
 
-// auto measures only where both input and output have this many channels: below it the
+// Winograd is considered only where both input and output have this many channels: below it the
 // transforms cost more than the products they save (LeNet, ResNet's 1-channel stem).
-constexpr int64_t kTuneMinChannels = 16;
+constexpr int64_t kWinogradMinChannels = 16;
+// auto takes Winograd only for outputs of at least this many pixels (6x6): at ResNet-18's 4x4
+// layers (512 channels) the per-call weight transforms cancel the products it saves.
+constexpr int64_t kWinogradMinPixels = 36;
 
-// What auto measured, per shape without the batch size (shards of a batch and the last, short
+// What tune measured, per shape without the batch size (shards of a batch and the last, short
 // batch then run the same algorithm as the full batch) and direction.
 struct Tuned {
   Algo pick;
@@ -265,8 +268,19 @@ std::map<TuneKey, Tuned>& tune_cache() {
   return cache;
 }
 
+// True where MGPU_CONV_ALGO leaves shape s to the shape's rule (no Winograd, no forced im2col).
+bool rule_only(const Conv2dShape& s) {
+  const ConvAlgo want = conv_algo();
+  if (want == ConvAlgo::Im2col) return false;
+  const bool fits = winograd_fits(s);
+  if (want == ConvAlgo::Winograd) return !fits;
+  return want == ConvAlgo::Direct || !fits || s.C < kWinogradMinChannels ||
+         s.K < kWinogradMinChannels || s.N == 0 ||
+         (want == ConvAlgo::Auto && s.P() * s.Q() < kWinogradMinPixels);
+}
+
 // Runs the algorithm MGPU_CONV_ALGO asks for on shape s: run(algo) must write the whole output.
-// direction tells apart forward (0) and backward with (1) or without (2) dx. Under auto the first
+// direction tells apart forward (0) and backward with (1) or without (2) dx. Under tune the first
 // call for a shape times Rule and Winograd twice each, interleaved, keeps the faster (its output
 // is the one left), and later calls look it up; the lock makes concurrent devices wait for the
 // measurement instead of disturbing it.
@@ -276,9 +290,12 @@ void run_chosen(const Conv2dShape& s, int64_t direction, const Run& run) {
   if (want == ConvAlgo::Im2col) return run(Algo::Im2col);
   const bool fits = winograd_fits(s);
   if (want == ConvAlgo::Winograd) return run(fits ? Algo::Winograd : Algo::Rule);
-  if (want == ConvAlgo::Direct || !fits || s.C < kTuneMinChannels || s.K < kTuneMinChannels ||
-      s.N == 0) {
+  if (want == ConvAlgo::Direct || !fits || s.C < kWinogradMinChannels ||
+      s.K < kWinogradMinChannels || s.N == 0) {
     return run(Algo::Rule);
+  }
+  if (want == ConvAlgo::Auto) {
+    return run(s.P() * s.Q() >= kWinogradMinPixels ? Algo::Winograd : Algo::Rule);
   }
   const TuneKey key{s.C, s.H, s.W, s.K, s.R, s.S, s.stride, s.pad, direction};
   std::unique_lock<std::mutex> lock(tune_mutex);
@@ -322,21 +339,22 @@ std::string conv_autotune_report() {
 void conv2d_forward(const Conv2dShape& s, const float* x, const float* w, const float* b,
                     float* y) {
   const int64_t PQ = s.P() * s.Q(), KPQ = s.K * PQ;
+  const auto emit = [&](const float* out, int64_t ld, int64_t n0, int64_t B) {
+    for (int64_t i = 0; i < B; ++i) {
+      for (int64_t k = 0; k < s.K; ++k) {
+        const float* __restrict src = out + k * ld + i * PQ;
+        float* __restrict dst = y + (n0 + i) * KPQ + k * PQ;
+        const float bias = b ? b[k] : 0.0f;
+        for (int64_t j = 0; j < PQ; ++j) dst[j] = src[j] + bias;
+      }
+    }
+  };
+  // The shape's rule is called directly, not through run_chosen's closure: LeNet's conv2 ran
+  // ~20% slower when its block loops were instantiated inside that lambda.
+  if (rule_only(s)) return forward_blocks(s, x, w, emit);
   run_chosen(s, 0, [&](Algo algo) {
     if (algo == Algo::Winograd) return winograd_forward(s, x, w, b, y);
-    forward_blocks(
-        s, x, w,
-        [&](const float* out, int64_t ld, int64_t n0, int64_t B) {
-          for (int64_t i = 0; i < B; ++i) {
-            for (int64_t k = 0; k < s.K; ++k) {
-              const float* __restrict src = out + k * ld + i * PQ;
-              float* __restrict dst = y + (n0 + i) * KPQ + k * PQ;
-              const float bias = b ? b[k] : 0.0f;
-              for (int64_t j = 0; j < PQ; ++j) dst[j] = src[j] + bias;
-            }
-          }
-        },
-        algo == Algo::Im2col);
+    forward_blocks(s, x, w, emit, algo == Algo::Im2col);
   });
 }
 
@@ -350,6 +368,7 @@ void conv2d_backward(const Conv2dShape& s, const float* x, const float* w, const
       }
     }
   };
+  if (rule_only(s)) return backward_blocks(s, x, w, load, dx, dw, db);
   run_chosen(s, dx ? 1 : 2, [&](Algo algo) {
     if (algo == Algo::Winograd) return winograd_backward(s, x, w, dy, dx, dw, db);
     backward_blocks(s, x, w, load, dx, dw, db, nullptr, algo == Algo::Im2col);
