@@ -484,8 +484,8 @@ def test_a_fresh_process_draws_the_same_initial_weights():
             "w = mgpu.random.normal(size=(4,)).numpy()\n"
             "v = [net.weight.numpy().ravel(), net.bias.numpy().ravel(), w]\n"
             "print(np.concatenate(v).tobytes().hex())\n")
-    runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                           check=True).stdout.strip() for _ in range(2)]
+    runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           timeout=120, check=True).stdout.strip() for _ in range(2)]
     assert runs[0] and runs[0] == runs[1]
     assert mgpu.random.DEFAULT_SEED == 67280421310721
 
