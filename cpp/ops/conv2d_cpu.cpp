@@ -130,10 +130,14 @@ void backward_blocks(const Conv2dShape& s, const float* x, const float* w, const
   // the next wave reuses them: the scratch holds `wave` slots instead of one per block (31 x
   // 9.4 MB for a 512-channel 3x3 convolution at batch 256), and the sums are the same
   // dw_0 + dw_1 + ... in block order whatever the wave size, so it may follow the thread count.
+  // A wave takes as many blocks as fit in kSlotBudget (at least max(4, 2 x threads)): small
+  // layers (LeNet's) run in one wave, with no barrier between waves.
   const bool lanes = !only_im2col && use_lanes(s);
   const int64_t block = lanes ? kLaneBlock : kBlock;
   const int64_t blocks = (s.N + block - 1) / block;
-  const int64_t wave = std::min<int64_t>(blocks, std::max(4, 2 * num_threads()));
+  constexpr int64_t kSlotBudget = int64_t{16} << 20;  // bytes
+  const int64_t fit = kSlotBudget / static_cast<int64_t>((KCRS + s.K) * sizeof(float));
+  const int64_t wave = std::min<int64_t>(blocks, std::max<int64_t>({4, 2 * num_threads(), fit}));
   float* slots = scratch(tl_slots, wave * (KCRS + s.K));
   auto dw_slot = [&](int64_t blk) { return blk == 0 ? dw : slots + (blk % wave) * KCRS; };
   auto db_slot = [&](int64_t blk) {
