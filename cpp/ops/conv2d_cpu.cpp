@@ -283,24 +283,17 @@ bool rule_only(const Conv2dShape& s) {
          (want == ConvAlgo::Auto && s.P() * s.Q() < kWinogradMinPixels);
 }
 
-// Runs the algorithm MGPU_CONV_ALGO asks for on shape s: run(algo) must write the whole output.
-// direction tells apart forward (0) and backward with (1) or without (2) dx. Under tune the first
-// call for a shape times Rule and Winograd twice each, interleaved, keeps the faster (its output
-// is the one left), and later calls look it up; the lock makes concurrent devices wait for the
-// measurement instead of disturbing it.
+// Runs the algorithm MGPU_CONV_ALGO asks for on a shape s it does not leave to the rule
+// (rule_only(s) is false: im2col forced, or a Winograd-eligible shape): run(algo) must write the
+// whole output. direction tells apart forward (0) and backward with (1) or without (2) dx. Under
+// tune the first call for a shape times Rule and Winograd twice each, interleaved, keeps the
+// faster (its output is the one left), and later calls look it up; the lock makes concurrent
+// devices wait for the measurement instead of disturbing it.
 template <class Run>
 void run_chosen(const Conv2dShape& s, int64_t direction, const Run& run) {
   const ConvAlgo want = conv_algo();
   if (want == ConvAlgo::Im2col) return run(Algo::Im2col);
-  const bool fits = winograd_fits(s);
-  if (want == ConvAlgo::Winograd) return run(fits ? Algo::Winograd : Algo::Rule);
-  if (want == ConvAlgo::Direct || !fits || s.C < kWinogradMinChannels ||
-      s.K < kWinogradMinChannels || s.N == 0) {
-    return run(Algo::Rule);
-  }
-  if (want == ConvAlgo::Auto) {
-    return run(s.P() * s.Q() >= kWinogradMinPixels ? Algo::Winograd : Algo::Rule);
-  }
+  if (want != ConvAlgo::Tune) return run(Algo::Winograd);  // winograd, or auto on its shapes
   const TuneKey key{s.C, s.H, s.W, s.K, s.R, s.S, s.stride, s.pad, direction};
   std::unique_lock<std::mutex> lock(tune_mutex);
   auto it = tune_cache().find(key);
