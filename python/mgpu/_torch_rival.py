@@ -265,11 +265,14 @@ class LoaderBatches:
                 yield next(self._it)
 
 
-def run_config(name, step, batches, epochs, warmup):
-    """Warm-up batches, then ``epochs`` timed epochs (each cut at the batch limit)."""
+def run_config(name, step, batches, epochs, warmup, on_timed=None):
+    """Warm-up batches, then ``epochs`` timed epochs (each cut at the batch limit).
+    ``on_timed()``, when given, runs between the two (e.g. to read counters of the timed part)."""
     if warmup > 0:
         for X, y in batches.epoch(warmup):
             step(X, y)
+    if on_timed is not None:
+        on_timed()
     times, cpu_times, losses, seen = [], [], [], 0
     for _ in range(epochs):
         total, seen = 0.0, 0
