@@ -247,7 +247,7 @@ def predict(meas: Dict, k: int, batch: int, ranks: int = 1, machine: Optional[Di
         busy = host + input_t + k * min(t, eff) * (compute + comm_local) / slow
         cores_t = max(busy / rank_cores, ranks * busy / eff)
     step = max(host, device, input_t, cores_t)
-    parts = {"compute": compute, "communication": device - compute - idle,
+    parts = {"compute": compute, "communication": max(0.0, device - compute - idle),
              "overhead": host + idle, "input": input_t}
     bound = max(parts, key=parts.get)
     return {"devices": k, "ranks": ranks, "batch": batch, "shard": shard, "step": step,
