@@ -258,6 +258,9 @@ def test_step_trace_parts_by_hand():
     assert by["layer 1 (linear) backward"]["seconds"] == pytest.approx(400e-6)
     assert by["layer 1 (linear) backward"]["ops"] == 2
     assert p["host"] == pytest.approx(800e-6)
+    # The device's idle time per step: from the first task (100 us) to the last's end (14030 us)
+    # less the tasks' 1240 us, over 2 steps.
+    assert p["idle"] == pytest.approx((14030 - 100 - 1240) / 2 * 1e-6)
 
 
 def test_median_table_takes_each_number_s_median():
@@ -274,3 +277,60 @@ def test_median_table_takes_each_number_s_median():
     # The all-reduce at 2 GB/s: 2 x 100 us + 4 MB / 2 GB/s = 2.2 ms; the cores bound
     # (0.002 + 2 x 0.3032) / 2.
     assert advisor.predict(m, 2, 100)["step"] == pytest.approx(0.3042)
+
+
+def test_oversubscribed_ranks_use_the_calibrated_contention_and_wait_by_hand():
+    """3 ranks of 2 threads on 2 cores, calibrated under mpirun at a 50-example shard: the
+    layers' busy time there was 0.604 s against this table's 0.151 s at 2 threads (50 x 1 ms +
+    50 x 2 ms + 1 ms): contention 4; the step took 0.7 s, of which the all-reduce of the
+    1M-float bucket over 3 ranks is 4 x 200 us + 4/3 x 4 MB / 0.5 GB/s = 11.4667 ms, so the
+    collectives waited 0.7 - 0.604 - 0.0114667 s per step for descheduled ranks."""
+    cal = {"batch": 150, "shard": 50, "threads": 2, "compute": 0.604, "step": 0.7}
+    mpi = json.loads(json.dumps(MPI))
+    mpi["3"]["calibration"] = cal
+    table = dict(TABLE, mpi=mpi)
+    ar = 0.0008 + 4 / 3 * 4e6 / 5e8
+    over = advisor.oversubscription(table, 3)
+    assert over["contention"] == pytest.approx(4.0)
+    assert over["wait"] == pytest.approx(0.7 - 0.604 - ar)
+    r = advisor.predict(table, 1, 300, ranks=3)
+    # shard 100: (100 x 1 ms + 100 x 2 ms + 1 ms) x 4 = 1.204 s of layers, then the all-reduce
+    # and the wait, once per step: 1.204 + 0.096 s (the fair share alone said 0.903 + 0.0115).
+    assert r["parts"]["compute"] == pytest.approx(1.204)
+    assert r["parts"]["communication"] == pytest.approx(0.7 - 0.604)
+    assert r["step"] == pytest.approx(1.3)
+    assert r["oversubscription"]["shard"] == 50
+    # 600 examples (shard 200): (200 x 3 ms + 1 ms) x 4 + the same all-reduce and wait.
+    assert advisor.predict(table, 1, 600, ranks=3)["step"] == pytest.approx(0.601 * 4 + 0.096)
+    # 2 ranks bound to a core each (1 thread): the threads fit the cores, no calibration applies
+    # even where one was measured; nor without a calibration (the fair share, as before).
+    mpi["2"]["calibration"] = dict(cal, compute=9.0, step=10.0)
+    assert advisor.oversubscription(dict(TABLE, mpi=mpi), 2) is None
+    assert advisor.oversubscription(dict(TABLE, mpi=MPI), 3) is None
+    assert advisor.predict(dict(TABLE, mpi=mpi), 1, 100, ranks=2)["step"] == pytest.approx(0.3052)
+
+
+def test_device_idle_between_tasks_by_hand():
+    """The device's hand-offs between tasks (measured idle: fixed + per example) sit on its
+    chain but hold no core: 1 device of 2 threads at 100 examples idles 2 ms + 100 x 10 us =
+    3 ms, so its 0.301 s of layers end at 0.304 s, above the cores' bound (0.30175 s); 2
+    devices of 1 thread idle 4 ms each after 0.301 s of layers and 4.2 ms of all-reduce."""
+    table = json.loads(json.dumps(TABLE))
+    table["compute"]["2"]["idle"] = {"fixed": 2e-3, "per_example": 1e-5}
+    table["compute"]["1"]["idle"] = {"fixed": 4e-3, "per_example": 0.0}
+    one = advisor.predict(table, 1, 100)
+    assert one["idle"] == pytest.approx(0.003)
+    assert one["device"] == pytest.approx(0.304)
+    assert one["step"] == pytest.approx(0.304)
+    assert one["parts"]["overhead"] == pytest.approx(0.0015 + 0.003)
+    assert one["parts"]["communication"] == pytest.approx(0.0)
+    assert one["cores"] == pytest.approx(0.30175)
+    two = advisor.predict(table, 2, 100)
+    assert two["device"] == pytest.approx(0.301 + 0.0042 + 0.004)
+    assert two["step"] == pytest.approx(0.3092)
+    assert two["parts"]["communication"] == pytest.approx(0.0042)
+    # Ranks calibrated as oversubscribed carry their measured wait instead (no idle added).
+    mpi = json.loads(json.dumps(MPI))
+    mpi["3"]["calibration"] = {"batch": 150, "shard": 50, "threads": 2, "compute": 0.604,
+                               "step": 0.7}
+    assert advisor.predict(dict(table, mpi=mpi), 1, 300, ranks=3)["idle"] == 0.0

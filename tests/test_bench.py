@@ -385,3 +385,89 @@ def test_conv_times_each_algorithm_at_resnet18_layers(tmp_path, monkeypatch):
         assert x["gflops_forward"] == pytest.approx(flops / x["forward"]["median"] / 1e9)
     assert "512ch 4x4" in text
     assert os.environ["MGPU_CONV_ALGO"] == "im2col"  # the bench puts the caller's value back
+
+
+def _isas():
+    return ["avx2"] + (["avx512"] if mgpu.build_info().get("cpu_isa") == "avx512" else [])
+
+
+@pytest.mark.parametrize("isa", ["avx2", "avx512"])
+def test_fma_loop_does_the_flops_it_counts(isa):
+    """Every lane starts at 0 and takes `iters` FMAs acc = acc * a + b: with a = b = 1 each lane
+    ends at iters, so the lanes' sum counts the FMAs that ran (12 accumulators of 8 or 16
+    lanes); with a = 1/2 each lane ends at 2 (1 - 2^-iters)."""
+    if isa not in _isas():
+        pytest.skip(f"this CPU lacks {isa}")
+    lanes = 12 * (16 if isa == "avx512" else 8)
+    for iters in (0, 1, 1000, 4097):
+        total, flops = mgpu._core.fma_loop(isa, iters, 1.0, 1.0)
+        assert total == lanes * iters
+        assert flops == 2 * lanes * iters
+    total, _ = mgpu._core.fma_loop(isa, 3, 0.5, 1.0)
+    assert total == pytest.approx(lanes * 2 * (1 - 0.5 ** 3))
+    p = mgpu._core.fma_peak(isa, 2, 0.01, 2)
+    assert p["isa"] == isa and p["threads"] == 2 and p["iters"] >= 1
+    assert p["flops"] == 2 * lanes * p["iters"] * 2
+    assert p["gflops"] == pytest.approx(p["flops"] / p["seconds"] / 1e9)
+    # Plausible for a CPU core: above 1 GFLOP/s, below 1000 GFLOP/s per thread.
+    assert 1 < p["gflops"] < 2000
+
+
+def test_fma_peak_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="isa"):
+        mgpu._core.fma_peak("sse", 1, 0.01, 1)
+    with pytest.raises(ValueError, match="threads"):
+        mgpu._core.fma_peak("avx2", 0, 0.01, 1)
+    with pytest.raises(ValueError, match="iters"):
+        mgpu._core.fma_loop("avx2", -1)
+    if "avx512" not in _isas():
+        with pytest.raises(ValueError, match="AVX-512"):
+            mgpu._core.fma_loop("avx512", 1)
+
+
+def _check_layers(r, forward_per_image, n, first_backward_is_dw_only=True):
+    rows = r["layers"]
+    total = rows[-1]
+    assert total["layer"] == "total"
+    mult = [x for x in rows[:-1] if "forward_flops" in x]
+    assert [x["forward_flops"] for x in mult] == [n * f for f in forward_per_image]
+    back = [2 * n * f for f in forward_per_image]
+    if first_backward_is_dw_only:
+        back[0] //= 2
+    assert [x["backward_flops"] for x in mult] == back
+    peak = r["peak"]["gflops"]
+    assert peak > 0 and any(p["gflops"] == peak for p in r["peaks"])
+    for x in rows:
+        assert x["forward_s"] > 0 and x["backward_s"] >= 0
+        for d in ("forward", "backward"):
+            if d + "_gflops" in x:
+                assert x[d + "_gflops"] == pytest.approx(x[d + "_flops"] / x[d + "_s"] / 1e9)
+                assert x[d + "_percent_of_peak"] == pytest.approx(100 * x[d + "_gflops"] / peak)
+    assert total["forward_flops"] == n * sum(forward_per_image)
+    assert total["forward_s"] == pytest.approx(sum(x["forward_s"] for x in rows[:-1]))
+
+
+def test_train_layers_resnet18_counts_each_layer_s_flops(tmp_path, monkeypatch):
+    """--parts layers: each conv and linear layer's GFLOP from an independent count
+    (2 N K C R S P Q forward, the stride-2 layers at half the side), its time from the step's
+    timeline, GFLOP/s and % of the measured FMA peak derived from them."""
+    monkeypatch.setenv("MGPU_EMULATED_GPUS", "0")
+    code, text, r = _run(["bench", "train", "--model", "resnet18", "--parts", "layers",
+                          "--batch-size", "2", "--limit-batches", "1", "--warmup", "1"],
+                         tmp_path, "layers")
+    assert code == 0
+    per_image = _resnet18_forward_flops_per_image()
+    assert len([x for x in r["layers"] if "forward_flops" in x]) - 1 == len(per_image) == 21
+    _check_layers(r, per_image, 2)
+    assert "FMA peak measured here" in text and "Winograd" in text and "fwd %peak" in text
+    assert "resnet_block2.0.conv3" in text
+
+
+def test_train_layers_lenet(tmp_path):
+    code, text, r = _run(["bench", "train", "--model", "lenet", "--parts", "layers",
+                          "--batch-size", "8", "--limit-batches", "2"], tmp_path, "layers")
+    assert code == 0
+    # The chapter's LeNet: conv 20x1x3x3 to 26x26, pool to 13x13, conv 50x20x5x5 to 9x9, pool
+    # to 4x4, 800 -> 128 -> 10.
+    per_image = [2 * 20 * 1 * 9 * 26 * 26, 2 * 50 * 20 * 25 * 9 * 9, 2 * 800 * 128, 2 * 128 * 10]
+    _check_layers(r, per_image, 8)

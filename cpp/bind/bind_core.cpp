@@ -14,6 +14,7 @@
 #include "ops/cpu_isa.h"
 #include "ops/gemm.h"
 #include "ops/elementwise.h"
+#include "ops/fma_peak.h"
 
 namespace py = pybind11;
 
@@ -419,6 +420,35 @@ void bind_core(py::module_& m) {
   m.def("conv_autotune_report", &ops::cpu::conv_autotune_report,
         "What MGPU_CONV_ALGO=auto measured in this process: one line per conv shape and "
         "direction (pick, direct and Winograd times).");
+  m.def("fma_loop", [](const std::string& isa, int64_t iters, float a, float b) {
+    ops::FmaLoopResult r = ops::fma_loop(isa, iters, a, b);
+    return py::make_tuple(r.lane_sum, r.flops);
+  }, py::arg("isa"), py::arg("iters"), py::arg("a") = 1.0f, py::arg("b") = 1.0f,
+        "One run of the FMA-peak loop on this thread: (sum of every accumulator lane, FLOPs "
+        "done). Every lane starts at 0 and takes iters FMAs acc = acc * a + b.");
+  m.def("fma_peak", [](const std::string& isa, int threads, double seconds, int repeat) {
+    ops::FmaPeak r;
+    {
+      py::gil_scoped_release nogil;
+      r = ops::fma_peak(isa, threads, seconds, repeat);
+    }
+    py::dict d;
+    d["isa"] = r.isa;
+    d["threads"] = r.threads;
+    d["iters"] = r.iters;
+    d["flops"] = r.flops;
+    d["seconds"] = r.seconds;
+    d["gflops"] = r.gflops;
+    return d;
+  }, py::arg("isa") = "auto", py::arg("threads") = 1, py::arg("seconds") = 0.1,
+        py::arg("repeat") = 3,
+        "The measured single-precision FMA peak of path isa ('auto', 'avx2', 'avx512') on "
+        "`threads` threads at once: the fastest of `repeat` runs of about `seconds` each.");
+  m.def("fma_peak_gflops", [](const std::string& isa, int threads) {
+    py::gil_scoped_release nogil;
+    return ops::fma_peak(isa, threads, 0.1, 3).gflops;
+  }, py::arg("isa") = "auto", py::arg("threads") = 1,
+        "GFLOP/s of fma_peak(isa, threads): the CPU's measured FMA peak.");
 }
 
 }  // namespace mgpu::bind

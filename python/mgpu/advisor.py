@@ -95,10 +95,50 @@ def core_share(meas: Dict, k: int, ranks: int = 1) -> Tuple[int, float, float, f
     return t, slow, rank_eff, eff
 
 
+def oversubscription(meas: Dict, ranks: int) -> Optional[Dict]:
+    """Where `ranks` processes' threads exceed the machine's cores (Open MPI leaves 3 ranks on 2
+    cores unbound, each with its threads): what the calibration under mpirun measured
+    (measure_rank_calibration, every rank at once on a shard of its batch). The layers' busy
+    time against this table's at the rank's thread count is the `contention` the ranks' layers
+    run at (it replaces core_share's fair share, which assumes each thread gets its share
+    without waiting: a kernel's threads meet at its end, and a sibling descheduled for a time
+    slice holds them all); the step's wall time beyond busy time and the fitted all-reduce of
+    its buckets is the `wait` per step (a collective waits for the last rank to be scheduled,
+    and the ranks that wait poll, holding a core). None where the threads fit the cores or
+    nothing was calibrated (core_share's model then)."""
+    if ranks <= 1:
+        return None
+    mpi = (meas.get("mpi") or {}).get(str(ranks)) or {}
+    cal = mpi.get("calibration")
+    threads, _ = _rank_layout(meas, ranks)
+    if not cal or ranks * threads <= int(meas["cores"]):
+        return None
+    steps = _compute_table(meas, threads)
+    alone = sum(e["fixed"] + e["per_example"] * cal["shard"] for e in steps
+                if e["phase"] != "bucket")
+    comm = sum(allreduce_time(4 * e["floats"], ranks, mpi["latency"], mpi["bus_bandwidth"])
+               for e in steps if e["phase"] == "bucket")
+    return {"contention": max(1.0, cal["compute"] / alone),
+            "wait": max(0.0, cal["step"] - cal["compute"] - comm), "shard": cal["shard"],
+            "threads": threads}
+
+
+def _compute_entry(meas: Dict, t: int) -> Dict:
+    """What was measured with t threads (the nearest measured count if t was not)."""
+    have = sorted(int(x) for x in meas["compute"])
+    return meas["compute"][str(min(have, key=lambda x: (abs(x - t), x)))]
+
+
 def _compute_table(meas: Dict, t: int) -> List[Dict]:
     """The step's entries measured with t threads (the nearest measured count if t was not)."""
-    have = sorted(int(x) for x in meas["compute"])
-    return meas["compute"][str(min(have, key=lambda x: (abs(x - t), x)))]["steps"]
+    return _compute_entry(meas, t)["steps"]
+
+
+def device_idle(meas: Dict, t: int, shard: int) -> float:
+    """A device's idle time per step between its tasks (hand-offs; parse_step_trace) at t
+    threads and `shard` examples: fixed + per example, 0 where the table has none."""
+    idle = _compute_entry(meas, t).get("idle") or {}
+    return max(0.0, idle.get("fixed", 0.0) + idle.get("per_example", 0.0) * shard)
 
 
 def predict(meas: Dict, k: int, batch: int, ranks: int = 1, machine: Optional[Dict] = None,
@@ -115,17 +155,24 @@ def predict(meas: Dict, k: int, batch: int, ranks: int = 1, machine: Optional[Di
     on a communication stream (overlapping the remaining backward; the update waits for it). On
     CPU devices the host and input threads share the cores with the kernels, so the cores also
     bound a step: the core-seconds of host, input and kernels over the cores a rank may use, and
-    over the machine's cores for all ranks together. Returns the parts, the step, the epoch time
-    and the bounding part.
+    over the machine's cores for all ranks together. Where MPI ranks' threads exceed the cores
+    and the ranks' contention was calibrated under mpirun (oversubscription), the layers run at
+    the measured contention instead of the fair share, and each step adds the measured wait of
+    its collectives for descheduled ranks. Returns the parts, the step, the epoch time and the
+    bounding part.
     """
     if k < 1 or batch < 1 or ranks < 1:
         raise ValueError(f"predict: devices, batch and ranks must be >= 1, got {k}, {batch}, "
                          f"{ranks}")
     shard = math.ceil(batch / (k * ranks))
     cpu = machine is None and meas.get("device_kind", "cpu") == "cpu"
+    over = None
     if machine is None:
         if cpu:
             t, slow, rank_cores, eff = core_share(meas, k, ranks)
+            over = oversubscription(meas, ranks) if k == 1 else None
+            if over:
+                slow = over["contention"]
         else:
             t, slow, rank_cores, eff = int(meas["cores"]), 1.0, 1.0, 1.0
         steps = _compute_table(meas, t)
@@ -179,6 +226,14 @@ def predict(meas: Dict, k: int, batch: int, ranks: int = 1, machine: Optional[Di
         d = dur(e)
         compute += d
         now += d
+    idle = 0.0
+    if over:
+        now += over["wait"]  # the collective's wait for descheduled ranks, once per step
+    elif machine is None:
+        # The device's hand-offs between tasks: idle time on its chain, no core-seconds (where
+        # ranks were calibrated, their measured wait holds them).
+        idle = device_idle(meas, t, shard)
+        now += idle
     device = max(now, comm_free)
     host = meas["host"]["fixed"] + meas["host"]["per_device"] * k
     inp = meas.get("input")
@@ -192,11 +247,12 @@ def predict(meas: Dict, k: int, batch: int, ranks: int = 1, machine: Optional[Di
         busy = host + input_t + k * min(t, eff) * (compute + comm_local) / slow
         cores_t = max(busy / rank_cores, ranks * busy / eff)
     step = max(host, device, input_t, cores_t)
-    parts = {"compute": compute, "communication": device - compute, "overhead": host,
-             "input": input_t}
+    parts = {"compute": compute, "communication": max(0.0, device - compute - idle),
+             "overhead": host + idle, "input": input_t}
     bound = max(parts, key=parts.get)
     return {"devices": k, "ranks": ranks, "batch": batch, "shard": shard, "step": step,
             "device": device, "cores": cores_t, "parts": parts, "comm_total": comm_total,
+            "oversubscription": over, "idle": idle,
             "bound": bound, "epoch": step * math.ceil(epoch_examples / batch),
             "measured": machine is None}
 
@@ -252,7 +308,9 @@ def _batch(n: int, seed: int = 0):
 
 
 def _trace_steps(step: Callable, X, y, steps: int) -> Dict:
-    """Runs `steps` steps (each waited for) inside mgpu.profile and returns the parsed trace."""
+    """Runs `steps` steps back to back (as training does: the host enqueues the next step while
+    the device runs this one) inside mgpu.profile, waits for them, and returns the parsed
+    trace."""
     from . import _core
     from .trace import profile
     fd, path = tempfile.mkstemp(suffix=".json")
@@ -262,7 +320,7 @@ def _trace_steps(step: Callable, X, y, steps: int) -> Dict:
         with prof:
             for _ in range(steps):
                 step(X, y)
-                _core.waitall()
+            _core.waitall()
         with open(prof.written[0]) as f:  # under mpirun, this rank's file
             return json.load(f)
     finally:
@@ -354,7 +412,16 @@ def parse_step_trace(doc: Dict, steps: int, device: str = "cpu(0)") -> Dict:
                   for e in host if e["name"] in _HOST_STEP]
     if not entries or not host_steps:
         raise ValueError("advise: the step's trace has no layer spans on " + device)
-    return {"entries": entries, "buckets": buckets, "host": statistics.median(host_steps)}
+    # The device's idle time inside the traced window per step: from its first task to its last,
+    # the time it ran no task (the steps run back to back, so the host is ahead and the queue
+    # holds the next task: each gap is a hand-off from one task to the next, which the layers'
+    # busy times leave out; with one device of 2 threads both cores wait through it).
+    idle = 0.0
+    if tasks:
+        end = max(t["ts"] + t["dur"] for t in tasks)
+        idle = max(0.0, (end - tasks[0]["ts"] - sum(t["dur"] for t in tasks)) * 1e-6 / steps)
+    return {"entries": entries, "buckets": buckets, "host": statistics.median(host_steps),
+            "idle": idle}
 
 
 def measure_effective_cores(cores: int, n: int = 384, reps: int = 6, rounds: int = 7) -> float:
@@ -501,8 +568,11 @@ def measure(model: str = "lenet", max_devices: int = 2, quick: bool = False,
     cores = (os.cpu_count() or 1) if world > 1 else len(os.sched_getaffinity(0))
     own = _core.num_threads()
     gpus = _core.num_gpus() > 0
+    # ResNet-18's layers do not scale linearly from a few examples (small matrix products,
+    # Winograd tiles), so its line is measured up to 32 and 64 examples, nearer the shards of
+    # the batches users train with.
     batches = ([16, 64] if quick else [32, 128, 512]) if model == "lenet" else \
-        ([4, 8] if quick else [8, 16, 32])
+        ([8, 32] if quick else [8, 32, 64])
     steps = 3 if quick else 6
     ks = range(1, max_devices + 1)
     # Every thread count a device gets in the configurations predicted: own // k for k devices
@@ -538,7 +608,9 @@ def measure(model: str = "lenet", max_devices: int = 2, quick: bool = False,
                 if t == max(threads):
                     host_by_k.setdefault(1, per_batch[t][-1][1]["host"])
         for t in threads:
-            meas["compute"][str(t)] = {"steps": _fit_steps(per_batch[t])}
+            a, c = _fit_line([b for b, _ in per_batch[t]], [p["idle"] for _, p in per_batch[t]])
+            meas["compute"][str(t)] = {"steps": _fit_steps(per_batch[t]),
+                                       "idle": {"fixed": a, "per_example": c}}
         _core.set_num_threads(own)
         # The host's overhead per extra device: a 2-device step's host time (same code path).
         if max_devices >= 2:
@@ -645,11 +717,18 @@ def mpirun_command(ranks: int) -> List[str]:
     return [mpirun, *root, "--oversubscribe", "-np", str(ranks), sys.executable]
 
 
+def calibration_batch(model: str, quick: bool = False) -> int:
+    """The global batch of the ranks' contention calibration: a batch size measure() times for
+    the model's table (not one the validation predicts)."""
+    return (64 if quick else 128) if model == "lenet" else (16 if quick else 32)
+
+
 def measure_mpi(model: str, ranks: int, batches: Sequence[int], steps: int, repeat: int,
                 quick: bool = False, timeout: float = 600) -> Dict:
     """One mpirun of `ranks` processes (1 device each): each rank's threads and cores, the MPI
-    all-reduce fit of that many ranks, and the measured step time of each batch size (every
-    repetition). Both come from the same launch, so they see the same load."""
+    all-reduce fit of that many ranks, the contention calibration (measure_rank_calibration at
+    calibration_batch) and the measured step time of each batch size (every repetition). All
+    come from the same launch, so they see the same load."""
     import subprocess
     fd, out = tempfile.mkstemp(suffix=".json")
     os.close(fd)
@@ -657,7 +736,7 @@ def measure_mpi(model: str, ranks: int, batches: Sequence[int], steps: int, repe
     for var in ("MGPU_NUM_THREADS", "MGPU_TRACE"):  # each rank chooses as a user's would
         env.pop(var, None)
     job = {"model": model, "batches": list(batches), "steps": steps, "repeat": repeat,
-           "quick": quick, "out": out}
+           "quick": quick, "out": out, "calibration_batch": calibration_batch(model, quick)}
     try:
         r = subprocess.run(mpirun_command(ranks) + ["-m", "mgpu.advisor", "--mpi-worker",
                                                     json.dumps(job)],
@@ -671,6 +750,38 @@ def measure_mpi(model: str, ranks: int, batches: Sequence[int], steps: int, repe
         os.unlink(out)
 
 
+def measure_rank_calibration(model: str, batch: int, steps: int) -> Dict:
+    """Under mpirun, every rank at once: the device's busy time per step (its layers' kernels, from
+    the step's timeline) and the step's wall time (untraced, the median of `steps`), on a shard
+    of the global `batch`, with every rank running the same step as in training. Where the
+    ranks' threads exceed the cores, both show what time slicing costs: a kernel's threads wait
+    for a sibling the scheduler took off its core (the busy time grows beyond the fair share),
+    and a collective waits for the last rank to be scheduled, while a waiting rank polls and
+    holds a core (the wall time grows beyond busy time + the all-reduce)."""
+    from . import _core, distributed
+    ranks = distributed.world_size()
+    shard = math.ceil(batch / ranks)
+    dev = distributed.device()
+    step = _runner(model, [dev])
+    X, y = _batch(shard)
+    for _ in range(2):
+        step(X, y)
+    _core.waitall()
+    distributed.barrier()
+    parsed = parse_step_trace(_trace_steps(step, X, y, steps), steps, str(dev))
+    walls = []
+    for _ in range(steps):
+        _core.waitall()
+        distributed.barrier()
+        t0 = time.perf_counter()
+        step(X, y)
+        _core.waitall()
+        walls.append(time.perf_counter() - t0)
+    return {"batch": batch, "shard": shard, "threads": _core.num_threads(),
+            "compute": sum(e["seconds"] for e in parsed["entries"]),
+            "step": statistics.median(walls), "steps": walls}
+
+
 def _mpi_worker(job: Dict) -> None:
     """One rank of measure_mpi."""
     from . import _core, distributed
@@ -679,6 +790,9 @@ def _mpi_worker(job: Dict) -> None:
     fit = measure_mpi_allreduce(sizes, 3 if job["quick"] else 7)
     res = dict(fit, threads=_core.num_threads(), cores=len(os.sched_getaffinity(0)),
                ranks=distributed.world_size(), steps={})
+    if job.get("calibration_batch"):
+        res["calibration"] = measure_rank_calibration(job["model"], job["calibration_batch"],
+                                                      3 if job["quick"] else 6)
     for b in job["batches"]:
         res["steps"][str(b)] = measure_step(job["model"], 1, b, job["steps"], job["repeat"],
                                             devices=[distributed.device()])
@@ -819,7 +933,8 @@ def validate(model: str, batches: Sequence[int], max_devices: int = 2,
             log(f"advise: round {i + 1}: mpirun -np {r}: MPI all-reduce and real runs ...")
             res = measure_mpi(model, r, batches, steps, repeat, quick)
             meas["mpi"][str(r)] = {key: res[key] for key in
-                                   ("latency", "bus_bandwidth", "points", "threads", "cores")}
+                                   ("latency", "bus_bandwidth", "points", "threads", "cores",
+                                    "calibration") if key in res}
             for b in batches:
                 measured[(1, r, b)] = statistics.median(res["steps"][str(b)])
         rounds.append((meas, measured))

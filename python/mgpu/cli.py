@@ -261,7 +261,9 @@ def _bench_parser(sub) -> None:
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--parts", default=None,
                    help="what to measure, from: " + ",".join(TRAIN_PARTS) + " (resnet18: "
-                        + ",".join(RESNET_PARTS) + "; default all)")
+                        + ",".join(RESNET_PARTS) + "; default all), or layers alone (either "
+                        "model: each layer's ms, GFLOP/s and %% of this CPU's measured FMA peak, "
+                        "--limit-batches traced steps)")
     t.add_argument("--gemm-size", type=int, default=1024, help="n of the n x n sgemm reference")
     t.add_argument("--compare", choices=["torch"], default=None,
                    help="also time the chapter's PyTorch code (in another interpreter)")

@@ -18,7 +18,19 @@ def plot(r: Dict, path: Optional[str] = None, ax=None):
         fig = Figure(figsize=(7, 4), layout="constrained")
         ax = fig.subplots()
     kind = r["benchmark"]
-    if kind == "train":
+    if kind == "train" and "layers" in r:
+        # bench train --parts layers: each multiplying layer's GFLOP/s against the FMA peak.
+        rows = [x for x in r["layers"][:-1] if "forward_gflops" in x]
+        pos = np.arange(len(rows))
+        ax.barh(pos - 0.2, [x["forward_gflops"] for x in rows], 0.4, label="forward")
+        ax.barh(pos + 0.2, [x.get("backward_gflops", 0.0) for x in rows], 0.4, label="backward")
+        ax.axvline(r["peak"]["gflops"], color="k", linewidth=0.8,
+                   label=f"FMA peak ({r['peak']['isa']}, {r['peak']['threads']} thr.)")
+        ax.set_yticks(pos, [x["name"] for x in rows], fontsize=6)
+        ax.invert_yaxis()
+        ax.set_xlabel("GFLOP/s (direct-conv FLOPs)")
+        ax.legend(fontsize=7)
+    elif kind == "train":
         runs = r["results"] + r.get("scaling", {}).get("runs", [])
         names = [x["name"] for x in runs]
         med = np.array([x["sec_per_step"]["median"] for x in runs]) * 1e3

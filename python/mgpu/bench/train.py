@@ -166,9 +166,18 @@ def bench_train(devices: Sequence[int] = (1, 2), batch_size: int = 256, lr: floa
     fused (``train_batch`` on each k in ``devices``), op-by-op (``mgpu.chapter.train_batch``),
     scaling (batch 2b on 2 devices vs b on 1 device with 1 thread), pipeline (the train loader
     alone), eval (``evaluate_accuracy`` on all devices), flops (achieved GFLOP/s vs an sgemm of
-    ``gemm_size``, ``repeat`` samples like pipeline and eval). ``compare='torch'`` also runs the
+    ``gemm_size``, ``repeat`` samples like pipeline and eval), layers (alone, either model: each
+    layer's ms, GFLOP/s and % of the measured FMA peak, ``limit_batches`` traced steps; see
+    bench.layers). ``compare='torch'`` also runs the
     chapter's PyTorch code and an nn.Sequential version with ``torch_threads`` threads.
     """
+    if "layers" in parts:
+        # Its own run: one device, traced steps, the FMA peak (see bench.layers).
+        if list(parts) != ["layers"]:
+            raise ValueError(f"bench train: --parts layers runs alone, got {list(parts)}")
+        from .layers import bench_layers
+        return bench_layers(model, batch_size, steps=max(1, int(limit_batches or 3)),
+                            warmup=max(1, int(warmup)), log=log)
     if model == "resnet18":
         return bench_train_resnet18(devices, batch_size, lr, epochs, limit_batches, warmup,
                                     data_dir, synthetic, seed, compare, torch_python,
@@ -460,6 +469,9 @@ def _comparisons(results: List[Dict]) -> List[Dict]:
 
 def format_train(r: Dict) -> str:
     s = r["settings"]
+    if s.get("parts") == ["layers"]:
+        from .layers import format_layers
+        return format_layers(r)
     if s.get("model") == "resnet18":
         return format_train_resnet18(r)
     lines = [f"mgpu bench train: LeNet on {s['data']['source']} ({s['data']['train_examples']} "
