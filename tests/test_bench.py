@@ -471,3 +471,31 @@ def test_train_layers_lenet(tmp_path):
     # to 4x4, 800 -> 128 -> 10.
     per_image = [2 * 20 * 1 * 9 * 26 * 26, 2 * 50 * 20 * 25 * 9 * 9, 2 * 800 * 128, 2 * 128 * 10]
     _check_layers(r, per_image, 8)
+
+
+def test_conv_runs_the_onednn_peer_in_every_round(tmp_path):
+    # A stand-in for onednn_conv_bench: records its arguments and OpenMP threads, answers times
+    # that depend on the layer so the rows can be checked.
+    calls = tmp_path / "calls.txt"
+    peer = tmp_path / "fake_onednn"
+    peer.write_text("#!/bin/sh\n"
+                    f"echo \"$* $OMP_NUM_THREADS\" >> {calls}\n"
+                    "echo '{\"forward_ms\": ['$2'.0], \"backward_ms\": ['$2'.0, '$3'.0], "
+                    "\"impl\": \"fake:impl\", \"version\": \"9.9.9\"}'\n")
+    peer.chmod(0o755)
+    code, text, r = _run(["bench", "conv", "--batch", "1", "--rounds", "2", "--repeat", "1",
+                          "--warmup", "0", "--algos", "direct", "--onednn", str(peer)],
+                         tmp_path, "conv")
+    assert code == 0
+    rows = [x for x in r["layers"] if x["algo"] == "onednn"]
+    assert [(x["C"], x["H"]) for x in rows] == [(64, 28), (128, 14), (256, 7), (512, 4)]
+    for x in rows:
+        assert x["forward"]["n"] == 2 and x["backward"]["n"] == 4
+        assert x["forward"]["median"] == pytest.approx(x["C"] / 1e3)
+        assert x["backward"]["median"] == pytest.approx((x["C"] + x["H"]) / 2e3)
+    threads = str(mgpu._core.num_threads())
+    assert calls.read_text().split("\n")[:3] == ["1 64 28 1 1 " + threads] * 2 + [
+        "1 128 14 1 1 " + threads]
+    assert "fake:impl" in text and "onednn" in text
+    with pytest.raises(ValueError, match="peers.sh onednn"):
+        bench.bench_conv(batch=1, onednn=str(tmp_path / "nope"))

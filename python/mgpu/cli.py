@@ -205,7 +205,7 @@ def _bench(args) -> int:
     elif args.bench == "conv":
         result = bench.bench_conv(batch=args.batch, algos=args.algos.split(","),
                                   rounds=args.rounds, repeat=args.repeat, warmup=args.warmup,
-                                  log=log, device=args.device)
+                                  log=log, device=args.device, onednn=args.onednn)
     elif args.bench == "batch_norm":
         result = bench.bench_batch_norm(shape=args.shape, warmup=args.warmup, repeat=args.repeat,
                                         log=log, device=args.device)
@@ -286,6 +286,9 @@ def _bench_parser(sub) -> None:
     v.add_argument("--algos", default="direct,winograd", help="from: direct,im2col,winograd")
     v.add_argument("--rounds", type=int, default=3, help="rounds over all algorithms")
     v.add_argument("--device", default="cpu:0", help="the CPU device to time")
+    v.add_argument("--onednn", metavar="PATH", default=None,
+                   help="also time oneDNN's convolution with this onednn_conv_bench (made by "
+                   "`bash .ci/peers.sh onednn`: build/peers/onednn/bin/onednn_conv_bench)")
     c = kinds.add_parser("checkpoint", help="write and load time of LeNet's and ResNet-18's "
                          "training checkpoints")
     common(c, 1, 5)

@@ -1,10 +1,13 @@
 """``bench conv``: the CPU conv's algorithms (MGPU_CONV_ALGO) side by side at ResNet-18's 3x3
 stride-1 layers, forward and backward (dx, dw, db), interleaved round by round so a change of
-load hits every algorithm alike."""
+load hits every algorithm alike; optionally oneDNN's convolution beside them (a peer program,
+cpp/bench/onednn_conv.cpp, run in its own process in every round)."""
 from __future__ import annotations
 
+import json
 import os
-from typing import Dict, Sequence
+import subprocess
+from typing import Dict, Optional, Sequence
 
 import numpy as np
 
@@ -20,21 +23,29 @@ ALGOS = ("direct", "im2col", "winograd")
 
 def bench_conv(batch: int = 64, algos: Sequence[str] = ("direct", "winograd"), rounds: int = 3,
                repeat: int = 3, warmup: int = 1, layers=None, log: Log = None,
-               device="cpu:0") -> Dict:
+               device="cpu:0", onednn: Optional[str] = None) -> Dict:
     """Forward and backward time of each algorithm at each layer (N = ``batch``, C = K channels,
     H x W image, 3x3, pad 1): ``rounds`` rounds, each timing every algorithm ``repeat`` times in
     turn; the median over all samples, and GFLOP/s counted as the direct conv's multiply-adds
-    (Winograd's "effective" rate)."""
+    (Winograd's "effective" rate). ``onednn``: the path of an onednn_conv_bench program, run in
+    every round after mgpu's algorithms with as many OpenMP threads as mgpu uses (its rows:
+    algorithm "onednn", and the implementation oneDNN chose)."""
     algos = list(algos)
     for a in algos:
         if a not in ALGOS:
             raise ValueError(f"bench conv: algorithm {a!r} is not one of {', '.join(ALGOS)}")
     if int(batch) < 1 or int(rounds) < 1 or int(repeat) < 1:
         raise ValueError("bench conv: batch, rounds and repeat must be >= 1")
+    if onednn is not None and not (os.path.isfile(onednn) and os.access(onednn, os.X_OK)):
+        raise ValueError(f"bench conv: --onednn {onednn!r} is not an executable file; make it "
+                         "with `bash .ci/peers.sh onednn` (build/peers/onednn/bin/"
+                         "onednn_conv_bench)")
     layers = [tuple(int(v) for v in layer) for layer in (layers or RESNET18_3X3)]
     dev = as_device(device)
     out = header("conv", dict(batch=batch, algos=algos, rounds=rounds, repeat=repeat,
-                              warmup=warmup, layers=layers, device=str(dev)))
+                              warmup=warmup, layers=layers, device=str(dev),
+                              onednn=onednn))
+    peer_env = dict(os.environ, OMP_NUM_THREADS=str(_core.num_threads()))
     sync = lambda: _core.synchronize(dev)  # noqa: E731
     rng = np.random.default_rng(0)
     saved = os.environ.get("MGPU_CONV_ALGO")
@@ -47,7 +58,8 @@ def bench_conv(batch: int = 64, algos: Sequence[str] = ("direct", "winograd"), r
                       device=dev)._t
             b = array(np.zeros(C, np.float32), device=dev)._t
             dy = array(rng.standard_normal((batch, C, H, H), dtype=np.float32), device=dev)._t
-            samples = {(a, p): [] for a in algos for p in ("forward", "backward")}
+            names = algos + (["onednn"] if onednn else [])
+            samples = {(a, p): [] for a in names for p in ("forward", "backward")}
             calls = {"forward": lambda: _core.conv2d_forward(x, w, b, 1, 1),
                      "backward": lambda: _core.conv2d_backward(x, w, dy, 1, 1, True, True)}
             for r in range(int(rounds)):
@@ -56,8 +68,13 @@ def bench_conv(batch: int = 64, algos: Sequence[str] = ("direct", "winograd"), r
                     for phase, fn in calls.items():
                         m = measure(fn, warmup if r == 0 else 0, int(repeat), sync)
                         samples[(a, phase)] += m["times"]
+                if onednn:
+                    peer = _run_onednn(onednn, batch, C, H, repeat, warmup, peer_env)
+                    for phase in ("forward", "backward"):
+                        samples[("onednn", phase)] += [t / 1e3 for t in peer[phase + "_ms"]]
+                    out["onednn_impl"] = f"oneDNN {peer['version']}, {peer['impl']}"
             flops = 2 * batch * C * C * 9 * H * H
-            for a in algos:
+            for a in names:
                 row = {"layer": f"{C}ch {H}x{H}", "C": C, "H": H, "algo": a}
                 for phase, f in (("forward", flops), ("backward", 2 * flops)):
                     s = summarize(samples[(a, phase)])
@@ -73,6 +90,17 @@ def bench_conv(batch: int = 64, algos: Sequence[str] = ("direct", "winograd"), r
     return out
 
 
+def _run_onednn(path: str, batch: int, C: int, H: int, repeat: int, warmup: int,
+                env: Dict[str, str]) -> Dict:
+    """One run of the oneDNN peer at one layer: its JSON line (times in ms)."""
+    cmd = [path, str(batch), str(C), str(H), str(repeat), str(max(1, warmup))]
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
+    if p.returncode != 0:
+        raise RuntimeError(f"bench conv: {' '.join(cmd)} failed ({p.returncode}): "
+                           f"{p.stderr.strip()}")
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
 def format_conv(r: Dict) -> str:
     s = r["settings"]
     lines = [f"mgpu bench conv: ResNet-18's 3x3 stride-1 layers on {s['device']}, batch "
@@ -80,6 +108,9 @@ def format_conv(r: Dict) -> str:
     lines += _machine_lines(r)
     lines.append(f"{s['rounds']} rounds x {s['repeat']} samples per algorithm, interleaved; "
                  "median; GFLOP/s as the direct conv's 2 * N*K*C*9*P*Q (backward: twice that)")
+    if r.get("onednn_impl"):
+        lines.append(f"onednn: {r['onednn_impl']} in its own process, OpenMP threads = mgpu's; "
+                     "memory formats its own choice (reorders from NCHW not timed)")
     rows = [[x["layer"], x["algo"], _ms(x["forward"]["median"]), f"{x['gflops_forward']:.0f}",
              _ms(x["backward"]["median"]), f"{x['gflops_backward']:.0f}"]
             for x in r["layers"]]
