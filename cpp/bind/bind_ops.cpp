@@ -77,6 +77,30 @@ void bind_ops(py::module_& m) {
   }, py::arg("x"), py::arg("dy"), py::arg("mean"), py::arg("var"), py::arg("gamma"),
         py::arg("sum_dy"), py::arg("sum_dy_xhat"), py::arg("count"), py::arg("eps"),
         py::arg("training"), nogil(), "dx of batch norm (training: statistics depend on x).");
+  m.def("batch_norm_act_forward", [opt_ptr](const Tensor& x, const Tensor& mean,
+                                            const Tensor& var, const std::optional<Tensor>& gamma,
+                                            const std::optional<Tensor>& beta,
+                                            const std::optional<Tensor>& shortcut, float eps) {
+    return ops::batch_norm_act_forward(x, mean, var, opt_ptr(gamma), opt_ptr(beta),
+                                       opt_ptr(shortcut), eps);
+  }, py::arg("x"), py::arg("mean"), py::arg("var"), py::arg("gamma"), py::arg("beta"),
+        py::arg("shortcut"), py::arg("eps"), nogil(),
+        "relu(batch_norm_forward(...) + shortcut) in one pass (shortcut may be None).");
+  m.def("batch_norm_act_backward_reduce", &ops::batch_norm_act_backward_reduce, py::arg("x"),
+        py::arg("y"), py::arg("dy"), py::arg("mean"), py::arg("var"), py::arg("eps"), nogil(),
+        "(sum_dz, sum_dz_xhat) per channel with dz = dy where y > 0.");
+  m.def("batch_norm_act_backward", [opt_ptr](const Tensor& x, const Tensor& y, const Tensor& dy,
+                                             const Tensor& mean, const Tensor& var,
+                                             const std::optional<Tensor>& gamma,
+                                             const Tensor& sum_dz, const Tensor& sum_dz_xhat,
+                                             double count, float eps, bool want_dshortcut) {
+    auto [dx, dsc] = ops::batch_norm_act_backward(x, y, dy, mean, var, opt_ptr(gamma), sum_dz,
+                                                  sum_dz_xhat, count, eps, want_dshortcut);
+    return std::make_pair(dx, dsc.defined() ? std::optional<Tensor>(dsc) : std::nullopt);
+  }, py::arg("x"), py::arg("y"), py::arg("dy"), py::arg("mean"), py::arg("var"), py::arg("gamma"),
+        py::arg("sum_dz"), py::arg("sum_dz_xhat"), py::arg("count"), py::arg("eps"),
+        py::arg("want_dshortcut"), nogil(),
+        "(dx, dshortcut or None) of relu(batch_norm(x) (+ shortcut)) in training mode.");
   m.def("mm", &ops::mm, py::arg("a"), py::arg("b"), py::arg("trans_a") = false,
         py::arg("trans_b") = false, nogil(), "Matrix product op(a) @ op(b).");
   m.def("softmax_ce_forward", &ops::softmax_ce_forward, nogil(), "Per-example softmax cross-entropy.");

@@ -170,6 +170,9 @@ void bind_train(py::module_& m) {
         require_same_device("Model.forward", {&X, &rep.state.params[0]});
         return train::model_forward(*r.model, X, rep.state, false);
       }, py::arg("X"), py::arg("replica") = 0)
+      .def("fused_layers", [](const Replicated& r) { return r.model->fused_counts(); },
+           "(batch_norm+relu, batch_norm+add+relu) layers the fusion made; (0, 0) when "
+           "MGPU_FUSE_LAYERS=0 was set as the Model was built.")
       .def("params", [](const Replicated& r, int64_t d) { return replica(r, d).state.params; },
            py::arg("replica"))
       .def("buffers", [](const Replicated& r, int64_t d) { return replica(r, d).state.buffers; },

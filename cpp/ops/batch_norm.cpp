@@ -5,6 +5,8 @@
 #include <cmath>
 
 #include "ops/dispatch.h"
+#include "ops/elementwise.h"
+#include "ops/relu.h"
 
 namespace mgpu::ops {
 namespace {
@@ -161,6 +163,111 @@ Tensor batch_norm_backward(const Tensor& x, const Tensor& dy, const Tensor& mean
   dispatch(x.device(), op, [run] { run(); }, [run](cudaStream_t st) { run(st); }, x, dy, mean, var,
            g, sum_dy, sum_dy_xhat, dx);
   return dx;
+}
+
+namespace {
+
+// x and another tensor of x's shape on x's device (dy, y, the shortcut).
+void check_like_x(const char* op, const char* name, const Tensor& t, const Tensor& x) {
+  require_dtype(op, name, t, DType::F32);
+  require_same_device(op, {&x, &t});
+  MGPU_CHECK_VALUE(t.shape() == x.shape(), op, ": ", name, " has shape ", t.shape(),
+                   " but x has shape ", x.shape(), "; they must match");
+}
+
+}  // namespace
+
+Tensor batch_norm_act_forward(const Tensor& x, const Tensor& mean, const Tensor& var,
+                              const Tensor* gamma, const Tensor* beta, const Tensor* shortcut,
+                              float eps) {
+  const char* op = "batch_norm_act_forward";
+  const BnShape s = check_x(op, x);
+  if (shortcut) check_like_x(op, "shortcut", *shortcut, x);
+  if (!x.device().is_cpu()) {
+    // GPUs run the unfused ops in sequence (their own checks apply).
+    Tensor z = batch_norm_forward(x, mean, var, gamma, beta, eps);
+    if (shortcut) z = binary(BinaryOp::Add, z, *shortcut);
+    return relu_forward(z);
+  }
+  check_channel(op, "mean", mean, x);
+  check_channel(op, "var", var, x);
+  if (gamma) check_channel(op, "weight (gamma)", *gamma, x);
+  if (beta) check_channel(op, "bias (beta)", *beta, x);
+  check_eps(op, eps);
+  Tensor y = Tensor::empty_like(x);
+  const Tensor none;
+  dispatch(x.device(), op,
+           [s, xp = x.f32(), mp = mean.f32(), vp = var.f32(), gp = ptr(gamma), bp = ptr(beta),
+            sp = ptr(shortcut), eps, yp = y.f32()] {
+             cpu::batch_norm_act_forward(s.N, s.C, s.HW, xp, mp, vp, gp, bp, sp, eps, yp);
+           },
+           [](cudaStream_t) { MGPU_ASSERT(false, "batch_norm_act_forward: CPU only"); }, x, mean,
+           var, gamma ? *gamma : none, beta ? *beta : none, shortcut ? *shortcut : none, y);
+  return y;
+}
+
+std::pair<Tensor, Tensor> batch_norm_act_backward_reduce(const Tensor& x, const Tensor& y,
+                                                         const Tensor& dy, const Tensor& mean,
+                                                         const Tensor& var, float eps) {
+  const char* op = "batch_norm_act_backward_reduce";
+  const BnShape s = check_x(op, x);
+  check_like_x(op, "y", y, x);
+  check_like_x(op, "dy", dy, x);
+  if (!x.device().is_cpu()) return batch_norm_backward_reduce(x, relu_backward(y, dy), mean, var,
+                                                              eps);
+  check_channel(op, "mean", mean, x);
+  check_channel(op, "var", var, x);
+  check_eps(op, eps);
+  check_count(op, s);
+  Tensor sum_dz = Tensor::empty({s.C}, DType::F32, x.device());
+  Tensor sum_dz_xhat = Tensor::empty({s.C}, DType::F32, x.device());
+  dispatch(x.device(), op,
+           [s, xp = x.f32(), yp = y.f32(), dyp = dy.f32(), mp = mean.f32(), vp = var.f32(), eps,
+            a = sum_dz.f32(), b = sum_dz_xhat.f32()] {
+             cpu::batch_norm_act_backward_reduce(s.N, s.C, s.HW, xp, yp, dyp, mp, vp, eps, a, b);
+           },
+           [](cudaStream_t) { MGPU_ASSERT(false, "batch_norm_act_backward_reduce: CPU only"); },
+           x, y, dy, mean, var, sum_dz, sum_dz_xhat);
+  return {sum_dz, sum_dz_xhat};
+}
+
+std::pair<Tensor, Tensor> batch_norm_act_backward(const Tensor& x, const Tensor& y,
+                                                  const Tensor& dy, const Tensor& mean,
+                                                  const Tensor& var, const Tensor* gamma,
+                                                  const Tensor& sum_dz, const Tensor& sum_dz_xhat,
+                                                  double count, float eps, bool want_dshortcut) {
+  const char* op = "batch_norm_act_backward";
+  const BnShape s = check_x(op, x);
+  check_like_x(op, "y", y, x);
+  check_like_x(op, "dy", dy, x);
+  if (!x.device().is_cpu()) {
+    Tensor dz = relu_backward(y, dy);
+    Tensor dx = batch_norm_backward(x, dz, mean, var, gamma, sum_dz, sum_dz_xhat, count, eps,
+                                    true);
+    return {dx, want_dshortcut ? dz : Tensor()};
+  }
+  check_channel(op, "mean", mean, x);
+  check_channel(op, "var", var, x);
+  if (gamma) check_channel(op, "weight (gamma)", *gamma, x);
+  check_channel(op, "sum_dz", sum_dz, x);
+  check_channel(op, "sum_dz_xhat", sum_dz_xhat, x);
+  check_eps(op, eps);
+  MGPU_CHECK_VALUE(count > 0.0 && std::isfinite(count), op,
+                   ": count (elements per channel behind the statistics) must be > 0, got ",
+                   count);
+  Tensor dx = Tensor::empty_like(x);
+  Tensor dsc = want_dshortcut ? Tensor::empty_like(x) : Tensor();
+  const Tensor none;
+  dispatch(x.device(), op,
+           [s, xp = x.f32(), yp = y.f32(), dyp = dy.f32(), mp = mean.f32(), vp = var.f32(),
+            gp = ptr(gamma), a = sum_dz.f32(), b = sum_dz_xhat.f32(), count, eps,
+            dxp = dx.f32(), dsp = dsc.defined() ? dsc.f32() : nullptr] {
+             cpu::batch_norm_act_backward(s.N, s.C, s.HW, xp, yp, dyp, mp, vp, gp, a, b, count,
+                                          eps, dxp, dsp);
+           },
+           [](cudaStream_t) { MGPU_ASSERT(false, "batch_norm_act_backward: CPU only"); }, x, y,
+           dy, mean, var, gamma ? *gamma : none, sum_dz, sum_dz_xhat, dx, dsc);
+  return {dx, dsc};
 }
 
 std::pair<Tensor, Tensor> batch_norm_combine_stats(const Tensor& parts) {

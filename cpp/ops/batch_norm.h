@@ -34,6 +34,30 @@ Tensor batch_norm_backward(const Tensor& x, const Tensor& dy, const Tensor& mean
                            const Tensor& var, const Tensor* gamma, const Tensor& sum_dy,
                            const Tensor& sum_dy_xhat, double count, float eps, bool training);
 
+// ---- batch norm + ReLU (+ residual add), one pass each way (the fused step's BatchNormRelu and
+// BatchNormAddRelu layers) ----
+// y = relu(bn(x) + shortcut), shortcut null for y = relu(bn(x)); relu as relu.h has it (NaN
+// passes). The BN output and the pre-ReLU sum never exist as tensors. The arithmetic is that of
+// batch_norm_forward, then the add, then relu, in that order: the same bits as the three ops.
+// On CPU devices one kernel; on GPUs the unfused ops in sequence (batch_norm_forward, add, relu).
+Tensor batch_norm_act_forward(const Tensor& x, const Tensor& mean, const Tensor& var,
+                              const Tensor* gamma, const Tensor* beta, const Tensor* shortcut,
+                              float eps);
+// (sum_dz, sum_dz_xhat) per channel, dz = dy where y > 0 (the mask from the saved output y, as
+// relu_backward takes it), else 0: dbeta and dgamma. The same sums (and bits) as
+// batch_norm_backward_reduce(x, relu_backward(y, dy)).
+std::pair<Tensor, Tensor> batch_norm_act_backward_reduce(const Tensor& x, const Tensor& y,
+                                                         const Tensor& dy, const Tensor& mean,
+                                                         const Tensor& var, float eps);
+// (dx, dshortcut) in training mode: dx as batch_norm_backward(x, dz, ...) with dz as above, and
+// dshortcut = dz when want_dshortcut (the add hands its gradient to both operands), else
+// undefined. sum_dz and sum_dz_xhat are the sums above (all replicas' for synchronised BN).
+std::pair<Tensor, Tensor> batch_norm_act_backward(const Tensor& x, const Tensor& y,
+                                                  const Tensor& dy, const Tensor& mean,
+                                                  const Tensor& var, const Tensor* gamma,
+                                                  const Tensor& sum_dz, const Tensor& sum_dz_xhat,
+                                                  double count, float eps, bool want_dshortcut);
+
 // ---- synchronised batch norm: K replicas' parts combined into the statistics of their union ----
 // Every replica holds the same rows (an all-reduce of zero-padded rows, each replica writing only
 // its own: an all-gather whose sums are exact) and combines them in row order 0..K-1 in double,
@@ -99,6 +123,19 @@ void batch_norm_backward(int64_t N, int64_t C, int64_t HW, const float* x, const
                          const float* mean, const float* var, const float* gamma,
                          const float* sum_dy, const float* sum_dy_xhat, double count, float eps,
                          bool training, float* dx);
+// The fused kernels above: shortcut, gamma, beta, dshortcut may be null. Forward and dx in
+// blocks of rows as batch_norm_forward; the reduce in batch_norm_backward_reduce's order.
+void batch_norm_act_forward(int64_t N, int64_t C, int64_t HW, const float* x, const float* mean,
+                            const float* var, const float* gamma, const float* beta,
+                            const float* shortcut, float eps, float* y);
+void batch_norm_act_backward_reduce(int64_t N, int64_t C, int64_t HW, const float* x,
+                                    const float* y, const float* dy, const float* mean,
+                                    const float* var, float eps, float* sum_dz,
+                                    float* sum_dz_xhat);
+void batch_norm_act_backward(int64_t N, int64_t C, int64_t HW, const float* x, const float* y,
+                             const float* dy, const float* mean, const float* var,
+                             const float* gamma, const float* sum_dz, const float* sum_dz_xhat,
+                             double count, float eps, float* dx, float* dshortcut);
 }  // namespace cpu
 
 namespace cuda {

@@ -83,6 +83,19 @@ std::string cpu_model();
      const float* var, const float* gamma, const float* sum_dy, const float* sum_dy_xhat,         \
      double count, float eps, bool training, float* dx),                                          \
     (N, C, HW, x, dy, mean, var, gamma, sum_dy, sum_dy_xhat, count, eps, training, dx))           \
+  X(void, batch_norm_act_forward,                                                                 \
+    (int64_t N, int64_t C, int64_t HW, const float* x, const float* mean, const float* var,       \
+     const float* gamma, const float* beta, const float* shortcut, float eps, float* y),          \
+    (N, C, HW, x, mean, var, gamma, beta, shortcut, eps, y))                                      \
+  X(void, batch_norm_act_backward_reduce,                                                         \
+    (int64_t N, int64_t C, int64_t HW, const float* x, const float* y, const float* dy,           \
+     const float* mean, const float* var, float eps, float* sum_dz, float* sum_dz_xhat),          \
+    (N, C, HW, x, y, dy, mean, var, eps, sum_dz, sum_dz_xhat))                                    \
+  X(void, batch_norm_act_backward,                                                                \
+    (int64_t N, int64_t C, int64_t HW, const float* x, const float* y, const float* dy,           \
+     const float* mean, const float* var, const float* gamma, const float* sum_dz,                \
+     const float* sum_dz_xhat, double count, float eps, float* dx, float* dshortcut),             \
+    (N, C, HW, x, y, dy, mean, var, gamma, sum_dz, sum_dz_xhat, count, eps, dx, dshortcut))       \
   X(void, bias_grad_rows, (int64_t n, int64_t m, const float* dy, float* db), (n, m, dy, db))     \
   X(void, add_elements, (int64_t n, const float* a, const float* b, float* out), (n, a, b, out))  \
   X(void, sgd_step, (int64_t n, float* param, const float* grad, float scale),                    \

@@ -99,6 +99,30 @@ Tensor forward(const Layer& l, const std::vector<Tensor>& in, const ReplicaState
       if (training) return batch_norm_train(l, x, gamma, beta, s);
       return ops::batch_norm_forward(x, rm, rv, gamma, beta, static_cast<float>(l.eps));
     }
+    case LayerKind::BatchNormRelu:
+    case LayerKind::BatchNormAddRelu: {
+      const Tensor* gamma = l.bias ? &p(0) : nullptr;
+      const Tensor* beta = l.bias ? &p(1) : nullptr;
+      const Tensor& rm = r.buffers[static_cast<size_t>(l.buffers[0])];
+      const Tensor& rv = r.buffers[static_cast<size_t>(l.buffers[1])];
+      check_bn_input(l, x, rm);
+      const Tensor* shortcut = nullptr;
+      if (l.kind == LayerKind::BatchNormAddRelu) {
+        MGPU_CHECK_VALUE(in[0].shape() == in[1].shape(), l.add_name, ": adds the output of ",
+                         l.name, " (shape ", in[0].shape(), ") and slot ", l.in[1], " (shape ",
+                         in[1].shape(), "); they must be equal");
+        shortcut = &in[1];
+      }
+      const auto eps = static_cast<float>(l.eps);
+      if (!training) return ops::batch_norm_act_forward(x, rm, rv, gamma, beta, shortcut, eps);
+      if (!s->synced) s->count = static_cast<double>(x.numel() / x.size(1));
+      MGPU_CHECK_VALUE(s->count > 1, l.name, ": expected more than 1 value per channel when "
+                       "training, got input of shape ", x.shape(), "; use a bigger batch per "
+                       "device");
+      if (!s->synced) std::tie(s->a, s->b) = ops::batch_norm_stats(x);
+      return ops::batch_norm_act_forward(x, s->a, s->b, gamma, beta, shortcut, eps);
+    }
+    case LayerKind::Absorbed: return Tensor();
     case LayerKind::Relu: return ops::relu_forward(x);
     case LayerKind::AvgPool2d: return ops::avg_pool2d_forward(x, l.kh, l.kw, l.sh, l.sw);
     case LayerKind::GlobalAvgPool:
@@ -169,6 +193,27 @@ void backward(const Layer& l, const std::vector<Tensor>& in, const Tensor& out, 
       if (l.bias) *dp = {sum_dy_xhat, sum_dy};
       return;
     }
+    case LayerKind::BatchNormRelu:
+    case LayerKind::BatchNormAddRelu: {
+      // The mask comes from the saved output y (out); dz = dy * mask exists only in registers.
+      const auto eps = static_cast<float>(l.eps);
+      const bool synced = s.synced;
+      auto [sum_dz, sum_dz_xhat] =
+          synced ? std::make_pair(s.part_dy, s.part_dy_xhat)
+                 : ops::batch_norm_act_backward_reduce(x, out, dy, s.a, s.b, eps);
+      const bool add = l.kind == LayerKind::BatchNormAddRelu;
+      const bool want_sc = add && need_dx[1];
+      if (need_dx[0] || want_sc) {
+        auto [g, dsc] = ops::batch_norm_act_backward(
+            x, out, dy, s.a, s.b, l.bias ? &p(0) : nullptr, synced ? s.all_dy : sum_dz,
+            synced ? s.all_dy_xhat : sum_dz_xhat, s.count, eps, want_sc);
+        if (need_dx[0]) dx0 = g;
+        if (want_sc) (*dx)[1] = dsc;
+      }
+      if (l.bias) *dp = {sum_dz_xhat, sum_dz};
+      return;
+    }
+    case LayerKind::Absorbed: return;
     // relu(x) > 0 exactly where x > 0 (NaN stays NaN), so the output gives the input's mask.
     case LayerKind::Relu: dx0 = ops::relu_backward(out, dy); return;
     case LayerKind::AvgPool2d:
@@ -225,6 +270,7 @@ Trace start_trace(const Model& m, const Tensor& X) {
 void forward_layer(const Model& m, size_t i, Trace& t, const ReplicaState& r, bool training,
                    bool for_backward, const std::vector<int>& last_use) {
   const Layer& l = m.layers()[i];
+  if (l.kind == LayerKind::Absorbed) return;  // its work runs in the fused layer after it
   std::vector<Tensor> in;
   for (int s : l.in) in.push_back(t.slots[static_cast<size_t>(s)]);
   try {
@@ -242,7 +288,7 @@ void forward_layer(const Model& m, size_t i, Trace& t, const ReplicaState& r, bo
 
 void update_all_running_stats(const Model& m, const Trace& t, const ReplicaState& r) {
   for (size_t i = 0; i < m.layers().size(); ++i)
-    if (m.layers()[i].kind == LayerKind::BatchNorm)
+    if (is_batch_norm(m.layers()[i].kind))
       update_running_stats(m.layers()[i], r, t.saved[i]);
 }
 
@@ -257,6 +303,7 @@ struct Pass {
 
 void backward_layer(const Model& m, size_t i, Pass& p) {
   const Layer& l = m.layers()[i];
+  if (l.kind == LayerKind::Absorbed) return;
   Trace& t = p.t;
   Tensor dy = std::move(p.dslot[static_cast<size_t>(l.out)]);
   // The output leaves the trace now (every later reader's backward has run) and goes when this
@@ -369,8 +416,12 @@ void exchange_sums(const Model& m, size_t i, std::vector<Pass>& ps, const SyncRe
     const Tensor& x = p.t.slots[static_cast<size_t>(l.in[0])];
     const Tensor& dy = p.dslot[static_cast<size_t>(l.out)];
     MGPU_ASSERT(dy.defined(), l.name, ": no gradient reached a synchronised batch norm");
+    // A fused layer's sums are over dz = dy masked by its saved output.
     std::tie(s.part_dy, s.part_dy_xhat) =
-        ops::batch_norm_backward_reduce(x, dy, s.a, s.b, static_cast<float>(l.eps));
+        l.kind == LayerKind::BatchNorm
+            ? ops::batch_norm_backward_reduce(x, dy, s.a, s.b, static_cast<float>(l.eps))
+            : ops::batch_norm_act_backward_reduce(x, p.t.slots[static_cast<size_t>(l.out)], dy,
+                                                  s.a, s.b, static_cast<float>(l.eps));
     parts.push_back(padded_row(rm.device(), sync.slots, sync.slot[&p - ps.data()], 2 * C,
                                [&](const Tensor& row) {
       ops::copy(row.slice_rows(0, C), s.part_dy);
@@ -420,7 +471,7 @@ std::vector<Tensor> replicas_loss_and_grads(
   }
   for (size_t i = 0; i < m.layers().size(); ++i) {
     const Layer& l = m.layers()[i];
-    if (synced && l.kind == LayerKind::BatchNorm && l.sync) exchange_stats(m, i, ps, sync);
+    if (synced && is_batch_norm(l.kind) && l.sync) exchange_stats(m, i, ps, sync);
     for (Pass& p : ps)
       if (!p.empty) forward_layer(m, i, p.t, *p.r, true, true, last_use);
   }
@@ -444,7 +495,7 @@ std::vector<Tensor> replicas_loss_and_grads(
   size_t next_bucket = 0;
   for (int i = static_cast<int>(m.layers().size()) - 1; i >= 0; --i) {
     const Layer& l = m.layers()[static_cast<size_t>(i)];
-    if (synced && l.kind == LayerKind::BatchNorm && l.sync && reaches[static_cast<size_t>(l.out)])
+    if (synced && is_batch_norm(l.kind) && l.sync && reaches[static_cast<size_t>(l.out)])
       exchange_sums(m, static_cast<size_t>(i), ps, sync);
     for (Pass& p : ps)
       if (!p.empty) backward_layer(m, static_cast<size_t>(i), p);

@@ -3,6 +3,8 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
+#include <cstring>
 #include <mutex>
 #include <set>
 
@@ -175,6 +177,10 @@ Model::Model(const std::vector<LayerSpec>& spec, const std::vector<Shape>& param
   for (size_t j = 0; j < buffer_owner.size(); ++j)
     MGPU_CHECK_VALUE(buffer_owner[j] >= 0, "Model: buffer ", j, " is used by no layer");
 
+  // MGPU_FUSE_LAYERS=0 turns the fusion off (tests and benches compare both); on by default.
+  const char* fuse = std::getenv("MGPU_FUSE_LAYERS");
+  if (!fuse || std::strcmp(fuse, "0") != 0) fuse_layers();
+
   const Layer& last = layers_.back();
   if (last.kind == LayerKind::Linear)
     classes_ = param_shapes[static_cast<size_t>(last.params[0])][last.transpose ? 0 : 1];
@@ -183,6 +189,7 @@ Model::Model(const std::vector<LayerSpec>& spec, const std::vector<Shape>& param
   grad_needed_.assign(static_cast<size_t>(num_slots()), false);
   saved_.assign(static_cast<size_t>(num_slots()), false);
   for (const Layer& l : layers_) {
+    if (l.kind == LayerKind::Absorbed) continue;
     bool g = !l.params.empty();
     for (int s : l.in) g = g || grad_needed_[static_cast<size_t>(s)];
     grad_needed_[static_cast<size_t>(l.out)] = g;
@@ -190,8 +197,16 @@ Model::Model(const std::vector<LayerSpec>& spec, const std::vector<Shape>& param
     // usually keeps anyway, so the batch norm or add output before it is freed in forward; add
     // reads nothing; every other backward re-reads its input (flatten and pooling for its shape).
     if (!g || l.kind == LayerKind::Add) continue;
-    if (l.kind == LayerKind::Relu) saved_[static_cast<size_t>(l.out)] = true;
-    else for (int s : l.in) saved_[static_cast<size_t>(s)] = true;
+    // The fused layers re-read x (their batch norm's input) and their output y (the mask), not
+    // the shortcut.
+    if (l.kind == LayerKind::Relu) {
+      saved_[static_cast<size_t>(l.out)] = true;
+    } else if (l.kind == LayerKind::BatchNormRelu || l.kind == LayerKind::BatchNormAddRelu) {
+      saved_[static_cast<size_t>(l.in[0])] = true;
+      saved_[static_cast<size_t>(l.out)] = true;
+    } else {
+      for (int s : l.in) saved_[static_cast<size_t>(s)] = true;
+    }
   }
 
   // Flat layout in reverse forward order, cut into buckets at layer boundaries.
@@ -213,6 +228,58 @@ Model::Model(const std::vector<LayerSpec>& spec, const std::vector<Shape>& param
     }
   }
   if (b.end > b.begin) buckets_.push_back(b);
+}
+
+void Model::fuse_layers() {
+  // readers[s]: how many inputs, over all layers, name slot s (an add of a slot to itself: 2).
+  std::vector<int> readers(static_cast<size_t>(num_slots()), 0);
+  for (const Layer& l : layers_)
+    for (int s : l.in) ++readers[static_cast<size_t>(s)];
+  // The batch norm writing slot s, if s is a batch norm's output read only once.
+  auto lone_bn = [&](int s) -> Layer* {
+    if (s < 1 || readers[static_cast<size_t>(s)] != 1) return nullptr;
+    Layer& p = layers_[static_cast<size_t>(s - 1)];
+    return p.kind == LayerKind::BatchNorm ? &p : nullptr;
+  };
+  for (Layer& r : layers_) {
+    if (r.kind != LayerKind::Relu) continue;
+    const int s = r.in[0];
+    if (Layer* bn = lone_bn(s)) {
+      Layer f = *bn;
+      f.kind = LayerKind::BatchNormRelu;
+      f.out = r.out;
+      bn->kind = LayerKind::Absorbed;
+      bn->in.clear(), bn->params.clear(), bn->buffers.clear();
+      r = std::move(f);
+      continue;
+    }
+    if (s < 1 || readers[static_cast<size_t>(s)] != 1) continue;
+    Layer& add = layers_[static_cast<size_t>(s - 1)];
+    if (add.kind != LayerKind::Add) continue;
+    for (int k = 0; k < 2; ++k) {
+      Layer* bn = lone_bn(add.in[static_cast<size_t>(k)]);
+      if (!bn) continue;
+      Layer f = *bn;
+      f.kind = LayerKind::BatchNormAddRelu;
+      f.add_name = add.name;
+      f.in = {bn->in[0], add.in[static_cast<size_t>(1 - k)]};
+      f.out = r.out;
+      bn->kind = add.kind = LayerKind::Absorbed;
+      bn->in.clear(), bn->params.clear(), bn->buffers.clear();
+      add.in.clear();
+      r = std::move(f);
+      break;
+    }
+  }
+}
+
+std::pair<int, int> Model::fused_counts() const {
+  std::pair<int, int> n{0, 0};
+  for (const Layer& l : layers_) {
+    n.first += l.kind == LayerKind::BatchNormRelu;
+    n.second += l.kind == LayerKind::BatchNormAddRelu;
+  }
+  return n;
 }
 
 void Model::check_replica(const char* op, const std::vector<Tensor>& params,

@@ -11,9 +11,21 @@
 
 namespace mgpu::train {
 
+// BatchNormRelu (y = relu(bn(x))) and BatchNormAddRelu (y = relu(bn(x) + shortcut), inputs x and
+// the shortcut) are made by Model's constructor from batch_norm -> relu and batch_norm -> add ->
+// relu whose intermediate slots have no other reader; the fused layer takes the relu's place and
+// output slot, the batch norm and add it replaced become Absorbed (they run nothing, their slots
+// stay empty). MGPU_FUSE_LAYERS=0 (read when a Model is built) keeps the layers as given.
 enum class LayerKind {
-  Conv2d, Conv2dReluPool, BatchNorm, Relu, AvgPool2d, GlobalAvgPool, Flatten, Linear, Add
+  Conv2d, Conv2dReluPool, BatchNorm, Relu, AvgPool2d, GlobalAvgPool, Flatten, Linear, Add,
+  BatchNormRelu, BatchNormAddRelu, Absorbed
 };
+
+// A batch norm, alone or fused with what follows it (owns gamma, beta and the running buffers).
+inline bool is_batch_norm(LayerKind k) {
+  return k == LayerKind::BatchNorm || k == LayerKind::BatchNormRelu ||
+         k == LayerKind::BatchNormAddRelu;
+}
 
 // One layer as Python describes it (see Model in python/mgpu/_core.pyi for the format).
 struct LayerSpec {
@@ -25,7 +37,9 @@ struct LayerSpec {
 
 struct Layer {
   LayerKind kind;
-  std::string name;                        // "layer 3 (conv2d)", for messages
+  std::string name;                        // "layer 3 (conv2d)", for messages (a fused layer:
+                                           // its batch norm's)
+  std::string add_name;                    // BatchNormAddRelu: the add's name, for its messages
   std::vector<int> in;                     // input slots
   int out = 0;                             // output slot
   int64_t stride = 1, padding = 0;         // conv2d
@@ -61,6 +75,9 @@ class Model {
   int64_t offset(size_t param) const { return offsets_[param]; }
   int64_t flat_size() const { return flat_size_; }
   const std::vector<Bucket>& buckets() const { return buckets_; }
+  // How many batch norm layers were fused with their relu (and add): (BatchNormRelu,
+  // BatchNormAddRelu) counts; (0, 0) with MGPU_FUSE_LAYERS=0.
+  std::pair<int, int> fused_counts() const;
   // Some batch norm layer synchronises its statistics across replicas.
   bool has_sync() const { return has_sync_; }
   // The logits' width when the last layer is a linear one (the classes labels index), else 0.
@@ -85,6 +102,9 @@ class Model {
   int64_t classes_ = 0;
   std::vector<bool> grad_needed_, saved_;
   bool has_sync_ = false;
+
+  // Merges batch_norm -> relu and batch_norm -> add -> relu (see LayerKind).
+  void fuse_layers();
 };
 
 }  // namespace mgpu::train

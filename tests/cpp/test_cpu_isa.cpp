@@ -250,6 +250,48 @@ TEST(CpuIsa, BatchNormSameBits) {
   }
 }
 
+// Batch norm + relu (+ add), the fused step's layers: forward with and without the shortcut, the
+// masked sums and dx with the shortcut's gradient, HW with and without a tail of the lanes.
+TEST(CpuIsa, BatchNormActSameBits) {
+  if (!cpu_has_avx512()) GTEST_SKIP() << "this CPU has no AVX-512: one path only";
+  struct Case {
+    int64_t N, C, HW;
+  };
+  for (const Case c : {Case{4, 3, 49}, Case{3, 5, 64}, Case{9, 7, 1}, Case{2, 1, 17}}) {
+    SCOPED_TRACE(::testing::Message() << "N=" << c.N << " C=" << c.C << " HW=" << c.HW);
+    const size_t n = static_cast<size_t>(c.N * c.C * c.HW), C = static_cast<size_t>(c.C);
+    const Floats x = random_floats(n, 22), sc = random_floats(n, 23), dy = random_floats(n, 24);
+    const Floats gamma = random_floats(C, 25), beta = random_floats(C, 26);
+    Floats mean(C), var(C);
+    avx2::batch_norm_stats(c.N, c.C, c.HW, x.data(), mean.data(), var.data());
+    Floats y[2] = {Floats(n), Floats(n)}, ya[2] = {Floats(n), Floats(n)};
+    Floats sdz[2] = {Floats(C), Floats(C)}, sdx[2] = {Floats(C), Floats(C)};
+    Floats dx[2] = {Floats(n), Floats(n)}, dsc[2] = {Floats(n), Floats(n)};
+    for (int path = 0; path < 2; ++path) {
+      auto fwd = path ? avx512::batch_norm_act_forward : avx2::batch_norm_act_forward;
+      auto reduce =
+          path ? avx512::batch_norm_act_backward_reduce : avx2::batch_norm_act_backward_reduce;
+      auto bwd = path ? avx512::batch_norm_act_backward : avx2::batch_norm_act_backward;
+      const size_t p = static_cast<size_t>(path);
+      fwd(c.N, c.C, c.HW, x.data(), mean.data(), var.data(), gamma.data(), beta.data(), nullptr,
+          1e-5f, y[p].data());
+      fwd(c.N, c.C, c.HW, x.data(), mean.data(), var.data(), gamma.data(), beta.data(), sc.data(),
+          1e-5f, ya[p].data());
+      reduce(c.N, c.C, c.HW, x.data(), ya[p].data(), dy.data(), mean.data(), var.data(), 1e-5f,
+             sdz[p].data(), sdx[p].data());
+      bwd(c.N, c.C, c.HW, x.data(), ya[p].data(), dy.data(), mean.data(), var.data(),
+          gamma.data(), sdz[p].data(), sdx[p].data(), static_cast<double>(c.N * c.HW), 1e-5f,
+          dx[p].data(), dsc[p].data());
+    }
+    EXPECT_TRUE(same_bits("relu(bn(x))", y[0], y[1]));
+    EXPECT_TRUE(same_bits("relu(bn(x) + shortcut)", ya[0], ya[1]));
+    EXPECT_TRUE(same_bits("sum_dz", sdz[0], sdz[1]));
+    EXPECT_TRUE(same_bits("sum_dz_xhat", sdx[0], sdx[1]));
+    EXPECT_TRUE(same_bits("dx", dx[0], dx[1]));
+    EXPECT_TRUE(same_bits("dshortcut", dsc[0], dsc[1]));
+  }
+}
+
 // The residual add and the SGD step, over more than one parallel block and a vector tail, in
 // place as the ops use them.
 TEST(CpuIsa, AddAndSgdSameBits) {
