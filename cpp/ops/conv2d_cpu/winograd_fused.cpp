@@ -1,0 +1,278 @@
+// cpp/ops/conv2d_cpu/winograd_fused.cpp -- Winograd F(4x4, 3x3)'s forward products with the
+// transforms fused around them (winograd.cpp has the algebra): y = A^T [U (.) (B^T d B)] A + bias
+// for a 3x3 stride-1 conv with pad <= 2, given U (36, K, C) already transformed.
+//
+// The T tiles of the batch (image after image, tiles row-major in each) are cut into blocks of
+// kBlockTiles tiles, a function of the shape alone. Each block is one task of parallel_for, on
+// one thread, in three steps through that thread's scratch:
+//   1. the input transform of the block's tiles, channel after channel, into the panel
+//      V (36, C, Tb): for each point, C rows of Tb tiles side by side;
+//   2. for each point xi, M[xi] (K, Tb) = U[xi] (K, C) * V[xi] (C, Tb) by a register-tiled
+//      micro-kernel: kKR output channels x kTR tiles of accumulators, one broadcast weight and
+//      kTV vectors of tiles per input channel. U is read where it lies: kKR rows of U[xi],
+//      each contiguous over C, are the kKR broadcast streams (no packing pass over U, which is
+//      36 MB at 512 channels);
+//   3. the output transform of M (36, K, Tb) plus the bias, straight into y.
+// V[xi] (C x Tb floats, <= 128 KB at 512 channels) stays in L2 while the kernel sweeps K over it;
+// the kKR rows of U[xi] (<= 16 KB) stay in L1 while it sweeps the block's tiles.
+//
+// Same bits on both instruction-set paths and for every thread count: every output is the chain
+// acc = fma(U[xi][k][c], V[xi][c][t], acc) for c = 0, 1, ..., C - 1 from acc = 0, whatever the
+// register tile (AVX-512: 8 channels x 2 zmm of 16 tiles; AVX2: 6 x 2 ymm of 8), and the
+// transforms run 16 tiles side by side in lanes with every add and multiply rounded on its own
+// (this file compiles with -ffp-contract=off), the same operations in every lane.
+#include <immintrin.h>
+
+#include <cmath>
+
+#include "core/parallel.h"
+#include "ops/conv2d_cpu/conv2d_cpu.h"
+
+namespace mgpu::ops::cpu::MGPU_CPU_ISA::conv {
+
+namespace {
+
+constexpr int kTile = 4;    // outputs per tile side
+constexpr int kAlpha = 6;   // transformed tile side
+constexpr int kPoints = kAlpha * kAlpha;
+constexpr int kL = 16;      // tiles per transform chunk (lanes)
+
+// ---- The micro-kernel's vectors ----
+#if defined(__AVX512F__)
+constexpr int kVW = 16;  // floats per vector
+constexpr int kKR = 8;   // output channels per register tile (8 x 2 = 16 zmm accumulators)
+using Vec = __m512;
+inline Vec vzero() { return _mm512_setzero_ps(); }
+inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstore(float* p, Vec v) { _mm512_storeu_ps(p, v); }
+inline Vec vbroadcast(const float* p) { return _mm512_set1_ps(*p); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+#else
+constexpr int kVW = 8;
+constexpr int kKR = 6;   // 6 x 2 = 12 ymm accumulators, 2 tile vectors and a broadcast
+using Vec = __m256;
+inline Vec vzero() { return _mm256_setzero_ps(); }
+inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
+inline void vstore(float* p, Vec v) { _mm256_storeu_ps(p, v); }
+inline Vec vbroadcast(const float* p) { return _mm256_broadcast_ss(p); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+#endif
+constexpr int kTV = 2;             // tile vectors per register tile
+constexpr int kTR = kTV * kVW;     // tiles per register tile: 32 (AVX-512) or 16 (AVX2)
+constexpr int64_t kTileQuantum = 32;  // blocks hold a multiple of this many tiles (>= kTR)
+
+// m[r][t] = sum over c of u[r][c] * v[c * ldv + t], for r < rows and the kTR tiles t, each sum
+// the FMA chain over c in order from 0. Rows r >= rows of u repeat the last row (not stored).
+inline void product_tile(const float* const* u, const float* __restrict v, int64_t ldv,
+                         int64_t C, float* __restrict m, int64_t ldm, int rows) {
+  Vec acc[kKR][kTV];
+  for (int r = 0; r < kKR; ++r) {
+    for (int j = 0; j < kTV; ++j) acc[r][j] = vzero();
+  }
+  for (int64_t c = 0; c < C; ++c) {
+    Vec vv[kTV];
+    for (int j = 0; j < kTV; ++j) vv[j] = vload(v + c * ldv + j * kVW);
+    for (int r = 0; r < kKR; ++r) {
+      const Vec ub = vbroadcast(u[r] + c);
+      for (int j = 0; j < kTV; ++j) acc[r][j] = vfma(ub, vv[j], acc[r][j]);
+    }
+  }
+  for (int r = 0; r < rows; ++r) {
+    for (int j = 0; j < kTV; ++j) vstore(m + r * ldm + j * kVW, acc[r][j]);
+  }
+}
+
+// ---- The transforms, 16 tiles side by side (the formulas of winograd.cpp) ----
+// r = B^T d along one axis, for six lane rows.
+inline void input_1d(const float (*d)[kL], float (*r)[kL]) {
+  for (int l = 0; l < kL; ++l) {
+    const float d0 = d[0][l], d1 = d[1][l], d2 = d[2][l], d3 = d[3][l], d4 = d[4][l],
+                d5 = d[5][l];
+    r[0][l] = (4.0f * d0 - 5.0f * d2) + d4;
+    r[1][l] = (d3 + d4) - 4.0f * (d1 + d2);
+    r[2][l] = (d4 - d3) + 4.0f * (d1 - d2);
+    r[3][l] = (d4 - d2) + 2.0f * (d3 - d1);
+    r[4][l] = (d4 - d2) - 2.0f * (d3 - d1);
+    r[5][l] = (4.0f * d1 - 5.0f * d3) + d5;
+  }
+}
+
+// o = A^T m along one axis (6 -> 4).
+inline void output_1d(const float (*m)[kL], float (*o)[kL]) {
+  for (int l = 0; l < kL; ++l) {
+    const float m0 = m[0][l], m1 = m[1][l], m2 = m[2][l], m3 = m[3][l], m4 = m[4][l],
+                m5 = m[5][l];
+    const float s12 = m1 + m2, d12 = m1 - m2, s34 = m3 + m4, d34 = m3 - m4;
+    o[0][l] = (m0 + s12) + s34;
+    o[1][l] = d12 + 2.0f * d34;
+    o[2][l] = s12 + 4.0f * s34;
+    o[3][l] = (d12 + 8.0f * d34) + m5;
+  }
+}
+
+// Where a tile reads and writes: the index in x (channel 0) of its 6x6 input patch's corner
+// (which may lie in the padding), the rows [a0, a1) and columns [b0, b1) of the patch inside
+// the image, the index in y (channel 0) of its 4x4 output corner and how many of its output
+// rows and columns lie inside the output.
+struct TileGeo {
+  int64_t xoff, yoff;
+  int a0, a1, b0, b1, pr, qr;
+};
+
+// Per-thread scratch, grown to the largest shape and then reused: the panels V (36 x C x Tb)
+// and M (36 x K x Tb) and the block's tile geometry.
+inline thread_local std::vector<float> tl_vpanel, tl_mpanel;
+inline thread_local std::vector<TileGeo> tl_geo;
+
+// Tiles per block: a multiple of kTileQuantum from the shape alone. 32 tiles keep V[xi] of 512
+// channels at 64 KB; blocks of 64 tiles halve the passes over U, which matter where U
+// (36 K C floats) outgrows L2 (4 MB), as long as V[xi] (C x 64 floats) stays within 128 KB.
+int64_t block_tiles(const Conv2dShape& s) {
+  const bool big_u = int64_t{kPoints} * s.K * s.C * 4 > (int64_t{4} << 20);
+  return big_u && 2 * kTileQuantum * s.C * 4 <= (int64_t{128} << 10) ? 2 * kTileQuantum
+                                                                        : kTileQuantum;
+}
+
+// The input transform of one block: V[xi][c][t] for its nt tiles (geo) and channel c, lanes
+// t >= nt up to the next multiple of kTileQuantum set to 0.
+void transform_block_input(const Conv2dShape& s, const float* __restrict x, const TileGeo* geo,
+                           int64_t nt, int64_t Tb, float* __restrict vp) {
+  const int64_t HW = s.H * s.W, W = s.W, C = s.C;
+  const int64_t chunks = (nt + kTileQuantum - 1) / kTileQuantum * (kTileQuantum / kL);
+  for (int64_t c = 0; c < C; ++c) {
+    const float* __restrict xc = x + c * HW;
+    for (int64_t q = 0; q < chunks; ++q) {
+      const int64_t t0 = q * kL;
+      alignas(64) float d[kAlpha][kAlpha][kL];
+      for (int l = 0; l < kL; ++l) {
+        const int64_t t = t0 + l;
+        if (t >= nt) {
+          for (int a = 0; a < kAlpha; ++a) {
+            for (int b = 0; b < kAlpha; ++b) d[a][b][l] = 0.0f;
+          }
+          continue;
+        }
+        const TileGeo& g = geo[t];
+        if (g.a0 == 0 && g.a1 == kAlpha && g.b0 == 0 && g.b1 == kAlpha) {
+          const float* src = xc + g.xoff;
+          for (int a = 0; a < kAlpha; ++a) {
+            for (int b = 0; b < kAlpha; ++b) d[a][b][l] = src[a * W + b];
+          }
+        } else {
+          for (int a = 0; a < kAlpha; ++a) {
+            const bool row_in = a >= g.a0 && a < g.a1;
+            for (int b = 0; b < kAlpha; ++b) {
+              d[a][b][l] = row_in && b >= g.b0 && b < g.b1 ? xc[g.xoff + a * W + b] : 0.0f;
+            }
+          }
+        }
+      }
+      alignas(64) float col[kAlpha][kL], rt[kAlpha][kL], tr[kAlpha][kAlpha][kL];
+      for (int b = 0; b < kAlpha; ++b) {  // along the rows: tr[.][b] = B^T d[.][b]
+        for (int a = 0; a < kAlpha; ++a) {
+          for (int l = 0; l < kL; ++l) col[a][l] = d[a][b][l];
+        }
+        input_1d(col, rt);
+        for (int a = 0; a < kAlpha; ++a) {
+          for (int l = 0; l < kL; ++l) tr[a][b][l] = rt[a][l];
+        }
+      }
+      for (int a = 0; a < kAlpha; ++a) {  // along the columns, into the panel
+        input_1d(tr[a], rt);
+        for (int b = 0; b < kAlpha; ++b) {
+          float* dst = vp + ((a * kAlpha + b) * C + c) * Tb + t0;
+          for (int l = 0; l < kL; ++l) dst[l] = rt[b][l];
+        }
+      }
+    }
+  }
+}
+
+// The output transform of one block: y = A^T M A + bias for its nt tiles, every output channel.
+void transform_block_output(const Conv2dShape& s, const float* __restrict mp, const TileGeo* geo,
+                            int64_t nt, int64_t Tb, const float* b, float* __restrict y) {
+  const int64_t K = s.K, Q = s.Q(), PQ = s.P() * Q;
+  for (int64_t k = 0; k < K; ++k) {
+    const float bias = b ? b[k] : 0.0f;
+    for (int64_t t0 = 0; t0 < nt; t0 += kL) {
+      alignas(64) float mm[kAlpha][kAlpha][kL];
+      for (int a = 0; a < kAlpha; ++a) {
+        for (int bb = 0; bb < kAlpha; ++bb) {
+          const float* src = mp + ((a * kAlpha + bb) * K + k) * Tb + t0;
+          for (int l = 0; l < kL; ++l) mm[a][bb][l] = src[l];
+        }
+      }
+      alignas(64) float sa[kAlpha][kTile][kL], o[kTile][kL], col[kAlpha][kL];
+      for (int a = 0; a < kAlpha; ++a) output_1d(mm[a], sa[a]);  // along the columns
+      alignas(64) float out[kTile][kTile][kL];
+      for (int bb = 0; bb < kTile; ++bb) {  // along the rows
+        for (int a = 0; a < kAlpha; ++a) {
+          for (int l = 0; l < kL; ++l) col[a][l] = sa[a][bb][l];
+        }
+        output_1d(col, o);
+        for (int a = 0; a < kTile; ++a) {
+          for (int l = 0; l < kL; ++l) out[a][bb][l] = o[a][l] + bias;
+        }
+      }
+      const int64_t n = std::min<int64_t>(kL, nt - t0);
+      for (int64_t l = 0; l < n; ++l) {
+        const TileGeo& g = geo[t0 + l];
+        float* dst = y + k * PQ + g.yoff;
+        for (int a = 0; a < g.pr; ++a) {
+          for (int bb = 0; bb < g.qr; ++bb) dst[a * Q + bb] = out[a][bb][l];
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void winograd_fused_forward(const Conv2dShape& s, const float* x, const float* U, const float* b,
+                            float* y) {
+  const int64_t P = s.P(), Q = s.Q(), C = s.C, K = s.K;
+  const int64_t rows = (P + kTile - 1) / kTile, cols = (Q + kTile - 1) / kTile;
+  const int64_t per_image = rows * cols, T = s.N * per_image;
+  if (T == 0 || K == 0) return;
+  const int64_t Tb = block_tiles(s);
+  const int64_t blocks = (T + Tb - 1) / Tb;
+  parallel_for(blocks, [&](int64_t blk) {
+    const int64_t g0 = blk * Tb, nt = std::min(Tb, T - g0);
+    if (static_cast<int64_t>(tl_geo.size()) < Tb) tl_geo.resize(static_cast<size_t>(Tb));
+    TileGeo* geo = tl_geo.data();
+    for (int64_t t = 0; t < nt; ++t) {
+      const int64_t g = g0 + t, n = g / per_image, j = g % per_image;
+      const int64_t p0 = (j / cols) * kTile, q0 = (j % cols) * kTile;
+      const int64_t h0 = p0 - s.pad, w0 = q0 - s.pad;
+      TileGeo& e = geo[t];
+      e.xoff = n * C * s.H * s.W + h0 * s.W + w0;
+      e.a0 = static_cast<int>(std::clamp<int64_t>(-h0, 0, kAlpha));
+      e.a1 = static_cast<int>(std::clamp<int64_t>(s.H - h0, e.a0, kAlpha));
+      e.b0 = static_cast<int>(std::clamp<int64_t>(-w0, 0, kAlpha));
+      e.b1 = static_cast<int>(std::clamp<int64_t>(s.W - w0, e.b0, kAlpha));
+      e.yoff = n * K * P * Q + p0 * Q + q0;
+      e.pr = static_cast<int>(std::min<int64_t>(kTile, P - p0));
+      e.qr = static_cast<int>(std::min<int64_t>(kTile, Q - q0));
+    }
+    float* vp = scratch(tl_vpanel, kPoints * C * Tb);
+    float* mp = scratch(tl_mpanel, kPoints * K * Tb);
+    transform_block_input(s, x, geo, nt, Tb, vp);
+    const int64_t nt_r = (nt + kTR - 1) / kTR * kTR;  // <= the zeroed lanes of V
+    for (int xi = 0; xi < kPoints; ++xi) {
+      const float* uxi = U + xi * K * C;
+      const float* vxi = vp + xi * C * Tb;
+      float* mxi = mp + xi * K * Tb;
+      for (int64_t k0 = 0; k0 < K; k0 += kKR) {
+        const int r_valid = static_cast<int>(std::min<int64_t>(kKR, K - k0));
+        const float* u[kKR];
+        for (int r = 0; r < kKR; ++r) u[r] = uxi + std::min<int64_t>(k0 + r, K - 1) * C;
+        for (int64_t t0 = 0; t0 < nt_r; t0 += kTR) {
+          product_tile(u, vxi + t0, Tb, C, mxi + k0 * Tb + t0, Tb, r_valid);
+        }
+      }
+    }
+    transform_block_output(s, mp, geo, nt, Tb, b, y);
+  });
+}
+
+}  // namespace mgpu::ops::cpu::MGPU_CPU_ISA::conv
