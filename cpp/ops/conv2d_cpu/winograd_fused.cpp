@@ -244,6 +244,51 @@ void transform_block_input(const Conv2dShape& s, const float* __restrict x, cons
   }
 }
 
+// r[l][b] = o[b][l] for the 4 columns b of one output row of 16 tiles: a 4 x 4 transpose in
+// every 128-bit lane (4 tiles at a time), so each tile's row is then one 16-byte store.
+inline void tiles_to_rows(const float (*o)[kL], float (*r)[kTile]) {
+  for (int h = 0; h < kL; h += kVW) {
+    const Vec b0 = vload(o[0] + h), b1 = vload(o[1] + h), b2 = vload(o[2] + h),
+              b3 = vload(o[3] + h);
+    // Per 128-bit lane: interleave the low / high pairs of b0, b1 and of b2, b3, then the low /
+    // high halves of those (unpack{lo,hi}_ps, then unpack{lo,hi}_pd).
+#if defined(__AVX512F__)
+#define MGPU_LO(a, b) \
+  __builtin_shufflevector(a, b, 0, 16, 1, 17, 4, 20, 5, 21, \
+                          8, 24, 9, 25, 12, 28, 13, 29)
+#define MGPU_HI(a, b) \
+  __builtin_shufflevector(a, b, 2, 18, 3, 19, 6, 22, 7, 23, \
+                          10, 26, 11, 27, 14, 30, 15, 31)
+#define MGPU_LO2(a, b) \
+  __builtin_shufflevector(a, b, 0, 1, 16, 17, 4, 5, 20, 21, \
+                          8, 9, 24, 25, 12, 13, 28, 29)
+#define MGPU_HI2(a, b) \
+  __builtin_shufflevector(a, b, 2, 3, 18, 19, 6, 7, 22, 23, \
+                          10, 11, 26, 27, 14, 15, 30, 31)
+#else
+#define MGPU_LO(a, b) __builtin_shufflevector(a, b, 0, 8, 1, 9, 4, 12, 5, 13)
+#define MGPU_HI(a, b) __builtin_shufflevector(a, b, 2, 10, 3, 11, 6, 14, 7, 15)
+#define MGPU_LO2(a, b) __builtin_shufflevector(a, b, 0, 1, 8, 9, 4, 5, 12, 13)
+#define MGPU_HI2(a, b) __builtin_shufflevector(a, b, 2, 3, 10, 11, 6, 7, 14, 15)
+#endif
+    const Vec t0 = MGPU_LO(b0, b1), t1 = MGPU_HI(b0, b1), t2 = MGPU_LO(b2, b3),
+              t3 = MGPU_HI(b2, b3);
+    const Vec q[4] = {MGPU_LO2(t0, t2), MGPU_HI2(t0, t2), MGPU_LO2(t1, t3), MGPU_HI2(t1, t3)};
+#undef MGPU_LO
+#undef MGPU_HI
+#undef MGPU_LO2
+#undef MGPU_HI2
+    // q[i] holds, in its 128-bit lane j, tile h + 4 j + i's row.
+    alignas(64) float tmp[4][kVW];
+    for (int i = 0; i < 4; ++i) vstore(tmp[i], q[i]);
+    for (int j = 0; j < kVW / 4; ++j) {
+      for (int i = 0; i < 4; ++i) {
+        _mm_store_ps(r[h + 4 * j + i], _mm_load_ps(tmp[i] + 4 * j));
+      }
+    }
+  }
+}
+
 // The output transform of one block: y = A^T M A + bias for its nt tiles, every output channel.
 void transform_block_output(const Conv2dShape& s, const float* __restrict mp, const TileGeo* geo,
                             int64_t nt, int64_t Tb, const float* b, float* __restrict y) {
@@ -270,12 +315,20 @@ void transform_block_output(const Conv2dShape& s, const float* __restrict mp, co
           for (int l = 0; l < kL; ++l) out[a][bb][l] = o[a][l] + bias;
         }
       }
+      alignas(64) float rows[kTile][kL][kTile];  // rows[a][l] = output row a of tile l
+      for (int a = 0; a < kTile; ++a) tiles_to_rows(out[a], rows[a]);
       const int64_t n = std::min<int64_t>(kL, nt - t0);
       for (int64_t l = 0; l < n; ++l) {
         const TileGeo& g = geo[t0 + l];
         float* dst = y + k * PQ + g.yoff;
-        for (int a = 0; a < g.pr; ++a) {
-          for (int bb = 0; bb < g.qr; ++bb) dst[a * Q + bb] = out[a][bb][l];
+        if (g.qr == kTile) {
+          for (int a = 0; a < g.pr; ++a) {
+            _mm_storeu_ps(dst + a * Q, _mm_load_ps(rows[a][l]));
+          }
+        } else {
+          for (int a = 0; a < g.pr; ++a) {
+            for (int bb = 0; bb < g.qr; ++bb) dst[a * Q + bb] = rows[a][l][bb];
+          }
         }
       }
     }
