@@ -298,8 +298,12 @@ void forward_with_u(const Conv2dShape& s, const float* x, const float* U, const 
 
 }  // namespace
 
+// The fused forward (winograd_fused.cpp) gathers 16 tiles by int32 offsets that span up to 16
+// images of x (forward) or of dy (the data gradient): each must stay below 2^30 floats.
 bool winograd_fits(const Conv2dShape& s) {
-  return s.R == 3 && s.S == 3 && s.stride == 1 && s.pad <= 2;
+  constexpr int64_t kGatherSpan = int64_t{1} << 30;
+  return s.R == 3 && s.S == 3 && s.stride == 1 && s.pad <= 2 &&
+         16 * s.C * s.H * s.W < kGatherSpan && 16 * s.K * s.P() * s.Q() < kGatherSpan;
 }
 
 void winograd_forward(const Conv2dShape& s, const float* x, const float* w, const float* b,

@@ -136,13 +136,12 @@ int64_t block_tiles(const Conv2dShape& s) {
                                                                         : kTileQuantum;
 }
 
-// A chunk of kL tiles as the gathers see it: the index in x (channel 0) that the lane offsets
-// are relative to, each lane's offset (int32: the chunk's tiles lie within 16 images), and the
-// masks of the patch rows and columns inside the image (-1 inside, 0 in the padding or past the
-// block's last tile). gather is false where the offsets would overflow int32.
+// A chunk of kL tiles as the gathers see it: the index in x (channel 0) of its first tile's
+// image, each lane's offset from there (int32: the chunk's tiles lie within 16 images, which
+// winograd_fits keeps below 2^30 floats), and the masks of the patch rows and columns inside the
+// image (-1 inside, 0 in the padding or past the block's last tile).
 struct ChunkGeo {
   int64_t base;
-  bool gather;
   alignas(64) int32_t off[kL];
   alignas(64) int32_t rows[kAlpha][kL];
   alignas(64) int32_t cols[kAlpha][kL];
@@ -152,25 +151,9 @@ inline thread_local std::vector<ChunkGeo> tl_chunk;
 inline thread_local std::vector<int64_t> tl_lines;
 constexpr int64_t kPrefetchChannels = 2;
 
-// d[a][b][l] = the patch of lane l at row a, column b, or 0 where it lies in the padding, for
-// the kL tiles from t0 (lanes past nt are 0): one tile at a time.
-inline void gather_patch_scalar(const float* __restrict xc, int64_t W, const TileGeo* geo,
-                                int64_t t0, int64_t nt, float (*d)[kAlpha][kL]) {
-  for (int l = 0; l < kL; ++l) {
-    const int64_t t = t0 + l;
-    for (int a = 0; a < kAlpha; ++a) {
-      for (int b = 0; b < kAlpha; ++b) d[a][b][l] = 0.0f;
-    }
-    if (t >= nt) continue;
-    const TileGeo& g = geo[t];
-    for (int a = g.a0; a < g.a1; ++a) {
-      for (int b = g.b0; b < g.b1; ++b) d[a][b][l] = xc[g.xoff + a * W + b];
-    }
-  }
-}
-
-// The same by masked vector gathers, one per patch element for all kL lanes; xb is the chunk's
-// base in the channel.
+// d[a][b][l] = the patch of lane l at row a, column b, or 0 where it lies in the padding or
+// past the block's last tile: masked vector gathers, one per patch element for all kL lanes;
+// xb is the chunk's base in the channel.
 inline void gather_patch(const float* xb, int64_t W, const ChunkGeo& cg,
                          float (*d)[kAlpha][kL]) {
 #if defined(__AVX512F__)
@@ -218,11 +201,7 @@ void transform_block_input(const Conv2dShape& s, const float* __restrict x, cons
       const int64_t t0 = q * kL;
       alignas(64) float d[kAlpha][kAlpha][kL];
       const ChunkGeo& cg = chunk[q];
-      if (cg.gather) {
-        gather_patch(xc + cg.base, W, cg, d);
-      } else {
-        gather_patch_scalar(xc, W, geo, t0, nt, d);
-      }
+      gather_patch(xc + cg.base, W, cg, d);
       alignas(64) float col[kAlpha][kL], rt[kAlpha][kL], tr[kAlpha][kAlpha][kL];
       for (int b = 0; b < kAlpha; ++b) {  // along the rows: tr[.][b] = B^T d[.][b]
         for (int a = 0; a < kAlpha; ++a) {
@@ -372,12 +351,10 @@ void winograd_fused_forward(const Conv2dShape& s, const float* x, const float* U
       ChunkGeo& cg = chunk[q];
       const int64_t t0 = q * kL;
       cg.base = std::min(g0 + t0, T - 1) / per_image * C * s.H * s.W;  // its first image
-      cg.gather = true;
       for (int l = 0; l < kL; ++l) {
         const int64_t t = t0 + l;
         const bool live = t < nt;
         const int64_t rel = live ? geo[t].xoff - cg.base : 0;
-        if (rel < INT32_MIN / 2 || rel > INT32_MAX / 2) cg.gather = false;
         cg.off[l] = static_cast<int32_t>(rel);
         for (int a = 0; a < kAlpha; ++a) {
           cg.rows[a][l] = live && a >= geo[t].a0 && a < geo[t].a1 ? -1 : 0;
