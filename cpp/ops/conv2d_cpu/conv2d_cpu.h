@@ -278,6 +278,10 @@ void winograd_forward(const Conv2dShape& s, const float* x, const float* w, cons
 // As conv2d_backward: dx and db may be null, dw may not.
 void winograd_backward(const Conv2dShape& s, const float* x, const float* w, const float* dy,
                        float* dx, float* dw, float* db);
+// winograd_fused.cpp: y = conv(x, w) + b (b may be null) from U (36, K, C), the transformed
+// weights, with the input and output transforms fused around the products, block by block.
+void winograd_fused_forward(const Conv2dShape& s, const float* x, const float* U, const float* b,
+                            float* y);
 
 // ---- relu_pool.cpp: bias + relu + average pooling of one plane, and its gradient ----
 void bias_relu_pool_plane(const float* __restrict v, float bias, int64_t P, int64_t Q, int64_t pool,

@@ -260,9 +260,17 @@ void transform_output_plane(const float* __restrict m, int64_t plane_stride, con
   }
 }
 
-// y = conv(x, w) + b with U the transformed weights (36, K, C).
+// y = conv(x, w) + b with U the transformed weights (36, K, C): the transforms fused with the
+// products, block by block (winograd_fused.cpp).
 void forward_with_u(const Conv2dShape& s, const float* x, const float* U, const float* b,
                     float* y) {
+  winograd_fused_forward(s, x, U, b, y);
+}
+
+// The forward before winograd_fused.cpp: whole-block panels V and M through memory and one sgemm
+// per point. Unused; kept until the merge with the weight gradient's rewrite removes it.
+[[maybe_unused]] void forward_with_u_sgemm(const Conv2dShape& s, const float* x, const float* U,
+                                           const float* b, float* y) {
   const Tiles tl(s);
   const int64_t P = s.P(), Q = s.Q(), HW = s.H * s.W, PQ = P * Q;
   const int64_t per_block = block_images(s, tl);
@@ -290,8 +298,12 @@ void forward_with_u(const Conv2dShape& s, const float* x, const float* U, const 
 
 }  // namespace
 
+// The fused forward (winograd_fused.cpp) gathers 16 tiles by int32 offsets that span up to 16
+// images of x (forward) or of dy (the data gradient): each must stay below 2^30 floats.
 bool winograd_fits(const Conv2dShape& s) {
-  return s.R == 3 && s.S == 3 && s.stride == 1 && s.pad <= 2;
+  constexpr int64_t kGatherSpan = int64_t{1} << 30;
+  return s.R == 3 && s.S == 3 && s.stride == 1 && s.pad <= 2 &&
+         16 * s.C * s.H * s.W < kGatherSpan && 16 * s.K * s.P() * s.Q() < kGatherSpan;
 }
 
 void winograd_forward(const Conv2dShape& s, const float* x, const float* w, const float* b,
