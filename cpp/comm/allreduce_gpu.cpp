@@ -1,7 +1,8 @@
 // cpp/comm/allreduce_gpu.cpp -- all-reduce across the GPUs of one process (allreduce.h's contract):
-// each GPU's queue runs its part, the parts meet at barriers. With NCCL (real builds): one grouped
-// ncclAllReduce on the communication streams over a packed flat buffer (compiled and linked only).
-// Otherwise (emulated, no NCCL, MGPU_ALLREDUCE=peer): reduce-scatter + all-gather over peer copies,
+// each GPU's queue runs its part, the parts meet at barriers. By default one grouped ncclAllReduce
+// on the communication streams over a packed flat buffer: real NCCL in a CUDA build with NCCL, the
+// emulator's NCCL (cpp/cuda/emu/nccl_emu.h) in the emulated build.
+// Otherwise (no NCCL, MGPU_ALLREDUCE=peer): reduce-scatter + all-gather over peer copies,
 // chunks summed in device order 0..k-1, so the sums are bitwise those of cpu(0..k-1).
 #include "comm/allreduce_gpu.h"
 
@@ -23,6 +24,9 @@
 #if MGPU_BUILT_NCCL && !MGPU_CUDA_EMULATION_BUILD
 #define MGPU_ALLREDUCE_NCCL 1
 #include <nccl.h>
+#elif MGPU_CUDA_EMULATION_BUILD
+#define MGPU_ALLREDUCE_NCCL 1
+#include "cuda/emu/nccl_emu.h"
 #else
 #define MGPU_ALLREDUCE_NCCL 0
 #endif
