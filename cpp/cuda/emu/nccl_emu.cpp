@@ -103,8 +103,11 @@ int stalled_rank() {
 // a thread that then waits in a collective for a rank whose call is still queued behind it (a
 // cudaFree runs every stream of every device on one thread). The waiting rank therefore runs the
 // missing ranks' queued work itself, as flush_stream does, but only where no other thread is
-// running that stream already (try_lock), and never a stream this thread is inside of.
+// running that stream already (try_lock), and never a stream this thread is inside of. It stops
+// after the first collective it runs: the work behind that one may be a later collective that
+// waits for this thread's own stream, held further up this thread's stack.
 thread_local std::vector<CUstream_st*> t_running;
+thread_local bool t_ran_collective = false;  // set by every collective this thread runs
 
 bool try_flush(CUstream_st* s) {
   if (std::find(t_running.begin(), t_running.end(), s) != t_running.end()) return false;
@@ -122,7 +125,10 @@ bool try_flush(CUstream_st* s) {
       s->pending.pop_front();
     }
     ran = true;
-    if (cudaError_t e = w()) {
+    t_ran_collective = false;
+    cudaError_t e = w();
+    const bool was_collective = t_ran_collective;
+    if (e != cudaSuccess) {
       mgpu::emu::Runtime& r = mgpu::emu::runtime();
       std::lock_guard<std::mutex> lock(r.mu);
       if (s->device < int(r.pending.size()) && r.pending[s->device] == cudaSuccess) {
@@ -130,6 +136,7 @@ bool try_flush(CUstream_st* s) {
         r.pending_detail[s->device] = mgpu::emu::tls.detail;
       }
     }
+    if (was_collective) break;
   }
   mgpu::emu::tls = saved;
   t_running.pop_back();
@@ -187,6 +194,7 @@ cudaError_t aborted_error(const Clique& c, int rank, uint64_t seq, const Meet* m
 cudaError_t run_collective(const std::shared_ptr<Clique>& cp, int rank, uint64_t seq, bool stall,
                            const void* send, void* recv, CUstream_st* own) {
   Clique& c = *cp;
+  t_ran_collective = true;
   std::unique_lock<std::mutex> lock(c.mu);
   if (stall) {  // this rank never arrives: its stream hangs as a stuck kernel would
     c.cv.wait(lock, [&] { return c.aborted; });
@@ -288,7 +296,16 @@ ncclResult_t issue_ops(std::vector<Op>& ops) {
                    recv = op.recv, s] {
         return run_collective(clique, rank, seq, stall, send, recv, s);
       };
-      cudaError_t e = mgpu::emu::issue(kind_name(op.kind), s, s->is_default, std::move(work));
+      // Strict mode: queued like any work, but never run here at random (issue() runs a stream
+      // one time in four): a group's helper thread that ran a rank's collective would wait in it
+      // while the host thread that joins the helpers holds back the other ranks' workers.
+      cudaError_t e = cudaSuccess;
+      if (mgpu::emu::g_strict.load() && !s->capturing && !s->is_default) {
+        std::lock_guard<std::mutex> lock(s->pending_mu);
+        s->pending.push_back(std::move(work));
+      } else {
+        e = mgpu::emu::issue(kind_name(op.kind), s, s->is_default, std::move(work));
+      }
       if (e != cudaSuccess && results[i] == cudaSuccess) results[i] = e;
     }
   };
@@ -453,7 +470,8 @@ ncclResult_t ncclCommAbort(ncclComm_t comm) {
     comm->clique->aborted = true;
     comm->clique->cv.notify_all();
   }
-  delete comm;
+  // The handle is not freed: another thread may still be inside a call on it (an abort is how a
+  // hung collective is ended), and an emulator can afford the few bytes.
   return ncclSuccess;
 }
 
