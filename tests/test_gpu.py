@@ -420,7 +420,7 @@ def test_nccl_matches_the_peer_copy_allreduce(monkeypatch, rng):
         out[algo] = [t.numpy() for t in ts]
     expected = sum(v.astype(np.float64) for v in values)
     for d, (a, b) in enumerate(zip(out["peer"], out["nccl"])):
-        assert_close(b, expected, "elementwise", what="nccl", device=mgpu.gpu(d))
+        assert_close(b, expected, what="nccl", device=mgpu.gpu(d))  # a sum of k float32 terms
         if EMULATED:
             np.testing.assert_array_equal(a, b, err_msg=f"gpu({d}): nccl differs from peer")
         else:
