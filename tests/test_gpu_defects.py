@@ -195,15 +195,20 @@ def test_dlpack_import_gives_memory_back_only_after_mgpus_work_on_it():
 # ---- More GPUs: the all-reduce and the fused step on 3 and 4 emulated GPUs --------------------
 @needs_gpus(1)
 @pytest.mark.skipif(not EMULATED, reason="sets the emulated GPU count of a child process")
+@pytest.mark.parametrize("path", ["nccl", "peer"])
 @pytest.mark.parametrize("count", [3, 4])
-def test_collectives_and_the_fused_step_on_more_gpus(count):
+def test_collectives_and_the_fused_step_on_more_gpus(count, path):
     """The tests that use every GPU of the process, in a child with MGPU_EMULATED_GPUS=count
-    (the chunks each device reduces, and whom it fetches them from, change with the count)."""
+    (the chunks each device reduces, and whom it fetches them from, change with the count), on
+    the emulated NCCL (the default) and on the peer-copy path (MGPU_ALLREDUCE=peer)."""
     env = dict(os.environ, MGPU_EMULATED_GPUS=str(count))
+    env.pop("MGPU_ALLREDUCE", None)
+    if path == "peer":
+        env["MGPU_ALLREDUCE"] = "peer"
     here = Path(__file__).resolve().parent
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_gpu.py", "-k",
-         "allreduce_on_gpus_is_bitwise or fused_step_on_every_gpu"],
+         "allreduce_on_gpus_is_bitwise or fused_step_on_every_gpu or nccl_matches_the_peer"],
         cwd=here, env=env, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
     assert " passed" in run.stdout and "skipped" not in run.stdout.splitlines()[-1], run.stdout

@@ -258,8 +258,8 @@ py::dict build_info() {
                                                 "build time; our conv kernels run");
   info["nccl"] =
       MGPU_BUILT_NCCL             ? std::string("built")
-      : MGPU_CUDA_EMULATION_BUILD ? std::string("not in the emulated build (our peer-copy "
-                                                "all-reduce runs)")
+      : MGPU_CUDA_EMULATION_BUILD ? std::string("emulated (cpp/cuda/emu/nccl_emu; "
+                                                "MGPU_ALLREDUCE=peer runs our peer-copy all-reduce)")
       : !MGPU_BUILT_CUDA          ? std::string(no_cuda)
       : MGPU_NCCL_SWITCHED_OFF    ? off + "MGPU_WITH_NCCL=OFF); our peer-copy all-reduce runs"
                                   : std::string("not built: nccl.h or libnccl was not found at "

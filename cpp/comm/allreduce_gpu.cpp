@@ -1,18 +1,25 @@
 // cpp/comm/allreduce_gpu.cpp -- all-reduce across the GPUs of one process (allreduce.h's contract):
-// each GPU's queue runs its part, the parts meet at barriers. With NCCL (real builds): one grouped
-// ncclAllReduce on the communication streams over a packed flat buffer (compiled and linked only).
-// Otherwise (emulated, no NCCL, MGPU_ALLREDUCE=peer): reduce-scatter + all-gather over peer copies,
+// each GPU's queue runs its part, the parts meet at barriers. By default one grouped
+// ncclAllReduce on the communication streams over a packed flat buffer: real NCCL in a CUDA build
+// with NCCL, the emulator's NCCL (cpp/cuda/emu/nccl_emu.h) in the emulated build. Its communicators
+// are aborted and rebuilt after a failure: an asynchronous NCCL error, or a collective that does
+// not finish within MGPU_NCCL_TIMEOUT_S seconds (a watchdog thread aborts it), raises DeviceError.
+// Otherwise (no NCCL, MGPU_ALLREDUCE=peer): reduce-scatter + all-gather over peer copies,
 // chunks summed in device order 0..k-1, so the sums are bitwise those of cpu(0..k-1).
 #include "comm/allreduce_gpu.h"
 
 #if MGPU_GPU_BUILD
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
 #include <cstdlib>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 
 #include "comm/barrier.h"
 #include "core/gpu.h"
@@ -23,6 +30,9 @@
 #if MGPU_BUILT_NCCL && !MGPU_CUDA_EMULATION_BUILD
 #define MGPU_ALLREDUCE_NCCL 1
 #include <nccl.h>
+#elif MGPU_CUDA_EMULATION_BUILD
+#define MGPU_ALLREDUCE_NCCL 1
+#include "cuda/emu/nccl_emu.h"
 #else
 #define MGPU_ALLREDUCE_NCCL 0
 #endif
@@ -63,19 +73,166 @@ class NcclGroup {
   bool open_ = true;
 };
 
-// One communicator per GPU for each set of devices, made once by ncclCommInitAll.
-std::vector<ncclComm_t>& communicators(const std::vector<int>& gpus) {
-  static std::mutex mutex;
-  static auto* comms = new std::map<std::vector<int>, std::vector<ncclComm_t>>;
-  std::lock_guard<std::mutex> lock(mutex);
-  auto& c = (*comms)[gpus];
-  if (c.empty()) {
-    c.resize(gpus.size());
-    nccl_check(ncclCommInitAll(c.data(), static_cast<int>(gpus.size()), gpus.data()),
+// One communicator per GPU for a set of devices, made by ncclCommInitAll and kept in a cache
+// until it fails: then it is aborted and dropped, and the next all-reduce makes a new set.
+struct Communicators {
+  std::vector<int> gpus;
+  std::vector<ncclComm_t> comms;
+  std::mutex calls;  // ncclCommAbort and ncclCommGetAsyncError never race each other
+  std::atomic<bool> broken{false};
+  std::atomic<bool> timed_out{false};
+  std::string why;   // the first failure, set once under `calls` before `broken`
+};
+
+std::mutex& cache_mutex() {
+  static std::mutex m;
+  return m;
+}
+std::map<std::vector<int>, std::shared_ptr<Communicators>>& cache() {
+  static auto* c = new std::map<std::vector<int>, std::shared_ptr<Communicators>>;
+  return *c;
+}
+
+std::shared_ptr<Communicators> communicators(const std::vector<int>& gpus) {
+  std::lock_guard<std::mutex> lock(cache_mutex());
+  auto& c = cache()[gpus];
+  if (!c) {
+    auto made = std::make_shared<Communicators>();
+    made->gpus = gpus;
+    made->comms.resize(gpus.size());
+    nccl_check(ncclCommInitAll(made->comms.data(), static_cast<int>(gpus.size()), gpus.data()),
                "ncclCommInitAll");
+    c = made;
   }
   return c;
 }
+
+std::string gpu_list(const std::vector<int>& gpus) {
+  std::string s;
+  for (int g : gpus) s += (s.empty() ? "gpu(" : ", gpu(") + std::to_string(g) + ")";
+  return s;
+}
+
+// Aborts a failed set of communicators (once) and drops it from the cache: a communicator whose
+// collective failed or hangs cannot be trusted with the next one, and ncclCommAbort is what
+// ends a collective that never finishes.
+void retire(Communicators& c, const std::string& why) {
+  {
+    std::lock_guard<std::mutex> lock(cache_mutex());
+    auto it = cache().find(c.gpus);
+    if (it != cache().end() && it->second.get() == &c) cache().erase(it);
+  }
+  std::lock_guard<std::mutex> lock(c.calls);
+  if (c.broken.load()) return;
+  c.why = why;
+  c.broken.store(true);
+  for (ncclComm_t comm : c.comms) ncclCommAbort(comm);
+}
+
+// The first asynchronous error of the set's communicators, or ncclSuccess.
+ncclResult_t async_error(Communicators& c) {
+  std::lock_guard<std::mutex> lock(c.calls);
+  if (c.broken.load()) return ncclSuccess;
+  for (ncclComm_t comm : c.comms) {
+    ncclResult_t state = ncclSuccess;
+    ncclResult_t r = ncclCommGetAsyncError(comm, &state);
+    if (r != ncclSuccess) return r;
+    if (state != ncclSuccess && state != ncclInProgress) return state;
+  }
+  return ncclSuccess;
+}
+
+// MGPU_NCCL_TIMEOUT_S: how long an in-process NCCL collective may take (default 300 s).
+double nccl_timeout_s() {
+  const char* v = std::getenv("MGPU_NCCL_TIMEOUT_S");
+  if (v == nullptr || *v == '\0') return 300.0;
+  char* end = nullptr;
+  double t = std::strtod(v, &end);
+  if (*end != '\0' || !(t > 0))
+    throw ValueError(std::string("MGPU_NCCL_TIMEOUT_S must be a positive number of seconds, got '") +
+                     v + "'");
+  return t;
+}
+
+// A thread that aborts the communicators of a collective still armed past its deadline. The
+// waits it ends are on the devices (a rank that never arrives hangs every rank's stream), so no
+// host thread that waits on them can time them out itself.
+class Watchdog {
+ public:
+  static Watchdog& get() {
+    static Watchdog* w = new Watchdog;  // never destroyed: armed workers may outlive main
+    return *w;
+  }
+  uint64_t arm(const std::shared_ptr<Communicators>& c, double seconds) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!started_) {
+      started_ = true;
+      std::thread([this] { loop(); }).detach();
+    }
+    const uint64_t id = next_++;
+    auto deadline = std::chrono::steady_clock::now() +
+                    std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                        std::chrono::duration<double>(seconds));
+    armed_[id] = Entry{deadline, c, seconds};
+    cv_.notify_all();
+    return id;
+  }
+  void disarm(uint64_t id) {
+    std::lock_guard<std::mutex> lock(mu_);
+    armed_.erase(id);
+  }
+
+ private:
+  struct Entry {
+    std::chrono::steady_clock::time_point deadline;
+    std::weak_ptr<Communicators> comms;
+    double seconds;
+  };
+  void loop() {
+    std::unique_lock<std::mutex> lock(mu_);
+    for (;;) {
+      if (armed_.empty()) {
+        cv_.wait(lock);
+        continue;
+      }
+      auto first = std::min_element(armed_.begin(), armed_.end(), [](const auto& x, const auto& y) {
+        return x.second.deadline < y.second.deadline;
+      });
+      if (std::chrono::steady_clock::now() < first->second.deadline) {
+        cv_.wait_until(lock, first->second.deadline);
+        continue;
+      }
+      Entry e = first->second;
+      armed_.erase(first);
+      lock.unlock();
+      if (auto c = e.comms.lock()) {
+        c->timed_out.store(true);
+        retire(*c, "an NCCL collective on " + gpu_list(c->gpus) + " did not finish within " +
+                       std::to_string(e.seconds) + " s (MGPU_NCCL_TIMEOUT_S): a device never "
+                       "joined it, or hangs");
+      }
+      lock.lock();
+    }
+  }
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::map<uint64_t, Entry> armed_;
+  uint64_t next_ = 0;
+  bool started_ = false;
+};
+
+// Armed for the life of one device's part of a collective.
+class Armed {
+ public:
+  Armed(const std::shared_ptr<Communicators>& c, double seconds)
+      : id_(Watchdog::get().arm(c, seconds)) {}
+  ~Armed() { Watchdog::get().disarm(id_); }
+  Armed(const Armed&) = delete;
+  Armed& operator=(const Armed&) = delete;
+
+ private:
+  uint64_t id_;
+};
 #endif
 
 }  // namespace
@@ -173,7 +330,8 @@ struct GpuCollective {
   }
 
 #if MGPU_ALLREDUCE_NCCL
-  std::vector<ncclComm_t>* comms = nullptr;
+  std::shared_ptr<Communicators> comms;
+  double timeout_s = 300.0;
 
   // The hand-over events of a device, made once by its worker and reused: its collectives run
   // one after another on that worker, so a record is always waited on before the next one.
@@ -186,6 +344,11 @@ struct GpuCollective {
     return {packed[device], reduced[device]};
   }
 
+  [[noreturn]] void fail_broken() const {
+    throw DeviceError("allreduce: " + comms->why + "; the communicators were aborted, the next "
+                      "all-reduce makes new ones");
+  }
+
   void run_nccl(int me, cudaStream_t stream) {
     // The communication stream takes the packed buffer from the compute stream, and hands it back.
     cudaStream_t comm = gpu::comm_stream(gpu[me]);
@@ -193,34 +356,68 @@ struct GpuCollective {
     MGPU_CUDA_CHECK(cudaEventRecord(packed, stream));
     MGPU_CUDA_CHECK(cudaStreamWaitEvent(comm, packed, 0));
     barrier.arrive_and_wait();  // every device's pack is enqueued
-    if (me == 0) {
-      // One grouped call launches the reduction on all devices' communication streams (no
-      // cudaFree meanwhile: see gpu::device_wide_mutex).
-      std::lock_guard<std::mutex> lock(gpu::device_wide_mutex());
-      NcclGroup group;
-      for (int d = 0; d < k(); ++d) {
-        nccl_check(ncclAllReduce(flat[d].f32(), flat[d].f32(), static_cast<size_t>(total),
-                                 ncclFloat, ncclSum, (*comms)[d], gpu::comm_stream(gpu[d])),
-                   "ncclAllReduce");
+    Armed armed(comms, timeout_s);
+    try {
+      if (comms->broken.load()) fail_broken();  // an earlier bucket of this step failed
+      if (me == 0) {
+        // One grouped call launches the reduction on all devices' communication streams (no
+        // cudaFree meanwhile: see gpu::device_wide_mutex).
+        std::lock_guard<std::mutex> lock(gpu::device_wide_mutex());
+        NcclGroup group;
+        for (int d = 0; d < k(); ++d) {
+          nccl_check(ncclAllReduce(flat[d].f32(), flat[d].f32(), static_cast<size_t>(total),
+                                   ncclFloat, ncclSum, comms->comms[d], gpu::comm_stream(gpu[d])),
+                     "ncclAllReduce");
+        }
+        group.end();
+        // NCCL switched devices to launch on the others: make this worker's GPU current again.
+        gpu::set_device(gpu[me]);
       }
-      group.end();
-      // NCCL switched devices to launch on the others: make this worker's GPU current again.
-      gpu::set_device(gpu[me]);
+      barrier.arrive_and_wait();  // the reduction is enqueued on every communication stream
+      // Unpacked on the communication stream, so the compute stream need not wait here: with
+      // finish_on_comm it goes on (the conv layers' backward) while the reduction runs.
+      int64_t at = 0;
+      for (const Tensor& t : data[me]) {
+        MGPU_CUDA_CHECK(cudaMemcpyAsync(t.f32(), flat[me].f32() + at, t.nbytes(),
+                                        cudaMemcpyDeviceToDevice, comm));
+        at += t.numel();
+      }
+      if (finish_on_comm) return;
+      // Everything on the communication stream so far -- this reduction and any earlier one
+      // left there -- happens before the compute stream's next work.
+      MGPU_CUDA_CHECK(cudaEventRecord(reduced, comm));
+      MGPU_CUDA_CHECK(cudaStreamWaitEvent(stream, reduced, 0));
+      // The step's last collective waits for the reduction here, under the watchdog's deadline,
+      // and asks NCCL for asynchronous errors: a failed or aborted collective is an exception
+      // of this step, not silently wrong gradients.
+      for (;;) {
+        cudaError_t q = cudaEventQuery(reduced);
+        if (comms->broken.load()) fail_broken();
+        if (ncclResult_t e = async_error(*comms); e != ncclSuccess) {
+          retire(*comms, std::string("an NCCL collective on ") + gpu_list(gpu) +
+                             " failed asynchronously: " + ncclGetErrorString(e));
+          fail_broken();
+        }
+        if (q == cudaSuccess) break;
+        if (q != cudaErrorNotReady) MGPU_CUDA_CHECK(q);
+        std::this_thread::sleep_for(std::chrono::microseconds(50));
+      }
+    } catch (const std::exception& e) {
+      // Error path: the communicators go (aborted, so nothing of theirs still runs), and the
+      // compute stream waits for everything on the communication stream before the buffers it
+      // reads or writes are reused.
+      if (!comms->broken.load()) retire(*comms, e.what());
+      cudaEventRecord(reduced, comm);
+      cudaStreamWaitEvent(stream, reduced, 0);
+      // The aborted collective's failure is reported here, not by the device's next wait.
+      cudaStreamSynchronize(comm);
+      cudaGetLastError();
+      try {
+        throw;
+      } catch (const DeviceError&) {
+        fail_broken();  // the reason (a timeout, an asynchronous error) rather than its symptom
+      }
     }
-    barrier.arrive_and_wait();  // the reduction is enqueued on every communication stream
-    // Unpacked on the communication stream, so the compute stream need not wait here: with
-    // finish_on_comm it goes on (the conv layers' backward) while the reduction runs.
-    int64_t at = 0;
-    for (const Tensor& t : data[me]) {
-      MGPU_CUDA_CHECK(cudaMemcpyAsync(t.f32(), flat[me].f32() + at, t.nbytes(),
-                                      cudaMemcpyDeviceToDevice, comm));
-      at += t.numel();
-    }
-    if (finish_on_comm) return;
-    // Everything on the communication stream so far -- this reduction and any earlier one left
-    // there -- happens before the compute stream's next work.
-    MGPU_CUDA_CHECK(cudaEventRecord(reduced, comm));
-    MGPU_CUDA_CHECK(cudaStreamWaitEvent(stream, reduced, 0));
   }
 #endif
 };
@@ -244,7 +441,10 @@ GpuAllReduce::GpuAllReduce(const std::vector<Device>& devices, const std::vector
     }
   }
 #if MGPU_ALLREDUCE_NCCL
-  if (coll->nccl) coll->comms = &communicators(coll->gpu);
+  if (coll->nccl) {
+    coll->timeout_s = nccl_timeout_s();
+    coll->comms = communicators(coll->gpu);
+  }
 #endif
 }
 

@@ -1,0 +1,534 @@
+// cpp/cuda/emu/nccl_emu.cpp -- the emulated NCCL of nccl_emu.h: cliques of ranks in this process,
+// collectives as stream work that meet the other ranks' calls, group calls, abort, asynchronous
+// errors and the fault injection the header lists.
+#include "cuda/emu/nccl_emu.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <condition_variable>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+
+#include "cuda/emu/internal.h"
+
+namespace {
+
+using mgpu::emu::cat;
+
+enum class Kind { AllReduce, Broadcast, AllGather };
+const char* kind_name(Kind k) {
+  switch (k) {
+    case Kind::AllReduce: return "allreduce";
+    case Kind::Broadcast: return "broadcast";
+    case Kind::AllGather: return "allgather";
+  }
+  return "?";
+}
+
+// One collective as every rank sees it: the n-th call of each rank of a clique.
+struct Meet {
+  Kind kind = Kind::AllReduce;
+  size_t count = 0;  // elements per rank (all-gather: sent per rank)
+  size_t elem = 0;   // bytes per element
+  int root = 0;
+  bool async_fault = false;           // some rank was issued under MGPU_EMU_NCCL_FAIL=async
+  std::vector<const void*> send;
+  std::vector<void*> recv;
+  std::vector<CUstream_st*> stream;   // each rank's stream, known once that rank has issued
+  std::vector<char> arrived;
+  int n_arrived = 0, n_left = 0;
+  bool done = false;
+  std::string error;                  // a mismatched call: every rank fails with it
+};
+
+struct Clique {
+  explicit Clique(int n) : nranks(n) {}
+  const int nranks;
+  std::mutex mu;
+  std::condition_variable cv;
+  bool aborted = false;
+  int joined = 0;  // ncclCommInitRank: ranks that have joined so far
+  std::map<uint64_t, Meet> meets;
+  std::atomic<int> async_error{ncclSuccess};
+};
+
+}  // namespace
+
+struct ncclComm {
+  std::shared_ptr<Clique> clique;
+  int rank = 0;
+  int device = 0;
+  std::atomic<uint64_t> next_seq{0};  // this rank's collectives, in host call order
+};
+
+namespace {
+
+// ---- Fault injection --------------------------------------------------------------------------
+std::vector<std::string> fault_items() {
+  std::vector<std::string> items;
+  const char* v = std::getenv("MGPU_EMU_NCCL_FAIL");
+  if (v == nullptr) return items;
+  std::string s(v);
+  size_t at = 0;
+  while (at <= s.size()) {
+    size_t comma = s.find(',', at);
+    if (comma == std::string::npos) comma = s.size();
+    if (comma > at) items.push_back(s.substr(at, comma - at));
+    at = comma + 1;
+  }
+  return items;
+}
+bool call_fails(const char* name, int rank) {
+  for (const std::string& item : fault_items())
+    if (item == name || item == cat(name, ":", rank)) return true;
+  return false;
+}
+bool async_fault() {
+  for (const std::string& item : fault_items())
+    if (item == "async") return true;
+  return false;
+}
+int stalled_rank() {
+  const char* v = std::getenv("MGPU_EMU_NCCL_STALL");
+  if (v == nullptr || *v == '\0') return -1;
+  char* end = nullptr;
+  long r = std::strtol(v, &end, 10);
+  return *end == '\0' ? int(r) : -1;
+}
+
+// ---- Running other streams while a collective waits (strict mode) -----------------------------
+// In strict mode a stream's work waits until something synchronises with the stream, possibly on
+// a thread that then waits in a collective for a rank whose call is still queued behind it (a
+// cudaFree runs every stream of every device on one thread). The waiting rank therefore runs the
+// missing ranks' queued work itself, as flush_stream does, but only where no other thread is
+// running that stream already (try_lock), and never a stream this thread is inside of. It stops
+// after the first collective it runs: the work behind that one may be a later collective that
+// waits for this thread's own stream, held further up this thread's stack.
+thread_local std::vector<CUstream_st*> t_running;
+thread_local bool t_ran_collective = false;  // set by every collective this thread runs
+
+bool try_flush(CUstream_st* s) {
+  if (std::find(t_running.begin(), t_running.end(), s) != t_running.end()) return false;
+  std::unique_lock<std::mutex> exec(s->exec_mu, std::try_to_lock);
+  if (!exec.owns_lock()) return false;
+  t_running.push_back(s);
+  const mgpu::emu::ThreadState saved = mgpu::emu::tls;
+  bool ran = false;
+  for (;;) {
+    Work w;
+    {
+      std::lock_guard<std::mutex> lock(s->pending_mu);
+      if (s->pending.empty()) break;
+      w = std::move(s->pending.front());
+      s->pending.pop_front();
+    }
+    ran = true;
+    t_ran_collective = false;
+    cudaError_t e = w();
+    const bool was_collective = t_ran_collective;
+    if (e != cudaSuccess) {
+      mgpu::emu::Runtime& r = mgpu::emu::runtime();
+      std::lock_guard<std::mutex> lock(r.mu);
+      if (s->device < int(r.pending.size()) && r.pending[s->device] == cudaSuccess) {
+        r.pending[s->device] = e;
+        r.pending_detail[s->device] = mgpu::emu::tls.detail;
+      }
+    }
+    if (was_collective) break;
+  }
+  mgpu::emu::tls = saved;
+  t_running.pop_back();
+  return ran;
+}
+
+// ---- The collective itself -------------------------------------------------------------------
+// The last rank to arrive computes every rank's result; sums go in rank order 0..n-1.
+void complete(Clique& c, Meet& m) {
+  const int n = c.nranks;
+  if (m.async_fault) {
+    c.async_error = ncclRemoteError;
+    return;
+  }
+  const size_t bytes = m.count * m.elem;
+  std::vector<char> result;
+  switch (m.kind) {
+    case Kind::AllReduce: {
+      std::vector<float> acc(m.count);
+      std::memcpy(acc.data(), m.send[0], bytes);
+      for (int r = 1; r < n; ++r) {
+        const float* x = static_cast<const float*>(m.send[r]);
+        for (size_t i = 0; i < m.count; ++i) acc[i] += x[i];
+      }
+      result.resize(bytes);
+      std::memcpy(result.data(), acc.data(), bytes);
+      break;
+    }
+    case Kind::Broadcast:
+      result.assign(static_cast<const char*>(m.send[m.root]),
+                    static_cast<const char*>(m.send[m.root]) + bytes);
+      break;
+    case Kind::AllGather:
+      result.resize(bytes * size_t(n));
+      for (int r = 0; r < n; ++r) std::memcpy(result.data() + bytes * size_t(r), m.send[r], bytes);
+      break;
+  }
+  if (result.empty()) return;
+  for (int r = 0; r < n; ++r) std::memcpy(m.recv[r], result.data(), result.size());
+}
+
+cudaError_t aborted_error(const Clique& c, int rank, uint64_t seq, const Meet* m) {
+  std::string missing;
+  if (m != nullptr) {
+    for (int r = 0; r < c.nranks; ++r)
+      if (!m->arrived[size_t(r)]) missing += cat(missing.empty() ? "" : ", ", r);
+  }
+  return mgpu::emu::fail(
+      cudaErrorLaunchFailure,
+      cat("NCCL collective #", seq, " of rank ", rank, " ended by ncclCommAbort",
+          missing.empty() ? std::string() : cat(" while waiting for rank(s) ", missing)));
+}
+
+// The work a rank's collective puts on its stream.
+cudaError_t run_collective(const std::shared_ptr<Clique>& cp, int rank, uint64_t seq, bool stall,
+                           const void* send, void* recv, CUstream_st* own) {
+  Clique& c = *cp;
+  t_ran_collective = true;
+  std::unique_lock<std::mutex> lock(c.mu);
+  if (stall) {  // this rank never arrives: its stream hangs as a stuck kernel would
+    c.cv.wait(lock, [&] { return c.aborted; });
+    return aborted_error(c, rank, seq, nullptr);
+  }
+  if (c.aborted) return aborted_error(c, rank, seq, nullptr);
+  Meet& m = c.meets[seq];
+  m.send[size_t(rank)] = send;
+  m.recv[size_t(rank)] = recv;
+  m.arrived[size_t(rank)] = 1;
+  if (++m.n_arrived == c.nranks) {
+    if (m.error.empty()) complete(c, m);
+    m.done = true;
+    c.cv.notify_all();
+  } else {
+    const bool strict = mgpu::emu::g_strict.load();
+    t_running.push_back(own);
+    while (!m.done && !c.aborted) {
+      if (strict) {
+        std::vector<CUstream_st*> behind;
+        for (int r = 0; r < c.nranks; ++r)
+          if (!m.arrived[size_t(r)] && m.stream[size_t(r)] != nullptr)
+            behind.push_back(m.stream[size_t(r)]);
+        lock.unlock();
+        bool ran = false;
+        for (CUstream_st* s : behind) ran = try_flush(s) || ran;
+        lock.lock();
+        if (ran || m.done || c.aborted) continue;
+        c.cv.wait_for(lock, std::chrono::milliseconds(1));
+      } else {
+        c.cv.wait(lock);
+      }
+    }
+    t_running.pop_back();
+    if (!m.done) return aborted_error(c, rank, seq, &m);
+  }
+  std::string error = m.error;
+  if (++m.n_left == c.nranks) c.meets.erase(seq);
+  if (!error.empty()) return mgpu::emu::fail(cudaErrorLaunchFailure, error);
+  return cudaSuccess;
+}
+
+// A collective checked and ready to issue on its stream.
+struct Op {
+  ncclComm* comm;
+  Kind kind;
+  const void* send;
+  void* recv;
+  size_t count, elem;
+  int root;
+  CUstream_st* stream;
+  bool stall, async_fault;
+};
+
+// Issues ops in order: each takes its rank's next sequence number, then its work goes on its
+// stream. Ops on different streams are issued from threads of their own (a lenient stream runs
+// the work at once, and it waits there for the other ranks' ops of the same call).
+ncclResult_t issue_ops(std::vector<Op>& ops) {
+  std::vector<std::pair<CUstream_st*, std::vector<std::pair<Op, uint64_t>>>> by_stream;
+  for (Op& op : ops) {
+    uint64_t seq = op.comm->next_seq.fetch_add(1);
+    Clique& c = *op.comm->clique;
+    {
+      std::lock_guard<std::mutex> lock(c.mu);
+      Meet& m = c.meets[seq];
+      if (m.stream.empty()) {
+        m.kind = op.kind;
+        m.count = op.count;
+        m.elem = op.elem;
+        m.root = op.root;
+        m.send.assign(size_t(c.nranks), nullptr);
+        m.recv.assign(size_t(c.nranks), nullptr);
+        m.stream.assign(size_t(c.nranks), nullptr);
+        m.arrived.assign(size_t(c.nranks), 0);
+      } else if (m.kind != op.kind || m.count != op.count || m.elem != op.elem ||
+                 m.root != op.root) {
+        m.error = cat("NCCL collective #", seq, ": rank ", op.comm->rank, " called ",
+                      kind_name(op.kind), " of ", op.count, " elements where another rank called ",
+                      kind_name(m.kind), " of ", m.count);
+      }
+      m.stream[size_t(op.comm->rank)] = op.stream;
+      m.async_fault = m.async_fault || op.async_fault;
+    }
+    auto it = std::find_if(by_stream.begin(), by_stream.end(),
+                           [&](const auto& e) { return e.first == op.stream; });
+    if (it == by_stream.end()) {
+      by_stream.push_back({op.stream, {}});
+      it = by_stream.end() - 1;
+    }
+    it->second.push_back({op, seq});
+  }
+  std::vector<cudaError_t> results(by_stream.size(), cudaSuccess);
+  auto issue_stream = [&](size_t i) {
+    CUstream_st* s = by_stream[i].first;
+    mgpu::emu::tls.device = s->device;
+    for (auto& [op, seq] : by_stream[i].second) {
+      auto clique = op.comm->clique;
+      Work work = [clique, rank = op.comm->rank, seq = seq, stall = op.stall, send = op.send,
+                   recv = op.recv, s] {
+        return run_collective(clique, rank, seq, stall, send, recv, s);
+      };
+      // Strict mode: queued like any work, but never run here at random (issue() runs a stream
+      // one time in four): a group's helper thread that ran a rank's collective would wait in it
+      // while the host thread that joins the helpers holds back the other ranks' workers.
+      cudaError_t e = cudaSuccess;
+      if (mgpu::emu::g_strict.load() && !s->capturing && !s->is_default) {
+        std::lock_guard<std::mutex> lock(s->pending_mu);
+        s->pending.push_back(std::move(work));
+      } else {
+        e = mgpu::emu::issue(kind_name(op.kind), s, s->is_default, std::move(work));
+      }
+      if (e != cudaSuccess && results[i] == cudaSuccess) results[i] = e;
+    }
+  };
+  if (by_stream.size() == 1) {
+    issue_stream(0);
+  } else {
+    std::vector<std::thread> threads;
+    for (size_t i = 0; i < by_stream.size(); ++i) threads.emplace_back(issue_stream, i);
+    for (std::thread& t : threads) t.join();
+  }
+  for (cudaError_t e : results)
+    if (e != cudaSuccess) return ncclUnhandledCudaError;
+  return ncclSuccess;
+}
+
+thread_local int t_group_depth = 0;
+thread_local std::vector<Op> t_group_ops;
+thread_local ncclResult_t t_group_error = ncclSuccess;
+
+ncclResult_t enqueue(Kind kind, const void* send, void* recv, size_t count, size_t elem, int root,
+                     ncclComm_t comm, cudaStream_t stream) {
+  ncclResult_t r = [&]() -> ncclResult_t {
+    if (comm == nullptr || send == nullptr || recv == nullptr) return ncclInvalidArgument;
+    if (comm->clique->aborted) return ncclInvalidUsage;
+    if (call_fails(kind_name(kind), comm->rank)) return ncclUnhandledCudaError;
+    CUstream_st* s = nullptr;
+    if (mgpu::emu::resolve_stream(kind_name(kind), stream, &s) != cudaSuccess)
+      return ncclInvalidArgument;
+    if (s->device != comm->device) return ncclInvalidArgument;
+    const size_t in_bytes = count * elem;
+    const size_t out_bytes = kind == Kind::AllGather ? in_bytes * size_t(comm->clique->nranks)
+                                                     : in_bytes;
+    if (in_bytes > 0 && (mgpu::emu::check_side(kind_name(kind), "sendbuff", send, in_bytes,
+                                               "device", comm->device) != cudaSuccess ||
+                         mgpu::emu::check_side(kind_name(kind), "recvbuff", recv, out_bytes,
+                                               "device", comm->device) != cudaSuccess))
+      return ncclInvalidArgument;
+    Op op{comm, kind, send, recv, count, elem, root, s, stalled_rank() == comm->rank,
+          async_fault()};
+    if (t_group_depth > 0) {
+      t_group_ops.push_back(op);
+      return ncclSuccess;
+    }
+    std::vector<Op> ops{op};
+    return issue_ops(ops);
+  }();
+  if (r != ncclSuccess && t_group_depth > 0 && t_group_error == ncclSuccess) t_group_error = r;
+  return r;
+}
+
+size_t elem_size(ncclDataType_t t) {
+  switch (t) {
+    case ncclInt8:
+    case ncclUint8: return 1;
+    case ncclFloat16: return 2;
+    case ncclInt32:
+    case ncclUint32:
+    case ncclFloat32: return 4;
+    case ncclInt64:
+    case ncclUint64:
+    case ncclFloat64: return 8;
+  }
+  return 0;
+}
+
+std::mutex g_registry_mu;
+std::map<std::string, std::shared_ptr<Clique>>& registry() {
+  static auto* m = new std::map<std::string, std::shared_ptr<Clique>>;
+  return *m;
+}
+
+}  // namespace
+
+const char* ncclGetErrorString(ncclResult_t result) {
+  switch (result) {
+    case ncclSuccess: return "no error";
+    case ncclUnhandledCudaError: return "unhandled cuda error (run with NCCL_DEBUG=INFO for details)";
+    case ncclSystemError: return "unhandled system error (run with NCCL_DEBUG=INFO for details)";
+    case ncclInternalError: return "internal error - please report this issue to the NCCL developers";
+    case ncclInvalidArgument: return "invalid argument (run with NCCL_DEBUG=WARN for details)";
+    case ncclInvalidUsage: return "invalid usage (run with NCCL_DEBUG=WARN for details)";
+    case ncclRemoteError: return "remote process exited or there was a network error";
+    case ncclInProgress: return "NCCL operation in progress";
+    default: return "unknown result code";
+  }
+}
+
+ncclResult_t ncclGetVersion(int* version) {
+  if (version == nullptr) return ncclInvalidArgument;
+  *version = NCCL_VERSION_CODE;
+  return ncclSuccess;
+}
+
+ncclResult_t ncclGetUniqueId(ncclUniqueId* uniqueId) {
+  static std::atomic<unsigned long long> counter{0};
+  if (uniqueId == nullptr) return ncclInvalidArgument;
+  std::memset(uniqueId->internal, 0, sizeof uniqueId->internal);
+  std::snprintf(uniqueId->internal, sizeof uniqueId->internal, "mgpu-emu-nccl:%ld:%llu",
+                static_cast<long>(getpid()), counter.fetch_add(1));
+  return ncclSuccess;
+}
+
+ncclResult_t ncclCommInitAll(ncclComm_t* comms, int ndev, const int* devlist) {
+  if (comms == nullptr || ndev < 1) return ncclInvalidArgument;
+  if (call_fails("init", 0)) return ncclUnhandledCudaError;
+  for (int i = 0; i < ndev; ++i) {
+    int d = devlist ? devlist[i] : i;
+    if (!mgpu::emu::valid_device(d)) return ncclInvalidArgument;
+    for (int j = 0; j < i; ++j)
+      if ((devlist ? devlist[j] : j) == d) return ncclInvalidUsage;  // one rank per device
+  }
+  auto clique = std::make_shared<Clique>(ndev);
+  clique->joined = ndev;
+  for (int i = 0; i < ndev; ++i) {
+    comms[i] = new ncclComm;
+    comms[i]->clique = clique;
+    comms[i]->rank = i;
+    comms[i]->device = devlist ? devlist[i] : i;
+  }
+  return ncclSuccess;
+}
+
+ncclResult_t ncclCommInitRank(ncclComm_t* comm, int nranks, ncclUniqueId commId, int rank) {
+  if (comm == nullptr || nranks < 1 || rank < 0 || rank >= nranks) return ncclInvalidArgument;
+  if (call_fails("init", rank)) return ncclUnhandledCudaError;
+  const std::string key(commId.internal, strnlen(commId.internal, sizeof commId.internal));
+  std::shared_ptr<Clique> clique;
+  {
+    std::lock_guard<std::mutex> lock(g_registry_mu);
+    auto& c = registry()[key];
+    if (!c) c = std::make_shared<Clique>(nranks);
+    if (c->nranks != nranks) return ncclInvalidArgument;
+    clique = c;
+  }
+  {
+    // As NCCL's blocking init: every rank waits until all have joined.
+    std::unique_lock<std::mutex> lock(clique->mu);
+    if (++clique->joined == nranks) {
+      clique->cv.notify_all();
+      std::lock_guard<std::mutex> reg(g_registry_mu);
+      registry().erase(key);
+    }
+    clique->cv.wait(lock, [&] { return clique->joined >= nranks || clique->aborted; });
+  }
+  *comm = new ncclComm;
+  (*comm)->clique = clique;
+  (*comm)->rank = rank;
+  (*comm)->device = mgpu::emu::tls.device;
+  return ncclSuccess;
+}
+
+ncclResult_t ncclCommDestroy(ncclComm_t comm) {
+  if (comm == nullptr) return ncclInvalidArgument;
+  delete comm;  // work already on streams holds the clique, so it still completes
+  return ncclSuccess;
+}
+
+ncclResult_t ncclCommAbort(ncclComm_t comm) {
+  if (comm == nullptr) return ncclInvalidArgument;
+  {
+    std::lock_guard<std::mutex> lock(comm->clique->mu);
+    comm->clique->aborted = true;
+    comm->clique->cv.notify_all();
+  }
+  // The handle is not freed: another thread may still be inside a call on it (an abort is how a
+  // hung collective is ended), and an emulator can afford the few bytes.
+  return ncclSuccess;
+}
+
+ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t* asyncError) {
+  if (comm == nullptr || asyncError == nullptr) return ncclInvalidArgument;
+  *asyncError = static_cast<ncclResult_t>(comm->clique->async_error.load());
+  return ncclSuccess;
+}
+
+ncclResult_t ncclCommCount(const ncclComm_t comm, int* count) {
+  if (comm == nullptr || count == nullptr) return ncclInvalidArgument;
+  *count = comm->clique->nranks;
+  return ncclSuccess;
+}
+
+ncclResult_t ncclCommUserRank(const ncclComm_t comm, int* rank) {
+  if (comm == nullptr || rank == nullptr) return ncclInvalidArgument;
+  *rank = comm->rank;
+  return ncclSuccess;
+}
+
+ncclResult_t ncclGroupStart(void) {
+  ++t_group_depth;
+  return ncclSuccess;
+}
+
+ncclResult_t ncclGroupEnd(void) {
+  if (t_group_depth == 0) return ncclInvalidUsage;
+  if (--t_group_depth > 0) return ncclSuccess;
+  std::vector<Op> ops = std::move(t_group_ops);
+  t_group_ops.clear();
+  ncclResult_t error = t_group_error;
+  t_group_error = ncclSuccess;
+  if (error != ncclSuccess) return error;  // a failed call in the group: nothing is launched
+  return issue_ops(ops);
+}
+
+ncclResult_t ncclAllReduce(const void* sendbuff, void* recvbuff, size_t count,
+                           ncclDataType_t datatype, ncclRedOp_t op, ncclComm_t comm,
+                           cudaStream_t stream) {
+  if (datatype != ncclFloat || op != ncclSum) return ncclInvalidArgument;
+  return enqueue(Kind::AllReduce, sendbuff, recvbuff, count, sizeof(float), 0, comm, stream);
+}
+
+ncclResult_t ncclBroadcast(const void* sendbuff, void* recvbuff, size_t count,
+                           ncclDataType_t datatype, int root, ncclComm_t comm,
+                           cudaStream_t stream) {
+  if (comm == nullptr || root < 0 || root >= comm->clique->nranks || elem_size(datatype) == 0)
+    return ncclInvalidArgument;
+  // Only the root's send buffer is read; the others may pass their receive buffer.
+  return enqueue(Kind::Broadcast, comm->rank == root ? sendbuff : recvbuff, recvbuff, count,
+                 elem_size(datatype), root, comm, stream);
+}
+
+ncclResult_t ncclAllGather(const void* sendbuff, void* recvbuff, size_t sendcount,
+                           ncclDataType_t datatype, ncclComm_t comm, cudaStream_t stream) {
+  if (elem_size(datatype) == 0) return ncclInvalidArgument;
+  return enqueue(Kind::AllGather, sendbuff, recvbuff, sendcount, elem_size(datatype), 0, comm,
+                 stream);
+}

@@ -1,0 +1,95 @@
+// cpp/cuda/emu/nccl_emu.h -- the slice of nccl.h mgpu uses, on emulated GPUs (names, values and
+// signatures as in NCCL 2.2x), implemented by nccl_emu.cpp. The emulated build includes it where
+// a real build includes <nccl.h>, so the NCCL path of the all-reduce runs in tests.
+//
+// Semantics:
+// - A collective is work enqueued on the given emulated stream, like a kernel. When the stream
+//   runs it, it waits there for the same collective (the n-th of each rank of the communicator)
+//   of every other rank; the last rank to arrive computes the result, summing in rank order
+//   0..n-1, so the sums are deterministic and bitwise those of a sequential sum in that order.
+// - ncclGroupStart/End collect this thread's calls; ncclGroupEnd issues them, each on a thread of
+//   its own, so one host thread can drive every rank of a communicator (as ncclCommInitAll users
+//   do) although the emulator's lenient streams run work at once on the issuing thread.
+// - Communicators live in this process: ncclCommInitAll makes a clique of devices,
+//   ncclCommInitRank joins the clique named by the unique id (threads of one process).
+// - ncclCommAbort wakes every rank waiting in a collective of the communicator's clique: those
+//   collectives fail (cudaErrorLaunchFailure on their stream) and the clique is unusable.
+//
+// Fault injection, read when a call is made:
+//   MGPU_EMU_NCCL_FAIL=allreduce|broadcast|allgather|init (or NAME:RANK for one rank): the call
+//     returns ncclUnhandledCudaError at once;
+//   MGPU_EMU_NCCL_FAIL=async: collectives run but write nothing and leave ncclRemoteError as every
+//     communicator's asynchronous error (a peer that died mid-collective);
+//   MGPU_EMU_NCCL_STALL=RANK: that rank's collectives never arrive; its stream and every other
+//     rank waiting for it hang until ncclCommAbort.
+#pragma once
+
+#include <cstddef>
+
+#include "cuda/emu/runtime_api.h"
+
+#define NCCL_MAJOR 2
+#define NCCL_MINOR 28
+#define NCCL_PATCH 0
+#define NCCL_VERSION_CODE 22800
+#define NCCL_UNIQUE_ID_BYTES 128
+
+typedef struct ncclComm* ncclComm_t;
+typedef struct {
+  char internal[NCCL_UNIQUE_ID_BYTES];
+} ncclUniqueId;
+
+typedef enum {
+  ncclSuccess = 0,
+  ncclUnhandledCudaError = 1,
+  ncclSystemError = 2,
+  ncclInternalError = 3,
+  ncclInvalidArgument = 4,
+  ncclInvalidUsage = 5,
+  ncclRemoteError = 6,
+  ncclInProgress = 7,
+  ncclNumResults = 8
+} ncclResult_t;
+
+typedef enum {
+  ncclInt8 = 0,
+  ncclChar = 0,
+  ncclUint8 = 1,
+  ncclInt32 = 2,
+  ncclInt = 2,
+  ncclUint32 = 3,
+  ncclInt64 = 4,
+  ncclUint64 = 5,
+  ncclFloat16 = 6,
+  ncclHalf = 6,
+  ncclFloat32 = 7,
+  ncclFloat = 7,
+  ncclFloat64 = 8,
+  ncclDouble = 8,
+} ncclDataType_t;
+
+typedef enum { ncclSum = 0, ncclProd = 1, ncclMax = 2, ncclMin = 3, ncclAvg = 4 } ncclRedOp_t;
+
+const char* ncclGetErrorString(ncclResult_t result);
+ncclResult_t ncclGetVersion(int* version);
+ncclResult_t ncclGetUniqueId(ncclUniqueId* uniqueId);
+ncclResult_t ncclCommInitRank(ncclComm_t* comm, int nranks, ncclUniqueId commId, int rank);
+ncclResult_t ncclCommInitAll(ncclComm_t* comms, int ndev, const int* devlist);
+ncclResult_t ncclCommDestroy(ncclComm_t comm);
+ncclResult_t ncclCommAbort(ncclComm_t comm);
+ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t* asyncError);
+ncclResult_t ncclCommCount(const ncclComm_t comm, int* count);
+ncclResult_t ncclCommUserRank(const ncclComm_t comm, int* rank);
+
+ncclResult_t ncclGroupStart(void);
+ncclResult_t ncclGroupEnd(void);
+
+// Only ncclFloat with ncclSum is emulated (what mgpu uses); other types or ops are
+// ncclInvalidArgument. Broadcast and all-gather copy bytes, so they take any type.
+ncclResult_t ncclAllReduce(const void* sendbuff, void* recvbuff, size_t count,
+                           ncclDataType_t datatype, ncclRedOp_t op, ncclComm_t comm,
+                           cudaStream_t stream);
+ncclResult_t ncclBroadcast(const void* sendbuff, void* recvbuff, size_t count,
+                           ncclDataType_t datatype, int root, ncclComm_t comm, cudaStream_t stream);
+ncclResult_t ncclAllGather(const void* sendbuff, void* recvbuff, size_t sendcount,
+                           ncclDataType_t datatype, ncclComm_t comm, cudaStream_t stream);
