@@ -19,6 +19,7 @@
 // Determinism: blocks are a function of the shape alone and dU is accumulated block after block
 // (each point's sgemm on one thread), so no result depends on the thread count.
 #include <cmath>
+#include <cstdlib>
 
 #include "core/parallel.h"
 #include "ops/conv2d_cpu/conv2d_cpu.h"
@@ -305,6 +306,10 @@ void winograd_backward(const Conv2dShape& s, const float* x, const float* w, con
                        float* dx, float* dw, float* db) {
   const Tiles tl(s);
   const int64_t P = s.P(), Q = s.Q(), HW = s.H * s.W, PQ = P * Q, KC = s.K * s.C;
+  static const bool old_dw = std::getenv("MGPU_WDW_OLD") != nullptr;  // TEMPORARY: A/B timing
+  if (!old_dw) {
+    winograd_dw(s, x, dy, dw, db);
+  } else {
   // db: each plane's sum in 16 lanes, then the planes added in image order.
   if (db) {
     std::fill(db, db + s.K, 0.0f);
@@ -380,6 +385,7 @@ void winograd_backward(const Conv2dShape& s, const float* x, const float* w, con
       }
     }
   });
+  }
   // dx: a Winograd convolution of dy (N, K, P, Q) with the flipped, transposed kernel and
   // padding 2 - pad, whose output is (N, C, H, W).
   if (dx) {
