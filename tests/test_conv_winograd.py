@@ -124,6 +124,9 @@ def test_tune_leaves_few_channels_and_other_shapes_to_the_rule(monkeypatch, rng)
     ((2, 16, 5, 5), 16, 1, "direct"),     # 5x5 output: below the size where it pays
     ((2, 15, 8, 8), 16, 1, "direct"),     # too few input channels
     ((2, 16, 8, 8), 15, 1, "direct"),     # too few output channels
+    ((2, 512, 4, 4), 512, 1, "winograd"),  # 4x4, one whole tile, 512 channels (ResNet-18's)
+    ((2, 256, 4, 4), 512, 1, "direct"),   # 4x4 with fewer input channels: unmeasured, direct
+    ((2, 512, 5, 5), 512, 1, "direct"),   # 5x5: tiles overhang the output
 ])
 def test_auto_chooses_by_the_shape_alone(monkeypatch, rng, xshape, K, pad, want):
     # auto's result is bit for bit the forced algorithm's, and it measures nothing.
