@@ -35,8 +35,10 @@ constexpr int kTile = 4;    // outputs per tile side
 constexpr int kAlpha = 6;   // transformed tile side
 constexpr int kPoints = kAlpha * kAlpha;
 constexpr int kLanes = 16;  // channels per transform chunk (one F16)
-// Tiles per block: each dU entry takes this many FMAs per load and store of dU, and the panels
-// (36 x tiles x (Cp + Kp) floats) stay a few MB.
+// Tiles per block: each dU entry takes this many FMAs per load and store of dU. The panels
+// (36 x tiles x (Cp + Kp) floats) are 4.5 MB at ResNet-18's 64 channels but 38 MB at 512, so
+// they live in L3 or memory; what stays in L2 is one point's slice (tiles x (Cp + Kp), at most
+// 1 MB), which the products of that point read Cp / 64 times.
 constexpr int64_t kBlockTiles = 256;
 
 // G (6x3): the kernel transform, in double.
