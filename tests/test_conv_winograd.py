@@ -160,6 +160,9 @@ def test_tune_leaves_few_channels_and_other_shapes_to_the_rule(monkeypatch, rng)
     ((2, 16, 5, 5), 16, 1, "direct"),     # 5x5 output: below the size where it pays
     ((2, 15, 8, 8), 16, 1, "direct"),     # too few input channels
     ((2, 16, 8, 8), 15, 1, "direct"),     # too few output channels
+    ((2, 512, 4, 4), 512, 1, "winograd"),  # 4x4, one whole tile, 512 channels (ResNet-18's)
+    ((2, 256, 4, 4), 512, 1, "direct"),   # 4x4 with fewer input channels: unmeasured, direct
+    ((2, 512, 5, 5), 512, 1, "direct"),   # 5x5: tiles overhang the output
 ])
 def test_auto_chooses_by_the_shape_alone(monkeypatch, rng, xshape, K, pad, want):
     # auto's result is bit for bit the forced algorithm's, and it measures nothing.
@@ -237,3 +240,62 @@ def test_winograd_gives_the_same_bits_on_1_and_2_threads(monkeypatch, rng):
         mgpu._core.set_num_threads(threads)
     for a, c in zip(*outs):
         assert np.array_equal(a, c)
+
+
+# The weight gradient (cpp/ops/conv2d_cpu/winograd_dw.cpp) at sizes against its blocking:
+# channels in 16-lane chunks (Cp), register tiles of 6 output channels x 64 (AVX-512) or 16
+# (AVX2) input channels, blocks of ~256 tiles of whole images (9 tiles per 9x9 image: 28 images;
+# 1 tile per 4x4 image: 256 images), so the last block is short.
+DW_SHAPES = [
+    pytest.param((2, 17, 6, 6), 13, 1, id="C17-K13-tails"),
+    pytest.param((1, 70, 5, 5), 7, 1, id="C70-batch1-overhang"),
+    pytest.param((3, 1, 7, 9), 3, 0, id="1ch-pad0"),
+    pytest.param((2, 3, 6, 7), 1, 2, id="3ch-K1-pad2"),
+    pytest.param((30, 5, 9, 9), 6, 1, id="two-blocks-of-images"),
+    pytest.param((300, 2, 4, 4), 3, 1, id="two-blocks-4x4"),
+]
+
+
+def _grads_without_dx(x, w, b, pad, dy_seed):
+    """dw and db as the step computes them for a first layer (no dx), and the dy used."""
+    xt = mgpu.array(x, device=mgpu.cpu(0))
+    wt = mgpu.array(w, device=mgpu.cpu(0)).requires_grad_()
+    bt = mgpu.array(b, device=mgpu.cpu(0)).requires_grad_()
+    y = mgpu.conv2d(xt, wt, bt, padding=pad)
+    dy = np.random.default_rng(dy_seed).normal(size=y.shape).astype(np.float32)
+    y.backward(mgpu.array(dy, device=mgpu.cpu(0)))
+    return wt.grad.numpy(), bt.grad.numpy(), dy
+
+
+@pytest.mark.parametrize("with_dx", [True, False])
+@pytest.mark.parametrize("xshape, K, pad", DW_SHAPES)
+def test_winograd_weight_gradient_matches_float64(monkeypatch, rng, xshape, K, pad, with_dx):
+    monkeypatch.setenv("MGPU_CONV_ALGO", "winograd")
+    x, w, b = _inputs(rng, xshape, K)
+    if with_dx:
+        _, _, dw, db, dy = _run(x, w, b, pad, 6)
+    else:
+        dw, db, dy = _grads_without_dx(x, w, b, pad, 6)
+    _, rdw, rdb = ref.conv2d_backward(x, w, dy, 1, pad)
+    e_dw = float(np.abs(dw - rdw).max() / np.abs(rdw).max())
+    e_db = float(np.abs(db - rdb).max() / np.abs(rdb).max())
+    assert e_dw <= WINOGRAD_TOL, e_dw
+    assert e_db <= DIRECT_TOL, e_db
+
+
+def test_winograd_weight_gradient_same_bits_on_1_2_and_3_threads(monkeypatch, rng):
+    """Two blocks of images and tile tails in both channel counts: every dU entry is summed in
+    the same order whichever thread runs it."""
+    monkeypatch.setenv("MGPU_CONV_ALGO", "winograd")
+    x, w, b = _inputs(rng, (30, 17, 9, 9), 13)
+    threads = mgpu._core.num_threads()
+    try:
+        outs = []
+        for n in (1, 2, 3):
+            mgpu._core.set_num_threads(n)
+            outs.append(_grads_without_dx(x, w, b, 1, 7)[:2])
+    finally:
+        mgpu._core.set_num_threads(threads)
+    for other in outs[1:]:
+        for a, c in zip(outs[0], other):
+            assert np.array_equal(a, c)

@@ -50,7 +50,8 @@ void conv2d_backward(const Conv2dShape& s, const float* x, const float* w, const
 // every call, so a test or a benchmark may switch it between calls):
 // - auto (or unset): Winograd F(4x4, 3x3) for 3x3 stride-1 convs with pad <= 2, >= 16 channels
 //   in and out and outputs of at least 6x6 (ResNet-18's 28x28, 14x14 and 7x7 layers, where it
-//   measured faster), the shape's rule for the rest. A function of the shape alone, like every
+//   measured faster), or outputs in whole 4x4 tiles with >= 512 channels in and out (ResNet-18's
+//   4x4 layers), the shape's rule for the rest. A function of the shape alone, like every
 //   other choice here, so every process, rank and run computes the same bits.
 // - tune: like cuDNN's benchmark mode, for the same eligible shapes (any output size) the first
 //   call for a shape (without the batch size) in this process times Winograd against the rule

@@ -129,10 +129,11 @@ INSTANTIATE_TEST_SUITE_P(Shapes, CpuIsaTest, ::testing::ValuesIn(kCases),
                          [](const auto& p) { return std::string(p.param.name); });
 
 // Winograd F(4x4, 3x3) (MGPU_CONV_ALGO=winograd): ResNet-18's 4x4 layer, tiles overhanging the
-// image (7x7, 5x6), a 1x1 image, pad 0 and 2, dx skipped, and for the fused forward
+// image (7x7, 5x6), a 1x1 image, pad 0 and 2, dx skipped, for the fused forward
 // (winograd_fused.cpp) output channels that are no multiple of either path's register tile
-// (13, 171), a short last block of tiles and blocks of 64 tiles (176 -> 171 channels); against
-// float64 in tests/test_conv_winograd.py.
+// (13, 171), a short last block of tiles and blocks of 64 tiles (176 -> 171 channels), and the
+// weight gradient's blocks and register-tile tails; against float64 in
+// tests/test_conv_winograd.py.
 TEST(CpuIsa, WinogradSameBits) {
   if (!cpu_has_avx512()) GTEST_SKIP() << "this CPU has no AVX-512: one path only";
   const char* old = std::getenv("MGPU_CONV_ALGO");
@@ -144,7 +145,10 @@ TEST(CpuIsa, WinogradSameBits) {
                                Conv2dShape{2, 2, 1, 1, 3, 3, 3, 1, 1},
                                Conv2dShape{2, 4, 9, 11, 3, 3, 3, 1, 0},
                                Conv2dShape{3, 19, 11, 13, 13, 3, 3, 1, 1},
-                               Conv2dShape{17, 176, 7, 7, 171, 3, 3, 1, 1}}) {
+                               Conv2dShape{17, 176, 7, 7, 171, 3, 3, 1, 1},
+                               // dw: two blocks of images (28 + 2), register-tile tails in c and k
+                               Conv2dShape{30, 17, 9, 9, 13, 3, 3, 1, 1},
+                               Conv2dShape{2, 80, 6, 6, 70, 3, 3, 1, 1}}) {
     SCOPED_TRACE(::testing::Message() << "C=" << s.C << " H=" << s.H << " W=" << s.W
                                       << " K=" << s.K << " pad=" << s.pad);
     const int64_t nx = s.N * s.C * s.H * s.W, nw = s.K * s.C * 9, ny = s.N * s.K * s.P() * s.Q();

@@ -283,6 +283,10 @@ void winograd_backward(const Conv2dShape& s, const float* x, const float* w, con
 void winograd_fused_forward(const Conv2dShape& s, const float* x, const float* U, const float* b,
                             float* y);
 
+// ---- winograd_dw.cpp: the weight and bias gradients of winograd_backward ----
+// dw (K, C, 3, 3) and db (K; may be null) of a shape winograd_fits.
+void winograd_dw(const Conv2dShape& s, const float* x, const float* dy, float* dw, float* db);
+
 // ---- relu_pool.cpp: bias + relu + average pooling of one plane, and its gradient ----
 void bias_relu_pool_plane(const float* __restrict v, float bias, int64_t P, int64_t Q, int64_t pool,
                           uint8_t* __restrict mask, float* __restrict pooled,

@@ -10,14 +10,14 @@
 // so each of the 36 points xi of the transformed tile is an independent product over channels:
 //     M[xi] (K, T) = U[xi] (K, C) * V[xi] (C, T)
 // for the T tiles of a block of images, one sgemm per point. The weight gradient runs the same
-// products backwards: dU[xi] (K, C) = sum over blocks of dM[xi] (K, T) * V[xi]^T with
-// dM = A dY A^T per tile, and dw = G^T dU G.
+// products backwards: dU[xi] (K, C) = sum over tiles of dM[xi] (K, T) * V[xi]^T with
+// dM = A dY A^T per tile, and dw = G^T dU G (winograd_dw.cpp, with db).
 //
 // The transforms run 16 tiles of one image plane side by side (loops over 16 lanes that the
 // compiler vectorises on both paths, the same operations in every lane), so the AVX2 and AVX-512
 // paths give the same bits. The weight transforms (cheap: once per call) run in double.
-// Determinism: blocks are a function of the shape alone and dU is accumulated block after block
-// (each point's sgemm on one thread), so no result depends on the thread count.
+// Determinism: blocks are a function of the shape alone (each point's sgemm on one thread), so no
+// result depends on the thread count.
 #include <cmath>
 
 #include "core/parallel.h"
@@ -71,20 +71,6 @@ inline void output_1d(const float (*m)[kL], float (*o)[kL]) {
   }
 }
 
-// e = A g for four lane rows g[0..3]: the transpose of the output transform (4 -> 6), which
-// carries dY into the transformed domain for the weight gradient.
-inline void grad_1d(const float (*g)[kL], float (*e)[kL]) {
-  for (int l = 0; l < kL; ++l) {
-    const float g0 = g[0][l], g1 = g[1][l], g2 = g[2][l], g3 = g[3][l];
-    e[0][l] = g0;
-    e[1][l] = (g0 + g2) + (g1 + g3);
-    e[2][l] = (g0 + g2) - (g1 + g3);
-    e[3][l] = (g0 + 4.0f * g2) + 2.0f * (g1 + 4.0f * g3);
-    e[4][l] = (g0 + 4.0f * g2) - 2.0f * (g1 + 4.0f * g3);
-    e[5][l] = g3;
-  }
-}
-
 // The block layout: T tiles (images of the block one after another, tiles row-major in each),
 // and the tile grid of an image.
 struct Tiles {
@@ -94,9 +80,9 @@ struct Tiles {
         per_image(rows * cols) {}
 };
 
-// Per-thread buffers: the calling thread's transformed weights, inputs, products and dU; each
+// Per-thread buffers: the calling thread's transformed weights, inputs and products; each
 // worker's zero-padded image plane. Grown once to the largest shape, then reused.
-inline thread_local std::vector<float> tl_u, tl_v, tl_m, tl_du, tl_plane;
+inline thread_local std::vector<float> tl_u, tl_v, tl_m, tl_plane;
 
 // Images per block: enough tiles for sgemm to run near its peak, while each transformed buffer
 // (36 planes of max(C, K) x T floats) stays near 8 MB. A function of the shape alone.
@@ -182,44 +168,6 @@ void transform_input_plane(const float* __restrict x, int64_t H, int64_t W, int6
       for (int b = 0; b < kAlpha; ++b) {
         float* dst = v + (a * kAlpha + b) * plane_stride + j0;
         for (int64_t l = 0; l < n; ++l) dst[l] = rt[b][l];
-      }
-    }
-  }
-}
-
-// dM[xi][k][t0 + j] = (A dY A^T)[xi] for the tiles of one dy plane (P, Q) of channel k: tiles
-// overhanging the plane read dY = 0 there.
-void transform_grad_plane(const float* __restrict dy, int64_t P, int64_t Q, const Tiles& tl,
-                          float* __restrict dm, int64_t plane_stride) {
-  const int64_t Hp = kTile * tl.rows, Wp = kTile * tl.cols;
-  float* __restrict frame = scratch(tl_plane, Hp * Wp);
-  std::fill(frame, frame + Hp * Wp, 0.0f);
-  for (int64_t p = 0; p < P; ++p) copy_floats(frame + p * Wp, dy + p * Q, Q);
-  for (int64_t j0 = 0; j0 < tl.per_image; j0 += kL) {
-    const int64_t n = std::min<int64_t>(kL, tl.per_image - j0);
-    alignas(64) float g[kTile][kTile][kL];
-    for (int64_t l = 0; l < kL; ++l) {
-      const int64_t j = j0 + std::min(l, n - 1);
-      const float* src = frame + (j / tl.cols) * kTile * Wp + (j % tl.cols) * kTile;
-      for (int a = 0; a < kTile; ++a) {
-        for (int b = 0; b < kTile; ++b) g[a][b][l] = src[a * Wp + b];
-      }
-    }
-    alignas(64) float col[kTile][kL], et[kAlpha][kL], t[kAlpha][kTile][kL];
-    for (int b = 0; b < kTile; ++b) {  // along the rows: t[.][b] = A g[.][b]
-      for (int a = 0; a < kTile; ++a) {
-        for (int l = 0; l < kL; ++l) col[a][l] = g[a][b][l];
-      }
-      grad_1d(col, et);
-      for (int a = 0; a < kAlpha; ++a) {
-        for (int l = 0; l < kL; ++l) t[a][b][l] = et[a][l];
-      }
-    }
-    for (int a = 0; a < kAlpha; ++a) {  // along the columns
-      grad_1d(t[a], et);
-      for (int b = 0; b < kAlpha; ++b) {
-        float* dst = dm + (a * kAlpha + b) * plane_stride + j0;
-        for (int64_t l = 0; l < n; ++l) dst[l] = et[b][l];
       }
     }
   }
@@ -315,83 +263,8 @@ void winograd_forward(const Conv2dShape& s, const float* x, const float* w, cons
 
 void winograd_backward(const Conv2dShape& s, const float* x, const float* w, const float* dy,
                        float* dx, float* dw, float* db) {
-  const Tiles tl(s);
-  const int64_t P = s.P(), Q = s.Q(), HW = s.H * s.W, PQ = P * Q, KC = s.K * s.C;
-  // db: each plane's sum in 16 lanes, then the planes added in image order.
-  if (db) {
-    std::fill(db, db + s.K, 0.0f);
-    for (int64_t n = 0; n < s.N; ++n) {
-      for (int64_t k = 0; k < s.K; ++k) {
-        const float* plane = dy + (n * s.K + k) * PQ;
-        float acc[16] = {};
-        int64_t j = 0;
-        for (; j + 16 <= PQ; j += 16) {
-          for (int l = 0; l < 16; ++l) acc[l] += plane[j + l];
-        }
-        for (int l = 0; j + l < PQ; ++l) acc[l] += plane[j + l];
-        for (int width = 8; width >= 1; width /= 2) {
-          for (int l = 0; l < width; ++l) acc[l] += acc[l + width];
-        }
-        db[k] += acc[0];
-      }
-    }
-  }
-  // dw through the transformed domain, block after block into dU (36, K, C).
-  const int64_t per_block = block_images(s, tl);
-  const int64_t T_max = std::min(per_block, s.N) * tl.per_image;
-  float* du = scratch(tl_du, kPoints * KC);
-  if (s.N == 0) std::fill(du, du + kPoints * KC, 0.0f);
-  {
-    float* v = scratch(tl_v, kPoints * s.C * T_max);
-    float* dm = scratch(tl_m, kPoints * s.K * T_max);
-    for (int64_t n0 = 0; n0 < s.N; n0 += per_block) {
-      const int64_t B = std::min(per_block, s.N - n0), T = B * tl.per_image;
-      parallel_for(B * (s.C + s.K), [&](int64_t job) {
-        const int64_t i = job / (s.C + s.K), ch = job % (s.C + s.K);
-        if (ch < s.C) {
-          transform_input_plane(x + ((n0 + i) * s.C + ch) * HW, s.H, s.W, s.pad, tl,
-                                v + ch * T + i * tl.per_image, s.C * T);
-        } else {
-          const int64_t k = ch - s.C;
-          transform_grad_plane(dy + ((n0 + i) * s.K + k) * PQ, P, Q, tl,
-                               dm + k * T + i * tl.per_image, s.K * T);
-        }
-      });
-      const float beta = n0 == 0 ? 0.0f : 1.0f;
-      parallel_for(kPoints, [&](int64_t xi) {
-        sgemm(false, true, s.K, s.C, T, 1.0f, dm + xi * s.K * T, T, v + xi * s.C * T, T, beta,
-              du + xi * KC, s.C);
-      });
-    }
-  }
-  // dw[k][c] = G^T dU[k][c] G, in double, kL input channels side by side in lanes.
-  parallel_for(s.K, [&](int64_t k) {
-    for (int64_t c0 = 0; c0 < s.C; c0 += kL) {
-      const int64_t n = std::min<int64_t>(kL, s.C - c0);
-      double t[3][kAlpha][kL] = {};  // G^T dU
-      for (int a = 0; a < kAlpha; ++a) {
-        for (int b = 0; b < kAlpha; ++b) {
-          const float* src = du + (a * kAlpha + b) * KC + k * s.C + c0;
-          double d[kL];
-          for (int64_t l = 0; l < kL; ++l) d[l] = src[std::min(l, n - 1)];
-          for (int r = 0; r < 3; ++r) {
-            for (int l = 0; l < kL; ++l) t[r][b][l] += kG[a][r] * d[l];
-          }
-        }
-      }
-      for (int r = 0; r < 3; ++r) {
-        for (int q = 0; q < 3; ++q) {
-          double acc[kL] = {};
-          for (int b = 0; b < kAlpha; ++b) {
-            for (int l = 0; l < kL; ++l) acc[l] += t[r][b][l] * kG[b][q];
-          }
-          for (int64_t l = 0; l < n; ++l) {
-            dw[((k * s.C + c0 + l) * 3 + r) * 3 + q] = static_cast<float>(acc[l]);
-          }
-        }
-      }
-    }
-  });
+  winograd_dw(s, x, dy, dw, db);
+  const int64_t P = s.P(), Q = s.Q(), KC = s.K * s.C;
   // dx: a Winograd convolution of dy (N, K, P, Q) with the flipped, transposed kernel and
   // padding 2 - pad, whose output is (N, C, H, W).
   if (dx) {
