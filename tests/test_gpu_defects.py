@@ -221,3 +221,54 @@ def test_host_to_device_copies_reuse_staging_buffers_only_after_their_copies(rng
     b = mgpu.array(second, device=g0)
     np.testing.assert_array_equal(a.numpy(), first)
     np.testing.assert_array_equal(b.numpy(), second)
+
+
+
+# The capture of a fused step on gpu(0) in thread A is held open: the byte budget of a queue's
+# run-ahead is one byte, and gpu(0)'s worker is first kept busy by matrix products, so A waits
+# inside the capture (after its first task) for them. Meanwhile this thread copies to gpu(0).
+_COPY_DURING_CAPTURE = """
+import os, sys, threading, time, numpy as np, mgpu
+assert os.environ["MGPU_QUEUE_MAX_BYTES"] == "1"
+g0 = mgpu.gpu(0)
+rng = np.random.default_rng(3)
+X = mgpu.array(rng.random((4, 1, 28, 28), dtype=np.float32))
+y = mgpu.array(rng.integers(0, 10, 4).astype(np.int64))
+params = [mgpu.get_params(mgpu.lenet_params(seed=1), g0)]
+a = mgpu.array(np.full((128, 128), 0.01, np.float32), device=g0)
+mgpu.waitall()
+base = mgpu.gpu_memory_stats(g0)["allocated"]
+busy = [mgpu.mm(a, a) for _ in range(int(sys.argv[1]))]
+flat = sum(int(np.prod(p.shape)) for p in params[0]) * 4
+out = {}
+step = threading.Thread(target=lambda: out.setdefault("loss", mgpu.train_batch(X, y, params, [g0], 0.1)))
+step.start()
+# The capture allocates its gradient buffer just before its first task.
+while mgpu.gpu_memory_stats(g0)["allocated"] < base + len(busy) * 128 * 128 * 4 + flat:
+    time.sleep(0.01)
+time.sleep(0.3)
+values = rng.normal(size=3000).astype(np.float32)
+t = mgpu.array(values, device=g0)
+again = mgpu.array(values + 1, device=g0)  # its staging buffer was last used by the copy above
+step.join()
+mgpu.waitall()
+assert np.array_equal(t.numpy(), values), t.numpy()[:4]
+assert np.array_equal(again.numpy(), values + 1)
+print("copies ok, loss", float(out["loss"][0].item()))
+"""
+
+
+@needs_gpus(1)
+def test_another_threads_ops_do_not_land_in_a_capture():
+    """Finding 8: while one thread captures the fused step as CUDA graphs, another thread's ops
+    on the same GPU must run (after the capture), not be recorded into the graph. Recorded, a
+    host-to-device copy never fills its tensor, its staging event becomes a captured event (the
+    next copy's cudaEventSynchronize fails with cudaErrorCapturedEvent) and every replay of the
+    step would copy again from the other thread's long-gone host buffer. In a child process:
+    the queue's byte budget is read once per process."""
+    env = dict(os.environ, MGPU_QUEUE_MAX_BYTES="1", MGPU_CUDA_GRAPH="1",
+               PYTHONPATH=str(Path(mgpu.__file__).parent.parent))
+    run = subprocess.run([sys.executable, "-c", _COPY_DURING_CAPTURE, "3"], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    assert "copies ok" in run.stdout

@@ -23,7 +23,8 @@ const std::string& last_error_detail();
 
 // Re-reads MGPU_EMULATED_GPUS (device count, default 2), MGPU_EMU_SEED (fiber order and the
 // strict mode's choices, default 1), MGPU_EMU_STRICT (0 or 1, see strict()) and
-// MGPU_EMU_STACK_KIB (fiber stack, default 64) and forgets all devices' state: allocations,
+// MGPU_EMU_STACK_KIB (fiber stack, default 64), MGPU_EMU_PEER_ACCESS (0: no device may enable
+// peer access to another, as GPUs without P2P; default 1) and forgets all devices' state: allocations,
 // streams, events, peer access, pending errors. Tests only; nothing may run on a device meanwhile.
 void reset_from_env();
 // Fiber order: 0 runs the threads of a block in ascending order in every phase; any other value
@@ -33,6 +34,13 @@ void set_seed(uint64_t seed);
 // interleaving, a grid's blocks in a random order, freed memory is poisoned, captured events
 // cannot be waited on. The caching allocator poisons the blocks it takes back when it is on.
 bool strict();
+// What the runtime holds now, for leak checks: live streams (not the default ones), events,
+// graphs, executable graphs, and cudaMalloc / cudaMallocHost allocations with their bytes.
+struct LiveCounts {
+  size_t streams = 0, events = 0, graphs = 0, graph_execs = 0;
+  size_t device_allocations = 0, device_bytes = 0, host_allocations = 0, host_bytes = 0;
+};
+LiveCounts live_counts();
 // How many fiber switches this OS thread has made, and how many fibers (stacks) it keeps for
 // reuse: as many as the largest block it ran, whatever the grid size.
 uint64_t fiber_switches();

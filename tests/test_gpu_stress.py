@@ -1,0 +1,67 @@
+"""Issue 21's stress: 200 fused steps in one process on a random set of GPUs each step, with CUDA
+graphs on and off at random, and nothing may grow -- the caching allocator's live and cached
+bytes, the runtime's allocations, streams, events, graphs and executable graphs (counted by the
+emulator, so this runs on emulated GPUs only).
+
+Sizes are chosen for CI (about a minute on two shared cores): LeNet, 2 rows per device.
+"""
+import itertools
+import math
+
+import numpy as np
+import pytest
+
+import mgpu
+
+pytestmark = pytest.mark.gpu
+
+NUM_GPUS = mgpu.num_gpus()
+EMULATED = bool(mgpu.build_info()["cuda_emulation"])
+STEPS = 200
+
+
+def _snapshot():
+    gpus = {i: mgpu.gpu_memory_stats(mgpu.gpu(i)) for i in range(NUM_GPUS)}
+    live = mgpu._core._emu_live_counts()
+    return {
+        "allocator": {i: (s["allocated"], s["cached"]) for i, s in gpus.items()},
+        "runtime": live,
+    }
+
+
+@pytest.mark.skipif(NUM_GPUS < 1 or not EMULATED,
+                    reason="counts the emulated runtime's streams, events and graphs")
+def test_random_devices_and_graphs_for_200_steps_leak_nothing(monkeypatch):
+    rng = np.random.default_rng(21)
+    # Every non-empty set of GPUs (up to 3 of them, to bound the warm-up), each with its own
+    # replicas, so every (devices, graphs) pair reuses its captured steps once warmed up.
+    sets = [s for k in range(1, min(NUM_GPUS, 3) + 1)
+            for s in itertools.combinations(range(NUM_GPUS), k)]
+    start = mgpu.lenet_params(seed=7)
+    replicas = {s: [mgpu.get_params(start, mgpu.gpu(i)) for i in s] for s in sets}
+    batches = {s: (mgpu.array(rng.random((2 * len(s), 1, 28, 28), dtype=np.float32)),
+                   mgpu.array(rng.integers(0, 10, 2 * len(s)).astype(np.int64)))
+               for s in sets}
+
+    def step(s, graphs):
+        monkeypatch.setenv("MGPU_CUDA_GRAPH", "1" if graphs else "0")
+        X, y = batches[s]
+        losses = mgpu.train_batch(X, y, replicas[s], [mgpu.gpu(i) for i in s], 0.01)
+        return sum(float(v.item()) for v in losses)
+
+    # Warm-up: every combination once (twice with graphs: capture, then the first replay).
+    for s in sets:
+        for graphs in (False, True, True):
+            step(s, graphs)
+    mgpu.waitall()
+    before = _snapshot()
+    plan = [(sets[rng.integers(len(sets))], bool(rng.integers(2))) for _ in range(STEPS)]
+    for s, graphs in plan:
+        loss = step(s, graphs)
+        assert math.isfinite(loss), f"step on {s} (graphs {graphs}) gave loss {loss}"
+    mgpu.waitall()
+    after = _snapshot()
+    assert after["runtime"] == before["runtime"], (before["runtime"], after["runtime"])
+    assert after["allocator"] == before["allocator"], (before["allocator"], after["allocator"])
+    assert {g for _, g in plan} == {False, True}
+    assert len({s for s, _ in plan}) == len(sets)
