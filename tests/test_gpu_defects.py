@@ -195,18 +195,46 @@ def test_dlpack_import_gives_memory_back_only_after_mgpus_work_on_it():
 # ---- More GPUs: the all-reduce and the fused step on 3 and 4 emulated GPUs --------------------
 @needs_gpus(1)
 @pytest.mark.skipif(not EMULATED, reason="sets the emulated GPU count of a child process")
-@pytest.mark.parametrize("count", [3, 4])
-def test_collectives_and_the_fused_step_on_more_gpus(count):
+@pytest.mark.parametrize("count,peer", [(3, "1"), (4, "1"), (2, "0")],
+                         ids=["3-gpus", "4-gpus", "2-gpus-without-peer-access"])
+def test_collectives_and_the_fused_step_on_more_gpus(count, peer):
     """The tests that use every GPU of the process, in a child with MGPU_EMULATED_GPUS=count
-    (the chunks each device reduces, and whom it fetches them from, change with the count)."""
-    env = dict(os.environ, MGPU_EMULATED_GPUS=str(count))
+    (the chunks each device reduces, and whom it fetches them from, change with the count); and
+    on GPUs without peer access (MGPU_EMU_PEER_ACCESS=0), where a kernel reading another
+    device's memory is an illegal address: data crosses devices only by peer copies."""
+    env = dict(os.environ, MGPU_EMULATED_GPUS=str(count), MGPU_EMU_PEER_ACCESS=peer)
     here = Path(__file__).resolve().parent
-    run = subprocess.run(
+    run = _run_with_watchdog(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_gpu.py", "-k",
          "allreduce_on_gpus_is_bitwise or fused_step_on_every_gpu"],
-        cwd=here, env=env, capture_output=True, text=True, timeout=900)
+        cwd=here, env=env, limit=float(os.environ.get("MGPU_TEST_CHILD_LIMIT", "600")))
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
     assert " passed" in run.stdout and "skipped" not in run.stdout.splitlines()[-1], run.stdout
+
+
+def _run_with_watchdog(cmd, cwd, env, limit):
+    """Runs a child test process; past `limit` seconds it is a failure that shows where the child
+    waits (py-spy's native stacks of every thread, when py-spy is installed) and the strict
+    emulator's seed to replay it, instead of a hang of the whole suite."""
+    import shutil
+    child = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = child.communicate(timeout=limit)
+        return subprocess.CompletedProcess(cmd, child.returncode, out, err)
+    except subprocess.TimeoutExpired:
+        spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+        stacks = "(py-spy not installed: no stacks)"
+        if os.path.exists(spy):
+            dump = subprocess.run([spy, "dump", "--native", "--pid", str(child.pid)],
+                                  capture_output=True, text=True, timeout=120)
+            stacks = dump.stdout[-12000:] + dump.stderr[-2000:]
+        child.kill()
+        out, err = child.communicate()
+        seed = (f"MGPU_EMU_STRICT={env.get('MGPU_EMU_STRICT', '0')} "
+                f"MGPU_EMU_SEED={env.get('MGPU_EMU_SEED', '1')}")
+        pytest.fail(f"child still running after {limit:.0f} s ({seed}); its stacks:\n{stacks}\n"
+                    f"its output:\n{out[-3000:]}\n{err[-2000:]}")
 
 
 @needs_gpus(1)
@@ -241,7 +269,8 @@ base = mgpu.gpu_memory_stats(g0)["allocated"]
 busy = [mgpu.mm(a, a) for _ in range(int(sys.argv[1]))]
 flat = sum(int(np.prod(p.shape)) for p in params[0]) * 4
 out = {}
-step = threading.Thread(target=lambda: out.setdefault("loss", mgpu.train_batch(X, y, params, [g0], 0.1)))
+step = threading.Thread(
+    target=lambda: out.setdefault("loss", mgpu.train_batch(X, y, params, [g0], 0.1)))
 step.start()
 # The capture allocates its gradient buffer just before its first task.
 while mgpu.gpu_memory_stats(g0)["allocated"] < base + len(busy) * 128 * 128 * 4 + flat:
