@@ -26,6 +26,7 @@ void warp_reduce(const int* x, int n, int* block_total, unsigned* ballot, int* s
 void histogram(const int* values, int n, unsigned* bins, int num_bins, float* sum, int* max_value,
                cudaStream_t stream);
 void saxpy(int n, float a, const float* x, float* y, int blocks, int threads, cudaStream_t stream);
+void copy_span(const float* x, float* y, int n, cudaStream_t stream);
 void reverse_chunks(const float* in, float* out, int n, int threads, cudaStream_t stream);
 void divergent_barrier(float* out, cudaStream_t stream);
 void barrier_shuffle_deadlock(float* out, cudaStream_t stream);
@@ -932,9 +933,18 @@ TEST_F(StrictEmu, CopiesAndKernelsTouchOnlyTheirDevicesMemoryOrAPeers) {
   mgpu_test::saxpy(4, 1.0f, on0.get(), on1.get(), 1, 32, s1);  // checked when it runs
   EXPECT_EQ(cudaStreamSynchronize(s1), cudaErrorIllegalAddress);
   cudaGetLastError();
+  // A pointer inside a struct argument is checked as well.
+  mgpu_test::copy_span(on0.get(), on1.get(), 4, s1);
+  EXPECT_EQ(cudaStreamSynchronize(s1), cudaErrorIllegalAddress);
+  EXPECT_THAT(last_error_detail(), HasSubstr("argument 0 holds a pointer to memory of device 0"));
+  cudaGetLastError();
   EXPECT_EQ(cudaMemcpyPeerAsync(on1.get(), 1, on0.get(), 0, on0.bytes(), s1), cudaSuccess);
   EXPECT_EQ(cudaStreamSynchronize(s1), cudaSuccess);
   EXPECT_EQ(on1.download(), v);
+  DeviceVector<float> copied(v.size());
+  mgpu_test::copy_span(on1.get(), copied.get(), 4, s1);  // its own device's memory: fine
+  EXPECT_EQ(cudaStreamSynchronize(s1), cudaSuccess) << last_error_detail();
+  EXPECT_EQ(copied.download(), v);
   ASSERT_EQ(cudaDeviceEnablePeerAccess(0, 0), cudaSuccess);
   EXPECT_EQ(cudaMemcpyAsync(on1.get(), on0.get(), on0.bytes(), cudaMemcpyDeviceToDevice, s1),
             cudaSuccess);

@@ -5,11 +5,13 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <functional>
 #include <string>
 #include <tuple>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #include "cuda/emu/builtins.h"
 #include "cuda/emu/runtime_api.h"
@@ -54,8 +56,9 @@ struct LaunchSite {
   int line;
 };
 struct PointerArg {
-  int index;          // position in the kernel's parameter list
-  const void* value;  // the pointer passed
+  int index;              // position in the kernel's parameter list
+  const void* value;      // the pointer passed
+  bool embedded = false;  // a pointer-sized word inside a struct argument (maybe no pointer)
 };
 // Runs the kernel body (a call of the kernel with copies of its arguments) on every thread of
 // every block, or records it when the stream is capturing. Errors go to cudaGetLastError.
@@ -81,25 +84,35 @@ class Launcher {
     static_assert(sizeof...(Args) == sizeof...(Params),
                   "MGPU_LAUNCH: wrong number of arguments for this kernel");
     std::tuple<std::decay_t<Params>...> params(std::forward<Args>(args)...);
-    PointerArg pointers[sizeof...(Params) + 1];
-    int num_pointers = 0;
-    collect_pointers(params, pointers, num_pointers, std::index_sequence_for<Params...>{});
+    std::vector<PointerArg> pointers;
+    collect_pointers(params, pointers, std::index_sequence_for<Params...>{});
     auto kernel = kernel_;
     launch(
         site_, grid_, block_, shared_, stream_, [kernel, params] { std::apply(kernel, params); },
-        pointers, num_pointers);
+        pointers.data(), static_cast<int>(pointers.size()));
   }
 
  private:
   template <typename Tuple, size_t... I>
-  static void collect_pointers(const Tuple& params, PointerArg* out, int& n,
+  static void collect_pointers(const Tuple& params, std::vector<PointerArg>& out,
                                std::index_sequence<I...>) {
-    (add_pointer(static_cast<int>(I), std::get<I>(params), out, n), ...);
+    (add_pointer(static_cast<int>(I), std::get<I>(params), out), ...);
   }
+  // Pointer arguments, and every aligned pointer-sized word of a struct argument (a functor
+  // holding its arrays' pointers): the launch checks the words that lie in a device allocation
+  // as pointers, so a struct's pointer to another device's memory is caught too.
   template <typename T>
-  static void add_pointer(int index, const T& value, PointerArg* out, int& n) {
+  static void add_pointer(int index, const T& value, std::vector<PointerArg>& out) {
     if constexpr (std::is_pointer_v<T> && !std::is_function_v<std::remove_pointer_t<T>>) {
-      if (value != nullptr) out[n++] = PointerArg{index, static_cast<const void*>(value)};
+      if (value != nullptr) out.push_back(PointerArg{index, static_cast<const void*>(value)});
+    } else if constexpr (std::is_class_v<T> && std::is_trivially_copyable_v<T> &&
+                         sizeof(T) >= sizeof(void*)) {
+      const char* bytes = reinterpret_cast<const char*>(&value);
+      for (size_t off = 0; off + sizeof(void*) <= sizeof(T); off += alignof(void*)) {
+        const void* word = nullptr;
+        std::memcpy(&word, bytes + off, sizeof word);
+        if (word != nullptr) out.push_back(PointerArg{index, word, true});
+      }
     }
   }
 
