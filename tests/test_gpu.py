@@ -172,8 +172,8 @@ def assert_same_update(got, ref, start, what, device=None):
     err = np.abs(got_update - expected)
     bound = atol + 1e-4 * np.abs(expected)
     assert (err <= bound).all(), (
-        f"{label}: update differs by up to {err.max():.3g} (bound {bound[np.argmax(err)]:.3g}, "
-        f"largest update {np.abs(expected).max():.3g})")
+        f"{label}: update differs by up to {err.max():.3g} "
+        f"(bound {bound.flat[np.argmax(err)]:.3g}, largest update {np.abs(expected).max():.3g})")
 
 
 def _start():
