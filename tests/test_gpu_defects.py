@@ -195,23 +195,52 @@ def test_dlpack_import_gives_memory_back_only_after_mgpus_work_on_it():
 # ---- More GPUs: the all-reduce and the fused step on 3 and 4 emulated GPUs --------------------
 @needs_gpus(1)
 @pytest.mark.skipif(not EMULATED, reason="sets the emulated GPU count of a child process")
-@pytest.mark.parametrize("path", ["nccl", "peer"])
-@pytest.mark.parametrize("count", [3, 4])
-def test_collectives_and_the_fused_step_on_more_gpus(count, path):
+@pytest.mark.parametrize("count,peer,path", [(3, "1", "nccl"), (3, "1", "peer"), (4, "1", "nccl"),
+                                              (4, "1", "peer"), (2, "0", "peer")],
+                         ids=["3-gpus-nccl", "3-gpus-peer", "4-gpus-nccl", "4-gpus-peer",
+                              "2-gpus-without-peer-access"])
+def test_collectives_and_the_fused_step_on_more_gpus(count, peer, path):
     """The tests that use every GPU of the process, in a child with MGPU_EMULATED_GPUS=count
     (the chunks each device reduces, and whom it fetches them from, change with the count), on
-    the emulated NCCL (the default) and on the peer-copy path (MGPU_ALLREDUCE=peer)."""
-    env = dict(os.environ, MGPU_EMULATED_GPUS=str(count))
+    the emulated NCCL (the default) and on the peer-copy path (MGPU_ALLREDUCE=peer); and on GPUs
+    without peer access (MGPU_EMU_PEER_ACCESS=0), where a kernel reading another device's memory
+    is an illegal address: data crosses devices only by peer copies."""
+    env = dict(os.environ, MGPU_EMULATED_GPUS=str(count), MGPU_EMU_PEER_ACCESS=peer)
     env.pop("MGPU_ALLREDUCE", None)
     if path == "peer":
         env["MGPU_ALLREDUCE"] = "peer"
     here = Path(__file__).resolve().parent
-    run = subprocess.run(
+    run = _run_with_watchdog(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_gpu.py", "-k",
          "allreduce_on_gpus_is_bitwise or fused_step_on_every_gpu or nccl_matches_the_peer"],
-        cwd=here, env=env, capture_output=True, text=True, timeout=900)
+        cwd=here, env=env, limit=float(os.environ.get("MGPU_TEST_CHILD_LIMIT", "600")))
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
     assert " passed" in run.stdout and "skipped" not in run.stdout.splitlines()[-1], run.stdout
+
+
+def _run_with_watchdog(cmd, cwd, env, limit):
+    """Runs a child test process; past `limit` seconds it is a failure that shows where the child
+    waits (py-spy's native stacks of every thread, when py-spy is installed) and the strict
+    emulator's seed to replay it, instead of a hang of the whole suite."""
+    import shutil
+    child = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = child.communicate(timeout=limit)
+        return subprocess.CompletedProcess(cmd, child.returncode, out, err)
+    except subprocess.TimeoutExpired:
+        spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+        stacks = "(py-spy not installed: no stacks)"
+        if os.path.exists(spy):
+            dump = subprocess.run([spy, "dump", "--native", "--pid", str(child.pid)],
+                                  capture_output=True, text=True, timeout=120)
+            stacks = dump.stdout[-12000:] + dump.stderr[-2000:]
+        child.kill()
+        out, err = child.communicate()
+        seed = (f"MGPU_EMU_STRICT={env.get('MGPU_EMU_STRICT', '0')} "
+                f"MGPU_EMU_SEED={env.get('MGPU_EMU_SEED', '1')}")
+        pytest.fail(f"child still running after {limit:.0f} s ({seed}); its stacks:\n{stacks}\n"
+                    f"its output:\n{out[-3000:]}\n{err[-2000:]}")
 
 
 @needs_gpus(1)
@@ -226,3 +255,55 @@ def test_host_to_device_copies_reuse_staging_buffers_only_after_their_copies(rng
     b = mgpu.array(second, device=g0)
     np.testing.assert_array_equal(a.numpy(), first)
     np.testing.assert_array_equal(b.numpy(), second)
+
+
+
+# The capture of a fused step on gpu(0) in thread A is held open: the byte budget of a queue's
+# run-ahead is one byte, and gpu(0)'s worker is first kept busy by matrix products, so A waits
+# inside the capture (after its first task) for them. Meanwhile this thread copies to gpu(0).
+_COPY_DURING_CAPTURE = """
+import os, sys, threading, time, numpy as np, mgpu
+assert os.environ["MGPU_QUEUE_MAX_BYTES"] == "1"
+g0 = mgpu.gpu(0)
+rng = np.random.default_rng(3)
+X = mgpu.array(rng.random((4, 1, 28, 28), dtype=np.float32))
+y = mgpu.array(rng.integers(0, 10, 4).astype(np.int64))
+params = [mgpu.get_params(mgpu.lenet_params(seed=1), g0)]
+a = mgpu.array(np.full((128, 128), 0.01, np.float32), device=g0)
+mgpu.waitall()
+base = mgpu.gpu_memory_stats(g0)["allocated"]
+busy = [mgpu.mm(a, a) for _ in range(int(sys.argv[1]))]
+flat = sum(int(np.prod(p.shape)) for p in params[0]) * 4
+out = {}
+step = threading.Thread(
+    target=lambda: out.setdefault("loss", mgpu.train_batch(X, y, params, [g0], 0.1)))
+step.start()
+# The capture allocates its gradient buffer just before its first task.
+while mgpu.gpu_memory_stats(g0)["allocated"] < base + len(busy) * 128 * 128 * 4 + flat:
+    time.sleep(0.01)
+time.sleep(0.3)
+values = rng.normal(size=3000).astype(np.float32)
+t = mgpu.array(values, device=g0)
+again = mgpu.array(values + 1, device=g0)  # its staging buffer was last used by the copy above
+step.join()
+mgpu.waitall()
+assert np.array_equal(t.numpy(), values), t.numpy()[:4]
+assert np.array_equal(again.numpy(), values + 1)
+print("copies ok, loss", float(out["loss"][0].item()))
+"""
+
+
+@needs_gpus(1)
+def test_another_threads_ops_do_not_land_in_a_capture():
+    """Finding 8: while one thread captures the fused step as CUDA graphs, another thread's ops
+    on the same GPU must run (after the capture), not be recorded into the graph. Recorded, a
+    host-to-device copy never fills its tensor, its staging event becomes a captured event (the
+    next copy's cudaEventSynchronize fails with cudaErrorCapturedEvent) and every replay of the
+    step would copy again from the other thread's long-gone host buffer. In a child process:
+    the queue's byte budget is read once per process."""
+    env = dict(os.environ, MGPU_QUEUE_MAX_BYTES="1", MGPU_CUDA_GRAPH="1",
+               PYTHONPATH=str(Path(mgpu.__file__).parent.parent))
+    run = subprocess.run([sys.executable, "-c", _COPY_DURING_CAPTURE, "3"], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    assert "copies ok" in run.stdout

@@ -15,6 +15,9 @@
 #include "ops/gemm.h"
 #include "ops/elementwise.h"
 #include "ops/fma_peak.h"
+#if defined(MGPU_CUDA_EMULATION)
+#include "cuda/emu/launch.h"
+#endif
 
 namespace py = pybind11;
 
@@ -341,6 +344,24 @@ void bind_core(py::module_& m) {
     return 0;
 #endif
   }, "The stream a DLPack producer on gpu(i) orders its pending work before (__dlpack__'s stream).");
+  m.def("_emu_live_counts", []() -> py::object {
+#if defined(MGPU_CUDA_EMULATION)
+    const emu::LiveCounts c = emu::live_counts();
+    py::dict out;
+    out["streams"] = c.streams;
+    out["events"] = c.events;
+    out["graphs"] = c.graphs;
+    out["graph_execs"] = c.graph_execs;
+    out["device_allocations"] = c.device_allocations;
+    out["device_bytes"] = c.device_bytes;
+    out["host_allocations"] = c.host_allocations;
+    out["host_bytes"] = c.host_bytes;
+    return std::move(out);
+#else
+    return py::none();
+#endif
+  }, "The emulated CUDA runtime's live streams, events, graphs and allocations (None in a build "
+     "without the emulator), for leak checks.");
   m.def("synchronize", [](Device d) {
     check_device(d);
     py::gil_scoped_release nogil;

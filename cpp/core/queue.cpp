@@ -60,9 +60,16 @@ uint64_t Queue::enqueue(const char* name, std::function<void()> fn, size_t bytes
       return enqueued_ - done_ < kMaxPending &&
              (pending_bytes_ == 0 || pending_bytes_ + bytes <= budget);
     };
+    // Another thread's capture of a CUDA graph on this device must not take this task in.
+    const std::thread::id me = std::this_thread::get_id();
+    auto admitted = [&] { return !exclusive_ || exclusive_owner_ == me; };
+    if (!admitted()) {
+      trace::Span waiting("capture", [&] { return "wait for a capture on " + device_.str(); });
+      progressed_.wait(lock, admitted);
+    }
     if (!room()) {
       trace::Span waiting("queue full", [&] { return "wait for room on " + device_.str(); });
-      progressed_.wait(lock, room);
+      progressed_.wait(lock, [&] { return room() && admitted(); });
     }
     tasks_.push_back(Task{name, std::move(fn), bytes, trace::on() ? trace::current_label() : 0});
     pending_bytes_ += bytes;
@@ -172,6 +179,25 @@ void Queue::defer_checks(const std::vector<DeferredCheck>& checks) {
   std::lock_guard<std::mutex> lock(mutex_);
   for (const DeferredCheck& c : checks)
     checks_.push_back(DeferredCheck{c.name, running_seq_, c.fn});
+}
+
+void Queue::begin_exclusive() {
+  std::unique_lock<std::mutex> lock(mutex_);
+  const std::thread::id me = std::this_thread::get_id();
+  MGPU_ASSERT(!(exclusive_ && exclusive_owner_ == me), device_.str(),
+              ": this thread already holds the queue for a capture");
+  progressed_.wait(lock, [&] { return !exclusive_; });
+  exclusive_ = true;
+  exclusive_owner_ = me;
+}
+
+void Queue::end_exclusive() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    exclusive_ = false;
+    exclusive_owner_ = std::thread::id();
+  }
+  progressed_.notify_all();
 }
 
 std::exception_ptr Queue::record_error(const char* name, uint64_t seq, std::exception_ptr e) {

@@ -73,6 +73,24 @@ class Queue {
   // it at its start and end, and a graph whose capture saw a task fail is incomplete.
   uint64_t failed_tasks() const { return failed_tasks_; }
   void defer_checks(const std::vector<DeferredCheck>& checks);
+  // A host thread capturing a CUDA graph on this device enqueues the capture's tasks between
+  // begin_exclusive() and end_exclusive(); meanwhile enqueue() from any other thread waits, so
+  // no other thread's op runs inside the capture (its launches and copies would be recorded
+  // into the graph instead of run, and a copy's staging event would become a captured event).
+  // begin_exclusive waits while another thread holds it.
+  void begin_exclusive();
+  void end_exclusive();
+  // RAII form of the two.
+  class Exclusive {
+   public:
+    explicit Exclusive(Queue& q) : q_(q) { q_.begin_exclusive(); }
+    ~Exclusive() { q_.end_exclusive(); }
+    Exclusive(const Exclusive&) = delete;
+    Exclusive& operator=(const Exclusive&) = delete;
+
+   private:
+    Queue& q_;
+  };
 
  private:
   struct Task {
@@ -107,6 +125,8 @@ class Queue {
   uint64_t running_seq_ = 0;
   uint64_t failed_tasks_ = 0;      // worker thread only
   uint64_t error_seq_ = 0;       // the task that hit it
+  bool exclusive_ = false;       // begin_exclusive() holds enqueue for exclusive_owner_ only
+  std::thread::id exclusive_owner_;
   std::thread worker_;
 };
 

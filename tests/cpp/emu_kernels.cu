@@ -145,6 +145,21 @@ void saxpy(int n, float a, const float* x, float* y, int blocks, int threads, cu
   MGPU_LAUNCH(saxpy_kernel, blocks, threads, 0, stream)(n, a, x, y);
 }
 
+// ---- y = x through a struct argument (a functor holding its arrays, as mgpu's op kernels) ------
+struct CopySpan {
+  const float* x;
+  float* y;
+  int n;
+};
+__global__ void copy_span_kernel(CopySpan s) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < s.n) s.y[i] = s.x[i];
+}
+
+void copy_span(const float* x, float* y, int n, cudaStream_t stream) {
+  MGPU_LAUNCH(copy_span_kernel, (n + 63) / 64, 64, 0, stream)(CopySpan{x, y, n});
+}
+
 // ---- out = in with every blockDim.x-long chunk reversed, through dynamic shared memory ----------
 __global__ void reverse_chunks_kernel(const float* __restrict__ in, float* __restrict__ out,
                                       int n) {

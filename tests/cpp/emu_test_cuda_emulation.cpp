@@ -26,6 +26,7 @@ void warp_reduce(const int* x, int n, int* block_total, unsigned* ballot, int* s
 void histogram(const int* values, int n, unsigned* bins, int num_bins, float* sum, int* max_value,
                cudaStream_t stream);
 void saxpy(int n, float a, const float* x, float* y, int blocks, int threads, cudaStream_t stream);
+void copy_span(const float* x, float* y, int n, cudaStream_t stream);
 void reverse_chunks(const float* in, float* out, int n, int threads, cudaStream_t stream);
 void divergent_barrier(float* out, cudaStream_t stream);
 void barrier_shuffle_deadlock(float* out, cudaStream_t stream);
@@ -707,6 +708,71 @@ TEST_F(Emu, CaptureRejectsSynchronisingCalls) {
   EXPECT_EQ(cudaStreamDestroy(s), cudaSuccess);
 }
 
+// CUDA's rules in both modes: an event last recorded in a capture cannot be waited on or queried
+// outside it, and a capture not begun in relaxed mode is ended by the thread that began it.
+TEST_F(Emu, CapturedEventsAndTheCapturingThreadFollowCudasRules) {
+  cudaStream_t s = nullptr;
+  cudaEvent_t e = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), cudaSuccess);
+  ASSERT_EQ(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), cudaSuccess);
+  ASSERT_EQ(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+  ASSERT_EQ(cudaEventRecord(e, s), cudaSuccess);
+  cudaGraph_t g = nullptr;
+  cudaError_t from_other = cudaSuccess;
+  std::thread([&] { from_other = cudaStreamEndCapture(s, &g); }).join();
+  EXPECT_EQ(from_other, cudaErrorStreamCaptureWrongThread);
+  EXPECT_EQ(cudaEventSynchronize(e), cudaErrorCapturedEvent) << "during the capture";
+  ASSERT_EQ(cudaStreamEndCapture(s, &g), cudaSuccess) << "the capture went on";
+  EXPECT_EQ(cudaEventSynchronize(e), cudaErrorCapturedEvent) << "after it";
+  EXPECT_EQ(cudaEventQuery(e), cudaErrorCapturedEvent);
+  cudaStream_t other = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&other, cudaStreamNonBlocking), cudaSuccess);
+  EXPECT_EQ(cudaStreamWaitEvent(other, e, 0), cudaErrorCapturedEvent);
+  EXPECT_EQ(cudaEventRecord(e, s), cudaSuccess);
+  EXPECT_EQ(cudaEventSynchronize(e), cudaSuccess) << "recorded outside: a point in time again";
+  // Relaxed mode: any thread may end it.
+  ASSERT_EQ(cudaStreamBeginCapture(s, cudaStreamCaptureModeRelaxed), cudaSuccess);
+  cudaGraph_t g2 = nullptr;
+  std::thread([&] { from_other = cudaStreamEndCapture(s, &g2); }).join();
+  EXPECT_EQ(from_other, cudaSuccess);
+  cudaGraphDestroy(g);
+  cudaGraphDestroy(g2);
+  cudaEventDestroy(e);
+  cudaStreamDestroy(other);
+  cudaStreamDestroy(s);
+}
+
+TEST_F(Emu, PeerAccessCanBeSwitchedOffAndLiveHandlesAreCounted) {
+  const mgpu::emu::LiveCounts base = mgpu::emu::live_counts();
+  setenv("MGPU_EMU_PEER_ACCESS", "0", 1);
+  mgpu::emu::reset_from_env();
+  unsetenv("MGPU_EMU_PEER_ACCESS");
+  int can = 1;
+  EXPECT_EQ(cudaDeviceCanAccessPeer(&can, 1, 0), cudaSuccess);
+  EXPECT_EQ(can, 0);
+  ASSERT_EQ(cudaSetDevice(1), cudaSuccess);
+  EXPECT_EQ(cudaDeviceEnablePeerAccess(0, 0), cudaErrorPeerAccessUnsupported);
+  ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
+  {
+    DeviceVector<float> x(100);
+    cudaStream_t s = nullptr;
+    cudaEvent_t e = nullptr;
+    ASSERT_EQ(cudaStreamCreate(&s), cudaSuccess);
+    ASSERT_EQ(cudaEventCreate(&e), cudaSuccess);
+    const mgpu::emu::LiveCounts c = mgpu::emu::live_counts();
+    EXPECT_EQ(c.streams, base.streams + 1);
+    EXPECT_EQ(c.events, base.events + 1);
+    EXPECT_EQ(c.device_allocations, base.device_allocations + 1);
+    EXPECT_EQ(c.device_bytes, base.device_bytes + 400);
+    cudaEventDestroy(e);
+    cudaStreamDestroy(s);
+  }
+  const mgpu::emu::LiveCounts end = mgpu::emu::live_counts();
+  EXPECT_EQ(end.streams, base.streams);
+  EXPECT_EQ(end.events, base.events);
+  EXPECT_EQ(end.device_bytes, base.device_bytes);
+}
+
 // ---- Strict mode (MGPU_EMU_STRICT=1) --------------------------------------------------------------
 class StrictEmu : public ::testing::Test {
  protected:
@@ -825,6 +891,67 @@ TEST_F(StrictEmu, AKernelFailureNamesTheSeedToReplay) {
   mgpu_test::divergent_barrier(out.get(), nullptr);
   cudaDeviceSynchronize();
   EXPECT_THAT(last_error_detail(), HasSubstr("MGPU_EMU_STRICT=1 MGPU_EMU_SEED=1"));
+}
+
+// On a GPU another thread's work on a capturing stream is recorded into the graph (not run);
+// the strict emulator refuses it.
+TEST_F(StrictEmu, WorkFromAnotherThreadOnACapturingStreamIsRefused) {
+  DeviceVector<float> x(std::vector<float>(16, 1.0f));
+  cudaStream_t s = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), cudaSuccess);
+  ASSERT_EQ(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+  cudaError_t memset_error = cudaSuccess, launch_error = cudaSuccess;
+  std::thread([&] {
+    memset_error = cudaMemsetAsync(x.get(), 0, x.bytes(), s);
+    mgpu_test::saxpy(16, 1.0f, x.get(), x.get(), 1, 16, s);
+    launch_error = cudaGetLastError();
+  }).join();
+  EXPECT_EQ(memset_error, cudaErrorStreamCaptureWrongThread);
+  EXPECT_EQ(launch_error, cudaErrorStreamCaptureWrongThread);
+  mgpu_test::saxpy(16, 1.0f, x.get(), x.get(), 1, 16, s);  // the capturing thread may
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+  cudaGraph_t g = nullptr;
+  ASSERT_EQ(cudaStreamEndCapture(s, &g), cudaSuccess);
+  cudaGraphDestroy(g);
+  cudaStreamDestroy(s);
+}
+
+// A copy or memset issued on device 1's stream that touches device 0's memory needs peer access
+// (or cudaMemcpyPeerAsync) in strict mode; a kernel's pointer arguments need it in both modes.
+TEST_F(StrictEmu, CopiesAndKernelsTouchOnlyTheirDevicesMemoryOrAPeers) {
+  const std::vector<float> v{1, 2, 3, 4};
+  DeviceVector<float> on0(v);
+  ASSERT_EQ(cudaSetDevice(1), cudaSuccess);
+  DeviceVector<float> on1(v.size());
+  cudaStream_t s1 = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&s1, cudaStreamNonBlocking), cudaSuccess);
+  EXPECT_EQ(cudaMemcpyAsync(on1.get(), on0.get(), on0.bytes(), cudaMemcpyDeviceToDevice, s1),
+            cudaErrorInvalidValue);
+  EXPECT_THAT(last_error_detail(), HasSubstr("memory of device 0"));
+  EXPECT_EQ(cudaMemsetAsync(on0.get(), 0, on0.bytes(), s1), cudaErrorInvalidValue);
+  cudaGetLastError();
+  mgpu_test::saxpy(4, 1.0f, on0.get(), on1.get(), 1, 32, s1);  // checked when it runs
+  EXPECT_EQ(cudaStreamSynchronize(s1), cudaErrorIllegalAddress);
+  cudaGetLastError();
+  // A pointer inside a struct argument is checked as well.
+  mgpu_test::copy_span(on0.get(), on1.get(), 4, s1);
+  EXPECT_EQ(cudaStreamSynchronize(s1), cudaErrorIllegalAddress);
+  EXPECT_THAT(last_error_detail(), HasSubstr("argument 0 holds a pointer to memory of device 0"));
+  cudaGetLastError();
+  EXPECT_EQ(cudaMemcpyPeerAsync(on1.get(), 1, on0.get(), 0, on0.bytes(), s1), cudaSuccess);
+  EXPECT_EQ(cudaStreamSynchronize(s1), cudaSuccess);
+  EXPECT_EQ(on1.download(), v);
+  DeviceVector<float> copied(v.size());
+  mgpu_test::copy_span(on1.get(), copied.get(), 4, s1);  // its own device's memory: fine
+  EXPECT_EQ(cudaStreamSynchronize(s1), cudaSuccess) << last_error_detail();
+  EXPECT_EQ(copied.download(), v);
+  ASSERT_EQ(cudaDeviceEnablePeerAccess(0, 0), cudaSuccess);
+  EXPECT_EQ(cudaMemcpyAsync(on1.get(), on0.get(), on0.bytes(), cudaMemcpyDeviceToDevice, s1),
+            cudaSuccess);
+  EXPECT_EQ(cudaStreamSynchronize(s1), cudaSuccess);
+  EXPECT_EQ(cudaDeviceDisablePeerAccess(0), cudaSuccess);
+  cudaStreamDestroy(s1);
+  ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
 }
 
 }  // namespace

@@ -98,6 +98,7 @@ struct Runtime {
   std::string config_error;
   int device_count = 2;
   size_t device_memory = size_t(16) << 30;
+  bool peer_supported = true;  // MGPU_EMU_PEER_ACCESS=0: no pair of devices can enable access
   std::map<uintptr_t, Allocation> allocations;
   std::vector<size_t> allocated;
   std::vector<std::vector<char>> peer;  // peer[d][p]: kernels on d may touch p's memory
@@ -149,6 +150,9 @@ cudaError_t check_side(const char* api, const char* role, const void* p, size_t 
 cudaError_t check_copy(const char* api, void* dst, const void* src, size_t count,
                        cudaMemcpyKind kind);
 cudaError_t check_capture_safe(const char* api, cudaError_t code);
+// Strict mode: a copy or memset issued on a stream of `device` may touch device memory of that
+// device or of a peer it has enabled access to, nothing else (p may be host memory).
+cudaError_t check_owner(const char* api, const char* role, const void* p, int device);
 cudaError_t resolve_stream(const char* api, cudaStream_t handle, CUstream_st** out);
 // Issues work on a stream: runs it now, or records it if the stream is capturing.
 cudaError_t issue(const char* api, CUstream_st* s, bool legacy, Work work);

@@ -36,6 +36,19 @@ cudaError_t check_pointers(const LaunchSpec& s) {
   std::lock_guard<std::mutex> lock(r.mu);
   for (const PointerArg& p : s.pointers) {
     auto* alloc = find_allocation(p.value, true);
+    if (p.embedded) {
+      // A word of a struct argument: a pointer only if it lies in an allocation.
+      if (alloc == nullptr) continue;
+      int owner = alloc->second.device;
+      if (owner >= 0 && owner != s.device && !r.peer[s.device][owner]) {
+        return fail(cudaErrorIllegalAddress,
+                    cat(launch_name(s), ": argument ", p.index, " holds a pointer to ",
+                        where(*alloc), ", but the kernel runs on device ", s.device,
+                        " without peer access to it; call cudaDeviceEnablePeerAccess(", owner,
+                        ", 0) on device ", s.device, ", or copy the data first"));
+      }
+      continue;
+    }
     if (alloc == nullptr) {
       return fail(cudaErrorIllegalAddress,
                   cat(launch_name(s), ": argument ", p.index, " is ", ptr_str(p.value),

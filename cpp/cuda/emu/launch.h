@@ -5,11 +5,13 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <functional>
 #include <string>
 #include <tuple>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #include "cuda/emu/builtins.h"
 #include "cuda/emu/runtime_api.h"
@@ -23,7 +25,8 @@ const std::string& last_error_detail();
 
 // Re-reads MGPU_EMULATED_GPUS (device count, default 2), MGPU_EMU_SEED (fiber order and the
 // strict mode's choices, default 1), MGPU_EMU_STRICT (0 or 1, see strict()) and
-// MGPU_EMU_STACK_KIB (fiber stack, default 64) and forgets all devices' state: allocations,
+// MGPU_EMU_STACK_KIB (fiber stack, default 64), MGPU_EMU_PEER_ACCESS (0: no device may enable
+// peer access to another, as GPUs without P2P; default 1) and forgets all devices' state: allocations,
 // streams, events, peer access, pending errors. Tests only; nothing may run on a device meanwhile.
 void reset_from_env();
 // Fiber order: 0 runs the threads of a block in ascending order in every phase; any other value
@@ -33,6 +36,13 @@ void set_seed(uint64_t seed);
 // interleaving, a grid's blocks in a random order, freed memory is poisoned, captured events
 // cannot be waited on. The caching allocator poisons the blocks it takes back when it is on.
 bool strict();
+// What the runtime holds now, for leak checks: live streams (not the default ones), events,
+// graphs, executable graphs, and cudaMalloc / cudaMallocHost allocations with their bytes.
+struct LiveCounts {
+  size_t streams = 0, events = 0, graphs = 0, graph_execs = 0;
+  size_t device_allocations = 0, device_bytes = 0, host_allocations = 0, host_bytes = 0;
+};
+LiveCounts live_counts();
 // How many fiber switches this OS thread has made, and how many fibers (stacks) it keeps for
 // reuse: as many as the largest block it ran, whatever the grid size.
 uint64_t fiber_switches();
@@ -46,8 +56,9 @@ struct LaunchSite {
   int line;
 };
 struct PointerArg {
-  int index;          // position in the kernel's parameter list
-  const void* value;  // the pointer passed
+  int index;              // position in the kernel's parameter list
+  const void* value;      // the pointer passed
+  bool embedded = false;  // a pointer-sized word inside a struct argument (maybe no pointer)
 };
 // Runs the kernel body (a call of the kernel with copies of its arguments) on every thread of
 // every block, or records it when the stream is capturing. Errors go to cudaGetLastError.
@@ -73,25 +84,35 @@ class Launcher {
     static_assert(sizeof...(Args) == sizeof...(Params),
                   "MGPU_LAUNCH: wrong number of arguments for this kernel");
     std::tuple<std::decay_t<Params>...> params(std::forward<Args>(args)...);
-    PointerArg pointers[sizeof...(Params) + 1];
-    int num_pointers = 0;
-    collect_pointers(params, pointers, num_pointers, std::index_sequence_for<Params...>{});
+    std::vector<PointerArg> pointers;
+    collect_pointers(params, pointers, std::index_sequence_for<Params...>{});
     auto kernel = kernel_;
     launch(
         site_, grid_, block_, shared_, stream_, [kernel, params] { std::apply(kernel, params); },
-        pointers, num_pointers);
+        pointers.data(), static_cast<int>(pointers.size()));
   }
 
  private:
   template <typename Tuple, size_t... I>
-  static void collect_pointers(const Tuple& params, PointerArg* out, int& n,
+  static void collect_pointers(const Tuple& params, std::vector<PointerArg>& out,
                                std::index_sequence<I...>) {
-    (add_pointer(static_cast<int>(I), std::get<I>(params), out, n), ...);
+    (add_pointer(static_cast<int>(I), std::get<I>(params), out), ...);
   }
+  // Pointer arguments, and every aligned pointer-sized word of a struct argument (a functor
+  // holding its arrays' pointers): the launch checks the words that lie in a device allocation
+  // as pointers, so a struct's pointer to another device's memory is caught too.
   template <typename T>
-  static void add_pointer(int index, const T& value, PointerArg* out, int& n) {
+  static void add_pointer(int index, const T& value, std::vector<PointerArg>& out) {
     if constexpr (std::is_pointer_v<T> && !std::is_function_v<std::remove_pointer_t<T>>) {
-      if (value != nullptr) out[n++] = PointerArg{index, static_cast<const void*>(value)};
+      if (value != nullptr) out.push_back(PointerArg{index, static_cast<const void*>(value)});
+    } else if constexpr (std::is_class_v<T> && std::is_trivially_copyable_v<T> &&
+                         sizeof(T) >= sizeof(void*)) {
+      const char* bytes = reinterpret_cast<const char*>(&value);
+      for (size_t off = 0; off + sizeof(void*) <= sizeof(T); off += alignof(void*)) {
+        const void* word = nullptr;
+        std::memcpy(&word, bytes + off, sizeof word);
+        if (word != nullptr) out.push_back(PointerArg{index, word, true});
+      }
     }
   }
 

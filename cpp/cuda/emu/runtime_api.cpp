@@ -26,6 +26,8 @@ constexpr ErrorText kErrors[] = {
     {cudaErrorInvalidConfiguration, "cudaErrorInvalidConfiguration",
      "invalid configuration argument"},
     {cudaErrorInvalidDevicePointer, "cudaErrorInvalidDevicePointer", "invalid device pointer"},
+    {cudaErrorPeerAccessUnsupported, "cudaErrorPeerAccessUnsupported",
+     "peer access is not supported between these two devices"},
     {cudaErrorInvalidMemcpyDirection, "cudaErrorInvalidMemcpyDirection",
      "invalid copy direction for memcpy"},
     {cudaErrorNoDevice, "cudaErrorNoDevice", "no CUDA-capable device is detected"},
@@ -53,6 +55,8 @@ constexpr ErrorText kErrors[] = {
      "operation would make the legacy stream depend on a capturing blocking stream"},
     {cudaErrorCapturedEvent, "cudaErrorCapturedEvent",
      "operation not permitted on an event last recorded in a capturing stream"},
+    {cudaErrorStreamCaptureWrongThread, "cudaErrorStreamCaptureWrongThread",
+     "attempt to terminate a thread-local capture sequence from another thread"},
     {cudaErrorUnknown, "cudaErrorUnknown", "unknown error"},
 };
 const ErrorText* find_error(cudaError_t e) {
@@ -165,7 +169,7 @@ cudaError_t cudaDeviceCanAccessPeer(int* canAccessPeer, int device, int peerDevi
     return mgpu::emu::bad_device("cudaDeviceCanAccessPeer", device);
   if (!mgpu::emu::valid_device(peerDevice))
     return mgpu::emu::bad_device("cudaDeviceCanAccessPeer", peerDevice);
-  *canAccessPeer = device != peerDevice;
+  *canAccessPeer = device != peerDevice && runtime().peer_supported;
   return cudaSuccess;
 }
 cudaError_t cudaDeviceEnablePeerAccess(int peerDevice, unsigned int flags) {
@@ -176,6 +180,11 @@ cudaError_t cudaDeviceEnablePeerAccess(int peerDevice, unsigned int flags) {
     return mgpu::emu::bad_device("cudaDeviceEnablePeerAccess", peerDevice);
   }
   auto& r = runtime();
+  if (!r.peer_supported) {
+    return fail(cudaErrorPeerAccessUnsupported,
+                cat("cudaDeviceEnablePeerAccess: device ", tls.device, " cannot access device ",
+                    peerDevice, " (MGPU_EMU_PEER_ACCESS=0 emulates GPUs without peer access)"));
+  }
   std::lock_guard<std::mutex> lock(r.mu);
   char& on = r.peer[tls.device][peerDevice];
   if (on) {
@@ -305,6 +314,10 @@ cudaError_t copy_async(const char* api, void* dst, const void* src, size_t count
   if (cudaError_t e = mgpu::emu::check_copy(api, dst, src, count, kind)) return e;
   CUstream_st* s = nullptr;
   if (cudaError_t e = mgpu::emu::resolve_stream(api, stream, &s)) return e;
+  if (mgpu::emu::g_strict.load() && count > 0) {
+    if (cudaError_t e = mgpu::emu::check_owner(api, "dst", dst, s->device)) return e;
+    if (cudaError_t e = mgpu::emu::check_owner(api, "src", src, s->device)) return e;
+  }
   bool legacy = s->is_default && stream != cudaStreamPerThread;
   return mgpu::emu::issue(api, s, legacy, [=] {
     if (cudaError_t e = mgpu::emu::check_copy(api, dst, src, count, kind)) return e;
@@ -340,6 +353,9 @@ cudaError_t set_async(const char* api, void* devPtr, int value, size_t count, cu
   if (cudaError_t e = check()) return e;
   CUstream_st* s = nullptr;
   if (cudaError_t e = mgpu::emu::resolve_stream(api, stream, &s)) return e;
+  if (mgpu::emu::g_strict.load() && count > 0) {
+    if (cudaError_t e = mgpu::emu::check_owner(api, "pointer", devPtr, s->device)) return e;
+  }
   bool legacy = s->is_default && stream != cudaStreamPerThread;
   return mgpu::emu::issue(api, s, legacy, [=] {
     if (cudaError_t e = check()) return e;
@@ -431,14 +447,17 @@ cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event, unsigned
   // Lenient: everything before the event's record has already run. Strict: it runs now, on this
   // thread, so that what `stream` issues after this call comes after it. In a capture the order
   // is the recording order, so the wait is a no-op.
-  if (mgpu::emu::g_strict.load() && !s->capturing) {
+  if (!s->capturing) {
+    // On a GPU a stream outside the capture that waits on a captured event joins the capture
+    // (or fails once it has ended); the emulator does not join streams: refused in both modes.
     if (event->captured) {
       return fail(cudaErrorCapturedEvent,
                   "cudaStreamWaitEvent outside the capture on an event last recorded in a "
                   "capturing stream");
     }
     // A capturing stream's queue holds only work issued before the capture: run it.
-    if (event->stream != nullptr) mgpu::emu::flush_stream(event->stream);
+    if (mgpu::emu::g_strict.load() && event->stream != nullptr)
+      mgpu::emu::flush_stream(event->stream);
   }
   return cudaSuccess;
 }
@@ -482,29 +501,29 @@ cudaError_t cudaEventSynchronize(cudaEvent_t event) {
   if (!live(runtime().events, event)) {
     return fail(cudaErrorInvalidResourceHandle, "cudaEventSynchronize: not a live event");
   }
-  if (mgpu::emu::g_strict.load()) {
-    if (event->captured) {
-      return fail(cudaErrorCapturedEvent,
-                  "cudaEventSynchronize on an event last recorded in a capturing stream (it is "
-                  "a node of the graph, not a point in time); record it outside the capture");
-    }
-    // A capturing stream's queue holds only work issued before the capture: run it.
-    if (event->stream != nullptr) mgpu::emu::flush_stream(event->stream);
+  // CUDA's rule in both modes: an event last recorded in a capture is a node of the graph, not
+  // a point in time, until it is recorded again outside a capture.
+  if (event->captured) {
+    return fail(cudaErrorCapturedEvent,
+                "cudaEventSynchronize on an event last recorded in a capturing stream (it is "
+                "a node of the graph, not a point in time); record it outside the capture");
   }
+  // Strict mode: a capturing stream's queue holds only work issued before the capture: run it.
+  if (mgpu::emu::g_strict.load() && event->stream != nullptr)
+    mgpu::emu::flush_stream(event->stream);
   return mgpu::emu::take_pending(event->device);
 }
 cudaError_t cudaEventQuery(cudaEvent_t event) {
   if (!live(runtime().events, event)) {
     return fail(cudaErrorInvalidResourceHandle, "cudaEventQuery: not a live event");
   }
-  if (mgpu::emu::g_strict.load()) {
-    if (event->captured) {
-      return fail(cudaErrorCapturedEvent,
-                  "cudaEventQuery on an event last recorded in a capturing stream");
-    }
-    // A capturing stream's queue holds only work issued before the capture: run it.
-    if (event->stream != nullptr) mgpu::emu::flush_stream(event->stream);
+  if (event->captured) {
+    return fail(cudaErrorCapturedEvent,
+                "cudaEventQuery on an event last recorded in a capturing stream");
   }
+  // Strict mode: a capturing stream's queue holds only work issued before the capture: run it.
+  if (mgpu::emu::g_strict.load() && event->stream != nullptr)
+    mgpu::emu::flush_stream(event->stream);
   return cudaSuccess;
 }
 cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t start, cudaEvent_t end) {
@@ -555,6 +574,13 @@ cudaError_t cudaStreamEndCapture(cudaStream_t stream, cudaGraph_t* pGraph) {
   if (cudaError_t e = mgpu::emu::resolve_stream("cudaStreamEndCapture", stream, &s)) return e;
   if (!s->capturing)
     return fail(cudaErrorIllegalState, "cudaStreamEndCapture: the stream is not capturing");
+  // CUDA's rule: a capture not begun in relaxed mode is ended by the thread that began it (the
+  // capture goes on).
+  if (s->mode != cudaStreamCaptureModeRelaxed && s->capture_thread != std::this_thread::get_id()) {
+    return fail(cudaErrorStreamCaptureWrongThread,
+                "cudaStreamEndCapture from another thread than the one that began the capture "
+                "(only cudaStreamCaptureModeRelaxed allows that)");
+  }
   s->capturing = false;
   *pGraph = nullptr;
   std::vector<Work> nodes = std::move(s->recorded);

@@ -14,6 +14,7 @@ enum cudaError {
   cudaErrorInitializationError = 3,
   cudaErrorInvalidConfiguration = 9,
   cudaErrorInvalidDevicePointer = 17,
+  cudaErrorPeerAccessUnsupported = 217,
   cudaErrorInvalidMemcpyDirection = 21,
   cudaErrorNoDevice = 100,
   cudaErrorInvalidDevice = 101,
@@ -31,6 +32,7 @@ enum cudaError {
   cudaErrorStreamCaptureUnmatched = 903,
   cudaErrorStreamCaptureImplicit = 906,
   cudaErrorCapturedEvent = 907,
+  cudaErrorStreamCaptureWrongThread = 908,
   cudaErrorUnknown = 999,
 };
 typedef enum cudaError cudaError_t;

@@ -103,6 +103,8 @@ void configure_locked() {
   if (parse_env("MGPU_EMU_STRICT", 0, 1, &v, &r.config_error)) g_strict = v == 1;
   if (parse_env("MGPU_EMU_STACK_KIB", 16, 1 << 20, &v, &r.config_error))
     g_stack_size = size_t(v) * 1024;
+  r.peer_supported = true;
+  if (parse_env("MGPU_EMU_PEER_ACCESS", 0, 1, &v, &r.config_error)) r.peer_supported = v == 1;
   int n = r.device_count;
   r.allocated.assign(n, 0);
   r.peer.assign(n, std::vector<char>(n, 0));
@@ -233,6 +235,21 @@ cudaError_t check_capture_safe(const char* api, cudaError_t code) {
   return cudaSuccess;
 }
 
+cudaError_t check_owner(const char* api, const char* role, const void* p, int device) {
+  Runtime& r = rt();
+  std::lock_guard<std::mutex> lock(r.mu);
+  auto* alloc = find_allocation(p, false);
+  if (alloc == nullptr) return cudaSuccess;
+  const int owner = alloc->second.device;
+  if (owner < 0 || owner == device || r.peer[device][owner]) return cudaSuccess;
+  // CUDA itself would stage such a copy through host memory (unified addressing); the strict
+  // emulator refuses it, as mgpu moves data between devices only with cudaMemcpyPeerAsync.
+  return fail(cudaErrorInvalidValue,
+              cat(api, ": ", role, " ", ptr_str(p), " is ", where(*alloc),
+                  ", but the stream belongs to device ", device,
+                  ", which has no peer access to it (strict emulator); use cudaMemcpyPeerAsync"));
+}
+
 // Resolves a stream handle: 0, cudaStreamLegacy and cudaStreamPerThread are the current device's
 // default stream.
 cudaError_t resolve_stream(const char* api, cudaStream_t handle, CUstream_st** out) {
@@ -259,6 +276,16 @@ cudaError_t resolve_stream(const char* api, cudaStream_t handle, CUstream_st** o
 // but it does not wait for the non-blocking streams: nothing in CUDA makes it.
 cudaError_t issue(const char* api, CUstream_st* s, bool legacy, Work work) {
   if (s->capturing) {
+    // Strict mode: work another thread issues into a capture (not begun in relaxed mode) is
+    // refused. CUDA records it into the capturing thread's graph: it does not run now, and runs
+    // at every replay, which is never what that other thread meant.
+    if (g_strict.load() && s->mode != cudaStreamCaptureModeRelaxed &&
+        s->capture_thread != std::this_thread::get_id()) {
+      return fail(cudaErrorStreamCaptureWrongThread,
+                  cat(api, ": issued into a stream of device ", s->device,
+                      " that another thread is capturing; on a GPU it would be recorded into "
+                      "that thread's graph instead of run (strict emulator)"));
+    }
     s->recorded.push_back(std::move(work));
     return cudaSuccess;
   }
@@ -300,6 +327,26 @@ void reset_from_env() {
 }
 
 void set_seed(uint64_t s) { g_seed = s; }
+
+LiveCounts live_counts() {
+  Runtime& r = runtime();
+  std::lock_guard<std::mutex> lock(r.mu);
+  LiveCounts c;
+  c.streams = r.streams.size();
+  c.events = r.events.size();
+  c.graphs = r.graphs.size();
+  c.graph_execs = r.execs.size();
+  for (const auto& [base, alloc] : r.allocations) {
+    if (alloc.device < 0) {
+      ++c.host_allocations;
+      c.host_bytes += alloc.size;
+    } else {
+      ++c.device_allocations;
+      c.device_bytes += alloc.size;
+    }
+  }
+  return c;
+}
 
 bool strict() {
   runtime();  // configured from the environment
