@@ -153,6 +153,8 @@ cudaError_t check_capture_safe(const char* api, cudaError_t code);
 // Strict mode: a copy or memset issued on a stream of `device` may touch device memory of that
 // device or of a peer it has enabled access to, nothing else (p may be host memory).
 cudaError_t check_owner(const char* api, const char* role, const void* p, int device);
+// p lies inside a live device allocation (of any device).
+bool is_device_memory(const void* p);
 cudaError_t resolve_stream(const char* api, cudaStream_t handle, CUstream_st** out);
 // Issues work on a stream: runs it now, or records it if the stream is capturing.
 cudaError_t issue(const char* api, CUstream_st* s, bool legacy, Work work);

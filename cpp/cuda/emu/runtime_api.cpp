@@ -314,7 +314,10 @@ cudaError_t copy_async(const char* api, void* dst, const void* src, size_t count
   if (cudaError_t e = mgpu::emu::check_copy(api, dst, src, count, kind)) return e;
   CUstream_st* s = nullptr;
   if (cudaError_t e = mgpu::emu::resolve_stream(api, stream, &s)) return e;
-  if (mgpu::emu::g_strict.load() && count > 0) {
+  // A copy between two devices' memory on a stream of a third, or without peer access, is
+  // refused; a copy to or from host memory may name any device's memory (unified addressing).
+  if (mgpu::emu::g_strict.load() && count > 0 && mgpu::emu::is_device_memory(dst) &&
+      mgpu::emu::is_device_memory(src)) {
     if (cudaError_t e = mgpu::emu::check_owner(api, "dst", dst, s->device)) return e;
     if (cudaError_t e = mgpu::emu::check_owner(api, "src", src, s->device)) return e;
   }

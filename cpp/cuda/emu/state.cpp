@@ -235,6 +235,12 @@ cudaError_t check_capture_safe(const char* api, cudaError_t code) {
   return cudaSuccess;
 }
 
+bool is_device_memory(const void* p) {
+  Runtime& r = rt();
+  std::lock_guard<std::mutex> lock(r.mu);
+  return find_allocation(p, false) != nullptr;
+}
+
 cudaError_t check_owner(const char* api, const char* role, const void* p, int device) {
   Runtime& r = rt();
   std::lock_guard<std::mutex> lock(r.mu);
