@@ -29,14 +29,7 @@ constexpr int kAlpha = 6;   // transformed tile side (4 outputs + 3 - 1)
 constexpr int kPoints = kAlpha * kAlpha;
 constexpr int kL = 16;      // input channels side by side (lanes) in the weight transform
 
-// G (6x3): the kernel transform, in double (applied once per call).
-constexpr double kG[kAlpha][3] = {
-    {1.0 / 4, 0, 0},
-    {-1.0 / 6, -1.0 / 6, -1.0 / 6},
-    {-1.0 / 6, 1.0 / 6, -1.0 / 6},
-    {1.0 / 24, 1.0 / 12, 1.0 / 6},
-    {1.0 / 24, -1.0 / 12, 1.0 / 6},
-    {0, 0, 1}};
+constexpr auto& kG = kWinogradG;  // G (6x3), conv2d_cpu.h
 
 // Per-thread buffer: the calling thread's transformed weights, grown once to the largest shape.
 inline thread_local std::vector<float> tl_u;

@@ -41,14 +41,7 @@ constexpr int kLanes = 16;  // channels per transform chunk (one F16)
 // 1 MB), which the products of that point read Cp / 64 times.
 constexpr int64_t kBlockTiles = 256;
 
-// G (6x3): the kernel transform, in double.
-constexpr double kG[kAlpha][3] = {
-    {1.0 / 4, 0, 0},
-    {-1.0 / 6, -1.0 / 6, -1.0 / 6},
-    {-1.0 / 6, 1.0 / 6, -1.0 / 6},
-    {1.0 / 24, 1.0 / 12, 1.0 / 6},
-    {1.0 / 24, -1.0 / 12, 1.0 / 6},
-    {0, 0, 1}};
+constexpr auto& kG = kWinogradG;  // G (6x3), conv2d_cpu.h
 
 // Scratch: the calling thread holds the panels, dU and the plane sums; each worker its frames.
 inline thread_local std::vector<float> tl_panels, tl_du, tl_sums, tl_frame;
