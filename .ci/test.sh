@@ -107,7 +107,7 @@ done
 stage "CPU op and training tests with MGPU_ISA=avx2 (the installed package)"
 # Paths from the repository root, so the pass finds its files whatever the working directory.
 (cd tests && MGPU_ISA=avx2 ../.venv/bin/python -m pytest -q -p no:cacheprovider -m "not gpu" \
-  "$PWD/test_ops.py" "$PWD/test_train.py")
+  "$PWD/test_ops.py" "$PWD/test_train.py" "$PWD/test_conv_stride2.py")
 
 stage "pip-only route: sdist, CPU-only manylinux wheel from it (.ci/wheel.sh), fresh venv, tests"
 # One build checks both routes: the wheel is built from the sdist (isolated: PyPI's OpenBLAS, no
