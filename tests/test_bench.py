@@ -499,3 +499,23 @@ def test_conv_runs_the_onednn_peer_in_every_round(tmp_path):
     assert "fake:impl" in text and "onednn" in text
     with pytest.raises(ValueError, match="peers.sh onednn"):
         bench.bench_conv(batch=1, onednn=str(tmp_path / "nope"))
+
+
+def test_conv_times_resnet18_stride2_layers(tmp_path):
+    """--layers stride2: ResNet-18's stride-2 3x3 and 1x1 convs, each with its own K, kernel,
+    stride and padding, and GFLOP/s from that shape's 2 N K C R S P Q."""
+    code, text, r = _run(["bench", "conv", "--batch", "1", "--rounds", "1", "--repeat", "1",
+                          "--warmup", "0", "--algos", "direct", "--layers", "stride2"],
+                         tmp_path, "conv")
+    assert code == 0
+    assert [(x["C"], x["H"], x["K"], x["R"], x["stride"], x["pad"]) for x in r["layers"]] == [
+        (64, 28, 128, 3, 2, 1), (128, 14, 256, 3, 2, 1), (256, 7, 512, 3, 2, 1),
+        (64, 28, 128, 1, 2, 0), (128, 14, 256, 1, 2, 0), (256, 7, 512, 1, 2, 0)]
+    for x in r["layers"]:
+        P = (x["H"] + 2 * x["pad"] - x["R"]) // 2 + 1
+        flops = 2 * x["K"] * x["C"] * x["R"] ** 2 * P * P
+        assert x["gflops_forward"] == pytest.approx(flops / x["forward"]["median"] / 1e9)
+        assert x["gflops_backward"] == pytest.approx(2 * flops / x["backward"]["median"] / 1e9)
+    assert "256->512 1x1 s2 7x7" in text
+    with pytest.raises(ValueError, match="stride2"):
+        bench.bench_conv(batch=1, layers="stride4")

@@ -205,7 +205,8 @@ def _bench(args) -> int:
     elif args.bench == "conv":
         result = bench.bench_conv(batch=args.batch, algos=args.algos.split(","),
                                   rounds=args.rounds, repeat=args.repeat, warmup=args.warmup,
-                                  log=log, device=args.device, onednn=args.onednn)
+                                  log=log, device=args.device, onednn=args.onednn,
+                                  layers=args.layers)
     elif args.bench == "batch_norm":
         result = bench.bench_batch_norm(shape=args.shape, warmup=args.warmup, repeat=args.repeat,
                                         log=log, device=args.device)
@@ -280,11 +281,13 @@ def _bench_parser(sub) -> None:
                    help="x shape, e.g. 256,64,28,28")
     n.add_argument("--device", default="cpu:0", help="the device to time, e.g. cpu:0 or gpu:0")
     v = kinds.add_parser("conv", help="the CPU conv's algorithms (MGPU_CONV_ALGO) at ResNet-18's "
-                         "3x3 layers, interleaved")
+                         "3x3 (or stride-2) layers, interleaved")
     common(v, 1, 3)
     v.add_argument("--batch", type=int, default=64, help="images per call")
     v.add_argument("--algos", default="direct,winograd", help="from: direct,im2col,winograd")
     v.add_argument("--rounds", type=int, default=3, help="rounds over all algorithms")
+    v.add_argument("--layers", default="3x3", choices=["3x3", "stride2"],
+                   help="ResNet-18's 3x3 stride-1 layers, or its stride-2 3x3 and 1x1 layers")
     v.add_argument("--device", default="cpu:0", help="the CPU device to time")
     v.add_argument("--onednn", metavar="PATH", default=None,
                    help="also time oneDNN's convolution with this onednn_conv_bench (made by "

@@ -1,7 +1,8 @@
 """``bench conv``: the CPU conv's algorithms (MGPU_CONV_ALGO) side by side at ResNet-18's 3x3
-stride-1 layers, forward and backward (dx, dw, db), interleaved round by round so a change of
-load hits every algorithm alike; optionally oneDNN's convolution beside them (a peer program,
-cpp/bench/onednn_conv.cpp, run in its own process in every round)."""
+stride-1 layers (or its stride-2 3x3 and 1x1 layers: ``--layers stride2``), forward and backward
+(dx, dw, db), interleaved round by round so a change of load hits every algorithm alike;
+optionally oneDNN's convolution beside them (a peer program, cpp/bench/onednn_conv.cpp, run in
+its own process in every round; it times 3x3 stride-1 layers only)."""
 from __future__ import annotations
 
 import json
@@ -18,18 +19,24 @@ from .common import Log, _machine_lines, _ms, _say, _table, header, measure, sum
 
 # ResNet-18's 3x3 stride-1 convs on 28x28 Fashion-MNIST (d2l's resnet18(10, 1)): (C, H) with K = C
 RESNET18_3X3 = [(64, 28), (128, 14), (256, 7), (512, 4)]
+# Its stride-2 convs, the first of blocks 2-4 and their 1x1 shortcuts: (C, H, K, R, stride, pad)
+RESNET18_STRIDE2 = [(64, 28, 128, 3, 2, 1), (128, 14, 256, 3, 2, 1), (256, 7, 512, 3, 2, 1),
+                    (64, 28, 128, 1, 2, 0), (128, 14, 256, 1, 2, 0), (256, 7, 512, 1, 2, 0)]
+LAYER_SETS = {"3x3": RESNET18_3X3, "stride2": RESNET18_STRIDE2}
 ALGOS = ("direct", "im2col", "winograd")
 
 
 def bench_conv(batch: int = 64, algos: Sequence[str] = ("direct", "winograd"), rounds: int = 3,
                repeat: int = 3, warmup: int = 1, layers=None, log: Log = None,
                device="cpu:0", onednn: Optional[str] = None) -> Dict:
-    """Forward and backward time of each algorithm at each layer (N = ``batch``, C = K channels,
-    H x W image, 3x3, pad 1): ``rounds`` rounds, each timing every algorithm ``repeat`` times in
-    turn; the median over all samples, and GFLOP/s counted as the direct conv's multiply-adds
-    (Winograd's "effective" rate). ``onednn``: the path of an onednn_conv_bench program, run in
-    every round after mgpu's algorithms with as many OpenMP threads as mgpu uses (its rows:
-    algorithm "onednn", and the implementation oneDNN chose)."""
+    """Forward and backward time of each algorithm at each layer (N = ``batch``; a layer is
+    (C, H): C = K channels, H x H image, 3x3, stride 1, pad 1; or (C, H, K, R, stride, pad), an
+    R x R kernel; ``layers`` may also name a set of LAYER_SETS): ``rounds`` rounds, each timing
+    every algorithm ``repeat`` times in turn; the median over all samples, and GFLOP/s counted
+    as the direct conv's multiply-adds (Winograd's "effective" rate). ``onednn``: the path of
+    an onednn_conv_bench program, run in every round after mgpu's algorithms with as many
+    OpenMP threads as mgpu uses (its rows: algorithm "onednn", and the implementation oneDNN
+    chose), at the 3x3 stride-1 layers with K = C, the only ones the peer times."""
     algos = list(algos)
     for a in algos:
         if a not in ALGOS:
@@ -40,7 +47,16 @@ def bench_conv(batch: int = 64, algos: Sequence[str] = ("direct", "winograd"), r
         raise ValueError(f"bench conv: --onednn {onednn!r} is not an executable file; make it "
                          "with `bash .ci/peers.sh onednn` (build/peers/onednn/bin/"
                          "onednn_conv_bench)")
+    if isinstance(layers, str):
+        if layers not in LAYER_SETS:
+            raise ValueError(f"bench conv: layers {layers!r} is not one of "
+                             f"{', '.join(LAYER_SETS)}")
+        layers = LAYER_SETS[layers]
     layers = [tuple(int(v) for v in layer) for layer in (layers or RESNET18_3X3)]
+    for layer in layers:
+        if len(layer) not in (2, 6):
+            raise ValueError(f"bench conv: layer {layer} is neither (C, H) nor "
+                             "(C, H, K, R, stride, pad)")
     dev = as_device(device)
     out = header("conv", dict(batch=batch, algos=algos, rounds=rounds, repeat=repeat,
                               warmup=warmup, layers=layers, device=str(dev),
@@ -51,31 +67,36 @@ def bench_conv(batch: int = 64, algos: Sequence[str] = ("direct", "winograd"), r
     saved = os.environ.get("MGPU_CONV_ALGO")
     rows = []
     try:
-        for C, H in layers:
-            _say(log, f"bench conv: C=K={C}, {H}x{H}, batch {batch} on {dev} ...")
+        for layer in layers:
+            C, H, K, R, st, pad = layer if len(layer) == 6 else (*layer, layer[0], 3, 1, 1)
+            P = (H + 2 * pad - R) // st + 1
+            plain = (K, R, st, pad) == (C, 3, 1, 1)
+            name = f"{C}ch {H}x{H}" if plain else f"{C}->{K} {R}x{R} s{st} {H}x{H}"
+            _say(log, f"bench conv: {name}, batch {batch} on {dev} ...")
             x = array(rng.standard_normal((batch, C, H, H), dtype=np.float32), device=dev)._t
-            w = array(rng.standard_normal((C, C, 3, 3), dtype=np.float32) / np.sqrt(9 * C),
+            w = array(rng.standard_normal((K, C, R, R), dtype=np.float32) / np.sqrt(R * R * C),
                       device=dev)._t
-            b = array(np.zeros(C, np.float32), device=dev)._t
-            dy = array(rng.standard_normal((batch, C, H, H), dtype=np.float32), device=dev)._t
-            names = algos + (["onednn"] if onednn else [])
+            b = array(np.zeros(K, np.float32), device=dev)._t
+            dy = array(rng.standard_normal((batch, K, P, P), dtype=np.float32), device=dev)._t
+            names = algos + (["onednn"] if onednn and plain else [])
             samples = {(a, p): [] for a in names for p in ("forward", "backward")}
-            calls = {"forward": lambda: _core.conv2d_forward(x, w, b, 1, 1),
-                     "backward": lambda: _core.conv2d_backward(x, w, dy, 1, 1, True, True)}
+            calls = {"forward": lambda: _core.conv2d_forward(x, w, b, st, pad),
+                     "backward": lambda: _core.conv2d_backward(x, w, dy, st, pad, True, True)}
             for r in range(int(rounds)):
                 for a in algos:
                     os.environ["MGPU_CONV_ALGO"] = a
                     for phase, fn in calls.items():
                         m = measure(fn, warmup if r == 0 else 0, int(repeat), sync)
                         samples[(a, phase)] += m["times"]
-                if onednn:
+                if onednn and plain:
                     peer = _run_onednn(onednn, batch, C, H, repeat, warmup, peer_env)
                     for phase in ("forward", "backward"):
                         samples[("onednn", phase)] += [t / 1e3 for t in peer[phase + "_ms"]]
                     out["onednn_impl"] = f"oneDNN {peer['version']}, {peer['impl']}"
-            flops = 2 * batch * C * C * 9 * H * H
+            flops = 2 * batch * K * C * R * R * P * P
             for a in names:
-                row = {"layer": f"{C}ch {H}x{H}", "C": C, "H": H, "algo": a}
+                row = {"layer": name, "C": C, "H": H, "K": K, "R": R, "stride": st, "pad": pad,
+                       "algo": a}
                 for phase, f in (("forward", flops), ("backward", 2 * flops)):
                     s = summarize(samples[(a, phase)])
                     row[phase] = s
@@ -103,11 +124,12 @@ def _run_onednn(path: str, batch: int, C: int, H: int, repeat: int, warmup: int,
 
 def format_conv(r: Dict) -> str:
     s = r["settings"]
-    lines = [f"mgpu bench conv: ResNet-18's 3x3 stride-1 layers on {s['device']}, batch "
-             f"{s['batch']}, K = C, pad 1"]
+    lines = [f"mgpu bench conv: ResNet-18's layers on {s['device']}, batch {s['batch']} "
+             "(\"64ch 28x28\": K = C, 3x3, stride 1, pad 1; stride-2 layers as C->K RxR s2 HxH, "
+             "pad 1 for 3x3, 0 for 1x1)"]
     lines += _machine_lines(r)
     lines.append(f"{s['rounds']} rounds x {s['repeat']} samples per algorithm, interleaved; "
-                 "median; GFLOP/s as the direct conv's 2 * N*K*C*9*P*Q (backward: twice that)")
+                 "median; GFLOP/s as the direct conv's 2 * N*K*C*R*S*P*Q (backward: twice that)")
     if r.get("onednn_impl"):
         lines.append(f"onednn: {r['onednn_impl']} in its own process, OpenMP threads = mgpu's; "
                      "memory formats its own choice (reorders from NCHW not timed)")
