@@ -56,12 +56,14 @@ float sum_lanes(const float* __restrict x, int64_t n) {
   return acc[0];
 }
 
-// Images per block on the im2col path: kBlock, doubled (up to 64) until a block's product is
-// kMinBlockColumns = 512 columns wide (B*P*Q). Backward sums one (K, C*R*S) dw slot per block, so
-// small images (ResNet-18's 7x7 layers: 16 output pixels, 128 columns at 8 images) paid one
-// slot addition per 128 columns; at 512 the 256->512 3x3 stride-2 layer's backward ran ~10%
-// faster (AMD EPYC Zen 4, 2 threads, batch 128, CPU time under load), other layers the same.
-// A function of the shape alone, so every thread count adds the same slots in the same order.
+// Images per block on the im2col path's backward: kBlock, doubled (up to 64) until a block's
+// product is kMinBlockColumns = 512 columns wide (B*P*Q). Backward sums one (K, C*R*S) dw slot
+// per block, so small images (ResNet-18's 7x7 layers: 16 output pixels, 128 columns at 8 images)
+// paid one slot addition per 128 columns; at 512 the 256->512 3x3 stride-2 layer's backward ran
+// ~10% faster (AMD EPYC Zen 4, 2 threads, batch 128, CPU time under load), other layers the
+// same. Forward has no slots and keeps kBlock (its 1x1 7x7 layer ran ~15% slower in blocks of
+// 32). A function of the shape alone, so every thread count adds the same slots in the same
+// order.
 constexpr int64_t kMinBlockColumns = 512;
 int64_t gemm_block(const Conv2dShape& s) {
   int64_t b = kBlock;
@@ -106,9 +108,8 @@ void forward_blocks(const Conv2dShape& s, const float* x, const float* w, const 
     return;
   }
   const Unfold u(s);
-  const int64_t block = gemm_block(s);
-  parallel_for((s.N + block - 1) / block, [&](int64_t blk) {
-    const int64_t n0 = blk * block, B = std::min(s.N - n0, block), ld = B * PQ;
+  parallel_for((s.N + kBlock - 1) / kBlock, [&](int64_t blk) {
+    const int64_t n0 = blk * kBlock, B = std::min(s.N - n0, kBlock), ld = B * PQ;
     float* col = scratch(tl_col, CRS * ld);
     float* out = scratch(tl_mat, s.K * ld);
     im2col(u, x + n0 * CHW, B, col, ld);
