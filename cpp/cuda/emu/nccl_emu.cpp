@@ -98,51 +98,6 @@ int stalled_rank() {
   return *end == '\0' ? int(r) : -1;
 }
 
-// ---- Running other streams while a collective waits (strict mode) -----------------------------
-// In strict mode a stream's work waits until something synchronises with the stream, possibly on
-// a thread that then waits in a collective for a rank whose call is still queued behind it (a
-// cudaFree runs every stream of every device on one thread). The waiting rank therefore runs the
-// missing ranks' queued work itself, as flush_stream does, but only where no other thread is
-// running that stream already (try_lock), and never a stream this thread is inside of. It stops
-// after the first collective it runs: the work behind that one may be a later collective that
-// waits for this thread's own stream, held further up this thread's stack.
-thread_local std::vector<CUstream_st*> t_running;
-thread_local bool t_ran_collective = false;  // set by every collective this thread runs
-
-bool try_flush(CUstream_st* s) {
-  if (std::find(t_running.begin(), t_running.end(), s) != t_running.end()) return false;
-  std::unique_lock<std::mutex> exec(s->exec_mu, std::try_to_lock);
-  if (!exec.owns_lock()) return false;
-  t_running.push_back(s);
-  const mgpu::emu::ThreadState saved = mgpu::emu::tls;
-  bool ran = false;
-  for (;;) {
-    Work w;
-    {
-      std::lock_guard<std::mutex> lock(s->pending_mu);
-      if (s->pending.empty()) break;
-      w = std::move(s->pending.front());
-      s->pending.pop_front();
-    }
-    ran = true;
-    t_ran_collective = false;
-    cudaError_t e = w();
-    const bool was_collective = t_ran_collective;
-    if (e != cudaSuccess) {
-      mgpu::emu::Runtime& r = mgpu::emu::runtime();
-      std::lock_guard<std::mutex> lock(r.mu);
-      if (s->device < int(r.pending.size()) && r.pending[s->device] == cudaSuccess) {
-        r.pending[s->device] = e;
-        r.pending_detail[s->device] = mgpu::emu::tls.detail;
-      }
-    }
-    if (was_collective) break;
-  }
-  mgpu::emu::tls = saved;
-  t_running.pop_back();
-  return ran;
-}
-
 // ---- The collective itself -------------------------------------------------------------------
 // The last rank to arrive computes every rank's result; sums go in rank order 0..n-1.
 void complete(Clique& c, Meet& m) {
@@ -190,18 +145,9 @@ cudaError_t aborted_error(const Clique& c, int rank, uint64_t seq, const Meet* m
           missing.empty() ? std::string() : cat(" while waiting for rank(s) ", missing)));
 }
 
-// The work a rank's collective puts on its stream.
-cudaError_t run_collective(const std::shared_ptr<Clique>& cp, int rank, uint64_t seq, bool stall,
-                           const void* send, void* recv, CUstream_st* own) {
-  Clique& c = *cp;
-  t_ran_collective = true;
-  std::unique_lock<std::mutex> lock(c.mu);
-  if (stall) {  // this rank never arrives: its stream hangs as a stuck kernel would
-    c.cv.wait(lock, [&] { return c.aborted; });
-    return aborted_error(c, rank, seq, nullptr);
-  }
-  if (c.aborted) return aborted_error(c, rank, seq, nullptr);
-  Meet& m = c.meets[seq];
+// A rank's arrival at meet `seq`: its buffers are recorded; the last rank to arrive computes
+// every rank's result. Caller holds c.mu.
+void arrive(Clique& c, Meet& m, int rank, const void* send, void* recv) {
   m.send[size_t(rank)] = send;
   m.recv[size_t(rank)] = recv;
   m.arrived[size_t(rank)] = 1;
@@ -209,32 +155,109 @@ cudaError_t run_collective(const std::shared_ptr<Clique>& cp, int rank, uint64_t
     if (m.error.empty()) complete(c, m);
     m.done = true;
     c.cv.notify_all();
-  } else {
-    const bool strict = mgpu::emu::g_strict.load();
-    t_running.push_back(own);
-    while (!m.done && !c.aborted) {
-      if (strict) {
-        std::vector<CUstream_st*> behind;
-        for (int r = 0; r < c.nranks; ++r)
-          if (!m.arrived[size_t(r)] && m.stream[size_t(r)] != nullptr)
-            behind.push_back(m.stream[size_t(r)]);
-        lock.unlock();
-        bool ran = false;
-        for (CUstream_st* s : behind) ran = try_flush(s) || ran;
-        lock.lock();
-        if (ran || m.done || c.aborted) continue;
-        c.cv.wait_for(lock, std::chrono::milliseconds(1));
-      } else {
-        c.cv.wait(lock);
-      }
-    }
-    t_running.pop_back();
-    if (!m.done) return aborted_error(c, rank, seq, &m);
   }
+}
+
+// A rank leaves a completed meet; the last one to leave erases it. Caller holds c.mu.
+cudaError_t leave(Clique& c, Meet& m, uint64_t seq) {
   std::string error = m.error;
   if (++m.n_left == c.nranks) c.meets.erase(seq);
   if (!error.empty()) return mgpu::emu::fail(cudaErrorLaunchFailure, error);
   return cudaSuccess;
+}
+
+// Strict mode: waits until meet `seq` is done or the clique aborted (a stalled rank: until the
+// abort). Meanwhile it runs the queued work of the ranks that have not arrived, whose collective
+// may be waiting in a stream that nothing synchronises with yet (their host threads may be
+// waiting for this one). It holds no stream while it waits, and takes a stream only where no
+// other thread runs it (whoever runs it makes the same progress).
+void wait_meet(const std::shared_ptr<Clique>& cp, uint64_t seq, bool stalled) {
+  Clique& c = *cp;
+  std::unique_lock<std::mutex> lock(c.mu);
+  for (;;) {
+    if (c.aborted) return;
+    std::vector<CUstream_st*> behind;
+    if (!stalled) {
+      auto it = c.meets.find(seq);
+      if (it == c.meets.end() || it->second.done) return;
+      const Meet& m = it->second;
+      for (int r = 0; r < c.nranks; ++r)
+        if (!m.arrived[size_t(r)] && m.stream[size_t(r)] != nullptr)
+          behind.push_back(m.stream[size_t(r)]);
+    }
+    bool ran = false;
+    if (!behind.empty()) {
+      lock.unlock();
+      for (CUstream_st* s : behind) {
+        bool any = false;
+        mgpu::emu::run_until_blocked(s, &any);
+        ran = ran || any;
+      }
+      lock.lock();
+    }
+    if (!ran) c.cv.wait_for(lock, std::chrono::milliseconds(1));
+  }
+}
+
+// Lenient mode, graph replays and the legacy default stream: the collective waits where it runs
+// until every rank has arrived (strict mode helps the missing ranks along, as wait_meet).
+cudaError_t run_collective(const std::shared_ptr<Clique>& cp, int rank, uint64_t seq, bool stall,
+                           const void* send, void* recv) {
+  Clique& c = *cp;
+  std::unique_lock<std::mutex> lock(c.mu);
+  if (stall) {  // this rank never arrives: its stream hangs as a stuck kernel would
+    c.cv.wait(lock, [&] { return c.aborted; });
+    return aborted_error(c, rank, seq, nullptr);
+  }
+  if (c.aborted) return aborted_error(c, rank, seq, nullptr);
+  Meet& m = c.meets[seq];
+  arrive(c, m, rank, send, recv);
+  if (!m.done) {
+    if (mgpu::emu::g_strict.load()) {
+      lock.unlock();
+      wait_meet(cp, seq, false);
+      lock.lock();
+    } else {
+      c.cv.wait(lock, [&] { return m.done || c.aborted; });
+    }
+    if (!m.done) return aborted_error(c, rank, seq, &m);
+  }
+  return leave(c, m, seq);
+}
+
+// Strict mode: a rank's collective as an item of its stream that never waits while it holds the
+// stream. Its first run arrives; until the meet is done it blocks the stream (block_stream) with
+// a wait that helps the missing ranks; the run after completion leaves the meet.
+struct Arrival {
+  std::shared_ptr<Clique> clique;
+  int rank = 0;
+  uint64_t seq = 0;
+  bool stall = false;
+  const void* send = nullptr;
+  void* recv = nullptr;
+  bool arrived = false;
+};
+
+cudaError_t step_collective(Arrival& a) {
+  Clique& c = *a.clique;
+  std::unique_lock<std::mutex> lock(c.mu);
+  if (a.stall) {
+    if (c.aborted) return aborted_error(c, a.rank, a.seq, nullptr);
+    mgpu::emu::block_stream([cp = a.clique, seq = a.seq] { wait_meet(cp, seq, true); });
+    return cudaSuccess;
+  }
+  if (!a.arrived && c.aborted) return aborted_error(c, a.rank, a.seq, nullptr);
+  Meet& m = c.meets[a.seq];
+  if (!a.arrived) {
+    a.arrived = true;
+    arrive(c, m, a.rank, a.send, a.recv);
+  }
+  if (!m.done) {
+    if (c.aborted) return aborted_error(c, a.rank, a.seq, &m);
+    mgpu::emu::block_stream([cp = a.clique, seq = a.seq] { wait_meet(cp, seq, false); });
+    return cudaSuccess;
+  }
+  return leave(c, m, a.seq);
 }
 
 // A collective checked and ready to issue on its stream.
@@ -291,19 +314,24 @@ ncclResult_t issue_ops(std::vector<Op>& ops) {
     CUstream_st* s = by_stream[i].first;
     mgpu::emu::tls.device = s->device;
     for (auto& [op, seq] : by_stream[i].second) {
-      auto clique = op.comm->clique;
-      Work work = [clique, rank = op.comm->rank, seq = seq, stall = op.stall, send = op.send,
-                   recv = op.recv, s] {
-        return run_collective(clique, rank, seq, stall, send, recv, s);
-      };
-      // Strict mode: queued like any work, but never run here at random (issue() runs a stream
-      // one time in four): a group's helper thread that ran a rank's collective would wait in it
-      // while the host thread that joins the helpers holds back the other ranks' workers.
       cudaError_t e = cudaSuccess;
       if (mgpu::emu::g_strict.load() && !s->capturing && !s->is_default) {
+        // Strict mode: queued like any work, never run here at random (issue() runs a stream
+        // one time in four): the item is the non-waiting step_collective.
+        auto a = std::make_shared<Arrival>();
+        a->clique = op.comm->clique;
+        a->rank = op.comm->rank;
+        a->seq = seq;
+        a->stall = op.stall;
+        a->send = op.send;
+        a->recv = op.recv;
         std::lock_guard<std::mutex> lock(s->pending_mu);
-        s->pending.push_back(std::move(work));
+        s->pending.push_back([a] { return step_collective(*a); });
       } else {
+        Work work = [clique = op.comm->clique, rank = op.comm->rank, seq = seq, stall = op.stall,
+                     send = op.send, recv = op.recv] {
+          return run_collective(clique, rank, seq, stall, send, recv);
+        };
         e = mgpu::emu::issue(kind_name(op.kind), s, s->is_default, std::move(work));
       }
       if (e != cudaSuccess && results[i] == cudaSuccess) results[i] = e;

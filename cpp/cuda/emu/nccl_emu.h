@@ -7,6 +7,12 @@
 //   runs it, it waits there for the same collective (the n-th of each rank of the communicator)
 //   of every other rank; the last rank to arrive computes the result, summing in rank order
 //   0..n-1, so the sums are deterministic and bitwise those of a sequential sum in that order.
+//   On the strict emulator (streams run behind the host) the waiting never holds the stream:
+//   the collective arrives, then blocks its stream (state.cpp, block_stream) while the thread
+//   that ran it, holding no stream, runs the queued work of the ranks still missing; any thread
+//   may run those, so no rank's wait can hold back another rank's collective. (A thread that
+//   held its stream while it waited could hold, through the streams it ran meanwhile, the very
+//   streams the missing ranks' collectives were queued on: the fused step deadlocked so.)
 // - ncclGroupStart/End collect this thread's calls; ncclGroupEnd issues them, each on a thread of
 //   its own, so one host thread can drive every rank of a communicator (as ncclCommInitAll users
 //   do) although the emulator's lenient streams run work at once on the issuing thread.
