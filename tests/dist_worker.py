@@ -109,6 +109,8 @@ def fused_steps(steps, batch_size, local_devices):
 
 def train_steps(out, steps, batch_size, local_devices):
     replicas, elapsed = fused_steps(steps, batch_size, local_devices)
+    if os.environ.get("MGPU_TEST_ON_GPUS") == "1":  # how the gradients crossed processes
+        print(f"rank {dist.rank()}: GPU transport {mgpu._core.dist_gpu_transport()}", flush=True)
     save(out, f"train_L{local_devices}", [p.numpy() for p in replicas[0]] + [np.array([elapsed])])
 
 

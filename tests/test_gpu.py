@@ -371,20 +371,28 @@ def test_the_main_command_trains_on_two_gpus(tmp_path):
 
 
 @needs_gpus(2)
-def test_two_processes_on_gpus_equal_one_process_with_two_gpus(tmp_path, monkeypatch):
-    """mpirun -np 2, one GPU each (GPU gradients cross processes through host memory): bitwise
-    the parameters of one process stepping on two GPUs."""
+@pytest.mark.parametrize("transport", ["nccl", "host"])
+def test_two_processes_on_gpus_equal_one_process_with_two_gpus(tmp_path, monkeypatch, transport):
+    """mpirun -np 2, one GPU each: bitwise the parameters of one process stepping on two GPUs.
+    The gradients cross processes on an NCCL communicator over both ranks (its unique id
+    broadcast over MPI; on the emulator's NCCL, whose ranks in two processes meet in shared
+    memory and sum in rank order), or through host memory over MPI (MGPU_DIST_GPU=host)."""
     import dist_worker
     import test_distributed as td
     if not td.HAVE_MPI:
         pytest.skip("needs mpirun and an mgpu built with MPI")
     if mgpu.distributed.launched():
         pytest.skip("this pytest itself runs under mpirun")
+    if transport == "nccl" and not EMULATED:
+        pytest.skip("NCCL across processes runs on the emulated build only (not yet on GPUs)")
     steps, batch = 2, 8
-    env = {"MGPU_TEST_ON_GPUS": "1", "PYTHONPATH": str(Path(mgpu.__file__).parent.parent)}
+    env = {"MGPU_TEST_ON_GPUS": "1", "PYTHONPATH": str(Path(mgpu.__file__).parent.parent),
+           "MGPU_DIST_GPU": transport}
     rc, out, err, _ = td.mpirun(2, "train_steps", tmp_path, steps, batch, 1, env=env,
                                 timeout=300, limit=600)
     assert rc == 0, f"{out}\n{err}"
+    for r in range(2):
+        assert f"rank {r}: GPU transport {transport}" in out, out
     monkeypatch.setenv("MGPU_TEST_ON_GPUS", "1")
     replicas, _ = dist_worker.fused_steps(steps, batch, 2)
     for r in range(2):

@@ -139,15 +139,27 @@ def test_nccl_path_on_the_strict_emulator(seed):
     and the flat buffers may be reused only after. On 3 GPUs, so a wrong rank order in the sum
     changes bits.
 
-    Not the fused step: on the strict emulator with the NCCL path it still deadlocks for some
-    seeds (1 and 3 of 3 in one run; the watchdog turns it into a DeviceError after
-    MGPU_NCCL_TIMEOUT_S). Open: the emulated NCCL's progress rule in strict mode (cpp/cuda/emu/
-    nccl_emu.cpp, try_flush) is not yet right for the fused step's overlapped buckets."""
+    Seed 3 also runs the fused step (its overlapped buckets: several collectives queued on every
+    communication stream at once). It deadlocked there (and under seed 1) before the fix: a thread
+    that ran one rank's collective waited inside it while holding that rank's stream and, through
+    the old progress rule, the other ranks' streams it had run into, which the other devices'
+    workers needed (gdb: worker 2 held the streams of devices 0 and 1 while the workers of
+    devices 0 and 1 waited for them). Now a collective never waits while its thread holds a stream
+    (cpp/cuda/emu/state.cpp, block_stream)."""
     env = dict(os.environ, MGPU_EMULATED_GPUS="3", MGPU_EMU_STRICT="1", MGPU_EMU_SEED=str(seed))
     env.pop("MGPU_ALLREDUCE", None)
-    run = subprocess.run(
+    select = "allreduce_on_gpus_is_bitwise or nccl_matches_the_peer"
+    if seed == 3:
+        select += " or fused_step_on_every_gpu"
+    run = _run_with_limit(
         [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "test_gpu.py",
-         "-k", "allreduce_on_gpus_is_bitwise or nccl_matches_the_peer"],
-        cwd=HERE, env=env, capture_output=True, text=True, timeout=900)
+         "-k", select], env)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
     assert " passed" in run.stdout and "skipped" not in run.stdout.splitlines()[-1], run.stdout
+
+
+def _run_with_limit(cmd, env):
+    """The child under the suite's child watchdog (py-spy stacks and the seed when it hangs)."""
+    from test_gpu_defects import _run_with_watchdog
+    return _run_with_watchdog(cmd, cwd=HERE, env=env,
+                              limit=float(os.environ.get("MGPU_TEST_CHILD_LIMIT", "900")))

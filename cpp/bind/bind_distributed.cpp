@@ -11,6 +11,8 @@ void bind_distributed(py::module_& m) {
   namespace dist = comm::dist;
   using nogil = py::call_guard<py::gil_scoped_release>;
   m.def("dist_built", &dist::built, "True when this build has the MPI back end.");
+  m.def("dist_gpu_transport", &dist::gpu_transport,
+        "How GPU tensors cross processes: 'nccl' (a communicator over every rank) or 'host'.");
   m.def("dist_launched", &dist::launched, "True when started by mpirun (or another MPI launcher).");
   m.def("dist_init", &dist::init, nogil(), py::arg("use_mpi"),
         "Initialises the world (over MPI when use_mpi), once.");

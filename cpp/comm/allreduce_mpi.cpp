@@ -12,6 +12,7 @@
 #include <chrono>
 #include <climits>
 #include <condition_variable>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -26,6 +27,10 @@
 #if MGPU_BUILT_MPI
 #define OMPI_SKIP_MPICXX 1
 #include <mpi.h>
+#endif
+#if MGPU_BUILT_MPI && MGPU_NCCL_WORLD
+#include "comm/nccl_bootstrap.h"
+#include "core/gpu.h"
 #endif
 
 namespace mgpu::comm::dist {
@@ -137,9 +142,9 @@ void validate(const char* op, const std::vector<Tensor>& tensors, bool float_onl
   }
 }
 
-// GPU tensors cross processes through host memory: copied to cpu(0), reduced (or broadcast)
-// there, copied back; every copy is ordered by the queues. (An NCCL communicator across processes
-// would skip the host: cpp/comm/nccl_bootstrap.cpp, compiled but not used yet.)
+// GPU tensors cross processes through host memory (where no NCCL communicator across ranks
+// carries them, see nccl_for_gpus): copied to cpu(0), reduced (or broadcast) there, copied back;
+// every copy is ordered by the queues.
 template <typename Fn>
 bool staged_through_host(const std::vector<Tensor>& tensors, Fn&& collective) {
   if (tensors.empty() || tensors[0].device().is_cpu()) return false;
@@ -508,6 +513,40 @@ void enqueue_collective(const char* name, Call call, std::vector<Tensor> keep, B
   });
 }
 
+#if MGPU_NCCL_WORLD
+// GPU tensors across processes on an NCCL communicator over every rank (one GPU per rank), made
+// at the first such all-reduce: its unique id is broadcast over MPI inside the collective's turn,
+// so MPI still sees one call at a time. MGPU_DIST_GPU=host stages through host memory instead.
+bool nccl_for_gpus() {
+  const char* v = std::getenv("MGPU_DIST_GPU");
+  if (v == nullptr || *v == '\0' || std::string(v) == "nccl") return true;
+  MGPU_CHECK_VALUE(std::string(v) == "host", "MGPU_DIST_GPU must be 'nccl' or 'host', got '", v,
+                   "'");
+  return false;
+}
+
+NcclWorld& nccl_world(int gpu) {
+  static NcclWorld* world = nullptr;  // kept for the process: NCCL's communicator lives on
+  static int world_gpu = -1;
+  if (world == nullptr) {
+    world = new NcclWorld(state().comm, gpu, state().timeout.load());
+    world_gpu = gpu;
+  }
+  MGPU_CHECK_VALUE(world_gpu == gpu, prefix(), "the NCCL communicator across ranks is on gpu(",
+                   world_gpu, "); this all-reduce is on gpu(", gpu, "): one GPU per rank");
+  return *world;
+}
+
+// On the device's queue, under the collective's turn: an in-place NCCL sum of each tensor on the
+// device's compute stream (after the work that made them), waited for under the timeout.
+void run_nccl_allreduce(const Call& call, const std::vector<Tensor>& tensors) {
+  NcclWorld& world = nccl_world(call.device.index);
+  cudaStream_t stream = gpu::compute_stream(call.device.index);
+  for (const Tensor& t : tensors)
+    world.allreduce_sum(t.f32(), static_cast<size_t>(t.numel()), stream);
+}
+#endif
+
 #endif  // MGPU_BUILT_MPI
 
 // True when collectives must reach other processes; raises once the world has been finalized.
@@ -524,6 +563,13 @@ bool multi_process(const char* op) {
 }  // namespace
 
 bool built() { return MGPU_BUILT_MPI != 0; }
+
+std::string gpu_transport() {
+#if MGPU_BUILT_MPI && MGPU_NCCL_WORLD
+  if (nccl_for_gpus()) return "nccl";
+#endif
+  return "host";
+}
 
 bool launched() {
   for (const char* var : {"OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_SIZE", "PMI_RANK"})
@@ -621,6 +667,18 @@ std::string algorithm() { return state().ordered.load() ? "ordered" : "mpi"; }
 void allreduce(const std::vector<Tensor>& tensors, Op op, int64_t tag) {
   validate("allreduce", tensors, true);
   if (!multi_process("allreduce")) return;  // the sum over one process is its own value
+#if MGPU_BUILT_MPI && MGPU_NCCL_WORLD
+  if (!tensors[0].device().is_cpu() && nccl_for_gpus()) {
+    Call call;
+    call.op = static_cast<int64_t>(op);
+    call.count = total_elements(tensors);
+    call.dtype = static_cast<int64_t>(DType::F32);
+    call.tag = tag;
+    call.device = tensors[0].device();
+    enqueue_collective("distributed.allreduce (NCCL)", call, tensors, run_nccl_allreduce);
+    return;
+  }
+#endif
   if (staged_through_host(tensors, [&](const std::vector<Tensor>& h) { allreduce(h, op, tag); }))
     return;
 #if MGPU_BUILT_MPI

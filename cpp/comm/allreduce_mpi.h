@@ -18,6 +18,10 @@ enum class Op : int64_t { Allreduce = 1, Broadcast = 2, Barrier = 3, TrainStep =
 
 // True when this build has the MPI back end (MGPU_BUILT_MPI).
 bool built();
+// How allreduce() moves GPU tensors across processes: "nccl" (an NCCL communicator over every
+// rank, one GPU each: the emulated build with MPI, unless MGPU_DIST_GPU=host) or "host" (copied
+// to cpu(0), reduced over MPI, copied back).
+std::string gpu_transport();
 // True when this process was started by an MPI launcher (mpirun / mpiexec / srun with PMI).
 bool launched();
 // Initialises the world once: over MPI when use_mpi (needs built(); singleton MPI outside

@@ -1,6 +1,6 @@
 // cpp/comm/nccl_bootstrap.cpp -- NcclWorld: the NCCL unique id broadcast over MPI, then
 // ncclCommInitRankConfig in nonblocking mode so every wait can be bounded by a deadline.
-// Compiled and linked only (see the header): no code path runs it.
+// Run by mgpu.distributed on the emulated build (see the header).
 #include "comm/nccl_bootstrap.h"
 
 #include <chrono>

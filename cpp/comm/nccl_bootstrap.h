@@ -1,13 +1,19 @@
 // cpp/comm/nccl_bootstrap.h -- NCCL across processes, bootstrapped over MPI: rank 0 makes the
 // NCCL unique id, MPI broadcasts it, every rank joins the NCCL communicator on its own GPU.
-// Nothing in mgpu calls it: its one user, tests/cpp/nccl_bootstrap_check.cpp, links it and runs
-// only --version, so it is compiled and linked (where MPI, CUDA and NCCL are found), never run.
+// mgpu.distributed's all-reduce of GPU tensors runs over it (allreduce_mpi.cpp) in the emulated
+// build with MPI, on the emulator's NCCL (cpp/cuda/emu/nccl_emu.h: its ranks in several
+// processes meet in shared memory). In a real CUDA build it is compiled and linked where MPI,
+// CUDA and NCCL are found (tests/cpp/nccl_bootstrap_check.cpp), not yet called by mgpu.
 #pragma once
 
 #define OMPI_SKIP_MPICXX 1
-#include <cuda_runtime_api.h>
 #include <mpi.h>
+#if MGPU_CUDA_EMULATION_BUILD
+#include "cuda/emu/nccl_emu.h"
+#else
+#include <cuda_runtime_api.h>
 #include <nccl.h>
+#endif
 
 #include <cstddef>
 #include <string>

@@ -131,8 +131,19 @@ extern std::atomic<bool> g_strict;
 // The next number of the strict mode's seeded sequence (shared by all threads).
 uint64_t strict_draw();
 // Runs a stream's pending work (strict mode), on this thread; its errors go to the device's
-// next synchronisation, not to this thread's last error.
+// next synchronisation, not to this thread's last error. A work item that cannot finish yet (a
+// collective whose other ranks have not arrived) calls block_stream() and returns: it stays at
+// the front of the stream, and the thread waits as block_stream() said *without* holding the
+// stream (so other threads can run it and every other stream meanwhile), then runs it again.
+// No thread ever waits while it holds a stream: a rank's wait can never hold back another's.
 void flush_stream(CUstream_st* s);
+// Called by a strict-mode work item that must run again later: `wait` returns once the item may
+// make progress (it may help by running other streams; it holds none when called).
+void block_stream(std::function<void()> wait);
+// Runs s's pending work until it is empty or an item blocks; returns the blocked item's wait (or
+// an empty function) without waiting, and whether any item ran. Never blocks on s's lock: when
+// another thread runs s, it returns at once (ran = false).
+std::function<void()> run_until_blocked(CUstream_st* s, bool* ran);
 // Every stream of `device` (-1: of every device).
 void flush_device(int device);
 extern std::atomic<size_t> g_stack_size;

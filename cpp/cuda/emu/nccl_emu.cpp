@@ -3,6 +3,8 @@
 // errors and the fault injection the header lists.
 #include "cuda/emu/nccl_emu.h"
 
+#include <fcntl.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -10,6 +12,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <random>
+#include <thread>
 
 #include "cuda/emu/internal.h"
 
@@ -43,6 +47,41 @@ struct Meet {
   std::string error;                  // a mismatched call: every rank fails with it
 };
 
+// ---- Ranks in several processes: the shared-memory segment of a clique -----------------------
+constexpr int kMaxShmRanks = 64;
+constexpr size_t kSlotBytes = size_t(1) << 20;  // one rank's part of a round
+
+// A rank's row of the segment. A round r of the clique (every rank's collectives cut into rounds
+// of at most kSlotBytes, numbered alike on every rank) goes: wait until every rank has consumed
+// round r-1 (read every slot), write this rank's part and the call's description into its slot,
+// posted = r; wait until every rank has posted r, compute this rank's result, consumed = r.
+struct ShmRank {
+  std::atomic<uint64_t> posted;
+  std::atomic<uint64_t> consumed;
+  int64_t kind, count, elem, root;  // the call of the round last posted, compared by every rank
+  int32_t pid;
+  int32_t pad;
+};
+struct ShmHeader {
+  std::atomic<int> joined;   // ranks registered (ncclCommInitRank)
+  std::atomic<int> checked;  // ranks that have seen everyone's pid; the last one unlinks the name
+  std::atomic<int> aborted;  // some rank called ncclCommAbort: every wait fails
+  int32_t nranks;
+  ShmRank rank[kMaxShmRanks];
+};
+static_assert(std::atomic<uint64_t>::is_always_lock_free && std::atomic<int>::is_always_lock_free,
+              "the segment's atomics must work across processes");
+
+struct ShmLink {
+  ShmHeader* header = nullptr;
+  char* slots = nullptr;  // nranks slots of kSlotBytes after the header
+  size_t bytes = 0;
+  ~ShmLink() {
+    if (header != nullptr) munmap(header, bytes);
+  }
+  char* slot(int r) const { return slots + size_t(r) * kSlotBytes; }
+};
+
 struct Clique {
   explicit Clique(int n) : nranks(n) {}
   const int nranks;
@@ -52,6 +91,7 @@ struct Clique {
   int joined = 0;  // ncclCommInitRank: ranks that have joined so far
   std::map<uint64_t, Meet> meets;
   std::atomic<int> async_error{ncclSuccess};
+  std::unique_ptr<ShmLink> link;  // set when the ranks run in several processes
 };
 
 }  // namespace
@@ -61,6 +101,7 @@ struct ncclComm {
   int rank = 0;
   int device = 0;
   std::atomic<uint64_t> next_seq{0};  // this rank's collectives, in host call order
+  uint64_t next_round = 1;            // a clique across processes: this rank's next round
 };
 
 namespace {
@@ -96,51 +137,6 @@ int stalled_rank() {
   char* end = nullptr;
   long r = std::strtol(v, &end, 10);
   return *end == '\0' ? int(r) : -1;
-}
-
-// ---- Running other streams while a collective waits (strict mode) -----------------------------
-// In strict mode a stream's work waits until something synchronises with the stream, possibly on
-// a thread that then waits in a collective for a rank whose call is still queued behind it (a
-// cudaFree runs every stream of every device on one thread). The waiting rank therefore runs the
-// missing ranks' queued work itself, as flush_stream does, but only where no other thread is
-// running that stream already (try_lock), and never a stream this thread is inside of. It stops
-// after the first collective it runs: the work behind that one may be a later collective that
-// waits for this thread's own stream, held further up this thread's stack.
-thread_local std::vector<CUstream_st*> t_running;
-thread_local bool t_ran_collective = false;  // set by every collective this thread runs
-
-bool try_flush(CUstream_st* s) {
-  if (std::find(t_running.begin(), t_running.end(), s) != t_running.end()) return false;
-  std::unique_lock<std::mutex> exec(s->exec_mu, std::try_to_lock);
-  if (!exec.owns_lock()) return false;
-  t_running.push_back(s);
-  const mgpu::emu::ThreadState saved = mgpu::emu::tls;
-  bool ran = false;
-  for (;;) {
-    Work w;
-    {
-      std::lock_guard<std::mutex> lock(s->pending_mu);
-      if (s->pending.empty()) break;
-      w = std::move(s->pending.front());
-      s->pending.pop_front();
-    }
-    ran = true;
-    t_ran_collective = false;
-    cudaError_t e = w();
-    const bool was_collective = t_ran_collective;
-    if (e != cudaSuccess) {
-      mgpu::emu::Runtime& r = mgpu::emu::runtime();
-      std::lock_guard<std::mutex> lock(r.mu);
-      if (s->device < int(r.pending.size()) && r.pending[s->device] == cudaSuccess) {
-        r.pending[s->device] = e;
-        r.pending_detail[s->device] = mgpu::emu::tls.detail;
-      }
-    }
-    if (was_collective) break;
-  }
-  mgpu::emu::tls = saved;
-  t_running.pop_back();
-  return ran;
 }
 
 // ---- The collective itself -------------------------------------------------------------------
@@ -190,18 +186,9 @@ cudaError_t aborted_error(const Clique& c, int rank, uint64_t seq, const Meet* m
           missing.empty() ? std::string() : cat(" while waiting for rank(s) ", missing)));
 }
 
-// The work a rank's collective puts on its stream.
-cudaError_t run_collective(const std::shared_ptr<Clique>& cp, int rank, uint64_t seq, bool stall,
-                           const void* send, void* recv, CUstream_st* own) {
-  Clique& c = *cp;
-  t_ran_collective = true;
-  std::unique_lock<std::mutex> lock(c.mu);
-  if (stall) {  // this rank never arrives: its stream hangs as a stuck kernel would
-    c.cv.wait(lock, [&] { return c.aborted; });
-    return aborted_error(c, rank, seq, nullptr);
-  }
-  if (c.aborted) return aborted_error(c, rank, seq, nullptr);
-  Meet& m = c.meets[seq];
+// A rank's arrival at meet `seq`: its buffers are recorded; the last rank to arrive computes
+// every rank's result. Caller holds c.mu.
+void arrive(Clique& c, Meet& m, int rank, const void* send, void* recv) {
   m.send[size_t(rank)] = send;
   m.recv[size_t(rank)] = recv;
   m.arrived[size_t(rank)] = 1;
@@ -209,32 +196,231 @@ cudaError_t run_collective(const std::shared_ptr<Clique>& cp, int rank, uint64_t
     if (m.error.empty()) complete(c, m);
     m.done = true;
     c.cv.notify_all();
-  } else {
-    const bool strict = mgpu::emu::g_strict.load();
-    t_running.push_back(own);
-    while (!m.done && !c.aborted) {
-      if (strict) {
-        std::vector<CUstream_st*> behind;
-        for (int r = 0; r < c.nranks; ++r)
-          if (!m.arrived[size_t(r)] && m.stream[size_t(r)] != nullptr)
-            behind.push_back(m.stream[size_t(r)]);
-        lock.unlock();
-        bool ran = false;
-        for (CUstream_st* s : behind) ran = try_flush(s) || ran;
-        lock.lock();
-        if (ran || m.done || c.aborted) continue;
-        c.cv.wait_for(lock, std::chrono::milliseconds(1));
-      } else {
-        c.cv.wait(lock);
-      }
-    }
-    t_running.pop_back();
-    if (!m.done) return aborted_error(c, rank, seq, &m);
   }
+}
+
+// A rank leaves a completed meet; the last one to leave erases it. Caller holds c.mu.
+cudaError_t leave(Clique& c, Meet& m, uint64_t seq) {
   std::string error = m.error;
   if (++m.n_left == c.nranks) c.meets.erase(seq);
   if (!error.empty()) return mgpu::emu::fail(cudaErrorLaunchFailure, error);
   return cudaSuccess;
+}
+
+// Strict mode: waits until meet `seq` is done or the clique aborted (a stalled rank: until the
+// abort). Meanwhile it runs the queued work of the ranks that have not arrived, whose collective
+// may be waiting in a stream that nothing synchronises with yet (their host threads may be
+// waiting for this one). It holds no stream while it waits, and takes a stream only where no
+// other thread runs it (whoever runs it makes the same progress).
+void wait_meet(const std::shared_ptr<Clique>& cp, uint64_t seq, bool stalled) {
+  Clique& c = *cp;
+  std::unique_lock<std::mutex> lock(c.mu);
+  for (;;) {
+    if (c.aborted) return;
+    std::vector<CUstream_st*> behind;
+    if (!stalled) {
+      auto it = c.meets.find(seq);
+      if (it == c.meets.end() || it->second.done) return;
+      const Meet& m = it->second;
+      for (int r = 0; r < c.nranks; ++r)
+        if (!m.arrived[size_t(r)] && m.stream[size_t(r)] != nullptr)
+          behind.push_back(m.stream[size_t(r)]);
+    }
+    bool ran = false;
+    if (!behind.empty()) {
+      lock.unlock();
+      for (CUstream_st* s : behind) {
+        bool any = false;
+        mgpu::emu::run_until_blocked(s, &any);
+        ran = ran || any;
+      }
+      lock.lock();
+    }
+    if (!ran) c.cv.wait_for(lock, std::chrono::milliseconds(1));
+  }
+}
+
+// Lenient mode, graph replays and the legacy default stream: the collective waits where it runs
+// until every rank has arrived (strict mode helps the missing ranks along, as wait_meet).
+cudaError_t run_collective(const std::shared_ptr<Clique>& cp, int rank, uint64_t seq, bool stall,
+                           const void* send, void* recv) {
+  Clique& c = *cp;
+  std::unique_lock<std::mutex> lock(c.mu);
+  if (stall) {  // this rank never arrives: its stream hangs as a stuck kernel would
+    c.cv.wait(lock, [&] { return c.aborted; });
+    return aborted_error(c, rank, seq, nullptr);
+  }
+  if (c.aborted) return aborted_error(c, rank, seq, nullptr);
+  Meet& m = c.meets[seq];
+  arrive(c, m, rank, send, recv);
+  if (!m.done) {
+    if (mgpu::emu::g_strict.load()) {
+      lock.unlock();
+      wait_meet(cp, seq, false);
+      lock.lock();
+    } else {
+      c.cv.wait(lock, [&] { return m.done || c.aborted; });
+    }
+    if (!m.done) return aborted_error(c, rank, seq, &m);
+  }
+  return leave(c, m, seq);
+}
+
+// Strict mode: a rank's collective as an item of its stream that never waits while it holds the
+// stream. Its first run arrives; until the meet is done it blocks the stream (block_stream) with
+// a wait that helps the missing ranks; the run after completion leaves the meet.
+struct Arrival {
+  std::shared_ptr<Clique> clique;
+  int rank = 0;
+  uint64_t seq = 0;
+  bool stall = false;
+  const void* send = nullptr;
+  void* recv = nullptr;
+  bool arrived = false;
+};
+
+cudaError_t step_collective(Arrival& a) {
+  Clique& c = *a.clique;
+  std::unique_lock<std::mutex> lock(c.mu);
+  if (a.stall) {
+    if (c.aborted) return aborted_error(c, a.rank, a.seq, nullptr);
+    mgpu::emu::block_stream([cp = a.clique, seq = a.seq] { wait_meet(cp, seq, true); });
+    return cudaSuccess;
+  }
+  if (!a.arrived && c.aborted) return aborted_error(c, a.rank, a.seq, nullptr);
+  Meet& m = c.meets[a.seq];
+  if (!a.arrived) {
+    a.arrived = true;
+    arrive(c, m, a.rank, a.send, a.recv);
+  }
+  if (!m.done) {
+    if (c.aborted) return aborted_error(c, a.rank, a.seq, &m);
+    mgpu::emu::block_stream([cp = a.clique, seq = a.seq] { wait_meet(cp, seq, false); });
+    return cudaSuccess;
+  }
+  return leave(c, m, a.seq);
+}
+
+// ---- A collective of a clique across processes ------------------------------------------------
+// One rank's collective, cut into the clique's rounds (reserved when it is issued, so the rounds
+// follow each rank's host call order, as the collectives must on every rank).
+struct RemoteOp {
+  std::shared_ptr<Clique> clique;
+  int rank = 0;
+  Kind kind = Kind::AllReduce;
+  const void* send = nullptr;
+  void* recv = nullptr;
+  size_t count = 0, elem = 0;
+  int root = 0;
+  bool stall = false, async_fault = false;
+  uint64_t first_round = 0, rounds = 1, done_rounds = 0;
+  bool posted = false;  // this rank's part of the current round is in its slot
+};
+
+// This rank's result for bytes [off, off + len) of every rank's input, from all slots.
+void compute_round(const RemoteOp& op, size_t off, size_t len) {
+  const ShmLink& link = *op.clique->link;
+  const int n = op.clique->nranks;
+  char* recv = static_cast<char*>(op.recv);
+  switch (op.kind) {
+    case Kind::AllReduce: {
+      // Rank order 0..n-1, element by element: the in-process clique's sums, bit for bit.
+      float* out = reinterpret_cast<float*>(recv + off);
+      const size_t m = len / sizeof(float);
+      for (size_t i = 0; i < m; ++i) {
+        float acc = reinterpret_cast<const float*>(link.slot(0))[i];
+        for (int r = 1; r < n; ++r) acc += reinterpret_cast<const float*>(link.slot(r))[i];
+        out[i] = acc;
+      }
+      break;
+    }
+    case Kind::Broadcast:
+      std::memcpy(recv + off, link.slot(op.root), len);
+      break;
+    case Kind::AllGather:
+      for (int r = 0; r < n; ++r)
+        std::memcpy(recv + op.count * op.elem * size_t(r) + off, link.slot(r), len);
+      break;
+  }
+}
+
+// Advances op as far as it can without waiting: cudaSuccess once it has finished,
+// cudaErrorNotReady while it waits for another rank (nothing recorded), else the error.
+cudaError_t advance_remote(RemoteOp& op) {
+  Clique& c = *op.clique;
+  ShmHeader& h = *c.link->header;
+  const int n = c.nranks;
+  const size_t in_bytes = op.count * op.elem;
+  while (op.done_rounds < op.rounds) {
+    bool aborted = false;
+    {
+      std::lock_guard<std::mutex> lock(c.mu);
+      aborted = c.aborted;
+    }
+    if (aborted || h.aborted.load(std::memory_order_acquire) != 0) {
+      op.done_rounds = op.rounds;
+      return mgpu::emu::fail(
+          cudaErrorLaunchFailure,
+          cat("NCCL ", kind_name(op.kind), " of rank ", op.rank, " ended by ncclCommAbort",
+              aborted ? "" : " of another rank (another process)"));
+    }
+    if (op.stall) return cudaErrorNotReady;  // this rank never arrives
+    const uint64_t round = op.first_round + op.done_rounds;
+    const size_t off = size_t(op.done_rounds) * kSlotBytes;
+    const size_t len = in_bytes > off ? std::min(kSlotBytes, in_bytes - off) : 0;
+    ShmRank& me = h.rank[op.rank];
+    if (!op.posted) {
+      for (int r = 0; r < n; ++r)  // every rank has read the slots of the round before
+        if (h.rank[r].consumed.load(std::memory_order_acquire) + 1 < round)
+          return cudaErrorNotReady;
+      me.kind = int64_t(op.kind);
+      me.count = int64_t(op.count);
+      me.elem = int64_t(op.elem);
+      me.root = op.root;
+      if (len > 0) std::memcpy(c.link->slot(op.rank), static_cast<const char*>(op.send) + off, len);
+      me.posted.store(round, std::memory_order_release);
+      op.posted = true;
+    }
+    for (int r = 0; r < n; ++r)
+      if (h.rank[r].posted.load(std::memory_order_acquire) < round) return cudaErrorNotReady;
+    std::string error;
+    for (int r = 0; r < n && error.empty(); ++r) {
+      const ShmRank& o = h.rank[r];
+      if (o.kind != me.kind || o.count != me.count || o.elem != me.elem || o.root != me.root)
+        error = cat("NCCL round ", round, ": rank ", op.rank, " called ", kind_name(op.kind),
+                    " of ", op.count, " elements where rank ", r, " called ",
+                    kind_name(Kind(o.kind)), " of ", o.count);
+    }
+    if (!error.empty()) {
+      me.consumed.store(round, std::memory_order_release);
+      op.done_rounds = op.rounds;
+      return mgpu::emu::fail(cudaErrorLaunchFailure, error);
+    }
+    if (op.async_fault) c.async_error = ncclRemoteError;
+    else compute_round(op, off, len);
+    me.consumed.store(round, std::memory_order_release);
+    op.posted = false;
+    ++op.done_rounds;
+  }
+  return cudaSuccess;
+}
+
+// The work a rank's collective across processes puts on its stream. Strict mode: a run that
+// must wait for another process blocks the stream (block_stream) and polls; lenient mode: it
+// waits where it runs, as a kernel spinning on a flag in host memory would.
+Work remote_work(const std::shared_ptr<RemoteOp>& op) {
+  return [op] {
+    for (;;) {
+      cudaError_t e = advance_remote(*op);
+      if (e != cudaErrorNotReady) return e;
+      if (mgpu::emu::g_strict.load()) {
+        mgpu::emu::block_stream(
+            [] { std::this_thread::sleep_for(std::chrono::microseconds(100)); });
+        return cudaSuccess;
+      }
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+  };
 }
 
 // A collective checked and ready to issue on its stream.
@@ -247,6 +433,7 @@ struct Op {
   int root;
   CUstream_st* stream;
   bool stall, async_fault;
+  std::shared_ptr<RemoteOp> remote = nullptr;  // set by issue_ops for a clique across processes
 };
 
 // Issues ops in order: each takes its rank's next sequence number, then its work goes on its
@@ -257,7 +444,24 @@ ncclResult_t issue_ops(std::vector<Op>& ops) {
   for (Op& op : ops) {
     uint64_t seq = op.comm->next_seq.fetch_add(1);
     Clique& c = *op.comm->clique;
-    {
+    if (c.link) {
+      auto r = std::make_shared<RemoteOp>();
+      r->clique = op.comm->clique;
+      r->rank = op.comm->rank;
+      r->kind = op.kind;
+      r->send = op.send;
+      r->recv = op.recv;
+      r->count = op.count;
+      r->elem = op.elem;
+      r->root = op.root;
+      r->stall = op.stall;
+      r->async_fault = op.async_fault;
+      const size_t bytes = op.count * op.elem;
+      r->rounds = std::max<uint64_t>(1, (bytes + kSlotBytes - 1) / kSlotBytes);
+      r->first_round = op.comm->next_round;
+      op.comm->next_round += r->rounds;
+      op.remote = r;
+    } else {
       std::lock_guard<std::mutex> lock(c.mu);
       Meet& m = c.meets[seq];
       if (m.stream.empty()) {
@@ -291,19 +495,31 @@ ncclResult_t issue_ops(std::vector<Op>& ops) {
     CUstream_st* s = by_stream[i].first;
     mgpu::emu::tls.device = s->device;
     for (auto& [op, seq] : by_stream[i].second) {
-      auto clique = op.comm->clique;
-      Work work = [clique, rank = op.comm->rank, seq = seq, stall = op.stall, send = op.send,
-                   recv = op.recv, s] {
-        return run_collective(clique, rank, seq, stall, send, recv, s);
-      };
-      // Strict mode: queued like any work, but never run here at random (issue() runs a stream
-      // one time in four): a group's helper thread that ran a rank's collective would wait in it
-      // while the host thread that joins the helpers holds back the other ranks' workers.
       cudaError_t e = cudaSuccess;
-      if (mgpu::emu::g_strict.load() && !s->capturing && !s->is_default) {
+      if (op.remote) {
+        if (mgpu::emu::g_strict.load() && !s->capturing && !s->is_default) {
+          std::lock_guard<std::mutex> lock(s->pending_mu);
+          s->pending.push_back(remote_work(op.remote));
+        } else {
+          e = mgpu::emu::issue(kind_name(op.kind), s, s->is_default, remote_work(op.remote));
+        }
+      } else if (mgpu::emu::g_strict.load() && !s->capturing && !s->is_default) {
+        // Strict mode: queued like any work, never run here at random (issue() runs a stream
+        // one time in four): the item is the non-waiting step_collective.
+        auto a = std::make_shared<Arrival>();
+        a->clique = op.comm->clique;
+        a->rank = op.comm->rank;
+        a->seq = seq;
+        a->stall = op.stall;
+        a->send = op.send;
+        a->recv = op.recv;
         std::lock_guard<std::mutex> lock(s->pending_mu);
-        s->pending.push_back(std::move(work));
+        s->pending.push_back([a] { return step_collective(*a); });
       } else {
+        Work work = [clique = op.comm->clique, rank = op.comm->rank, seq = seq, stall = op.stall,
+                     send = op.send, recv = op.recv] {
+          return run_collective(clique, rank, seq, stall, send, recv);
+        };
         e = mgpu::emu::issue(kind_name(op.kind), s, s->is_default, std::move(work));
       }
       if (e != cudaSuccess && results[i] == cudaSuccess) results[i] = e;
@@ -344,7 +560,7 @@ ncclResult_t enqueue(Kind kind, const void* send, void* recv, size_t count, size
                                                "device", comm->device) != cudaSuccess))
       return ncclInvalidArgument;
     Op op{comm, kind, send, recv, count, elem, root, s, stalled_rank() == comm->rank,
-          async_fault()};
+          async_fault(), nullptr};
     if (t_group_depth > 0) {
       t_group_ops.push_back(op);
       return ncclSuccess;
@@ -403,8 +619,10 @@ ncclResult_t ncclGetUniqueId(ncclUniqueId* uniqueId) {
   static std::atomic<unsigned long long> counter{0};
   if (uniqueId == nullptr) return ncclInvalidArgument;
   std::memset(uniqueId->internal, 0, sizeof uniqueId->internal);
-  std::snprintf(uniqueId->internal, sizeof uniqueId->internal, "mgpu-emu-nccl:%ld:%llu",
-                static_cast<long>(getpid()), counter.fetch_add(1));
+  // The random part keeps a segment left behind by a dead run (same pid) from being joined.
+  static const unsigned long long nonce = std::random_device{}();
+  std::snprintf(uniqueId->internal, sizeof uniqueId->internal, "mgpu-emu-nccl-%ld-%llx-%llu",
+                static_cast<long>(getpid()), nonce, counter.fetch_add(1));
   return ncclSuccess;
 }
 
@@ -428,10 +646,70 @@ ncclResult_t ncclCommInitAll(ncclComm_t* comms, int ndev, const int* devlist) {
   return ncclSuccess;
 }
 
+namespace {
+// Registers `rank` in the segment named by the id and waits until every rank has. Returns the
+// mapping with *local = whether every rank runs in this process (then it is unmapped: the ranks
+// meet in this process's registry) or an error.
+ncclResult_t join_segment(const std::string& key, int nranks, int rank,
+                          std::unique_ptr<ShmLink>* out, bool* local) {
+  std::string name = "/" + key;  // a name of POSIX shared memory has one '/', at its start
+  std::replace(name.begin() + 1, name.end(), '/', '-');
+  const int fd = shm_open(name.c_str(), O_CREAT | O_RDWR, 0600);
+  if (fd < 0) return ncclSystemError;
+  auto link = std::make_unique<ShmLink>();
+  link->bytes = sizeof(ShmHeader) + size_t(nranks) * kSlotBytes;
+  void* p = MAP_FAILED;
+  if (ftruncate(fd, off_t(link->bytes)) == 0)
+    p = mmap(nullptr, link->bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  close(fd);
+  if (p == MAP_FAILED) {
+    shm_unlink(name.c_str());
+    return ncclSystemError;
+  }
+  link->header = static_cast<ShmHeader*>(p);
+  link->slots = static_cast<char*>(p) + sizeof(ShmHeader);
+  ShmHeader& h = *link->header;
+  h.rank[rank].pid = int32_t(getpid());
+  h.joined.fetch_add(1);
+  // As NCCL's blocking init: every rank waits until all have joined (10 minutes at most).
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::minutes(10);
+  while (h.joined.load() < nranks) {
+    if (std::chrono::steady_clock::now() > deadline) {
+      shm_unlink(name.c_str());
+      return ncclSystemError;
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
+  int here = 0;
+  for (int r = 0; r < nranks; ++r) here += h.rank[r].pid == int32_t(getpid());
+  if (h.checked.fetch_add(1) + 1 == nranks) shm_unlink(name.c_str());  // mappings stay valid
+  *local = here == nranks;
+  // Ranks in several processes: one per process (no rank could run another's queued work).
+  if (!*local && here != 1) return ncclInvalidUsage;
+  if (!*local) *out = std::move(link);
+  return ncclSuccess;
+}
+}  // namespace
+
 ncclResult_t ncclCommInitRank(ncclComm_t* comm, int nranks, ncclUniqueId commId, int rank) {
   if (comm == nullptr || nranks < 1 || rank < 0 || rank >= nranks) return ncclInvalidArgument;
+  if (nranks > kMaxShmRanks) return ncclInvalidArgument;
   if (call_fails("init", rank)) return ncclUnhandledCudaError;
   const std::string key(commId.internal, strnlen(commId.internal, sizeof commId.internal));
+  if (key.empty()) return ncclInvalidArgument;
+  std::unique_ptr<ShmLink> link;
+  bool local = true;
+  if (ncclResult_t r = join_segment(key, nranks, rank, &link, &local); r != ncclSuccess) return r;
+  if (!local) {
+    auto clique = std::make_shared<Clique>(nranks);
+    clique->joined = nranks;
+    clique->link = std::move(link);
+    *comm = new ncclComm;
+    (*comm)->clique = clique;
+    (*comm)->rank = rank;
+    (*comm)->device = mgpu::emu::tls.device;
+    return ncclSuccess;
+  }
   std::shared_ptr<Clique> clique;
   {
     std::lock_guard<std::mutex> lock(g_registry_mu);
@@ -457,6 +735,12 @@ ncclResult_t ncclCommInitRank(ncclComm_t* comm, int nranks, ncclUniqueId commId,
   return ncclSuccess;
 }
 
+ncclResult_t ncclCommInitRankConfig(ncclComm_t* comm, int nranks, ncclUniqueId commId, int rank,
+                                    ncclConfig_t* config) {
+  (void)config;  // blocking in every case: it returns once every rank has joined
+  return ncclCommInitRank(comm, nranks, commId, rank);
+}
+
 ncclResult_t ncclCommDestroy(ncclComm_t comm) {
   if (comm == nullptr) return ncclInvalidArgument;
   delete comm;  // work already on streams holds the clique, so it still completes
@@ -470,6 +754,8 @@ ncclResult_t ncclCommAbort(ncclComm_t comm) {
     comm->clique->aborted = true;
     comm->clique->cv.notify_all();
   }
+  // Across processes the other ranks' waits fail too (a real NCCL peer sees a remote error).
+  if (comm->clique->link) comm->clique->link->header->aborted.store(1);
   // The handle is not freed: another thread may still be inside a call on it (an abort is how a
   // hung collective is ended), and an emulator can afford the few bytes.
   return ncclSuccess;

@@ -7,11 +7,26 @@
 //   runs it, it waits there for the same collective (the n-th of each rank of the communicator)
 //   of every other rank; the last rank to arrive computes the result, summing in rank order
 //   0..n-1, so the sums are deterministic and bitwise those of a sequential sum in that order.
+//   On the strict emulator (streams run behind the host) the waiting never holds the stream:
+//   the collective arrives, then blocks its stream (state.cpp, block_stream) while the thread
+//   that ran it, holding no stream, runs the queued work of the ranks still missing; any thread
+//   may run those, so no rank's wait can hold back another rank's collective. (A thread that
+//   held its stream while it waited could hold, through the streams it ran meanwhile, the very
+//   streams the missing ranks' collectives were queued on: the fused step deadlocked so.)
 // - ncclGroupStart/End collect this thread's calls; ncclGroupEnd issues them, each on a thread of
 //   its own, so one host thread can drive every rank of a communicator (as ncclCommInitAll users
 //   do) although the emulator's lenient streams run work at once on the issuing thread.
-// - Communicators live in this process: ncclCommInitAll makes a clique of devices,
-//   ncclCommInitRank joins the clique named by the unique id (threads of one process).
+// - ncclCommInitAll makes a clique of devices of this process. ncclCommInitRank joins the clique
+//   named by the unique id: its ranks register in a shared-memory segment named by the id, and
+//   once all have, the clique is in-process when they all run in this process (threads), or
+//   spans processes of this machine, one rank per process (under mpirun: the id is broadcast
+//   over MPI, as NCCL's is). A clique across processes exchanges data through that segment, as
+//   NCCL's shared-memory transport does: each rank posts its part of a round (up to 1 MiB) in its
+//   slot, every rank computes its result from all slots (sums in rank order 0..n-1, bitwise the
+//   in-process sums), and a slot is rewritten only once every rank has read it. Its collectives
+//   keep the stream semantics above; ncclCommAbort of one rank fails the others' waits too.
+//   ncclCommInitRankConfig is ncclCommInitRank (blocking whatever the config says: it returns
+//   once every rank has joined).
 // - ncclCommAbort wakes every rank waiting in a collective of the communicator's clique: those
 //   collectives fail (cudaErrorLaunchFailure on their stream) and the clique is unusable.
 //
@@ -70,10 +85,21 @@ typedef enum {
 
 typedef enum { ncclSum = 0, ncclProd = 1, ncclMax = 2, ncclMin = 3, ncclAvg = 4 } ncclRedOp_t;
 
+// The fields of NCCL's config that mgpu sets; the emulator reads none of them.
+typedef struct {
+  size_t size;
+  unsigned int magic;
+  unsigned int version;
+  int blocking;
+} ncclConfig_t;
+#define NCCL_CONFIG_INITIALIZER {sizeof(ncclConfig_t), 0xcafebeef, NCCL_VERSION_CODE, 1}
+
 const char* ncclGetErrorString(ncclResult_t result);
 ncclResult_t ncclGetVersion(int* version);
 ncclResult_t ncclGetUniqueId(ncclUniqueId* uniqueId);
 ncclResult_t ncclCommInitRank(ncclComm_t* comm, int nranks, ncclUniqueId commId, int rank);
+ncclResult_t ncclCommInitRankConfig(ncclComm_t* comm, int nranks, ncclUniqueId commId, int rank,
+                                    ncclConfig_t* config);
 ncclResult_t ncclCommInitAll(ncclComm_t* comms, int ndev, const int* devlist);
 ncclResult_t ncclCommDestroy(ncclComm_t comm);
 ncclResult_t ncclCommAbort(ncclComm_t comm);

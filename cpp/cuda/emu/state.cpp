@@ -53,27 +53,69 @@ uint64_t mix(uint64_t z) {
 
 uint64_t strict_draw() { return mix(g_seed.load() ^ mix(g_draws.fetch_add(1))); }
 
-void flush_stream(CUstream_st* s) {
-  std::lock_guard<std::mutex> exec(s->exec_mu);
-  const ThreadState saved = tls;
-  for (;;) {
-    Work w;
-    {
-      std::lock_guard<std::mutex> lock(s->pending_mu);
-      if (s->pending.empty()) break;
-      w = std::move(s->pending.front());
-      s->pending.pop_front();
-    }
-    if (cudaError_t e = w()) {
-      Runtime& r = runtime();
-      std::lock_guard<std::mutex> lock(r.mu);
-      if (s->device < int(r.pending.size()) && r.pending[s->device] == cudaSuccess) {
-        r.pending[s->device] = e;
-        r.pending_detail[s->device] = tls.detail;
-      }
+namespace {
+thread_local std::function<void()> t_blocked;  // set by a work item that must run again later
+
+// Runs the item at s's front (caller holds s->exec_mu); false when the queue is empty. An item
+// that blocks goes back to the front and its wait is moved to *blocked.
+bool run_front(CUstream_st* s, std::function<void()>* blocked) {
+  Work w;
+  {
+    std::lock_guard<std::mutex> lock(s->pending_mu);
+    if (s->pending.empty()) return false;
+    w = std::move(s->pending.front());
+    s->pending.pop_front();
+  }
+  t_blocked = nullptr;
+  cudaError_t e = w();
+  if (t_blocked) {
+    *blocked = std::move(t_blocked);
+    t_blocked = nullptr;
+    std::lock_guard<std::mutex> lock(s->pending_mu);
+    s->pending.push_front(std::move(w));
+    return true;
+  }
+  if (e != cudaSuccess) {
+    Runtime& r = runtime();
+    std::lock_guard<std::mutex> lock(r.mu);
+    if (s->device < int(r.pending.size()) && r.pending[s->device] == cudaSuccess) {
+      r.pending[s->device] = e;
+      r.pending_detail[s->device] = tls.detail;
     }
   }
+  return true;
+}
+}  // namespace
+
+void block_stream(std::function<void()> wait) { t_blocked = std::move(wait); }
+
+void flush_stream(CUstream_st* s) {
+  const ThreadState saved = tls;
+  for (;;) {
+    std::function<void()> blocked;
+    {
+      std::lock_guard<std::mutex> exec(s->exec_mu);
+      while (!blocked && run_front(s, &blocked)) {
+      }
+    }
+    if (!blocked) break;
+    blocked();  // the stream is free meanwhile: another thread may run its blocked item first
+  }
   tls = saved;
+}
+
+std::function<void()> run_until_blocked(CUstream_st* s, bool* ran) {
+  *ran = false;
+  std::unique_lock<std::mutex> exec(s->exec_mu, std::try_to_lock);
+  if (!exec.owns_lock()) return nullptr;
+  const ThreadState saved = tls;
+  std::function<void()> blocked;
+  while (run_front(s, &blocked)) {
+    if (blocked) break;
+    *ran = true;  // an item finished (a blocked one may have arrived, but nothing finished)
+  }
+  tls = saved;
+  return blocked;
 }
 
 void flush_device(int device) {
