@@ -351,6 +351,30 @@ def test_train_resnet18_times_each_side_in_its_own_process(tmp_path, monkeypatch
         assert abs(a - b) < 1e-3 * abs(a)
 
 
+def test_train_resnet18_weak_scaling_gives_k_devices_k_times_the_batch(tmp_path, monkeypatch):
+    monkeypatch.setenv("MGPU_EMULATED_GPUS", "0")
+    code, text, r = _run(["bench", "train", "--model", "resnet18", "--synthetic", "12",
+                          "--batch-size", "3", "--limit-batches", "1", "--epochs", "1",
+                          "--warmup", "1", "--parts", "fused", "--devices", "1,2",
+                          "--weak-scaling"], tmp_path, "weak")
+    assert code == 0 and r["settings"]["weak_scaling"] is True
+    one, two = sorted(r["results"], key=lambda x: x["num_devices"])
+    assert (one["global_batch"], two["global_batch"]) == (3, 6)
+    per_image = bench.resnet18_step_flops(1)
+    for x in (one, two):
+        assert x["sec_per_image"] == x["sec_per_step"]["median"] / x["global_batch"]
+        assert x["gflops"] == pytest.approx(per_image * x["global_batch"]
+                                            / x["sec_per_step"]["median"] / 1e9)
+    (w,) = r["weak_scaling"]
+    assert (w["num_devices"], w["batch"], w["one_device_batch"]) == (2, 6, 3)
+    assert w["ratio"] == two["sec_per_image"] / one["sec_per_image"]
+    assert "weak scaling" in text and f"ratio {w['ratio']:.3f}" in text
+    with pytest.raises(ValueError, match="weak-scaling is for --model resnet18"):
+        bench.bench_train(devices=[1], batch_size=4, synthetic=8, weak_scaling=True)
+    with pytest.raises(ValueError, match="fewer than one batch of 12"):
+        bench.bench_train_resnet18(devices=[1, 2], batch_size=6, synthetic=8, weak_scaling=True)
+
+
 def test_train_resnet18_against_torch_eager(monkeypatch):
     py, info = bench.find_torch_python()
     if py is None:

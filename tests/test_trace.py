@@ -71,14 +71,16 @@ def _inside(inner, outer):
     return outer["ts"] <= inner["ts"] and inner["ts"] + inner["dur"] <= end
 
 
-def _check_step_tracks(spans, devs):
+def _check_step_tracks(spans, devs, shared=False):
+    """shared: CPU devices' shared update (one collective after backward, on the comm track);
+    else the bucketed all-reduce and each device's own update."""
     for d in devs:
         dev, comm = spans[d], spans[d + " comm"]
         layers = [e for e in dev if e["cat"] == "layer"]
         names = {e["name"] for e in layers}
         for want in ("layer 0 (conv2d_relu_pool) forward", "layer 0 (conv2d_relu_pool) backward",
                      "layer 5 (linear) forward", "layer 5 (linear) backward",
-                     "loss forward and backward", "sgd update"):
+                     "loss forward and backward") + (() if shared else ("sgd update",)):
             assert want in names, (d, sorted(names))
         # Every labelled task lies inside the layer span of its label (nesting).
         for t in (e for e in dev if e["cat"] == "task" and "args" in e):
@@ -88,8 +90,12 @@ def _check_step_tracks(spans, devs):
         assert first["layer 0 (conv2d_relu_pool) forward"] < first["layer 5 (linear) backward"] \
             < first["layer 0 (conv2d_relu_pool) backward"]
         buckets = [e for e in comm if e["cat"] == "layer"]
-        assert [b["name"].split(" (")[0] for b in buckets] == ["allreduce bucket 0",
-                                                                "allreduce bucket 1"]
+        if shared:
+            assert [b["name"] for b in buckets] == ["sgd update"]
+            assert any(e["name"] == "allreduce and sgd" and _inside(e, buckets[0]) for e in comm)
+        else:
+            assert [b["name"].split(" (")[0] for b in buckets] == ["allreduce bucket 0",
+                                                                    "allreduce bucket 1"]
         assert any(e["name"] == "wait for peers" and _inside(e, buckets[0]) for e in comm)
 
 
@@ -104,11 +110,13 @@ def _check_no_overlap(spans, devs):
                 assert a["ts"] + a["dur"] <= b["ts"] + 1e-3, (d, cat, a, b)
 
 
-def test_two_device_step_trace_is_chrome_format_with_nested_spans(tmp_path):
+@pytest.mark.parametrize("shared", ["1", "0"], ids=["shared_update", "bucketed"])
+def test_two_device_step_trace_is_chrome_format_with_nested_spans(tmp_path, shared, monkeypatch):
+    monkeypatch.setenv("MGPU_CPU_SHARED_UPDATE", shared)
     doc, names, spans = _trace_step(tmp_path, [mgpu.cpu(0), mgpu.cpu(1)])
     _check_chrome_format(doc)
     assert {"host", "cpu(0)", "cpu(0) comm", "cpu(1)", "cpu(1) comm"} <= set(spans)
-    _check_step_tracks(spans, ["cpu(0)", "cpu(1)"])
+    _check_step_tracks(spans, ["cpu(0)", "cpu(1)"], shared == "1")
     host = spans["host"]
     step = [e for e in host if e["name"] == "train_batch"]
     assert len(step) == 1

@@ -1,13 +1,22 @@
 // cpp/train/train_batch.cpp -- the fused step: everything enqueued from one call, no GIL.
 #include "train/train_batch.h"
 
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
 #include <map>
+#include <memory>
+#include <optional>
 
 #include "comm/allreduce_mpi.h"
+#include "comm/barrier.h"
 #include "comm/bucket_allreduce.h"
 #include "core/gpu.h"
+#include "core/parallel.h"
+#include "core/queue.h"
 #include "core/trace.h"
 #include "ops/argmax.h"
+#include "ops/dispatch.h"
 #include "ops/elementwise.h"
 #include "ops/softmax_ce.h"
 #include "train/graph_capture.h"
@@ -47,6 +56,116 @@ void update(const Model& m, Replica& r, const Tensor& grads, const Sgd& sgd, int
     const Tensor buf = with_buf ? view(m, r.momentum, ps[i], i) : Tensor();
     ops::sgd_step(ps[i], view(m, grads, ps[i], i), buf, static_cast<float>(batch), sgd.lr,
                   sgd.momentum, sgd.weight_decay);
+  }
+}
+
+// --- the shared update of CPU replicas ---------------------------------------------------------
+// CPU devices of one process share memory, so their gradient sum and their updates run as one
+// collective after backward instead of a bucketed all-reduce (reduce-scatter, all-gather) followed
+// by every replica updating all of its parameters: device j sums chunk j of the flat gradients
+// over the replicas, in device order as comm::allreduce adds, and applies SGD to chunk j of every
+// replica's parameters (and momentum) with that sum. Each element gets the same operations on the
+// same values as before, so every replica's parameters keep their bits; the replicas' gradient
+// buffers are left unsummed (nothing reads them after the step). It saves the all-gather, each
+// device's writes of the summed gradients, and all but one of the collectives' meetings (one
+// device waiting for the other at each bucket). MGPU_CPU_SHARED_UPDATE=0 (read at every step)
+// keeps the bucketed all-reduce and the per-replica updates, for tests and benchmarks.
+bool shared_update_enabled() {
+  const char* env = std::getenv("MGPU_CPU_SHARED_UPDATE");
+  return !env || std::strcmp(env, "0") != 0;
+}
+
+struct SharedUpdate {
+  explicit SharedUpdate(int k) : barrier(k) {}
+  std::vector<const float*> grads;            // grads[d]: replica d's flat gradients
+  std::vector<std::vector<float*>> params;    // params[d][i]: replica d's parameter i
+  std::vector<float*> momentum;               // momentum[d]: flat, or null without momentum
+  std::vector<int64_t> offsets, sizes;        // parameter i: flat [offsets[i], + sizes[i])
+  int64_t total = 0;
+  Sgd sgd;
+  float batch = 1.0f;
+  comm::Barrier barrier;
+
+  // Device `me` of k: chunk me of the flat range, in blocks of kElementBlock summed gradients.
+  void run(int me) {
+    const int k = static_cast<int>(grads.size());
+    barrier.arrive_and_wait();  // every replica's backward has written its gradients
+    const int64_t lo = total * me / k, hi = total * (me + 1) / k;
+    for (size_t i = 0; i < offsets.size(); ++i) {
+      const int64_t a = std::max(lo, offsets[i]), b = std::min(hi, offsets[i] + sizes[i]);
+      if (a >= b) continue;
+      const int64_t blocks = (b - a + ops::kElementBlock - 1) / ops::kElementBlock;
+      parallel_for(blocks, [&](int64_t blk) {
+        const int64_t f0 = a + blk * ops::kElementBlock;
+        const int64_t n = std::min(b, f0 + ops::kElementBlock) - f0;
+        float sum[ops::kElementBlock];
+        for (int64_t e = 0; e < n; ++e) {
+          float acc = grads[0][f0 + e];
+          for (int d = 1; d < k; ++d) acc += grads[static_cast<size_t>(d)][f0 + e];
+          sum[e] = acc;
+        }
+        const int64_t at = f0 - offsets[i];  // the block's first element in parameter i
+        for (int d = 0; d < k; ++d) {
+          float* p = params[static_cast<size_t>(d)][i] + at;
+          if (sgd.sum_rule) {
+            const float scale = sgd.lr / batch;
+            for (int64_t e = 0; e < n; ++e) p[e] -= scale * sum[e];
+            continue;
+          }
+          float* buf = momentum[static_cast<size_t>(d)];
+          const ops::SgdStep step{p, sum, buf ? buf + f0 : nullptr, batch, sgd.lr, sgd.momentum,
+                                  sgd.weight_decay};
+          for (int64_t e = 0; e < n; ++e) step(e);
+        }
+      });
+    }
+    barrier.arrive_and_wait();  // every chunk of every replica is written before anyone reads
+  }
+};
+
+// Enqueues the collective on every replica's device (see SharedUpdate).
+void shared_update(const Model& m, std::vector<Replica>& replicas, const std::vector<Tensor>& grads,
+                   const Sgd& sgd, int64_t batch) {
+  const size_t k = replicas.size();
+  auto sh = std::make_shared<SharedUpdate>(static_cast<int>(k));
+  sh->sgd = sgd;
+  sh->batch = static_cast<float>(batch);
+  for (size_t i = 0; i < m.num_params(); ++i) {
+    sh->offsets.push_back(m.offset(i));
+    sh->sizes.push_back(replicas[0].state.params[i].numel());
+  }
+  sh->total = m.flat_size();
+  for (size_t d = 0; d < k; ++d) {
+    Replica& r = replicas[d];
+    // As update(): the momentum buffer is made, zeroed, at the first step with momentum.
+    const bool with_buf = sgd.momentum != 0.0f && !sgd.sum_rule;
+    if (with_buf && !r.momentum.defined()) {
+      r.momentum = Tensor::empty({m.flat_size()}, DType::F32, r.device);
+      ops::fill(r.momentum, 0.0);
+    }
+    sh->grads.push_back(grads[d].f32());
+    std::vector<float*> ps;
+    for (const Tensor& p : r.state.params) ps.push_back(p.f32());
+    sh->params.push_back(std::move(ps));
+    sh->momentum.push_back(with_buf ? r.momentum.f32() : nullptr);
+  }
+  // Every queue gets its part in the same host order (see comm::allreduce), and each task keeps
+  // its own replica's tensors alive: the others' are kept by their tasks, which all leave the
+  // collective together.
+  std::lock_guard<std::recursive_mutex> order(collective_submission_mutex());
+  for (size_t d = 0; d < k; ++d) {
+    Replica& r = replicas[d];
+    std::vector<Tensor> keep = r.state.params;
+    keep.push_back(grads[d]);
+    if (r.momentum.defined()) keep.push_back(r.momentum);
+    enqueue_on(r.device, "allreduce and sgd", [sh, me = static_cast<int>(d)] {
+      try {
+        sh->run(me);
+      } catch (...) {
+        sh->barrier.abort();  // release the devices waiting for this one
+        throw;
+      }
+    }, keep);
   }
 }
 
@@ -305,12 +424,19 @@ std::vector<Tensor> train_step(const Model& m, const Tensor& X, const Tensor& y,
     xs = rank_shards(X, devices, !graphs);
     ys = rank_shards(y, devices, !graphs);
   }
-  std::vector<int64_t> sizes;
-  for (const Bucket& b : m.buckets()) sizes.push_back(b.end - b.begin);
-  comm::BucketAllReduce reduce(devices, sizes, X.size(0) * 256 + static_cast<int64_t>(L));
+  // CPU devices of this process (and no other rank): one collective after backward sums the
+  // gradients and updates every replica (shared_update); otherwise buckets are reduced as
+  // backward produces them and every replica updates itself.
+  const bool shared = devices[0].is_cpu() && L > 1 && world == 1 && shared_update_enabled();
+  std::optional<comm::BucketAllReduce> reduce;
+  if (!shared) {
+    std::vector<int64_t> sizes;
+    for (const Bucket& b : m.buckets()) sizes.push_back(b.end - b.begin);
+    reduce.emplace(devices, sizes, X.size(0) * 256 + static_cast<int64_t>(L));
+  }
   std::vector<Tensor> losses, grads;
   auto bucket_done = [&](size_t b, size_t d) {
-    reduce.ready(b, d, grads[d].slice_rows(m.buckets()[b].begin, m.buckets()[b].end));
+    if (reduce) reduce->ready(b, d, grads[d].slice_rows(m.buckets()[b].begin, m.buckets()[b].end));
   };
   if (graphs) {
     std::vector<std::shared_ptr<CapturedStep>> loaded;
@@ -343,7 +469,11 @@ std::vector<Tensor> train_step(const Model& m, const Tensor& X, const Tensor& y,
   }
   {
     trace::Label label([] { return std::string("sgd update"); });
-    for (size_t d = 0; d < L; ++d) update(m, replicas[d], grads[d], sgd, X.size(0));
+    if (shared) {
+      shared_update(m, replicas, grads, sgd, X.size(0));
+    } else {
+      for (size_t d = 0; d < L; ++d) update(m, replicas[d], grads[d], sgd, X.size(0));
+    }
     share_buffers(replicas);
   }
   if (guarded) finish_guard(op, guard, classes, losses);

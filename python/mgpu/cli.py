@@ -194,7 +194,7 @@ def _bench(args) -> int:
             repeat=args.repeat, data_dir=args.data_dir, synthetic=args.synthetic,
             seed=args.seed, compare=args.compare, torch_python=args.torch_python,
             torch_threads=args.torch_threads, parts=parts, gemm_size=args.gemm_size, log=log,
-            model=args.model)
+            model=args.model, weak_scaling=args.weak_scaling)
     elif args.bench == "ops":
         result = bench.bench_ops(batch_sizes=args.batch_sizes, warmup=args.warmup,
                                  repeat=args.repeat, log=log, device=args.device)
@@ -254,6 +254,9 @@ def _bench_parser(sub) -> None:
                         "epochs; default 20, resnet18: 5)")
     t.add_argument("--devices", type=_ints, default=[1, 2], help="device counts, e.g. 1,2")
     t.add_argument("--batch-size", type=int, default=256, help="global minibatch size")
+    t.add_argument("--weak-scaling", action="store_true",
+                   help="resnet18: k devices train on batches of k x --batch-size, and the "
+                        "report compares ms per image with 1 device's")
     t.add_argument("--lr", type=float, default=None,
                    help="learning rate (default 0.2, resnet18: 0.1)")
     t.add_argument("--data-dir", default=None, help="directory with the Fashion-MNIST IDX files")

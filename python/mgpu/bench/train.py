@@ -156,7 +156,8 @@ def bench_train(devices: Sequence[int] = (1, 2), batch_size: int = 256, lr: floa
                 repeat: int = 3, data_dir: Optional[str] = None, synthetic: int = 0,
                 seed: int = 0, compare: Optional[str] = None, torch_python: Optional[str] = None,
                 torch_threads: int = 2, parts: Sequence[str] = TRAIN_PARTS,
-                gemm_size: int = 1024, log: Log = None, model: str = "lenet") -> Dict:
+                gemm_size: int = 1024, log: Log = None, model: str = "lenet",
+                weak_scaling: bool = False) -> Dict:
     """Times LeNet training on Fashion-MNIST (or ``synthetic`` random images); returns a dict.
     ``model='resnet18'``: bench_train_resnet18 instead (``repeat`` and ``gemm_size`` unused).
 
@@ -181,7 +182,10 @@ def bench_train(devices: Sequence[int] = (1, 2), batch_size: int = 256, lr: floa
     if model == "resnet18":
         return bench_train_resnet18(devices, batch_size, lr, epochs, limit_batches, warmup,
                                     data_dir, synthetic, seed, compare, torch_python,
-                                    torch_threads, parts, log)
+                                    torch_threads, parts, log, weak_scaling=weak_scaling)
+    if weak_scaling:
+        raise ValueError("bench train: --weak-scaling is for --model resnet18 (LeNet's scaling "
+                         "part times batch 2b on 2 devices against b on 1 already)")
     if model != "lenet":
         raise ValueError(f"bench train: model must be 'lenet' or 'resnet18', got {model!r}")
     devices = [int(k) for k in devices]
@@ -658,6 +662,7 @@ def _entry(r: Dict, flops: int) -> Dict:
     per_step = summarize([t / r["steps_per_epoch"] for t in r["epoch_times"]])
     out.update(sec_per_step=per_step, sec_per_epoch=per_step["median"] * r["full_batches"],
                images_per_sec=r["global_batch"] / per_step["median"],
+               sec_per_image=per_step["median"] / r["global_batch"],
                gflops=flops / per_step["median"] / 1e9)
     if r.get("epoch_cpu_times"):
         out["cpu_sec_per_step"] = summarize([t / r["steps_per_epoch"]
@@ -671,14 +676,18 @@ def bench_train_resnet18(devices: Sequence[int] = (1, 2), batch_size: int = 256,
                          seed: int = 0, compare: Optional[str] = None,
                          torch_python: Optional[str] = None, torch_threads: int = 2,
                          parts: Sequence[str] = RESNET_PARTS, log: Log = None,
-                         torch_variants: Sequence[str] = ("resnet18", "resnet18-compile")) -> Dict:
+                         torch_variants: Sequence[str] = ("resnet18", "resnet18-compile"),
+                         weak_scaling: bool = False) -> Dict:
     """Times a ResNet-18 training step (sec. 12.6) on the same batches: the fused step
     (``DataParallel.train_step``) and the book's loop through autograd on each k in ``devices``,
     and with ``compare='torch'`` d2l's PyTorch ResNet-18 eager and through torch.compile
     (``torch_threads`` threads, one device; ``torch_variants`` picks). Every configuration runs
     in its own process, so its
-    peak RSS (ru_maxrss) is its own. Reports ms/step, GFLOP/s (conv and linear FLOPs of forward
-    and backward), peak memory and the ratios against PyTorch."""
+    peak RSS (ru_maxrss) is its own. Reports ms/step, ms per image, GFLOP/s (conv and linear
+    FLOPs of forward and backward), peak memory and the ratios against PyTorch.
+    ``weak_scaling``: k devices train on batches of k x ``batch_size`` (the issue's "2 devices at
+    batch 512 against 1 at 256"), and ``weak_scaling`` in the result compares each k's time per
+    image with 1 device's (PyTorch keeps ``batch_size``)."""
     devices = [int(k) for k in devices]
     if not devices or min(devices) < 1:
         raise ValueError(f"bench train: devices must be numbers of devices >= 1, got {devices}")
@@ -703,13 +712,15 @@ def bench_train_resnet18(devices: Sequence[int] = (1, 2), batch_size: int = 256,
     else:
         data_dir = find_data_dir(data_dir)
         data = {"source": "fashion-mnist", "dir": data_dir, "train_examples": 60000}
-    if data["train_examples"] < int(batch_size):
+    largest = int(batch_size) * (max(devices) if weak_scaling else 1)
+    if data["train_examples"] < largest:
         raise ValueError(f"bench train: the training set has {data['train_examples']} examples, "
-                         f"fewer than one batch of {batch_size}; use --synthetic >= "
-                         "--batch-size or a smaller --batch-size")
+                         f"fewer than one batch of {largest}; use --synthetic >= "
+                         "the largest batch or a smaller --batch-size")
     settings = dict(model="resnet18", devices=devices, batch_size=batch_size, lr=lr,
                     epochs=epochs, limit_batches=limit, warmup=warmup, seed=seed,
-                    compare=compare, torch_threads=torch_threads, parts=sides, data=data)
+                    compare=compare, torch_threads=torch_threads, parts=sides, data=data,
+                    weak_scaling=bool(weak_scaling))
     out = header("train", settings)
     flops = resnet18_step_flops(batch_size)
     out["flops"] = {"per_step": flops, "per_image": flops // int(batch_size)}
@@ -720,8 +731,12 @@ def bench_train_resnet18(devices: Sequence[int] = (1, 2), batch_size: int = 256,
                 data_dir=data.get("dir"))
     for side in sides:
         for k in devices:
-            _say(log, f"bench train: ResNet-18 {side} on {_n(k, 'device')} (own process) ...")
-            results.append(_entry(_run_side(dict(base, impl=side, num_devices=k)), flops))
+            batch = int(batch_size) * (k if weak_scaling else 1)
+            _say(log, f"bench train: ResNet-18 {side} on {_n(k, 'device')}, batch {batch} "
+                      "(own process) ...")
+            results.append(_entry(_run_side(dict(base, impl=side, num_devices=k,
+                                                 batch_size=batch)),
+                                  flops * batch // int(batch_size)))
     if compare == "torch":
         if torch_py is None:
             _say(log, f"bench train: skipping the PyTorch comparison: {torch_info}")
@@ -739,18 +754,40 @@ def bench_train_resnet18(devices: Sequence[int] = (1, 2), batch_size: int = 256,
                     r["threads"] = rival["threads"]
                     results.append(_entry(r, flops))
     out["comparisons"] = _resnet_comparisons(results)
+    if weak_scaling:
+        out["weak_scaling"] = _weak_scaling(results)
     out["machine"]["loadavg_end"] = machine_info()["loadavg"]
     return out
 
 
+def _weak_scaling(results: List[Dict]) -> List[Dict]:
+    """For each mgpu side on k > 1 devices: its time per image against the same side's on 1
+    device (ratio above 1: k devices take longer per image)."""
+    out = []
+    for mine in (r for r in results if r["impl"].startswith("mgpu") and r["num_devices"] > 1):
+        one = next((r for r in results if r["impl"] == mine["impl"] and r["num_devices"] == 1),
+                   None)
+        if one is None:
+            continue
+        out.append({"impl": mine["impl"], "num_devices": mine["num_devices"],
+                    "batch": mine["global_batch"], "one_device_batch": one["global_batch"],
+                    "sec_per_image": mine["sec_per_image"],
+                    "one_device_sec_per_image": one["sec_per_image"],
+                    "ratio": mine["sec_per_image"] / one["sec_per_image"]})
+    return out
+
+
 def _resnet_comparisons(results: List[Dict]) -> List[Dict]:
-    """time ratio = torch sec/step / mgpu sec/step (above 1: mgpu is faster); memory ratio =
-    mgpu peak RSS / torch peak RSS (below 1: mgpu uses less)."""
+    """time ratio = torch sec/image / mgpu sec/image (above 1: mgpu is faster; with equal
+    batches the ratio of sec/step); memory ratio = mgpu peak RSS / torch peak RSS (below 1: mgpu
+    uses less)."""
     out = []
     for theirs in (r for r in results if r["impl"].startswith("torch")):
         for mine in (r for r in results if r["impl"].startswith("mgpu")):
             a, b = mine["sec_per_step"]["median"], theirs["sec_per_step"]["median"]
-            out.append({"mgpu": mine["name"], "torch": theirs["name"], "time_ratio": b / a,
+            per_image = mine["global_batch"] / theirs["global_batch"]  # 1.0 for equal batches
+            out.append({"mgpu": mine["name"], "torch": theirs["name"],
+                        "time_ratio": b / a * per_image,
                         "memory_ratio": mine["peak_rss_bytes"] / theirs["peak_rss_bytes"]})
     return out
 
@@ -774,12 +811,13 @@ def format_train_resnet18(r: Dict) -> str:
     rows = []
     for x in r["results"]:
         cpu = x.get("cpu_sec_per_step")
-        rows.append([x["name"], str(x.get("threads", "")), _ms(x["sec_per_step"]["median"]),
+        rows.append([x["name"], str(x.get("threads", "")), str(x["global_batch"]),
+                     _ms(x["sec_per_step"]["median"]), f"{x['sec_per_image'] * 1e3:.3f}",
                      _ms(cpu["median"]) if cpu else "-", f"{x['gflops']:.1f}",
                      _mib(x.get("peak_rss_bytes")), _mib(x.get("allocator_peak_bytes")),
                      str(x.get("system_mallocs_timed", "-"))])
-    lines += _table(["configuration", "threads", "ms/step", "cpu ms/step", "GFLOP/s",
-                     "peak RSS MiB", "alloc peak MiB", "mallocs"], rows, "lrrrrrrr")
+    lines += _table(["configuration", "threads", "batch", "ms/step", "ms/image", "cpu ms/step",
+                     "GFLOP/s", "peak RSS MiB", "alloc peak MiB", "mallocs"], rows, "lrrrrrrrrr")
     lines.append("cpu ms/step: process CPU time per step (all threads); mallocs: blocks mgpu's "
                  "CPU allocator took from the system during the timed epochs")
     t = r.get("torch")
@@ -789,9 +827,18 @@ def format_train_resnet18(r: Dict) -> str:
         lines.append(f"PyTorch {t['torch_version']} ({t['python']}), {t.get('threads')} threads")
     if r.get("comparisons"):
         lines.append("")
-        lines.append("time = torch ms/step / mgpu ms/step (above 1: mgpu faster); memory = mgpu "
+        lines.append("time = torch ms/image / mgpu ms/image (above 1: mgpu faster); memory = mgpu "
                      "peak RSS / torch peak RSS (below 1: mgpu smaller)")
         lines += _table(["mgpu", "torch", "time", "memory"],
                         [[c["mgpu"], c["torch"], f"{c['time_ratio']:.2f}",
                           f"{c['memory_ratio']:.2f}"] for c in r["comparisons"]], "llrr")
+    if r.get("weak_scaling"):
+        lines.append("")
+        lines.append("weak scaling: ms per image on k devices at batch k x b against 1 device at "
+                     "b (issue 17's target: within 10 %, ratio <= 1.10)")
+        for w in r["weak_scaling"]:
+            lines.append(f"  {w['impl']}, {_n(w['num_devices'], 'device')} at batch {w['batch']}: "
+                         f"{w['sec_per_image'] * 1e3:.3f} ms/image vs 1 device at batch "
+                         f"{w['one_device_batch']}: {w['one_device_sec_per_image'] * 1e3:.3f} "
+                         f"ms/image, ratio {w['ratio']:.3f}")
     return "\n".join(lines)
