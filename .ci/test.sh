@@ -6,8 +6,9 @@
 #      skips it, for quick local runs);
 #   2. the Python suite against the installed package;
 #   3. the tests marked `gpu` again against the emulated build's package, where gpu(0) and gpu(1)
-#      are emulated GPUs running our CUDA kernels; then the GPU files on the strict emulator
-#      (MGPU_EMU_STRICT=1) with two seeds (the peer-copy all-reduce);
+#      are emulated GPUs running our CUDA kernels (test_gpu_stress.py among them: 200 fused steps
+#      on random sets of 4 emulated GPUs, graphs and all-reduce paths, in a child); then the GPU
+#      files on the strict emulator (MGPU_EMU_STRICT=1) with two seeds (the peer-copy all-reduce);
 #   4. the CPU op and training tests with the AVX2 kernel path forced (the runs above take the
 #      widest path the CPU has);
 #   5. the pip-only route (.ci/wheel.sh): the sdist, a CPU-only wheel built from it in isolation
@@ -82,8 +83,9 @@ stage "Python GPU tests on the strict emulator (MGPU_EMU_STRICT=1)"
 # Streams run behind the host in a seeded random interleaving, a grid's blocks in a random order,
 # freed memory is poisoned, captures follow CUDA's rules, another thread's work on a capturing
 # stream and cross-device copies without peer access are refused. Seed 2 runs the GPU files
-# with the 3- and 4-GPU children (test_gpu_stress.py is not run: unfinished); seed 4 runs them
-# without the children, to keep the stage within a few minutes. Seeds 2 and 4, not 1: a planted
+# with the 3- and 4-GPU children (test_gpu_stress.py runs in the stage above, on the lenient
+# emulator: see its docstring); seed 4 runs them without the children, to keep the stage within
+# a few minutes. Seeds 2 and 4, not 1: a planted
 # missing wait for a staging buffer's copy showed under seeds 2, 3, 4 and not under 1 or 5
 # (test_host_to_device_copies_reuse_staging_buffers_only_after_their_copies). MGPU_CI_STRICT_SEEDS
 # ="a b ..." picks other seeds (each printed in the pytest header and in every failure, to replay).
