@@ -508,7 +508,8 @@ int syncthreads(int kind, int predicate, const char* file, int line) {
     b.bar_line = line;
     b.bar_first = f->tid;
     b.bar_predicates = 0;
-  } else if (b.bar_line != line || b.bar_kind != kind || std::strcmp(b.bar_file, file) != 0) {
+  } else if (b.bar_line != line || b.bar_kind != kind ||
+             (b.bar_file != file && std::strcmp(b.bar_file, file) != 0)) {  // same literal: equal
     throw KernelError(cudaErrorLaunchFailure,
                       cat("divergent barriers: this thread is at ", file, ":", line, " while ",
                           thread_str(b, b.bar_first), " waits at ", b.bar_file, ":", b.bar_line,
