@@ -7,19 +7,19 @@ graphs (counted by the emulator, so this runs on emulated GPUs only).
 It runs in a child process with MGPU_EMULATED_GPUS=4 (the suite's own process has 2), so the
 counts start from a fresh runtime and no other test's cached graphs or blocks enter them.
 
-What grows, and why it is no leak. The caching allocator never gives blocks back (only on an
-out-of-memory retry or empty_cache), and a captured step keeps the blocks it took during its
-capture in its graph pool for as long as the step stays cached (its kernels have those addresses
-baked in). A capture therefore takes blocks out of the shared free lists for good, and the next
-plain (uncaptured) step on that GPU must cudaMalloc fresh ones. With the old warm-up (per set:
-plain, capture, replay) every later capture emptied the lists the earlier plain steps had
-filled, so the first plain step after the warm-up on each GPU grew its cache by about 1.2 MB
-(29 blocks), and a plain 2-GPU step once more (the all-reduce's buffers): the 17.4 -> 18.8 MB seen
-before. Measured step by step (40 random steps after that warm-up): growth only at those first
-plain steps, flat after. The warm-up here therefore captures every step first and then runs
-every set plainly on both all-reduce paths; the first half of the random steps still runs before
-the "before" snapshot (the blocks in flight at once depend a little on how far the host runs
-ahead of the devices' workers), and nothing may grow over the second half.
+What grows, and why it is no leak. The caching allocator never gives blocks back (only on an out-
+of-memory retry or empty_cache), and a captured step keeps the blocks it took during its capture in
+its graph pool for as long as the step stays cached (its kernels have those addresses baked in). A
+capture therefore takes blocks out of the shared free lists for good, and the next plain
+(uncaptured) step on that GPU must cudaMalloc fresh ones. With the old warm-up (per set: plain,
+capture, replay) every later capture emptied the lists the earlier plain steps had filled, so the
+first plain step after the warm-up on each GPU grew its cache by about 1.2 MB (29 blocks), and a
+plain 2-GPU step once more (the all-reduce's buffers): the 17.4 -> 18.8 MB seen before. Measured
+step by step (30 random steps after that warm-up, 2 GPUs): growth only at those first plain steps,
+flat after. The warm-up here therefore captures every step first and then runs every set plainly on
+both all-reduce paths; the first half of the random steps still runs before the "before" snapshot
+(the blocks in flight at once depend a little on how far the host runs ahead of the devices'
+workers), and nothing may grow over the second half.
 
 The device sets: 1, 2, 3 and 4 GPUs, two sets of 1 and of 3, so that every set's captured steps
 (one per GPU of the set: 14 here) fit the captured-step cache (16 entries, train/graph_capture.cpp);
@@ -27,8 +27,10 @@ more would evict and re-capture steps, which must not leak either but costs a ca
 
 Lenient emulator (streams run at issue): the strict one interleaves streams at random, but the
 fused step on its emulated NCCL still deadlocks for some seeds (open, see test_nccl_emu.py), and
-the lenient one keeps 200 steps within about a minute of CPU. MGPU_GPU_STRESS_STEPS sets the
-number of steps, MGPU_GPU_STRESS_SEED the seed (default: a new one, printed).
+the lenient one is cheaper. Cost: 200 steps and the warm-up took 166 s of CPU (11 min of wall
+time under a load of 20 on 2 cores, 2026-11-27; not measured quietly, where the devices' workers
+share the 2 cores: estimated 1.5-3 min). MGPU_GPU_STRESS_STEPS sets the number of steps,
+MGPU_GPU_STRESS_SEED the seed (default: a new one, printed).
 """
 import json
 import os
