@@ -6,8 +6,10 @@
 #      skips it, for quick local runs);
 #   2. the Python suite against the installed package;
 #   3. the tests marked `gpu` again against the emulated build's package, where gpu(0) and gpu(1)
-#      are emulated GPUs running our CUDA kernels; then the GPU files on the strict emulator
-#      (MGPU_EMU_STRICT=1) with two seeds (the emulated NCCL, then the peer-copy all-reduce);
+#      are emulated GPUs running our CUDA kernels (test_gpu_stress.py among them: 200 fused steps
+#      on random sets of 4 emulated GPUs, graphs and all-reduce paths, in a child); then the GPU
+#      files on the strict emulator (MGPU_EMU_STRICT=1) with two seeds (the emulated NCCL, then the
+#      peer-copy all-reduce);
 #   4. the CPU op and training tests with the AVX2 kernel path forced (the runs above take the
 #      widest path the CPU has);
 #   5. the pip-only route (.ci/wheel.sh): the sdist, a CPU-only wheel built from it in isolation
@@ -85,9 +87,9 @@ stage "Python GPU tests on the strict emulator (MGPU_EMU_STRICT=1)"
 # with the 3- and 4-GPU children on the emulated NCCL (the emulated build's default all-reduce;
 # the children also run the peer-copy path); seed 4 runs them without the children on the
 # peer-copy all-reduce (MGPU_ALLREDUCE=peer), to keep the stage within a few minutes
-# (test_gpu_stress.py is not run: unfinished). Seeds 2 and 4, not 1: a planted missing wait for
-# a staging buffer's copy showed under seeds 2, 3, 4 and not under 1 or 5
-# (test_host_to_device_copies_reuse_staging_buffers_only_after_their_copies).
+# (test_gpu_stress.py runs in the stage above, on the lenient emulator: see its docstring).
+# Seeds 2 and 4, not 1: a planted missing wait for a staging buffer's copy showed under seeds 2,
+# 3, 4 and not under 1 or 5 (test_host_to_device_copies_reuse_staging_buffers_only_after_their_copies).
 # MGPU_CI_STRICT_SEEDS="a b ..." picks other seeds (each printed in the pytest header and in every
 # failure, to replay); the first runs as seed 2 does here, the others as seed 4.
 strict_seeds=${MGPU_CI_STRICT_SEEDS:-"2 4"}

@@ -137,7 +137,9 @@ def test_nccl_path_on_the_strict_emulator(seed):
     """Streams run behind the host in a seeded order (MGPU_EMU_STRICT=1): the compute stream must
     wait for the communication stream's reduction and unpacking before it reads the gradients,
     and the flat buffers may be reused only after. On 3 GPUs, so a wrong rank order in the sum
-    changes bits.
+    changes bits. A planted missing wait of the communication stream for the compute stream's
+    packing (allreduce_gpu.cpp, run_nccl) fails every seed: the emulated collective is work
+    queued on the communication stream, so it read the packed buffer's poison (NaN).
 
     Seed 3 also runs the fused step (its overlapped buckets: several collectives queued on every
     communication stream at once). It deadlocked there (and under seed 1) before the fix: a thread

@@ -351,6 +351,9 @@ struct GpuCollective {
 
   void run_nccl(int me, cudaStream_t stream) {
     // The communication stream takes the packed buffer from the compute stream, and hands it back.
+    // Without this wait the collective may read the buffer before the packing copies wrote it: on
+    // the strict emulator, where the collective is queued work of the communication stream, it
+    // then sums the poisoned (NaN) block (test_nccl_emu.py's strict test fails for seeds 1-3).
     cudaStream_t comm = gpu::comm_stream(gpu[me]);
     auto [packed, reduced] = handover_events(gpu[me]);
     MGPU_CUDA_CHECK(cudaEventRecord(packed, stream));
