@@ -30,9 +30,9 @@ more would evict and re-capture steps, which must not leak either but costs a ca
 
 Lenient emulator (streams run at issue), because it is the cheaper one: the strict emulator's
 streams run the same steps (test_gpu.py, test_nccl_emu.py under MGPU_EMU_STRICT=1), but this
-200-step run has not been tried on it. Cost: 200 steps and the warm-up took 166 s of CPU (11 min of wall
-time under a load of 20 on 2 cores, 2026-11-27; not measured quietly, where the devices' workers
-share the 2 cores: estimated 1.5-3 min). MGPU_GPU_STRESS_STEPS sets the number of steps,
+200-step run has not been tried on it. Cost: 200 steps and the warm-up took 166 s of CPU (11 min
+of wall time under a load of 20 on 2 cores, 2026-11-27; not measured quietly, where the devices'
+workers share the 2 cores: estimated 1.5-3 min). MGPU_GPU_STRESS_STEPS sets the number of steps,
 MGPU_GPU_STRESS_SEED the seed (default: a new one, printed).
 """
 import json
