@@ -326,6 +326,8 @@ def _check_resnet_result(r, sides):
     for x in r["results"]:
         if x["impl"].startswith("mgpu"):
             assert x["allocator_peak_bytes"] > 4 * 11_175_818  # at least the parameters
+            # Every block handed out came from memory the allocator took from the system.
+            assert x["allocator_held_bytes"] >= x["allocator_peak_bytes"]
             assert x["devices"] == [f"cpu({i})" for i in range(x["num_devices"])]
 
 

@@ -319,6 +319,70 @@ def test_cpu_memory_stats_count_system_blocks_and_the_peak():
     assert mgpu.cpu_memory_stats()["system_mallocs"] == s1["system_mallocs"]
 
 
+_ARENA_SCRIPT = r"""
+import numpy as np
+import mgpu
+
+MiB = 1 << 20
+stats = mgpu.cpu_memory_stats
+mgpu.waitall()
+s0 = stats()
+# Two 128 MiB blocks fill the first 256 MiB segment exactly; released, they merge, and a 256 MiB
+# block fits the merged chunk: no second segment from the system.
+a = mgpu.full((32 * MiB,), 1.0)
+b = mgpu.full((32 * MiB,), 2.0)
+mgpu.waitall()
+s1 = stats()
+assert s1["system_mallocs"] == s0["system_mallocs"] + 1, (s0, s1)
+assert s1["allocated"] == s0["allocated"] + 256 * MiB, (s0, s1)
+del a, b
+mgpu.waitall()
+s2 = stats()
+assert s2["allocated"] == s0["allocated"] and s2["cached"] == s1["cached"] + 256 * MiB, (s1, s2)
+c = mgpu.full((64 * MiB,), 3.0)
+mgpu.waitall()
+assert stats()["system_mallocs"] == s1["system_mallocs"], (s1, stats())
+del c
+# Blocks of many sizes, released at random and made again: each keeps its own value (no two
+# live blocks overlap), and the counters add up.
+rng = np.random.default_rng(0)
+live = {}
+for i in range(300):
+    if live and rng.random() < 0.45:
+        del live[list(live)[rng.integers(len(live))]]
+    else:
+        n = int(rng.integers(MiB // 4 + 1, 6 * MiB))  # 1 MiB to 24 MiB of float32
+        live[i] = (mgpu.full((n,), float(i)), n)
+    if i % 50 == 49:
+        for k, (t, n) in live.items():
+            v = t.numpy()
+            assert v.shape == (n,) and v[0] == k and v[-1] == k and (v == k).all(), k
+        del t, v
+mgpu.waitall()
+held = sum((4 * n + 65535) // 65536 * 65536 for _, n in live.values())
+assert stats()["allocated"] == s0["allocated"] + held, (stats(), held)
+live.clear()
+mgpu.waitall()
+mgpu.empty_cache()
+assert stats()["allocated"] == s0["allocated"] and stats()["cached"] == 0, (s0, stats())
+print("ok")
+"""
+
+
+def test_large_blocks_come_from_an_arena_that_merges_free_neighbours():
+    """Blocks over 1 MiB are cut best-fit from arena segments and merge with free neighbours when
+    released (two 128 MiB blocks freed make room for a 256 MiB one without a new segment); blocks
+    of random sizes made and released at random never overlap (each keeps its value); the counters
+    add up and empty_cache gives every free segment back. In its own process, so the arena starts
+    empty."""
+    import os
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-c", _ARENA_SCRIPT], capture_output=True, text=True,
+                       env=dict(os.environ, MGPU_EMULATED_GPUS="0"))
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]
+
+
 # --- bad input to the fused step: a clear exception, nothing changed -----------------------------
 
 def _state(net):
