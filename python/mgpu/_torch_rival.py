@@ -211,12 +211,13 @@ def peak_rss_bytes():
 # --- timing --------------------------------------------------------------------------------
 
 class Batches:
-    """Shuffled minibatches over tensors already in memory (the gather is part of each step)."""
+    """Shuffled minibatches over tensors already in memory (the gather is part of each step).
+    The images stay uint8 and each batch is scaled to [0, 1] when gathered, as mgpu's side of the
+    bench does (bench/train.py's _ArrayBatches), so both sides hold the same data set in memory."""
 
     def __init__(self, torch, images, labels, batch_size, limit, seed):
         self.torch = torch
-        pixels = images.astype(np.float32) / np.float32(255.0)
-        self.X = torch.from_numpy(pixels).reshape(-1, 1, 28, 28)
+        self.X = torch.from_numpy(np.ascontiguousarray(images)).reshape(-1, 1, 28, 28)
         self.y = torch.from_numpy(labels.astype(np.int64))
         self.batch_size = batch_size
         n = len(labels)
@@ -229,7 +230,7 @@ class Batches:
         order = self.torch.from_numpy(self.rng.permutation(len(self.y)))
         for i in range(num_batches or self.num_batches):
             idx = order[i * self.batch_size:(i + 1) * self.batch_size]
-            yield self.X[idx], self.y[idx]
+            yield self.X[idx].to(self.torch.float32).div_(255.0), self.y[idx]
 
 
 class LoaderBatches:
