@@ -108,6 +108,80 @@ def test_fused_kernels_equal_the_unfused_ops_bitwise():
     np.testing.assert_array_equal(_np(dsc), dz)
 
 
+# batch_norm_backward_full's channel groups: one channel per task (big planes), several with a
+# last group cut short (C = 37 at 4x4: groups of 4), HW a multiple of 16 or not, HW = 1 (2-d x),
+# C = 1 and 3, batch 1.
+FULL_SHAPES = [(3, 1, 5, 7), (2, 3, 3, 3), (5, 3), (1, 4, 1, 17), (4, 16, 6, 6), (3, 37, 4, 4),
+               (2, 19, 7, 7), (2, 2, 64, 64), (40, 9)]
+
+
+@pytest.mark.parametrize("shape", FULL_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("kind", ["bn", "bn_relu", "bn_add_relu"])
+def test_backward_full_against_float64_and_the_two_ops(device, shape, kind):
+    """batch_norm_backward_full (the sums and dx in one op, what the step runs without
+    synchronised statistics) against float64, and bitwise equal to the reduce + dx ops it
+    replaces (plain: batch_norm_backward_reduce + batch_norm_backward; with y:
+    batch_norm_act_backward_reduce + batch_norm_act_backward)."""
+    rng = np.random.default_rng(hash((shape, kind)) % 2**32)
+    C = shape[1]
+    x = (rng.normal(size=shape) * _per_channel(rng.uniform(0.5, 2.0, C), np.zeros(shape))
+         + _per_channel(rng.normal(size=C) * 3, np.zeros(shape))).astype(np.float32)
+    gamma = rng.uniform(0.5, 1.5, C).astype(np.float32)
+    beta = rng.normal(size=C).astype(np.float32) * 0.3
+    shortcut = rng.normal(size=shape).astype(np.float32) if kind == "bn_add_relu" else None
+    dy = rng.normal(size=shape).astype(np.float32)
+    count = float(x.size // C)
+    xt, dyt, g, b = _t(x, device), _t(dy, device), _t(gamma, device), _t(beta, device)
+    mean, var = _core.batch_norm_stats(xt)
+    if kind == "bn":
+        dx_ref, dgamma_ref, dbeta_ref = ref.batch_norm_train_backward(x, gamma, dy, eps=EPS)
+        yt = None
+        a, b2 = _core.batch_norm_backward_reduce(xt, dyt, mean, var, EPS)
+        dx_two = _core.batch_norm_backward(xt, dyt, mean, var, g, a, b2, count, EPS, True)
+        dsc_two = None
+    else:
+        _, dx_ref, dgamma_ref, dbeta_ref, dsc_ref = reference(x, gamma, beta, shortcut, dy)
+        sc = _t(shortcut, device) if shortcut is not None else None
+        yt = _core.batch_norm_act_forward(xt, mean, var, g, b, sc, EPS)
+        a, b2 = _core.batch_norm_act_backward_reduce(xt, yt, dyt, mean, var, EPS)
+        dx_two, dsc_two = _core.batch_norm_act_backward(xt, yt, dyt, mean, var, g, a, b2, count,
+                                                        EPS, True)
+    want_sc = kind != "bn"
+    s1, s2, dx, dsc = _core.batch_norm_backward_full(xt, yt, dyt, mean, var, g, EPS, True, want_sc)
+    assert_close(_np(s1), dbeta_ref, "sum", "sum(dz) = dbeta", device)
+    assert_close(_np(s2), dgamma_ref, "sum", "sum(dz * xhat) = dgamma", device)
+    assert_close(_np(dx), dx_ref, "sum", "dx", device)
+    np.testing.assert_array_equal(_np(s1), _np(a))
+    np.testing.assert_array_equal(_np(s2), _np(b2))
+    np.testing.assert_array_equal(_np(dx), _np(dx_two))
+    if want_sc:
+        assert_close(_np(dsc), dsc_ref, "elementwise", "the shortcut's gradient", device)
+        np.testing.assert_array_equal(_np(dsc), _np(dsc_two))
+    else:
+        assert dsc is None
+    # The sums alone, and the shortcut's gradient without dx: the same bits.
+    t1, t2, no_dx, dsc_only = _core.batch_norm_backward_full(xt, yt, dyt, mean, var, g, EPS,
+                                                             False, want_sc)
+    assert no_dx is None
+    np.testing.assert_array_equal(_np(t1), _np(s1))
+    np.testing.assert_array_equal(_np(t2), _np(s2))
+    if want_sc:
+        np.testing.assert_array_equal(_np(dsc_only), _np(dsc))
+
+
+def test_backward_full_rejects_bad_arguments():
+    dev = mgpu.cpu(0)
+    xt = _t(np.ones((2, 3, 4, 4)), dev)
+    mean, var = _core.batch_norm_stats(xt)
+    with pytest.raises(ValueError, match="needs y"):
+        _core.batch_norm_backward_full(xt, None, xt, mean, var, None, EPS, True, True)
+    with pytest.raises(ValueError, match="dy has shape"):
+        _core.batch_norm_backward_full(xt, None, _t(np.ones((2, 3, 4)), dev), mean, var, None,
+                                       EPS, True, False)
+    with pytest.raises(ValueError, match="eps"):
+        _core.batch_norm_backward_full(xt, xt, xt, mean, var, None, 0.0, True, False)
+
+
 def test_fused_kernels_reject_a_misshaped_shortcut_and_y():
     dev = mgpu.cpu(0)
     xt = _t(np.ones((2, 3, 4, 4)), dev)

@@ -51,7 +51,9 @@ void bind_ops(py::module_& m) {
   m.def("conv2d_backward", [](const Tensor& x, const Tensor& w, const Tensor& dy, int64_t stride,
                               int64_t pad, bool need_dx, bool has_bias) {
     ops::Conv2dGrads g = ops::conv2d_backward(x, w, dy, stride, pad, need_dx, has_bias);
-    auto opt = [](const Tensor& t) { return t.defined() ? std::optional<Tensor>(t) : std::nullopt; };
+    auto opt = [](const Tensor& t) {
+      return t.defined() ? std::optional<Tensor>(t) : std::nullopt;
+    };
     return std::make_tuple(opt(g.dx), g.dw, opt(g.db));
   }, nogil(), "(dx or None, dw, db or None).");
   m.def("avg_pool2d_forward", &ops::avg_pool2d_forward, nogil(), "Average pooling, floor output size.");
@@ -101,6 +103,22 @@ void bind_ops(py::module_& m) {
         py::arg("sum_dz"), py::arg("sum_dz_xhat"), py::arg("count"), py::arg("eps"),
         py::arg("want_dshortcut"), nogil(),
         "(dx, dshortcut or None) of relu(batch_norm(x) (+ shortcut)) in training mode.");
+  m.def("batch_norm_backward_full", [opt_ptr](const Tensor& x, const std::optional<Tensor>& y,
+                                              const Tensor& dy, const Tensor& mean,
+                                              const Tensor& var,
+                                              const std::optional<Tensor>& gamma, float eps,
+                                              bool want_dx, bool want_dshortcut) {
+    ops::BatchNormGrads g = ops::batch_norm_backward_full(x, opt_ptr(y), dy, mean, var,
+                                                          opt_ptr(gamma), eps, want_dx,
+                                                          want_dshortcut);
+    auto opt = [](const Tensor& t) {
+      return t.defined() ? std::optional<Tensor>(t) : std::nullopt;
+    };
+    return std::make_tuple(g.sum_dy, g.sum_dy_xhat, opt(g.dx), opt(g.dshortcut));
+  }, py::arg("x"), py::arg("y"), py::arg("dy"), py::arg("mean"), py::arg("var"), py::arg("gamma"),
+        py::arg("eps"), py::arg("want_dx"), py::arg("want_dshortcut"), nogil(),
+        "(sum_dz, sum_dz_xhat, dx or None, dshortcut or None) of batch norm (+ relu if y is the "
+        "saved relu output) in training mode with the batch's own statistics, in one op.");
   m.def("mm", &ops::mm, py::arg("a"), py::arg("b"), py::arg("trans_a") = false,
         py::arg("trans_b") = false, nogil(), "Matrix product op(a) @ op(b).");
   m.def("softmax_ce_forward", &ops::softmax_ce_forward, nogil(), "Per-example softmax cross-entropy.");

@@ -3,6 +3,7 @@
 #include "ops/batch_norm.h"
 
 #include <cmath>
+#include <tuple>
 
 #include "ops/dispatch.h"
 #include "ops/elementwise.h"
@@ -268,6 +269,55 @@ std::pair<Tensor, Tensor> batch_norm_act_backward(const Tensor& x, const Tensor&
            [](cudaStream_t) { MGPU_ASSERT(false, "batch_norm_act_backward: CPU only"); }, x, y,
            dy, mean, var, gamma ? *gamma : none, sum_dz, sum_dz_xhat, dx, dsc);
   return {dx, dsc};
+}
+
+BatchNormGrads batch_norm_backward_full(const Tensor& x, const Tensor* y, const Tensor& dy,
+                                        const Tensor& mean, const Tensor& var,
+                                        const Tensor* gamma, float eps, bool want_dx,
+                                        bool want_dshortcut) {
+  const char* op = "batch_norm_backward_full";
+  const BnShape s = check_x(op, x);
+  if (y) check_like_x(op, "y", *y, x);
+  check_like_x(op, "dy", dy, x);
+  MGPU_CHECK_VALUE(y || !want_dshortcut, op, ": the shortcut's gradient needs y (the saved relu "
+                   "output)");
+  check_count(op, s);
+  const double count = static_cast<double>(s.N * s.HW);
+  if (!x.device().is_cpu()) {
+    BatchNormGrads g;
+    Tensor dz = y ? relu_backward(*y, dy) : dy;
+    std::tie(g.sum_dy, g.sum_dy_xhat) = batch_norm_backward_reduce(x, dz, mean, var, eps);
+    if (want_dx) {
+      g.dx = batch_norm_backward(x, dz, mean, var, gamma, g.sum_dy, g.sum_dy_xhat, count, eps,
+                                 true);
+    }
+    if (want_dshortcut) g.dshortcut = dz;
+    return g;
+  }
+  check_channel(op, "mean", mean, x);
+  check_channel(op, "var", var, x);
+  if (gamma) check_channel(op, "weight (gamma)", *gamma, x);
+  check_eps(op, eps);
+  BatchNormGrads g;
+  g.sum_dy = Tensor::empty({s.C}, DType::F32, x.device());
+  g.sum_dy_xhat = Tensor::empty({s.C}, DType::F32, x.device());
+  if (want_dx) g.dx = Tensor::empty_like(x);
+  if (want_dshortcut) g.dshortcut = Tensor::empty_like(x);
+  const Tensor none;
+  // Without dx the shortcut's gradient comes from the dx loop all the same: dx goes to scratch.
+  Tensor dx_buf = want_dx || !want_dshortcut ? g.dx : Tensor::empty_like(x);
+  dispatch(x.device(), op,
+           [s, xp = x.f32(), yp = ptr(y), dyp = dy.f32(), mp = mean.f32(), vp = var.f32(),
+            gp = ptr(gamma), eps, a = g.sum_dy.f32(), b = g.sum_dy_xhat.f32(),
+            dxp = dx_buf.defined() ? dx_buf.f32() : nullptr,
+            dsp = want_dshortcut ? g.dshortcut.f32() : nullptr] {
+             cpu::batch_norm_backward_full(s.N, s.C, s.HW, xp, yp, dyp, mp, vp, gp, eps, a, b,
+                                           dxp, dsp);
+           },
+           [](cudaStream_t) { MGPU_ASSERT(false, "batch_norm_backward_full: CPU only"); }, x,
+           y ? *y : none, dy, mean, var, gamma ? *gamma : none, g.sum_dy, g.sum_dy_xhat, dx_buf,
+           g.dshortcut);
+  return g;
 }
 
 std::pair<Tensor, Tensor> batch_norm_combine_stats(const Tensor& parts) {

@@ -58,6 +58,21 @@ std::pair<Tensor, Tensor> batch_norm_act_backward(const Tensor& x, const Tensor&
                                                   const Tensor& sum_dz, const Tensor& sum_dz_xhat,
                                                   double count, float eps, bool want_dshortcut);
 
+// ---- the whole training backward with this replica's own statistics (no synchronisation) ----
+// (sum_dy, sum_dy_xhat, dx, dshortcut) of batch_norm_backward_reduce + batch_norm_backward
+// (training, y null) or of batch_norm_act_backward_reduce + batch_norm_act_backward (y the saved
+// relu output), with count = N*H*W, in one op and with the same bits. On CPU devices one kernel
+// that handles a group of channels at a time (their sums, then their dx), so dx re-reads x, y, dy
+// from cache instead of memory; on GPUs the two ops. dx is undefined unless want_dx; dshortcut
+// (= dz) unless want_dshortcut (which needs y).
+struct BatchNormGrads {
+  Tensor sum_dy, sum_dy_xhat, dx, dshortcut;
+};
+BatchNormGrads batch_norm_backward_full(const Tensor& x, const Tensor* y, const Tensor& dy,
+                                        const Tensor& mean, const Tensor& var,
+                                        const Tensor* gamma, float eps, bool want_dx,
+                                        bool want_dshortcut);
+
 // ---- synchronised batch norm: K replicas' parts combined into the statistics of their union ----
 // Every replica holds the same rows (an all-reduce of zero-padded rows, each replica writing only
 // its own: an all-gather whose sums are exact) and combines them in row order 0..K-1 in double,
@@ -106,9 +121,9 @@ std::pair<Tensor, Tensor> batch_norm_combine_sums(const Tensor& parts);
 // Every kernel overwrites its outputs. Per-channel sums accumulate x - shift (shift = the
 // channel's first element, so mean >> std loses nothing) in double.
 namespace cpu {
-// One task per channel; within a channel, element i of each row (n, c, :) goes into double lane
-// i % 16 of the row's sums, each row's lanes are added into the channel's in n order, and the
-// channel's lanes are added 0..15.
+// Tasks take groups of neighbouring channels; within a channel, element i of each row (n, c, :)
+// goes into double lane i % 16 of the row's sums, each row's lanes are added into the channel's
+// in n order, and the channel's lanes are added 0..15.
 void batch_norm_stats(int64_t N, int64_t C, int64_t HW, const float* x, float* mean, float* var);
 // gamma, beta may be null.
 void batch_norm_forward(int64_t N, int64_t C, int64_t HW, const float* x, const float* mean,
@@ -136,6 +151,13 @@ void batch_norm_act_backward(int64_t N, int64_t C, int64_t HW, const float* x, c
                              const float* dy, const float* mean, const float* var,
                              const float* gamma, const float* sum_dz, const float* sum_dz_xhat,
                              double count, float eps, float* dx, float* dshortcut);
+// batch_norm_backward_full: y, gamma, dx, dshortcut may be null (dx null: the sums only). Tasks
+// take groups of neighbouring channels and do their sums (batch_norm_backward_reduce's order)
+// and then their dx rows.
+void batch_norm_backward_full(int64_t N, int64_t C, int64_t HW, const float* x, const float* y,
+                              const float* dy, const float* mean, const float* var,
+                              const float* gamma, float eps, float* sum_dy, float* sum_dy_xhat,
+                              float* dx, float* dshortcut);
 }  // namespace cpu
 
 namespace cuda {

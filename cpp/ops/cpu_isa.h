@@ -96,6 +96,11 @@ std::string cpu_model();
      const float* mean, const float* var, const float* gamma, const float* sum_dz,                \
      const float* sum_dz_xhat, double count, float eps, float* dx, float* dshortcut),             \
     (N, C, HW, x, y, dy, mean, var, gamma, sum_dz, sum_dz_xhat, count, eps, dx, dshortcut))       \
+  X(void, batch_norm_backward_full,                                                               \
+    (int64_t N, int64_t C, int64_t HW, const float* x, const float* y, const float* dy,           \
+     const float* mean, const float* var, const float* gamma, float eps, float* sum_dy,           \
+     float* sum_dy_xhat, float* dx, float* dshortcut),                                            \
+    (N, C, HW, x, y, dy, mean, var, gamma, eps, sum_dy, sum_dy_xhat, dx, dshortcut))              \
   X(void, bias_grad_rows, (int64_t n, int64_t m, const float* dy, float* db), (n, m, dy, db))     \
   X(void, add_elements, (int64_t n, const float* a, const float* b, float* out), (n, a, b, out))  \
   X(void, sgd_step, (int64_t n, float* param, const float* grad, float scale),                    \

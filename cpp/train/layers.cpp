@@ -181,16 +181,20 @@ void backward(const Layer& l, const std::vector<Tensor>& in, const Tensor& out, 
     }
     case LayerKind::BatchNorm: {
       const auto eps = static_cast<float>(l.eps);
-      const bool synced = s.synced;
-      auto [sum_dy, sum_dy_xhat] = synced ? std::make_pair(s.part_dy, s.part_dy_xhat)
-                                          : ops::batch_norm_backward_reduce(x, dy, s.a, s.b, eps);
-      const double count = s.count;
-      // dx sees the statistics' dependence on every replica's x: the sums over all replicas.
+      if (!s.synced) {
+        // The replica's own statistics: the sums and dx in one op (dx re-reads from cache).
+        ops::BatchNormGrads g = ops::batch_norm_backward_full(
+            x, nullptr, dy, s.a, s.b, l.bias ? &p(0) : nullptr, eps, need_dx[0], false);
+        if (need_dx[0]) dx0 = g.dx;
+        if (l.bias) *dp = {g.sum_dy_xhat, g.sum_dy};
+        return;
+      }
+      // Synchronised: this replica's sums are dgamma, dbeta; dx sees the statistics' dependence
+      // on every replica's x: the sums over all replicas.
       if (need_dx[0])
-        dx0 = ops::batch_norm_backward(x, dy, s.a, s.b, l.bias ? &p(0) : nullptr,
-                                       synced ? s.all_dy : sum_dy,
-                                       synced ? s.all_dy_xhat : sum_dy_xhat, count, eps, true);
-      if (l.bias) *dp = {sum_dy_xhat, sum_dy};
+        dx0 = ops::batch_norm_backward(x, dy, s.a, s.b, l.bias ? &p(0) : nullptr, s.all_dy,
+                                       s.all_dy_xhat, s.count, eps, true);
+      if (l.bias) *dp = {s.part_dy_xhat, s.part_dy};
       return;
     }
     case LayerKind::BatchNormRelu:
@@ -198,19 +202,26 @@ void backward(const Layer& l, const std::vector<Tensor>& in, const Tensor& out, 
       // The mask comes from the saved output y (out); dz = dy * mask exists only in registers.
       const auto eps = static_cast<float>(l.eps);
       const bool synced = s.synced;
-      auto [sum_dz, sum_dz_xhat] =
-          synced ? std::make_pair(s.part_dy, s.part_dy_xhat)
-                 : ops::batch_norm_act_backward_reduce(x, out, dy, s.a, s.b, eps);
       const bool add = l.kind == LayerKind::BatchNormAddRelu;
       const bool want_sc = add && need_dx[1];
+      if (!synced) {
+        // The replica's own statistics: the sums and dx in one op (dx re-reads from cache).
+        ops::BatchNormGrads g = ops::batch_norm_backward_full(
+            x, &out, dy, s.a, s.b, l.bias ? &p(0) : nullptr, eps, need_dx[0], want_sc);
+        if (need_dx[0]) dx0 = g.dx;
+        if (want_sc) (*dx)[1] = g.dshortcut;
+        if (l.bias) *dp = {g.sum_dy_xhat, g.sum_dy};
+        return;
+      }
+      // Synchronised: as for BatchNorm, with dz in place of dy.
       if (need_dx[0] || want_sc) {
-        auto [g, dsc] = ops::batch_norm_act_backward(
-            x, out, dy, s.a, s.b, l.bias ? &p(0) : nullptr, synced ? s.all_dy : sum_dz,
-            synced ? s.all_dy_xhat : sum_dz_xhat, s.count, eps, want_sc);
+        auto [g, dsc] = ops::batch_norm_act_backward(x, out, dy, s.a, s.b,
+                                                     l.bias ? &p(0) : nullptr, s.all_dy,
+                                                     s.all_dy_xhat, s.count, eps, want_sc);
         if (need_dx[0]) dx0 = g;
         if (want_sc) (*dx)[1] = dsc;
       }
-      if (l.bias) *dp = {sum_dz_xhat, sum_dz};
+      if (l.bias) *dp = {s.part_dy_xhat, s.part_dy};
       return;
     }
     case LayerKind::Absorbed: return;

@@ -265,7 +265,8 @@ TEST(CpuIsa, BatchNormActSameBits) {
   struct Case {
     int64_t N, C, HW;
   };
-  for (const Case c : {Case{4, 3, 49}, Case{3, 5, 64}, Case{9, 7, 1}, Case{2, 1, 17}}) {
+  for (const Case c : {Case{4, 3, 49}, Case{3, 5, 64}, Case{9, 7, 1}, Case{2, 1, 17},
+                       Case{3, 37, 16}}) {
     SCOPED_TRACE(::testing::Message() << "N=" << c.N << " C=" << c.C << " HW=" << c.HW);
     const size_t n = static_cast<size_t>(c.N * c.C * c.HW), C = static_cast<size_t>(c.C);
     const Floats x = random_floats(n, 22), sc = random_floats(n, 23), dy = random_floats(n, 24);
@@ -275,6 +276,8 @@ TEST(CpuIsa, BatchNormActSameBits) {
     Floats y[2] = {Floats(n), Floats(n)}, ya[2] = {Floats(n), Floats(n)};
     Floats sdz[2] = {Floats(C), Floats(C)}, sdx[2] = {Floats(C), Floats(C)};
     Floats dx[2] = {Floats(n), Floats(n)}, dsc[2] = {Floats(n), Floats(n)};
+    Floats fsdz[2] = {Floats(C), Floats(C)}, fsdx[2] = {Floats(C), Floats(C)};
+    Floats fdx[2] = {Floats(n), Floats(n)}, fdsc[2] = {Floats(n), Floats(n)};
     for (int path = 0; path < 2; ++path) {
       auto fwd = path ? avx512::batch_norm_act_forward : avx2::batch_norm_act_forward;
       auto reduce =
@@ -290,6 +293,16 @@ TEST(CpuIsa, BatchNormActSameBits) {
       bwd(c.N, c.C, c.HW, x.data(), ya[p].data(), dy.data(), mean.data(), var.data(),
           gamma.data(), sdz[p].data(), sdx[p].data(), static_cast<double>(c.N * c.HW), 1e-5f,
           dx[p].data(), dsc[p].data());
+      auto full = path ? avx512::batch_norm_backward_full : avx2::batch_norm_backward_full;
+      full(c.N, c.C, c.HW, x.data(), ya[p].data(), dy.data(), mean.data(), var.data(),
+           gamma.data(), 1e-5f, fsdz[p].data(), fsdx[p].data(), fdx[p].data(), fdsc[p].data());
+    }
+    // The whole backward in one kernel: the bits of the reduce and dx kernels, on each path.
+    for (int p = 0; p < 2; ++p) {
+      EXPECT_TRUE(same_bits("full: sum_dz", fsdz[p], sdz[p]));
+      EXPECT_TRUE(same_bits("full: sum_dz_xhat", fsdx[p], sdx[p]));
+      EXPECT_TRUE(same_bits("full: dx", fdx[p], dx[p]));
+      EXPECT_TRUE(same_bits("full: dshortcut", fdsc[p], dsc[p]));
     }
     EXPECT_TRUE(same_bits("relu(bn(x))", y[0], y[1]));
     EXPECT_TRUE(same_bits("relu(bn(x) + shortcut)", ya[0], ya[1]));
