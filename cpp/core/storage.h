@@ -80,12 +80,15 @@ class Storage {
 // "1.5 GiB (1610612736 bytes)".
 std::string describe_bytes(size_t n);
 
+// The CPU caching allocator has two parts (storage.cpp): blocks up to 1 MiB come in size classes,
+// each with its free list; larger blocks are cut from an arena of big segments (best fit, split,
+// merged with free neighbours on release), their sizes rounded to 64 KiB.
 // Bytes the CPU caching allocator holds in its free lists, and a way to give them back.
 size_t cpu_cached_bytes();
-// The CPU caching allocator's counters (every CPU device shares it), in bytes of size classes:
-// allocated (live blocks), cached (free lists), peak_allocated (the most live at once since the
-// start or the last reset), system_mallocs / system_bytes (blocks and bytes taken from the system
-// so far: flat once a training loop reaches its steady state).
+// The CPU caching allocator's counters (every CPU device shares it), in bytes of rounded block
+// sizes: allocated (live blocks), cached (free lists), peak_allocated (the most live at once since
+// the start or the last reset), system_mallocs / system_bytes (blocks or arena segments and bytes
+// taken from the system so far: flat once a training loop reaches its steady state).
 struct CpuMemoryStats {
   size_t allocated = 0, cached = 0, peak_allocated = 0, system_mallocs = 0, system_bytes = 0;
 };
@@ -98,7 +101,8 @@ void cpu_reset_peak_memory();
 // for small ones every request. cpu_reserve then makes sure each large class holds at least
 // that many blocks, live or on its free list, and each small class that many free blocks. Later
 // identical steps find a free block for every request, and for large blocks the cache holds the
-// step's peak per class instead of a block for every request.
+// step's peak per class instead of a block for every request. Arena sizes are left out of
+// cpu_reserve: the arena keeps every segment the traced step took.
 void cpu_trace_begin();
 std::map<size_t, size_t> cpu_trace_end();
 void cpu_reserve(const std::map<size_t, size_t>& blocks);
