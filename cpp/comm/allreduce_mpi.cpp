@@ -667,28 +667,28 @@ std::string algorithm() { return state().ordered.load() ? "ordered" : "mpi"; }
 void allreduce(const std::vector<Tensor>& tensors, Op op, int64_t tag) {
   validate("allreduce", tensors, true);
   if (!multi_process("allreduce")) return;  // the sum over one process is its own value
-#if MGPU_BUILT_MPI && MGPU_NCCL_WORLD
-  if (!tensors[0].device().is_cpu() && nccl_for_gpus()) {
+#if MGPU_BUILT_MPI
+  // The call every rank describes, whichever transport carries it.
+  const auto describe = [&] {
     Call call;
     call.op = static_cast<int64_t>(op);
     call.count = total_elements(tensors);
     call.dtype = static_cast<int64_t>(DType::F32);
     call.tag = tag;
     call.device = tensors[0].device();
-    enqueue_collective("distributed.allreduce (NCCL)", call, tensors, run_nccl_allreduce);
+    return call;
+  };
+#endif
+#if MGPU_BUILT_MPI && MGPU_NCCL_WORLD
+  if (!tensors[0].device().is_cpu() && nccl_for_gpus()) {
+    enqueue_collective("distributed.allreduce (NCCL)", describe(), tensors, run_nccl_allreduce);
     return;
   }
 #endif
   if (staged_through_host(tensors, [&](const std::vector<Tensor>& h) { allreduce(h, op, tag); }))
     return;
 #if MGPU_BUILT_MPI
-  Call call;
-  call.op = static_cast<int64_t>(op);
-  call.count = total_elements(tensors);
-  call.dtype = static_cast<int64_t>(DType::F32);
-  call.tag = tag;
-  call.device = tensors[0].device();
-  enqueue_collective("distributed.allreduce", call, tensors,
+  enqueue_collective("distributed.allreduce", describe(), tensors,
                      [](const Call& c, const std::vector<Tensor>& ts) { run_allreduce(c, ts); });
 #endif
   (void)op, (void)tag;

@@ -165,6 +165,26 @@ std::string describe_bytes(size_t n) {
   return out.str();
 }
 
+namespace {
+
+// alloc(), and where the system refuses, alloc() again after the cache's free blocks went back.
+template <class Alloc>
+void* retry_after_emptying_cache(const Alloc& alloc) {
+  void* p = alloc();
+  if (!p) {
+    cpu_empty_cache();
+    p = alloc();
+  }
+  return p;
+}
+
+[[noreturn]] void throw_refused(size_t cap, Device device) {
+  throw OutOfMemoryError(detail::cat("out of memory: the system refused ", describe_bytes(cap),
+                                     " on ", device, "; use smaller batches or free tensors"));
+}
+
+}  // namespace
+
 std::shared_ptr<Storage> Storage::allocate(Device device, size_t nbytes) {
   // Past this, size classes would overflow; no machine has the memory anyway.
   constexpr size_t kMaxBytes = size_t{1} << 56;
@@ -180,15 +200,8 @@ std::shared_ptr<Storage> Storage::allocate(Device device, size_t nbytes) {
   void* p = nullptr;
   CpuCache& c = cache();
   if (in_arena(cap)) {
-    p = arena_allocate(c, cap);
-    if (!p) {
-      cpu_empty_cache();
-      p = arena_allocate(c, cap);
-    }
-    if (!p)
-      throw OutOfMemoryError(detail::cat("out of memory: the system refused ",
-                                         describe_bytes(cap), " on ", device,
-                                         "; use smaller batches or free tensors"));
+    p = retry_after_emptying_cache([&] { return arena_allocate(c, cap); });
+    if (!p) throw_refused(cap, device);
     std::lock_guard<std::mutex> lock(c.mutex);
     c.stats.allocated += cap;
     c.stats.peak_allocated = std::max(c.stats.peak_allocated, c.stats.allocated);
@@ -212,19 +225,14 @@ std::shared_ptr<Storage> Storage::allocate(Device device, size_t nbytes) {
     }
   }
   if (!p) {
-    p = std::aligned_alloc(kAlign, cap);
+    p = retry_after_emptying_cache([&] { return std::aligned_alloc(kAlign, cap); });
     if (!p) {
-      cpu_empty_cache();
-      p = std::aligned_alloc(kAlign, cap);
+      {
+        std::lock_guard<std::mutex> lock(c.mutex);
+        c.live[cap] -= 1;
+      }
+      throw_refused(cap, device);
     }
-    if (!p) {
-      std::lock_guard<std::mutex> lock(c.mutex);
-      c.live[cap] -= 1;
-    }
-    if (!p)
-      throw OutOfMemoryError(detail::cat("out of memory: the system refused ",
-                                         describe_bytes(cap), " on ", device,
-                                         "; use smaller batches or free tensors"));
     std::lock_guard<std::mutex> lock(c.mutex);
     c.stats.allocated += cap;
     c.stats.peak_allocated = std::max(c.stats.peak_allocated, c.stats.allocated);
