@@ -327,19 +327,19 @@ MiB = 1 << 20
 stats = mgpu.cpu_memory_stats
 mgpu.waitall()
 s0 = stats()
-# Two 128 MiB blocks fill the first 256 MiB segment exactly; released, they merge, and a 256 MiB
+# Two 32 MiB blocks fill the first 64 MiB segment exactly; released, they merge, and a 64 MiB
 # block fits the merged chunk: no second segment from the system.
-a = mgpu.full((32 * MiB,), 1.0)
-b = mgpu.full((32 * MiB,), 2.0)
+a = mgpu.full((8 * MiB,), 1.0)
+b = mgpu.full((8 * MiB,), 2.0)
 mgpu.waitall()
 s1 = stats()
 assert s1["system_mallocs"] == s0["system_mallocs"] + 1, (s0, s1)
-assert s1["allocated"] == s0["allocated"] + 256 * MiB, (s0, s1)
+assert s1["allocated"] == s0["allocated"] + 64 * MiB, (s0, s1)
 del a, b
 mgpu.waitall()
 s2 = stats()
-assert s2["allocated"] == s0["allocated"] and s2["cached"] == s1["cached"] + 256 * MiB, (s1, s2)
-c = mgpu.full((64 * MiB,), 3.0)
+assert s2["allocated"] == s0["allocated"] and s2["cached"] == s1["cached"] + 64 * MiB, (s1, s2)
+c = mgpu.full((16 * MiB,), 3.0)
 mgpu.waitall()
 assert stats()["system_mallocs"] == s1["system_mallocs"], (s1, stats())
 del c
@@ -371,7 +371,7 @@ print("ok")
 
 def test_large_blocks_come_from_an_arena_that_merges_free_neighbours():
     """Blocks over 1 MiB are cut best-fit from arena segments and merge with free neighbours when
-    released (two 128 MiB blocks freed make room for a 256 MiB one without a new segment); blocks
+    released (two 32 MiB blocks freed make room for a 64 MiB one without a new segment); blocks
     of random sizes made and released at random never overlap (each keeps its value); the counters
     add up and empty_cache gives every free segment back. In its own process, so the arena starts
     empty."""

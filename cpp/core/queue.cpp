@@ -245,7 +245,7 @@ size_t max_pending_bytes() {
       unsigned long long v = std::strtoull(env, &end, 10);
       if (end != env && *end == '\0' && v > 0) return static_cast<size_t>(v);
     }
-    size_t limit = size_t{256} << 20;
+    size_t limit = size_t{64} << 20;
     const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
     if (pages > 0 && page > 0) limit = std::min(limit, static_cast<size_t>(pages) * page / 8);
     return limit;

@@ -31,10 +31,15 @@ constexpr size_t kAlign = 64;
 constexpr size_t kSmallClass = 64 * 1024;
 
 // Blocks over this size come from the arena, rounded up to kArenaGrain; fresh segments hold at
-// least kSegmentBytes (address space: the system backs a page only once it is written).
+// least kSegmentBytes (address space: the system backs a page only once it is written). A step's
+// blocks land all over the segments it needed, so after a few steps every page of them is
+// resident: what the arena holds beyond the step's peak is resident too, up to one segment. At
+// 64 MiB, 2 devices of ResNet-18's fused step (batch 256) held 1232 MiB for a 1156 MiB peak, 1
+// device 1161-1225 for 1022 (2 devices at 256 MiB: 1296 for 1161; 32, 96 and 128 MiB did worse
+// on one of the two: how a step's blocks fragment the segments depends on their sizes).
 constexpr size_t kArenaMin = size_t{1} << 20;
 constexpr size_t kArenaGrain = 64 * 1024;
-constexpr size_t kSegmentBytes = size_t{256} << 20;
+constexpr size_t kSegmentBytes = size_t{64} << 20;
 
 // Size classes: multiples of 64 B up to 4 KiB, then a quarter-power-of-two ladder so rounding
 // wastes at most ~19 % while sizes that repeat every step land on the same list. Over kArenaMin:

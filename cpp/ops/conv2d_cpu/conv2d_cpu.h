@@ -44,6 +44,12 @@ constexpr int64_t kReduceChunk = 4096;
 // slots, the lane path's packed weights and its tap offsets.
 inline thread_local std::vector<float> tl_col, tl_mat, tl_row, tl_slots, tl_lanes, tl_weights;
 inline thread_local std::vector<int64_t> tl_offsets;
+// The calling thread's Winograd weights in the transformed domain (36 x K x C floats, 37.7 MB at
+// 512 channels): the forward's and the data gradient's U (winograd.cpp) and the weight
+// gradient's dU (winograd_dw.cpp) share it, since one call never needs two of them at once
+// (winograd_backward finishes dw before it transforms the kernel for dx). One buffer per device
+// thread instead of two.
+inline thread_local std::vector<float> tl_transformed;
 
 inline float* scratch(std::vector<float>& buf, int64_t n) {
   if (static_cast<int64_t>(buf.size()) < n) buf.resize(static_cast<size_t>(n));

@@ -31,9 +31,6 @@ constexpr int kL = 16;      // input channels side by side (lanes) in the weight
 
 constexpr auto& kG = kWinogradG;  // G (6x3), conv2d_cpu.h
 
-// Per-thread buffer: the calling thread's transformed weights, grown once to the largest shape.
-inline thread_local std::vector<float> tl_u;
-
 // U (36, K, C) from w (K, C, 3, 3): U[xi][k][c] = (G g G^T)[xi] of g = w[k, c], or, when
 // flip_transpose, of g[r][t] = w[c, k, 2 - r, 2 - t] with w read as (C, K, 3, 3) (the data
 // gradient's kernel). In double, kL input channels side by side in lanes, rounded once.
@@ -93,7 +90,7 @@ bool winograd_fits(const Conv2dShape& s) {
 
 void winograd_forward(const Conv2dShape& s, const float* x, const float* w, const float* b,
                       float* y) {
-  float* U = scratch(tl_u, kPoints * s.K * s.C);
+  float* U = scratch(tl_transformed, kPoints * s.K * s.C);
   transform_weights(w, s.K, s.C, false, U);
   forward_with_u(s, x, U, b, y);
 }
@@ -106,7 +103,7 @@ void winograd_backward(const Conv2dShape& s, const float* x, const float* w, con
   // padding 2 - pad, whose output is (N, C, H, W).
   if (dx) {
     const Conv2dShape t{s.N, s.K, P, Q, s.C, 3, 3, 1, 2 - s.pad};
-    float* U = scratch(tl_u, kPoints * KC);
+    float* U = scratch(tl_transformed, kPoints * KC);
     transform_weights(w, s.C, s.K, true, U);
     forward_with_u(t, dy, U, nullptr, dx);
   }

@@ -43,8 +43,9 @@ constexpr int64_t kBlockTiles = 256;
 
 constexpr auto& kG = kWinogradG;  // G (6x3), conv2d_cpu.h
 
-// Scratch: the calling thread holds the panels, dU and the plane sums; each worker its frames.
-inline thread_local std::vector<float> tl_panels, tl_du, tl_sums, tl_frame;
+// Scratch: the calling thread holds the panels, dU (in tl_transformed, conv2d_cpu.h) and the
+// plane sums; each worker its frames.
+inline thread_local std::vector<float> tl_panels, tl_sums, tl_frame;
 
 // 16-float loads and stores by reference: on the AVX2 path an F16 passed or returned by value
 // would change the calling convention (GCC's -Wpsabi); inlined, these are plain moves.
@@ -236,7 +237,7 @@ void winograd_dw(const Conv2dShape& s, const float* x, const float* dy, float* d
   const int64_t T_max = std::min(per_block, s.N) * g.per_image;
   float* v = scratch(tl_panels, kPoints * T_max * (Cp + Kp));
   float* dm = v + kPoints * T_max * Cp;
-  float* du = scratch(tl_du, kPoints * s.K * Cp);
+  float* du = scratch(tl_transformed, kPoints * s.K * Cp);
   float* sums = scratch(tl_sums, s.N * Kp);
   for (int64_t n0 = 0; n0 < s.N; n0 += per_block) {
     const int64_t B = std::min(per_block, s.N - n0), T = B * g.per_image;
