@@ -193,6 +193,18 @@ def test_advise_command_runs_end_to_end_quick(tmp_path):
     assert phases.count("bucket") == 2 and phases[-1] == "update"
     assert phases.index("bucket") > phases.index("backward")
     assert meas["allreduce"]["bus_bandwidth"] > 0
+    # Each thread count's layers were traced at the small batches (16, 64) and at the shards of
+    # the batches asked for: 32 and 128 on 1 device of 2 threads, 16 and 64 on 2 devices of 1.
+    assert meas["compute"]["2"]["shards"] == [16, 32, 64, 128]
+    assert meas["compute"]["1"]["shards"] == [16, 64]
+    for t in ("1", "2"):
+        for e in meas["compute"][t]["steps"]:
+            if e["phase"] in ("forward", "backward"):
+                assert [p[0] for p in e["points"]] == meas["compute"][t]["shards"]
+    # 2 devices at once and 1 alone, 1 thread each, on 3/4 of the largest small batch.
+    cont = meas["contention"]["2"]
+    assert cont["shard"] == 48 and cont["threads"] == 1 and len(cont["devices"]) == 2
+    assert cont["busy"] == max(cont["devices"]) and cont["alone"] > 0
     assert os.path.getsize(png) > 5000
     # The described machine, from the saved measurements: labelled as not measured.
     r = subprocess.run([sys.executable, "-m", "mgpu", "advise", "--from-json", out, "--machine",
@@ -400,14 +412,21 @@ def test_measured_concurrency_replaces_the_fair_share_by_hand():
     # Without the measurement, the fair share of one effective core: twice as slow.
     assert advisor.predict(dict(TABLE, effective_cores=1.0), 2, 100)["step"] == \
         pytest.approx(0.6124)
-    # A faster-than-alone measurement (noise) does not make devices faster than alone.
-    table["contention"]["2"]["busy"] = 0.25
-    assert advisor.concurrency(table, 2) == 1.0
+    # Faster together than alone (on a loaded machine the scheduler gives 2 threads more of the
+    # cores than 1): as measured.
+    table["contention"]["2"]["busy"] = 0.2408
+    assert advisor.concurrency(table, 2) == pytest.approx(0.8)
+    # Where one device alone was traced beside them (under the same load), the ratio is to it.
+    table["contention"]["2"].update(busy=0.45, alone=0.25)
+    assert advisor.concurrency(table, 2) == pytest.approx(1.8)
 
 
 def test_needed_shards():
     """The shards measure() times for batches 64 and 256 on 1..2 devices and 2 ranks with 2
-    threads: 64 and 256 at 2 threads, 32 and 128 at 1; capped at MAX_MEASURED_SHARD."""
+    threads: 64 and 256 at 2 threads, 32 and 128 at 1 (2 ranks are bound to a core each);
+    capped at MAX_MEASURED_SHARD."""
     assert advisor.needed_shards("resnet18", [64, 256], 2, 2, [2]) == {2: [64, 256],
                                                                        1: [32, 128]}
     assert advisor.needed_shards("resnet18", [1000], 1, 2) == {2: [256]}
+    # 3 ranks on 2 cores: 1 thread each (at least 1), shard 22 of 64.
+    assert advisor.needed_shards("lenet", [64], 2, 2, [3]) == {2: [64], 1: [22, 32]}

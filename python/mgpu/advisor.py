@@ -50,8 +50,9 @@ def interpolate(points: Sequence[Sequence[float]], x: float) -> float:
     does not fall as the batch grows); one point alone scales in proportion. At least 0.
 
     A layer's time is not one line from a few examples to many: below a few blocks of work per
-    thread a kernel cannot keep its threads busy (ResNet-18's 512-channel layer is one 4x4
-    tile per image, 32 tiles to a task, so 32 images give 2 threads one task), and fixed costs
+    thread a kernel cannot keep its threads busy (ResNet-18's 512-channel layers are one 4x4
+    tile per image, and their Winograd forward takes 64 tiles to a task: up to 64 images give
+    2 threads one task), and fixed costs
     such as Winograd's weight transforms weigh less as the batch grows. Points measured near the
     batches predicted carry that; the line between them is only used in between."""
     pts = sorted((float(b), float(s)) for b, s in points)
@@ -164,18 +165,21 @@ def oversubscription(meas: Dict, ranks: int) -> Optional[Dict]:
 def concurrency(meas: Dict, k: int, ranks: int = 1) -> Optional[float]:
     """How much slower a device's layers run when k devices per rank and `ranks` ranks compute
     at once than they ran alone with the same threads, as measured where the threads fit the
-    cores: in this process, a traced step of k devices at once (measure: "contention", each
-    device on a shard measured alone); under mpirun, the ranks' calibration
-    (measure_rank_calibration). Cores that other jobs hold, the memory bandwidth and caches
-    the devices share and the host's and input's threads are all in it, where a fair share of
-    `effective_cores` (core_share) only counts cores. None where nothing was measured for
-    this configuration or the ranks' threads exceed the cores (oversubscription's case)."""
+    cores: in this process, a traced step of k devices at once against one device alone with
+    the same threads on the same shard (measure: "contention"); under mpirun, the ranks'
+    calibration (measure_rank_calibration). Cores that other jobs hold, the memory bandwidth
+    and caches the devices share and the host's and input's threads are all in it, where a
+    fair share of `effective_cores` (core_share) only counts cores. None where nothing was
+    measured for this configuration or the ranks' threads exceed the cores (oversubscription's
+    case)."""
     if ranks <= 1:
         if k <= 1:
             return None
         cal = (meas.get("contention") or {}).get(str(k))
         if not cal:
             return None
+        if cal.get("alone"):  # traced alone just before, under the same load
+            return cal["busy"] / cal["alone"]
         steps = _compute_table(meas, cal["threads"])
     else:
         if k != 1:
@@ -188,7 +192,9 @@ def concurrency(meas: Dict, k: int, ranks: int = 1) -> Optional[float]:
         cal = dict(cal, busy=cal["compute"])
         steps = _compute_table(meas, threads)
     alone = sum(entry_time(e, cal["shard"]) for e in steps if e["phase"] != "bucket")
-    return max(1.0, cal["busy"] / alone) if alone > 0 else None
+    # Below 1 where other jobs load the machine: the scheduler shares the cores among threads,
+    # so k device threads get more of them than one.
+    return cal["busy"] / alone if alone > 0 else None
 
 
 def _compute_entry(meas: Dict, t: int) -> Dict:
@@ -646,14 +652,14 @@ def needed_shards(model: str, batches: Sequence[int], max_devices: int, own: int
                   ranks: Sequence[int] = ()) -> Dict[int, List[int]]:
     """The shards each thread count computes in the configurations predicted, which measure()
     times besides its small batches: ceil(b / k) at own // k threads for k devices in this
-    process, ceil(b / r) for r ranks at own // r threads (Open MPI binds each of 2 ranks on 2
-    cores to one core; the nearest measured count stands in where a rank's differs), up to
+    process, ceil(b / r) for r ranks at own // r threads, at least 1 (under mpirun each rank
+    of a machine takes its share of the cores: mgpu.distributed.init), up to
     MAX_MEASURED_SHARD."""
     cap = MAX_MEASURED_SHARD.get(model, 256)
     out: Dict[int, set] = {}
     for n in [*range(1, max_devices + 1), *(r for r in ranks if r > 1)]:
-        t = max(1, own // n)
-        out.setdefault(t, set()).update(min(cap, math.ceil(b / n)) for b in batches)
+        out.setdefault(max(1, own // n), set()).update(min(cap, math.ceil(b / n))
+                                                       for b in batches)
     return {t: sorted(v) for t, v in out.items()}
 
 
@@ -662,7 +668,8 @@ def measure(model: str = "lenet", max_devices: int = 2, quick: bool = False,
             ranks: Sequence[int] = ()) -> Dict:
     """The measurement table of this machine for `model` (see predict for what it holds): the
     layers' times at a few small batches and at the shards of `batches` (the global batch
-    sizes to predict) on 1..max_devices devices and on `ranks` MPI ranks."""
+    sizes to predict) on 1..max_devices devices and on `ranks` MPI ranks, and how much slower
+    k devices' layers run at once than one device's alone (contention, see concurrency)."""
     from . import _core, distributed
     from .device import try_gpu
     world = distributed.world_size()
@@ -730,28 +737,36 @@ def measure(model: str = "lenet", max_devices: int = 2, quick: bool = False,
                                                 "points": [list(x) for x in pts]},
                                        "shards": shards[t]}
         _core.set_num_threads(own)
-        # k devices at once, each on the largest small batch (measured alone above with own // k
-        # threads): how much slower their layers run together (concurrency), and the host's
-        # overhead per extra device from the 2-device step's host time (same code path).
+        # k devices at once, each with own // k threads on a shard of 3/4 of the largest small
+        # batch, against one device alone with those threads on that shard, traced just before
+        # (on a shared machine the load drifts: the two are compared under the same load): how
+        # much slower their layers run together (concurrency). The shard is no power of two, so
+        # that no batch size a validation predicts is its own calibration. And the host's
+        # overhead per extra device, from the 2-device step's host time (same code path).
         meas["contention"] = {}
         for k in ks:
             if k < 2 or gpus:
                 continue
-            c = batches[-1]
-            log(f"advise: {model} step, batch {c} per device on {k} devices at once ...")
-            devs = [try_gpu(i) for i in range(k)]
-            step = _runner(model, devs)
-            X, y = _batch(c * k)
-            for _ in range(2):
-                step(X, y)
-            _core.waitall()
-            doc = _trace_steps(step, X, y, steps)
-            parsed = [parse_step_trace(doc, steps, str(d)) for d in devs]
-            busy = [sum(e["seconds"] for e in p["entries"]) for p in parsed]
-            meas["contention"][str(k)] = {"shard": c, "threads": max(1, own // k),
-                                          "busy": max(busy), "devices": busy}
-            if k == 2:
-                host_by_k[2] = parsed[0]["host"]
+            c, t = max(1, batches[-1] * 3 // 4), max(1, own // k)
+            log(f"advise: {model} step, batch {c} per device on {k} devices at once, and on 1 "
+                f"device with {t} thread(s) ...")
+            busy: Dict[int, List[float]] = {}
+            for n in (1, k):
+                _core.set_num_threads(own if n > 1 else t)
+                devs = [try_gpu(i) for i in range(n)]
+                step = _runner(model, devs)
+                X, y = _batch(c * n)
+                for _ in range(2):
+                    step(X, y)
+                _core.waitall()
+                doc = _trace_steps(step, X, y, steps)
+                parsed = [parse_step_trace(doc, steps, str(d)) for d in devs]
+                busy[n] = [sum(e["seconds"] for e in p["entries"]) for p in parsed]
+                if n == 2:
+                    host_by_k[2] = parsed[0]["host"]
+            _core.set_num_threads(own)
+            meas["contention"][str(k)] = {"shard": c, "threads": t, "busy": max(busy[k]),
+                                          "devices": busy[k], "alone": busy[1][0]}
         h1 = max(0.0, host_by_k.get(2, host_by_k[1]) - host_by_k[1])
         meas["host"] = {"fixed": max(0.0, host_by_k[1] - h1), "per_device": h1}
         sizes = [4096, 262144, 2097152] if quick else [4096, 65536, 524288, 4194304]
