@@ -240,7 +240,7 @@ def test_validate_times_real_runs_in_process_and_under_mpirun(tmp_path):
     # The ranks' calibration step is given the global batch (each rank trains on its slice,
     # `shard` rows), not a batch of `shard` rows that the ranks would split again.
     cal = mpi["calibration"]
-    assert cal["rows"] == cal["batch"] and cal["shard"] == math.ceil(cal["batch"] / 2)
+    assert cal["rows"] == cal["batch"] == 96 and cal["shard"] == 48
 
 
 def _span(tid, name, cat, ts, dur):
@@ -430,3 +430,13 @@ def test_needed_shards():
     assert advisor.needed_shards("resnet18", [1000], 1, 2) == {2: [256]}
     # 3 ranks on 2 cores: 1 thread each (at least 1), shard 22 of 64.
     assert advisor.needed_shards("lenet", [64], 2, 2, [3]) == {2: [64], 1: [22, 32]}
+
+
+def test_calibration_shard_and_batch():
+    """k devices and r ranks are calibrated on the same examples per device: 3/4 of the largest
+    small batch (ResNet-18 quick: 24 of 32; LeNet: 48 of 64, 384 of 512), r times that in all."""
+    assert advisor.small_batches("resnet18", True) == [8, 32]
+    assert advisor.calibration_shard("resnet18", True) == 24
+    assert advisor.calibration_batch("resnet18", True, 2) == 48
+    assert advisor.calibration_batch("lenet", True, 3) == 144
+    assert advisor.calibration_batch("lenet", False, 2) == 768

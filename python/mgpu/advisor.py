@@ -643,6 +643,19 @@ def measure_input(batches: Sequence[int], n: int) -> Optional[Dict]:
     return {"fixed": a, "per_example": c}
 
 
+def small_batches(model: str, quick: bool = False) -> List[int]:
+    """The small batches measure() times every layer at, whatever the batches asked for."""
+    return ([16, 64] if quick else [32, 128, 512]) if model == "lenet" else \
+        ([8, 32] if quick else [8, 32, 64])
+
+
+def calibration_shard(model: str, quick: bool = False) -> int:
+    """The examples per device (or rank) of the contention calibrations: 3/4 of the largest
+    small batch, among the sizes where the layers' per-example costs dominate and no power of
+    two, so that no batch size a validation predicts is its own calibration."""
+    return max(1, small_batches(model, quick)[-1] * 3 // 4)
+
+
 # The largest shard measure() times for a batch asked for (larger ones are extrapolated from the
 # points below): ResNet-18 takes ~10 ms per example with 2 threads here.
 MAX_MEASURED_SHARD = {"lenet": 2048, "resnet18": 256}
@@ -677,12 +690,10 @@ def measure(model: str = "lenet", max_devices: int = 2, quick: bool = False,
     cores = (os.cpu_count() or 1) if world > 1 else len(os.sched_getaffinity(0))
     own = _core.num_threads()
     gpus = _core.num_gpus() > 0
-    # ResNet-18's layers do not scale linearly from a few examples (small matrix products,
-    # Winograd tiles), so its line is measured up to 32 and 64 examples, nearer the shards of
-    # the batches users train with.
+    # Every thread count is timed at the small batches (the points below the shards asked for;
+    # ResNet-18's go up to 32 and 64 examples, as its layers do not scale linearly from a few).
     asked = list(batches)
-    batches = ([16, 64] if quick else [32, 128, 512]) if model == "lenet" else \
-        ([8, 32] if quick else [8, 32, 64])
+    batches = small_batches(model, quick)
     steps = 3 if quick else 6
     ks = range(1, max_devices + 1)
     # Every thread count a device gets in the configurations predicted: own // k for k devices
@@ -747,7 +758,7 @@ def measure(model: str = "lenet", max_devices: int = 2, quick: bool = False,
         for k in ks:
             if k < 2 or gpus:
                 continue
-            c, t = max(1, batches[-1] * 3 // 4), max(1, own // k)
+            c, t = calibration_shard(model, quick), max(1, own // k)
             log(f"advise: {model} step, batch {c} per device on {k} devices at once, and on 1 "
                 f"device with {t} thread(s) ...")
             busy: Dict[int, List[float]] = {}
@@ -862,10 +873,10 @@ def mpirun_command(ranks: int) -> List[str]:
     return [mpirun, *root, "--oversubscribe", "-np", str(ranks), sys.executable]
 
 
-def calibration_batch(model: str, quick: bool = False) -> int:
-    """The global batch of the ranks' contention calibration: a batch size measure() times for
-    the model's table (not one the validation predicts)."""
-    return (64 if quick else 128) if model == "lenet" else (16 if quick else 32)
+def calibration_batch(model: str, quick: bool = False, ranks: int = 1) -> int:
+    """The global batch of the ranks' contention calibration: each of `ranks` ranks on
+    calibration_shard examples, as k devices in one process are calibrated (measure)."""
+    return calibration_shard(model, quick) * ranks
 
 
 def measure_mpi(model: str, ranks: int, batches: Sequence[int], steps: int, repeat: int,
@@ -881,7 +892,8 @@ def measure_mpi(model: str, ranks: int, batches: Sequence[int], steps: int, repe
     for var in ("MGPU_NUM_THREADS", "MGPU_TRACE"):  # each rank chooses as a user's would
         env.pop(var, None)
     job = {"model": model, "batches": list(batches), "steps": steps, "repeat": repeat,
-           "quick": quick, "out": out, "calibration_batch": calibration_batch(model, quick)}
+           "quick": quick, "out": out,
+           "calibration_batch": calibration_batch(model, quick, ranks)}
     try:
         r = subprocess.run(mpirun_command(ranks) + ["-m", "mgpu.advisor", "--mpi-worker",
                                                     json.dumps(job)],
