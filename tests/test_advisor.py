@@ -193,6 +193,18 @@ def test_advise_command_runs_end_to_end_quick(tmp_path):
     assert phases.count("bucket") == 2 and phases[-1] == "update"
     assert phases.index("bucket") > phases.index("backward")
     assert meas["allreduce"]["bus_bandwidth"] > 0
+    # Each thread count's layers were traced at the small batches (16, 64) and at the shards of
+    # the batches asked for: 32 and 128 on 1 device of 2 threads, 16 and 64 on 2 devices of 1.
+    assert meas["compute"]["2"]["shards"] == [16, 32, 64, 128]
+    assert meas["compute"]["1"]["shards"] == [16, 64]
+    for t in ("1", "2"):
+        for e in meas["compute"][t]["steps"]:
+            if e["phase"] in ("forward", "backward"):
+                assert [p[0] for p in e["points"]] == meas["compute"][t]["shards"]
+    # 2 devices at once and 1 alone, 1 thread each, on 3/4 of the largest small batch.
+    cont = meas["contention"]["2"]
+    assert cont["shard"] == 48 and cont["threads"] == 1 and len(cont["devices"]) == 2
+    assert cont["busy"] == max(cont["devices"]) and cont["alone"] > 0
     assert os.path.getsize(png) > 5000
     # The described machine, from the saved measurements: labelled as not measured.
     r = subprocess.run([sys.executable, "-m", "mgpu", "advise", "--from-json", out, "--machine",
@@ -225,6 +237,10 @@ def test_validate_times_real_runs_in_process_and_under_mpirun(tmp_path):
         assert x["error"] == pytest.approx(x["step"] / x["measured_step"] - 1)
     mpi = doc["measurements"]["mpi"]["2"]
     assert mpi["threads"] >= 1 and mpi["cores"] >= 1 and mpi["bus_bandwidth"] > 0
+    # The ranks' calibration step is given the global batch (each rank trains on its slice,
+    # `shard` rows), not a batch of `shard` rows that the ranks would split again.
+    cal = mpi["calibration"]
+    assert cal["rows"] == cal["batch"] == 96 and cal["shard"] == 48
 
 
 def _span(tid, name, cat, ts, dur):
@@ -302,12 +318,20 @@ def test_oversubscribed_ranks_use_the_calibrated_contention_and_wait_by_hand():
     assert r["oversubscription"]["shard"] == 50
     # 600 examples (shard 200): (200 x 3 ms + 1 ms) x 4 + the same all-reduce and wait.
     assert advisor.predict(table, 1, 600, ranks=3)["step"] == pytest.approx(0.601 * 4 + 0.096)
-    # 2 ranks bound to a core each (1 thread): the threads fit the cores, no calibration applies
-    # even where one was measured; nor without a calibration (the fair share, as before).
-    mpi["2"]["calibration"] = dict(cal, compute=9.0, step=10.0)
+    # 2 ranks bound to a core each (1 thread): the threads fit the cores, so no wait applies;
+    # the calibration's busy time still gives the measured slowdown (concurrency): 0.3612 s at
+    # shard 50 against 0.301 s alone at 1 thread, 1.2. Shard 50 of 100: 0.301 x 1.2 of layers
+    # and the MPI all-reduce's 4.2 ms; the cores (a rank's 1 / 1.2, the machine's 2 / 1.2) hold
+    # (1.5 ms of host + 0.301 s) x 1.2 = 0.363 s, below it. Without a calibration, the fair
+    # share, as before.
+    mpi["2"]["calibration"] = dict(cal, shard=50, compute=0.3612, step=0.4)
     assert advisor.oversubscription(dict(TABLE, mpi=mpi), 2) is None
     assert advisor.oversubscription(dict(TABLE, mpi=MPI), 3) is None
-    assert advisor.predict(dict(TABLE, mpi=mpi), 1, 100, ranks=2)["step"] == pytest.approx(0.3052)
+    assert advisor.concurrency(dict(TABLE, mpi=mpi), 1, 2) == pytest.approx(1.2)
+    r = advisor.predict(dict(TABLE, mpi=mpi), 1, 100, ranks=2)
+    assert r["step"] == pytest.approx(0.3612 + 0.0042)
+    assert r["cores"] == pytest.approx(0.3025 * 1.2)
+    assert advisor.predict(dict(TABLE, mpi=MPI), 1, 100, ranks=2)["step"] == pytest.approx(0.3052)
 
 
 def test_device_idle_between_tasks_by_hand():
@@ -334,3 +358,85 @@ def test_device_idle_between_tasks_by_hand():
     mpi["3"]["calibration"] = {"batch": 150, "shard": 50, "threads": 2, "compute": 0.604,
                                "step": 0.7}
     assert advisor.predict(dict(table, mpi=mpi), 1, 300, ranks=3)["idle"] == 0.0
+
+
+def test_interpolate_between_measured_points_by_hand():
+    pts = [[8, 1.0], [32, 2.0], [256, 10.0]]
+    assert advisor.interpolate(pts, 32) == pytest.approx(2.0)
+    assert advisor.interpolate(pts, 16) == pytest.approx(1.0 + 8 / 24)
+    assert advisor.interpolate(pts, 128) == pytest.approx(2.0 + 96 * 8 / 224)
+    # Beyond the ends, the end segment's line: above 256 at 8 / 224 s per example, below 8 at
+    # 1 / 24.
+    assert advisor.interpolate(pts, 512) == pytest.approx(10.0 + 256 * 8 / 224)
+    assert advisor.interpolate(pts, 4) == pytest.approx(1.0 - 4 / 24)
+    # A time that fell between the last two points does not keep falling beyond them; one point
+    # scales in proportion; never below 0.
+    assert advisor.interpolate([[8, 1.0], [32, 0.5]], 64) == pytest.approx(0.5)
+    assert advisor.interpolate([[10, 2.0]], 5) == pytest.approx(1.0)
+    assert advisor.interpolate([[8, 0.1], [32, 2.5]], 1) == 0.0
+
+
+def test_measured_points_replace_the_line_by_hand():
+    """Where the table holds an entry's measured points, the prediction goes through them, not
+    through its line: the 2-thread forward measured 0.05 s at 50 examples and 0.3 s at 200
+    (the line said 1 ms per example) is 0.05 + 50 x 0.25 / 150 s at 100."""
+    table = json.loads(json.dumps(TABLE))
+    table["compute"]["2"]["steps"][0]["points"] = [[50, 0.05], [200, 0.3]]
+    f = 0.05 + 50 * 0.25 / 150
+    r = advisor.predict(table, 1, 100)
+    assert r["parts"]["compute"] == pytest.approx(f + 0.2 + 0.001)
+    assert r["device"] == pytest.approx(f + 0.2 + 0.001)
+    # The idle time's points too: 3 ms at 50, 5 ms at 200 -> 3 ms + 50 x 2 ms / 150 at 100.
+    table["compute"]["2"]["idle"] = {"fixed": 0.0, "per_example": 0.0,
+                                     "points": [[50, 0.003], [200, 0.005]]}
+    assert advisor.device_idle(table, 2, 100) == pytest.approx(0.003 + 50 * 0.002 / 150)
+
+
+def test_measured_concurrency_replaces_the_fair_share_by_hand():
+    """2 devices at once, traced at 50 examples each with 1 thread: the slower device's layers
+    took 0.3612 s against 0.301 s alone (50 x 2 ms + 50 x 4 ms + 1 ms): they run 1.2x slower
+    together, whatever the fair share of `effective_cores` says (here 1 core: 2x)."""
+    table = dict(TABLE, effective_cores=1.0,
+                 contention={"2": {"shard": 50, "threads": 1, "busy": 0.3612,
+                                   "devices": [0.35, 0.3612]}})
+    assert advisor.concurrency(table, 2) == pytest.approx(1.2)
+    assert advisor.concurrency(table, 1) is None and advisor.concurrency(table, 3) is None
+    r = advisor.predict(table, 2, 100)
+    # shard 50: 0.301 s x 1.2 of layers, the in-process all-reduce's 4.2 ms x 1.2 on the same
+    # threads; the cores: 2 threads at 1 / 1.2 of a core each hold the host's 2 ms and
+    # 2 x 0.3052 s of work: (0.002 + 0.6104) x 1.2 / 2.
+    assert r["slowdown"] == pytest.approx(1.2)
+    assert r["parts"]["compute"] == pytest.approx(0.301 * 1.2)
+    assert r["device"] == pytest.approx(0.3052 * 1.2)
+    assert r["step"] == pytest.approx(0.6124 * 1.2 / 2)
+    # Without the measurement, the fair share of one effective core: twice as slow.
+    assert advisor.predict(dict(TABLE, effective_cores=1.0), 2, 100)["step"] == \
+        pytest.approx(0.6124)
+    # Faster together than alone (on a loaded machine the scheduler gives 2 threads more of the
+    # cores than 1): as measured.
+    table["contention"]["2"]["busy"] = 0.2408
+    assert advisor.concurrency(table, 2) == pytest.approx(0.8)
+    # Where one device alone was traced beside them (under the same load), the ratio is to it.
+    table["contention"]["2"].update(busy=0.45, alone=0.25)
+    assert advisor.concurrency(table, 2) == pytest.approx(1.8)
+
+
+def test_needed_shards():
+    """The shards measure() times for batches 64 and 256 on 1..2 devices and 2 ranks with 2
+    threads: 64 and 256 at 2 threads, 32 and 128 at 1 (2 ranks are bound to a core each);
+    capped at MAX_MEASURED_SHARD."""
+    assert advisor.needed_shards("resnet18", [64, 256], 2, 2, [2]) == {2: [64, 256],
+                                                                       1: [32, 128]}
+    assert advisor.needed_shards("resnet18", [1000], 1, 2) == {2: [256]}
+    # 3 ranks on 2 cores: 1 thread each (at least 1), shard 22 of 64.
+    assert advisor.needed_shards("lenet", [64], 2, 2, [3]) == {2: [64], 1: [22, 32]}
+
+
+def test_calibration_shard_and_batch():
+    """k devices and r ranks are calibrated on the same examples per device: 3/4 of the largest
+    small batch (ResNet-18 quick: 24 of 32; LeNet: 48 of 64, 384 of 512), r times that in all."""
+    assert advisor.small_batches("resnet18", True) == [8, 32]
+    assert advisor.calibration_shard("resnet18", True) == 24
+    assert advisor.calibration_batch("resnet18", True, 2) == 48
+    assert advisor.calibration_batch("lenet", True, 3) == 144
+    assert advisor.calibration_batch("lenet", False, 2) == 768

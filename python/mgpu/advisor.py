@@ -44,6 +44,46 @@ def _fit_line(xs: Sequence[float], ys: Sequence[float]) -> Tuple[float, float]:
     return float(a), float(b)
 
 
+def interpolate(points: Sequence[Sequence[float]], x: float) -> float:
+    """The time at batch x from measured (batch, seconds) points: straight lines between
+    neighbouring points, beyond the ends the end segment's line (its slope at least 0: a time
+    does not fall as the batch grows); one point alone scales in proportion. At least 0.
+
+    A layer's time is not one line from a few examples to many: below a few blocks of work per
+    thread a kernel cannot keep its threads busy (ResNet-18's 512-channel layers are one 4x4
+    tile per image, and their Winograd forward takes 64 tiles to a task: up to 64 images give
+    2 threads one task), and fixed costs
+    such as Winograd's weight transforms weigh less as the batch grows. Points measured near the
+    batches predicted carry that; the line between them is only used in between."""
+    pts = sorted((float(b), float(s)) for b, s in points)
+    if not pts:
+        raise ValueError("interpolate: no points")
+    if len(pts) == 1:
+        b, s = pts[0]
+        return max(0.0, s * x / b) if b > 0 else max(0.0, s)
+    if x <= pts[0][0]:
+        (b0, s0), (b1, s1) = pts[0], pts[1]
+    elif x >= pts[-1][0]:
+        (b0, s0), (b1, s1) = pts[-2], pts[-1]
+    else:
+        i = next(i for i in range(1, len(pts)) if pts[i][0] >= x)
+        (b0, s0), (b1, s1) = pts[i - 1], pts[i]
+    slope = (s1 - s0) / (b1 - b0) if b1 != b0 else 0.0
+    if x >= pts[-1][0] or x <= pts[0][0]:
+        slope = max(0.0, slope)
+    # Outside the points the line passes through the nearer end point.
+    b_ref, s_ref = (b1, s1) if x >= pts[-1][0] else (b0, s0)
+    return max(0.0, s_ref + slope * (x - b_ref))
+
+
+def entry_time(e: Dict, shard: float) -> float:
+    """One step entry's time at `shard` examples: through its measured points where the table
+    has them (interpolate), else its line fixed + per_example x shard."""
+    if e.get("points"):
+        return interpolate(e["points"], shard)
+    return e["fixed"] + e["per_example"] * shard
+
+
 def allreduce_time(nbytes: float, k: int, latency: float, bus_bandwidth: float) -> float:
     """A ring all-reduce of nbytes per device over k participants: 2(k-1) latency-bound steps
     and 2(k-1)/k of the data through each link (what busbw measures)."""
@@ -114,13 +154,47 @@ def oversubscription(meas: Dict, ranks: int) -> Optional[Dict]:
     if not cal or ranks * threads <= int(meas["cores"]):
         return None
     steps = _compute_table(meas, threads)
-    alone = sum(e["fixed"] + e["per_example"] * cal["shard"] for e in steps
-                if e["phase"] != "bucket")
+    alone = sum(entry_time(e, cal["shard"]) for e in steps if e["phase"] != "bucket")
     comm = sum(allreduce_time(4 * e["floats"], ranks, mpi["latency"], mpi["bus_bandwidth"])
                for e in steps if e["phase"] == "bucket")
     return {"contention": max(1.0, cal["compute"] / alone),
             "wait": max(0.0, cal["step"] - cal["compute"] - comm), "shard": cal["shard"],
             "threads": threads}
+
+
+def concurrency(meas: Dict, k: int, ranks: int = 1) -> Optional[float]:
+    """How much slower a device's layers run when k devices per rank and `ranks` ranks compute
+    at once than they ran alone with the same threads, as measured where the threads fit the
+    cores: in this process, a traced step of k devices at once against one device alone with
+    the same threads on the same shard (measure: "contention"); under mpirun, the ranks'
+    calibration (measure_rank_calibration). Cores that other jobs hold, the memory bandwidth
+    and caches the devices share and the host's and input's threads are all in it, where a
+    fair share of `effective_cores` (core_share) only counts cores. None where nothing was
+    measured for this configuration or the ranks' threads exceed the cores (oversubscription's
+    case)."""
+    if ranks <= 1:
+        if k <= 1:
+            return None
+        cal = (meas.get("contention") or {}).get(str(k))
+        if not cal:
+            return None
+        if cal.get("alone"):  # traced alone just before, under the same load
+            return cal["busy"] / cal["alone"]
+        steps = _compute_table(meas, cal["threads"])
+    else:
+        if k != 1:
+            return None
+        mpi = (meas.get("mpi") or {}).get(str(ranks)) or {}
+        cal = mpi.get("calibration")
+        threads, _ = _rank_layout(meas, ranks)
+        if not cal or ranks * threads > int(meas["cores"]):
+            return None
+        cal = dict(cal, busy=cal["compute"])
+        steps = _compute_table(meas, threads)
+    alone = sum(entry_time(e, cal["shard"]) for e in steps if e["phase"] != "bucket")
+    # Below 1 where other jobs load the machine: the scheduler shares the cores among threads,
+    # so k device threads get more of them than one.
+    return cal["busy"] / alone if alone > 0 else None
 
 
 def _compute_entry(meas: Dict, t: int) -> Dict:
@@ -138,6 +212,8 @@ def device_idle(meas: Dict, t: int, shard: int) -> float:
     """A device's idle time per step between its tasks (hand-offs; parse_step_trace) at t
     threads and `shard` examples: fixed + per example, 0 where the table has none."""
     idle = _compute_entry(meas, t).get("idle") or {}
+    if idle.get("points"):
+        return interpolate(idle["points"], shard)
     return max(0.0, idle.get("fixed", 0.0) + idle.get("per_example", 0.0) * shard)
 
 
@@ -149,7 +225,8 @@ def predict(meas: Dict, k: int, batch: int, ranks: int = 1, machine: Optional[Di
     pipeline's thread prepares the next batch, all at once: step = max(host, device, input). A
     device runs its steps in order (split/copy, each layer forward, loss, each layer backward,
     update) with the threads it gets (core_share: the layer times measured at that thread count,
-    slowed down where more threads than cores want to run); a gradient bucket's all-reduce runs
+    slowed down where more threads than cores want to run, or by the slowdown measured with that
+    many devices at once where measure traced it: concurrency); a gradient bucket's all-reduce runs
     when the last device has produced it: on CPU devices on the same worker threads (in series
     with compute), then across ranks (the MPI fit of that many ranks), on a described GPU machine
     on a communication stream (overlapping the remaining backward; the update waits for it). On
@@ -167,18 +244,26 @@ def predict(meas: Dict, k: int, batch: int, ranks: int = 1, machine: Optional[Di
     shard = math.ceil(batch / (k * ranks))
     cpu = machine is None and meas.get("device_kind", "cpu") == "cpu"
     over = None
+    slow = 1.0
     if machine is None:
         if cpu:
             t, slow, rank_cores, eff = core_share(meas, k, ranks)
             over = oversubscription(meas, ranks) if k == 1 else None
+            measured = None if over else concurrency(meas, k, ranks)
             if over:
                 slow = over["contention"]
+            elif measured is not None:
+                # The measured slowdown replaces the fair share; each of the ranks' k x t
+                # threads held a core, at 1 / slowdown of it.
+                slow = measured
+                rank_cores = min(float(_rank_layout(meas, ranks)[1]), k * t / slow)
+                eff = min(float(meas["cores"]), ranks * k * t / slow)
         else:
             t, slow, rank_cores, eff = int(meas["cores"]), 1.0, 1.0, 1.0
         steps = _compute_table(meas, t)
 
         def dur(e):
-            return (e["fixed"] + e["per_example"] * shard) * slow
+            return entry_time(e, shard) * slow
         ar = meas.get("allreduce") or {}
         mpi = (meas.get("mpi") or {}).get(str(ranks)) if ranks > 1 else None
         if ranks > 1 and not mpi:
@@ -252,7 +337,7 @@ def predict(meas: Dict, k: int, batch: int, ranks: int = 1, machine: Optional[Di
     bound = max(parts, key=parts.get)
     return {"devices": k, "ranks": ranks, "batch": batch, "shard": shard, "step": step,
             "device": device, "cores": cores_t, "parts": parts, "comm_total": comm_total,
-            "oversubscription": over, "idle": idle,
+            "oversubscription": over, "idle": idle, "slowdown": slow,
             "bound": bound, "epoch": step * math.ceil(epoch_examples / batch),
             "measured": machine is None}
 
@@ -558,9 +643,46 @@ def measure_input(batches: Sequence[int], n: int) -> Optional[Dict]:
     return {"fixed": a, "per_example": c}
 
 
+def small_batches(model: str, quick: bool = False) -> List[int]:
+    """The small batches measure() times every layer at, whatever the batches asked for."""
+    return ([16, 64] if quick else [32, 128, 512]) if model == "lenet" else \
+        ([8, 32] if quick else [8, 32, 64])
+
+
+def calibration_shard(model: str, quick: bool = False) -> int:
+    """The examples per device (or rank) of the contention calibrations: 3/4 of the largest
+    small batch, among the sizes where the layers' per-example costs dominate and no power of
+    two, so that no batch size a validation predicts is its own calibration."""
+    return max(1, small_batches(model, quick)[-1] * 3 // 4)
+
+
+# The largest shard measure() times for a batch asked for (larger ones are extrapolated from the
+# points below): ResNet-18 takes ~10 ms per example with 2 threads here.
+MAX_MEASURED_SHARD = {"lenet": 2048, "resnet18": 256}
+
+
+def needed_shards(model: str, batches: Sequence[int], max_devices: int, own: int,
+                  ranks: Sequence[int] = ()) -> Dict[int, List[int]]:
+    """The shards each thread count computes in the configurations predicted, which measure()
+    times besides its small batches: ceil(b / k) at own // k threads for k devices in this
+    process, ceil(b / r) for r ranks at own // r threads, at least 1 (under mpirun each rank
+    of a machine takes its share of the cores: mgpu.distributed.init), up to
+    MAX_MEASURED_SHARD."""
+    cap = MAX_MEASURED_SHARD.get(model, 256)
+    out: Dict[int, set] = {}
+    for n in [*range(1, max_devices + 1), *(r for r in ranks if r > 1)]:
+        out.setdefault(max(1, own // n), set()).update(min(cap, math.ceil(b / n))
+                                                       for b in batches)
+    return {t: sorted(v) for t, v in out.items()}
+
+
 def measure(model: str = "lenet", max_devices: int = 2, quick: bool = False,
-            log: Callable[[str], None] = lambda s: None) -> Dict:
-    """The measurement table of this machine for `model` (see predict for what it holds)."""
+            log: Callable[[str], None] = lambda s: None, batches: Sequence[int] = (),
+            ranks: Sequence[int] = ()) -> Dict:
+    """The measurement table of this machine for `model` (see predict for what it holds): the
+    layers' times at a few small batches and at the shards of `batches` (the global batch
+    sizes to predict) on 1..max_devices devices and on `ranks` MPI ranks, and how much slower
+    k devices' layers run at once than one device's alone (contention, see concurrency)."""
     from . import _core, distributed
     from .device import try_gpu
     world = distributed.world_size()
@@ -568,16 +690,21 @@ def measure(model: str = "lenet", max_devices: int = 2, quick: bool = False,
     cores = (os.cpu_count() or 1) if world > 1 else len(os.sched_getaffinity(0))
     own = _core.num_threads()
     gpus = _core.num_gpus() > 0
-    # ResNet-18's layers do not scale linearly from a few examples (small matrix products,
-    # Winograd tiles), so its line is measured up to 32 and 64 examples, nearer the shards of
-    # the batches users train with.
-    batches = ([16, 64] if quick else [32, 128, 512]) if model == "lenet" else \
-        ([8, 32] if quick else [8, 32, 64])
+    # Every thread count is timed at the small batches (the points below the shards asked for;
+    # ResNet-18's go up to 32 and 64 examples, as its layers do not scale linearly from a few).
+    asked = list(batches)
+    batches = small_batches(model, quick)
     steps = 3 if quick else 6
     ks = range(1, max_devices + 1)
     # Every thread count a device gets in the configurations predicted: own // k for k devices
     # in this process, and 1 (a rank bound to one core, or a device among more than the cores).
     threads = sorted({max(1, own // k) for k in ks} | {1}) if not gpus else [own]
+    # Each thread count's shards: the small batches, and the shards the predictions need (a
+    # layer's time is not one line from the small batches up: interpolate).
+    need = needed_shards(model, asked, max_devices, own, ranks) if not gpus else \
+        {own: sorted({min(MAX_MEASURED_SHARD.get(model, 256), math.ceil(b / k))
+                      for b in asked for k in ks})}
+    shards = {t: sorted(set(batches) | set(need.get(t, []))) for t in threads}
     meas: Dict = {"model": model, "cores": cores, "threads": own,
                   "device_kind": "gpu" if gpus else "cpu",
                   "measured_on": _machine_name(), "compute": {}, "gemm_flops": {},
@@ -593,35 +720,64 @@ def measure(model: str = "lenet", max_devices: int = 2, quick: bool = False,
         # Each batch size at every thread count in turn, so the counts compared with each other
         # are measured close together (on a shared machine the load drifts).
         per_batch: Dict[int, List[Tuple[int, Dict]]] = {t: [] for t in threads}
-        for b in batches:
+        for b in sorted(set().union(*shards.values())):
             for t in threads:
+                if b not in shards[t]:
+                    continue
                 _core.set_num_threads(t)
                 log(f"advise: {model} step, batch {b} on 1 device, {t} thread(s) ...")
                 dev = [try_gpu(0)]
                 step = _runner(model, dev)
                 X, y = _batch(b)
+                # Beyond the small batches a step is long enough that one warm-up and two
+                # traced steps (their median is their mean) keep the quick mode quick.
+                big = quick and b > batches[-1]
+                for _ in range(1 if big else 2):
+                    step(X, y)
+                _core.waitall()
+                n = 2 if big else steps
+                per_batch[t].append((b, parse_step_trace(_trace_steps(step, X, y, n), n,
+                                                         str(dev[0]))))
+                if t == max(threads) and b == batches[0]:
+                    host_by_k[1] = per_batch[t][-1][1]["host"]
+        for t in threads:
+            pts = [(b, p["idle"]) for b, p in per_batch[t]]
+            a, c = _fit_line([b for b, _ in pts], [i for _, i in pts])
+            meas["compute"][str(t)] = {"steps": _fit_steps(per_batch[t]),
+                                       "idle": {"fixed": a, "per_example": c,
+                                                "points": [list(x) for x in pts]},
+                                       "shards": shards[t]}
+        _core.set_num_threads(own)
+        # k devices at once, each with own // k threads on a shard of 3/4 of the largest small
+        # batch, against one device alone with those threads on that shard, traced just before
+        # (on a shared machine the load drifts: the two are compared under the same load): how
+        # much slower their layers run together (concurrency). The shard is no power of two, so
+        # that no batch size a validation predicts is its own calibration. And the host's
+        # overhead per extra device, from the 2-device step's host time (same code path).
+        meas["contention"] = {}
+        for k in ks:
+            if k < 2 or gpus:
+                continue
+            c, t = calibration_shard(model, quick), max(1, own // k)
+            log(f"advise: {model} step, batch {c} per device on {k} devices at once, and on 1 "
+                f"device with {t} thread(s) ...")
+            busy: Dict[int, List[float]] = {}
+            for n in (1, k):
+                _core.set_num_threads(own if n > 1 else t)
+                devs = [try_gpu(i) for i in range(n)]
+                step = _runner(model, devs)
+                X, y = _batch(c * n)
                 for _ in range(2):
                     step(X, y)
                 _core.waitall()
-                per_batch[t].append((b, parse_step_trace(_trace_steps(step, X, y, steps), steps,
-                                                         str(dev[0]))))
-                if t == max(threads):
-                    host_by_k.setdefault(1, per_batch[t][-1][1]["host"])
-        for t in threads:
-            a, c = _fit_line([b for b, _ in per_batch[t]], [p["idle"] for _, p in per_batch[t]])
-            meas["compute"][str(t)] = {"steps": _fit_steps(per_batch[t]),
-                                       "idle": {"fixed": a, "per_example": c}}
-        _core.set_num_threads(own)
-        # The host's overhead per extra device: a 2-device step's host time (same code path).
-        if max_devices >= 2:
-            devs = [try_gpu(i) for i in range(2)]
-            step = _runner(model, devs)
-            X, y = _batch(batches[0])
-            for _ in range(2):
-                step(X, y)
-            _core.waitall()
-            host_by_k[2] = parse_step_trace(_trace_steps(step, X, y, steps), steps,
-                                            str(devs[0]))["host"]
+                doc = _trace_steps(step, X, y, steps)
+                parsed = [parse_step_trace(doc, steps, str(d)) for d in devs]
+                busy[n] = [sum(e["seconds"] for e in p["entries"]) for p in parsed]
+                if n == 2:
+                    host_by_k[2] = parsed[0]["host"]
+            _core.set_num_threads(own)
+            meas["contention"][str(k)] = {"shard": c, "threads": t, "busy": max(busy[k]),
+                                          "devices": busy[k], "alone": busy[1][0]}
         h1 = max(0.0, host_by_k.get(2, host_by_k[1]) - host_by_k[1])
         meas["host"] = {"fixed": max(0.0, host_by_k[1] - h1), "per_device": h1}
         sizes = [4096, 262144, 2097152] if quick else [4096, 65536, 524288, 4194304]
@@ -652,7 +808,7 @@ def _fit_steps(per_batch: List[Tuple[int, Dict]]) -> List[Dict]:
                if x["name"] == e["name"]]
         a, c = _fit_line([b for b, _ in pts], [s for _, s in pts])
         out.append({"name": e["name"], "phase": e["phase"], "fixed": a, "per_example": c,
-                    "ops": e["ops"]})
+                    "points": [list(x) for x in pts], "ops": e["ops"]})
         for bk in first["buckets"]:
             if bk["after"] == e["name"]:
                 out.append({"name": bk["name"], "phase": "bucket", "floats": bk["floats"]})
@@ -717,10 +873,10 @@ def mpirun_command(ranks: int) -> List[str]:
     return [mpirun, *root, "--oversubscribe", "-np", str(ranks), sys.executable]
 
 
-def calibration_batch(model: str, quick: bool = False) -> int:
-    """The global batch of the ranks' contention calibration: a batch size measure() times for
-    the model's table (not one the validation predicts)."""
-    return (64 if quick else 128) if model == "lenet" else (16 if quick else 32)
+def calibration_batch(model: str, quick: bool = False, ranks: int = 1) -> int:
+    """The global batch of the ranks' contention calibration: each of `ranks` ranks on
+    calibration_shard examples, as k devices in one process are calibrated (measure)."""
+    return calibration_shard(model, quick) * ranks
 
 
 def measure_mpi(model: str, ranks: int, batches: Sequence[int], steps: int, repeat: int,
@@ -736,7 +892,8 @@ def measure_mpi(model: str, ranks: int, batches: Sequence[int], steps: int, repe
     for var in ("MGPU_NUM_THREADS", "MGPU_TRACE"):  # each rank chooses as a user's would
         env.pop(var, None)
     job = {"model": model, "batches": list(batches), "steps": steps, "repeat": repeat,
-           "quick": quick, "out": out, "calibration_batch": calibration_batch(model, quick)}
+           "quick": quick, "out": out,
+           "calibration_batch": calibration_batch(model, quick, ranks)}
     try:
         r = subprocess.run(mpirun_command(ranks) + ["-m", "mgpu.advisor", "--mpi-worker",
                                                     json.dumps(job)],
@@ -763,7 +920,9 @@ def measure_rank_calibration(model: str, batch: int, steps: int) -> Dict:
     shard = math.ceil(batch / ranks)
     dev = distributed.device()
     step = _runner(model, [dev])
-    X, y = _batch(shard)
+    # The global batch: under mpirun each rank's step trains on its slice of it (split_batch),
+    # `shard` examples, as in training (a batch of `shard` would leave each rank shard / ranks).
+    X, y = _batch(batch)
     for _ in range(2):
         step(X, y)
     _core.waitall()
@@ -777,7 +936,8 @@ def measure_rank_calibration(model: str, batch: int, steps: int) -> Dict:
         step(X, y)
         _core.waitall()
         walls.append(time.perf_counter() - t0)
-    return {"batch": batch, "shard": shard, "threads": _core.num_threads(),
+    return {"batch": batch, "shard": shard, "rows": int(X.shape[0]),
+            "threads": _core.num_threads(),
             "compute": sum(e["seconds"] for e in parsed["entries"]),
             "step": statistics.median(walls), "steps": walls}
 
@@ -920,7 +1080,7 @@ def validate(model: str, batches: Sequence[int], max_devices: int = 2,
     rounds = []
     for i in range(repeats):
         log(f"advise: validation round {i + 1} of {repeats}: measuring the model's inputs ...")
-        meas = measure(model, max(2, max_devices), quick, log)
+        meas = measure(model, max(2, max_devices), quick, log, batches, ranks)
         meas["mpi"] = dict(meas.get("mpi") or {})
         measured: Dict[Tuple[int, int, int], float] = {}
         for k in range(1, max_devices + 1):
@@ -985,7 +1145,8 @@ def main(args) -> int:
         with open(args.from_json) as f:
             meas = json.load(f)["measurements"]
     elif not validating:
-        meas = measure(args.model, max(2, n) if machine is None else 2, args.quick, log)
+        meas = measure(args.model, max(2, n) if machine is None else 2, args.quick, log,
+                       batches if machine is None else ())
     world = distributed.world_size()
     summary = ""
     if validating:

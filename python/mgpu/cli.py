@@ -82,7 +82,9 @@ def _advise_parser(sub) -> None:
     a.add_argument("--plot", metavar="PATH.png", default=None, help="draw speed-up vs batch size")
     a.add_argument("--json", metavar="PATH", default=None,
                    help="write measurements and predictions")
-    a.add_argument("--quick", action="store_true", help="few, small measurements (seconds)")
+    a.add_argument("--quick", action="store_true",
+                   help="fewer, shorter measurements: 2 small batches and the shards asked for, "
+                        "2 traced steps above them")
     a.add_argument("--validate", action="store_true",
                    help="also time real runs (1..N devices, each batch size; with --ranks, MPI "
                         "runs through mpirun) and report the prediction error")
