@@ -90,6 +90,19 @@ stage "Python GPU tests on the strict emulator (MGPU_EMU_STRICT=1)"
 # (test_gpu_stress.py runs in the stage above, on the lenient emulator: see its docstring).
 # Seeds 2 and 4, not 1: a planted missing wait for a staging buffer's copy showed under seeds 2,
 # 3, 4 and not under 1 or 5 (test_host_to_device_copies_reuse_staging_buffers_only_after_their_copies).
+# The three plants of issue 21's "Done when", re-run on this stage on 2026-11-27 (allreduce_gpu.cpp;
+# each undone after):
+# - a missing stream wait (run_nccl: the communication stream no longer waits for the packing):
+#   seed 2 fails test_gpu.py's allreduce_on_gpus_is_bitwise_the_cpu_devices[shapes1, shapes2], the
+#   fused-step, chapter, graph, main-command, two-process and nccl_matches_the_peer tests (NaN: the
+#   poisoned packed buffer) and test_gpu_defects.py's more_gpus children (all five);
+# - a use after free (run_peer: no synchronise and barrier before a device's flat buffer goes,
+#   while peers still fetch from it): seed 2 fails more_gpus[3-gpus-peer, 4-gpus-nccl, 4-gpus-peer],
+#   seed 4 test_fused_step_on_two_gpus_equals_one_cpu_device and
+#   test_cuda_graph_replays_equal_the_step_without_graphs (NaN: freed memory is poisoned);
+# - a wrong-neighbour fetch (run_peer's all-gather fetches chunk j from device me + 1 instead of
+#   its owner j: the same device with two GPUs): seed 2 fails more_gpus[3-gpus-nccl, 3-gpus-peer,
+#   4-gpus-nccl, 4-gpus-peer]; every 2-GPU test passes, as expected.
 # MGPU_CI_STRICT_SEEDS="a b ..." picks other seeds (each printed in the pytest header and in every
 # failure, to replay); the first runs as seed 2 does here, the others as seed 4.
 strict_seeds=${MGPU_CI_STRICT_SEEDS:-"2 4"}

@@ -219,12 +219,13 @@ def test_a_call_failing_inside_a_bucket_group_closes_the_group(count, strict):
     """Finding 6: a throw between ncclGroupStart and ncclGroupEnd (the last rank's ncclAllReduce of
     a bucket's group refused, after the other ranks' calls were queued in the group) left the group
     open on gpu(0)'s worker thread; every later group on that thread was then nested in it, so its
-    ncclGroupEnd launched nothing: the next steps' gradients were never reduced (the replicas
-    drift apart silently here; NCCL's calls would wait for ever where a rank launched). Now the
-    group is ended on every throw path (allreduce_gpu.cpp, NcclGroup), the step raises a
-    DeviceError naming the call, and the next steps are exact. A planted destructor that leaves the
-    group open fails both cases (gpu(1) differs from gpu(0)) and the two cases of
-    test_a_failed_nccl_call_is_raised_and_the_next_allreduce_works."""
+    ncclGroupEnd launched nothing: the next steps' gradients were never reduced, silently (the
+    issue expected a hang; as every rank's call is held back in the same open group, nothing
+    launches and nothing waits: the replicas drift apart). Now the group is ended on every throw
+    path (allreduce_gpu.cpp, NcclGroup), the step raises a DeviceError naming the call, and the
+    next steps are exact. A planted destructor that leaves the group open fails both cases (gpu(1)
+    differs from gpu(0); no hang) and both cases of
+    test_a_failed_nccl_call_is_raised_and_the_next_allreduce_works (the sums are not reduced)."""
     env = dict(os.environ, MGPU_EMULATED_GPUS=str(count), MGPU_NCCL_TIMEOUT_S="20",
                MGPU_EMU_STRICT=strict)
     env.pop("MGPU_ALLREDUCE", None)
