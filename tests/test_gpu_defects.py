@@ -1,8 +1,8 @@
 """GPU defects of issue 21, each with a test that fails on the code before its fix.
 
 Most run on the emulated GPUs (``.ci/test.sh`` runs the tests marked ``gpu`` against the emulated
-build); the source checks run everywhere. Findings whose code the emulated build does not compile
-(cuDNN, NCCL) are covered by notes in the code, not here.
+build); the source checks run everywhere. Finding 9 (cuDNN) runs in the real CUDA build (the
+installed package) on cuDNN's host-only calls; the NCCL findings are in test_nccl_emu.py.
 """
 import ctypes
 import os
@@ -56,6 +56,24 @@ def test_every_grid_stride_loop_counts_in_64_bits():
     assert not narrow, ("grid-stride loops with a counter narrower than 64 bits:\n"
                         + "\n".join(narrow))
 
+
+
+@pytest.mark.skipif(EMULATED or mgpu.build_info()["cudnn"] != "built",
+                    reason="needs a build that links cuDNN (a real CUDA build; no GPU needed)")
+def test_cudnn_conv_of_an_empty_batch_builds_no_descriptor():
+    """Finding 9: the cuDNN conv path asked for its workspace size first, building descriptors
+    with N == 0, which cudnnSetTensor4dDescriptor refuses (CUDNN_STATUS_BAD_PARAM) before any
+    N == 0 guard ran. cuDNN's descriptor calls are host-only, so this runs in the real CUDA build
+    without a GPU (the installed package of .ci/test.sh): with no cuDNN handle, an empty batch or
+    filter bank must return at the guard, while a non-empty shape gets its descriptors accepted
+    and fails only at the first call that needs the handle. A planted guard that lets N == 0
+    through fails here with "cudnnSetTensor4dDescriptor(x) failed: CUDNN_STATUS_BAD_PARAM". The
+    backward's empty-batch branch needs a handle (its stream) and a GPU: it is not run here."""
+    conv = mgpu._core._cudnn_conv_without_handle
+    assert conv(0, 4) == 0  # empty batch
+    assert conv(2, 0) == 0  # no filters
+    with pytest.raises(mgpu.DeviceError, match="cudnnGetConvolutionForwardWorkspaceSize failed"):
+        conv(2, 4)
 
 def _batch(n, seed=0):
     rng = np.random.default_rng(seed)

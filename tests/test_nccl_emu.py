@@ -165,3 +165,72 @@ def _run_with_limit(cmd, env):
     from test_gpu_defects import _run_with_watchdog
     return _run_with_watchdog(cmd, cwd=HERE, env=env,
                               limit=float(os.environ.get("MGPU_TEST_CHILD_LIMIT", "900")))
+
+
+# The child of the group test: fused LeNet steps on every GPU (one grouped ncclAllReduce per
+# gradient bucket, issued by gpu(0)'s worker for all ranks), one step with the last rank's call of
+# every group refused, then fresh replicas trained from the start on the GPUs and on cpu(0).
+_GROUP_CHILD = r"""
+import os, sys
+import numpy as np
+import mgpu
+from test_gpu import _batch, _start, assert_same_update
+
+fault = sys.argv[1]
+k = mgpu.num_gpus()
+gpus = [mgpu.gpu(d) for d in range(k)]
+X, y = _batch(12, seed=4)
+
+def steps(devices, n):
+    replicas = [mgpu.get_params(mgpu.lenet_params(seed=3), d) for d in devices]
+    for _ in range(n):
+        mgpu.train_batch(X, y, replicas, devices, 0.2)
+    return [[p.numpy() for p in r] for r in replicas]
+
+steps(gpus, 1)  # communicators and graphs exist before the fault
+os.environ["MGPU_EMU_NCCL_FAIL"] = fault
+try:
+    steps(gpus, 1)
+    print("NO ERROR")
+except RuntimeError as e:
+    print("ERROR:", e)
+for _ in range(k):  # every device's part reports its failure once
+    try:
+        mgpu.waitall()
+    except RuntimeError:
+        pass
+del os.environ["MGPU_EMU_NCCL_FAIL"]
+got = steps(gpus, 2)
+(ref,) = steps([mgpu.cpu(0)], 2)
+for i, (r, s) in enumerate(zip(ref, _start())):
+    for d in range(1, k):
+        np.testing.assert_array_equal(
+            got[d][i], got[0][i],
+            err_msg=f"param {i}: gpu({d}) differs from gpu(0) after the failed group: its "
+                    "all-reduce did not run (a group left open holds back every later call)")
+    assert_same_update(got[0][i], r, s, f"param {i} after the failed group", gpus[0])
+print("RECOVERED")
+"""
+
+
+@emulated_only
+@pytest.mark.parametrize("count,strict", [(3, "0"), (4, "1")], ids=["3-gpus", "4-gpus-strict"])
+def test_a_call_failing_inside_a_bucket_group_closes_the_group(count, strict):
+    """Finding 6: a throw between ncclGroupStart and ncclGroupEnd (the last rank's ncclAllReduce of
+    a bucket's group refused, after the other ranks' calls were queued in the group) left the group
+    open on gpu(0)'s worker thread; every later group on that thread was then nested in it, so its
+    ncclGroupEnd launched nothing: the next steps' gradients were never reduced, silently (the
+    issue expected a hang; as every rank's call is held back in the same open group, nothing
+    launches and nothing waits: the replicas drift apart). Now the group is ended on every throw
+    path (allreduce_gpu.cpp, NcclGroup), the step raises a DeviceError naming the call, and the
+    next steps are exact. A planted destructor that leaves the group open fails both cases (gpu(1)
+    differs from gpu(0); no hang) and both cases of
+    test_a_failed_nccl_call_is_raised_and_the_next_allreduce_works (the sums are not reduced)."""
+    env = dict(os.environ, MGPU_EMULATED_GPUS=str(count), MGPU_NCCL_TIMEOUT_S="20",
+               MGPU_EMU_STRICT=strict)
+    env.pop("MGPU_ALLREDUCE", None)
+    env.pop("MGPU_EMU_NCCL_FAIL", None)
+    run = _run_with_limit([sys.executable, "-c", _GROUP_CHILD, f"allreduce:{count - 1}"], env)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "ERROR:" in run.stdout and "ncclAllReduce failed" in run.stdout, run.stdout
+    assert "RECOVERED" in run.stdout, run.stdout

@@ -15,6 +15,9 @@
 #include "ops/gemm.h"
 #include "ops/elementwise.h"
 #include "ops/fma_peak.h"
+#if MGPU_BUILT_CUDNN && !MGPU_CUDA_EMULATION_BUILD
+#include "ops/conv2d.h"
+#endif
 #if defined(MGPU_CUDA_EMULATION)
 #include "cuda/emu/launch.h"
 #endif
@@ -344,6 +347,20 @@ void bind_core(py::module_& m) {
     return 0;
 #endif
   }, "The stream a DLPack producer on gpu(i) orders its pending work before (__dlpack__'s stream).");
+#if MGPU_BUILT_CUDNN && !MGPU_CUDA_EMULATION_BUILD
+  // Issue 21, finding 9: cuDNN refuses a tensor descriptor with a zero dimension, so the conv's
+  // cuDNN path must return for an empty batch (or filter bank) before it builds any. Descriptors
+  // are host-only cuDNN calls, so this runs on a machine without a GPU: with no handle (nullptr),
+  // an empty shape returns at the guard (0 bytes); a non-empty one builds its descriptors and
+  // then fails at the first call that needs the handle.
+  m.def("_cudnn_conv_without_handle", [](int64_t n, int64_t k) -> size_t {
+    const ops::Conv2dShape s{n, 3, 8, 8, k, 3, 3, 1, 1};
+    const size_t bytes = ops::cuda::conv2d_cudnn_workspace_bytes(nullptr, s);
+    ops::cuda::conv2d_cudnn_forward(nullptr, s, nullptr, nullptr, nullptr, nullptr, nullptr, 0);
+    return bytes;
+  }, "cuDNN's workspace size and forward conv of a 3x8x8 image batch of n, k 3x3 filters, with "
+     "no cuDNN handle (tests only).");
+#endif
   m.def("_emu_live_counts", []() -> py::object {
 #if defined(MGPU_CUDA_EMULATION)
     const emu::LiveCounts c = emu::live_counts();

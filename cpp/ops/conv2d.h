@@ -85,8 +85,9 @@ void conv2d_backward(const Conv2dShape& s, const float* x, const float* w, const
 // Through cuDNN's legacy convolution API (cudnn_cnn, still in cuDNN 9), with deterministic
 // algorithms (forward IMPLICIT_GEMM, backward data/filter ALGO_1); picked at run time by the op
 // when MGPU_CONV=cudnn (vendor_gpu.h). The workspace is the caller's: at least
-// conv2d_cudnn_workspace_bytes(handle, s) bytes. Real CUDA builds with cuDNN only; no test runs it
-// (cuDNN cannot run on emulated GPUs).
+// conv2d_cudnn_workspace_bytes(handle, s) bytes. Real CUDA builds with cuDNN only (cuDNN cannot
+// run on emulated GPUs); without a GPU, a test runs only the empty-shape guards of the workspace
+// size and the forward (test_gpu_defects.py, through _core._cudnn_conv_without_handle).
 size_t conv2d_cudnn_workspace_bytes(cudnnContext* handle, const Conv2dShape& s);
 void conv2d_cudnn_forward(cudnnContext* handle, const Conv2dShape& s, const float* x,
                           const float* w, const float* b, float* y, void* workspace,

@@ -1,7 +1,8 @@
 // cpp/ops/conv2d_cudnn.cu -- conv2d forward and backward through cuDNN's legacy convolution API
 // (deprecated in cuDNN 9 but shipped), the alternative the op picks with MGPU_CONV=cudnn. NCHW
 // float32; fixed deterministic algorithms and FMA math (no TF32), so results match our kernels to
-// float tolerance. Real CUDA builds only: compiled and linked by nvcc; no test runs it.
+// float tolerance. Real CUDA builds only: compiled and linked by nvcc; without a GPU a test
+// runs the empty-shape guards only (test_gpu_defects.py), on cuDNN's host-only descriptor calls.
 #include <cudnn.h>
 
 #include <algorithm>
