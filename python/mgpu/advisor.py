@@ -52,9 +52,9 @@ def interpolate(points: Sequence[Sequence[float]], x: float) -> float:
     A layer's time is not one line from a few examples to many: below a few blocks of work per
     thread a kernel cannot keep its threads busy (ResNet-18's 512-channel layers are one 4x4
     tile per image, and their Winograd forward takes 64 tiles to a task: up to 64 images give
-    2 threads one task), and fixed costs
-    such as Winograd's weight transforms weigh less as the batch grows. Points measured near the
-    batches predicted carry that; the line between them is only used in between."""
+    2 threads one task), and fixed costs such as Winograd's weight transforms weigh less as
+    the batch grows. Points measured near the batches predicted carry that; the line between
+    them is only used in between."""
     pts = sorted((float(b), float(s)) for b, s in points)
     if not pts:
         raise ValueError("interpolate: no points")
@@ -82,6 +82,11 @@ def entry_time(e: Dict, shard: float) -> float:
     if e.get("points"):
         return interpolate(e["points"], shard)
     return e["fixed"] + e["per_example"] * shard
+
+
+def _layers_time(steps: Sequence[Dict], shard: float) -> float:
+    """A step table's compute at `shard` examples: every entry but the gradient buckets."""
+    return sum(entry_time(e, shard) for e in steps if e["phase"] != "bucket")
 
 
 def allreduce_time(nbytes: float, k: int, latency: float, bus_bandwidth: float) -> float:
@@ -154,7 +159,7 @@ def oversubscription(meas: Dict, ranks: int) -> Optional[Dict]:
     if not cal or ranks * threads <= int(meas["cores"]):
         return None
     steps = _compute_table(meas, threads)
-    alone = sum(entry_time(e, cal["shard"]) for e in steps if e["phase"] != "bucket")
+    alone = _layers_time(steps, cal["shard"])
     comm = sum(allreduce_time(4 * e["floats"], ranks, mpi["latency"], mpi["bus_bandwidth"])
                for e in steps if e["phase"] == "bucket")
     return {"contention": max(1.0, cal["compute"] / alone),
@@ -191,7 +196,7 @@ def concurrency(meas: Dict, k: int, ranks: int = 1) -> Optional[float]:
             return None
         cal = dict(cal, busy=cal["compute"])
         steps = _compute_table(meas, threads)
-    alone = sum(entry_time(e, cal["shard"]) for e in steps if e["phase"] != "bucket")
+    alone = _layers_time(steps, cal["shard"])
     # Below 1 where other jobs load the machine: the scheduler shares the cores among threads,
     # so k device threads get more of them than one.
     return cal["busy"] / alone if alone > 0 else None
