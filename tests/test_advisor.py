@@ -201,10 +201,17 @@ def test_advise_command_runs_end_to_end_quick(tmp_path):
         for e in meas["compute"][t]["steps"]:
             if e["phase"] in ("forward", "backward"):
                 assert [p[0] for p in e["points"]] == meas["compute"][t]["shards"]
-    # 2 devices at once and 1 alone, 1 thread each, on 3/4 of the largest small batch.
+    # 2 devices at once and 1 alone, 1 thread each, at the shards of the batches asked for on 2
+    # devices (16 and 64); the single-shard keys of older tables hold the one nearest 3/4 of
+    # the largest small batch (48).
     cont = meas["contention"]["2"]
-    assert cont["shard"] == 48 and cont["threads"] == 1 and len(cont["devices"]) == 2
-    assert cont["busy"] == max(cont["devices"]) and cont["alone"] > 0
+    assert [p["shard"] for p in cont["by_shard"]] == [16, 64]
+    for p in cont["by_shard"]:
+        assert len(p["devices"]) == 2 and p["busy"] == max(p["devices"]) and p["alone"] > 0
+        assert p["idle"] >= 0 and p["idle_alone"] >= 0
+    assert cont["shard"] == 64 and cont["threads"] == 1
+    assert cont["busy"] == cont["by_shard"][1]["busy"]
+    assert cont["alone"] == cont["by_shard"][1]["alone"]
     assert os.path.getsize(png) > 5000
     # The described machine, from the saved measurements: labelled as not measured.
     r = subprocess.run([sys.executable, "-m", "mgpu", "advise", "--from-json", out, "--machine",
@@ -419,6 +426,84 @@ def test_measured_concurrency_replaces_the_fair_share_by_hand():
     # Where one device alone was traced beside them (under the same load), the ratio is to it.
     table["contention"]["2"].update(busy=0.45, alone=0.25)
     assert advisor.concurrency(table, 2) == pytest.approx(1.8)
+    # An old table's one ratio holds at every shard, with no idle beyond the alone device's.
+    assert advisor.concurrency(table, 2, shard=10) == pytest.approx(1.8)
+    assert advisor.concurrency(table, 2, shard=5000) == pytest.approx(1.8)
+    assert advisor.concurrent_idle(table, 2, 50) == 0.0
+    r = advisor.predict(table, 2, 400)
+    assert r["slowdown"] == pytest.approx(1.8) and r["idle"] == 0.0
+
+
+# Contention traced at two shards: at 25 examples per device 2 devices' layers ran 1.5x slower
+# than one alone (0.3 s against 0.2 s) and idled 3 ms more per step (4 ms against 1 ms); at 100,
+# 1.2x (0.6 / 0.5) and 6 ms more (9 ms against 3 ms). The single-shard keys say 2x: a table with
+# shard points must not use them.
+BY_SHARD = {"2": {"shard": 100, "threads": 1, "busy": 0.5, "alone": 0.25,
+                  "devices": [0.5, 0.5],
+                  "by_shard": [
+                      {"shard": 100, "busy": 0.6, "alone": 0.5, "devices": [0.59, 0.6],
+                       "idle": 0.009, "idle_alone": 0.003},
+                      {"shard": 25, "busy": 0.3, "alone": 0.2, "devices": [0.3, 0.29],
+                       "idle": 0.004, "idle_alone": 0.001}]}}
+
+
+def test_contention_by_shard_interpolates_between_shards_by_hand():
+    """At 50 examples per device, a third of the way from 25 to 100: ratio 1.5 - 0.3 / 3 = 1.4
+    and extra idle 3 ms + 3 ms / 3 = 4 ms, in the prediction of 2 devices at global batch 100."""
+    table = dict(TABLE, effective_cores=1.0, contention=BY_SHARD)
+    assert advisor.concurrency(table, 2, shard=50) == pytest.approx(1.4)
+    assert advisor.concurrent_idle(table, 2, 50) == pytest.approx(0.004)
+    assert advisor.concurrency(table, 2, shard=62.5) == pytest.approx(1.35)  # halfway
+    # Without a shard, the single-shard keys (what older callers read).
+    assert advisor.concurrency(table, 2) == pytest.approx(2.0)
+    r = advisor.predict(table, 2, 100)
+    # shard 50: 0.301 s of layers and the 4.2 ms all-reduce x 1.4, then 4 ms idle (the table
+    # has no idle of its own): device 0.3052 x 1.4 + 0.004 = 0.43128 s. The cores: 2 threads at
+    # 1 / 1.4 of a core each hold (0.002 + 0.6104) core-seconds: 0.6124 x 1.4 / 2 = 0.42868 s.
+    assert r["shard"] == 50 and r["slowdown"] == pytest.approx(1.4)
+    assert r["parts"]["compute"] == pytest.approx(0.301 * 1.4)
+    assert r["idle"] == pytest.approx(0.004)
+    assert r["device"] == pytest.approx(0.3052 * 1.4 + 0.004)
+    assert r["cores"] == pytest.approx(0.6124 * 1.4 / 2)
+    assert r["step"] == pytest.approx(0.43128)
+    assert r["parts"]["overhead"] == pytest.approx(0.002 + 0.004)
+
+
+def test_contention_by_shard_holds_the_end_points_by_hand():
+    """Below 25 and above 100 examples per device, the nearest measured shard's ratio and idle:
+    1.5 and 3 ms at 10 (batch 20), 1.2 and 6 ms at 200 (batch 400); exactly the points at 25
+    and 100 (batches 50 and 200)."""
+    table = dict(TABLE, effective_cores=1.0, contention=BY_SHARD)
+    for batch, ratio, extra in ((20, 1.5, 0.003), (50, 1.5, 0.003), (200, 1.2, 0.006),
+                                (400, 1.2, 0.006)):
+        r = advisor.predict(table, 2, batch)
+        assert r["slowdown"] == pytest.approx(ratio)
+        assert r["idle"] == pytest.approx(extra)
+        shard = batch // 2
+        # device: (shard x 6 ms + 1 ms + 4.2 ms all-reduce) x ratio + the extra idle.
+        assert r["device"] == pytest.approx((shard * 0.006 + 0.0052) * ratio + extra)
+    # One device and MPI ranks do not use it.
+    assert advisor.predict(table, 1, 100)["idle"] == 0.0
+
+
+def test_held_interpolate():
+    pts = [(10, 1.0), (30, 3.0), (20, 4.0)]
+    assert advisor.held_interpolate(pts, 15) == pytest.approx(2.5)
+    assert advisor.held_interpolate(pts, 25) == pytest.approx(3.5)
+    assert advisor.held_interpolate(pts, 5) == 1.0 and advisor.held_interpolate(pts, 99) == 3.0
+    assert advisor.held_interpolate([(7, 2.0)], 1) == 2.0
+    with pytest.raises(ValueError):
+        advisor.held_interpolate([], 1)
+
+
+def test_contention_shards():
+    """k devices are traced at once at ceil(b / k) of each batch asked for, capped per model;
+    at the calibration shard where none was asked for."""
+    assert advisor.contention_shards("lenet", [64, 256, 1024], 2) == [32, 128, 512]
+    assert advisor.contention_shards("lenet", [4096, 3], 2) == [2, 512]
+    assert advisor.contention_shards("resnet18", [64, 256], 2, True) == [32, 64]
+    assert advisor.contention_shards("lenet", [], 2) == [384]
+    assert advisor.contention_shards("resnet18", [], 2, True) == [24]
 
 
 def test_needed_shards():

@@ -167,22 +167,47 @@ def oversubscription(meas: Dict, ranks: int) -> Optional[Dict]:
             "threads": threads}
 
 
-def concurrency(meas: Dict, k: int, ranks: int = 1) -> Optional[float]:
+def held_interpolate(points: Sequence[Sequence[float]], x: float) -> float:
+    """The value at x from measured (x, value) points: straight lines between neighbouring
+    points, beyond the ends the nearer end's value (a ratio measured at a few shards: its line
+    beyond them is no measurement, and would run below 1 or without bound)."""
+    pts = sorted((float(a), float(v)) for a, v in points)
+    if not pts:
+        raise ValueError("held_interpolate: no points")
+    if x <= pts[0][0]:
+        return pts[0][1]
+    if x >= pts[-1][0]:
+        return pts[-1][1]
+    i = next(i for i in range(1, len(pts)) if pts[i][0] >= x)
+    (a0, v0), (a1, v1) = pts[i - 1], pts[i]
+    return v0 + (v1 - v0) * (x - a0) / (a1 - a0)
+
+
+def concurrency(meas: Dict, k: int, ranks: int = 1,
+                shard: Optional[float] = None) -> Optional[float]:
     """How much slower a device's layers run when k devices per rank and `ranks` ranks compute
     at once than they ran alone with the same threads, as measured where the threads fit the
-    cores: in this process, a traced step of k devices at once against one device alone with
+    cores: in this process, traced steps of k devices at once against one device alone with
     the same threads on the same shard (measure: "contention"); under mpirun, the ranks'
     calibration (measure_rank_calibration). Cores that other jobs hold, the memory bandwidth
     and caches the devices share and the host's and input's threads are all in it, where a
-    fair share of `effective_cores` (core_share) only counts cores. None where nothing was
-    measured for this configuration or the ranks' threads exceed the cores (oversubscription's
-    case)."""
+    fair share of `effective_cores` (core_share) only counts cores. The ratio depends on the
+    shard (at a few examples per device a layer's kernels are short, and the devices' hand-offs
+    and the host's thread weigh more): where k devices were traced at several shards
+    ("by_shard"), the ratio at `shard` lies on the line between the two measured shards around
+    it (held at the nearest end beyond them); a table with one calibration shard gives its one
+    ratio at every shard. None where nothing was measured for this configuration or the ranks'
+    threads exceed the cores (oversubscription's case)."""
     if ranks <= 1:
         if k <= 1:
             return None
         cal = (meas.get("contention") or {}).get(str(k))
         if not cal:
             return None
+        pts = [(p["shard"], p["busy"] / p["alone"]) for p in cal.get("by_shard") or []
+               if p.get("alone")]
+        if pts and shard is not None:
+            return held_interpolate(pts, shard)
         if cal.get("alone"):  # traced alone just before, under the same load
             return cal["busy"] / cal["alone"]
         steps = _compute_table(meas, cal["threads"])
@@ -200,6 +225,17 @@ def concurrency(meas: Dict, k: int, ranks: int = 1) -> Optional[float]:
     # Below 1 where other jobs load the machine: the scheduler shares the cores among threads,
     # so k device threads get more of them than one.
     return cal["busy"] / alone if alone > 0 else None
+
+
+def concurrent_idle(meas: Dict, k: int, shard: float) -> float:
+    """The idle time per step a device has beyond one device alone when k devices in this process
+    run at once (the slowest device's idle less the alone device's, traced beside each other
+    by measure: "contention" "by_shard"), at `shard` examples as concurrency interpolates its
+    ratio; 0 where the table has no such points (older tables)."""
+    cal = (meas.get("contention") or {}).get(str(k)) or {}
+    pts = [(p["shard"], p["idle"] - p["idle_alone"]) for p in cal.get("by_shard") or []
+           if "idle" in p and "idle_alone" in p]
+    return held_interpolate(pts, shard) if pts else 0.0
 
 
 def _compute_entry(meas: Dict, t: int) -> Dict:
@@ -254,7 +290,7 @@ def predict(meas: Dict, k: int, batch: int, ranks: int = 1, machine: Optional[Di
         if cpu:
             t, slow, rank_cores, eff = core_share(meas, k, ranks)
             over = oversubscription(meas, ranks) if k == 1 else None
-            measured = None if over else concurrency(meas, k, ranks)
+            measured = None if over else concurrency(meas, k, ranks, shard)
             if over:
                 slow = over["contention"]
             elif measured is not None:
@@ -323,6 +359,10 @@ def predict(meas: Dict, k: int, batch: int, ranks: int = 1, machine: Optional[Di
         # The device's hand-offs between tasks: idle time on its chain, no core-seconds (where
         # ranks were calibrated, their measured wait holds them).
         idle = device_idle(meas, t, shard)
+        if cpu and ranks == 1 and k > 1:
+            # k devices at once hand off more slowly than one alone (their threads and the
+            # host's wake each other on shared cores): the extra idle traced beside them.
+            idle = max(0.0, idle + concurrent_idle(meas, k, shard))
         now += idle
     device = max(now, comm_free)
     host = meas["host"]["fixed"] + meas["host"]["per_device"] * k
@@ -666,6 +706,21 @@ def calibration_shard(model: str, quick: bool = False) -> int:
 MAX_MEASURED_SHARD = {"lenet": 2048, "resnet18": 256}
 
 
+# The largest shard measure() traces k devices at once on for the contention (concurrency):
+# each such shard costs one device alone and k at once, a few steps each.
+MAX_CONTENTION_SHARD = {"lenet": 512, "resnet18": 64}
+
+
+def contention_shards(model: str, batches: Sequence[int], k: int,
+                      quick: bool = False) -> List[int]:
+    """The shards measure() traces k devices at once on: ceil(b / k) of each batch asked for, up
+    to MAX_CONTENTION_SHARD (the ratio is held beyond the largest), as the layers are timed at
+    the shards the predictions need; calibration_shard alone where no batch was asked for."""
+    cap = MAX_CONTENTION_SHARD.get(model, 64)
+    return sorted({min(cap, max(1, math.ceil(b / k))) for b in batches}) or \
+        [calibration_shard(model, quick)]
+
+
 def needed_shards(model: str, batches: Sequence[int], max_devices: int, own: int,
                   ranks: Sequence[int] = ()) -> Dict[int, List[int]]:
     """The shards each thread count computes in the configurations predicted, which measure()
@@ -753,36 +808,49 @@ def measure(model: str = "lenet", max_devices: int = 2, quick: bool = False,
                                                 "points": [list(x) for x in pts]},
                                        "shards": shards[t]}
         _core.set_num_threads(own)
-        # k devices at once, each with own // k threads on a shard of 3/4 of the largest small
-        # batch, against one device alone with those threads on that shard, traced just before
-        # (on a shared machine the load drifts: the two are compared under the same load): how
-        # much slower their layers run together (concurrency). The shard is no power of two, so
-        # that no batch size a validation predicts is its own calibration. And the host's
-        # overhead per extra device, from the 2-device step's host time (same code path).
+        # k devices at once, each with own // k threads, at each shard the predictions of k
+        # devices need (contention_shards), against one device alone with those threads on
+        # that shard, traced just before (on a shared machine the load drifts: the two are
+        # compared under the same load): how much slower their layers run together, by shard
+        # (concurrency). And the host's overhead per extra device, from the 2-device steps' host
+        # time (same code path; the median over the shards).
         meas["contention"] = {}
+        host_two: List[float] = []
         for k in ks:
             if k < 2 or gpus:
                 continue
-            c, t = calibration_shard(model, quick), max(1, own // k)
-            log(f"advise: {model} step, batch {c} per device on {k} devices at once, and on 1 "
-                f"device with {t} thread(s) ...")
-            busy: Dict[int, List[float]] = {}
-            for n in (1, k):
-                _core.set_num_threads(own if n > 1 else t)
-                devs = [try_gpu(i) for i in range(n)]
-                step = _runner(model, devs)
-                X, y = _batch(c * n)
-                for _ in range(2):
-                    step(X, y)
-                _core.waitall()
-                doc = _trace_steps(step, X, y, steps)
-                parsed = [parse_step_trace(doc, steps, str(d)) for d in devs]
-                busy[n] = [sum(e["seconds"] for e in p["entries"]) for p in parsed]
-                if n == 2:
-                    host_by_k[2] = parsed[0]["host"]
-            _core.set_num_threads(own)
-            meas["contention"][str(k)] = {"shard": c, "threads": t, "busy": max(busy[k]),
-                                          "devices": busy[k], "alone": busy[1][0]}
+            t = max(1, own // k)
+            by_shard = []
+            for c in contention_shards(model, asked, k, quick):
+                log(f"advise: {model} step, batch {c} per device on {k} devices at once, and "
+                    f"on 1 device with {t} thread(s) ...")
+                busy: Dict[int, List[float]] = {}
+                idle: Dict[int, List[float]] = {}
+                for n in (1, k):
+                    _core.set_num_threads(own if n > 1 else t)
+                    devs = [try_gpu(i) for i in range(n)]
+                    step = _runner(model, devs)
+                    X, y = _batch(c * n)
+                    for _ in range(2):
+                        step(X, y)
+                    _core.waitall()
+                    doc = _trace_steps(step, X, y, steps)
+                    parsed = [parse_step_trace(doc, steps, str(d)) for d in devs]
+                    busy[n] = [sum(e["seconds"] for e in p["entries"]) for p in parsed]
+                    idle[n] = [p["idle"] for p in parsed]
+                    if n == 2:
+                        host_two.append(parsed[0]["host"])
+                _core.set_num_threads(own)
+                by_shard.append({"shard": c, "busy": max(busy[k]), "devices": busy[k],
+                                 "alone": busy[1][0], "idle": max(idle[k]),
+                                 "idle_alone": idle[1][0]})
+            # The single-shard keys of older tables: the shard nearest the calibration shard.
+            near = min(by_shard, key=lambda p: abs(p["shard"] - calibration_shard(model, quick)))
+            meas["contention"][str(k)] = {"shard": near["shard"], "threads": t,
+                                          "busy": near["busy"], "devices": near["devices"],
+                                          "alone": near["alone"], "by_shard": by_shard}
+        if host_two:
+            host_by_k[2] = statistics.median(host_two)
         h1 = max(0.0, host_by_k.get(2, host_by_k[1]) - host_by_k[1])
         meas["host"] = {"fixed": max(0.0, host_by_k[1] - h1), "per_device": h1}
         sizes = [4096, 262144, 2097152] if quick else [4096, 65536, 524288, 4194304]
