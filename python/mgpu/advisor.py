@@ -267,7 +267,8 @@ def predict(meas: Dict, k: int, batch: int, ranks: int = 1, machine: Optional[Di
     device runs its steps in order (split/copy, each layer forward, loss, each layer backward,
     update) with the threads it gets (core_share: the layer times measured at that thread count,
     slowed down where more threads than cores want to run, or by the slowdown measured with that
-    many devices at once where measure traced it: concurrency); a gradient bucket's all-reduce runs
+    many devices at once at the shard where measure traced it: concurrency, and with the extra
+    idle such devices had: concurrent_idle); a gradient bucket's all-reduce runs
     when the last device has produced it: on CPU devices on the same worker threads (in series
     with compute), then across ranks (the MPI fit of that many ranks), on a described GPU machine
     on a communication stream (overlapping the remaining backward; the update waits for it). On
@@ -695,9 +696,10 @@ def small_batches(model: str, quick: bool = False) -> List[int]:
 
 
 def calibration_shard(model: str, quick: bool = False) -> int:
-    """The examples per device (or rank) of the contention calibrations: 3/4 of the largest
-    small batch, among the sizes where the layers' per-example costs dominate and no power of
-    two, so that no batch size a validation predicts is its own calibration."""
+    """The examples per rank of the ranks' contention calibration (and per device of k devices'
+    where no batch was asked for: contention_shards): 3/4 of the largest small batch, among
+    the sizes where the layers' per-example costs dominate and no power of two, so that no
+    batch size a validation predicts is its own calibration."""
     return max(1, small_batches(model, quick)[-1] * 3 // 4)
 
 
@@ -742,7 +744,8 @@ def measure(model: str = "lenet", max_devices: int = 2, quick: bool = False,
     """The measurement table of this machine for `model` (see predict for what it holds): the
     layers' times at a few small batches and at the shards of `batches` (the global batch
     sizes to predict) on 1..max_devices devices and on `ranks` MPI ranks, and how much slower
-    k devices' layers run at once than one device's alone (contention, see concurrency)."""
+    k devices' layers run at once than one device's alone, at the shards of `batches` on k
+    devices (contention, see concurrency and concurrent_idle)."""
     from . import _core, distributed
     from .device import try_gpu
     world = distributed.world_size()
