@@ -248,6 +248,11 @@ def test_validate_times_real_runs_in_process_and_under_mpirun(tmp_path):
     # `shard` rows), not a batch of `shard` rows that the ranks would split again.
     cal = mpi["calibration"]
     assert cal["rows"] == cal["batch"] == 96 and cal["shard"] == 48
+    # Calibrated at 3/4 of each small batch (16, 64): 12 and 48 examples per rank, the largest
+    # also in the single keys of older tables.
+    assert [c["shard"] for c in cal["by_shard"]] == [12, 48]
+    assert [c["rows"] for c in cal["by_shard"]] == [24, 96]
+    assert cal["by_shard"][-1]["step"] == cal["step"]
 
 
 def _span(tid, name, cat, ts, dur):
@@ -256,8 +261,9 @@ def _span(tid, name, cat, ts, dur):
 
 def test_step_trace_parts_by_hand():
     """parse_step_trace on a hand-made trace of 2 steps: a layer's time is its tasks' busy time
-    (median over steps), tasks outside every layer are the device's other work, and the host's
-    overhead is its step call less the time it sat blocked on a full queue."""
+    (its mean over steps; of 2 steps the median too), tasks outside every layer are the device's
+    other work, and the host's overhead is its step call less the time it sat blocked on a full
+    queue."""
     meta = [{"ph": "M", "pid": 1, "tid": t, "name": "thread_name", "args": {"name": n}}
             for t, n in ((1, "host"), (2, "cpu(0)"))]
     ev = []
@@ -277,7 +283,7 @@ def test_step_trace_parts_by_hand():
     by = {e["name"]: e for e in p["entries"]}
     assert [e["phase"] for e in p["entries"]] == ["split", "forward", "backward", "update"]
     assert by["other device work"]["seconds"] == pytest.approx(50e-6)
-    assert by["layer 1 (linear) forward"]["seconds"] == pytest.approx(150e-6)   # median
+    assert by["layer 1 (linear) forward"]["seconds"] == pytest.approx(150e-6)
     assert by["layer 1 (linear) backward"]["seconds"] == pytest.approx(400e-6)
     assert by["layer 1 (linear) backward"]["ops"] == 2
     assert p["host"] == pytest.approx(800e-6)
@@ -525,3 +531,119 @@ def test_calibration_shard_and_batch():
     assert advisor.calibration_batch("resnet18", True, 2) == 48
     assert advisor.calibration_batch("lenet", True, 3) == 144
     assert advisor.calibration_batch("lenet", False, 2) == 768
+
+
+def test_step_trace_counts_a_stalled_step_in_full_by_hand():
+    """A real run's step time is its total over its steps, so the layer's time is its mean step:
+    3 steps of 100, 100 and 400 us (a kernel held up by a descheduled thread) give 200 us, where
+    the median step (what bench --parts layers asks for) gives 100 us."""
+    meta = [{"ph": "M", "pid": 1, "tid": t, "name": "thread_name", "args": {"name": n}}
+            for t, n in ((1, "host"), (2, "cpu(0)"))]
+    ev = []
+    for i, fwd in enumerate((100, 400, 100)):
+        t0 = i * 10_000
+        ev += [_span(1, "train_batch", "span", t0, 500),
+               _span(2, "layer 1 (linear) forward", "layer", t0 + 200, 1000),
+               _span(2, "gemm", "task", t0 + 300, fwd)]
+    doc = {"traceEvents": meta + ev}
+    p = advisor.parse_step_trace(doc, 3, "cpu(0)")
+    assert p["entries"][0]["seconds"] == pytest.approx(200e-6)
+    q = advisor.parse_step_trace(doc, 3, "cpu(0)", statistic="median")
+    assert q["entries"][0]["seconds"] == pytest.approx(100e-6)
+    with pytest.raises(ValueError, match="statistic"):
+        advisor.parse_step_trace(doc, 3, "cpu(0)", statistic="min")
+
+
+def test_slowest_device_keeps_its_own_idle():
+    """Device 1 is busy 0.6 s and idle 0.1 s, device 0 busy 0.5 s and idle 0.2 s (waiting for
+    device 1 at the all-reduce): the step is 0.6 + 0.1, not 0.6 + 0.2."""
+    assert advisor.slowest_device([0.5, 0.6], [0.2, 0.1]) == (0.6, 0.1)
+    assert advisor.slowest_device([0.7, 0.6], [0.0, 0.1]) == (0.7, 0.0)
+
+
+def test_median_prediction_of_two_rounds_is_their_mean_by_hand():
+    """Of 2 rounds' predictions the validated row takes the mean, as statistics.median takes the
+    measured steps': steps 0.2 and 0.3 s give 0.25 s (not the smaller 0.2), parts likewise, the
+    bound the largest median part; 3 rounds give the middle one."""
+    def pred(step, compute, comm):
+        return {"devices": 2, "ranks": 1, "batch": 64, "step": step, "bound": "compute",
+                "parts": {"compute": compute, "communication": comm, "overhead": 0.01,
+                          "input": 0.0}, "oversubscription": None, "measured": True}
+    row = advisor.median_prediction([pred(0.3, 0.1, 0.19), pred(0.2, 0.15, 0.04)])
+    assert row["step"] == pytest.approx(0.25)
+    assert row["parts"]["compute"] == pytest.approx(0.125)
+    assert row["parts"]["communication"] == pytest.approx(0.115)
+    assert row["bound"] == "compute" and row["devices"] == 2
+    row = advisor.median_prediction([pred(0.3, 0.1, 0.19), pred(0.2, 0.15, 0.04),
+                                     pred(0.4, 0.1, 0.29)])
+    assert row["step"] == pytest.approx(0.3) and row["bound"] == "communication"
+
+
+def test_calibration_shards():
+    """The ranks are calibrated at 3/4 of each small batch, none of them a batch validated."""
+    assert advisor.calibration_shards("lenet") == [24, 96, 384]
+    assert advisor.calibration_shards("lenet", True) == [12, 48]
+    assert advisor.calibration_shards("resnet18") == [6, 24, 48]
+    assert advisor.calibration_shards("resnet18", True) == [6, 24]
+    assert advisor.calibration_shards("lenet")[-1] == advisor.calibration_shard("lenet")
+
+
+# 3 ranks of 2 threads on 2 cores calibrated at 25 and 100 examples per rank. At 25 the layers
+# were busy 0.304 s against this table's 0.076 s (25 x 3 ms + 1 ms) at 2 threads: contention 4;
+# the step took 0.4 s. At 100, 1.505 s against 0.301 s: 5; the step 1.7 s. The all-reduce of the
+# 1M-float bucket over 3 ranks is 4 x 200 us + 4/3 x 4 MB / 0.5 GB/s = 11.4667 ms, so the waits
+# are 0.4 - 0.304 - 0.0114667 and 1.7 - 1.505 - 0.0114667 s.
+AR3 = 0.0008 + 4 / 3 * 4e6 / 5e8
+CAL3 = [{"batch": 75, "shard": 25, "threads": 2, "compute": 0.304, "step": 0.4},
+        {"batch": 300, "shard": 100, "threads": 2, "compute": 1.505, "step": 1.7}]
+
+
+def test_oversubscribed_ranks_calibrated_by_shard_by_hand():
+    """At 50 examples per rank, a third of the way from 25 to 100: contention 4 + 1/3 and wait
+    w25 + (w100 - w25) / 3; below 25 and above 100 the nearest shard's."""
+    mpi = json.loads(json.dumps(MPI))
+    mpi["3"]["calibration"] = dict(CAL3[-1], by_shard=CAL3)
+    table = dict(TABLE, mpi=mpi)
+    w25, w100 = 0.4 - 0.304 - AR3, 1.7 - 1.505 - AR3
+    over = advisor.oversubscription(table, 3, 50)
+    assert over["contention"] == pytest.approx(4 + 1 / 3)
+    assert over["wait"] == pytest.approx(w25 + (w100 - w25) / 3)
+    assert over["shard"] == 50
+    r = advisor.predict(table, 1, 150, ranks=3)
+    # shard 50: (50 x 3 ms + 1 ms) x 13/3 = 0.654333 s of layers, the all-reduce and the wait:
+    # 0.654333 + 0.0114667 + 0.1175333 = 0.783333 s (the cores: 3 x (1.5 ms + 2 x 0.151) / 2
+    # = 0.45525 s, below it).
+    assert r["parts"]["compute"] == pytest.approx(0.151 * 13 / 3)
+    assert r["step"] == pytest.approx(0.151 * 13 / 3 + AR3 + w25 + (w100 - w25) / 3)
+    assert r["step"] == pytest.approx(0.7833333, rel=1e-6)
+    # Held at the ends: shard 10, (31 ms x 4) + 0.096 s; shard 200, (0.601 s x 5) + 0.195 s.
+    assert advisor.predict(table, 1, 30, ranks=3)["step"] == pytest.approx(0.124 + 0.096)
+    assert advisor.predict(table, 1, 600, ranks=3)["step"] == pytest.approx(3.005 + 0.195)
+    # A table with one calibration (older tables) predicts as before at every shard: its one
+    # contention (5) and wait.
+    mpi["3"]["calibration"] = CAL3[-1]
+    for batch in (30, 150, 600):
+        shard = batch // 3
+        r = advisor.predict(dict(TABLE, mpi=mpi), 1, batch, ranks=3)
+        assert r["step"] == pytest.approx((shard * 0.003 + 0.001) * 5 + 0.195)
+        assert r["oversubscription"]["shard"] == 100
+
+
+def test_ranks_within_the_cores_calibrated_by_shard_by_hand():
+    """2 ranks bound to a core each (1 thread), calibrated at 25 (0.1812 s against 0.151 s
+    alone: 1.2) and 100 (0.9015 s against 0.601 s: 1.5): at shard 50, 1.3; 0.301 x 1.3 of layers
+    and the MPI all-reduce's 4.2 ms (the cores hold (1.5 ms + 0.301 s) x 1.3 = 0.39325 s,
+    below it)."""
+    mpi = json.loads(json.dumps(MPI))
+    cal = [{"batch": 50, "shard": 25, "threads": 1, "compute": 0.1812, "step": 0.2},
+           {"batch": 200, "shard": 100, "threads": 1, "compute": 0.9015, "step": 1.0}]
+    mpi["2"]["calibration"] = dict(cal[-1], by_shard=cal)
+    table = dict(TABLE, mpi=mpi)
+    assert advisor.concurrency(table, 1, 2, 50) == pytest.approx(1.3)
+    assert advisor.concurrency(table, 1, 2, 10) == pytest.approx(1.2)
+    assert advisor.concurrency(table, 1, 2, 400) == pytest.approx(1.5)
+    assert advisor.oversubscription(table, 2, 50) is None
+    r = advisor.predict(table, 1, 100, ranks=2)
+    assert r["slowdown"] == pytest.approx(1.3)
+    assert r["step"] == pytest.approx(0.301 * 1.3 + 0.0042)
+    assert r["cores"] == pytest.approx(0.3025 * 1.3)

@@ -140,7 +140,13 @@ def core_share(meas: Dict, k: int, ranks: int = 1) -> Tuple[int, float, float, f
     return t, slow, rank_eff, eff
 
 
-def oversubscription(meas: Dict, ranks: int) -> Optional[Dict]:
+def _rank_calibrations(cal: Dict) -> List[Dict]:
+    """The ranks' calibration points, by shard: the table's "by_shard" list where it has one
+    (measure_rank_calibration at each calibration_shards shard), else its one calibration."""
+    return sorted(cal.get("by_shard") or [cal], key=lambda c: c["shard"])
+
+
+def oversubscription(meas: Dict, ranks: int, shard: Optional[float] = None) -> Optional[Dict]:
     """Where `ranks` processes' threads exceed the machine's cores (Open MPI leaves 3 ranks on 2
     cores unbound, each with its threads): what the calibration under mpirun measured
     (measure_rank_calibration, every rank at once on a shard of its batch). The layers' busy
@@ -149,8 +155,12 @@ def oversubscription(meas: Dict, ranks: int) -> Optional[Dict]:
     without waiting: a kernel's threads meet at its end, and a sibling descheduled for a time
     slice holds them all); the step's wall time beyond busy time and the fitted all-reduce of
     its buckets is the `wait` per step (a collective waits for the last rank to be scheduled,
-    and the ranks that wait poll, holding a core). None where the threads fit the cores or
-    nothing was calibrated (core_share's model then)."""
+    and the ranks that wait poll, holding a core). Both depend on the shard (a short step
+    loses less to a rank's time slice than a long one): where the ranks were calibrated at
+    several shards, each lies at `shard` on the line between the two calibrated shards around
+    it (held at the nearest end beyond them); one calibration gives its one contention and
+    wait at every shard. None where the threads fit the cores or nothing was calibrated
+    (core_share's model then)."""
     if ranks <= 1:
         return None
     mpi = (meas.get("mpi") or {}).get(str(ranks)) or {}
@@ -159,12 +169,16 @@ def oversubscription(meas: Dict, ranks: int) -> Optional[Dict]:
     if not cal or ranks * threads <= int(meas["cores"]):
         return None
     steps = _compute_table(meas, threads)
-    alone = _layers_time(steps, cal["shard"])
     comm = sum(allreduce_time(4 * e["floats"], ranks, mpi["latency"], mpi["bus_bandwidth"])
                for e in steps if e["phase"] == "bucket")
-    return {"contention": max(1.0, cal["compute"] / alone),
-            "wait": max(0.0, cal["step"] - cal["compute"] - comm), "shard": cal["shard"],
-            "threads": threads}
+    pts = _rank_calibrations(cal)
+    at = pts[0]["shard"] if shard is None or len(pts) == 1 else shard
+    contention = held_interpolate(
+        [(c["shard"], max(1.0, c["compute"] / _layers_time(steps, c["shard"]))) for c in pts], at)
+    wait = held_interpolate([(c["shard"], max(0.0, c["step"] - c["compute"] - comm))
+                             for c in pts], at)
+    return {"contention": contention, "wait": wait,
+            "shard": at if len(pts) > 1 else cal["shard"], "threads": threads}
 
 
 def held_interpolate(points: Sequence[Sequence[float]], x: float) -> float:
@@ -219,8 +233,12 @@ def concurrency(meas: Dict, k: int, ranks: int = 1,
         threads, _ = _rank_layout(meas, ranks)
         if not cal or ranks * threads > int(meas["cores"]):
             return None
-        cal = dict(cal, busy=cal["compute"])
         steps = _compute_table(meas, threads)
+        pts = [(c["shard"], c["compute"] / _layers_time(steps, c["shard"]))
+               for c in _rank_calibrations(cal) if _layers_time(steps, c["shard"]) > 0]
+        if len(pts) > 1 and shard is not None:  # calibrated at several shards
+            return held_interpolate(pts, shard)
+        cal = dict(cal, busy=cal["compute"])
     alone = _layers_time(steps, cal["shard"])
     # Below 1 where other jobs load the machine: the scheduler shares the cores among threads,
     # so k device threads get more of them than one.
@@ -290,7 +308,7 @@ def predict(meas: Dict, k: int, batch: int, ranks: int = 1, machine: Optional[Di
     if machine is None:
         if cpu:
             t, slow, rank_cores, eff = core_share(meas, k, ranks)
-            over = oversubscription(meas, ranks) if k == 1 else None
+            over = oversubscription(meas, ranks, shard) if k == 1 else None
             measured = None if over else concurrency(meas, k, ranks, shard)
             if over:
                 slow = over["contention"]
@@ -475,10 +493,15 @@ def _tracks(doc: Dict) -> Dict[str, List[Dict]]:
 _HOST_STEP = ("train_batch", "DataParallel.train_step")
 
 
-def parse_step_trace(doc: Dict, steps: int, device: str = "cpu(0)") -> Dict:
+def parse_step_trace(doc: Dict, steps: int, device: str = "cpu(0)",
+                     statistic: str = "mean") -> Dict:
     """One device's step from a trace of `steps` steps: the layer spans in order with their
-    median time (s) and op count, the buckets (after which span, how many floats), and the
-    host's time per step (median of the Python step call)."""
+    time per step (s; `statistic` "mean": their total over `steps`, "median": the median
+    step's) and op count, the buckets (after which span, how many floats), and the host's time
+    per step (median of the Python step call)."""
+    if statistic not in ("mean", "median"):
+        raise ValueError(f"parse_step_trace: statistic must be 'mean' or 'median', got "
+                         f"{statistic!r}")
     tr = _tracks(doc)
     dev = tr.get(device, [])
     groups = [e for e in dev if e.get("cat") == "layer"]
@@ -513,10 +536,13 @@ def parse_step_trace(doc: Dict, steps: int, device: str = "cpu(0)") -> Dict:
                         "ops": round(other_n / steps)})
     for name in order:
         ts = times[name]
-        # The median step (on a shared machine the measured runs see the same load, so the
-        # prediction takes the typical step, not the least perturbed one); a name met more
-        # often than once per step (a layer run twice) counts its mean total.
-        per_step = sum(ts) / steps if len(ts) > steps else statistics.median(ts)
+        # The mean step: a real run's step time is its total over its steps, so a step that a
+        # descheduled kernel thread held up (on a shared machine the time slices of other jobs
+        # stall a 2-thread kernel for a slice) counts in full, as it does there; the median
+        # step leaves such stalls out. A name met more often than once per step (a layer run
+        # twice) counts its mean total either way.
+        per_step = sum(ts) / steps if statistic == "mean" or len(ts) > steps else \
+            statistics.median(ts)
         phase = ("update" if name == "sgd update" else "split" if name.startswith("split")
                  else "loss" if name.startswith("loss") else
                  "backward" if name.endswith("backward") else "forward")
@@ -703,6 +729,15 @@ def calibration_shard(model: str, quick: bool = False) -> int:
     return max(1, small_batches(model, quick)[-1] * 3 // 4)
 
 
+def calibration_shards(model: str, quick: bool = False) -> List[int]:
+    """The examples per rank the ranks' contention and wait are calibrated at under mpirun
+    (measure_rank_calibration): 3/4 of each small batch, so that the wait, a step's wall time
+    less its busy time and all-reduce, is measured near the shards predicted without being
+    the very step a validation measures (its last, calibration_shard, is the one of older
+    tables)."""
+    return sorted({max(1, b * 3 // 4) for b in small_batches(model, quick)})
+
+
 # The largest shard measure() times for a batch asked for (larger ones are extrapolated from the
 # points below): ResNet-18 takes ~10 ms per example with 2 threads here.
 MAX_MEASURED_SHARD = {"lenet": 2048, "resnet18": 256}
@@ -844,9 +879,10 @@ def measure(model: str = "lenet", max_devices: int = 2, quick: bool = False,
                     if n == 2:
                         host_two.append(parsed[0]["host"])
                 _core.set_num_threads(own)
-                by_shard.append({"shard": c, "busy": max(busy[k]), "devices": busy[k],
-                                 "alone": busy[1][0], "idle": max(idle[k]),
-                                 "idle_alone": idle[1][0]})
+                slow_busy, slow_idle = slowest_device(busy[k], idle[k])
+                by_shard.append({"shard": c, "busy": slow_busy, "devices": busy[k],
+                                 "alone": busy[1][0], "idle": slow_idle,
+                                 "idle_devices": idle[k], "idle_alone": idle[1][0]})
             # The single-shard keys of older tables: the shard nearest the calibration shard.
             near = min(by_shard, key=lambda p: abs(p["shard"] - calibration_shard(model, quick)))
             meas["contention"][str(k)] = {"shard": near["shard"], "threads": t,
@@ -872,6 +908,15 @@ def measure(model: str = "lenet", max_devices: int = 2, quick: bool = False,
     finally:
         _core.set_num_threads(own)
     return meas
+
+
+def slowest_device(busy: Sequence[float], idle: Sequence[float]) -> Tuple[float, float]:
+    """(busy, idle) per step of the slowest of k devices traced at once: the one with the most
+    busy time, with its own idle. The devices meet at each step's all-reduce, so each one's
+    busy + idle spans the same steps, and a faster device's longer idle is its wait for the
+    slowest: the largest busy with the largest idle would count that wait twice."""
+    i = max(range(len(busy)), key=lambda j: busy[j])
+    return busy[i], idle[i]
 
 
 def _fit_steps(per_batch: List[Tuple[int, Dict]]) -> List[Dict]:
@@ -959,8 +1004,8 @@ def measure_mpi(model: str, ranks: int, batches: Sequence[int], steps: int, repe
                 quick: bool = False, timeout: float = 600) -> Dict:
     """One mpirun of `ranks` processes (1 device each): each rank's threads and cores, the MPI
     all-reduce fit of that many ranks, the contention calibration (measure_rank_calibration at
-    calibration_batch) and the measured step time of each batch size (every repetition). All
-    come from the same launch, so they see the same load."""
+    each of calibration_shards' shards) and the measured step time of each batch size (every
+    repetition). All come from the same launch, so they see the same load."""
     import subprocess
     fd, out = tempfile.mkstemp(suffix=".json")
     os.close(fd)
@@ -969,7 +1014,7 @@ def measure_mpi(model: str, ranks: int, batches: Sequence[int], steps: int, repe
         env.pop(var, None)
     job = {"model": model, "batches": list(batches), "steps": steps, "repeat": repeat,
            "quick": quick, "out": out,
-           "calibration_batch": calibration_batch(model, quick, ranks)}
+           "calibration_batches": [s * ranks for s in calibration_shards(model, quick)]}
     try:
         r = subprocess.run(mpirun_command(ranks) + ["-m", "mgpu.advisor", "--mpi-worker",
                                                     json.dumps(job)],
@@ -985,7 +1030,8 @@ def measure_mpi(model: str, ranks: int, batches: Sequence[int], steps: int, repe
 
 def measure_rank_calibration(model: str, batch: int, steps: int) -> Dict:
     """Under mpirun, every rank at once: the device's busy time per step (its layers' kernels, from
-    the step's timeline) and the step's wall time (untraced, the median of `steps`), on a shard
+    the step's timeline, the mean step's) and the step's wall time (untraced, the mean of
+    `steps`: a real run's step time is its total over its steps), on a shard
     of the global `batch`, with every rank running the same step as in training. Where the
     ranks' threads exceed the cores, both show what time slicing costs: a kernel's threads wait
     for a sibling the scheduler took off its core (the busy time grows beyond the fair share),
@@ -1015,7 +1061,7 @@ def measure_rank_calibration(model: str, batch: int, steps: int) -> Dict:
     return {"batch": batch, "shard": shard, "rows": int(X.shape[0]),
             "threads": _core.num_threads(),
             "compute": sum(e["seconds"] for e in parsed["entries"]),
-            "step": statistics.median(walls), "steps": walls}
+            "step": statistics.mean(walls), "steps": walls}
 
 
 def _mpi_worker(job: Dict) -> None:
@@ -1026,9 +1072,13 @@ def _mpi_worker(job: Dict) -> None:
     fit = measure_mpi_allreduce(sizes, 3 if job["quick"] else 7)
     res = dict(fit, threads=_core.num_threads(), cores=len(os.sched_getaffinity(0)),
                ranks=distributed.world_size(), steps={})
-    if job.get("calibration_batch"):
-        res["calibration"] = measure_rank_calibration(job["model"], job["calibration_batch"],
-                                                      3 if job["quick"] else 6)
+    cal_batches = job.get("calibration_batches") or \
+        ([job["calibration_batch"]] if job.get("calibration_batch") else [])
+    if cal_batches:
+        # Each calibration shard in turn; the largest keeps the single keys of older tables.
+        by = [measure_rank_calibration(job["model"], b, 3 if job["quick"] else 6)
+              for b in sorted(cal_batches)]
+        res["calibration"] = dict(by[-1], by_shard=by)
     for b in job["batches"]:
         res["steps"][str(b)] = measure_step(job["model"], 1, b, job["steps"], job["repeat"],
                                             devices=[distributed.device()])
@@ -1139,6 +1189,16 @@ def median_table(tables: Sequence[Dict]):
     return first
 
 
+def median_prediction(preds: Sequence[Dict]) -> Dict:
+    """The rounds' predictions of one configuration as one: every number the median of the
+    rounds' (statistics.median, as validate takes the measured step: of an even count the mean
+    of the middle two; the lower middle round alone would set the smaller of 2 rounds'
+    predictions against the mean of their measurements), the bound the largest median part."""
+    row = dict(median_table(list(preds)))
+    row["bound"] = max(row["parts"], key=row["parts"].get)
+    return row
+
+
 def validate(model: str, batches: Sequence[int], max_devices: int = 2,
              ranks: Sequence[int] = (), repeats: int = 3, steps: int = 8, repeat: int = 3,
              quick: bool = False, log=lambda s: None) -> Tuple[List[Dict], List[Dict]]:
@@ -1148,10 +1208,11 @@ def validate(model: str, batches: Sequence[int], max_devices: int = 2,
     On a shared machine both drift with the load, so they are measured interleaved: each of
     `repeats` rounds measures the model's inputs (the measurement table, and with each mpirun
     the MPI all-reduce fit) and then the real runs (each the median of `repeat` timings of
-    `steps` steps). A row's predicted and measured step are the medians over the rounds, each
-    round's figures kept beside them (the predicted median of an even count is the lower middle
-    round's, so a row's parts are one round's). Returns (rows, the rounds' measurement tables; their
-    median_table is the one to predict other cases from)."""
+    `steps` steps). A row's predicted and measured step are the medians over the rounds (the
+    same statistic on both sides: of an even count, the mean of the middle two), each round's
+    figures kept beside them; the row's parts are the medians of the rounds' parts (with 1 or 2
+    rounds they add up as each round's do) and its bound the largest of them. Returns (rows, the
+    rounds' measurement tables; their median_table is the one to predict other cases from)."""
     configs = [(k, 1) for k in range(1, max_devices + 1)] + [(1, r) for r in ranks if r > 1]
     rounds = []
     for i in range(repeats):
@@ -1178,10 +1239,7 @@ def validate(model: str, batches: Sequence[int], max_devices: int = 2,
     for b in batches:
         for k, r in configs:
             preds = [predict(m, k, b, r) for m, _ in rounds]
-            # The median round's prediction (the lower middle one of an even count), whole, so
-            # its parts add up to its step.
-            row = sorted(preds, key=lambda p: p["step"])[(len(preds) - 1) // 2]
-            row = dict(row, predicted_steps=[p["step"] for p in preds],
+            row = dict(median_prediction(preds), predicted_steps=[p["step"] for p in preds],
                        measured_steps=[ms[(k, r, b)] for _, ms in rounds])
             row["measured_step"] = statistics.median(row["measured_steps"])
             row["error"] = row["step"] / row["measured_step"] - 1
