@@ -295,8 +295,8 @@ def predict(meas: Dict, k: int, batch: int, ranks: int = 1, machine: Optional[Di
     over the machine's cores for all ranks together. Where MPI ranks' threads exceed the cores
     and the ranks' contention was calibrated under mpirun (oversubscription), the layers run at
     the measured contention instead of the fair share, and each step adds the measured wait of
-    its collectives for descheduled ranks. Returns the parts, the step, the epoch time and the
-    bounding part.
+    its collectives for descheduled ranks, both taken at the step's shard between the shards
+    calibrated. Returns the parts, the step, the epoch time and the bounding part.
     """
     if k < 1 or batch < 1 or ranks < 1:
         raise ValueError(f"predict: devices, batch and ranks must be >= 1, got {k}, {batch}, "
