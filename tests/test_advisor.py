@@ -253,6 +253,10 @@ def test_validate_times_real_runs_in_process_and_under_mpirun(tmp_path):
     assert [c["shard"] for c in cal["by_shard"]] == [12, 48]
     assert [c["rows"] for c in cal["by_shard"]] == [24, 96]
     assert cal["by_shard"][-1]["step"] == cal["step"]
+    # Each wall time is the median of CALIBRATION_GROUPS groups' steps (quick: 3 steps, 1 each).
+    for c in cal["by_shard"]:
+        assert len(c["steps"]) == advisor.CALIBRATION_GROUPS == 3
+        assert c["step"] == sorted(c["steps"])[1]
 
 
 def _span(tid, name, cat, ts, dur):

@@ -1028,15 +1028,22 @@ def measure_mpi(model: str, ranks: int, batches: Sequence[int], steps: int, repe
         os.unlink(out)
 
 
+# The groups of back-to-back steps measure_rank_calibration times a step's wall time in.
+CALIBRATION_GROUPS = 3
+
+
 def measure_rank_calibration(model: str, batch: int, steps: int) -> Dict:
     """Under mpirun, every rank at once: the device's busy time per step (its layers' kernels, from
-    the step's timeline, the mean step's) and the step's wall time (untraced, the mean of
-    `steps`: a real run's step time is its total over its steps), on a shard
-    of the global `batch`, with every rank running the same step as in training. Where the
-    ranks' threads exceed the cores, both show what time slicing costs: a kernel's threads wait
-    for a sibling the scheduler took off its core (the busy time grows beyond the fair share),
-    and a collective waits for the last rank to be scheduled, while a waiting rank polls and
-    holds a core (the wall time grows beyond busy time + the all-reduce)."""
+    the step's timeline, the mean step's) and the step's wall time (untraced), on a shard of the
+    global `batch`, with every rank running the same step as in training. The wall time is
+    timed as a real run's is: CALIBRATION_GROUPS groups of steps // CALIBRATION_GROUPS steps
+    back to back (the ranks meet only at the steps' all-reduces, as in training), each group's
+    total over its steps, and the median group's (one group slowed by a burst of other work
+    does not move it). Where the ranks' threads exceed the cores, both show what time slicing
+    costs: a kernel's threads wait for a sibling the scheduler took off its core (the busy time
+    grows beyond the fair share), and a collective waits for the last rank to be scheduled,
+    while a waiting rank polls and holds a core (the wall time grows beyond busy time + the
+    all-reduce)."""
     from . import _core, distributed
     ranks = distributed.world_size()
     shard = math.ceil(batch / ranks)
@@ -1050,18 +1057,20 @@ def measure_rank_calibration(model: str, batch: int, steps: int) -> Dict:
     _core.waitall()
     distributed.barrier()
     parsed = parse_step_trace(_trace_steps(step, X, y, steps), steps, str(dev))
+    per = max(1, steps // CALIBRATION_GROUPS)
     walls = []
-    for _ in range(steps):
+    for _ in range(CALIBRATION_GROUPS):
         _core.waitall()
         distributed.barrier()
         t0 = time.perf_counter()
-        step(X, y)
+        for _ in range(per):
+            step(X, y)
         _core.waitall()
-        walls.append(time.perf_counter() - t0)
+        walls.append((time.perf_counter() - t0) / per)
     return {"batch": batch, "shard": shard, "rows": int(X.shape[0]),
             "threads": _core.num_threads(),
             "compute": sum(e["seconds"] for e in parsed["entries"]),
-            "step": statistics.mean(walls), "steps": walls}
+            "step": statistics.median(walls), "steps": walls}
 
 
 def _mpi_worker(job: Dict) -> None:
