@@ -651,3 +651,30 @@ def test_ranks_within_the_cores_calibrated_by_shard_by_hand():
     assert r["slowdown"] == pytest.approx(1.3)
     assert r["step"] == pytest.approx(0.301 * 1.3 + 0.0042)
     assert r["cores"] == pytest.approx(0.3025 * 1.3)
+
+
+def test_oversubscribed_ranks_by_shard_run_at_their_calibrated_busy_time_by_hand():
+    """Calibrated by shard, the ranks' busy time is what they ran at even below this table's (the
+    table measured under heavier load: here half of it, at 25 0.038 s against 0.076 s, at 100
+    0.1505 s against 0.301 s), and their wall time holds the cores' share: with this process
+    seeing one core's worth (effective_cores 1) the cores bound no step. At shard 50: layers
+    0.151 x 0.5, the all-reduce, and the wait w25 + (w100 - w25) / 3 (steps 0.1 and 0.3 s)."""
+    mpi = json.loads(json.dumps(MPI))
+    cal = [{"batch": 75, "shard": 25, "threads": 2, "compute": 0.038, "step": 0.1},
+           {"batch": 300, "shard": 100, "threads": 2, "compute": 0.1505, "step": 0.3}]
+    mpi["3"]["calibration"] = dict(cal[-1], by_shard=cal)
+    table = dict(TABLE, mpi=mpi, effective_cores=1.0)
+    w25, w100 = 0.1 - 0.038 - AR3, 0.3 - 0.1505 - AR3
+    over = advisor.oversubscription(table, 3, 50)
+    assert over["contention"] == pytest.approx(0.5) and over["by_shard"]
+    r = advisor.predict(table, 1, 150, ranks=3)
+    assert r["parts"]["compute"] == pytest.approx(0.0755)
+    assert r["cores"] == 0.0
+    assert r["step"] == pytest.approx(0.0755 + AR3 + w25 + (w100 - w25) / 3)
+    assert r["step"] == pytest.approx(0.1666667, rel=1e-6)
+    # At one shard (an older table): the floor of 1 and the cores' bound, 3 ranks x (1.5 ms
+    # of host + 0.151 s on min(2 threads, 1 core)) over 1 core.
+    mpi["3"]["calibration"] = cal[0]
+    r = advisor.predict(table, 1, 150, ranks=3)
+    assert r["slowdown"] == 1.0 and r["parts"]["compute"] == pytest.approx(0.151)
+    assert r["step"] == pytest.approx(3 * (0.0015 + 0.151))

@@ -173,12 +173,20 @@ def oversubscription(meas: Dict, ranks: int, shard: Optional[float] = None) -> O
                for e in steps if e["phase"] == "bucket")
     pts = _rank_calibrations(cal)
     at = pts[0]["shard"] if shard is None or len(pts) == 1 else shard
+    # Calibrated by shard, the ranks' busy time is what they ran at, also where it lies below
+    # this table's (measured in this process at another time: on a shared machine the load
+    # drifts between the two), and their wall time holds the cores' share (`by_shard`:
+    # predict adds no bound of the cores). A table calibrated at one shard keeps the fair
+    # share's floor of 1 and the cores' bound, as it predicted before.
+    by_shard = "by_shard" in cal
     contention = held_interpolate(
-        [(c["shard"], max(1.0, c["compute"] / _layers_time(steps, c["shard"]))) for c in pts], at)
+        [(c["shard"], c["compute"] / _layers_time(steps, c["shard"]) if by_shard else
+          max(1.0, c["compute"] / _layers_time(steps, c["shard"]))) for c in pts], at)
     wait = held_interpolate([(c["shard"], max(0.0, c["step"] - c["compute"] - comm))
                              for c in pts], at)
     return {"contention": contention, "wait": wait,
-            "shard": at if len(pts) > 1 else cal["shard"], "threads": threads}
+            "shard": at if len(pts) > 1 else cal["shard"], "threads": threads,
+            "by_shard": by_shard}
 
 
 def held_interpolate(points: Sequence[Sequence[float]], x: float) -> float:
@@ -296,7 +304,9 @@ def predict(meas: Dict, k: int, batch: int, ranks: int = 1, machine: Optional[Di
     and the ranks' contention was calibrated under mpirun (oversubscription), the layers run at
     the measured contention instead of the fair share, and each step adds the measured wait of
     its collectives for descheduled ranks, both taken at the step's shard between the shards
-    calibrated. Returns the parts, the step, the epoch time and the bounding part.
+    calibrated (calibrated by shard, the ranks' measured wall time holds the cores' share: no
+    bound of the cores applies). Returns the parts, the step, the epoch time and the bounding
+    part.
     """
     if k < 1 or batch < 1 or ranks < 1:
         raise ValueError(f"predict: devices, batch and ranks must be >= 1, got {k}, {batch}, "
@@ -389,7 +399,7 @@ def predict(meas: Dict, k: int, batch: int, ranks: int = 1, machine: Optional[Di
     # Under mpirun every rank loads the whole global batch and takes its slice.
     input_t = (inp["fixed"] + inp["per_example"] * batch) if inp and machine is None else 0.0
     cores_t = 0.0
-    if cpu:
+    if cpu and not (over and over.get("by_shard")):
         # Core-seconds of one rank's step: host, input thread, k devices' t threads each (the
         # compute and in-process all-reduce as measured with t threads, which ran on min(t,
         # effective cores) cores), over the effective cores of a rank and of the machine.
