@@ -179,9 +179,10 @@ def oversubscription(meas: Dict, ranks: int, shard: Optional[float] = None) -> O
     # predict adds no bound of the cores). A table calibrated at one shard keeps the fair
     # share's floor of 1 and the cores' bound, as it predicted before.
     by_shard = "by_shard" in cal
+    floor = 0.0 if by_shard else 1.0
     contention = held_interpolate(
-        [(c["shard"], c["compute"] / _layers_time(steps, c["shard"]) if by_shard else
-          max(1.0, c["compute"] / _layers_time(steps, c["shard"]))) for c in pts], at)
+        [(c["shard"], max(floor, c["compute"] / _layers_time(steps, c["shard"]))) for c in pts],
+        at)
     wait = held_interpolate([(c["shard"], max(0.0, c["step"] - c["compute"] - comm))
                              for c in pts], at)
     return {"contention": contention, "wait": wait,
