@@ -8,10 +8,11 @@ import shutil
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 import mgpu
-from mgpu import advisor
+from mgpu import advisor, data
 
 # A synthetic machine with 2 cores: a forward of 1 ms/example and a backward of 2 ms/example with
 # both threads (twice that with one), one 1M-float bucket after the backward, a 1 ms update.
@@ -678,3 +679,59 @@ def test_oversubscribed_ranks_by_shard_run_at_their_calibrated_busy_time_by_hand
     r = advisor.predict(table, 1, 150, ranks=3)
     assert r["slowdown"] == 1.0 and r["parts"]["compute"] == pytest.approx(0.151)
     assert r["step"] == pytest.approx(3 * (0.0015 + 0.151))
+
+
+def test_traced_steps_fill_the_minimum_window_by_hand():
+    """A step of 3 ms is traced for ceil(0.2 / 0.003) = 67 steps (a mean over 6 steps, 18 ms, is
+    one scheduler time slice from another figure); a 50 ms step keeps the 6 asked for; a tiny
+    step stops at MAX_TRACED_STEPS."""
+    assert advisor.traced_steps(0.003, 6, 0.2) == 67
+    assert advisor.traced_steps(0.003, 3, 0.1) == 34
+    assert advisor.traced_steps(0.05, 6, 0.2) == 6
+    assert advisor.traced_steps(1e-6, 6, 0.2) == advisor.MAX_TRACED_STEPS == 100
+
+
+def test_warm_up_times_its_last_step_by_hand(monkeypatch):
+    """Two warm-up steps on the fed batches: the first (allocations, a cold cache) takes 0.25 s
+    on a fake clock, the second 2^-7 s = 7.8 ms (binary fractions: the quotient is exact). The
+    second, timed alone, asks for 0.5 / 2^-7 = 64 traced steps (both together would give 6)."""
+    now = [2.0]
+    monkeypatch.setattr(advisor.time, "perf_counter", lambda: now[0])
+    seen = []
+
+    def step(X, y):
+        seen.append((X, y))
+        now[0] += 0.25 if len(seen) == 1 else 0.0078125
+    batches = iter([("X0", "y0"), ("X1", "y1"), ("X2", "y2")])
+    n = advisor.warm_up(step, lambda: next(batches), 2, 6, 0.5)
+    assert n == 64
+    assert seen == [("X0", "y0"), ("X1", "y1")]
+
+
+def test_feed_draws_whole_shuffled_batches_across_epochs(monkeypatch):
+    """The advisor's steps are fed as training is, from the loader: 10 images in batches of 4
+    give 2 whole batches an epoch (the partial batch of 2 is skipped, a step of another size
+    would be another measurement), and the feed goes on into the next epoch; every image of an
+    epoch's whole batches is a distinct image of the set."""
+    images = np.arange(10, dtype=np.uint8).reshape(10, 1, 1) * np.ones((1, 28, 28), np.uint8)
+    labels = np.arange(10, dtype=np.uint8)
+    monkeypatch.setattr(data, "load_data_fashion_mnist", lambda batch, seed=0: (
+        data.array_loader(images, labels, batch, shuffle=True, seed=seed), None))
+    nxt = advisor.feed(4)
+    got = [nxt() for _ in range(5)]
+    assert [X.shape[0] for X, _ in got] == [4] * 5
+    for X, y in got:
+        assert X.shape == (4, 1, 28, 28)
+    ys = [[int(v) for v in y.numpy()] for _, y in got]
+    for epoch in (ys[0] + ys[1], ys[2] + ys[3]):
+        assert len(set(epoch)) == 8 and set(epoch) <= set(range(10))
+
+
+def test_feed_without_the_data_set_reuses_one_synthetic_batch(monkeypatch):
+    def missing(batch, seed=0):
+        raise FileNotFoundError("no Fashion-MNIST here")
+    monkeypatch.setattr(data, "load_data_fashion_mnist", missing)
+    nxt = advisor.feed(6)
+    X, y = nxt()
+    assert X.shape == (6, 1, 28, 28) and y.shape == (6,)
+    assert nxt()[0] is X

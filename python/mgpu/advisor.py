@@ -467,10 +467,37 @@ def _batch(n: int, seed: int = 0):
     return X, y
 
 
-def _trace_steps(step: Callable, X, y, steps: int) -> Dict:
+def feed(batch: int, seed: int = 0) -> Callable[[], Tuple]:
+    """A function returning the next (X, y) of `batch` examples as training gets them: from the
+    Fashion-MNIST loader (shuffled, whole batches only, a new epoch where one ends), whose
+    prefetch thread works beside the step as in training (on 2 cores it takes a core from a
+    2-thread kernel now and then, and keeps both cores awake for the devices' hand-offs:
+    measured on 2 cores at LeNet's batches 32 and 128, a step fed by it ran up to 9 % slower on
+    1 device and 7 % faster on 2 devices than one fed a fixed batch, and a model traced on a
+    fixed batch under-predicted 2 devices' speed-up at small batches); one synthetic batch,
+    reused, where the data set is not installed."""
+    from .data import load_data_fashion_mnist
+    try:
+        train = load_data_fashion_mnist(batch, seed=seed)[0]
+    except FileNotFoundError:
+        X, y = _batch(batch, seed)
+        return lambda: (X, y)
+    it = iter(train)
+
+    def next_batch():
+        nonlocal it
+        while True:
+            for X, y in it:
+                if X.shape[0] == batch:
+                    return X, y
+            it = iter(train)
+    return next_batch
+
+
+def _trace_steps(step: Callable, batches: Callable[[], Tuple], steps: int) -> Dict:
     """Runs `steps` steps back to back (as training does: the host enqueues the next step while
-    the device runs this one) inside mgpu.profile, waits for them, and returns the parsed
-    trace."""
+    the device runs this one), each on the next batches() (X, y), inside mgpu.profile, waits for
+    them, and returns the parsed trace."""
     from . import _core
     from .trace import profile
     fd, path = tempfile.mkstemp(suffix=".json")
@@ -479,7 +506,7 @@ def _trace_steps(step: Callable, X, y, steps: int) -> Dict:
     try:
         with prof:
             for _ in range(steps):
-                step(X, y)
+                step(*batches())
             _core.waitall()
         with open(prof.written[0]) as f:  # under mpirun, this rank's file
             return json.load(f)
@@ -487,6 +514,36 @@ def _trace_steps(step: Callable, X, y, steps: int) -> Dict:
         for f in {path, *prof.written}:
             if os.path.exists(f):
                 os.unlink(f)
+
+
+# The shortest traced window of a step measurement (seconds; quick mode half): a mean over a few
+# milliseconds of steps is one scheduler time slice from another figure (a 2-thread kernel whose
+# sibling thread is descheduled waits out the slice), so short steps are traced for more steps
+# than `steps`, up to MAX_TRACED_STEPS.
+MIN_TRACED_SECONDS = 0.2
+MAX_TRACED_STEPS = 100
+
+
+def warm_up(step: Callable, batches: Callable[[], Tuple], warm: int, steps: int,
+            min_seconds: float) -> int:
+    """Runs `warm` (at least 1) warm-up steps on batches(), the last one timed alone, and returns
+    how many steps to trace: `steps`, or as many more as fill `min_seconds` at the last warm-up
+    step's time, at most MAX_TRACED_STEPS (never fewer than `steps`)."""
+    from . import _core
+    for _ in range(max(1, warm) - 1):
+        step(*batches())
+    _core.waitall()
+    t0 = time.perf_counter()
+    step(*batches())
+    _core.waitall()
+    return traced_steps(time.perf_counter() - t0, steps, min_seconds)
+
+
+def traced_steps(step_seconds: float, steps: int, min_seconds: float) -> int:
+    """At least `steps`; as many as fill `min_seconds` at `step_seconds` each, at most
+    MAX_TRACED_STEPS."""
+    fill = math.ceil(min_seconds / max(step_seconds, 1e-9))
+    return max(steps, min(MAX_TRACED_STEPS, fill))
 
 
 def _tracks(doc: Dict) -> Dict[str, List[Dict]]:
@@ -791,7 +848,9 @@ def measure(model: str = "lenet", max_devices: int = 2, quick: bool = False,
     layers' times at a few small batches and at the shards of `batches` (the global batch
     sizes to predict) on 1..max_devices devices and on `ranks` MPI ranks, and how much slower
     k devices' layers run at once than one device's alone, at the shards of `batches` on k
-    devices (contention, see concurrency and concurrent_idle)."""
+    devices (contention, see concurrency and concurrent_idle). Every traced step is fed by the
+    data loader as training is (feed), and short steps are traced for at least
+    MIN_TRACED_SECONDS (warm_up)."""
     from . import _core, distributed
     from .device import try_gpu
     world = distributed.world_size()
@@ -804,6 +863,7 @@ def measure(model: str = "lenet", max_devices: int = 2, quick: bool = False,
     asked = list(batches)
     batches = small_batches(model, quick)
     steps = 3 if quick else 6
+    min_traced = MIN_TRACED_SECONDS / 2 if quick else MIN_TRACED_SECONDS
     ks = range(1, max_devices + 1)
     # Every thread count a device gets in the configurations predicted: own // k for k devices
     # in this process, and 1 (a rank bound to one core, or a device among more than the cores).
@@ -837,15 +897,12 @@ def measure(model: str = "lenet", max_devices: int = 2, quick: bool = False,
                 log(f"advise: {model} step, batch {b} on 1 device, {t} thread(s) ...")
                 dev = [try_gpu(0)]
                 step = _runner(model, dev)
-                X, y = _batch(b)
+                data = feed(b)
                 # Beyond the small batches a step is long enough that one warm-up and two
                 # traced steps (their median is their mean) keep the quick mode quick.
                 big = quick and b > batches[-1]
-                for _ in range(1 if big else 2):
-                    step(X, y)
-                _core.waitall()
-                n = 2 if big else steps
-                per_batch[t].append((b, parse_step_trace(_trace_steps(step, X, y, n), n,
+                n = warm_up(step, data, 1 if big else 2, 2 if big else steps, min_traced)
+                per_batch[t].append((b, parse_step_trace(_trace_steps(step, data, n), n,
                                                          str(dev[0]))))
                 if t == max(threads) and b == batches[0]:
                     host_by_k[1] = per_batch[t][-1][1]["host"]
@@ -879,12 +936,10 @@ def measure(model: str = "lenet", max_devices: int = 2, quick: bool = False,
                     _core.set_num_threads(own if n > 1 else t)
                     devs = [try_gpu(i) for i in range(n)]
                     step = _runner(model, devs)
-                    X, y = _batch(c * n)
-                    for _ in range(2):
-                        step(X, y)
-                    _core.waitall()
-                    doc = _trace_steps(step, X, y, steps)
-                    parsed = [parse_step_trace(doc, steps, str(d)) for d in devs]
+                    data = feed(c * n)
+                    traced = warm_up(step, data, 2, steps, min_traced)
+                    doc = _trace_steps(step, data, traced)
+                    parsed = [parse_step_trace(doc, traced, str(d)) for d in devs]
                     busy[n] = [sum(e["seconds"] for e in p["entries"]) for p in parsed]
                     idle[n] = [p["idle"] for p in parsed]
                     if n == 2:
@@ -968,17 +1023,12 @@ def measure_step(model: str, k: int, batch: int, steps: int = 5, repeat: int = 3
     repetition's time (the caller takes the median). Under mpirun every rank runs this and the
     ranks start each repetition together."""
     from . import _core, distributed
-    from .data import load_data_fashion_mnist
     from .device import try_gpu
     devs = devices or [try_gpu(i) for i in range(k)]
     step = _runner(model, devs)
-    count = 2 + repeat * steps
-    try:
-        loader = iter(load_data_fashion_mnist(batch, limit_batches=count)[0])
-    except FileNotFoundError:
-        loader = iter([_batch(batch)] * count)
+    data = feed(batch)
     for _ in range(2):
-        step(*next(loader))
+        step(*data())
     ts = []
     for _ in range(repeat):
         _core.waitall()
@@ -986,7 +1036,7 @@ def measure_step(model: str, k: int, batch: int, steps: int = 5, repeat: int = 3
             distributed.barrier()
         t0 = time.perf_counter()
         for _ in range(steps):
-            step(*next(loader))
+            step(*data())
         _core.waitall()
         ts.append((time.perf_counter() - t0) / steps)
     return ts
@@ -1061,13 +1111,14 @@ def measure_rank_calibration(model: str, batch: int, steps: int) -> Dict:
     dev = distributed.device()
     step = _runner(model, [dev])
     # The global batch: under mpirun each rank's step trains on its slice of it (split_batch),
-    # `shard` examples, as in training (a batch of `shard` would leave each rank shard / ranks).
-    X, y = _batch(batch)
+    # `shard` examples, as in training (a batch of `shard` would leave each rank shard / ranks);
+    # every rank's loader draws the same global batches.
+    data = feed(batch)
     for _ in range(2):
-        step(X, y)
+        step(*data())
     _core.waitall()
     distributed.barrier()
-    parsed = parse_step_trace(_trace_steps(step, X, y, steps), steps, str(dev))
+    parsed = parse_step_trace(_trace_steps(step, data, steps), steps, str(dev))
     per = max(1, steps // CALIBRATION_GROUPS)
     walls = []
     for _ in range(CALIBRATION_GROUPS):
@@ -1075,10 +1126,10 @@ def measure_rank_calibration(model: str, batch: int, steps: int) -> Dict:
         distributed.barrier()
         t0 = time.perf_counter()
         for _ in range(per):
-            step(X, y)
+            step(*data())
         _core.waitall()
         walls.append((time.perf_counter() - t0) / per)
-    return {"batch": batch, "shard": shard, "rows": int(X.shape[0]),
+    return {"batch": batch, "shard": shard, "rows": batch,
             "threads": _core.num_threads(),
             "compute": sum(e["seconds"] for e in parsed["entries"]),
             "step": statistics.median(walls), "steps": walls}

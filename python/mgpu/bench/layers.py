@@ -117,7 +117,7 @@ def bench_layers(model: str = "resnet18", batch_size: int = 256, steps: int = 3,
     for _ in range(int(warmup)):
         step(X, y)
     _core.waitall()
-    parsed = parse_step_trace(_trace_steps(step, X, y, int(steps)), int(steps), str(dev),
+    parsed = parse_step_trace(_trace_steps(step, lambda: (X, y), int(steps)), int(steps), str(dev),
                               statistic="median")
     out.update(peaks=peaks, peak={"isa": isa, "threads": threads, "gflops": peak["gflops"]},
                layers=layer_table(parsed["entries"], flops, peak["gflops"]),
