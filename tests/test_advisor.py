@@ -735,3 +735,24 @@ def test_feed_without_the_data_set_reuses_one_synthetic_batch(monkeypatch):
     X, y = nxt()
     assert X.shape == (6, 1, 28, 28) and y.shape == (6,)
     assert nxt()[0] is X
+
+
+def test_step_trace_host_from_the_calls_that_never_blocked_by_hand():
+    """Of 3 step calls, two ran without blocking (200 and 300 us) and one blocked on a full
+    queue (2000 us with 1200 us of waits, 800 us left: on shared cores the wake-ups' cost): the
+    host's work is the unblocked calls' median, 250 us. Where every call blocked, the median of
+    the calls less their waits (test_step_trace_parts_by_hand)."""
+    meta = [{"ph": "M", "pid": 1, "tid": t, "name": "thread_name", "args": {"name": n}}
+            for t, n in ((1, "host"), (2, "cpu(0)"))]
+    ev = []
+    for i, (call, waits) in enumerate(((200, []), (2000, [700, 500]), (300, []))):
+        t0 = i * 10_000
+        ev += [_span(1, "train_batch", "span", t0, call),
+               _span(2, "layer 1 (linear) forward", "layer", t0 + 200, 1000),
+               _span(2, "gemm", "task", t0 + 300, 100)]
+        at = t0 + 50
+        for w in waits:
+            ev.append(_span(1, "queue full", "span", at, w))
+            at += w + 10
+    p = advisor.parse_step_trace({"traceEvents": meta + ev}, 3, "cpu(0)")
+    assert p["host"] == pytest.approx(250e-6)
