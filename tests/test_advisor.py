@@ -708,16 +708,14 @@ def test_warm_up_times_its_last_step_by_hand(monkeypatch):
     assert seen == [("X0", "y0"), ("X1", "y1")]
 
 
-def test_feed_draws_whole_shuffled_batches_across_epochs(monkeypatch):
+def test_feed_draws_whole_shuffled_batches_across_epochs():
     """The advisor's steps are fed as training is, from the loader: 10 images in batches of 4
     give 2 whole batches an epoch (the partial batch of 2 is skipped, a step of another size
     would be another measurement), and the feed goes on into the next epoch; every image of an
     epoch's whole batches is a distinct image of the set."""
     images = np.arange(10, dtype=np.uint8).reshape(10, 1, 1) * np.ones((1, 28, 28), np.uint8)
     labels = np.arange(10, dtype=np.uint8)
-    monkeypatch.setattr(data, "load_data_fashion_mnist", lambda batch, seed=0: (
-        data.array_loader(images, labels, batch, shuffle=True, seed=seed), None))
-    nxt = advisor.feed(4)
+    nxt = advisor.feed(4, split=mgpu._core.make_split(images, labels))
     got = [nxt() for _ in range(5)]
     assert [X.shape[0] for X, _ in got] == [4] * 5
     for X, y in got:
@@ -728,9 +726,10 @@ def test_feed_draws_whole_shuffled_batches_across_epochs(monkeypatch):
 
 
 def test_feed_without_the_data_set_reuses_one_synthetic_batch(monkeypatch):
-    def missing(batch, seed=0):
+    def missing(data_dir=None):
         raise FileNotFoundError("no Fashion-MNIST here")
-    monkeypatch.setattr(data, "load_data_fashion_mnist", missing)
+    monkeypatch.setattr(data, "find_data_dir", missing)
+    assert advisor.train_split() is None
     nxt = advisor.feed(6)
     X, y = nxt()
     assert X.shape == (6, 1, 28, 28) and y.shape == (6,)

@@ -467,7 +467,18 @@ def _batch(n: int, seed: int = 0):
     return X, y
 
 
-def feed(batch: int, seed: int = 0) -> Callable[[], Tuple]:
+def train_split():
+    """Fashion-MNIST's training split as the data loader reads it (one load of the files), or
+    None where the data set is not installed."""
+    from . import _core
+    from .data import find_data_dir
+    try:
+        return _core.load_fashion_mnist(find_data_dir())[0]
+    except FileNotFoundError:
+        return None
+
+
+def feed(batch: int, seed: int = 0, split=None) -> Callable[[], Tuple]:
     """A function returning the next (X, y) of `batch` examples as training gets them: from the
     Fashion-MNIST loader (shuffled, whole batches only, a new epoch where one ends), whose
     prefetch thread works beside the step as in training (on 2 cores it takes a core from a
@@ -475,13 +486,14 @@ def feed(batch: int, seed: int = 0) -> Callable[[], Tuple]:
     measured on 2 cores at LeNet's batches 32 and 128, a step fed by it ran up to 9 % slower on
     1 device and 7 % faster on 2 devices than one fed a fixed batch, and a model traced on a
     fixed batch under-predicted 2 devices' speed-up at small batches); one synthetic batch,
-    reused, where the data set is not installed."""
-    from .data import load_data_fashion_mnist
-    try:
-        train = load_data_fashion_mnist(batch, seed=seed)[0]
-    except FileNotFoundError:
+    reused, where the data set is not installed. `split`: the training split already loaded
+    (train_split), so that a caller feeding many configurations reads the files once."""
+    from .data import DataLoader
+    split = split if split is not None else train_split()
+    if split is None:
         X, y = _batch(batch, seed)
         return lambda: (X, y)
+    train = DataLoader(split, batch, True, seed)
     it = iter(train)
 
     def next_batch():
@@ -870,6 +882,7 @@ def measure(model: str = "lenet", max_devices: int = 2, quick: bool = False,
     batches = small_batches(model, quick)
     steps = 3 if quick else 6
     min_traced = MIN_TRACED_SECONDS / 2 if quick else MIN_TRACED_SECONDS
+    split = train_split()  # every configuration below is fed from this one load (feed)
     ks = range(1, max_devices + 1)
     # Every thread count a device gets in the configurations predicted: own // k for k devices
     # in this process, and 1 (a rank bound to one core, or a device among more than the cores).
@@ -903,7 +916,7 @@ def measure(model: str = "lenet", max_devices: int = 2, quick: bool = False,
                 log(f"advise: {model} step, batch {b} on 1 device, {t} thread(s) ...")
                 dev = [try_gpu(0)]
                 step = _runner(model, dev)
-                data = feed(b)
+                data = feed(b, split=split)
                 # Beyond the small batches a step is long enough that one warm-up and two
                 # traced steps (their median is their mean) keep the quick mode quick.
                 big = quick and b > batches[-1]
@@ -942,7 +955,7 @@ def measure(model: str = "lenet", max_devices: int = 2, quick: bool = False,
                     _core.set_num_threads(own if n > 1 else t)
                     devs = [try_gpu(i) for i in range(n)]
                     step = _runner(model, devs)
-                    data = feed(c * n)
+                    data = feed(c * n, split=split)
                     traced = warm_up(step, data, 2, steps, min_traced)
                     doc = _trace_steps(step, data, traced)
                     parsed = [parse_step_trace(doc, traced, str(d)) for d in devs]
