@@ -110,7 +110,8 @@ def fused_steps(steps, batch_size, local_devices):
 def train_steps(out, steps, batch_size, local_devices):
     replicas, elapsed = fused_steps(steps, batch_size, local_devices)
     if os.environ.get("MGPU_TEST_ON_GPUS") == "1":  # how the gradients crossed processes
-        print(f"rank {dist.rank()}: GPU transport {mgpu._core.dist_gpu_transport()}", flush=True)
+        print(f"rank {dist.rank()}: GPU transport {mgpu._core.dist_gpu_transport()}, backend "
+              f"{dist.backend()}", flush=True)
     save(out, f"train_L{local_devices}", [p.numpy() for p in replicas[0]] + [np.array([elapsed])])
 
 
@@ -335,7 +336,9 @@ MODES = {"basics": basics, "train_steps": train_steps, "train_api": train_api,
 
 if __name__ == "__main__":
     mode, outdir, rest = sys.argv[1], sys.argv[2], sys.argv[3:]
-    dist.init()
+    dist.init(os.environ.get("MGPU_TEST_BACKEND", "auto"))  # "nccl": test_gpu.py
+    if dist.backend() == "nccl":  # GPU tensors stay on NCCL whatever MGPU_DIST_GPU says later
+        os.environ["MGPU_DIST_GPU"] = "host"
     fn = MODES[mode]
     if mode in ("train_steps", "train_api"):
         rest = [int(a) for a in rest]
