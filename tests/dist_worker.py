@@ -161,6 +161,28 @@ def die(out, how):
     x.numpy()
 
 
+def nccl_stall(out):
+    """GPU tensors across processes on NCCL (test_nccl_emu.py): a first all-reduce works, then
+    rank 1's collectives never arrive (the emulator's MGPU_EMU_NCCL_STALL=1). Rank 0 gives up
+    after 3 s and aborts the communicator, which must end rank 1's wait too (its own limit is
+    60 s); then neither rank can all-reduce again. Each rank prints what happened."""
+    r = dist.rank()
+    mgpu._core.dist_set_timeout(3.0 if r == 0 else 60.0)
+    x = mgpu.array(np.full(1000, r + 1, np.float32), device=mgpu.gpu(0))
+    dist.allreduce(x)
+    print(f"rank {r}: first all-reduce gave {x.numpy()[0]}", flush=True)
+    os.environ["MGPU_EMU_NCCL_STALL"] = "1"
+    for attempt in ("stalled", "next"):
+        start = time.monotonic()
+        try:
+            dist.allreduce(x)
+            x.numpy()
+            print(f"rank {r}: the {attempt} all-reduce returned", flush=True)
+        except RuntimeError as e:
+            print(f"rank {r}: the {attempt} all-reduce failed after "
+                  f"{time.monotonic() - start:.0f} s: {e}", flush=True)
+
+
 def bench(out, kind, *args):
     """Step time or all-reduce bandwidth; rank 0 prints one JSON line."""
     if kind == "step":
@@ -332,7 +354,7 @@ def deterministic(out, kind, local_devices, steps=None):
 
 MODES = {"basics": basics, "train_steps": train_steps, "train_api": train_api,
          "mismatch": mismatch, "die": die, "bench": bench, "fused_model": fused_model,
-         "deterministic": deterministic, "sync_bn": sync_bn}
+         "deterministic": deterministic, "sync_bn": sync_bn, "nccl_stall": nccl_stall}
 
 if __name__ == "__main__":
     mode, outdir, rest = sys.argv[1], sys.argv[2], sys.argv[3:]

@@ -5,7 +5,6 @@
 #include "comm/nccl_bootstrap.h"
 
 #include <cstdint>
-#include <thread>
 
 #include "core/error.h"
 
@@ -77,6 +76,7 @@ NcclWorld::NcclWorld(MPI_Comm comm, int gpu, double timeout_s) : gpu_(gpu), time
   if (r != ncclSuccess && r != ncclInProgress)
     fail(std::string("ncclCommInitRankConfig: ") + ncclGetErrorString(r));
   wait_ready("ncclCommInitRankConfig", until);
+  watchdog_ = std::thread([this] { watch(); });
 }
 
 NcclWorld::~NcclWorld() { close(); }
@@ -94,27 +94,39 @@ void NcclWorld::use_gpu(const char* what) {
          cudaGetErrorString(ce));
 }
 
-void NcclWorld::abort_now() noexcept {
+void NcclWorld::abort_locked() noexcept {
   if (!comm_) return;
-  cudaSetDevice(gpu_);
+  cudaSetDevice(gpu_);   // the calling thread may be the watchdog
   ncclCommAbort(comm_);  // frees the communicator and ends what it still runs on the GPU
   comm_ = nullptr;
+}
+
+void NcclWorld::abort_now() noexcept {
+  std::lock_guard<std::mutex> lock(mutex_);
+  abort_locked();
 }
 
 void NcclWorld::fail(const std::string& why) {
   const std::string text = "nccl: rank " + std::to_string(rank_) + " on gpu(" +
                            std::to_string(gpu_) + "): " + why;
-  if (broken_.empty()) broken_ = text;
-  abort_now();
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (broken_.empty()) broken_ = text;
+    abort_locked();
+  }
   throw DeviceError(text);
 }
 
-ncclResult_t NcclWorld::poll_state(Deadline until, bool* timed_out) const {
+ncclResult_t NcclWorld::poll_state(Deadline until, bool* timed_out) {
   *timed_out = false;
   for (;;) {
     ncclResult_t state = ncclSuccess;
-    ncclResult_t r = ncclCommGetAsyncError(comm_, &state);
-    if (r != ncclSuccess) return r;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (!comm_) return ncclInvalidUsage;  // aborted (by the watchdog) meanwhile
+      ncclResult_t r = ncclCommGetAsyncError(comm_, &state);
+      if (r != ncclSuccess) return r;
+    }
     if (state != ncclInProgress) return state;
     if (std::chrono::steady_clock::now() > until) {
       *timed_out = true;
@@ -133,38 +145,107 @@ void NcclWorld::wait_ready(const char* what, Deadline until) {
   if (state != ncclSuccess) fail(std::string(what) + ": " + ncclGetErrorString(state));
 }
 
-void NcclWorld::allreduce_sum(float* data, size_t count, cudaStream_t stream) {
-  if (!broken_.empty() || !comm_)
-    throw DeviceError("nccl: rank " + std::to_string(rank_) + ": the communicator across ranks "
-                      "was aborted by an earlier failure (" +
-                      (broken_.empty() ? std::string("it was closed") : broken_) + ")");
-  use_gpu("ncclAllReduce");  // the stream and the communicator belong to gpu_
-  const Deadline until = deadline();
-  ncclResult_t r = ncclAllReduce(data, data, count, ncclFloat, ncclSum, comm_, stream);
-  if (r != ncclSuccess && r != ncclInProgress)
-    fail(std::string("ncclAllReduce: ") + ncclGetErrorString(r));
-  // Nonblocking: the collective may still be on its way onto the stream; nothing else may be
-  // called or launched there before the communicator's state is ncclSuccess.
-  wait_ready("ncclAllReduce (enqueue)", until);
-  // It runs on the stream after the work queued there before it (the gradients' producers).
-  // Poll the stream, not block on it, so a peer that never arrives ends in an abort, not a hang.
+void NcclWorld::arm(Deadline until, const std::string& what) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    armed_ = true;
+    ++armed_seq_;
+    armed_until_ = until;
+    armed_what_ = what;
+  }
+  cv_.notify_all();
+}
+
+bool NcclWorld::disarm() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  armed_ = false;
+  const bool fired = fired_;
+  fired_ = false;
+  return fired;
+}
+
+void NcclWorld::watch() {
+  std::unique_lock<std::mutex> lock(mutex_);
   for (;;) {
-    cudaError_t q = cudaStreamQuery(stream);
-    if (q == cudaSuccess) return;
-    if (q != cudaErrorNotReady) fail(std::string("ncclAllReduce: ") + cudaGetErrorString(q));
-    ncclResult_t state = ncclSuccess;
-    ncclResult_t e = ncclCommGetAsyncError(comm_, &state);
-    if (e != ncclSuccess) state = e;
-    if (state != ncclSuccess && state != ncclInProgress)
-      fail(std::string("ncclAllReduce: ") + ncclGetErrorString(state));
-    if (std::chrono::steady_clock::now() > until)
-      fail("ncclAllReduce of " + std::to_string(count) + " float32 timed out (a rank never "
-           "arrived); MGPU_DIST_TIMEOUT sets the limit");
-    std::this_thread::sleep_for(std::chrono::microseconds(50));
+    cv_.wait(lock, [&] { return stop_ || armed_; });
+    if (stop_) return;
+    const uint64_t seq = armed_seq_;
+    const Deadline until = armed_until_;
+    if (cv_.wait_until(lock, until, [&] { return stop_ || !armed_ || armed_seq_ != seq; }))
+      continue;  // finished (or stopping) in time
+    // Past the deadline and still running: abort, which ends the wait wherever it is.
+    fired_ = true;
+    armed_ = false;
+    if (broken_.empty())
+      broken_ = "nccl: rank " + std::to_string(rank_) + " on gpu(" + std::to_string(gpu_) +
+                "): " + armed_what_ + " timed out (a rank never arrived); the communicator was "
+                "aborted; MGPU_DIST_TIMEOUT sets the limit";
+    abort_locked();
   }
 }
 
+void NcclWorld::stop_watchdog() noexcept {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  if (watchdog_.joinable()) watchdog_.join();
+}
+
+void NcclWorld::allreduce_sum(float* data, size_t count, cudaStream_t stream) {
+  ncclComm_t comm = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!broken_.empty() || !comm_)
+      throw DeviceError("nccl: rank " + std::to_string(rank_) + ": the communicator across "
+                        "ranks was aborted by an earlier failure (" +
+                        (broken_.empty() ? std::string("it was closed") : broken_) + ")");
+    comm = comm_;
+  }
+  use_gpu("ncclAllReduce");  // the stream and the communicator belong to gpu_
+  const Deadline until = deadline();
+  const std::string what = "ncclAllReduce of " + std::to_string(count) + " float32";
+  arm(until, what);
+  std::string error;
+  // Outside the lock: the call may wait for the other ranks (the emulator runs it here), and
+  // the watchdog's abort is what ends such a wait.
+  ncclResult_t r = ncclAllReduce(data, data, count, ncclFloat, ncclSum, comm, stream);
+  if (r != ncclSuccess && r != ncclInProgress) error = what + ": " + ncclGetErrorString(r);
+  // Nonblocking: the collective may still be on its way onto the stream; nothing else may be
+  // called or launched there before the communicator's state is ncclSuccess.
+  bool timed_out = false;
+  if (error.empty()) {
+    ncclResult_t state = poll_state(until, &timed_out);
+    if (state != ncclSuccess && !timed_out)
+      error = what + " (enqueue): " + ncclGetErrorString(state);
+  }
+  // It runs on the stream after the work queued there before it (the gradients' producers).
+  // Poll the stream, not block on it, so a peer that never arrives ends in an abort, not a hang.
+  while (error.empty() && !timed_out) {
+    cudaError_t q = cudaStreamQuery(stream);
+    if (q == cudaSuccess) break;
+    if (q != cudaErrorNotReady) {
+      error = what + ": " + cudaGetErrorString(q);
+      break;
+    }
+    ncclResult_t state = poll_state(until, &timed_out);
+    if (state != ncclSuccess && !timed_out) error = what + ": " + ncclGetErrorString(state);
+    if (std::chrono::steady_clock::now() > until) timed_out = true;
+    std::this_thread::sleep_for(std::chrono::microseconds(50));
+  }
+  if (disarm()) {  // the watchdog aborted it: its reason, not the symptom it left behind
+    std::lock_guard<std::mutex> lock(mutex_);
+    throw DeviceError(broken_);
+  }
+  if (timed_out)
+    fail(what + " timed out (a rank never arrived); MGPU_DIST_TIMEOUT sets the limit");
+  if (!error.empty()) fail(error);
+}
+
 std::string NcclWorld::close() noexcept {
+  stop_watchdog();
+  std::lock_guard<std::mutex> lock(mutex_);
   if (!comm_) return broken_;
   // Called from the host thread: the communicator's device for NCCL, then the caller's again.
   int previous = -1;
@@ -176,9 +257,22 @@ std::string NcclWorld::close() noexcept {
     }
   } restore{previous};
   cudaSetDevice(gpu_);
-  bool timed_out = false;
   ncclResult_t r = ncclCommFinalize(comm_);
-  if (r == ncclSuccess || r == ncclInProgress) r = poll_state(deadline(), &timed_out);
+  // Polled here rather than by poll_state, which takes the lock this holds.
+  bool timed_out = false;
+  const Deadline until = deadline();
+  while (r == ncclSuccess || r == ncclInProgress) {
+    ncclResult_t state = ncclSuccess;
+    r = ncclCommGetAsyncError(comm_, &state);
+    if (r != ncclSuccess) break;
+    r = state;
+    if (state != ncclInProgress) break;
+    if (std::chrono::steady_clock::now() > until) {
+      timed_out = true;
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(100));
+  }
   if (r == ncclSuccess && !timed_out) {
     ncclCommDestroy(comm_);
     comm_ = nullptr;
@@ -188,7 +282,7 @@ std::string NcclWorld::close() noexcept {
             (timed_out ? std::string("timed out") : std::string("failed: ") +
                                                         ncclGetErrorString(r)) +
             "; the communicator was aborted";
-  abort_now();
+  abort_locked();
   return broken_;
 }
 

@@ -15,8 +15,12 @@
 #endif
 
 #include <chrono>
+#include <condition_variable>
 #include <cstddef>
+#include <cstdint>
+#include <mutex>
 #include <string>
+#include <thread>
 
 namespace mgpu::comm {
 
@@ -24,7 +28,9 @@ namespace mgpu::comm {
 // local rank). NCCL runs in nonblocking mode so every wait is polled against `timeout_s`: a rank
 // that never joins, or a collective that never completes, aborts the communicator
 // (ncclCommAbort, which also ends a collective still running on the GPU) and throws DeviceError
-// naming the rank and the operation instead of hanging. A failed world stays failed.
+// naming the rank and the operation instead of hanging. A watchdog thread aborts a collective
+// past its deadline too, for the waits no poll returns from (the emulator runs a collective in
+// the call that enqueues or queries it). A failed world stays failed.
 class NcclWorld {
  public:
   NcclWorld(MPI_Comm comm, int gpu, double timeout_s);
@@ -51,16 +57,29 @@ class NcclWorld {
   Deadline deadline() const;
   // Polls the communicator's state until it leaves ncclInProgress or the deadline passes
   // (then *timed_out). Returns the state, or the error of ncclCommGetAsyncError itself.
-  ncclResult_t poll_state(Deadline until, bool* timed_out) const;
+  ncclResult_t poll_state(Deadline until, bool* timed_out);
   void wait_ready(const char* what, Deadline until);
   void use_gpu(const char* what);
+  void abort_locked() noexcept;  // needs mutex_
   void abort_now() noexcept;
   [[noreturn]] void fail(const std::string& why);
+  // The watchdog: arm() before a collective, disarm() after; past the deadline it aborts.
+  void arm(Deadline until, const std::string& what);
+  bool disarm();  // true when the watchdog fired (the communicator is aborted)
+  void watch();
+  void stop_watchdog() noexcept;
 
+  std::mutex mutex_;  // comm_ and broken_ against the watchdog; the watchdog's state
+  std::condition_variable cv_;
   ncclComm_t comm_ = nullptr;
   int rank_ = 0, size_ = 1, gpu_ = 0;
   double timeout_s_;
   std::string broken_;  // why the communicator was aborted ("" while usable)
+  bool armed_ = false, fired_ = false, stop_ = false;
+  uint64_t armed_seq_ = 0;
+  Deadline armed_until_{};
+  std::string armed_what_;
+  std::thread watchdog_;
 };
 
 // NCCL's version code (e.g. 22809 for 2.28.9); needs no GPU.
