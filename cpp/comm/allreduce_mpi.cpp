@@ -558,9 +558,8 @@ void run_nccl_allreduce(const Call& call, const std::vector<Tensor>& tensors) {
   }
 }
 
-// finalize(): every rank ends the communicator (finalize, then destroy; abort after a failure).
-// Returns whether it ended cleanly.
-// `ok` false (another failure): aborted at once, the ranks may not all be there.
+// finalize(): every rank ends the communicator (finalize, then destroy), or with `ok` false
+// (another failure: the ranks may not all be there) aborts it at once. True when it ended cleanly.
 bool close_nccl_world(bool ok) {
   NcclWorld* world = nccl_world_ptr();
   if (world == nullptr) return ok;
