@@ -110,7 +110,8 @@ def fused_steps(steps, batch_size, local_devices):
 def train_steps(out, steps, batch_size, local_devices):
     replicas, elapsed = fused_steps(steps, batch_size, local_devices)
     if os.environ.get("MGPU_TEST_ON_GPUS") == "1":  # how the gradients crossed processes
-        print(f"rank {dist.rank()}: GPU transport {mgpu._core.dist_gpu_transport()}", flush=True)
+        print(f"rank {dist.rank()}: GPU transport {mgpu._core.dist_gpu_transport()}, backend "
+              f"{dist.backend()}", flush=True)
     save(out, f"train_L{local_devices}", [p.numpy() for p in replicas[0]] + [np.array([elapsed])])
 
 
@@ -158,6 +159,28 @@ def die(out, how):
         time.sleep(600)
     dist.allreduce(x)
     x.numpy()
+
+
+def nccl_stall(out):
+    """GPU tensors across processes on NCCL (test_nccl_emu.py): a first all-reduce works, then
+    rank 1's collectives never arrive (the emulator's MGPU_EMU_NCCL_STALL=1). Rank 0 gives up
+    after 3 s and aborts the communicator, which must end rank 1's wait too (its own limit is
+    60 s); then neither rank can all-reduce again. Each rank prints what happened."""
+    r = dist.rank()
+    mgpu._core.dist_set_timeout(3.0 if r == 0 else 60.0)
+    x = mgpu.array(np.full(1000, r + 1, np.float32), device=mgpu.gpu(0))
+    dist.allreduce(x)
+    print(f"rank {r}: first all-reduce gave {x.numpy()[0]}", flush=True)
+    os.environ["MGPU_EMU_NCCL_STALL"] = "1"
+    for attempt in ("stalled", "next"):
+        start = time.monotonic()
+        try:
+            dist.allreduce(x)
+            x.numpy()
+            print(f"rank {r}: the {attempt} all-reduce returned", flush=True)
+        except RuntimeError as e:
+            print(f"rank {r}: the {attempt} all-reduce failed after "
+                  f"{time.monotonic() - start:.0f} s: {e}", flush=True)
 
 
 def bench(out, kind, *args):
@@ -331,11 +354,13 @@ def deterministic(out, kind, local_devices, steps=None):
 
 MODES = {"basics": basics, "train_steps": train_steps, "train_api": train_api,
          "mismatch": mismatch, "die": die, "bench": bench, "fused_model": fused_model,
-         "deterministic": deterministic, "sync_bn": sync_bn}
+         "deterministic": deterministic, "sync_bn": sync_bn, "nccl_stall": nccl_stall}
 
 if __name__ == "__main__":
     mode, outdir, rest = sys.argv[1], sys.argv[2], sys.argv[3:]
-    dist.init()
+    dist.init(os.environ.get("MGPU_TEST_BACKEND", "auto"))  # "nccl": test_gpu.py
+    if dist.backend() == "nccl":  # GPU tensors stay on NCCL whatever MGPU_DIST_GPU says later
+        os.environ["MGPU_DIST_GPU"] = "host"
     fn = MODES[mode]
     if mode in ("train_steps", "train_api"):
         rest = [int(a) for a in rest]

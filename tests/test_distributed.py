@@ -88,7 +88,49 @@ def test_single_process_world_is_clear_and_collectives_check_arguments():
         dist.allreduce([mgpu.ones((2,), device=mgpu.cpu(0)), mgpu.ones((2,), device=mgpu.cpu(1))])
     with pytest.raises(ValueError, match="backend must be one of"):
         dist.init("gloo")
-    with pytest.raises(mgpu.DeviceError, match="NCCL backend across processes is not available"):
+    # The engine itself refuses NCCL without MPI (and in a build without the NCCL world).
+    with pytest.raises(mgpu.DeviceError, match="needs MPI and this build's NCCL world"):
+        mgpu._core.dist_init(False, True)
+
+
+@pytest.mark.parametrize("missing", ["mpi", "cuda", "nccl"])
+def test_init_nccl_is_refused_naming_what_the_build_lacks(monkeypatch, missing):
+    """init(backend="nccl") where the build cannot put GPU tensors on NCCL across processes: a
+    DeviceError naming the missing part and how to get it, before anything starts. The build's
+    answers are patched here (test_info.py runs it unpatched in whatever build runs the tests)."""
+    C = mgpu._core
+    info = dict(C.build_info(), mpi="built", cuda="built (CUDA runtime 13.0)", nccl="built",
+                cuda_emulation=False)
+    if missing == "mpi":
+        info["mpi"] = "not built: no MPI was found at build time"
+    elif missing == "cuda":
+        info["cuda"] = "not built: nvcc was not found at build time"
+        info["nccl"] = "not built (it needs the CUDA backend, which is not built)"
+    else:
+        info["nccl"] = "not built: nccl.h or libnccl was not found at build time"
+
+    def started(*args):
+        raise AssertionError("init went on to start the world")
+
+    monkeypatch.setattr(C, "build_info", lambda: info)
+    monkeypatch.setattr(C, "dist_built", lambda: missing != "mpi")
+    monkeypatch.setattr(C, "dist_nccl_world_built", lambda: False)
+    monkeypatch.setattr(C, "dist_init", started)
+    want = {"mpi": r"build of mgpu has no MPI back end .*apt-get install openmpi-bin",
+            "cuda": r"build of mgpu has no CUDA backend .*CUDA toolkit and NCCL.*backend='mpi'",
+            "nccl": r"CUDA build of mgpu has no NCCL .*libnccl.*backend='mpi'"}[missing]
+    with pytest.raises(mgpu.DeviceError, match=r"^init\(backend='nccl'\): this " + want):
+        dist.init("nccl")
+
+
+def test_init_nccl_with_mgpu_dist_gpu_host_is_a_value_error(monkeypatch):
+    def started(*args):
+        raise AssertionError("init went on to start the world")
+
+    monkeypatch.setattr(mgpu._core, "dist_nccl_world_built", lambda: True)
+    monkeypatch.setattr(mgpu._core, "dist_init", started)
+    monkeypatch.setenv("MGPU_DIST_GPU", "host")
+    with pytest.raises(ValueError, match="MGPU_DIST_GPU=host asks to stage them through host"):
         dist.init("nccl")
 
 

@@ -410,6 +410,47 @@ def test_two_processes_on_gpus_equal_one_process_with_two_gpus(tmp_path, monkeyp
             np.testing.assert_array_equal(got[i], p.numpy(), err_msg=f"param {i} on rank {r}")
 
 
+@needs_gpus(2)
+def test_init_backend_nccl_trains_like_one_process_and_like_host_staging(tmp_path, monkeypatch):
+    """mpirun -np 2, one emulated GPU each, init(backend="nccl"): the fused steps' gradients
+    cross processes on the NCCL communicator over both ranks (the emulator's NCCL; compiled and
+    linked only in the real CUDA build), giving bitwise the parameters of one process stepping on
+    two GPUs and of backend "mpi" with MGPU_DIST_GPU=host (through host memory over MPI)."""
+    import dist_worker
+    import test_distributed as td
+    if not td.HAVE_MPI:
+        pytest.skip("needs mpirun and an mgpu built with MPI")
+    if mgpu.distributed.launched():
+        pytest.skip("this pytest itself runs under mpirun")
+    if not EMULATED:
+        pytest.skip("NCCL across processes runs on the emulated build only (not yet on GPUs)")
+    monkeypatch.delenv("MGPU_DIST_GPU", raising=False)
+    steps, batch = 3, 8
+    base = {"MGPU_TEST_ON_GPUS": "1", "PYTHONPATH": str(Path(mgpu.__file__).parent.parent)}
+    runs = {}
+    for transport, backend, extra in (("nccl", "nccl", {}),
+                                      ("host", "mpi", {"MGPU_DIST_GPU": "host"})):
+        out_dir = tmp_path / transport
+        out_dir.mkdir()
+        env = dict(base, MGPU_TEST_BACKEND=backend, **extra)
+        rc, out, err, _ = td.mpirun(2, "train_steps", out_dir, steps, batch, 1, env=env,
+                                    timeout=300, limit=600)
+        assert rc == 0, f"{out}\n{err}"
+        for r in range(2):
+            assert f"rank {r}: GPU transport {transport}, backend {backend}" in out, out
+        runs[transport] = [td.params_of(td.load(out_dir, "train_L1", r)) for r in range(2)]
+    monkeypatch.setenv("MGPU_TEST_ON_GPUS", "1")
+    replicas, _ = dist_worker.fused_steps(steps, batch, 2)
+    for r in range(2):
+        for i, p in enumerate(replicas[0]):
+            np.testing.assert_array_equal(runs["nccl"][r][i], p.numpy(),
+                                          err_msg=f"param {i} on rank {r} vs 1 process x 2 GPUs")
+            np.testing.assert_array_equal(runs["nccl"][r][i], runs["host"][r][i],
+                                          err_msg=f"param {i} on rank {r} vs MGPU_DIST_GPU=host")
+    assert not np.array_equal(runs["nccl"][0][4], mgpu.lenet_params(seed=0)[4].numpy()), \
+        "training did not move W3"
+
+
 # ---- real GPUs only: the vendor libraries against our kernels ---------------------------------
 
 @real_gpu

@@ -13,7 +13,7 @@ import mgpu
 from mgpu import cli
 
 KEYS = ("mgpu ", "CPU:", "CPU kernels:", "engine compiled for:", "BLAS:", "CUDA:", "cuDNN:",
-        "NCCL:", "MPI:", "devices:", "data:")
+        "NCCL:", "MPI:", "GPU tensors across processes:", "devices:", "data:")
 FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte",
          "t10k-labels-idx1-ubyte")
 SYSTEM_DIR = "/usr/share/datasets/fashion-mnist"
@@ -52,6 +52,61 @@ def test_info_says_why_a_part_is_missing():
         assert ("MGPU_WITH_MPI=ON" in mpi) == ("MGPU_WITH_MPI=OFF" in mpi)
     for key in ("cuda", "cudnn", "nccl", "mpi"):
         assert "\n" not in b[key]
+
+
+def test_the_gpu_transport_across_processes_matches_the_build(monkeypatch):
+    """build_info()['dist_gpu_transport'] (the info line) says how GPU tensors cross processes
+    in this build. In the real CUDA build with NCCL and MPI (the installed package where nvcc is)
+    it is an NCCL communicator, and _core links the NCCL-world path against the toolkit's NCCL
+    (compiled and linked: no GPU runs it here)."""
+    monkeypatch.delenv("MGPU_DIST_GPU", raising=False)
+    b = mgpu.build_info()
+    t = b["dist_gpu_transport"]
+    assert mgpu._core.dist_nccl_world_built() == t.startswith("nccl: "), t
+    if b["mpi"] != "built":
+        assert t.startswith("none: no MPI back end"), t
+    elif b["cuda_emulation"]:
+        assert t.startswith("nccl: ") and "on the emulator's NCCL" in t, t
+        assert "MGPU_DIST_GPU=host stages them through host memory" in t
+    elif b["cuda"].startswith("built") and b["nccl"] == "built":
+        assert t.startswith("nccl: ") and "never on a real GPU" in t, t
+        nm = shutil.which("nm")
+        if nm is None:
+            pytest.skip("no nm to list _core's symbols")
+        out = subprocess.run([nm, "-D", "--undefined-only", mgpu._core.__file__],
+                             capture_output=True, text=True, check=True).stdout
+        symbols = {line.split()[-1] for line in out.splitlines() if line.strip()}
+        for name in ("ncclCommInitRankConfig", "ncclCommGetAsyncError", "ncclCommFinalize",
+                     "ncclCommAbort", "ncclAllReduce", "MPI_Ibcast"):
+            assert name in symbols, f"_core does not call {name}: no NCCL world in this build"
+    else:
+        assert t.startswith("host: ") and "no NCCL across processes" in t, t
+    monkeypatch.setenv("MGPU_DIST_GPU", "host")
+    if t.startswith("nccl: "):
+        assert mgpu.build_info()["dist_gpu_transport"].startswith("host (MGPU_DIST_GPU=host)")
+
+
+def test_init_backend_nccl_starts_or_says_what_the_build_lacks():
+    """init(backend="nccl") outside mpirun, in a child: a one-process world where the build has
+    NCCL across processes, else a DeviceError naming the missing part (the CPU-only wheel of the
+    pip-only route: no MPI back end)."""
+    code = ("from mgpu import distributed as d\nd.init(backend='nccl')\n"
+            "print('backend', d.backend(), d.world_size())")
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    env.pop("MGPU_DIST_GPU", None)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env=env)
+    b = mgpu.build_info()
+    if mgpu._core.dist_nccl_world_built():
+        assert r.returncode == 0 and "backend nccl 1" in r.stdout, r.stderr
+        return
+    assert r.returncode != 0 and "DeviceError: init(backend='nccl'): this " in r.stderr, r.stderr
+    if b["mpi"] != "built":
+        assert "has no MPI back end" in r.stderr and "openmpi-bin" in r.stderr, r.stderr
+    elif not (b["cuda_emulation"] or b["cuda"].startswith("built")):
+        assert "has no CUDA backend" in r.stderr, r.stderr
+    else:
+        assert "has no NCCL" in r.stderr, r.stderr
 
 
 @pytest.mark.parametrize("build, gpus, want", [

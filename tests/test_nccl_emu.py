@@ -234,3 +234,29 @@ def test_a_call_failing_inside_a_bucket_group_closes_the_group(count, strict):
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "ERROR:" in run.stdout and "ncclAllReduce failed" in run.stdout, run.stdout
     assert "RECOVERED" in run.stdout, run.stdout
+
+
+@emulated_only
+@pytest.mark.parametrize("strict", ["0", "1"])
+def test_a_rank_that_never_arrives_across_processes_is_aborted_on_every_rank(strict, tmp_path):
+    """NCCL across processes (NcclWorld, mgpu.distributed's GPU all-reduce): mpirun -np 2, rank
+    1's collectives never arrive after a first all-reduce that works. Rank 0 (3 s limit) aborts
+    the communicator at its deadline and raises saying it timed out; its abort ends rank 1's wait
+    long before rank 1's own 60 s limit (the job's limit is 45 s); later all-reduces refuse to
+    run on the broken world. On the lenient and the strict emulator (streams behind the host)."""
+    import test_distributed as td
+    if not td.HAVE_MPI:
+        pytest.skip("needs mpirun and an mgpu built with MPI")
+    if mgpu.distributed.launched():
+        pytest.skip("this pytest itself runs under mpirun")
+    env = {"PYTHONPATH": str(Path(mgpu.__file__).parent.parent), "MGPU_EMU_STRICT": strict}
+    rc, out, err, _ = td.mpirun(2, "nccl_stall", tmp_path, timeout=60, env=env, limit=45)
+    lines = {line.split(": the ")[0] + " " + line.split(": the ")[1].split()[0]: line
+             for line in out.splitlines() if ": the " in line}
+    assert rc != 0, "a broken world ends the job nonzero (no MPI_Finalize)"
+    assert "rank 0: first all-reduce gave 3.0" in out and "rank 1: first all-reduce gave 3.0" in out
+    stalled0, stalled1 = lines.get("rank 0 stalled", ""), lines.get("rank 1 stalled", "")
+    assert "failed after" in stalled0 and "ncclAllReduce of 1000 float32 timed out" in stalled0
+    assert "the communicator was aborted" in stalled0, out
+    assert "failed after" in stalled1 and "timed out" not in stalled1, out
+    assert "cannot run: an earlier collective failed" in lines.get("rank 0 next", ""), out

@@ -6,6 +6,7 @@
 
 #include "bind/bind.h"
 #include "bind/dlpack.h"
+#include "comm/allreduce_mpi.h"
 #include "core/gpu.h"
 #include "core/parallel.h"
 #include "core/queue.h"
@@ -285,6 +286,7 @@ py::dict build_info() {
                     : std::string("not built: no MPI was found at build time; for multi-process "
                                   "training `apt-get install openmpi-bin libopenmpi-dev` and "
                                   "reinstall mgpu");
+  info["dist_gpu_transport"] = comm::dist::gpu_transport_info();
   info["cuda_emulation"] = static_cast<bool>(MGPU_CUDA_EMULATION_BUILD);
   return info;
 }

@@ -14,8 +14,10 @@ void bind_distributed(py::module_& m) {
   m.def("dist_gpu_transport", &dist::gpu_transport,
         "How GPU tensors cross processes: 'nccl' (a communicator over every rank) or 'host'.");
   m.def("dist_launched", &dist::launched, "True when started by mpirun (or another MPI launcher).");
-  m.def("dist_init", &dist::init, nogil(), py::arg("use_mpi"),
-        "Initialises the world (over MPI when use_mpi), once.");
+  m.def("dist_nccl_world_built", &dist::nccl_world_built,
+        "True when this build can carry GPU tensors across processes on NCCL.");
+  m.def("dist_init", &dist::init, nogil(), py::arg("use_mpi"), py::arg("nccl") = false,
+        "Initialises the world (over MPI when use_mpi; GPU tensors on NCCL when nccl), once.");
   m.def("dist_initialized", &dist::initialized, "True after dist_init.");
   m.def("dist_finalized", &dist::finalized, "True after dist_finalize.");
   m.def("dist_uses_mpi", &dist::uses_mpi, "True when the world runs over MPI.");

@@ -44,6 +44,7 @@ struct State {
   std::atomic<double> timeout{60.0};
   std::atomic<bool> check{false};
   std::atomic<bool> ordered{true};
+  std::atomic<bool> nccl_required{false};  // init(backend="nccl"): GPU tensors on NCCL, always
   uint64_t next_ticket = 1;
   // The turn of collectives (tickets), and the first error that broke the world.
   std::mutex turn_mutex;
@@ -516,8 +517,10 @@ void enqueue_collective(const char* name, Call call, std::vector<Tensor> keep, B
 #if MGPU_NCCL_WORLD
 // GPU tensors across processes on an NCCL communicator over every rank (one GPU per rank), made
 // at the first such all-reduce: its unique id is broadcast over MPI inside the collective's turn,
-// so MPI still sees one call at a time. MGPU_DIST_GPU=host stages through host memory instead.
+// so MPI still sees one call at a time. MGPU_DIST_GPU=host stages through host memory instead,
+// unless init(backend="nccl") asked for NCCL.
 bool nccl_for_gpus() {
+  if (state().nccl_required.load()) return true;
   const char* v = std::getenv("MGPU_DIST_GPU");
   if (v == nullptr || *v == '\0' || std::string(v) == "nccl") return true;
   MGPU_CHECK_VALUE(std::string(v) == "host", "MGPU_DIST_GPU must be 'nccl' or 'host', got '", v,
@@ -525,25 +528,44 @@ bool nccl_for_gpus() {
   return false;
 }
 
+// The communicator, made once by the first GPU all-reduce (under its turn) and ended by
+// finalize(); never freed (a queue thread could still be inside a call on it at exit).
+NcclWorld*& nccl_world_ptr() {
+  static NcclWorld* world = nullptr;
+  return world;
+}
+
 NcclWorld& nccl_world(int gpu) {
-  static NcclWorld* world = nullptr;  // kept for the process: NCCL's communicator lives on
-  static int world_gpu = -1;
-  if (world == nullptr) {
-    world = new NcclWorld(state().comm, gpu, state().timeout.load());
-    world_gpu = gpu;
-  }
-  MGPU_CHECK_VALUE(world_gpu == gpu, prefix(), "the NCCL communicator across ranks is on gpu(",
-                   world_gpu, "); this all-reduce is on gpu(", gpu, "): one GPU per rank");
+  NcclWorld*& world = nccl_world_ptr();
+  if (world == nullptr) world = new NcclWorld(state().comm, gpu, state().timeout.load());
+  MGPU_CHECK_VALUE(world->gpu() == gpu, prefix(), "the NCCL communicator across ranks is on gpu(",
+                   world->gpu(), "); this all-reduce is on gpu(", gpu, "): one GPU per rank");
   return *world;
 }
 
 // On the device's queue, under the collective's turn: an in-place NCCL sum of each tensor on the
-// device's compute stream (after the work that made them), waited for under the timeout.
+// device's compute stream (after the work that made them), waited for under the timeout. A
+// failure (the communicator is aborted by then) breaks the world: the ranks are out of step.
 void run_nccl_allreduce(const Call& call, const std::vector<Tensor>& tensors) {
-  NcclWorld& world = nccl_world(call.device.index);
-  cudaStream_t stream = gpu::compute_stream(call.device.index);
-  for (const Tensor& t : tensors)
-    world.allreduce_sum(t.f32(), static_cast<size_t>(t.numel()), stream);
+  try {
+    NcclWorld& world = nccl_world(call.device.index);
+    cudaStream_t stream = gpu::compute_stream(call.device.index);
+    for (const Tensor& t : tensors)
+      world.allreduce_sum(t.f32(), static_cast<size_t>(t.numel()), stream);
+  } catch (const DeviceError& e) {
+    mark_broken(e.what());
+    throw DeviceError(prefix() + describe(call) + " over NCCL failed: " + e.what());
+  }
+}
+
+// finalize(): every rank ends the communicator (finalize, then destroy), or with `ok` false
+// (another failure: the ranks may not all be there) aborts it at once. True when it ended cleanly.
+bool close_nccl_world(bool ok) {
+  NcclWorld* world = nccl_world_ptr();
+  if (world == nullptr) return ok;
+  if (ok) return world->close().empty();
+  world->abort();
+  return false;
 }
 #endif
 
@@ -564,11 +586,44 @@ bool multi_process(const char* op) {
 
 bool built() { return MGPU_BUILT_MPI != 0; }
 
+bool nccl_world_built() { return MGPU_BUILT_MPI && MGPU_NCCL_WORLD; }
+
 std::string gpu_transport() {
 #if MGPU_BUILT_MPI && MGPU_NCCL_WORLD
   if (nccl_for_gpus()) return "nccl";
 #endif
   return "host";
+}
+
+std::string gpu_transport_info() {
+  if (!MGPU_BUILT_MPI) return "none: no MPI back end, one process only (see the MPI line)";
+  const std::string staged = "GPU tensors are copied to cpu(0), summed over MPI and copied back";
+#if MGPU_BUILT_MPI && MGPU_NCCL_WORLD
+  std::string transport;
+  try {
+    transport = gpu_transport();
+  } catch (const ValueError& e) {
+    return std::string("unknown: ") + e.what();
+  }
+  if (transport == "host")
+    return "host (MGPU_DIST_GPU=host): " + staged + "; without it, an NCCL communicator over "
+           "every rank carries them";
+  const std::string nccl = "nccl: an NCCL communicator over every rank (one GPU each), its unique "
+                           "id broadcast over MPI, ";
+  const std::string host = "; MGPU_DIST_GPU=host stages them through host memory instead";
+  if (MGPU_CUDA_EMULATION_BUILD)
+    return nccl + "on the emulator's NCCL (ranks in several processes meet in shared memory)" +
+           host;
+  const int v = nccl_version();
+  return nccl + "NCCL " + std::to_string(v / 10000) + "." + std::to_string(v / 100 % 100) + "." +
+         std::to_string(v % 100) + " (compiled and linked; mgpu's tests run this path on the "
+         "emulator only, never on a real GPU)" + host;
+#else
+  const char* why = !MGPU_GPU_BUILD ? "no GPU backend in this build"
+                    : MGPU_BUILT_CUDA ? "this CUDA build has no NCCL (see the NCCL line)"
+                                      : "no NCCL in this build";
+  return "host: " + staged + " (no NCCL across processes: " + why + ")";
+#endif
 }
 
 bool launched() {
@@ -577,12 +632,18 @@ bool launched() {
   return false;
 }
 
-void init(bool use_mpi) {
+void init(bool use_mpi, bool nccl) {
   State& s = state();
   std::lock_guard<std::mutex> lock(s.mutex);
+  if (nccl && !(use_mpi && nccl_world_built()))
+    throw DeviceError("mgpu.distributed.init: NCCL across processes needs MPI and this build's "
+                      "NCCL world (build_info()['dist_gpu_transport'])");
   if (s.initialized) {
-    MGPU_CHECK_VALUE(s.use_mpi == use_mpi, "mgpu.distributed.init: already initialised ",
-                     s.use_mpi ? "over MPI" : "as a single process", "; call init once");
+    MGPU_CHECK_VALUE(s.use_mpi == use_mpi && s.nccl_required.load() == nccl,
+                     "mgpu.distributed.init: already initialised ",
+                     !s.use_mpi ? "as a single process"
+                     : s.nccl_required.load() ? "over MPI with NCCL for GPU tensors"
+                                              : "over MPI", "; call init once");
     MGPU_CHECK_VALUE(!s.finalized, "mgpu.distributed.init: the world was finalized already; MPI "
                      "cannot start twice in one process");
     return;
@@ -617,6 +678,7 @@ void init(bool use_mpi) {
   MPI_Comm_free(&node);
   s.rank = r, s.size = n, s.local_rank = lr, s.local_size = ln;
   s.use_mpi = true;
+  s.nccl_required.store(nccl);
   s.initialized = true;
   if (!std::getenv("MGPU_NUM_THREADS")) {
     // Each process gets its share of the cores: the launcher's binding if it bound us to fewer
@@ -766,6 +828,11 @@ void finalize(bool abort) {
       ok = false;
     }
   }
+#if MGPU_NCCL_WORLD
+  // Every rank got here (the barrier above): the NCCL communicator ends before MPI does.
+  // Finalizing it waits for every rank's; after a failure it is aborted instead.
+  ok = close_nccl_world(ok);
+#endif
   std::lock_guard<std::mutex> lock(s.mutex);
   s.finalized = true;
   if (!ok) return;  // exiting without MPI_Finalize: the launcher ends the job, nothing hangs

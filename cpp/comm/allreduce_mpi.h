@@ -18,17 +18,24 @@ enum class Op : int64_t { Allreduce = 1, Broadcast = 2, Barrier = 3, TrainStep =
 
 // True when this build has the MPI back end (MGPU_BUILT_MPI).
 bool built();
+// True when this build can carry GPU tensors across processes on NCCL (MGPU_NCCL_WORLD: MPI plus
+// the emulator's NCCL, or plus real CUDA with NCCL).
+bool nccl_world_built();
 // How allreduce() moves GPU tensors across processes: "nccl" (an NCCL communicator over every
-// rank, one GPU each: the emulated build with MPI, unless MGPU_DIST_GPU=host) or "host" (copied
-// to cpu(0), reduced over MPI, copied back).
+// rank, one GPU each: where nccl_world_built(), unless MGPU_DIST_GPU=host and init was not asked
+// for NCCL) or "host" (copied to cpu(0), reduced over MPI, copied back).
 std::string gpu_transport();
+// gpu_transport() and what it means in this build, for build_info() and `mgpu info`.
+std::string gpu_transport_info();
 // True when this process was started by an MPI launcher (mpirun / mpiexec / srun with PMI).
 bool launched();
 // Initialises the world once: over MPI when use_mpi (needs built(); singleton MPI outside
-// mpirun), else the one-process world. Later calls must agree on use_mpi (ValueError if not).
+// mpirun), else the one-process world; `nccl` (needs use_mpi and nccl_world_built(), else
+// DeviceError) makes GPU tensors cross processes on NCCL whatever MGPU_DIST_GPU says. Later calls
+// must agree on use_mpi and nccl (ValueError if not).
 // With MPI, the default CPU thread count becomes this process's share of the machine
 // (cores / processes on this node) unless MGPU_NUM_THREADS is set.
-void init(bool use_mpi);
+void init(bool use_mpi, bool nccl = false);
 bool initialized();
 bool uses_mpi();
 int rank();

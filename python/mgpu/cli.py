@@ -127,7 +127,8 @@ def info_lines() -> List[str]:
              f"CUDA: {b['cuda']}",
              f"cuDNN: {b['cudnn']}",
              f"NCCL: {b['nccl']}",
-             f"MPI: {b['mpi']}"]
+             f"MPI: {b['mpi']}",
+             f"GPU tensors across processes: {b['dist_gpu_transport']}"]
     gpus = _core.num_gpus()
     devices = ["cpu(0), cpu(1), ... (virtual CPU devices)"] + [f"gpu({i})" for i in range(gpus)]
     lines.append(f"devices: {', '.join(devices)}" + _no_gpu_why(b, gpus))

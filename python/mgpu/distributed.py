@@ -12,6 +12,13 @@ under ``mpirun``: every rank reads the same shuffled global batch, trains on its
 from rank 0's parameters, and sums gradients across processes, so the result is the step of one
 process with the same global batch.
 
+GPU tensors (the fused step's gradients on GPUs) cross processes on an NCCL communicator over
+every rank, one GPU each, its unique id broadcast over MPI, wherever the build has one
+(``build_info()['dist_gpu_transport']``; ``MGPU_DIST_GPU=host`` stages them through host memory
+over MPI instead); CPU tensors go over MPI. Where this runs: on the CUDA emulator's NCCL (ranks in
+several processes meet in shared memory) in the tests; compiled and linked against the toolkit's
+NCCL in the real CUDA build, never run on a real GPU by mgpu's tests.
+
 Failures are loud: a collective that waits longer than ``timeout`` seconds (``MGPU_DIST_TIMEOUT``,
 default 60) raises ``mgpu.DeviceError`` naming the rank, the collective and the ranks it waits
 for; with ``check=True`` (``MGPU_DIST_CHECK=1``) the ranks first compare what they are about to
@@ -68,8 +75,12 @@ def init(backend: str = "auto", timeout: Optional[float] = None, check: Optional
     """Joins the world of processes; call once per process (later calls only check agreement).
 
     ``backend``: ``"auto"`` uses MPI when started by ``mpirun`` and is a one-process world
-    otherwise; ``"mpi"`` requires MPI (a one-process MPI world outside ``mpirun``); ``"nccl"``
-    is NCCL for GPUs with its unique id broadcast over MPI (needs the CUDA backend).
+    otherwise; ``"mpi"`` requires MPI (a one-process MPI world outside ``mpirun``). Over MPI, GPU
+    tensors take the build's transport (``build_info()['dist_gpu_transport']``): an NCCL
+    communicator over every rank where the build has one, unless ``MGPU_DIST_GPU=host``, which
+    stages them through host memory over MPI. ``"nccl"`` is MPI for the world and for CPU
+    tensors and always NCCL for GPU tensors: ``mgpu.DeviceError`` if this build has no MPI back
+    end, no CUDA backend or no NCCL, ``ValueError`` with ``MGPU_DIST_GPU=host``.
     ``timeout`` (seconds a collective may wait, env ``MGPU_DIST_TIMEOUT``, default 60),
     ``check`` (compare every collective across ranks first, env ``MGPU_DIST_CHECK``, default
     off) and ``algorithm`` (``"ordered"``: rank-ordered sums, bitwise the in-process result;
@@ -78,10 +89,13 @@ def init(backend: str = "auto", timeout: Optional[float] = None, check: Optional
     if backend not in _BACKENDS:
         raise ValueError(f"init: backend must be one of {', '.join(_BACKENDS)}, got {backend!r}")
     if backend == "nccl":
-        raise _core.DeviceError(
-            "init: the NCCL backend across processes is not available yet (its MPI bootstrap is "
-            "compiled and linked: cpp/comm/nccl_bootstrap.cpp). Use backend='mpi': it serves CPU "
-            "devices and GPUs alike (GPU tensors cross processes through host memory).")
+        missing = _nccl_missing()
+        if missing:
+            raise _core.DeviceError(f"init(backend='nccl'): {missing}")
+        if os.environ.get("MGPU_DIST_GPU", "").strip() == "host":
+            raise ValueError("init(backend='nccl') puts GPU tensors on NCCL, but "
+                             "MGPU_DIST_GPU=host asks to stage them through host memory: unset "
+                             "MGPU_DIST_GPU, or use backend='mpi'")
     in_mpirun = launched()
     if backend == "mpi" and not _core.dist_built():
         raise _core.DeviceError("init: this build of mgpu has no MPI back end "
@@ -91,9 +105,12 @@ def init(backend: str = "auto", timeout: Optional[float] = None, check: Optional
         raise _core.DeviceError("init: started by mpirun, but this build of mgpu has no MPI back "
                                 "end, so every process would train alone; install Open MPI "
                                 "(apt-get install openmpi-bin libopenmpi-dev) and reinstall mgpu")
-    use_mpi = backend == "mpi" or (backend == "auto" and in_mpirun)
+    use_mpi = backend in ("mpi", "nccl") or (backend == "auto" and in_mpirun)
     previous = _state["backend"]
-    if previous is not None and previous != ("mpi" if use_mpi else "single"):
+    label = "nccl" if backend == "nccl" else "mpi" if use_mpi else "single"
+    if backend == "auto" and use_mpi and previous == "nccl":
+        label = previous  # "auto" (train's own call) agrees with an earlier init("nccl")
+    if previous is not None and previous != label:
         raise ValueError(f"init: already initialised as {previous!r}; call init once per process")
     # Every setting is read and checked before any is applied: a bad one changes nothing.
     timeout = (float(timeout) if timeout is not None
@@ -111,8 +128,8 @@ def init(backend: str = "auto", timeout: Optional[float] = None, check: Optional
     _core.dist_set_timeout(timeout)
     _core.dist_set_check(check)
     _core.dist_set_algorithm(algorithm)
-    _core.dist_init(use_mpi)
-    _state["backend"] = "mpi" if use_mpi else "single"
+    _core.dist_init(use_mpi, label == "nccl")
+    _state["backend"] = label
     if use_mpi and not _state["hooked"]:
         _state["hooked"] = True
         atexit.register(_finalize_at_exit)
@@ -131,6 +148,25 @@ def _build_mpi() -> str:
     return str(dict(_core.build_info()).get("mpi"))
 
 
+def _nccl_missing() -> Optional[str]:
+    """Why this build cannot put GPU tensors on NCCL across processes, and how to fix it; None
+    when it can."""
+    if _core.dist_nccl_world_built():
+        return None
+    b = dict(_core.build_info())
+    use_mpi = "or use backend='mpi' (GPU tensors through host memory)"
+    if not _core.dist_built():
+        return (f"this build of mgpu has no MPI back end (build_info()['mpi'] = {b['mpi']!r}), "
+                "which NCCL across processes bootstraps over; install Open MPI (apt-get install "
+                "openmpi-bin libopenmpi-dev) and reinstall mgpu")
+    if not (b["cuda_emulation"] or str(b["cuda"]).startswith("built")):
+        return (f"this build of mgpu has no CUDA backend (build_info()['cuda'] = {b['cuda']!r}); "
+                "install the CUDA toolkit and NCCL and reinstall mgpu, " + use_mpi)
+    return (f"this CUDA build of mgpu has no NCCL (build_info()['nccl'] = {b['nccl']!r}); "
+            "install NCCL (nccl.h and libnccl, e.g. apt-get install libnccl-dev) and reinstall "
+            "mgpu, " + use_mpi)
+
+
 def _auto_init() -> None:
     """What ``train`` and ``train_batch`` call: join the MPI world when started by mpirun."""
     if _state["backend"] is None and launched():
@@ -142,7 +178,8 @@ def is_initialized() -> bool:
 
 
 def backend() -> Optional[str]:
-    """``"mpi"``, ``"single"`` (one process), or ``None`` before ``init``."""
+    """``"mpi"``, ``"nccl"`` (MPI, GPU tensors on NCCL), ``"single"`` (one process), or ``None``
+    before ``init``."""
     return _state["backend"]
 
 
@@ -185,9 +222,10 @@ def _handles(op: str, tensors) -> list:
 def allreduce(tensors: Union[Tensor, Sequence[Tensor]]) -> None:
     """Sums a float32 tensor (or a list, reduced as one buffer) across ranks, in place.
 
-    The tensors live on one CPU device; the work is queued on it in order with the compute, so
-    this returns at once (read the result with ``.numpy()``). Every rank must call it with the
-    same shapes, in the same order as its other collectives.
+    The tensors live on one device; the work is queued on it in order with the compute, so this
+    returns at once (read the result with ``.numpy()``). CPU tensors go over MPI; GPU tensors
+    over NCCL or through host memory (see ``init``). Every rank must call it with the same
+    shapes, in the same order as its other collectives.
     """
     _core.dist_allreduce(_handles("allreduce", tensors))
 

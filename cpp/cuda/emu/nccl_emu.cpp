@@ -741,6 +741,10 @@ ncclResult_t ncclCommInitRankConfig(ncclComm_t* comm, int nranks, ncclUniqueId c
   return ncclCommInitRank(comm, nranks, commId, rank);
 }
 
+ncclResult_t ncclCommFinalize(ncclComm_t comm) {
+  return comm == nullptr ? ncclInvalidArgument : ncclSuccess;
+}
+
 ncclResult_t ncclCommDestroy(ncclComm_t comm) {
   if (comm == nullptr) return ncclInvalidArgument;
   delete comm;  // work already on streams holds the clique, so it still completes

@@ -101,6 +101,8 @@ ncclResult_t ncclCommInitRank(ncclComm_t* comm, int nranks, ncclUniqueId commId,
 ncclResult_t ncclCommInitRankConfig(ncclComm_t* comm, int nranks, ncclUniqueId commId, int rank,
                                     ncclConfig_t* config);
 ncclResult_t ncclCommInitAll(ncclComm_t* comms, int ndev, const int* devlist);
+// Nothing to flush: a collective is work on its stream, which mgpu has waited for by then.
+ncclResult_t ncclCommFinalize(ncclComm_t comm);
 ncclResult_t ncclCommDestroy(ncclComm_t comm);
 ncclResult_t ncclCommAbort(ncclComm_t comm);
 ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t* asyncError);
