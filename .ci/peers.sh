@@ -16,7 +16,7 @@ want=("$@")
 for peer in "${want[@]}"; do
   case "$peer" in
     torch) packages=("torch>=2.15" numpy) ;;
-    jax) packages=("jax[cpu]" numpy) ;;
+    jax) packages=("jax[cpu]" flax optax numpy) ;;
     onednn) packages=("onednn-cpu-gomp==2023.2.0" "onednn-devel-cpu-gomp==2023.2.0") ;;
     *) echo "peers: unknown peer '$peer' (torch, jax or onednn)" >&2; exit 2 ;;
   esac
