@@ -236,16 +236,19 @@ def test_bad_arguments_fail_with_a_message(capsys):
     assert "cannot import torch" in capsys.readouterr().err
 
 
-def test_torch_comparison_is_skipped_without_torch(tmp_path, monkeypatch):
-    monkeypatch.setattr(bench.train, "find_torch_python",
-                        lambda explicit=None: (None, "no torch here"))
+@pytest.mark.parametrize("rival,framework", [("torch", "PyTorch"), ("jax", "JAX")])
+def test_a_rival_comparison_is_skipped_without_its_framework(tmp_path, monkeypatch, rival,
+                                                             framework):
+    monkeypatch.setattr(bench.train, f"find_{rival}_python",
+                        lambda explicit=None: (None, f"no {rival} here"))
     code, text, r = _run(["bench", "train", "--synthetic", "300", "--batch-size", "64",
                           "--limit-batches", "1", "--epochs", "1", "--warmup", "0",
-                          "--parts", "fused", "--devices", "1", "--compare", "torch"],
+                          "--parts", "fused", "--devices", "1", "--compare", rival],
                          tmp_path, "skip")
     assert code == 0
-    assert r["torch"] == {"skipped": "no torch here"} and r["comparisons"] == []
-    assert "PyTorch comparison skipped: no torch here" in text
+    assert r[rival] == {"skipped": f"no {rival} here"} and r["comparisons"] == []
+    assert [x["impl"] for x in r["results"]] == ["mgpu fused"]
+    assert f"{framework} comparison skipped: no {rival} here" in text
 
 
 def test_rivals_read_idx_like_mgpu(tmp_path):

@@ -1,12 +1,11 @@
-"""``bench train --compare jax``: the bench's handling of the JAX rival (its JSON, its absence, a
-broken interpreter), run against a fake interpreter that prints a JSON result with known times;
-the shared rival module; and, when a JAX Python is found ($MGPU_JAX_PYTHON or
-build/peers/jax/bin/python), the rival's own code: the chapter's LeNet loss and one SGD step on 1
-and 2 host devices against the NumPy float64 reference, and the Flax ResNet-18's parameter count
-against mgpu's resnet18(10, 1) (a mismatch means the two sides do not do the same work).
+"""``bench train --compare jax``: the bench's handling of the JAX rival (its JSON, a broken
+interpreter; its absence is in test_bench.py with PyTorch's), run against a fake interpreter that
+prints a JSON result with known times; the shared rival module; and, when a JAX Python is found
+($MGPU_JAX_PYTHON or build/peers/jax/bin/python), the rival's own code: the chapter's LeNet loss
+and one SGD step on 1 and 2 host devices against the NumPy float64 reference, and the Flax
+ResNet-18's parameter count against mgpu's resnet18(10, 1) (a mismatch means the two sides do not
+do the same work).
 """
-import contextlib
-import io
 import json
 import os
 import subprocess
@@ -20,17 +19,10 @@ import reference as R
 from mgpu import _rival_common, bench, cli
 from mgpu.bench import train as bench_train_module
 from mgpu.models import lenet_params, resnet18
+from test_bench import _run
 
 FAKE_STEPS = 2  # --limit-batches of the runs against the fake interpreter
 FAKE_EPOCH_TIMES = [0.30, 0.10, 0.20]  # so the fake's median sec/step is 0.20 / FAKE_STEPS
-
-
-def _run(argv, tmp_path, name):
-    path = tmp_path / f"{name}.json"
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        code = cli.main(argv + ["--quiet", "--json", str(path)])
-    return code, out.getvalue(), json.loads(path.read_text()) if path.exists() else None
 
 
 def _fake_python(tmp_path, mode="ok"):
@@ -109,19 +101,6 @@ def test_jax_python_defaults_to_the_environment_then_the_peers_venv(monkeypatch,
     fake, _ = _fake_python(tmp_path)
     monkeypatch.setenv("MGPU_JAX_PYTHON", fake)
     assert bench.find_jax_python() == (fake, "0.0-fake")
-
-
-def test_jax_comparison_is_skipped_without_jax(tmp_path, monkeypatch):
-    monkeypatch.setattr(bench_train_module, "find_jax_python",
-                        lambda explicit=None: (None, "no jax here"))
-    code, text, r = _run(["bench", "train", "--synthetic", "300", "--batch-size", "64",
-                          "--limit-batches", "1", "--epochs", "1", "--warmup", "0",
-                          "--parts", "fused", "--devices", "1", "--compare", "jax"],
-                         tmp_path, "skip")
-    assert code == 0
-    assert r["jax"] == {"skipped": "no jax here"} and r["comparisons"] == []
-    assert [x["impl"] for x in r["results"]] == ["mgpu fused"]
-    assert "JAX comparison skipped: no jax here" in text
 
 
 def test_lenet_rows_come_from_the_jax_rivals_json(tmp_path):
