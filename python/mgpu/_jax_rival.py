@@ -243,15 +243,20 @@ def _time(jax, name, step, state, batches, args):
     def finish(outs):
         jax.block_until_ready(([o.loss for o in outs], state["now"]))
 
+    warmup = max(2, args.warmup)
+    n, b = len(batches.y), batches.batch_size
+    smaller_last = batches.num_batches == batches.full_batches and n % b
+
     def last_batch():
-        n, b = len(batches.y), batches.batch_size
-        if batches.num_batches == batches.full_batches and n % b:
+        if smaller_last:
             idx = np.arange(n - n % b, n)
             X = batches.images[idx].astype(np.float32) / np.float32(255.0)
             finish([step(*batches.make(X, batches.y[idx]))])
 
-    return common.run_config(name, step, batches, args.epochs, max(2, args.warmup),
-                             on_timed=last_batch, finish=finish)
+    r = common.run_config(name, step, batches, args.epochs, warmup, on_timed=last_batch,
+                          finish=finish)
+    r["warmup_batches"] = warmup + bool(smaller_last)  # what ran untimed, compilation included
+    return r
 
 
 def _chapter_config(jax, jnp, optax, k, images, labels, args):
