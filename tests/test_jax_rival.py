@@ -311,3 +311,20 @@ def test_jax_resnet18_is_mgpus_resnet18(jax_run):
     bn_channels = 64 + 2 * (2 * 64 + 2 * 128 + 2 * 256 + 2 * 512)  # stem, 2 per Residual
     assert int(out["resnet_batch_stats"]) == 2 * bn_channels  # mean and var per channel
     assert out["resnet_logits_shape"].tolist() == [2, 10]
+
+
+def test_bench_runs_the_real_jax_rival():
+    """The launcher runs _jax_rival.py by path in the JAX interpreter, one process per device
+    count with exactly that many host devices, on the bench's batches."""
+    py = _jax_python()
+    r = bench.bench_train(devices=[1, 2], batch_size=32, epochs=1, limit_batches=2, warmup=1,
+                          synthetic=200, parts=["fused"], compare="jax", jax_python=py)
+    assert r["jax"]["python"] == py and r["jax"]["flax_version"] and r["jax"]["optax_version"]
+    theirs = {x["num_devices"]: x for x in r["results"] if x["impl"] == "jax chapter"}
+    assert sorted(theirs) == [1, 2]
+    for k, x in theirs.items():
+        assert x["host_devices"] == k and f"device_count={k}" in x["xla_flags"]
+        assert x["threads"] == min(2, len(os.sched_getaffinity(0)))
+        assert x["warmup_batches"] == 2 and x["steps_per_epoch"] == 2
+        assert abs(x["train_loss"][0] - np.log(10)) < 0.05  # N(0, 0.01^2) init: near ln 10
+    assert [c["rival"] for c in r["comparisons"]] == ["jax", "jax"]
