@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Creates the benchmark peers' virtual environments (never used by the test command):
 #   build/peers/torch  PyTorch from PyPI (a CUDA build that also runs on CPU, ~5 GB)
-#   build/peers/jax    JAX for the CPU
+#   build/peers/jax    JAX for the CPU, with Flax and Optax (the JAX chapters' code)
 #   build/peers/onednn oneDNN from PyPI (its GNU OpenMP build) and cpp/bench/onednn_conv.cpp
 #                      compiled against it: bin/onednn_conv_bench
 # Then: python -m mgpu bench train --compare torch --torch-python build/peers/torch/bin/python
+#       python -m mgpu bench train --compare jax   (finds build/peers/jax/bin/python itself)
 #       python -m mgpu bench conv --onednn build/peers/onednn/bin/onednn_conv_bench
 # Usage: bash .ci/peers.sh [torch] [jax] [onednn]   (torch and jax when no argument is given;
 # safe to repeat)
@@ -16,7 +17,7 @@ want=("$@")
 for peer in "${want[@]}"; do
   case "$peer" in
     torch) packages=("torch>=2.15" numpy) ;;
-    jax) packages=("jax[cpu]" numpy) ;;
+    jax) packages=("jax[cpu]" flax optax numpy) ;;
     onednn) packages=("onednn-cpu-gomp==2023.2.0" "onednn-devel-cpu-gomp==2023.2.0") ;;
     *) echo "peers: unknown peer '$peer' (torch, jax or onednn)" >&2; exit 2 ;;
   esac
@@ -30,6 +31,11 @@ for peer in "${want[@]}"; do
     "${CXX:-g++}" -O2 -std=c++17 -Wall -Wextra -o "$dir/bin/onednn_conv_bench" \
       cpp/bench/onednn_conv.cpp -I"$dir/include" -L"$dir/lib" -ldnnl -Wl,-rpath,"$PWD/$dir/lib"
     echo "peers: oneDNN conv bench in $dir/bin/onednn_conv_bench"
+    continue
+  fi
+  if [ "$peer" = jax ]; then  # the rival needs all three (bench train --compare jax checks)
+    "$dir/bin/python" -c "import jax, flax, optax; print('peers: jax', jax.__version__, 'flax', \
+flax.__version__, 'optax', optax.__version__, 'in $dir')"
     continue
   fi
   "$dir/bin/python" -c "import $peer; print('peers: $peer', $peer.__version__, 'in $dir')"

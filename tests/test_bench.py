@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import mgpu
-from mgpu import _torch_rival, bench, cli
+from mgpu import _rival_common, bench, cli
 
 
 def _run(argv, tmp_path, name):
@@ -236,27 +236,30 @@ def test_bad_arguments_fail_with_a_message(capsys):
     assert "cannot import torch" in capsys.readouterr().err
 
 
-def test_torch_comparison_is_skipped_without_torch(tmp_path, monkeypatch):
-    monkeypatch.setattr(bench.train, "find_torch_python",
-                        lambda explicit=None: (None, "no torch here"))
+@pytest.mark.parametrize("rival,framework", [("torch", "PyTorch"), ("jax", "JAX")])
+def test_a_rival_comparison_is_skipped_without_its_framework(tmp_path, monkeypatch, rival,
+                                                             framework):
+    monkeypatch.setattr(bench.train, f"find_{rival}_python",
+                        lambda explicit=None: (None, f"no {rival} here"))
     code, text, r = _run(["bench", "train", "--synthetic", "300", "--batch-size", "64",
                           "--limit-batches", "1", "--epochs", "1", "--warmup", "0",
-                          "--parts", "fused", "--devices", "1", "--compare", "torch"],
+                          "--parts", "fused", "--devices", "1", "--compare", rival],
                          tmp_path, "skip")
     assert code == 0
-    assert r["torch"] == {"skipped": "no torch here"} and r["comparisons"] == []
-    assert "PyTorch comparison skipped: no torch here" in text
+    assert r[rival] == {"skipped": f"no {rival} here"} and r["comparisons"] == []
+    assert [x["impl"] for x in r["results"]] == ["mgpu fused"]
+    assert f"{framework} comparison skipped: no {rival} here" in text
 
 
-def test_torch_rival_reads_idx_like_mgpu(tmp_path):
-    """The PyTorch side parses IDX itself (it cannot import mgpu); both must see the same bytes."""
+def test_rivals_read_idx_like_mgpu(tmp_path):
+    """The rivals parse IDX themselves (they cannot import mgpu); both must see the same bytes."""
     rng = np.random.default_rng(0)
     images = rng.integers(0, 256, size=(7, 5, 3), dtype=np.uint8)
     header = bytes([0, 0, 8, 3]) + b"".join(int(d).to_bytes(4, "big") for d in images.shape)
     for name, opener in (("x-idx3-ubyte.gz", gzip.open), ("x-idx3-ubyte", open)):
         with opener(tmp_path / name, "wb") as f:
             f.write(header + images.tobytes())
-        np.testing.assert_array_equal(_torch_rival.read_idx(str(tmp_path / name)), images)
+        np.testing.assert_array_equal(_rival_common.read_idx(str(tmp_path / name)), images)
         np.testing.assert_array_equal(mgpu._core.read_idx(str(tmp_path / name)), images)
 
 

@@ -1,63 +1,27 @@
 """The chapter's PyTorch code (sec. 12.5), timed on CPU for ``mgpu bench train --compare torch``.
 
 Runs in a separate interpreter (any Python with torch and NumPy) and must never import mgpu: it
-reads the Fashion-MNIST IDX files itself and prints one JSON object on stdout. Two variants:
+reads the Fashion-MNIST IDX files with the NumPy-only ``_rival_common.py`` (which also gives the
+batches and the timing loop every side of the bench shares) and prints one JSON object on
+stdout. Two variants:
 ``chapter`` is the section's code (lenet, get_params, allreduce, split_batch, train_batch) with
 k "devices" that are all the CPU, so the shards run one after the other; ``idiomatic`` is
 nn.Sequential + optim.SGD on one device; ``resnet18`` and ``resnet18-compile`` are the concise
 chapter's network (sec. 12.6: d2l's Residual and resnet18(10, 1), no max-pool, normal_(std=0.01)
 init, CrossEntropyLoss() and optim.SGD) on one device, eager and through torch.compile. All see
-batches (B, 1, 28, 28) float32 in [0, 1],
-gathered from tensors already in memory, so they time the training step alone. ``loader`` is the
-chapter's code on one device fed as the chapter feeds it: d2l.load_data_fashion_mnist's
-DataLoader (shuffled, 4 worker processes, each image converted to a float tensor one at a time as
-ToTensor does; torchvision itself is not needed), timed in its steady state (workers kept alive
-across epochs, so their start-up is not counted).
+batches (B, 1, 28, 28) float32 in [0, 1], gathered with NumPy from arrays already in memory, so
+they time the training step alone. ``loader`` is the chapter's code on one device fed as the
+chapter feeds it: d2l.load_data_fashion_mnist's DataLoader (shuffled, 4 worker processes, each
+image converted to a float tensor one at a time as ToTensor does; torchvision itself is not
+needed), timed in its steady state (workers kept alive across epochs, so their start-up is not
+counted).
 """
-import argparse
-import gzip
-import json
-import os
-import platform
-import statistics
 import sys
-import time
 
-import numpy as np
-
-_FILES = {"train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
-          "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")}
-
-
-def read_idx(path):
-    """An IDX file (raw, or gzip when the name ends in .gz) as a NumPy array."""
-    opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rb") as f:
-        raw = f.read()
-    zero, dtype_code, ndim = raw[0] * 256 + raw[1], raw[2], raw[3]
-    if zero != 0 or dtype_code != 0x08:
-        raise ValueError(f"{path}: not an unsigned-byte IDX file")
-    dims = [int.from_bytes(raw[4 + 4 * i:8 + 4 * i], "big") for i in range(ndim)]
-    return np.frombuffer(raw, dtype=np.uint8, offset=4 + 4 * ndim).reshape(dims)
-
-
-def load_split(data_dir, split):
-    out = []
-    for name in _FILES[split]:
-        for candidate in (name + ".gz", name):
-            path = os.path.join(data_dir, candidate)
-            if os.path.exists(path):
-                out.append(read_idx(path))
-                break
-        else:
-            raise FileNotFoundError(f"{name}[.gz] not found in {data_dir}")
-    return out
-
-
-def synthetic_split(n, seed):
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, 256, size=(n, 28, 28), dtype=np.uint8),
-            rng.integers(0, 10, size=n, dtype=np.uint8)]
+try:  # imported as mgpu._torch_rival
+    from . import _rival_common as common
+except ImportError:  # run by path: bench train's launcher has loaded it as a top-level module
+    import _rival_common as common
 
 
 # --- the chapter's code (sec. 12.5.3-12.5.6), PyTorch flavour --------------------------------
@@ -202,35 +166,13 @@ def d2l_resnet18(torch, nn, F, seed, num_classes=10, in_channels=1):
     return net
 
 
-def peak_rss_bytes():
-    """This process's peak resident memory so far (Linux reports ru_maxrss in KiB)."""
-    import resource
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
 # --- timing --------------------------------------------------------------------------------
 
-class Batches:
-    """Shuffled minibatches over tensors already in memory (the gather is part of each step).
-    The images stay uint8 and each batch is scaled to [0, 1] when gathered, as mgpu's side of the
-    bench does (bench/train.py's _ArrayBatches), so both sides hold the same data set in memory."""
-
-    def __init__(self, torch, images, labels, batch_size, limit, seed):
-        self.torch = torch
-        self.X = torch.from_numpy(np.ascontiguousarray(images)).reshape(-1, 1, 28, 28)
-        self.y = torch.from_numpy(labels.astype(np.int64))
-        self.batch_size = batch_size
-        n = len(labels)
-        full = (n + batch_size - 1) // batch_size
-        self.full_batches = full
-        self.num_batches = min(full, limit) if limit else full
-        self.rng = np.random.default_rng(seed)
-
-    def epoch(self, num_batches=None):
-        order = self.torch.from_numpy(self.rng.permutation(len(self.y)))
-        for i in range(num_batches or self.num_batches):
-            idx = order[i * self.batch_size:(i + 1) * self.batch_size]
-            yield self.X[idx].to(self.torch.float32).div_(255.0), self.y[idx]
+def torch_batches(torch, images, labels, batch_size, limit, seed):
+    """The shared shuffled batches (common.Batches: gathered and scaled with NumPy, as every side
+    of the bench gathers them) as torch tensors, without a copy."""
+    return common.Batches(images, labels, batch_size, limit, seed,
+                          make=lambda X, y: (torch.from_numpy(X), torch.from_numpy(y)))
 
 
 class LoaderBatches:
@@ -266,64 +208,17 @@ class LoaderBatches:
                 yield next(self._it)
 
 
-def run_config(name, step, batches, epochs, warmup, on_timed=None):
-    """Warm-up batches, then ``epochs`` timed epochs (each cut at the batch limit).
-    ``on_timed()``, when given, runs between the two (e.g. to read counters of the timed part)."""
-    if warmup > 0:
-        for X, y in batches.epoch(warmup):
-            step(X, y)
-    if on_timed is not None:
-        on_timed()
-    times, cpu_times, losses, seen = [], [], [], 0
-    for _ in range(epochs):
-        total, seen = 0.0, 0
-        t0, c0 = time.perf_counter(), time.process_time()
-        for X, y in batches.epoch():
-            total += float(step(X, y))
-            seen += X.shape[0]
-        times.append(time.perf_counter() - t0)
-        cpu_times.append(time.process_time() - c0)
-        losses.append(total / max(1, seen))
-    steps = batches.num_batches
-    per_step = [t / steps for t in times]
-    return {
-        "name": name, "epoch_times": times, "epoch_cpu_times": cpu_times,
-        "steps_per_epoch": steps,
-        "full_batches": batches.full_batches,
-        "sec_per_step": statistics.median(per_step),
-        "sec_per_epoch": statistics.median(per_step) * batches.full_batches,
-        "extrapolated": steps != batches.full_batches,
-        "train_loss": losses,
-    }
-
-
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--data-dir", help="directory with the Fashion-MNIST IDX files")
-    p.add_argument("--synthetic", type=int, default=0, help="use N random images instead")
-    p.add_argument("--batch-size", type=int, default=256)
-    p.add_argument("--lr", type=float, default=0.2)
-    p.add_argument("--devices", default="1,2", help="chapter variant: numbers of CPU 'devices'")
-    p.add_argument("--variants", default="chapter,idiomatic,loader")
-    p.add_argument("--epochs", type=int, default=3, help="timed epochs per configuration")
-    p.add_argument("--limit-batches", type=int, default=0, help="batches per epoch (0: all)")
-    p.add_argument("--warmup", type=int, default=3, help="untimed batches first")
-    p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
-    p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args(argv)
+    args = common.rival_arguments(argv, __doc__, "chapter,idiomatic,loader",
+                                  "torch.set_num_threads")
 
     import torch
     from torch import nn
     from torch.nn import functional as F
 
     torch.set_num_threads(args.threads)
-    t0 = time.perf_counter()
-    if args.synthetic:
-        images, labels = synthetic_split(args.synthetic, args.seed)
-    else:
-        images, labels = load_split(args.data_dir, "train")
-    batches = Batches(torch, images, labels, args.batch_size, args.limit_batches, args.seed)
-    load_sec = time.perf_counter() - t0
+    images, labels, load_sec = common.load_images(args)
+    batches = torch_batches(torch, images, labels, args.batch_size, args.limit_batches, args.seed)
 
     results = []
     variants = [v for v in args.variants.split(",") if v]
@@ -337,7 +232,7 @@ def main(argv=None):
                 ls = train_batch(X, y, device_params, devices, args.lr)
                 return sum(l.item() for l in ls)
 
-            r = run_config(f"torch chapter, {k} device{'s' if k > 1 else ''}", step, batches,
+            r = common.run_config(f"torch chapter, {k} device{'s' if k > 1 else ''}", step, batches,
                            args.epochs, args.warmup)
             r.update(variant="chapter", num_devices=k, global_batch=args.batch_size)
             results.append(r)
@@ -350,7 +245,7 @@ def main(argv=None):
             ls = train_batch(X, y, device_params, [torch.device("cpu")], args.lr)
             return sum(l.item() for l in ls)
 
-        r = run_config("torch chapter + its DataLoader (4 workers), 1 device", step, fed,
+        r = common.run_config("torch chapter + its DataLoader (4 workers), 1 device", step, fed,
                        args.epochs, args.warmup)
         r.update(variant="loader", num_devices=1, global_batch=args.batch_size)
         results.append(r)
@@ -366,7 +261,8 @@ def main(argv=None):
             opt.step()
             return l.item() * X.shape[0]
 
-        r = run_config("torch nn.Sequential + optim.SGD", step, batches, args.epochs, args.warmup)
+        r = common.run_config("torch nn.Sequential + optim.SGD", step, batches, args.epochs,
+                              args.warmup)
         r.update(variant="idiomatic", num_devices=1, global_batch=args.batch_size)
         results.append(r)
     for variant in ("resnet18", "resnet18-compile"):
@@ -386,18 +282,13 @@ def main(argv=None):
 
         name = "torch ResNet-18" + (", torch.compile" if variant == "resnet18-compile" else
                                     ", eager")
-        r = run_config(name, step, batches, args.epochs, args.warmup)
+        r = common.run_config(name, step, batches, args.epochs, args.warmup)
         r.update(variant=variant, num_devices=1, global_batch=args.batch_size,
-                 peak_rss_bytes=peak_rss_bytes())
+                 peak_rss_bytes=common.peak_rss_bytes())
         results.append(r)
 
-    json.dump({
-        "torch_version": torch.__version__, "numpy_version": np.__version__,
-        "python": sys.executable, "python_version": platform.python_version(),
-        "threads": torch.get_num_threads(), "data_load_sec": load_sec,
-        "results": results,
-    }, sys.stdout)
-    sys.stdout.write("\n")
+    common.print_result(results, load_sec, torch_version=torch.__version__,
+                        threads=torch.get_num_threads())
     return 0
 
 

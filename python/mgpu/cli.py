@@ -197,7 +197,8 @@ def _bench(args) -> int:
             repeat=args.repeat, data_dir=args.data_dir, synthetic=args.synthetic,
             seed=args.seed, compare=args.compare, torch_python=args.torch_python,
             torch_threads=args.torch_threads, parts=parts, gemm_size=args.gemm_size, log=log,
-            model=args.model, weak_scaling=args.weak_scaling)
+            model=args.model, weak_scaling=args.weak_scaling, jax_python=args.jax_python,
+            jax_threads=args.jax_threads)
     elif args.bench == "ops":
         result = bench.bench_ops(batch_sizes=args.batch_sizes, warmup=args.warmup,
                                  repeat=args.repeat, log=log, device=args.device)
@@ -248,7 +249,8 @@ def _bench_parser(sub) -> None:
     t.add_argument("--model", choices=["lenet", "resnet18"], default="lenet",
                    help="lenet: sec. 12.5's step; resnet18: sec. 12.6's DataParallel.train_step "
                         "and book's loop, each configuration in its own process (peak RSS), "
-                        "against PyTorch eager and torch.compile with --compare torch")
+                        "against PyTorch eager and torch.compile with --compare torch, against "
+                        "the JAX chapter's Flax ResNet18 with --compare jax")
     t.add_argument("--epochs", type=int, default=None,
                    help="timed epochs per training configuration (after --warmup batches; "
                         "default 3, resnet18: 1)")
@@ -272,11 +274,17 @@ def _bench_parser(sub) -> None:
                         "model: each layer's ms, GFLOP/s and %% of this CPU's measured FMA peak, "
                         "--limit-batches traced steps)")
     t.add_argument("--gemm-size", type=int, default=1024, help="n of the n x n sgemm reference")
-    t.add_argument("--compare", choices=["torch"], default=None,
-                   help="also time the chapter's PyTorch code (in another interpreter)")
+    t.add_argument("--compare", default=None, metavar="torch|jax|torch,jax",
+                   help="also time the chapters' PyTorch and/or JAX code (each in another "
+                        "interpreter)")
     t.add_argument("--torch-python", metavar="PATH", default=None,
                    help="interpreter with torch (default: this one, else /usr/bin/python3)")
     t.add_argument("--torch-threads", type=int, default=2, help="torch.set_num_threads")
+    t.add_argument("--jax-python", metavar="PATH", default=None,
+                   help="interpreter with jax, flax and optax (default: $MGPU_JAX_PYTHON, else "
+                        "build/peers/jax/bin/python, made by `bash .ci/peers.sh jax`)")
+    t.add_argument("--jax-threads", type=int, default=2,
+                   help="CPUs, so XLA threads, the JAX process uses")
     o = kinds.add_parser("ops", help="forward/backward time of each LeNet op on one device")
     common(o, 2, 10)
     o.add_argument("--batch-sizes", type=_ints, default=[128, 256], help="e.g. 128,256")

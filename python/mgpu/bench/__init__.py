@@ -36,6 +36,7 @@ from .train import (
     TRAIN_PARTS,
     bench_train,
     bench_train_resnet18,
+    find_jax_python,
     find_torch_python,
     format_train,
     resnet18_step_flops,
@@ -53,6 +54,7 @@ __all__ = ["bench_train", "bench_train_resnet18", "bench_ops", "bench_batch_norm
            "bench_allreduce", "bench_checkpoint", "format_result",
            "plot", "save", "load",
            "summarize", "measure", "machine_info", "lenet_layer_flops", "lenet_step_flops",
-           "find_torch_python", "bus_factor", "parse_size", "format_size", "TRAIN_PARTS",
+           "find_torch_python", "find_jax_python", "bus_factor", "parse_size", "format_size",
+           "TRAIN_PARTS",
            "RESNET_PARTS", "module_layer_flops", "module_step_flops", "resnet18_step_flops",
            "DEFAULT_SIZES", "SCHEMA"]

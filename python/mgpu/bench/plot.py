@@ -36,7 +36,8 @@ def plot(r: Dict, path: Optional[str] = None, ax=None):
         med = np.array([x["sec_per_step"]["median"] for x in runs]) * 1e3
         lo = med - np.array([x["sec_per_step"]["min"] for x in runs]) * 1e3
         hi = np.array([x["sec_per_step"]["max"] for x in runs]) * 1e3 - med
-        colors = ["C1" if x.get("impl", "").startswith("torch") else "C0" for x in runs]
+        colors = ["C0" if x.get("impl", "mgpu").startswith("mgpu") else
+                  "C2" if x["impl"].startswith("jax") else "C1" for x in runs]
         ax.barh(range(len(runs)), med, xerr=[lo, hi], color=colors)
         ax.set_yticks(range(len(runs)), names, fontsize=7)
         ax.invert_yaxis()

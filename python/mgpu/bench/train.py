@@ -1,6 +1,6 @@
 """``bench train``: the chapter's training step (sec. 12.5.6) fused and op by op, scaling, the data
-pipeline, evaluation, achieved FLOP/s, and optionally the chapter's PyTorch code run by another
-interpreter (``_torch_rival.py``)."""
+pipeline, evaluation, achieved FLOP/s, and optionally the chapters' PyTorch and JAX code run by
+other interpreters (``_torch_rival.py``, ``_jax_rival.py``)."""
 from __future__ import annotations
 
 import functools
@@ -14,7 +14,7 @@ from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
-from .. import _core
+from .. import _core, _rival_common
 from ..data import DataLoader, find_data_dir
 from ..device import cpu, try_gpu
 from ..models import lenet_params
@@ -39,11 +39,8 @@ from .common import (
 
 
 def _synthetic_split(n: int, seed: int):
-    # The same draw as _torch_rival.synthetic_split, so both sides train on identical data.
-    rng = np.random.default_rng(seed)
-    images = rng.integers(0, 256, size=(n, 28, 28), dtype=np.uint8)
-    labels = rng.integers(0, 10, size=n, dtype=np.uint8)
-    return _core.make_split(images, labels)
+    # The rivals' draw (_rival_common.synthetic_split), so every side trains on identical data.
+    return _core.make_split(*_rival_common.synthetic_split(n, seed))
 
 
 def _full_batches(split, batch_size: int) -> int:
@@ -85,21 +82,16 @@ def _time_training(name: str, step, split, batch_size: int, epochs: int, limit: 
 
 
 @functools.lru_cache(maxsize=None)
-def find_torch_python(explicit: Optional[str] = None):
-    """(interpreter, torch version) of a Python that can ``import torch``, or (None, reason).
-
-    Tries ``explicit`` only when given; else this interpreter, then /usr/bin/python3 (Debian's
-    python3-torch works only with Debian's Python and NumPy 1.x). The answer is cached.
-    """
-    candidates = [explicit] if explicit else [sys.executable, "/usr/bin/python3"]
+def _probe_python(candidates: tuple, code: str):
+    """(interpreter, what ``code`` printed) for the first of ``candidates`` that runs ``code``,
+    else (None, [each candidate with why it failed]). The answer is cached."""
     tried = []
     for py in candidates:
         if not py or not os.path.exists(py):
             tried.append(f"{py} (missing)")
             continue
         try:
-            r = subprocess.run([py, "-c", "import torch, numpy; print(torch.__version__)"],
-                               capture_output=True, text=True, timeout=300,
+            r = subprocess.run([py, "-c", code], capture_output=True, text=True, timeout=300,
                                cwd=tempfile.gettempdir())
         except (OSError, subprocess.TimeoutExpired) as e:
             tried.append(f"{py} ({e})")
@@ -108,15 +100,88 @@ def find_torch_python(explicit: Optional[str] = None):
             return py, r.stdout.strip()
         last = (r.stderr.strip().splitlines() or ["failed"])[-1]
         tried.append(f"{py} ({last})")
-    return None, ("no Python with PyTorch found (tried " + "; ".join(tried) + "); install "
+    return None, tried
+
+
+def find_torch_python(explicit: Optional[str] = None):
+    """(interpreter, torch version) of a Python that can ``import torch``, or (None, reason).
+
+    Tries ``explicit`` only when given; else this interpreter, then /usr/bin/python3 (Debian's
+    python3-torch works only with Debian's Python and NumPy 1.x). The answer is cached.
+    """
+    candidates = (explicit,) if explicit else (sys.executable, "/usr/bin/python3")
+    py, found = _probe_python(candidates, "import torch, numpy; print(torch.__version__)")
+    if py is not None:
+        return py, found
+    return None, ("no Python with PyTorch found (tried " + "; ".join(found) + "); install "
                   "PyTorch, or Debian's python3-torch for /usr/bin/python3, or pass --torch-python")
 
 
-def _run_torch_rival(py: str, data_dir: Optional[str], synthetic: int, devices: Sequence[int],
-                     batch_size: int, lr: float, epochs: int, limit: int, warmup: int,
-                     threads: int, seed: int, variants: Optional[str] = None) -> Dict:
-    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                          "_torch_rival.py")
+def jax_python_candidates() -> List[str]:
+    """Where ``find_jax_python`` looks when no interpreter is given: $MGPU_JAX_PYTHON when set,
+    else build/peers/jax/bin/python (made by ``bash .ci/peers.sh jax``) in the current directory
+    or in a directory above this package (the repository's, when mgpu runs from build/dev)."""
+    env = os.environ.get("MGPU_JAX_PYTHON")
+    if env:
+        return [env]
+    here = os.path.dirname(os.path.abspath(__file__))
+    roots = [os.getcwd()] + [os.path.dirname(here)]
+    while os.path.dirname(roots[-1]) != roots[-1]:
+        roots.append(os.path.dirname(roots[-1]))
+    out = []
+    for root in roots:
+        py = os.path.join(root, "build", "peers", "jax", "bin", "python")
+        if os.path.exists(py) and py not in out:
+            out.append(py)
+    return out or [os.path.join(os.getcwd(), "build", "peers", "jax", "bin", "python")]
+
+
+def find_jax_python(explicit: Optional[str] = None):
+    """(interpreter, jax version) of a Python that can import jax, flax and optax, or (None,
+    reason). Tries ``explicit`` only when given, else ``jax_python_candidates()``."""
+    candidates = tuple([explicit] if explicit else jax_python_candidates())
+    py, found = _probe_python(candidates, "import jax, flax, optax, numpy; print(jax.__version__)")
+    if py is not None:
+        return py, found
+    return None, ("no Python with JAX, Flax and Optax found (tried " + "; ".join(found) + "); run "
+                  "`bash .ci/peers.sh jax` (it makes build/peers/jax) or pass --jax-python")
+
+
+RIVALS = ("torch", "jax")
+_FRAMEWORK = {"torch": "PyTorch", "jax": "JAX"}
+
+
+def parse_compare(compare: Optional[str]) -> List[str]:
+    """``--compare``: None, or rivals separated by commas ('torch', 'jax', 'torch,jax')."""
+    if compare is None:
+        return []
+    names = [c.strip() for c in str(compare).split(",") if c.strip()]
+    if not names or set(names) - set(RIVALS) or len(set(names)) != len(names):
+        raise ValueError(f"bench train: --compare takes 'torch', 'jax' or 'torch,jax', got "
+                         f"{compare!r}")
+    return names
+
+
+def _find_rivals(names: Sequence[str], explicit: Dict[str, Optional[str]]) -> Dict:
+    """{rival: (interpreter or None, version or why not)}; an interpreter given explicitly that
+    cannot import the rival's framework is a ValueError, before anything is timed."""
+    finders = {"torch": (find_torch_python, "torch"), "jax": (find_jax_python, "jax, flax, optax")}
+    out = {}
+    for name in names:
+        find, modules = finders[name]
+        py, info = find(explicit.get(name))
+        if py is None and explicit.get(name):
+            raise ValueError(f"bench train: --{name}-python {explicit[name]} cannot import "
+                             f"{modules}: {info}")
+        out[name] = (py, info)
+    return out
+
+
+def _run_rival(name: str, py: str, data_dir: Optional[str], synthetic: int,
+               devices: Sequence[int], batch_size: int, lr: float, epochs: int, limit: int,
+               warmup: int, threads: int, seed: int, variants: Optional[str] = None) -> Dict:
+    """Runs ``_{name}_rival.py`` with ``py``; returns the JSON object it prints."""
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     args = ["--batch-size", str(batch_size), "--lr", repr(lr),
             "--devices", ",".join(str(k) for k in devices), "--epochs", str(epochs),
             "--limit-batches", str(limit), "--warmup", str(warmup), "--threads", str(threads),
@@ -124,23 +189,38 @@ def _run_torch_rival(py: str, data_dir: Optional[str], synthetic: int, devices: 
     args += ["--synthetic", str(synthetic)] if synthetic else ["--data-dir", data_dir]
     if variants:
         args += ["--variants", variants]
-    # Run by path from an empty directory, so the package's own modules (random.py, data.py)
-    # cannot shadow the standard library's in that interpreter, and mgpu is never imported.
-    boot = ("import runpy, sys; p = sys.argv[1]; sys.argv = sys.argv[1:]; "
-            "runpy.run_path(p, run_name='__main__')")
     with tempfile.TemporaryDirectory() as cwd:
-        r = subprocess.run([py, "-c", boot, script] + args, capture_output=True, text=True,
-                           cwd=cwd)
+        r = subprocess.run(rival_command(py, os.path.join(here, f"_{name}_rival.py")) + args,
+                           capture_output=True, text=True, cwd=cwd)
+    what = _FRAMEWORK[name]
     if r.returncode != 0:
-        raise RuntimeError(f"bench train: the PyTorch run ({py}) failed:\n"
+        raise RuntimeError(f"bench train: the {what} run ({py}) failed:\n"
                            f"{r.stderr.strip()[-2000:]}")
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    try:
+        return json.loads(r.stdout.strip().splitlines()[-1])
+    except (IndexError, ValueError):
+        raise RuntimeError(f"bench train: the {what} run ({py}) printed no JSON result:\n"
+                           f"{r.stdout.strip()[-2000:]}") from None
 
 
-def _torch_entry(r: Dict) -> Dict:
+def rival_command(py: str, script: str) -> List[str]:
+    """The command that runs a rival script with ``py``: by path, from the caller's (empty)
+    directory, so the package's own modules (random.py, data.py) cannot shadow the standard
+    library's in that interpreter and mgpu is never imported; _rival_common.py, next to the
+    script, is loaded first as the top-level module the script imports."""
+    boot = ("import importlib.util, os, runpy, sys; p = sys.argv[1]; sys.argv = sys.argv[1:]; "
+            "s = importlib.util.spec_from_file_location('_rival_common', "
+            "os.path.join(os.path.dirname(p), '_rival_common.py')); "
+            "m = sys.modules['_rival_common'] = importlib.util.module_from_spec(s); "
+            "s.loader.exec_module(m); runpy.run_path(p, run_name='__main__')")
+    return [py, "-c", boot, script]
+
+
+def _rival_entry(name: str, r: Dict) -> Dict:
+    """A rival's LeNet result with the bench's statistics; impl is e.g. 'torch chapter'."""
     per_step = summarize([t / r["steps_per_epoch"] for t in r["epoch_times"]])
-    impl = {"chapter": "torch chapter", "loader": "torch chapter + loader"}.get(
-        r["variant"], "torch idiomatic")
+    impl = name + " " + {"chapter": "chapter", "loader": "chapter + loader"}.get(
+        r["variant"], "idiomatic")
     out = dict(r)
     out.update(impl=impl, sec_per_step=per_step,
                sec_per_epoch=per_step["median"] * r["full_batches"],
@@ -157,7 +237,8 @@ def bench_train(devices: Sequence[int] = (1, 2), batch_size: int = 256, lr: floa
                 seed: int = 0, compare: Optional[str] = None, torch_python: Optional[str] = None,
                 torch_threads: int = 2, parts: Sequence[str] = TRAIN_PARTS,
                 gemm_size: int = 1024, log: Log = None, model: str = "lenet",
-                weak_scaling: bool = False) -> Dict:
+                weak_scaling: bool = False, jax_python: Optional[str] = None,
+                jax_threads: int = 2) -> Dict:
     """Times LeNet training on Fashion-MNIST (or ``synthetic`` random images); returns a dict.
     ``model='resnet18'``: bench_train_resnet18 instead (``repeat`` and ``gemm_size`` unused).
 
@@ -170,7 +251,11 @@ def bench_train(devices: Sequence[int] = (1, 2), batch_size: int = 256, lr: floa
     ``gemm_size``, ``repeat`` samples like pipeline and eval), layers (alone, either model: each
     layer's ms, GFLOP/s and % of the measured FMA peak, ``limit_batches`` traced steps; see
     bench.layers). ``compare='torch'`` also runs the
-    chapter's PyTorch code and an nn.Sequential version with ``torch_threads`` threads.
+    chapter's PyTorch code and an nn.Sequential version with ``torch_threads`` threads;
+    ``compare='jax'`` the JAX chapter's pmap_step on each k in ``devices`` host devices, with
+    ``jax_threads`` CPUs (``jax_python``: default ``jax_python_candidates()``);
+    ``compare='torch,jax'`` both. A rival whose interpreter is not found is skipped, with the
+    reason in the result (a wrong explicit interpreter is a ValueError).
     """
     if "layers" in parts:
         # Its own run: one device, traced steps, the FMA peak (see bench.layers).
@@ -182,7 +267,8 @@ def bench_train(devices: Sequence[int] = (1, 2), batch_size: int = 256, lr: floa
     if model == "resnet18":
         return bench_train_resnet18(devices, batch_size, lr, epochs, limit_batches, warmup,
                                     data_dir, synthetic, seed, compare, torch_python,
-                                    torch_threads, parts, log, weak_scaling=weak_scaling)
+                                    torch_threads, parts, log, weak_scaling=weak_scaling,
+                                    jax_python=jax_python, jax_threads=jax_threads)
     if weak_scaling:
         raise ValueError("bench train: --weak-scaling is for --model resnet18 (LeNet's scaling "
                          "part times batch 2b on 2 devices against b on 1 already)")
@@ -197,15 +283,10 @@ def bench_train(devices: Sequence[int] = (1, 2), batch_size: int = 256, lr: floa
     unknown = set(parts) - set(TRAIN_PARTS)
     if unknown:
         raise ValueError(f"bench train: unknown parts {sorted(unknown)}; choose from {TRAIN_PARTS}")
-    if compare not in (None, "torch"):
-        raise ValueError(f"bench train: --compare takes 'torch', got {compare!r}")
+    # Before anything is timed, so a wrong --compare or --torch-python fails fast.
+    rivals = _find_rivals(parse_compare(compare), {"torch": torch_python, "jax": jax_python})
     limit = int(limit_batches or 0)
     warmup = max(0, int(warmup))
-    if compare == "torch":  # before anything is timed, so a wrong --torch-python fails fast
-        torch_py, torch_info = find_torch_python(torch_python)
-        if torch_py is None and torch_python:
-            raise ValueError(f"bench train: --torch-python {torch_python} cannot import torch: "
-                             f"{torch_info}")
     if synthetic:
         train_split = _synthetic_split(int(synthetic), seed)
         test_split = _synthetic_split(max(1, int(synthetic) // 6), seed + 1)
@@ -223,8 +304,8 @@ def bench_train(devices: Sequence[int] = (1, 2), batch_size: int = 256, lr: floa
                          f"--batch-size or a smaller --batch-size")
     settings = dict(devices=devices, batch_size=batch_size, lr=lr, epochs=epochs,
                     limit_batches=limit, warmup=warmup, repeat=repeat, seed=seed,
-                    compare=compare, torch_threads=torch_threads, parts=list(parts),
-                    gemm_size=gemm_size, data=data)
+                    compare=compare, torch_threads=torch_threads, jax_threads=jax_threads,
+                    parts=list(parts), gemm_size=gemm_size, data=data)
     out = header("train", settings)
     results: List[Dict] = []
     out["results"] = results
@@ -280,9 +361,10 @@ def bench_train(devices: Sequence[int] = (1, 2), batch_size: int = 256, lr: floa
         out["evaluation"] = _bench_eval(fused_params, devices, test_split, batch_size, limit,
                                         seed, repeat, results, log)
 
-    if compare == "torch":
-        out["torch"] = _bench_torch(torch_py, torch_info, data, devices, batch_size, lr, epochs,
-                                    limit, warmup, torch_threads, seed, results, log)
+    for name, (py, info) in rivals.items():
+        out[name] = _bench_rival(name, py, info, data, devices, batch_size, lr, epochs, limit,
+                                 warmup, {"torch": torch_threads, "jax": jax_threads}[name], seed,
+                                 results, log)
 
     if "flops" in parts:
         _say(log, f"bench train: sgemm {gemm_size}x{gemm_size} on cpu(0) with all threads ...")
@@ -429,23 +511,37 @@ def _bench_flops(batch_size: int, gemm_size: int, repeat: int, results: List[Dic
             "per_epoch": per_image * data["train_examples"], "achieved": achieved}
 
 
-def _bench_torch(py, info, data, devices, batch_size, lr, epochs, limit, warmup, threads,
-                 seed, results, log) -> Dict:
+def _bench_rival(name, py, info, data, devices, batch_size, lr, epochs, limit, warmup,
+                 threads, seed, results, log) -> Dict:
+    """Runs a rival's LeNet variants (torch: the chapter's code on each k, nn.Sequential, the
+    chapter with its DataLoader; jax: the chapter's pmap_step on each k) and adds their rows to
+    ``results``; returns the rival's settings (versions, threads) or {"skipped": why}."""
+    what = _FRAMEWORK[name]
     if py is None:
-        _say(log, f"bench train: skipping the PyTorch comparison: {info}")
+        _say(log, f"bench train: skipping the {what} comparison: {info}")
         return {"skipped": info}
-    _say(log, f"bench train: the chapter's PyTorch code with {py} (torch {info}) ...")
-    rival = _run_torch_rival(py, data.get("dir"), data["train_examples"] if data["source"] ==
-                             "synthetic" else 0, devices, batch_size, lr, epochs, limit, warmup,
-                             threads, seed)
-    for r in rival.pop("results"):
-        results.append(_torch_entry(r))
+    # JAX: one process per device count, each with exactly k host devices, because XLA divides
+    # its CPU threads among a process's host devices (a 1-device step in a process with 2 of
+    # them runs on one thread).
+    runs = [list(devices)] if name == "torch" else [[k] for k in devices]
+    rival: Dict = {}
+    for ks in runs:
+        _say(log, f"bench train: the chapter's {what} code on {','.join(map(str, ks))} "
+                  f"device(s) with {py} ({name} {info}) ...")
+        got = _run_rival(name, py, data.get("dir"), data["train_examples"] if data["source"] ==
+                         "synthetic" else 0, ks, batch_size, lr, epochs, limit, warmup, threads,
+                         seed)
+        for r in got.pop("results"):
+            r.setdefault("threads", got["threads"])
+            results.append(_rival_entry(name, r))
+        rival = dict(got, **rival)  # the first run's settings; each row keeps its own
     rival["python"] = py
     return rival
 
 
 def _comparisons(results: List[Dict]) -> List[Dict]:
-    """ratio = torch sec/step / mgpu sec/step (medians): above 1, mgpu is faster."""
+    """ratio = rival sec/step / mgpu sec/step (medians): above 1, mgpu is faster. Each row names
+    its rival ("rival": 'torch' or 'jax') and holds the rival's name and time under that key."""
     def find(impl, k):
         for r in results:
             if r.get("impl") == impl and r["num_devices"] == k:
@@ -455,8 +551,9 @@ def _comparisons(results: List[Dict]) -> List[Dict]:
     out = []
     pairs = []
     for k in sorted({r["num_devices"] for r in results}):
-        pairs.append(("mgpu fused", "torch chapter", k))
-        pairs.append(("mgpu op-by-op", "torch chapter", k))
+        for rival in RIVALS:
+            pairs.append(("mgpu fused", f"{rival} chapter", k))
+            pairs.append(("mgpu op-by-op", f"{rival} chapter", k))
     pairs.append(("mgpu fused", "torch idiomatic", 1))
     # The chapter's code with the chapter's data pipeline, against mgpu with its own: both times
     # include feeding the step.
@@ -465,9 +562,10 @@ def _comparisons(results: List[Dict]) -> List[Dict]:
         a, b = find(mine, k), find(theirs, k)
         if a is None or b is None:
             continue
+        rival = theirs.split()[0]
         ma, mb = a["sec_per_step"]["median"], b["sec_per_step"]["median"]
-        out.append({"mgpu": a["name"], "torch": b["name"], "num_devices": k,
-                    "mgpu_sec_per_step": ma, "torch_sec_per_step": mb, "ratio": mb / ma})
+        out.append({"mgpu": a["name"], "rival": rival, rival: b["name"], "num_devices": k,
+                    "mgpu_sec_per_step": ma, f"{rival}_sec_per_step": mb, "ratio": mb / ma})
     return out
 
 
@@ -538,19 +636,31 @@ def format_train(r: Dict) -> str:
             lines.append(f"  {a['name']}: {a['gflops']:.1f} GFLOP/s = "
                          f"{a['percent_of_sgemm']:.0f}% of sgemm")
     t = r.get("torch")
-    if t:
-        if "skipped" in t:
-            lines.append(f"PyTorch comparison skipped: {t['skipped']}")
-        else:
-            lines.append(f"PyTorch {t['torch_version']} ({t['python']}), {t['threads']} threads, "
-                         "shards of the chapter's code run one after the other on the CPU")
+    if t and "skipped" not in t:
+        lines.append(f"PyTorch {t['torch_version']} ({t['python']}), {t['threads']} threads, "
+                     "shards of the chapter's code run one after the other on the CPU")
+    j = r.get("jax")
+    if j and "skipped" not in j:
+        lines.append(_jax_line(j) + ", the chapter's pmap_step on k host devices")
+    lines += _skipped_lines(r)
     if r.get("comparisons"):
         lines.append("")
-        lines.append("ratio = torch ms/step / mgpu ms/step (medians; above 1: mgpu is faster)")
-        lines += _table(["mgpu", "torch", "ratio"],
-                        [[c["mgpu"], c["torch"], f"{c['ratio']:.2f}"] for c in r["comparisons"]],
-                        "llr")
+        lines.append("ratio = rival ms/step / mgpu ms/step (medians; above 1: mgpu is faster)")
+        lines += _table(["mgpu", "rival", "ratio"],
+                        [[c["mgpu"], c[c["rival"]], f"{c['ratio']:.2f}"]
+                         for c in r["comparisons"]], "llr")
     return "\n".join(lines)
+
+
+def _jax_line(j: Dict) -> str:
+    return (f"JAX {j['jax_version']} (Flax {j['flax_version']}, Optax {j['optax_version']}; "
+            f"{j['python']}), {j['threads']} CPUs for XLA's threads, one process per device "
+            "count k (XLA_FLAGS --xla_force_host_platform_device_count=k)")
+
+
+def _skipped_lines(r: Dict) -> List[str]:
+    return [f"{_FRAMEWORK[name]} comparison skipped: {r[name]['skipped']}"
+            for name in RIVALS if "skipped" in r.get(name, {})]
 
 
 # --- ResNet-18 (sec. 12.6): the fused step, the book's loop, PyTorch eager and compiled --------
@@ -558,34 +668,11 @@ def format_train(r: Dict) -> str:
 RESNET_PARTS = ("fused", "op-by-op")
 
 
-class _ArrayBatches:
-    """``_torch_rival.Batches`` for mgpu: the same shuffles of the same images (so both sides
-    train on identical batches), gathered with NumPy and made mgpu tensors on ``device``. The
-    images stay uint8 (47 MB for Fashion-MNIST's training set instead of 188 MB as float32) and
-    each batch is scaled to [0, 1] when gathered, giving the same float32 values."""
-
-    def __init__(self, images, labels, batch_size: int, limit: int, seed: int, device):
-        self.images = images.reshape(-1, 1, 28, 28)
-        self.y = labels.astype(np.int64)
-        self.batch_size, self.device = batch_size, device
-        full = -(-len(labels) // batch_size)
-        self.full_batches = full
-        self.num_batches = min(full, limit) if limit else full
-        self.rng = np.random.default_rng(seed)
-
-    def epoch(self, num_batches=None):
-        order = self.rng.permutation(len(self.y))
-        for i in range(num_batches or self.num_batches):
-            idx = order[i * self.batch_size:(i + 1) * self.batch_size]
-            X = self.images[idx].astype(np.float32) / np.float32(255.0)
-            yield array(X, device=self.device), array(self.y[idx], device=self.device)
-
-
 def _resnet18_side(cfg: Dict) -> Dict:
     """One mgpu configuration (``cfg['impl']`` 'fused' or 'op-by-op' on ``cfg['num_devices']``
-    devices), timed by ``_torch_rival.run_config`` as the PyTorch side is; run in its own process
+    devices), timed by ``_rival_common.run_config`` as the rivals are; run in its own process
     so its peak RSS is its own."""
-    from .. import _torch_rival as rival
+    from .. import _rival_common as rival
     from .. import nn, optim
     from ..models import resnet18
     from ..random import seed as mgpu_seed
@@ -595,8 +682,10 @@ def _resnet18_side(cfg: Dict) -> Dict:
         images, labels = rival.synthetic_split(cfg["synthetic"], cfg["seed"])
     else:
         images, labels = rival.load_split(cfg["data_dir"], "train")
-    batches = _ArrayBatches(images, labels, cfg["batch_size"], cfg["limit"], cfg["seed"],
-                            devices[0])
+    # The rivals' shuffled batches, made mgpu tensors on the first device.
+    batches = rival.Batches(images, labels, cfg["batch_size"], cfg["limit"], cfg["seed"],
+                            make=lambda X, y: (array(X, device=devices[0]),
+                                               array(y, device=devices[0])))
     mgpu_seed(cfg["seed"])
     net = resnet18(10, 1)
     model = nn.DataParallel(net, device_ids=devices)
@@ -681,14 +770,17 @@ def bench_train_resnet18(devices: Sequence[int] = (1, 2), batch_size: int = 256,
                          torch_python: Optional[str] = None, torch_threads: int = 2,
                          parts: Sequence[str] = RESNET_PARTS, log: Log = None,
                          torch_variants: Sequence[str] = ("resnet18", "resnet18-compile"),
-                         weak_scaling: bool = False) -> Dict:
+                         weak_scaling: bool = False, jax_python: Optional[str] = None,
+                         jax_threads: int = 2) -> Dict:
     """Times a ResNet-18 training step (sec. 12.6) on the same batches: the fused step
     (``DataParallel.train_step``) and the book's loop through autograd on each k in ``devices``,
     and with ``compare='torch'`` d2l's PyTorch ResNet-18 eager and through torch.compile
-    (``torch_threads`` threads, one device; ``torch_variants`` picks). Every configuration runs
-    in its own process, so its
-    peak RSS (ru_maxrss) is its own. Reports ms/step, ms per image, GFLOP/s (conv and linear
-    FLOPs of forward and backward), peak memory and the ratios against PyTorch.
+    (``torch_threads`` threads, one device; ``torch_variants`` picks), with ``compare='jax'``
+    the JAX concise chapter's Flax ResNet18 (jitted step on one device, pmapped on k > 1 host
+    devices, each k in ``devices``; ``jax_threads`` CPUs), with 'torch,jax' both. Every
+    configuration runs in its own process, so its peak RSS (ru_maxrss) is its own. Reports
+    ms/step, ms per image, GFLOP/s (conv and linear FLOPs of forward and backward), peak memory
+    and the ratios against the rivals.
     ``weak_scaling``: k devices train on batches of k x ``batch_size`` (the issue's "2 devices at
     batch 512 against 1 at 256"), and ``weak_scaling`` in the result compares each k's time per
     image with 1 device's (PyTorch keeps ``batch_size``)."""
@@ -702,14 +794,7 @@ def bench_train_resnet18(devices: Sequence[int] = (1, 2), batch_size: int = 256,
     if not sides:
         raise ValueError(f"bench train --model resnet18: parts must include one of "
                          f"{RESNET_PARTS}, got {list(parts)}")
-    if compare not in (None, "torch"):
-        raise ValueError(f"bench train: --compare takes 'torch', got {compare!r}")
-    torch_py, torch_info = None, None
-    if compare == "torch":
-        torch_py, torch_info = find_torch_python(torch_python)
-        if torch_py is None and torch_python:
-            raise ValueError(f"bench train: --torch-python {torch_python} cannot import torch: "
-                             f"{torch_info}")
+    rivals = _find_rivals(parse_compare(compare), {"torch": torch_python, "jax": jax_python})
     limit, warmup = int(limit_batches or 0), max(0, int(warmup))
     if synthetic:
         data = {"source": "synthetic", "train_examples": int(synthetic)}
@@ -723,8 +808,8 @@ def bench_train_resnet18(devices: Sequence[int] = (1, 2), batch_size: int = 256,
                          "the largest batch or a smaller --batch-size")
     settings = dict(model="resnet18", devices=devices, batch_size=batch_size, lr=lr,
                     epochs=epochs, limit_batches=limit, warmup=warmup, seed=seed,
-                    compare=compare, torch_threads=torch_threads, parts=sides, data=data,
-                    weak_scaling=bool(weak_scaling))
+                    compare=compare, torch_threads=torch_threads, jax_threads=jax_threads,
+                    parts=sides, data=data, weak_scaling=bool(weak_scaling))
     out = header("train", settings)
     flops = resnet18_step_flops(batch_size)
     out["flops"] = {"per_step": flops, "per_image": flops // int(batch_size)}
@@ -741,22 +826,31 @@ def bench_train_resnet18(devices: Sequence[int] = (1, 2), batch_size: int = 256,
             results.append(_entry(_run_side(dict(base, impl=side, num_devices=k,
                                                  batch_size=batch)),
                                   flops * batch // int(batch_size)))
-    if compare == "torch":
-        if torch_py is None:
-            _say(log, f"bench train: skipping the PyTorch comparison: {torch_info}")
-            out["torch"] = {"skipped": torch_info}
-        else:
-            out["torch"] = {"python": torch_py, "torch_version": torch_info}
-            for variant in torch_variants:
-                _say(log, f"bench train: PyTorch {variant} with {torch_py} (own process) ...")
-                rival = _run_torch_rival(torch_py, data.get("dir"), int(synthetic), [1],
-                                         batch_size, lr, epochs, limit, warmup, torch_threads,
-                                         seed, variants=variant)
-                out["torch"]["threads"] = rival["threads"]
-                for r in rival["results"]:
-                    r["impl"] = "torch " + ("compile" if variant.endswith("compile") else "eager")
-                    r["threads"] = rival["threads"]
-                    results.append(_entry(r, flops))
+    run = dict(data_dir=data.get("dir"), synthetic=int(synthetic), lr=lr, epochs=epochs,
+               limit=limit, warmup=warmup, seed=seed)
+    for name, (py, info) in rivals.items():
+        if py is None:
+            _say(log, f"bench train: skipping the {_FRAMEWORK[name]} comparison: {info}")
+            out[name] = {"skipped": info}
+            continue
+        out[name] = {"python": py, f"{name}_version": info}
+        # torch: each variant on one device; jax: the Flax step on each k (batch as mgpu's).
+        configs = ([(v, 1, int(batch_size)) for v in torch_variants] if name == "torch" else
+                   [("resnet18", k, int(batch_size) * (k if weak_scaling else 1))
+                    for k in devices])
+        for variant, k, batch in configs:
+            _say(log, f"bench train: {_FRAMEWORK[name]} {variant} on {_n(k, 'device')}, batch "
+                      f"{batch}, with {py} (own process) ...")
+            rival = _run_rival(name, py, devices=[k], batch_size=batch, variants=variant,
+                               threads=torch_threads if name == "torch" else jax_threads, **run)
+            for key, v in rival.items():
+                if key != "results" and key not in out[name]:
+                    out[name][key] = v
+            for r in rival["results"]:
+                r["impl"] = ("torch " + ("compile" if variant.endswith("compile") else "eager")
+                             if name == "torch" else "jax flax")
+                r["threads"] = rival["threads"]
+                results.append(_entry(r, flops * batch // int(batch_size)))
     out["comparisons"] = _resnet_comparisons(results)
     if weak_scaling:
         out["weak_scaling"] = _weak_scaling(results)
@@ -782,15 +876,20 @@ def _weak_scaling(results: List[Dict]) -> List[Dict]:
 
 
 def _resnet_comparisons(results: List[Dict]) -> List[Dict]:
-    """time ratio = torch sec/image / mgpu sec/image (above 1: mgpu is faster; with equal
-    batches the ratio of sec/step); memory ratio = mgpu peak RSS / torch peak RSS (below 1: mgpu
-    uses less)."""
+    """time ratio = rival sec/image / mgpu sec/image (above 1: mgpu is faster; with equal
+    batches the ratio of sec/step); memory ratio = mgpu peak RSS / rival peak RSS (below 1: mgpu
+    uses less). A rival's one-device run is compared with every mgpu configuration, its run on
+    k > 1 devices with mgpu's on k. Each row names its rival ("rival": 'torch' or 'jax') and
+    holds the rival configuration's name under that key."""
     out = []
-    for theirs in (r for r in results if r["impl"].startswith("torch")):
+    for theirs in (r for r in results if not r["impl"].startswith("mgpu")):
+        rival = theirs["impl"].split()[0]
         for mine in (r for r in results if r["impl"].startswith("mgpu")):
+            if theirs["num_devices"] > 1 and mine["num_devices"] != theirs["num_devices"]:
+                continue
             a, b = mine["sec_per_step"]["median"], theirs["sec_per_step"]["median"]
             per_image = mine["global_batch"] / theirs["global_batch"]  # 1.0 for equal batches
-            out.append({"mgpu": mine["name"], "torch": theirs["name"],
+            out.append({"mgpu": mine["name"], "rival": rival, rival: theirs["name"],
                         "time_ratio": b / a * per_image,
                         "memory_ratio": mine["peak_rss_bytes"] / theirs["peak_rss_bytes"]})
     return out
@@ -830,16 +929,18 @@ def format_train_resnet18(r: Dict) -> str:
                  "held: what it took from the system (address space, resident once written); "
                  "mallocs: blocks it took from the system during the timed epochs")
     t = r.get("torch")
-    if t and "skipped" in t:
-        lines.append(f"PyTorch comparison skipped: {t['skipped']}")
-    elif t:
+    if t and "skipped" not in t:
         lines.append(f"PyTorch {t['torch_version']} ({t['python']}), {t.get('threads')} threads")
+    j = r.get("jax")
+    if j and "skipped" not in j:
+        lines.append(_jax_line(j) + "; the Flax step jitted on 1 device, pmapped on more")
+    lines += _skipped_lines(r)
     if r.get("comparisons"):
         lines.append("")
-        lines.append("time = torch ms/image / mgpu ms/image (above 1: mgpu faster); memory = mgpu "
-                     "peak RSS / torch peak RSS (below 1: mgpu smaller)")
-        lines += _table(["mgpu", "torch", "time", "memory"],
-                        [[c["mgpu"], c["torch"], f"{c['time_ratio']:.2f}",
+        lines.append("time = rival ms/image / mgpu ms/image (above 1: mgpu faster); memory = mgpu "
+                     "peak RSS / rival peak RSS (below 1: mgpu smaller)")
+        lines += _table(["mgpu", "rival", "time", "memory"],
+                        [[c["mgpu"], c[c["rival"]], f"{c['time_ratio']:.2f}",
                           f"{c['memory_ratio']:.2f}"] for c in r["comparisons"]], "llrr")
     if r.get("weak_scaling"):
         lines.append("")
