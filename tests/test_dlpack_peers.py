@@ -15,6 +15,7 @@ step fed from NumPy. Nothing is installed from here.
 import json
 import os
 import subprocess
+import sys
 import textwrap
 
 import numpy as np
@@ -230,6 +231,19 @@ def non_contiguous():
     row = mgpu.from_dlpack(x[2:3, :])
     out["row"] = row.numpy().tolist()
     return out
+
+
+@check
+def edge_shapes():
+    """0-d, empty and row-sliced tensors both ways."""
+    m = mgpu.arange(12).reshape(3, 4)
+    return {"scalar_in": [mgpu.from_dlpack(torch.tensor(2.5)).shape,
+                          mgpu.from_dlpack(torch.tensor(2.5)).item()],
+            "scalar_out": [list(torch.from_dlpack(m.sum()).shape),
+                           torch.from_dlpack(m.sum()).item()],
+            "empty_in": list(mgpu.from_dlpack(torch.zeros(0, 3)).shape),
+            "empty_out": list(torch.from_dlpack(mgpu.zeros((0, 3))).shape),
+            "rows_out": torch.from_dlpack(m[1:3]).tolist()}
 
 
 @check
@@ -473,6 +487,13 @@ def test_non_contiguous_torch_tensors_are_refused_clearly(torch_peer):
     assert r["rows"] == x[1:3].tolist() and r["row"] == x[2:3].tolist()
 
 
+def test_edge_shapes_cross_both_ways(torch_peer):
+    r = _result(torch_peer, "edge_shapes")
+    assert r["scalar_in"] == [[], 2.5] and r["scalar_out"] == [[], 66.0]
+    assert r["empty_in"] == [0, 3] and r["empty_out"] == [0, 3]
+    assert r["rows_out"] == np.arange(4.0, 12.0).reshape(2, 4).tolist()
+
+
 def test_training_step_fed_from_torch_matches_numpy(torch_peer):
     r = _result(torch_peer, "train_step")
     assert np.isfinite(r["loss_numpy"]) and r["loss_numpy"] > 0
@@ -480,3 +501,19 @@ def test_training_step_fed_from_torch_matches_numpy(torch_peer):
     assert r["params_differ"] == [0] * 16 and r["torch_params_differ"] == [0] * 8
     assert all(m > 0 for m in r["moved"][::2])  # the step updated torch's weights in place
 
+
+
+def test_a_peer_is_used_only_if_it_imports_the_mgpu_under_test(monkeypatch, tmp_path):
+    monkeypatch.setenv("MGPU_TORCH_PYTHON", str(tmp_path / "missing" / "python"))
+    py, why = _find_peer("torch")
+    assert py is None and "missing" in why and "$MGPU_TORCH_PYTHON" in why
+    assert "bash .ci/peers.sh torch" in why
+    # An interpreter that imports torch but some other mgpu is not used either.
+    fake = tmp_path / "python"
+    fake.write_text(f"#!{sys.executable}\nprint('9.9-fake')\nprint('/elsewhere')\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("MGPU_TORCH_PYTHON", str(fake))
+    py, why = _find_peer("torch")
+    assert py is None and f"imports mgpu from /elsewhere, not {PKG_ROOT}" in why
+    fake.write_text(f"#!{sys.executable}\nprint('9.9-fake')\nprint({PKG_ROOT!r})\n")
+    assert _find_peer("torch") == (str(fake), "9.9-fake")
