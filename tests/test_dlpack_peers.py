@@ -214,11 +214,13 @@ def cpu1():
 @check
 def non_contiguous():
     """mgpu holds only contiguous tensors: a strided torch view is refused with a clear error
-    (a silent copy would break from_dlpack's sharing); contiguous views are shared."""
+    (a silent copy would break from_dlpack's sharing); contiguous views are shared. A tensor
+    that requires grad is refused by PyTorch itself."""
     x = torch.arange(24, dtype=torch.float32).reshape(4, 6)
     out = {}
     for name, v in [("transpose", x.T), ("column_slice", x[:, 1:3]), ("step", x[::2]),
-                    ("expand", torch.ones(1, 6).expand(4, 6)), ("column", x[:, :1])]:
+                    ("expand", torch.ones(1, 6).expand(4, 6)), ("column", x[:, :1]),
+                    ("requires_grad", torch.ones(3, requires_grad=True))]:
         try:
             mgpu.from_dlpack(v)
             out[name] = ["accepted", ""]
@@ -481,6 +483,9 @@ def test_non_contiguous_torch_tensors_are_refused_clearly(torch_peer):
     for view in ("transpose", "column_slice", "step", "expand", "column"):
         kind, msg = r[view]
         assert kind == "ValueError" and "not contiguous" in msg and ".contiguous()" in msg, view
+    # PyTorch refuses to export a tensor that requires grad; mgpu passes its reason on.
+    kind, msg = r["requires_grad"]
+    assert kind == "ValueError" and "refused to export" in msg and "detach()" in msg, msg
     x = np.arange(24.0).reshape(4, 6)
     assert r["transpose_contiguous"] == x.T.tolist()
     x[1, 0] = 100.0
