@@ -236,6 +236,17 @@ def non_contiguous():
 
 
 @check
+def copy_keyword():
+    """torch.from_dlpack(..., copy=True) gets its own memory; copy=False shares mgpu's."""
+    m = mgpu.arange(3)
+    own = torch.from_dlpack(m, device="cpu", copy=True)
+    shared = torch.from_dlpack(m, device="cpu", copy=False)
+    own[0], shared[1] = 9.0, 8.0
+    mgpu.waitall()
+    return {"mgpu": m.numpy().tolist(), "own": own.tolist(), "shared": shared.tolist()}
+
+
+@check
 def edge_shapes():
     """0-d, empty and row-sliced tensors both ways."""
     m = mgpu.arange(12).reshape(3, 4)
@@ -490,6 +501,11 @@ def test_non_contiguous_torch_tensors_are_refused_clearly(torch_peer):
     assert r["transpose_contiguous"] == x.T.tolist()
     x[1, 0] = 100.0
     assert r["rows"] == x[1:3].tolist() and r["row"] == x[2:3].tolist()
+
+
+def test_torch_copy_keyword_copies_or_shares(torch_peer):
+    r = _result(torch_peer, "copy_keyword")
+    assert r == {"mgpu": [0.0, 8.0, 2.0], "own": [9.0, 1.0, 2.0], "shared": [0.0, 8.0, 2.0]}
 
 
 def test_edge_shapes_cross_both_ways(torch_peer):
