@@ -355,8 +355,12 @@ def test_backward_with_a_gradient_of_the_wrong_shape():
 def test_from_dlpack_errors():
     with pytest.raises(ValueError, match="not contiguous"):
         mgpu.from_dlpack(np.ones((4, 4), dtype=np.float32)[:, ::2])
-    with pytest.raises(TypeError, match="unsupported element type"):
-        mgpu.from_dlpack(np.ones(3))
+    # A refused element type is named as users know it, with what to do instead.
+    for dtype, name in [(np.float64, "float64"), (np.float16, "float16"), (np.int8, "int8"),
+                        (np.uint16, "uint16"), (np.bool_, "bool"), (np.complex64, "complex64")]:
+        with pytest.raises(TypeError, match=f"unsupported element type {name}; mgpu holds "
+                           "float32, int32, int64 or uint8 \\(convert first"):
+            mgpu.from_dlpack(np.ones(3, dtype=dtype))
     readonly = np.ones(3, dtype=np.float32)
     readonly.flags.writeable = False
     with pytest.raises(ValueError, match="refused to export"):

@@ -366,6 +366,10 @@ def test_numpy_from_dlpack_of_a_tensor(device, dtype):
             np.from_dlpack(t)
         back = mgpu.from_dlpack(t)
         assert back.device == device and back.dtype == dtype
+        mine = mgpu.from_dlpack(t.__dlpack__(dl_device=(2, device.index)))
+        assert mine.device == device
+        with pytest.raises(BufferError, match="cannot be exported to DLPack device"):
+            t.__dlpack__(dl_device=(2, device.index + 1))
         t[:] = mgpu.array(src + 1, device=device)
         np.testing.assert_array_equal(back.numpy(), src + 1)
         return
@@ -373,6 +377,17 @@ def test_numpy_from_dlpack_of_a_tensor(device, dtype):
     assert a.dtype == dtype and a.shape == (3, 4)
     np.testing.assert_array_equal(a, t.numpy())
     np.testing.assert_array_equal(a, src)
+
+
+def test_dlpack_export_refuses_a_device_it_cannot_reach():
+    t = mgpu.arange(3, device=C1)
+    assert np.from_dlpack(t, device="cpu").tolist() == [0.0, 1.0, 2.0]  # asks for (1, 0)
+    assert np.from_dlpack(mgpu.from_dlpack(t.__dlpack__(dl_device=(1, 0)))).tolist() == \
+        [0.0, 1.0, 2.0]
+    for where in [(2, 0), (2, 7), (13, 0)]:
+        with pytest.raises(BufferError, match=rf"cpu\(1\) cannot be exported to DLPack device "
+                           rf"\({where[0]}, {where[1]}\); only to \(1, 0\) or the CPU"):
+            t.__dlpack__(dl_device=where)
 
 
 def test_numpy_from_dlpack_waits_for_pending_work():

@@ -2,6 +2,7 @@
 #include <pybind11/numpy.h>
 
 #include <cstring>
+#include <string>
 #include <thread>
 
 #include "bind/bind.h"
@@ -121,6 +122,24 @@ dlpack::DataType dl_dtype(DType t) {
   throw InternalError("unknown dtype");
 }
 
+// The name users know a DLPack element type by (float64, bfloat16, bool, ...), so a refused
+// import says which type it was; codes DLPack adds later are shown as numbers.
+std::string dl_dtype_name(const dlpack::DataType& d) {
+  const std::string bits = std::to_string(d.bits);
+  std::string name;
+  switch (d.code) {
+    case 0: name = "int" + bits; break;
+    case 1: name = "uint" + bits; break;
+    case 2: name = "float" + bits; break;
+    case 4: name = "bfloat" + bits; break;
+    case 5: name = "complex" + bits; break;
+    case 6: name = d.bits == 8 ? "bool" : "bool" + bits; break;
+    default: name = "(DLPack type code " + std::to_string(d.code) + ", " + bits + " bits)";
+  }
+  if (d.lanes != 1) name += " x " + std::to_string(d.lanes) + " lanes";
+  return name;
+}
+
 py::capsule to_dlpack(const Tensor& t) {
   // The consumer reads the memory right away and knows nothing of our queues.
   wait_ready(t);
@@ -167,9 +186,9 @@ Tensor from_dlpack_capsule(py::capsule cap) {
   else if (dl.dtype.code == dlpack::kInt && dl.dtype.bits == 64) dtype = DType::I64;
   else if (dl.dtype.code == dlpack::kUInt && dl.dtype.bits == 8) dtype = DType::U8;
   else
-    throw TypeError("from_dlpack: unsupported element type (code " +
-                    std::to_string(dl.dtype.code) + ", " + std::to_string(dl.dtype.bits) +
-                    " bits); mgpu holds float32, int32, int64 or uint8");
+    throw TypeError("from_dlpack: unsupported element type " + dl_dtype_name(dl.dtype) +
+                    "; mgpu holds float32, int32, int64 or uint8 (convert first, e.g. "
+                    ".float() in PyTorch or .astype('float32') in NumPy and JAX)");
   MGPU_CHECK_VALUE(dl.dtype.lanes == 1, "from_dlpack: vector element types are not supported");
   MGPU_CHECK_VALUE(dl.ndim >= 0 && (dl.ndim == 0 || dl.shape), "from_dlpack: malformed tensor "
                    "(", dl.ndim, " dims)");

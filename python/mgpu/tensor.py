@@ -117,6 +117,12 @@ class Tensor:
     def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):
         on_gpu = self.device.kind == _core.DeviceKind.CUDA
         wants_host = dl_device is not None and tuple(dl_device)[0] == 1
+        if dl_device is not None and not wants_host and \
+                tuple(int(v) for v in dl_device) != self.__dlpack_device__():
+            # The protocol: a device the producer cannot export to is refused, not ignored.
+            raise BufferError(f"__dlpack__: a tensor on {self.device} cannot be exported to "
+                              f"DLPack device {tuple(dl_device)}; only to "
+                              f"{self.__dlpack_device__()} or the CPU")
         if copy or (on_gpu and wants_host):
             if copy is False:
                 raise BufferError(f"__dlpack__: a tensor on {self.device} cannot be shared with "

@@ -117,11 +117,11 @@ def find_torch_python(explicit: Optional[str] = None):
                   "PyTorch, or Debian's python3-torch for /usr/bin/python3, or pass --torch-python")
 
 
-def jax_python_candidates() -> List[str]:
-    """Where ``find_jax_python`` looks when no interpreter is given: $MGPU_JAX_PYTHON when set,
-    else build/peers/jax/bin/python (made by ``bash .ci/peers.sh jax``) in the current directory
+def peer_python_candidates(peer: str) -> List[str]:
+    """Where a peer's interpreter is looked for: $MGPU_<PEER>_PYTHON when set, else
+    build/peers/<peer>/bin/python (made by ``bash .ci/peers.sh <peer>``) in the current directory
     or in a directory above this package (the repository's, when mgpu runs from build/dev)."""
-    env = os.environ.get("MGPU_JAX_PYTHON")
+    env = os.environ.get(f"MGPU_{peer.upper()}_PYTHON")
     if env:
         return [env]
     here = os.path.dirname(os.path.abspath(__file__))
@@ -130,10 +130,16 @@ def jax_python_candidates() -> List[str]:
         roots.append(os.path.dirname(roots[-1]))
     out = []
     for root in roots:
-        py = os.path.join(root, "build", "peers", "jax", "bin", "python")
+        py = os.path.join(root, "build", "peers", peer, "bin", "python")
         if os.path.exists(py) and py not in out:
             out.append(py)
-    return out or [os.path.join(os.getcwd(), "build", "peers", "jax", "bin", "python")]
+    return out or [os.path.join(os.getcwd(), "build", "peers", peer, "bin", "python")]
+
+
+def jax_python_candidates() -> List[str]:
+    """Where ``find_jax_python`` looks when no interpreter is given: $MGPU_JAX_PYTHON when set,
+    else build/peers/jax/bin/python (``peer_python_candidates``)."""
+    return peer_python_candidates("jax")
 
 
 def find_jax_python(explicit: Optional[str] = None):
