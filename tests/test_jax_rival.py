@@ -103,6 +103,24 @@ def test_jax_python_defaults_to_the_environment_then_the_peers_venv(monkeypatch,
     assert bench.find_jax_python() == (fake, "0.0-fake")
 
 
+def test_torch_python_prefers_the_peers_venv_to_this_interpreter(monkeypatch, tmp_path):
+    # The rival is PyTorch 2.15 from the peers' venv, not whatever torch this Python or
+    # Debian's /usr/bin/python3 has: $MGPU_TORCH_PYTHON (or build/peers/torch) comes first.
+    fake = tmp_path / "torch_python"
+    fake.write_text(f"#!{sys.executable}\nimport sys\n"
+                    "sys.exit(0 if print('9.9-fake') is None and 'import torch' in sys.argv[2] "
+                    "else 1)\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("MGPU_TORCH_PYTHON", str(fake))
+    assert bench.find_torch_python() == (str(fake), "9.9-fake")
+    monkeypatch.setenv("MGPU_TORCH_PYTHON", "/nonexistent/python")
+    tried = []
+    monkeypatch.setattr(bench_train_module, "_probe_python",
+                        lambda candidates, code: tried.append(candidates) or (None, ["none"]))
+    assert bench.find_torch_python()[0] is None
+    assert tried == [("/nonexistent/python", sys.executable, "/usr/bin/python3")]
+
+
 def test_lenet_rows_come_from_the_jax_rivals_json(tmp_path):
     fake, log = _fake_python(tmp_path)
     code, text, r = _run(["bench", "train", "--synthetic", "300", "--batch-size", "64",

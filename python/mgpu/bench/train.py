@@ -106,15 +106,18 @@ def _probe_python(candidates: tuple, code: str):
 def find_torch_python(explicit: Optional[str] = None):
     """(interpreter, torch version) of a Python that can ``import torch``, or (None, reason).
 
-    Tries ``explicit`` only when given; else this interpreter, then /usr/bin/python3 (Debian's
-    python3-torch works only with Debian's Python and NumPy 1.x). The answer is cached.
+    Tries ``explicit`` only when given; else the peers' PyTorch ($MGPU_TORCH_PYTHON, or
+    build/peers/torch/bin/python made by ``bash .ci/peers.sh torch``: PyTorch 2.15 from PyPI),
+    then this interpreter, then /usr/bin/python3 (Debian's python3-torch, 1.13: old and slower,
+    the last resort). The answer is cached.
     """
-    candidates = (explicit,) if explicit else (sys.executable, "/usr/bin/python3")
+    candidates = ((explicit,) if explicit else
+                  (*peer_python_candidates("torch"), sys.executable, "/usr/bin/python3"))
     py, found = _probe_python(candidates, "import torch, numpy; print(torch.__version__)")
     if py is not None:
         return py, found
-    return None, ("no Python with PyTorch found (tried " + "; ".join(found) + "); install "
-                  "PyTorch, or Debian's python3-torch for /usr/bin/python3, or pass --torch-python")
+    return None, ("no Python with PyTorch found (tried " + "; ".join(found) + "); run `bash "
+                  ".ci/peers.sh torch` (it makes build/peers/torch), or pass --torch-python")
 
 
 def peer_python_candidates(peer: str) -> List[str]:
