@@ -230,8 +230,8 @@ void direct_relu_pool2_rows(const Conv2dShape& s, const float* __restrict x,
         const VI k0 = ~(y0 <= zero), k1 = ~(y1 <= zero);  // relu keeps NaN
         if (mask) {
           uint8_t* m0 = mask + k * PQ + 2 * pp * Q + q0;
-          storev(m0, __builtin_convertvector(k0 & 1, VB));
-          storev(m0 + Q, __builtin_convertvector(k1 & 1, VB));
+          storev(m0, mask_bytes(k0 & 1));
+          storev(m0 + Q, mask_bytes(k1 & 1));
         }
         const V sum = (k0 ? y0 : zero) + (k1 ? y1 : zero);
         storev(pooled + (k * Pp + pp) * Qp + q0 / 2, (T::evens(sum) + T::odds(sum)) * 0.25f);
@@ -256,7 +256,7 @@ void direct_relu_pool2_rows(const Conv2dShape& s, const float* __restrict x,
         V acc = a[0] * wk[0];
         for (int j = 1; j < kTaps; ++j) acc += a[j] * wk[j];
         const V y = acc + (b ? b[k] : 0.0f);
-        storev(mask + k * PQ + p * Q + q0, __builtin_convertvector(~(y <= zero) & 1, VB));
+        storev(mask + k * PQ + p * Q + q0, mask_bytes(~(y <= zero) & 1));
       }
       if (q0 == Q - kW) break;
     }

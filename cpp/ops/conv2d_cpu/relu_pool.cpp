@@ -36,8 +36,8 @@ void bias_relu_pool2_plane(const float* __restrict v, float bias, int64_t P, int
       // relu passes y where !(y <= 0): NaN passes, as in relu_forward.
       const typename T::I k0 = ~(a0 <= zero), k1 = ~(a1 <= zero);
       if (m0) {
-        storev(m0 + q0, __builtin_convertvector(k0 & 1, typename T::B));
-        storev(m0 + Q + q0, __builtin_convertvector(k1 & 1, typename T::B));
+        storev(m0 + q0, mask_bytes(k0 & 1));
+        storev(m0 + Q + q0, mask_bytes(k1 & 1));
       }
       const F sum = (k0 ? a0 : zero) + (k1 ? a1 : zero);
       storev(out + q0 / 2, (T::evens(sum) + T::odds(sum)) * 0.25f);
