@@ -249,9 +249,7 @@ def _time(jax, name, step, state, batches, args):
 
     def last_batch():
         if smaller_last:
-            idx = np.arange(n - n % b, n)
-            X = batches.images[idx].astype(np.float32) / np.float32(255.0)
-            finish([step(*batches.make(X, batches.y[idx]))])
+            finish([step(*batches.gather(np.arange(n - n % b, n)))])
 
     r = common.run_config(name, step, batches, args.epochs, warmup, on_timed=last_batch,
                           finish=finish)

@@ -76,12 +76,14 @@ class Batches:
         self.num_batches = min(full, limit) if limit else full
         self.rng = np.random.default_rng(seed)
 
+    def gather(self, idx):
+        """The batch of images ``idx``, scaled to [0, 1] and made the framework's arrays."""
+        return self.make(self.images[idx].astype(np.float32) / np.float32(255.0), self.y[idx])
+
     def epoch(self, num_batches=None):
         order = self.rng.permutation(len(self.y))
         for i in range(num_batches or self.num_batches):
-            idx = order[i * self.batch_size:(i + 1) * self.batch_size]
-            X = self.images[idx].astype(np.float32) / np.float32(255.0)
-            yield self.make(X, self.y[idx])
+            yield self.gather(order[i * self.batch_size:(i + 1) * self.batch_size])
 
 
 def run_config(name, step, batches, epochs, warmup, on_timed=None, finish=None):
