@@ -172,15 +172,21 @@ def nccl_stall(out):
     dist.allreduce(x)
     print(f"rank {r}: first all-reduce gave {x.numpy()[0]}", flush=True)
     os.environ["MGPU_EMU_NCCL_STALL"] = "1"
-    for attempt in ("stalled", "next"):
-        start = time.monotonic()
-        try:
-            dist.allreduce(x)
-            x.numpy()
-            print(f"rank {r}: the {attempt} all-reduce returned", flush=True)
-        except RuntimeError as e:
-            print(f"rank {r}: the {attempt} all-reduce failed after "
-                  f"{time.monotonic() - start:.0f} s: {e}", flush=True)
+    # Also one line per attempt in a file of this rank's: mpirun's stdout can join two ranks'
+    # lines into one when they print at once, as both do when the abort ends their waits.
+    with open(os.path.join(out, f"nccl_stall.rank{r}.txt"), "w") as log:
+        for attempt in ("stalled", "next"):
+            start = time.monotonic()
+            try:
+                dist.allreduce(x)
+                x.numpy()
+                line = f"rank {r}: the {attempt} all-reduce returned"
+            except RuntimeError as e:
+                line = (f"rank {r}: the {attempt} all-reduce failed after "
+                        f"{time.monotonic() - start:.0f} s: {e}")
+            log.write(line.replace("\n", " ") + "\n")
+            log.flush()
+            print(line, flush=True)
 
 
 def bench(out, kind, *args):

@@ -251,8 +251,10 @@ def test_a_rank_that_never_arrives_across_processes_is_aborted_on_every_rank(str
         pytest.skip("this pytest itself runs under mpirun")
     env = {"PYTHONPATH": str(Path(mgpu.__file__).parent.parent), "MGPU_EMU_STRICT": strict}
     rc, out, err, _ = td.mpirun(2, "nccl_stall", tmp_path, timeout=60, env=env, limit=45)
+    # Each rank's own file (mpirun's merged stdout may join two ranks' lines).
+    logs = "".join(p.read_text() for p in sorted(tmp_path.glob("nccl_stall.rank*.txt")))
     lines = {line.split(": the ")[0] + " " + line.split(": the ")[1].split()[0]: line
-             for line in out.splitlines() if ": the " in line}
+             for line in logs.splitlines() if ": the " in line}
     assert rc != 0, "a broken world ends the job nonzero (no MPI_Finalize)"
     assert "rank 0: first all-reduce gave 3.0" in out and "rank 1: first all-reduce gave 3.0" in out
     stalled0, stalled1 = lines.get("rank 0 stalled", ""), lines.get("rank 1 stalled", "")
