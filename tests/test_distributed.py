@@ -212,21 +212,33 @@ def test_synchronised_batch_norm_under_mpirun_matches_one_process(tmp_path):
 
 @needs_mpi
 def test_a_few_hundred_steps_give_the_in_process_parameters(tmp_path):
-    """300 shuffled steps: 2 processes equal 1 process x 2 devices bitwise and 1 device closely."""
+    """300 shuffled steps: 2 processes equal 1 process x 2 devices bitwise and 1 device closely.
+
+    One device adds each gradient in another order, and 300 steps amplify those roundings at
+    some steps more than at others (on an AMD Zen 3: parameters within 2e-7 of the one-device
+    run's, normwise, at step 200, a bias 5% off at step 300, while the whole vector stays within
+    0.7% of the distance training moved it). So the one-device check is normwise, against that
+    distance: a wrongly scaled or dropped gradient moves the run by a good part of it."""
     steps, batch = 300, 32
     rc, out, err, _ = mpirun(2, "train_steps", tmp_path, steps, batch, 1)
     assert rc == 0, f"{out}\n{err}"
     ranks = [params_of(load(tmp_path, "train_L1", r)) for r in range(2)]
-    for k in (2, 1):
-        replicas, _ = dist_worker.fused_steps(steps, batch, k)
-        for r, got in enumerate(ranks):
-            for i, p in enumerate(replicas[0]):
-                if k == 2:
-                    assert np.array_equal(got[i], p.numpy()), f"param {i} on rank {r}"
-                else:
-                    assert_close(got[i], p.numpy(), "sum", f"param {i} on rank {r} vs 1 device")
-        initial = mgpu.lenet_params(seed=0)
-        assert not np.allclose(ranks[0][4], initial[4].numpy()), "training did not move W3"
+    two, _ = dist_worker.fused_steps(steps, batch, 2)
+    for r, got in enumerate(ranks):
+        for i, p in enumerate(two[0]):
+            assert np.array_equal(got[i], p.numpy()), f"param {i} on rank {r}"
+
+    def flat(params):
+        return np.concatenate([np.asarray(p, dtype=np.float64).ravel() for p in params])
+
+    one, _ = dist_worker.fused_steps(steps, batch, 1)
+    expected = flat(p.numpy() for p in one[0])
+    moved = np.linalg.norm(expected - flat(p.numpy() for p in mgpu.lenet_params(seed=0)))
+    assert moved > 0.01 * np.linalg.norm(expected), "training did not move the parameters"
+    for r, got in enumerate(ranks):
+        off = np.linalg.norm(flat(got) - expected)
+        assert off <= 0.05 * moved, (f"rank {r}: {off:.3g} from the one-device run's parameters, "
+                                     f"more than 5% of the {moved:.3g} training moved them")
 
 
 @needs_mpi
