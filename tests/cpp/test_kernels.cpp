@@ -406,6 +406,10 @@ const FusedCase kFusedCases[] = {
     // get their mask), with 3x3 windows, and a 16-column pooling pass behind im2col.
     {"direct_pool2_odd_pq", {10, 2, 11, 19, 4, 2, 3, 1, 0}, 2},
     {"direct_pool2_wide", {3, 1, 21, 37, 3, 3, 3, 1, 0}, 2},
+    // Odd channel counts on one channel's 3x3 taps (the AVX2 path's shared tap rows) and on taps
+    // over two channels.
+    {"direct_pool2_k11", {3, 1, 19, 18, 11, 3, 3, 1, 0}, 2},
+    {"direct_pool2_c2_k7", {2, 2, 9, 20, 7, 2, 3, 1, 0}, 2},
     {"direct_pool3", {4, 1, 19, 19, 2, 3, 3, 1, 0}, 3},
     {"lanes_pool2_odd_pq", {17, 3, 12, 13, 6, 4, 4, 1, 0}, 2},
     {"lanes_pool3", {5, 2, 10, 11, 4, 3, 3, 1, 0}, 3},
