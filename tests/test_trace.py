@@ -131,6 +131,30 @@ def test_spans_of_one_device_do_not_overlap(tmp_path):
     _check_no_overlap(spans, ["cpu(0)", "cpu(1)"])
 
 
+def test_deterministic_step_runs_both_cpu_devices_at_once(tmp_path):
+    """deterministic=True on cpu(0), cpu(1): each device's shards start as the step starts (all
+    shards' rows are copied before any shard's work is queued), not once the other device has
+    done its own (a copy between devices waits for the source device's earlier work)."""
+    devices = [mgpu.cpu(0), mgpu.cpu(1)]
+    X, y = _problem(256)
+    dp = [mgpu.get_params(mgpu.lenet_params(seed=0), d) for d in devices]
+    mgpu.train_batch(X, y, dp, devices, 0.1, deterministic=True)  # warm up outside the trace
+    path = str(tmp_path / "deterministic.json")
+    with mgpu.profile(path):
+        [v.item() for v in mgpu.train_batch(X, y, dp, devices, 0.1, deterministic=True)]
+    _, _, spans = _load(path)
+
+    def layer(d, name):
+        return sorted((e for e in spans[d] if e["cat"] == "layer" and e["name"] == name),
+                      key=lambda e: e["ts"])
+
+    first_forward = layer("cpu(1)", "layer 0 (conv2d_relu_pool) forward")
+    last_backward = layer("cpu(0)", "layer 0 (conv2d_relu_pool) backward")
+    assert len(first_forward) == len(last_backward) == 4  # 8 shards, 4 per device
+    assert first_forward[0]["ts"] < last_backward[-1]["ts"] + last_backward[-1]["dur"], (
+        "cpu(1) started its shards only after cpu(0) had finished its own")
+
+
 @pytest.mark.skipif(mgpu.num_gpus() < 2, reason="needs 2 (emulated) GPUs")
 def test_gpu_two_device_step_trace(tmp_path):
     doc, _, spans = _trace_step(tmp_path, [mgpu.gpu(0), mgpu.gpu(1)], n=16)

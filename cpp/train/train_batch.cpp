@@ -209,23 +209,22 @@ Partial combine(int64_t lo, int64_t hi, std::map<int64_t, Partial>& have) {
   return a;
 }
 
-// One device's work: shards [lo, hi) (a tree node), each computed whole on the replica and summed
-// pairwise in tree order. Only the batch's first shard moves batch norm's running statistics
-// (the replica's own buffers); other shards write a scratch copy that nobody reads.
-Partial local_sum(const Model& m, const Tensor& X, const Tensor& y,
-                  const std::vector<ShardSpan>& rows, int64_t lo, int64_t hi, const Replica& r,
-                  const ReplicaState& scratch) {
+// One device's work: shards [lo, hi) (a tree node), each computed whole on the replica from its
+// rows in `inputs` (already on the replica's device) and summed pairwise in tree order. Only the
+// batch's first shard moves batch norm's running statistics (the replica's own buffers); other
+// shards write a scratch copy that nobody reads.
+Partial local_sum(const Model& m, const std::vector<std::pair<Tensor, Tensor>>& inputs,
+                  int64_t lo, int64_t hi, const Replica& r, const ReplicaState& scratch) {
   if (hi - lo == 1) {
-    const auto [begin, end] = rows[static_cast<size_t>(lo)];
+    const auto& [Xs, ys] = inputs[static_cast<size_t>(lo)];
     Partial p{{lo, hi}, Tensor::empty({m.flat_size()}, DType::F32, r.device), Tensor()};
-    p.loss = model_loss_and_grads(m, ops::to_device(X.slice_rows(begin, end), r.device),
-                                  ops::to_device(y.slice_rows(begin, end), r.device),
-                                  lo == 0 ? r.state : scratch, p.grads, [](size_t) {});
+    p.loss = model_loss_and_grads(m, Xs, ys, lo == 0 ? r.state : scratch, p.grads,
+                                  [](size_t) {});
     return p;
   }
   const int64_t mid = tree_split(lo, hi);
-  Partial a = local_sum(m, X, y, rows, lo, mid, r, scratch);
-  add_into(a, local_sum(m, X, y, rows, mid, hi, r, scratch));
+  Partial a = local_sum(m, inputs, lo, mid, r, scratch);
+  add_into(a, local_sum(m, inputs, mid, hi, r, scratch));
   return a;
 }
 
@@ -239,6 +238,19 @@ std::vector<Tensor> sharded_sums(const Model& m, const Tensor& X, const Tensor& 
   const int world = comm::dist::world_size(), me = comm::dist::rank();
   const std::vector<ShardSpan> rows = shard_ranges(X.size(0), static_cast<size_t>(num_shards));
   const std::vector<ShardSpan> owned = shard_ranges(num_shards, L * static_cast<size_t>(world));
+  // Every shard's rows go to the device that computes it before any shard's work is enqueued: a
+  // copy between two devices waits for the source device's earlier work, so a device's rows
+  // copied after another device's shards were enqueued would hold it until those had run.
+  std::vector<std::pair<Tensor, Tensor>> inputs(static_cast<size_t>(num_shards));
+  for (size_t d = 0; d < L; ++d) {
+    const auto [first, last] = owned[static_cast<size_t>(me) * L + d];
+    for (int64_t i = first; i < last; ++i) {
+      const auto [begin, end] = rows[static_cast<size_t>(i)];
+      const Device to = replicas[d].device;
+      inputs[static_cast<size_t>(i)] = {ops::to_device(X.slice_rows(begin, end), to),
+                                        ops::to_device(y.slice_rows(begin, end), to)};
+    }
+  }
   std::map<int64_t, Partial> have;
   for (size_t d = 0; d < L; ++d) {
     const Replica& r = replicas[d];
@@ -246,7 +258,7 @@ std::vector<Tensor> sharded_sums(const Model& m, const Tensor& X, const Tensor& 
     for (const Tensor& b : r.state.buffers) scratch.buffers.push_back(Tensor::empty_like(b));
     const auto [first, last] = owned[static_cast<size_t>(me) * L + d];
     for (const ShardSpan& n : maximal_nodes(num_shards, first, last))
-      have.emplace(n.first, local_sum(m, X, y, rows, n.first, n.second, r, scratch));
+      have.emplace(n.first, local_sum(m, inputs, n.first, n.second, r, scratch));
   }
   const Device home = replicas[0].device;
   std::map<int64_t, Partial> top;
