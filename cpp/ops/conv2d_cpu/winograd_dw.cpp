@@ -8,11 +8,17 @@
 // alone). For each block:
 // 1. each (image, 16-channel chunk) of x and of dy is transposed channel-minor (to_lanes: 16
 //    channels of a pixel in one vector), framed with zeros, and transformed tile by tile with the
-//    16 channels in lanes, into the packed panels V (36, T, Cp) and dM (36, T, Kp) (channel counts
-//    rounded up to 16, the extra lanes zero). The pass over dy also sums each dy plane (db).
+//    16 channels in lanes, into the packed panels V (36, Cp / 16, T, 16) and dM (36, Kp / 16, T,
+//    16) (channel counts rounded up to 16, the extra lanes zero): each point's 16-channel chunk
+//    is T rows of 16 floats one after another, so a product reads its rows of dM and V as
+//    sequential streams, which the hardware prefetchers follow. (Rows of Cp floats, (T, Cp), put
+//    a stream's rows 256 bytes or more apart, one line of each 4 KB page used per pass: the AVX2
+//    products then run 1.4-1.45x slower, Zen 3, medians of interleaved runs of the products
+//    alone at 64 to 256 channels.) The pass over dy also sums each dy plane (db).
 // 2. each point xi and block of output columns c (64 on AVX-512, 16 on AVX2) is multiplied out
-//    by register-tiled FMA kernels: up to 6 rows k x 64 (or 16) columns c of accumulators, each
-//    tile t a row of V loaded and 6 values of dM broadcast. A kernel starts its accumulators at 0,
+//    by register-tiled FMA kernels: up to 6 rows k (6, 6 and 4 per 16-channel chunk of dM) x 64
+//    (or 16) columns c of accumulators, each tile t a row of V loaded and the rows' values of dM
+//    broadcast. A kernel starts its accumulators at 0,
 //    runs over the block's tiles in order, then adds them to dU (the first block stores).
 // So every dU entry is the same chain of FMAs over a block's tiles in order, then the blocks
 // added in order, whichever thread runs which job and whatever the register tile: the AVX2 and
@@ -102,9 +108,10 @@ void frame_plane(const float* __restrict plane, int64_t rows, int64_t cols, int6
   }
 }
 
-// V[xi][t0 + j][c0 .. c0 + 16) for the tiles j of one image's 16 channels c0.. of x.
+// V[xi][c0 / 16][t0 + j][0 .. 16) for the tiles j of one image's 16 channels c0.. of x, in the
+// block's panel v (36, Cp / 16, T, 16).
 void transform_input(const Conv2dShape& s, const Grid& g, const float* x, int64_t c0,
-                     float* __restrict v, int64_t T, int64_t Cp) {
+                     float* __restrict v, int64_t t0, int64_t T, int64_t Cp) {
   const int64_t HW = s.H * s.W, Hp = kTile * g.rows + 2, Wp = kTile * g.cols + 2;
   float* xT = scratch(tl_frame, (HW + Hp * Wp) * kLanes);
   float* frame = xT + HW * kLanes;
@@ -122,15 +129,19 @@ void transform_input(const Conv2dShape& s, const Grid& g, const float* x, int64_
     for (int a = 0; a < kAlpha; ++a) {
       F16 r[kAlpha];
       input_1d(t[a], r);
-      for (int b = 0; b < kAlpha; ++b) st16(v + ((a * kAlpha + b) * T + j) * Cp + c0, r[b]);
+      for (int b = 0; b < kAlpha; ++b) {
+        st16(v + (a * kAlpha + b) * T * Cp + c0 * T + (t0 + j) * kLanes, r[b]);
+      }
     }
   }
 }
 
-// dM[xi][t0 + j][k0 .. k0 + 16) for the tiles j of one image's 16 dy channels k0.., and the sum
-// of each of those dy planes (pixels in order) into sums[k0 ..).
+// dM[xi][k0 / 16][t0 + j][0 .. 16) for the tiles j of one image's 16 dy channels k0.., in the
+// block's panel dm (36, Kp / 16, T, 16), and the sum of each of those dy planes (pixels in order)
+// into sums[k0 ..).
 void transform_grad(const Conv2dShape& s, const Grid& g, const float* dy, int64_t k0,
-                    float* __restrict dm, int64_t T, int64_t Kp, float* __restrict sums) {
+                    float* __restrict dm, int64_t t0, int64_t T, int64_t Kp,
+                    float* __restrict sums) {
   const int64_t P = s.P(), Q = s.Q(), PQ = P * Q, Pp = kTile * g.rows, Qp = kTile * g.cols;
   float* dyT = scratch(tl_frame, (PQ + Pp * Qp) * kLanes);
   float* frame = dyT + PQ * kLanes;
@@ -155,7 +166,9 @@ void transform_grad(const Conv2dShape& s, const Grid& g, const float* dy, int64_
     for (int a = 0; a < kAlpha; ++a) {
       F16 e[kAlpha];
       grad_1d(t[a], e);
-      for (int b = 0; b < kAlpha; ++b) st16(dm + ((a * kAlpha + b) * T + j) * Kp + k0, e[b]);
+      for (int b = 0; b < kAlpha; ++b) {
+        st16(dm + (a * kAlpha + b) * T * Kp + k0 * T + (t0 + j) * kLanes, e[b]);
+      }
     }
   }
 }
@@ -184,10 +197,12 @@ constexpr int kMR = 6;           // rows k of the register tile
 constexpr int kNC = kNV * kW;    // columns c of a full register tile
 
 // du (MR, NV * kW; rows ldc apart) = (add ? du : 0) + sum over t < T of a[t][i] * b[t][j],
-// a rows lda apart, b rows ldb apart; the sum per entry is a chain of FMAs from 0 in t order.
+// a and b in panel chunks (T, 16): a's rows i < MR <= 16 in one chunk, b's columns j in
+// NV * kW / 16 chunks chunk_step floats apart; the sum per entry is a chain of FMAs from 0 in t
+// order.
 template <int MR, int NV>
-void product(const float* __restrict a, int64_t lda, const float* __restrict b, int64_t ldb,
-             int64_t T, float* __restrict du, int64_t ldc, bool add) {
+void product(const float* __restrict a, const float* __restrict b, int64_t chunk_step, int64_t T,
+             float* __restrict du, int64_t ldc, bool add) {
   R acc[MR][NV];
 #pragma GCC unroll 8
   for (int i = 0; i < MR; ++i) {
@@ -197,10 +212,12 @@ void product(const float* __restrict a, int64_t lda, const float* __restrict b, 
   for (int64_t t = 0; t < T; ++t) {
     R bv[NV];
 #pragma GCC unroll 8
-    for (int j = 0; j < NV; ++j) bv[j] = rload(b + t * ldb + j * kW);
+    for (int j = 0; j < NV; ++j) {
+      bv[j] = rload(b + (j * kW / kLanes) * chunk_step + t * kLanes + j * kW % kLanes);
+    }
 #pragma GCC unroll 8
     for (int i = 0; i < MR; ++i) {
-      const R av = rbroadcast(a + t * lda + i);
+      const R av = rbroadcast(a + t * kLanes + i);
 #pragma GCC unroll 8
       for (int j = 0; j < NV; ++j) acc[i][j] = rfma(av, bv[j], acc[i][j]);
     }
@@ -215,8 +232,7 @@ void product(const float* __restrict a, int64_t lda, const float* __restrict b, 
   }
 }
 
-using ProductFn = void (*)(const float*, int64_t, const float*, int64_t, int64_t, float*, int64_t,
-                           bool);
+using ProductFn = void (*)(const float*, const float*, int64_t, int64_t, float*, int64_t, bool);
 constexpr auto kProducts = table_1_to<kMR, kNV>([](auto mr, auto nv) -> ProductFn {
   return &product<decltype(mr)::value, decltype(nv)::value>;
 });
@@ -244,10 +260,10 @@ void winograd_dw(const Conv2dShape& s, const float* x, const float* dy, float* d
     parallel_for(B * (Cc + Kc), [&](int64_t job) {
       const int64_t i = job / (Cc + Kc), chunk = job % (Cc + Kc), n = n0 + i;
       if (chunk < Cc) {
-        transform_input(s, g, x + n * s.C * HW, chunk * kLanes, v + i * g.per_image * Cp, T, Cp);
+        transform_input(s, g, x + n * s.C * HW, chunk * kLanes, v, i * g.per_image, T, Cp);
       } else {
         transform_grad(s, g, dy + n * s.K * PQ, (chunk - Cc) * kLanes,
-                       dm + i * g.per_image * Kp, T, Kp, sums + n * Kp);
+                       dm, i * g.per_image, T, Kp, sums + n * Kp);
       }
     });
     const bool add = n0 > 0;
@@ -255,11 +271,15 @@ void winograd_dw(const Conv2dShape& s, const float* x, const float* dy, float* d
       const int64_t xi = job / col_blocks, c0 = (job % col_blocks) * kNC;
       const int nv = static_cast<int>(std::min<int64_t>(kNC, Cp - c0) / kW);
       const float* a = dm + xi * T * Kp;
-      const float* b = v + xi * T * Cp + c0;
+      const float* b = v + xi * T * Cp + c0 * T;
       float* out = du + xi * s.K * Cp + c0;
-      for (int64_t k0 = 0; k0 < s.K; k0 += kMR) {
-        const int mr = static_cast<int>(std::min<int64_t>(kMR, s.K - k0));
-        kProducts[mr - 1][nv - 1](a + k0, Kp, b, Cp, T, out + k0 * Cp, Cp, add);
+      for (int64_t kc = 0; kc < s.K; kc += kLanes) {  // k tiles inside each chunk of dM
+        const int64_t kc_end = std::min(s.K, kc + kLanes);
+        for (int64_t k0 = kc; k0 < kc_end; k0 += kMR) {
+          const int mr = static_cast<int>(std::min<int64_t>(kMR, kc_end - k0));
+          kProducts[mr - 1][nv - 1](a + kc * T + (k0 - kc), b, T * kLanes, T, out + k0 * Cp, Cp,
+                                    add);
+        }
       }
     });
   }
