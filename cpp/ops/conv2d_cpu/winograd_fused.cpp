@@ -14,11 +14,14 @@
 //      each contiguous over C, are the kKR broadcast streams (no packing pass over U, which is
 //      36 MB at 512 channels);
 //   3. the output transform of M (36, K, Tb) plus the bias, straight into y.
+// Each point's slice of V and M starts kPointPad floats past a multiple of Tb: slices a power of
+// two apart (C Tb floats: 8 KB at 64 channels) put the 36 points' rows of one chunk, which steps 1
+// and 3 write and read together, into one set of L1, eight ways for 36 lines.
 // V[xi] (C x Tb floats, <= 128 KB) stays in L2 while the kernel sweeps K over it; the kKR rows
 // of U[xi] (<= 16 KB at 512 channels) stay in L1 while it sweeps the block's tiles.
-// Scratch per thread, grown once to the largest shape and reused: 144 (C + K) Tb bytes for V and
-// M (ResNet-18's layers: 0.6 MB at 64 channels, 1.2 MB at 128, 4.7 MB at 256, 9.4 MB at 512)
-// and ~2 KB per 16 tiles of geometry.
+// Scratch per thread, grown once to the largest shape and reused: 144 (C + K) Tb bytes and 4.5 KB
+// of padding for V and M (ResNet-18's layers: 0.6 MB at 64 channels, 1.2 MB at 128, 4.7 MB at
+// 256, 9.4 MB at 512) and ~2 KB per 16 tiles of geometry.
 //
 // Same bits on both instruction-set paths and for every thread count: every output is the chain
 // acc = fma(U[xi][k][c], V[xi][c][t], acc) over each 32 channels c in order from acc = 0, the
@@ -172,6 +175,7 @@ struct ChunkGeo {
 inline thread_local std::vector<ChunkGeo> tl_chunk;
 inline thread_local std::vector<int64_t> tl_lines;
 constexpr int64_t kPrefetchChannels = 2;
+constexpr int64_t kPointPad = 16;  // floats between the points' slices of V and M (see the top)
 
 // d[a][b][l] = the patch of lane l at row a, column b, or 0 where it lies in the padding or
 // past the block's last tile: masked vector gathers, one per patch element for all kL lanes;
@@ -209,6 +213,7 @@ inline void gather_patch(const float* xb, int64_t W, const ChunkGeo& cg,
 void transform_block_input(const Conv2dShape& s, const float* __restrict x, const TileGeo* geo,
                            const ChunkGeo* chunk, const int64_t* lines, int64_t nlines,
                            int64_t nt, int64_t Tb, float* __restrict vp) {
+  const int64_t v_step = s.C * Tb + kPointPad;  // from one point's slice of V to the next's
   const int64_t HW = s.H * s.W, W = s.W, C = s.C;
   const int64_t chunks = (nt + kTileQuantum - 1) / kTileQuantum * (kTileQuantum / kL);
   for (int64_t c = 0; c < C; ++c) {
@@ -237,7 +242,7 @@ void transform_block_input(const Conv2dShape& s, const float* __restrict x, cons
       for (int a = 0; a < kAlpha; ++a) {  // along the columns, into the panel
         input_1d(tr[a], rt);
         for (int b = 0; b < kAlpha; ++b) {
-          float* dst = vp + ((a * kAlpha + b) * C + c) * Tb + t0;
+          float* dst = vp + (a * kAlpha + b) * v_step + c * Tb + t0;
           for (int l = 0; l < kL; ++l) dst[l] = rt[b][l];
         }
       }
@@ -293,6 +298,7 @@ inline void tiles_to_rows(const float (*o)[kL], float (*r)[kTile]) {
 // The output transform of one block: y = A^T M A + bias for its nt tiles, every output channel.
 void transform_block_output(const Conv2dShape& s, const float* __restrict mp, const TileGeo* geo,
                             int64_t nt, int64_t Tb, const float* b, float* __restrict y) {
+  const int64_t m_step = s.K * Tb + kPointPad;  // from one point's slice of M to the next's
   const int64_t K = s.K, Q = s.Q(), PQ = s.P() * Q;
   for (int64_t k = 0; k < K; ++k) {
     const float bias = b ? b[k] : 0.0f;
@@ -300,7 +306,7 @@ void transform_block_output(const Conv2dShape& s, const float* __restrict mp, co
       alignas(64) float mm[kAlpha][kAlpha][kL];
       for (int a = 0; a < kAlpha; ++a) {
         for (int bb = 0; bb < kAlpha; ++bb) {
-          const float* src = mp + ((a * kAlpha + bb) * K + k) * Tb + t0;
+          const float* src = mp + (a * kAlpha + bb) * m_step + k * Tb + t0;
           for (int l = 0; l < kL; ++l) mm[a][bb][l] = src[l];
         }
       }
@@ -399,15 +405,16 @@ void winograd_fused_forward(const Conv2dShape& s, const float* x, const float* U
     }
     std::sort(tl_lines.begin(), tl_lines.end());
     tl_lines.erase(std::unique(tl_lines.begin(), tl_lines.end()), tl_lines.end());
-    float* vp = scratch(tl_vpanel, kPoints * C * Tb);
-    float* mp = scratch(tl_mpanel, kPoints * K * Tb);
+    const int64_t v_step = C * Tb + kPointPad, m_step = K * Tb + kPointPad;
+    float* vp = scratch(tl_vpanel, kPoints * v_step);
+    float* mp = scratch(tl_mpanel, kPoints * m_step);
     transform_block_input(s, x, geo, chunk, tl_lines.data(),
                           static_cast<int64_t>(tl_lines.size()), nt, Tb, vp);
     const int64_t nt_r = (nt + kTR - 1) / kTR * kTR;  // <= the zeroed lanes of V
     for (int xi = 0; xi < kPoints; ++xi) {
       const float* uxi = U + xi * K * C;
-      const float* vxi = vp + xi * C * Tb;
-      float* mxi = mp + xi * K * Tb;
+      const float* vxi = vp + xi * v_step;
+      float* mxi = mp + xi * m_step;
       for (int64_t k0 = 0; k0 < K; k0 += kKR) {
         const int r_valid = static_cast<int>(std::min<int64_t>(kKR, K - k0));
         const float* u[kKR];
