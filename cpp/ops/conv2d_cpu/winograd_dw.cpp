@@ -18,8 +18,8 @@
 // 2. each point xi and block of output columns c (64 on AVX-512, 16 on AVX2) is multiplied out
 //    by register-tiled FMA kernels: up to 6 rows k (6, 6 and 4 per 16-channel chunk of dM) x 64
 //    (or 16) columns c of accumulators, each tile t a row of V loaded and the rows' values of dM
-//    broadcast. A kernel starts its accumulators at 0,
-//    runs over the block's tiles in order, then adds them to dU (the first block stores).
+//    broadcast. A kernel starts its accumulators at 0, runs over the block's tiles in order,
+//    then adds them to dU (the first block stores).
 // So every dU entry is the same chain of FMAs over a block's tiles in order, then the blocks
 // added in order, whichever thread runs which job and whatever the register tile: the AVX2 and
 // AVX-512 paths and every thread count give the same bits. (Explicit FMA intrinsics: this file

@@ -14,9 +14,9 @@
 //      each contiguous over C, are the kKR broadcast streams (no packing pass over U, which is
 //      36 MB at 512 channels);
 //   3. the output transform of M (36, K, Tb) plus the bias, straight into y.
-// Each point's slice of V and M starts kPointPad floats past a multiple of Tb: slices a power of
-// two apart (C Tb floats: 8 KB at 64 channels) put the 36 points' rows of one chunk, which steps 1
-// and 3 write and read together, into one set of L1, eight ways for 36 lines.
+// Each point's slice of V and M starts kPointPad floats after the one before ends: slices a
+// power of two apart (C Tb floats: 8 KB at 64 channels) put the 36 points' rows of one chunk,
+// which steps 1 and 3 write and read together, into one L1 set (8 or 12 ways for 36 lines).
 // V[xi] (C x Tb floats, <= 128 KB) stays in L2 while the kernel sweeps K over it; the kKR rows
 // of U[xi] (<= 16 KB at 512 channels) stay in L1 while it sweeps the block's tiles.
 // Scratch per thread, grown once to the largest shape and reused: 144 (C + K) Tb bytes and 4.5 KB
@@ -98,8 +98,8 @@ inline void product_tile(const float* const* u, const float* __restrict v, int64
       }
     }
     // Constant bounds and a test per row, so acc is indexed by constants only and stays in
-    // registers (a loop to the variable rows made GCC store all of acc to the stack after every
-    // channel's FMAs: 12 stores a channel, which halved the AVX2 kernel's speed).
+    // registers: with a loop bounded by the variable rows GCC keeps acc in memory on the AVX2
+    // path, 12 stores after every channel's FMAs, which halves the kernel's speed.
     for (int r = 0; r < kKR; ++r) {
       if (r >= rows) break;
       for (int j = 0; j < kTV; ++j) {
