@@ -244,9 +244,9 @@ std::vector<Tensor> sharded_sums(const Model& m, const Tensor& X, const Tensor& 
   std::vector<std::pair<Tensor, Tensor>> inputs(static_cast<size_t>(num_shards));
   for (size_t d = 0; d < L; ++d) {
     const auto [first, last] = owned[static_cast<size_t>(me) * L + d];
+    const Device to = replicas[d].device;
     for (int64_t i = first; i < last; ++i) {
       const auto [begin, end] = rows[static_cast<size_t>(i)];
-      const Device to = replicas[d].device;
       inputs[static_cast<size_t>(i)] = {ops::to_device(X.slice_rows(begin, end), to),
                                         ops::to_device(y.slice_rows(begin, end), to)};
     }

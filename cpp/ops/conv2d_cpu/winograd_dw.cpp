@@ -108,6 +108,12 @@ void frame_plane(const float* __restrict plane, int64_t rows, int64_t cols, int6
   }
 }
 
+// Where row t of point xi's chunk c / 16 (c a multiple of 16) starts in a block's panel
+// (36, Cp / 16, T, 16): V's, or dM's with Kp for Cp.
+inline int64_t panel_offset(int64_t xi, int64_t c, int64_t t, int64_t T, int64_t Cp) {
+  return (xi * Cp + c) * T + t * kLanes;
+}
+
 // V[xi][c0 / 16][t0 + j][0 .. 16) for the tiles j of one image's 16 channels c0.. of x, in the
 // block's panel v (36, Cp / 16, T, 16).
 void transform_input(const Conv2dShape& s, const Grid& g, const float* x, int64_t c0,
@@ -130,7 +136,7 @@ void transform_input(const Conv2dShape& s, const Grid& g, const float* x, int64_
       F16 r[kAlpha];
       input_1d(t[a], r);
       for (int b = 0; b < kAlpha; ++b) {
-        st16(v + (a * kAlpha + b) * T * Cp + c0 * T + (t0 + j) * kLanes, r[b]);
+        st16(v + panel_offset(a * kAlpha + b, c0, t0 + j, T, Cp), r[b]);
       }
     }
   }
@@ -167,7 +173,7 @@ void transform_grad(const Conv2dShape& s, const Grid& g, const float* dy, int64_
       F16 e[kAlpha];
       grad_1d(t[a], e);
       for (int b = 0; b < kAlpha; ++b) {
-        st16(dm + (a * kAlpha + b) * T * Kp + k0 * T + (t0 + j) * kLanes, e[b]);
+        st16(dm + panel_offset(a * kAlpha + b, k0, t0 + j, T, Kp), e[b]);
       }
     }
   }
@@ -270,15 +276,14 @@ void winograd_dw(const Conv2dShape& s, const float* x, const float* dy, float* d
     parallel_for(kPoints * col_blocks, [&](int64_t job) {
       const int64_t xi = job / col_blocks, c0 = (job % col_blocks) * kNC;
       const int nv = static_cast<int>(std::min<int64_t>(kNC, Cp - c0) / kW);
-      const float* a = dm + xi * T * Kp;
-      const float* b = v + xi * T * Cp + c0 * T;
+      const float* b = v + panel_offset(xi, c0, 0, T, Cp);
       float* out = du + xi * s.K * Cp + c0;
       for (int64_t kc = 0; kc < s.K; kc += kLanes) {  // k tiles inside each chunk of dM
         const int64_t kc_end = std::min(s.K, kc + kLanes);
         for (int64_t k0 = kc; k0 < kc_end; k0 += kMR) {
           const int mr = static_cast<int>(std::min<int64_t>(kMR, kc_end - k0));
-          kProducts[mr - 1][nv - 1](a + kc * T + (k0 - kc), b, T * kLanes, T, out + k0 * Cp, Cp,
-                                    add);
+          const float* a = dm + panel_offset(xi, kc, 0, T, Kp) + (k0 - kc);
+          kProducts[mr - 1][nv - 1](a, b, T * kLanes, T, out + k0 * Cp, Cp, add);
         }
       }
     });

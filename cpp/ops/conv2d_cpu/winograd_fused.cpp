@@ -177,6 +177,9 @@ inline thread_local std::vector<int64_t> tl_lines;
 constexpr int64_t kPrefetchChannels = 2;
 constexpr int64_t kPointPad = 16;  // floats between the points' slices of V and M (see the top)
 
+// From one point's slice of a panel (36, channels, Tb) to the next's.
+inline int64_t point_step(int64_t channels, int64_t Tb) { return channels * Tb + kPointPad; }
+
 // d[a][b][l] = the patch of lane l at row a, column b, or 0 where it lies in the padding or
 // past the block's last tile: masked vector gathers, one per patch element for all kL lanes;
 // xb is the chunk's base in the channel.
@@ -213,7 +216,7 @@ inline void gather_patch(const float* xb, int64_t W, const ChunkGeo& cg,
 void transform_block_input(const Conv2dShape& s, const float* __restrict x, const TileGeo* geo,
                            const ChunkGeo* chunk, const int64_t* lines, int64_t nlines,
                            int64_t nt, int64_t Tb, float* __restrict vp) {
-  const int64_t v_step = s.C * Tb + kPointPad;  // from one point's slice of V to the next's
+  const int64_t v_step = point_step(s.C, Tb);
   const int64_t HW = s.H * s.W, W = s.W, C = s.C;
   const int64_t chunks = (nt + kTileQuantum - 1) / kTileQuantum * (kTileQuantum / kL);
   for (int64_t c = 0; c < C; ++c) {
@@ -298,7 +301,7 @@ inline void tiles_to_rows(const float (*o)[kL], float (*r)[kTile]) {
 // The output transform of one block: y = A^T M A + bias for its nt tiles, every output channel.
 void transform_block_output(const Conv2dShape& s, const float* __restrict mp, const TileGeo* geo,
                             int64_t nt, int64_t Tb, const float* b, float* __restrict y) {
-  const int64_t m_step = s.K * Tb + kPointPad;  // from one point's slice of M to the next's
+  const int64_t m_step = point_step(s.K, Tb);
   const int64_t K = s.K, Q = s.Q(), PQ = s.P() * Q;
   for (int64_t k = 0; k < K; ++k) {
     const float bias = b ? b[k] : 0.0f;
@@ -405,7 +408,7 @@ void winograd_fused_forward(const Conv2dShape& s, const float* x, const float* U
     }
     std::sort(tl_lines.begin(), tl_lines.end());
     tl_lines.erase(std::unique(tl_lines.begin(), tl_lines.end()), tl_lines.end());
-    const int64_t v_step = C * Tb + kPointPad, m_step = K * Tb + kPointPad;
+    const int64_t v_step = point_step(C, Tb), m_step = point_step(K, Tb);
     float* vp = scratch(tl_vpanel, kPoints * v_step);
     float* mp = scratch(tl_mpanel, kPoints * m_step);
     transform_block_input(s, x, geo, chunk, tl_lines.data(),
