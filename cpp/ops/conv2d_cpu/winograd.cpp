@@ -34,8 +34,13 @@ constexpr auto& kG = kWinogradG;  // G (6x3), conv2d_cpu.h
 // U (36, K, C) from w (K, C, 3, 3): U[xi][k][c] = (G g G^T)[xi] of g = w[k, c], or, when
 // flip_transpose, of g[r][t] = w[c, k, 2 - r, 2 - t] with w read as (C, K, 3, 3) (the data
 // gradient's kernel). In double, kL input channels side by side in lanes, rounded once.
+// A k's 36 rows U[xi][k] are built in scratch and then copied out whole: U's rows of one k lie
+// K C floats apart (a power of two: 1 MB at 512 channels), so writing the 36 points' 16 floats
+// in place, chunk after chunk, hit one L1 and L2 set with 36 lines and missed every time (the
+// transform took ~25% of the 512-channel layer's forward on 1 thread, batch 128; half that now).
 void transform_weights(const float* w, int64_t K, int64_t C, bool flip_transpose, float* U) {
   parallel_for(K, [&](int64_t k) {
+    float* rows = scratch(tl_row, kPoints * C);
     for (int64_t c0 = 0; c0 < C; c0 += kL) {
       const int64_t n = std::min<int64_t>(kL, C - c0);
       double g[3][3][kL];
@@ -58,16 +63,17 @@ void transform_weights(const float* w, int64_t K, int64_t C, bool flip_transpose
       }
       for (int a = 0; a < kAlpha; ++a) {
         for (int b = 0; b < kAlpha; ++b) {
-          float* dst = U + ((a * kAlpha + b) * K + k) * C + c0;
+          float* dst = rows + (a * kAlpha + b) * C + c0;
           float u[kL];
           for (int l = 0; l < kL; ++l) {
             u[l] = static_cast<float>((gg[a][0][l] * kG[b][0] + gg[a][1][l] * kG[b][1]) +
                                       gg[a][2][l] * kG[b][2]);
           }
-          for (int64_t l = 0; l < n; ++l) dst[l] = u[l];
+          copy_floats(dst, u, n);
         }
       }
     }
+    for (int xi = 0; xi < kPoints; ++xi) copy_floats(U + (xi * K + k) * C, rows + xi * C, C);
   });
 }
 

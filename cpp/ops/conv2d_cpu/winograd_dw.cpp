@@ -288,14 +288,22 @@ void winograd_dw(const Conv2dShape& s, const float* x, const float* dy, float* d
       }
     });
   }
-  // dw[k][c] = G^T dU[k][c] G, in double, 16 input channels side by side.
+  // dw[k][c] = G^T dU[k][c] G, in double, 16 input channels side by side, from a copy of the
+  // 36 points' rows of dU for this k: in place they lie K Cp floats apart (1 MB at 512
+  // channels, a power of two), so the 36 lines each 16 channels read share one L1 and L2 set
+  // and missed every time (the 512-channel layer's final transform took as long as its
+  // products on 1 thread, batch 128; with the copy, less than half as long).
   parallel_for(s.K, [&](int64_t k) {
+    float* rows = scratch(tl_row, kPoints * Cp);
+    for (int xi = 0; xi < kPoints; ++xi) {
+      copy_floats(rows + xi * Cp, du + (xi * s.K + k) * Cp, Cp);
+    }
     for (int64_t c0 = 0; c0 < s.C; c0 += kLanes) {
       const int64_t n = std::min<int64_t>(kLanes, s.C - c0);
       double t[3][kAlpha][kLanes] = {};  // G^T dU
       for (int a = 0; a < kAlpha; ++a) {
         for (int b = 0; b < kAlpha; ++b) {
-          const float* src = du + ((a * kAlpha + b) * s.K + k) * Cp + c0;
+          const float* src = rows + (a * kAlpha + b) * Cp + c0;
           for (int r = 0; r < 3; ++r) {
             for (int l = 0; l < kLanes; ++l) t[r][b][l] += kG[a][r] * static_cast<double>(src[l]);
           }
