@@ -36,8 +36,9 @@ constexpr auto& kG = kWinogradG;  // G (6x3), conv2d_cpu.h
 // gradient's kernel). In double, kL input channels side by side in lanes, rounded once.
 // A k's 36 rows U[xi][k] are built in scratch and then copied out whole: U's rows of one k lie
 // K C floats apart (a power of two: 1 MB at 512 channels), so writing the 36 points' 16 floats
-// in place, chunk after chunk, hit one L1 and L2 set with 36 lines and missed every time (the
-// transform took ~25% of the 512-channel layer's forward on 1 thread, batch 128; half that now).
+// in place, chunk after chunk, would put 36 lines in one L1 and L2 set and miss every time
+// (written in place, the transform takes ~25% of the 512-channel layer's forward on 1 thread,
+// batch 128; through the scratch rows, about half as long).
 void transform_weights(const float* w, int64_t K, int64_t C, bool flip_transpose, float* U) {
   parallel_for(K, [&](int64_t k) {
     float* rows = scratch(tl_row, kPoints * C);

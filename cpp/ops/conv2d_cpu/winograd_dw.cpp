@@ -290,9 +290,9 @@ void winograd_dw(const Conv2dShape& s, const float* x, const float* dy, float* d
   }
   // dw[k][c] = G^T dU[k][c] G, in double, 16 input channels side by side, from a copy of the
   // 36 points' rows of dU for this k: in place they lie K Cp floats apart (1 MB at 512
-  // channels, a power of two), so the 36 lines each 16 channels read share one L1 and L2 set
-  // and missed every time (the 512-channel layer's final transform took as long as its
-  // products on 1 thread, batch 128; with the copy, less than half as long).
+  // channels, a power of two), so the 36 lines each 16 channels read would share one L1 and L2
+  // set and miss every time (read in place, the 512-channel layer's final transform takes as
+  // long as its products on 1 thread, batch 128; from the copy, less than half as long).
   parallel_for(s.K, [&](int64_t k) {
     float* rows = scratch(tl_row, kPoints * Cp);
     for (int xi = 0; xi < kPoints; ++xi) {
