@@ -548,3 +548,109 @@ def test_conv_times_resnet18_stride2_layers(tmp_path):
     assert "256->512 1x1 s2 7x7" in text
     with pytest.raises(ValueError, match="stride2"):
         bench.bench_conv(batch=1, layers="stride4")
+
+
+def _isa_round(scale, step):
+    """One round of one path for bench isa's summary: conv2 and relu1 at ``scale`` times the
+    base times (seconds), the fused steps at ``step``."""
+    ops = {"conv2 (50, 20, 5, 5)": {"forward": 2e-3 * scale, "backward": 4e-3 * scale,
+                                    "gflops_forward": 100.0 / scale,
+                                    "gflops_backward": 100.0 / scale},
+           "relu1": {"forward": 1e-4 * scale, "backward": 2e-4 * scale,
+                     "gflops_forward": None, "gflops_backward": None}}
+    return {"ops": ops, "ops_step": step / 2, "train_step": step, "full_batches": 234}
+
+
+def test_isa_summary_takes_ratios_of_round_medians_against_the_peaks_target():
+    raw = {"avx2": [_isa_round(1.1, 0.030), _isa_round(1.5, 0.050), _isa_round(1.3, 0.040)],
+           "avx512": [_isa_round(1.0, 0.020), _isa_round(0.8, 0.024), _isa_round(2.0, 0.060)]}
+    same = bench.isa.summarize_isa(raw, {"avx2": 90.0, "avx512": 93.0})
+    assert same["target"] == 1.25 and same["peak_ratio"] == pytest.approx(93 / 90)
+    a, b = same["paths"]["avx2"], same["paths"]["avx512"]
+    conv2 = "conv2 (50, 20, 5, 5)"
+    assert a["ops"][conv2]["forward"]["median"] == pytest.approx(2.6e-3)
+    assert b["ops"][conv2]["forward"]["median"] == pytest.approx(2.0e-3)
+    assert a["ops"][conv2]["forward"]["rounds"] == pytest.approx([2.2e-3, 3.0e-3, 2.6e-3])
+    assert a["ops"][conv2]["gflops_forward"] == pytest.approx(100 / 1.3)
+    assert a["ops"]["relu1"]["gflops_backward"] is None
+    assert a["train_step"]["median"] == 0.040 and b["train_step"]["median"] == 0.024
+    assert a["sec_per_epoch"] == pytest.approx(0.040 * 234)
+    by = {x["what"]: x for x in same["ratios"]}
+    assert len(by) == 2 * 2 + 2
+    assert by["conv2 forward"]["ratio"] == pytest.approx(1.3)
+    assert by["relu1 backward"]["ratio"] == pytest.approx(1.3)
+    assert by["fused step (training batch)"]["ratio"] == pytest.approx(0.040 / 0.024)
+    assert by["fused step (ops' batch)"]["ratio"] == pytest.approx(0.040 / 0.024)
+    assert [x["within_target"] for x in same["ratios"]] == [False] * 6
+    double = bench.isa.summarize_isa(raw, {"avx2": 90.0, "avx512": 180.0})
+    assert double["target"] == 2.0
+    assert all(x["within_target"] for x in double["ratios"])
+    assert bench.isa_target(1.49) == 1.25 and bench.isa_target(1.5) == 2.0
+    assert "ratios" not in bench.isa.summarize_isa({"avx2": raw["avx2"]}, {"avx2": 90.0})
+
+    r = bench.common.header("isa", dict(isas=["avx2", "avx512"], rounds=3, ops_batch=128,
+                                        batch_size=256))
+    r.update(same, peaks={"avx2": 90.0, "avx512": 93.0})
+    text = bench.format_result(r)
+    assert "within 1.25x" in text and "conv2 forward 1.30x" in text
+    assert "6 over it" in text and "fused step 1.67x" in text
+    r.update(double)
+    assert "every one within the target" in bench.format_result(r)
+
+
+def test_isa_times_every_path_this_cpu_runs(tmp_path):
+    code, text, r = _run(["bench", "isa", "--rounds", "1", "--synthetic", "300",
+                          "--limit-batches", "2", "--warmup", "0", "--repeat", "1",
+                          "--ops-batch", "4", "--batch-size", "32"], tmp_path, "isa")
+    assert code == 0
+    _check_machine(r)
+    paths = bench.layers._has_isas()
+    assert list(r["paths"]) == paths == list(r["raw"]) == list(r["peaks"])
+    for isa in paths:
+        p, (raw,) = r["paths"][isa], r["raw"][isa]
+        assert [k.split(" (")[0] for k in p["ops"]] == [
+            "conv1", "relu1", "avg_pool1", "conv2", "relu2", "avg_pool2", "fc1 mm", "fc1 bias",
+            "relu3", "fc2 mm", "fc2 bias", "softmax_ce"]
+        for name, op in p["ops"].items():
+            for phase in ("forward", "backward"):
+                assert op[phase]["median"] == raw["ops"][name][phase] > 0
+        assert p["train_step"]["median"] == raw["train_step"] > 0
+        assert raw["full_batches"] == -(-300 // 32)  # the last, partial batch counts
+        assert p["sec_per_epoch"] == pytest.approx(raw["train_step"] * 10)
+        assert r["peaks"][isa] > 0
+    if len(paths) == 2:
+        a, b = r["paths"]["avx2"], r["paths"]["avx512"]
+        by = {x["what"]: x["ratio"] for x in r["ratios"]}
+        assert by["fused step (training batch)"] == (a["train_step"]["median"]
+                                                     / b["train_step"]["median"])
+        assert "avx2 / avx512 (target" in text
+    else:
+        assert "avx2 / avx512: not measured" in text
+
+
+def test_isa_refuses_paths_the_cpu_cannot_run(capsys):
+    assert cli.main(["bench", "isa", "--isas", "sse4", "--synthetic", "300"]) == 2
+    assert "'sse4' is not a kernel path" in capsys.readouterr().err
+    assert cli.main(["bench", "isa", "--rounds", "0", "--synthetic", "300"]) == 2
+    assert "rounds must be >= 1" in capsys.readouterr().err
+    if "avx512" not in bench.layers._has_isas():
+        assert cli.main(["bench", "isa", "--isas", "avx512", "--synthetic", "300"]) == 2
+        assert "cannot run the avx512 path" in capsys.readouterr().err
+
+
+def test_isa_compare_torch_runs_its_default_and_avx2_kernels(tmp_path):
+    py, info = bench.find_torch_python()
+    if py is None:
+        pytest.skip(info)
+    code, text, r = _run(["bench", "isa", "--rounds", "1", "--isas", "avx2", "--synthetic",
+                          "300", "--limit-batches", "2", "--warmup", "0", "--repeat", "1",
+                          "--ops-batch", "4", "--batch-size", "32", "--compare", "torch"],
+                         tmp_path, "isa_torch")
+    assert code == 0
+    t = r["torch"]
+    assert t["python"] == py and t["capability"]["avx2"] == "AVX2"
+    for kind in ("default", "avx2"):
+        assert t["step"][kind]["median"] > 0
+        assert r["torch_ratios"][f"torch {kind} / mgpu avx2"] == (
+            t["step"][kind]["median"] / r["paths"]["avx2"]["train_step"]["median"])
+    assert "ATEN_CPU_CAPABILITY=avx2 (AVX2)" in text

@@ -287,8 +287,11 @@ def main(argv=None):
                  peak_rss_bytes=common.peak_rss_bytes())
         results.append(r)
 
+    # The kernels' instruction set PyTorch picked (ATEN_CPU_CAPABILITY overrides it).
+    capability = getattr(getattr(torch.backends, "cpu", None), "get_cpu_capability", None)
     common.print_result(results, load_sec, torch_version=torch.__version__,
-                        threads=torch.get_num_threads())
+                        threads=torch.get_num_threads(),
+                        cpu_capability=capability() if capability else "?")
     return 0
 
 

@@ -211,6 +211,14 @@ def _bench(args) -> int:
                                   rounds=args.rounds, repeat=args.repeat, warmup=args.warmup,
                                   log=log, device=args.device, onednn=args.onednn,
                                   layers=args.layers)
+    elif args.bench == "isa":
+        result = bench.bench_isa(rounds=args.rounds, ops_batch=args.ops_batch,
+                                 batch_size=args.batch_size, limit_batches=args.limit_batches,
+                                 warmup=args.warmup, repeat=args.repeat,
+                                 isas=args.isas.split(",") if args.isas else None,
+                                 data_dir=args.data_dir, synthetic=args.synthetic,
+                                 compare=args.compare, torch_python=args.torch_python,
+                                 torch_threads=args.torch_threads, log=log)
     elif args.bench == "batch_norm":
         result = bench.bench_batch_norm(shape=args.shape, warmup=args.warmup, repeat=args.repeat,
                                         log=log, device=args.device)
@@ -306,6 +314,26 @@ def _bench_parser(sub) -> None:
     v.add_argument("--onednn", metavar="PATH", default=None,
                    help="also time oneDNN's convolution with this onednn_conv_bench (made by "
                    "`bash .ci/peers.sh onednn`: build/peers/onednn/bin/onednn_conv_bench)")
+    i = kinds.add_parser("isa", help="LeNet's ops and fused step under each CPU kernel path "
+                         "(MGPU_ISA), interleaved, against the avx2 / avx512 target")
+    common(i, 3, 10, "untimed batches before the timed fused steps",
+           "timed samples of each op in every round")
+    i.add_argument("--rounds", type=int, default=3, help="rounds over all paths")
+    i.add_argument("--isas", default=None,
+                   help="paths to time, e.g. avx2 (default: every path this CPU runs)")
+    i.add_argument("--ops-batch", type=int, default=128, help="the ops' batch size")
+    i.add_argument("--batch-size", type=int, default=256, help="the fused step's batch size")
+    i.add_argument("--limit-batches", type=int, default=60,
+                   help="timed fused steps per round (one epoch cut there)")
+    i.add_argument("--data-dir", default=None, help="directory with the Fashion-MNIST IDX files")
+    i.add_argument("--synthetic", type=int, default=0, metavar="N",
+                   help="train on N random images instead of Fashion-MNIST")
+    i.add_argument("--compare", default=None, choices=["torch"],
+                   help="also time the chapter's PyTorch step, with its default kernels and "
+                        "with ATEN_CPU_CAPABILITY=avx2")
+    i.add_argument("--torch-python", metavar="PATH", default=None,
+                   help="interpreter with torch (default: this one, else /usr/bin/python3)")
+    i.add_argument("--torch-threads", type=int, default=2, help="torch.set_num_threads")
     c = kinds.add_parser("checkpoint", help="write and load time of LeNet's and ResNet-18's "
                          "training checkpoints")
     common(c, 1, 5)

@@ -1,4 +1,4 @@
-"""Benchmarks behind ``python -m mgpu bench {train,ops,batch_norm,conv,allreduce,checkpoint}``:
+"""Benchmarks behind ``python -m mgpu bench {train,ops,batch_norm,conv,isa,allreduce,checkpoint}``:
 plain-dict results (JSON). Every measurement warms up, repeats and keeps each raw time; tables
 show the median and the spread ((max - min) / median), because a shared machine is noisy.
 """
@@ -29,6 +29,7 @@ from .common import (
     summarize,
 )
 from .conv import bench_conv, format_conv
+from .isa import bench_isa, format_isa, isa_target
 from .ops import bench_ops, format_ops
 from .plot import plot
 from .train import (
@@ -47,11 +48,11 @@ def format_result(r: Dict) -> str:
     """The readable table for any bench result."""
     return {"train": format_train, "ops": format_ops, "batch_norm": format_batch_norm,
             "allreduce": format_allreduce, "checkpoint": format_checkpoint,
-            "conv": format_conv}[r["benchmark"]](r)
+            "conv": format_conv, "isa": format_isa}[r["benchmark"]](r)
 
 
 __all__ = ["bench_train", "bench_train_resnet18", "bench_ops", "bench_batch_norm", "bench_conv",
-           "bench_allreduce", "bench_checkpoint", "format_result",
+           "bench_isa", "isa_target", "bench_allreduce", "bench_checkpoint", "format_result",
            "plot", "save", "load",
            "summarize", "measure", "machine_info", "lenet_layer_flops", "lenet_step_flops",
            "find_torch_python", "find_jax_python", "bus_factor", "parse_size", "format_size",

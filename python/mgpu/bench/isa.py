@@ -1,0 +1,271 @@
+"""``bench isa``: LeNet under each CPU kernel path this CPU runs (``MGPU_ISA=avx2``, and ``avx512``
+where it has AVX-512), against the targets of "Fast on every x86 CPU".
+
+The kernel path is chosen once when mgpu is imported, so every measurement runs in a process of
+its own, with no GPU visible: ``bench ops`` (each LeNet op, forward and backward, and the fused
+step at the ops' batch) and ``bench train --parts fused`` (the fused step on cpu(0) at the
+training batch), once per path in every round, the paths interleaved round by round so a change
+of load hits each alike.
+Optionally the chapter's PyTorch step runs in every round too, with PyTorch's own choice of
+kernels and with ``ATEN_CPU_CAPABILITY=avx2``.
+
+The target for avx2 / avx512 follows from the FMA peaks measured here: within 1.25x where the CPU
+does as many FMAs per cycle at 256 as at 512 bits (AMD Zen 4), within 2x where 512 bits double
+them (Intel with two 512-bit FMA units). Comparing a portable build with a native one needs two
+installs; this benchmark times the build it runs in.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from typing import Dict, List, Optional, Sequence
+
+from .. import _core
+from ..data import find_data_dir
+from .common import Log, _machine_lines, _ms, _say, _table, header
+from .layers import _has_isas
+from .train import _package_root, _run_rival, find_torch_python
+
+ISAS = ("avx2", "avx512")
+# avx2 time / avx512 time allowed, by the ratio of the two paths' FMA peaks: a peak ratio below
+# this bound means 512-bit FMAs are no faster per cycle than two 256-bit ones.
+SAME_WIDTH_PEAK = 1.5
+TARGET_SAME_THROUGHPUT = 1.25
+TARGET_DOUBLE_THROUGHPUT = 2.0
+
+
+def isa_target(peak_ratio: float) -> float:
+    """The allowed avx2 / avx512 time ratio for a CPU whose avx512 / avx2 FMA peak is
+    ``peak_ratio``: 1.25 where the peaks are about equal, 2 where 512 bits double them."""
+    return TARGET_SAME_THROUGHPUT if peak_ratio < SAME_WIDTH_PEAK else TARGET_DOUBLE_THROUGHPUT
+
+
+def _child(argv: List[str], env: Dict[str, str], what: str) -> Dict:
+    """Runs ``python -m mgpu`` + argv with ``env`` in an empty directory; returns its JSON."""
+    with tempfile.TemporaryDirectory() as cwd:
+        path = os.path.join(cwd, "result.json")
+        env = dict(env, PYTHONPATH=_package_root() + os.pathsep + env.get("PYTHONPATH", ""))
+        r = subprocess.run([sys.executable, "-m", "mgpu"] + argv + ["--quiet", "--json", path],
+                           capture_output=True, text=True, cwd=cwd, env=env)
+        if r.returncode != 0 or not os.path.exists(path):
+            raise RuntimeError(f"bench isa: {what} failed ({r.returncode}):\n"
+                               f"{r.stderr.strip()[-2000:]}")
+        with open(path) as f:
+            return json.load(f)
+
+
+def _median(xs: Sequence[float]) -> Dict:
+    xs = [float(x) for x in xs]
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "rounds": xs}
+
+
+def bench_isa(rounds: int = 3, ops_batch: int = 128, batch_size: int = 256,
+              limit_batches: int = 60, warmup: int = 3, repeat: int = 10,
+              isas: Optional[Sequence[str]] = None, data_dir: Optional[str] = None,
+              synthetic: int = 0, compare: Optional[str] = None,
+              torch_python: Optional[str] = None, torch_threads: int = 2,
+              log: Log = None) -> Dict:
+    """Times LeNet's ops (``bench ops`` at ``ops_batch``, ``repeat`` samples each) and the
+    fused step on one device (``bench train --parts fused`` at ``batch_size``, ``warmup``
+    batches, then one epoch cut at ``limit_batches``) under each path in ``isas`` (default:
+    every path this CPU runs), each in its own process, ``rounds`` rounds interleaved. A figure
+    is the median over the rounds of each round's median. ``compare='torch'`` adds the
+    chapter's PyTorch step in every round, with its default kernels and with
+    ``ATEN_CPU_CAPABILITY=avx2``. Returns a dict (JSON) with the per-round figures, the FMA
+    peaks, and every avx2 / avx512 and PyTorch / mgpu ratio."""
+    have = _has_isas()
+    isas = list(have if isas is None else isas)
+    for isa in isas:
+        if isa not in ISAS:
+            raise ValueError(f"bench isa: {isa!r} is not a kernel path; choose from "
+                             f"{', '.join(ISAS)}")
+        if isa not in have:
+            raise ValueError(f"bench isa: this CPU ({_core.build_info()['cpu_model']}) cannot "
+                             f"run the {isa} path (it runs {', '.join(have)}); leave --isas "
+                             "out to time every path it runs")
+    if not isas or len(set(isas)) != len(isas):
+        raise ValueError(f"bench isa: --isas must name each path once, got {isas}")
+    for name, v in (("rounds", rounds), ("ops_batch", ops_batch), ("batch_size", batch_size),
+                    ("limit_batches", limit_batches), ("repeat", repeat)):
+        if int(v) < 1:
+            raise ValueError(f"bench isa: {name} must be >= 1, got {v}")
+    if int(warmup) < 0:
+        raise ValueError(f"bench isa: warmup must be >= 0, got {warmup}")
+    if compare not in (None, "torch"):
+        raise ValueError(f"bench isa: --compare takes 'torch' only, got {compare!r}")
+    torch_py = None
+    if compare:
+        torch_py, info = find_torch_python(torch_python)
+        if torch_py is None:
+            raise ValueError(f"bench isa: no interpreter with torch found ({info}); give one "
+                             "with --torch-python (`bash .ci/peers.sh torch` makes "
+                             "build/peers/torch)")
+    if synthetic:
+        data_args = ["--synthetic", str(int(synthetic))]
+        data = {"source": "synthetic", "train_examples": int(synthetic)}
+    else:
+        data_dir = find_data_dir(data_dir)
+        data_args = ["--data-dir", data_dir]
+        data = {"source": "fashion-mnist", "dir": data_dir}
+    out = header("isa", dict(rounds=rounds, ops_batch=ops_batch, batch_size=batch_size,
+                             limit_batches=limit_batches, warmup=warmup, repeat=repeat,
+                             isas=isas, data=data, compare=compare, torch_threads=torch_threads))
+    out["peaks"] = {isa: _core.fma_peak(isa, 1)["gflops"] for isa in isas}
+    ops_argv = ["bench", "ops", "--batch-sizes", str(ops_batch), "--warmup", "2",
+                "--repeat", str(repeat)]
+    train_argv = ["bench", "train", "--model", "lenet", "--parts", "fused", "--devices", "1",
+                  "--batch-size", str(batch_size), "--epochs", "1", "--limit-batches",
+                  str(limit_batches), "--warmup", str(warmup)] + data_args
+    # The children see no GPU (real or emulated), so the fused step runs on cpu(0) as the ops do.
+    env0 = {k: v for k, v in os.environ.items() if k != "MGPU_ISA"}
+    env0.update(MGPU_EMULATED_GPUS="0", CUDA_VISIBLE_DEVICES="")
+    raw: Dict[str, List[Dict]] = {isa: [] for isa in isas}
+    torch_raw: Dict[str, List[float]] = {"default": [], "avx2": []}
+    torch_info: Dict[str, str] = {}
+    for r in range(int(rounds)):
+        for isa in isas:
+            _say(log, f"bench isa: round {r + 1} of {rounds}, MGPU_ISA={isa} ...")
+            env = dict(env0, MGPU_ISA=isa)
+            ops = _child(ops_argv, env, f"bench ops with MGPU_ISA={isa}")
+            train = _child(train_argv, env, f"bench train with MGPU_ISA={isa}")
+            ran = ops["machine"]["build_info"]["cpu_isa"]
+            if ran != isa:  # the child must have run the path it was given
+                raise RuntimeError(f"bench isa: MGPU_ISA={isa} ran the {ran} path")
+            step = train["results"][0]
+            raw[isa].append({
+                "ops": {x["op"]: {"forward": x["forward"]["median"],
+                                  "backward": x["backward"]["median"],
+                                  "gflops_forward": x["gflops_forward"],
+                                  "gflops_backward": x["gflops_backward"]}
+                        for x in ops["ops"]},
+                "ops_step": ops["steps"][0]["fused_step"]["median"],
+                "train_step": step["sec_per_step"]["median"],
+                "full_batches": step["full_batches"]})
+        if torch_py:
+            for kind in ("default", "avx2"):
+                _say(log, f"bench isa: round {r + 1}, the chapter's PyTorch step ({kind} "
+                          "kernels) ...")
+                saved = os.environ.pop("ATEN_CPU_CAPABILITY", None)
+                try:
+                    if kind == "avx2":
+                        os.environ["ATEN_CPU_CAPABILITY"] = "avx2"
+                    got = _run_rival("torch", torch_py, data.get("dir"), data["train_examples"]
+                                     if synthetic else 0, [1], batch_size, 0.2, 1,
+                                     int(limit_batches), int(warmup), int(torch_threads), 0,
+                                     variants="chapter")
+                finally:
+                    os.environ.pop("ATEN_CPU_CAPABILITY", None)
+                    if saved is not None:
+                        os.environ["ATEN_CPU_CAPABILITY"] = saved
+                res = got["results"][0]
+                torch_raw[kind].append(statistics.median(
+                    t / res["steps_per_epoch"] for t in res["epoch_times"]))
+                torch_info[kind] = got.get("cpu_capability", "?")
+                torch_info["version"] = got.get("torch_version", "?")
+    out["raw"] = raw
+    out.update(summarize_isa(raw, out["peaks"]))
+    if torch_py:
+        out["torch"] = {"python": torch_py, "version": torch_info.get("version"),
+                        "threads": int(torch_threads),
+                        "capability": {k: torch_info.get(k) for k in ("default", "avx2")},
+                        "step": {k: _median(v) for k, v in torch_raw.items()}}
+        out["torch_ratios"] = {
+            f"torch {k} / mgpu {isa}": out["torch"]["step"][k]["median"]
+            / out["paths"][isa]["train_step"]["median"]
+            for k in ("default", "avx2") for isa in isas}
+    return out
+
+
+def summarize_isa(raw: Dict[str, List[Dict]], peaks: Dict[str, float]) -> Dict:
+    """From each path's rounds (``raw[isa]``: dicts of ops, ops_step, train_step, full_batches):
+    each figure's median over the rounds, and where both paths ran, every avx2 / avx512 ratio of
+    medians with the target (``isa_target`` of the measured peaks) and whether it holds."""
+    paths = {}
+    for isa, rs in raw.items():
+        ops = {}
+        for name in rs[0]["ops"]:
+            ops[name] = {p: _median([x["ops"][name][p] for x in rs])
+                         for p in ("forward", "backward")}
+            for p in ("forward", "backward"):
+                g = rs[0]["ops"][name]["gflops_" + p]
+                # GFLOP/s at the median time: the FLOPs are the same in every round.
+                ops[name]["gflops_" + p] = (g * rs[0]["ops"][name][p] / ops[name][p]["median"]
+                                            if g else None)
+        step = _median([x["train_step"] for x in rs])
+        paths[isa] = {"ops": ops, "ops_step": _median([x["ops_step"] for x in rs]),
+                      "train_step": step,
+                      "sec_per_epoch": step["median"] * rs[0]["full_batches"]}
+    out: Dict = {"paths": paths}
+    if "avx2" in paths and "avx512" in paths:
+        peak_ratio = peaks["avx512"] / peaks["avx2"]
+        target = isa_target(peak_ratio)
+        a, b = paths["avx2"], paths["avx512"]
+        ratios = [{"what": f"{name.split(' (')[0]} {p}", "ratio": a["ops"][name][p]["median"]
+                   / b["ops"][name][p]["median"]}
+                  for name in a["ops"] for p in ("forward", "backward")]
+        ratios.append({"what": "fused step (ops' batch)",
+                       "ratio": a["ops_step"]["median"] / b["ops_step"]["median"]})
+        ratios.append({"what": "fused step (training batch)",
+                       "ratio": a["train_step"]["median"] / b["train_step"]["median"]})
+        for x in ratios:
+            x["within_target"] = x["ratio"] <= target
+        out.update(peak_ratio=peak_ratio, target=target, ratios=ratios)
+    return out
+
+
+def _conv(ops: Dict, name: str) -> Dict:
+    return next(v for k, v in ops.items() if k.split(" (")[0] == name)
+
+
+def format_isa(r: Dict) -> str:
+    s = r["settings"]
+    lines = [f"mgpu bench isa: LeNet on each CPU kernel path ({', '.join(s['isas'])}), each in "
+             f"its own process, {s['rounds']} round(s) interleaved; median over the rounds of "
+             "each round's median"]
+    lines += _machine_lines(r)
+    lines.append("FMA peak, 1 thread (mgpu._core.fma_peak): " + ", ".join(
+        f"{isa} {g:.1f} GFLOP/s" for isa, g in r["peaks"].items()))
+    rows = []
+    for isa, p in r["paths"].items():
+        c2 = _conv(p["ops"], "conv2")
+        rows.append([isa, f"{_ms(c2['forward']['median'])} ms, "
+                          f"{c2['gflops_forward']:.0f} GFLOP/s",
+                     f"{_ms(c2['backward']['median'])} ms", f"{_ms(p['ops_step']['median'])} ms",
+                     f"{_ms(p['train_step']['median'])} ms", f"{p['sec_per_epoch']:.1f}"])
+    lines.append("")
+    lines += _table(["path", f"conv2 fwd (batch {s['ops_batch']})", "conv2 bwd",
+                     f"fused step, batch {s['ops_batch']}",
+                     f"fused step, batch {s['batch_size']}, 1 device", "sec/epoch"], rows,
+                    "lrrrrr")
+    if "ratios" in r:
+        worst = max(r["ratios"], key=lambda x: x["ratio"])
+        misses = [x for x in r["ratios"] if not x["within_target"]]
+        by = {x["what"]: x["ratio"] for x in r["ratios"]}
+        lines.append("")
+        lines.append(f"avx2 / avx512 (target: within {r['target']:.2f}x, as the avx512 / avx2 "
+                     f"FMA peak is {r['peak_ratio']:.2f}): conv2 forward "
+                     f"{by['conv2 forward']:.2f}x, backward {by['conv2 backward']:.2f}x, fused "
+                     f"step {by['fused step (training batch)']:.2f}x; worst of "
+                     f"{len(r['ratios'])}: {worst['what']} {worst['ratio']:.2f}x; "
+                     + ("every one within the target" if not misses else
+                        f"{len(misses)} over it: " + ", ".join(
+                            f"{x['what']} {x['ratio']:.2f}x" for x in misses)))
+    else:
+        lines.append("")
+        lines.append("avx2 / avx512: not measured (one path only: "
+                     + ("this CPU has no AVX-512" if "avx512" not in _has_isas() else
+                        "--isas named one") + ")")
+    if "torch" in r:
+        t = r["torch"]
+        lines.append(f"PyTorch {t['version']} ({t['python']}), {t['threads']} threads, the "
+                     "chapter's step on 1 device: default kernels ("
+                     f"{t['capability']['default']}) {_ms(t['step']['default']['median'])} ms, "
+                     f"ATEN_CPU_CAPABILITY=avx2 ({t['capability']['avx2']}) "
+                     f"{_ms(t['step']['avx2']['median'])} ms")
+        lines.append("ratio = PyTorch ms / mgpu ms (above 1: mgpu is faster): " + ", ".join(
+            f"{k} {v:.2f}" for k, v in r["torch_ratios"].items()))
+    return "\n".join(lines)
