@@ -7,6 +7,7 @@ import gzip
 import io
 import json
 import os
+import sys
 
 import numpy as np
 import pytest
@@ -562,11 +563,11 @@ def _isa_round(scale, step):
 
 
 def test_isa_summary_takes_ratios_of_round_medians_against_the_peaks_target():
-    raw = {"avx2": [_isa_round(1.1, 0.030), _isa_round(1.5, 0.050), _isa_round(1.3, 0.040)],
-           "avx512": [_isa_round(1.0, 0.020), _isa_round(0.8, 0.024), _isa_round(2.0, 0.060)]}
-    same = bench.isa.summarize_isa(raw, {"avx2": 90.0, "avx512": 93.0})
+    v3 = {"avx2": [_isa_round(1.1, 0.030), _isa_round(1.5, 0.050), _isa_round(1.3, 0.040)],
+          "avx512": [_isa_round(1.0, 0.020), _isa_round(0.8, 0.024), _isa_round(2.0, 0.060)]}
+    same = bench.isa.summarize_isa({"x86-64-v3": v3}, {"avx2": 90.0, "avx512": 93.0})
     assert same["target"] == 1.25 and same["peak_ratio"] == pytest.approx(93 / 90)
-    a, b = same["paths"]["avx2"], same["paths"]["avx512"]
+    a, b = same["paths"]["x86-64-v3"]["avx2"], same["paths"]["x86-64-v3"]["avx512"]
     conv2 = "conv2 (50, 20, 5, 5)"
     assert a["ops"][conv2]["forward"]["median"] == pytest.approx(2.6e-3)
     assert b["ops"][conv2]["forward"]["median"] == pytest.approx(2.0e-3)
@@ -575,39 +576,70 @@ def test_isa_summary_takes_ratios_of_round_medians_against_the_peaks_target():
     assert a["ops"]["relu1"]["gflops_backward"] is None
     assert a["train_step"]["median"] == 0.040 and b["train_step"]["median"] == 0.024
     assert a["sec_per_epoch"] == pytest.approx(0.040 * 234)
-    by = {x["what"]: x for x in same["ratios"]}
+    by = {x["what"]: x for x in same["ratios"]["x86-64-v3"]}
     assert len(by) == 2 * 2 + 2
     assert by["conv2 forward"]["ratio"] == pytest.approx(1.3)
     assert by["relu1 backward"]["ratio"] == pytest.approx(1.3)
     assert by["fused step (training batch)"]["ratio"] == pytest.approx(0.040 / 0.024)
     assert by["fused step (ops' batch)"]["ratio"] == pytest.approx(0.040 / 0.024)
-    assert [x["within_target"] for x in same["ratios"]] == [False] * 6
-    double = bench.isa.summarize_isa(raw, {"avx2": 90.0, "avx512": 180.0})
+    assert [x["within_target"] for x in same["ratios"]["x86-64-v3"]] == [False] * 6
+    assert "build_ratios" not in same and "portable_native" not in same
+    double = bench.isa.summarize_isa({"x86-64-v3": v3}, {"avx2": 90.0, "avx512": 180.0})
     assert double["target"] == 2.0
-    assert all(x["within_target"] for x in double["ratios"])
+    assert all(x["within_target"] for x in double["ratios"]["x86-64-v3"])
     assert bench.isa_target(1.49) == 1.25 and bench.isa_target(1.5) == 2.0
-    assert "ratios" not in bench.isa.summarize_isa({"avx2": raw["avx2"]}, {"avx2": 90.0})
+    assert "ratios" not in bench.isa.summarize_isa({"x86-64-v3": {"avx2": v3["avx2"]}},
+                                                   {"avx2": 90.0})
+
+    # A native build beside the portable one: its time / the first build's, and portable /
+    # native against 5 %.
+    native = {"avx2": [_isa_round(1.0, 0.030), _isa_round(1.2, 0.036), _isa_round(1.25, 0.050)],
+              "avx512": [_isa_round(1.0, 0.020), _isa_round(0.99, 0.024), _isa_round(2, 0.06)]}
+    two = bench.isa.summarize_isa({"x86-64-v3": v3, "native": native},
+                                  {"avx2": 90.0, "avx512": 93.0})
+    nb = {x["what"]: x["ratio"] for x in two["build_ratios"]["native"]["avx2"]}
+    assert nb["conv2 forward"] == pytest.approx(1.2 / 1.3)
+    assert nb["fused step (training batch)"] == pytest.approx(0.036 / 0.040)
+    pn = two["portable_native"]
+    assert (pn["portable"], pn["native"], pn["target"]) == ("x86-64-v3", "native", 1.05)
+    p2 = {x["what"]: x for x in pn["ratios"]["avx2"]}
+    assert p2["conv2 forward"]["ratio"] == pytest.approx(1.3 / 1.2)
+    assert not p2["conv2 forward"]["within_target"]
+    p5 = {x["what"]: x for x in pn["ratios"]["avx512"]}
+    assert p5["conv2 forward"]["ratio"] == pytest.approx(1.0)
+    assert p5["conv2 forward"]["within_target"]
 
     r = bench.common.header("isa", dict(isas=["avx2", "avx512"], rounds=3, ops_batch=128,
-                                        batch_size=256))
+                                        batch_size=256, builds=["x86-64-v3"]))
     r.update(same, peaks={"avx2": 90.0, "avx512": 93.0})
     text = bench.format_result(r)
     assert "within 1.25x" in text and "conv2 forward 1.30x" in text
     assert "6 over it" in text and "fused step 1.67x" in text
     r.update(double)
     assert "every one within the target" in bench.format_result(r)
+    r["settings"]["builds"] = ["x86-64-v3", "native"]
+    r.update(two)
+    text = bench.format_result(r)
+    assert "native / x86-64-v3, avx2: conv2 forward 0.92x" in text
+    assert "portable (x86-64-v3) / native (native) (target: within 1.05x)" in text
+
+
+def _run_isa(tmp_path, name, *extra):
+    return _run(["bench", "isa", "--rounds", "1", "--synthetic", "300", "--limit-batches", "2",
+                 "--warmup", "0", "--repeat", "1", "--ops-batch", "4", "--batch-size", "32",
+                 *extra], tmp_path, name)
 
 
 def test_isa_times_every_path_this_cpu_runs(tmp_path):
-    code, text, r = _run(["bench", "isa", "--rounds", "1", "--synthetic", "300",
-                          "--limit-batches", "2", "--warmup", "0", "--repeat", "1",
-                          "--ops-batch", "4", "--batch-size", "32"], tmp_path, "isa")
+    code, text, r = _run_isa(tmp_path, "isa")
     assert code == 0
     _check_machine(r)
     paths = bench.layers._has_isas()
-    assert list(r["paths"]) == paths == list(r["raw"]) == list(r["peaks"])
+    label = mgpu._core.build_info()["cpu_baseline"].split(" ")[0]
+    assert list(r["paths"]) == [label] == r["settings"]["builds"]
+    assert list(r["paths"][label]) == paths == list(r["raw"][label]) == list(r["peaks"])
     for isa in paths:
-        p, (raw,) = r["paths"][isa], r["raw"][isa]
+        p, (raw,) = r["paths"][label][isa], r["raw"][label][isa]
         assert [k.split(" (")[0] for k in p["ops"]] == [
             "conv1", "relu1", "avg_pool1", "conv2", "relu2", "avg_pool2", "fc1 mm", "fc1 bias",
             "relu3", "fc2 mm", "fc2 bias", "softmax_ce"]
@@ -619,13 +651,41 @@ def test_isa_times_every_path_this_cpu_runs(tmp_path):
         assert p["sec_per_epoch"] == pytest.approx(raw["train_step"] * 10)
         assert r["peaks"][isa] > 0
     if len(paths) == 2:
-        a, b = r["paths"]["avx2"], r["paths"]["avx512"]
-        by = {x["what"]: x["ratio"] for x in r["ratios"]}
+        a, b = r["paths"][label]["avx2"], r["paths"][label]["avx512"]
+        by = {x["what"]: x["ratio"] for x in r["ratios"][label]}
         assert by["fused step (training batch)"] == (a["train_step"]["median"]
                                                      / b["train_step"]["median"])
         assert "avx2 / avx512 (target" in text
     else:
         assert "avx2 / avx512: not measured" in text
+
+
+def test_isa_times_another_build_round_by_round(tmp_path, capsys):
+    """--builds: an interpreter that imports this same build (a wrapper that sets its path) is
+    timed as a second build, and its ratios are its medians over the first build's."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(mgpu.__file__)))
+    wrapper = tmp_path / "other-python"
+    wrapper.write_text(f"#!/bin/sh\nPYTHONPATH='{root}' exec '{sys.executable}' \"$@\"\n")
+    wrapper.chmod(0o755)
+    code, text, r = _run_isa(tmp_path, "builds", "--isas", "avx2", "--builds", str(wrapper))
+    assert code == 0
+    first, second = r["settings"]["builds"]
+    assert second == first + "#2" and r["builds"][1]["python"] == str(wrapper)
+    a, b = r["paths"][second]["avx2"], r["paths"][first]["avx2"]
+    by = {x["what"]: x["ratio"] for x in r["build_ratios"][second]["avx2"]}
+    assert by["fused step (training batch)"] == (a["train_step"]["median"]
+                                                 / b["train_step"]["median"])
+    assert f"{second} / {first}, avx2: conv2 forward" in text
+
+    broken = tmp_path / "no-mgpu-python"
+    broken.write_text("#!/bin/sh\necho 'No module named mgpu' >&2\nexit 1\n")
+    broken.chmod(0o755)
+    capsys.readouterr()
+    assert cli.main(["bench", "isa", "--synthetic", "300", "--builds", str(broken)]) == 2
+    assert f"--builds {broken} cannot import mgpu" in capsys.readouterr().err
+    assert cli.main(["bench", "isa", "--synthetic", "300", "--builds",
+                     str(tmp_path / "missing")]) == 2
+    assert "cannot run it" in capsys.readouterr().err
 
 
 def test_isa_refuses_paths_the_cpu_cannot_run(capsys):
@@ -642,15 +702,13 @@ def test_isa_compare_torch_runs_its_default_and_avx2_kernels(tmp_path):
     py, info = bench.find_torch_python()
     if py is None:
         pytest.skip(info)
-    code, text, r = _run(["bench", "isa", "--rounds", "1", "--isas", "avx2", "--synthetic",
-                          "300", "--limit-batches", "2", "--warmup", "0", "--repeat", "1",
-                          "--ops-batch", "4", "--batch-size", "32", "--compare", "torch"],
-                         tmp_path, "isa_torch")
+    code, text, r = _run_isa(tmp_path, "isa_torch", "--isas", "avx2", "--compare", "torch")
     assert code == 0
     t = r["torch"]
     assert t["python"] == py and t["capability"]["avx2"] == "AVX2"
     for kind in ("default", "avx2"):
         assert t["step"][kind]["median"] > 0
         assert r["torch_ratios"][f"torch {kind} / mgpu avx2"] == (
-            t["step"][kind]["median"] / r["paths"]["avx2"]["train_step"]["median"])
+            t["step"][kind]["median"] / r["paths"][r["settings"]["builds"][0]]["avx2"]
+            ["train_step"]["median"])
     assert "ATEN_CPU_CAPABILITY=avx2 (AVX2)" in text

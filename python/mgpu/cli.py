@@ -218,7 +218,8 @@ def _bench(args) -> int:
                                  isas=args.isas.split(",") if args.isas else None,
                                  data_dir=args.data_dir, synthetic=args.synthetic,
                                  compare=args.compare, torch_python=args.torch_python,
-                                 torch_threads=args.torch_threads, log=log)
+                                 torch_threads=args.torch_threads,
+                                 builds=args.builds.split(",") if args.builds else (), log=log)
     elif args.bench == "batch_norm":
         result = bench.bench_batch_norm(shape=args.shape, warmup=args.warmup, repeat=args.repeat,
                                         log=log, device=args.device)
@@ -334,6 +335,10 @@ def _bench_parser(sub) -> None:
     i.add_argument("--torch-python", metavar="PATH", default=None,
                    help="interpreter with torch (default: this one, else /usr/bin/python3)")
     i.add_argument("--torch-threads", type=int, default=2, help="torch.set_num_threads")
+    i.add_argument("--builds", metavar="PYTHON[,PYTHON...]", default=None,
+                   help="also time the mgpu these interpreters import (e.g. a venv with `pip "
+                        "install . -C cmake.define.MGPU_NATIVE_ARCH=ON`), round by round, "
+                        "against this one; portable / native against its 5%% target")
     c = kinds.add_parser("checkpoint", help="write and load time of LeNet's and ResNet-18's "
                          "training checkpoints")
     common(c, 1, 5)
