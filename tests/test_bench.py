@@ -200,7 +200,12 @@ def test_plots_every_result_kind(tmp_path):
                        ("allreduce", ["allreduce", "--sizes", "1K,4K", "--warmup", "0",
                                       "--repeat", "1"]),
                 ("batch_norm", ["batch_norm", "--shape", "2,2,3,3", "--warmup", "0",
-                                "--repeat", "1"])):
+                                "--repeat", "1"]),
+                ("conv", ["conv", "--batch", "1", "--rounds", "1", "--repeat", "1", "--warmup",
+                          "0", "--algos", "direct"]),
+                ("isa", ["isa", "--rounds", "1", "--synthetic", "300", "--limit-batches", "2",
+                         "--warmup", "0", "--repeat", "1", "--ops-batch", "4", "--batch-size",
+                         "32"])):
         png = tmp_path / f"{name}.png"
         code, _, r = _run(["bench"] + argv + ["--plot", str(png)], tmp_path, name)
         assert code == 0 and png.stat().st_size > 1000

@@ -10,7 +10,9 @@ def plot(r: Dict, path: Optional[str] = None, ax=None):
     """Draws a result (matplotlib) and returns the Figure; writes it to ``path`` when given.
 
     train: ms/step per configuration with min-max error bars; ops: forward and backward ms per
-    op; allreduce: busbw against size per k, with the copy baselines as lines.
+    op; allreduce: busbw against size per k, with the copy baselines as lines; conv: each
+    algorithm's forward and backward ms per layer; isa: conv2 and the fused steps per build and
+    kernel path.
     """
     from matplotlib.figure import Figure
     fig = None
@@ -80,6 +82,43 @@ def plot(r: Dict, path: Optional[str] = None, ax=None):
         ax.set_ylabel("ms (median)")
         ax.set_title("checkpoint write and load")
         ax.legend()
+    elif kind == "conv":
+        # Each layer: every algorithm's forward and backward, median ms.
+        algos = list(dict.fromkeys(x["algo"] for x in r["layers"]))
+        layers = list(dict.fromkeys(x["layer"] for x in r["layers"]))
+        by = {(x["layer"], x["algo"]): x for x in r["layers"]}
+        width = 0.8 / (2 * len(algos))
+        idx = np.arange(len(layers))
+        for i, (algo, phase) in enumerate((a, p) for a in algos for p in ("forward", "backward")):
+            ax.bar(idx + (i - (2 * len(algos) - 1) / 2) * width,
+                   [by[(layer, algo)][phase]["median"] * 1e3 if (layer, algo) in by else 0.0
+                    for layer in layers], width, label=f"{algo} {phase}")
+        ax.set_xticks(idx, layers, fontsize=7)
+        ax.set_ylabel("ms (median)")
+        ax.set_title(f"conv2d algorithms, batch {r['settings']['batch']}")
+        ax.legend(fontsize=7)
+    elif kind == "isa":
+        # Each build and kernel path: conv2 and the fused steps, median over the rounds, min-max.
+        from .isa import _conv
+        s = r["settings"]
+        figures = [("conv2 forward", lambda p: _conv(p["ops"], "conv2")["forward"]),
+                   ("conv2 backward", lambda p: _conv(p["ops"], "conv2")["backward"]),
+                   (f"fused step, batch {s['ops_batch']}", lambda p: p["ops_step"]),
+                   (f"fused step, batch {s['batch_size']}", lambda p: p["train_step"])]
+        runs = [(f"{label} {isa}", p) for label, per in r["paths"].items()
+                for isa, p in per.items()]
+        width = 0.8 / len(runs)
+        idx = np.arange(len(figures))
+        for i, (name, p) in enumerate(runs):
+            stats = [f(p) for _, f in figures]
+            med = np.array([x["median"] for x in stats]) * 1e3
+            err = [med - np.array([x["min"] for x in stats]) * 1e3,
+                   np.array([x["max"] for x in stats]) * 1e3 - med]
+            ax.bar(idx + (i - (len(runs) - 1) / 2) * width, med, width, yerr=err, label=name)
+        ax.set_xticks(idx, [name for name, _ in figures], fontsize=7)
+        ax.set_ylabel("ms (median over the rounds, min-max)")
+        ax.set_title("LeNet under each CPU kernel path")
+        ax.legend(fontsize=7)
     else:
         raise ValueError(f"plot: unknown benchmark {kind!r}")
     ax.grid(True, alpha=0.3)
