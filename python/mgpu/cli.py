@@ -251,6 +251,19 @@ def _bench_parser(sub) -> None:
         p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
         p.set_defaults(run=_bench)
 
+    def data_args(p):
+        p.add_argument("--data-dir", default=None,
+                       help="directory with the Fashion-MNIST IDX files")
+        p.add_argument("--synthetic", type=int, default=0, metavar="N",
+                       help="train on N random images instead of Fashion-MNIST")
+
+    def torch_args(p):
+        p.add_argument("--torch-python", metavar="PATH", default=None,
+                       help="interpreter with torch (default: $MGPU_TORCH_PYTHON, else "
+                            "build/peers/torch/bin/python, made by `bash .ci/peers.sh torch`, "
+                            "else this one, else /usr/bin/python3)")
+        p.add_argument("--torch-threads", type=int, default=2, help="torch.set_num_threads")
+
     t = kinds.add_parser("train", help="sec/epoch of LeNet or ResNet-18 training: fused, op by "
                                        "op, PyTorch")
     common(t, None, 3, "untimed batches before each training configuration (default 3; "
@@ -273,9 +286,7 @@ def _bench_parser(sub) -> None:
                         "report compares ms per image with 1 device's")
     t.add_argument("--lr", type=float, default=None,
                    help="learning rate (default 0.2, resnet18: 0.1)")
-    t.add_argument("--data-dir", default=None, help="directory with the Fashion-MNIST IDX files")
-    t.add_argument("--synthetic", type=int, default=0, metavar="N",
-                   help="train on N random images instead of Fashion-MNIST")
+    data_args(t)
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--parts", default=None,
                    help="what to measure, from: " + ",".join(TRAIN_PARTS) + " (resnet18: "
@@ -286,9 +297,7 @@ def _bench_parser(sub) -> None:
     t.add_argument("--compare", default=None, metavar="torch|jax|torch,jax",
                    help="also time the chapters' PyTorch and/or JAX code (each in another "
                         "interpreter)")
-    t.add_argument("--torch-python", metavar="PATH", default=None,
-                   help="interpreter with torch (default: this one, else /usr/bin/python3)")
-    t.add_argument("--torch-threads", type=int, default=2, help="torch.set_num_threads")
+    torch_args(t)
     t.add_argument("--jax-python", metavar="PATH", default=None,
                    help="interpreter with jax, flax and optax (default: $MGPU_JAX_PYTHON, else "
                         "build/peers/jax/bin/python, made by `bash .ci/peers.sh jax`)")
@@ -326,15 +335,11 @@ def _bench_parser(sub) -> None:
     i.add_argument("--batch-size", type=int, default=256, help="the fused step's batch size")
     i.add_argument("--limit-batches", type=int, default=60,
                    help="timed fused steps per round (one epoch cut there)")
-    i.add_argument("--data-dir", default=None, help="directory with the Fashion-MNIST IDX files")
-    i.add_argument("--synthetic", type=int, default=0, metavar="N",
-                   help="train on N random images instead of Fashion-MNIST")
+    data_args(i)
     i.add_argument("--compare", default=None, choices=["torch"],
                    help="also time the chapter's PyTorch step, with its default kernels and "
                         "with ATEN_CPU_CAPABILITY=avx2")
-    i.add_argument("--torch-python", metavar="PATH", default=None,
-                   help="interpreter with torch (default: this one, else /usr/bin/python3)")
-    i.add_argument("--torch-threads", type=int, default=2, help="torch.set_num_threads")
+    torch_args(i)
     i.add_argument("--builds", metavar="PYTHON[,PYTHON...]", default=None,
                    help="also time the mgpu these interpreters import (e.g. a venv with `pip "
                         "install . -C cmake.define.MGPU_NATIVE_ARCH=ON`), round by round, "
