@@ -26,7 +26,7 @@ from typing import Dict, List, Optional, Sequence
 
 from .. import _core
 from ..data import find_data_dir
-from .common import Log, _machine_lines, _ms, _say, _table, header
+from .common import Log, _machine_lines, _ms, _say, _table, header, summarize
 from .layers import _has_isas
 from .train import _package_root, _run_rival, find_torch_python
 
@@ -88,11 +88,6 @@ def _label(info: Dict, taken: Sequence[str]) -> str:
     while label in taken:
         label, i = f"{base}#{i}", i + 1
     return label
-
-
-def _median(xs: Sequence[float]) -> Dict:
-    xs = [float(x) for x in xs]
-    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "rounds": xs}
 
 
 def bench_isa(rounds: int = 3, ops_batch: int = 128, batch_size: int = 256,
@@ -194,18 +189,13 @@ def bench_isa(rounds: int = 3, ops_batch: int = 128, batch_size: int = 256,
             for kind in ("default", "avx2"):
                 _say(log, f"bench isa: round {r + 1}, the chapter's PyTorch step ({kind} "
                           "kernels) ...")
-                saved = os.environ.pop("ATEN_CPU_CAPABILITY", None)
-                try:
-                    if kind == "avx2":
-                        os.environ["ATEN_CPU_CAPABILITY"] = "avx2"
-                    got = _run_rival("torch", torch_py, data.get("dir"), data["train_examples"]
-                                     if synthetic else 0, [1], batch_size, 0.2, 1,
-                                     int(limit_batches), int(warmup), int(torch_threads), 0,
-                                     variants="chapter")
-                finally:
-                    os.environ.pop("ATEN_CPU_CAPABILITY", None)
-                    if saved is not None:
-                        os.environ["ATEN_CPU_CAPABILITY"] = saved
+                env = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}
+                if kind == "avx2":
+                    env["ATEN_CPU_CAPABILITY"] = "avx2"
+                got = _run_rival("torch", torch_py, data.get("dir"), data["train_examples"]
+                                 if synthetic else 0, [1], batch_size, 0.2, 1,
+                                 int(limit_batches), int(warmup), int(torch_threads), 0,
+                                 variants="chapter", env=env)
                 res = got["results"][0]
                 torch_raw[kind].append(statistics.median(
                     t / res["steps_per_epoch"] for t in res["epoch_times"]))
@@ -218,7 +208,7 @@ def bench_isa(rounds: int = 3, ops_batch: int = 128, batch_size: int = 256,
         out["torch"] = {"python": torch_py, "version": torch_info.get("version"),
                         "threads": int(torch_threads),
                         "capability": {k: torch_info.get(k) for k in ("default", "avx2")},
-                        "step": {k: _median(v) for k, v in torch_raw.items()}}
+                        "step": {k: summarize(v) for k, v in torch_raw.items()}}
         out["torch_ratios"] = {
             f"torch {k} / mgpu {isa}": out["torch"]["step"][k]["median"]
             / out["paths"][first][isa]["train_step"]["median"]
@@ -227,22 +217,24 @@ def bench_isa(rounds: int = 3, ops_batch: int = 128, batch_size: int = 256,
 
 
 def _path_summary(rs: List[Dict]) -> Dict:
-    """One build's one path: each figure's median over its rounds."""
+    """One build's one path: each figure over its rounds (summarize: the rounds' medians are
+    its times)."""
     ops = {}
     for name in rs[0]["ops"]:
-        ops[name] = {p: _median([x["ops"][name][p] for x in rs]) for p in ("forward", "backward")}
+        ops[name] = {p: summarize([x["ops"][name][p] for x in rs]) for p in ("forward", "backward")}
         for p in ("forward", "backward"):
             g = rs[0]["ops"][name]["gflops_" + p]
             # GFLOP/s at the median time: the FLOPs are the same in every round.
             ops[name]["gflops_" + p] = (g * rs[0]["ops"][name][p] / ops[name][p]["median"]
                                         if g else None)
-    step = _median([x["train_step"] for x in rs])
-    return {"ops": ops, "ops_step": _median([x["ops_step"] for x in rs]), "train_step": step,
+    step = summarize([x["train_step"] for x in rs])
+    return {"ops": ops, "ops_step": summarize([x["ops_step"] for x in rs]), "train_step": step,
             "sec_per_epoch": step["median"] * rs[0]["full_batches"]}
 
 
-def _ratios(a: Dict, b: Dict) -> List[Dict]:
-    """a's median time / b's for every op, forward and backward, and both fused steps."""
+def _ratios(a: Dict, b: Dict, target: Optional[float] = None) -> List[Dict]:
+    """a's median time / b's for every op, forward and backward, and both fused steps; with a
+    target, whether each ratio is within it."""
     out = [{"what": f"{name.split(' (')[0]} {p}",
             "ratio": a["ops"][name][p]["median"] / b["ops"][name][p]["median"]}
            for name in a["ops"] for p in ("forward", "backward")]
@@ -250,6 +242,9 @@ def _ratios(a: Dict, b: Dict) -> List[Dict]:
                 "ratio": a["ops_step"]["median"] / b["ops_step"]["median"]})
     out.append({"what": "fused step (training batch)",
                 "ratio": a["train_step"]["median"] / b["train_step"]["median"]})
+    if target is not None:
+        for x in out:
+            x["within_target"] = x["ratio"] <= target
     return out
 
 
@@ -267,11 +262,7 @@ def summarize_isa(raw: Dict[str, Dict[str, List[Dict]]], peaks: Dict[str, float]
             "avx2" in p and "avx512" in p for p in paths.values()):
         peak_ratio = peaks["avx512"] / peaks["avx2"]
         target = isa_target(peak_ratio)
-        ratios = {}
-        for label, p in paths.items():
-            ratios[label] = _ratios(p["avx2"], p["avx512"])
-            for x in ratios[label]:
-                x["within_target"] = x["ratio"] <= target
+        ratios = {label: _ratios(p["avx2"], p["avx512"], target) for label, p in paths.items()}
         out.update(peak_ratio=peak_ratio, target=target, ratios=ratios)
     labels = list(paths)
     if len(labels) > 1:
@@ -283,10 +274,8 @@ def summarize_isa(raw: Dict[str, Dict[str, List[Dict]]], peaks: Dict[str, float]
         portable = [x for x in labels if x.startswith("x86-64-v3")]
         if native and portable:
             n, q = native[0], portable[0]
-            rows = {isa: _ratios(paths[q][isa], paths[n][isa]) for isa in paths[n]}
-            for rs in rows.values():
-                for x in rs:
-                    x["within_target"] = x["ratio"] <= PORTABLE_TARGET
+            rows = {isa: _ratios(paths[q][isa], paths[n][isa], PORTABLE_TARGET)
+                    for isa in paths[n]}
             out["portable_native"] = {"portable": q, "native": n, "target": PORTABLE_TARGET,
                                       "ratios": rows}
     return out

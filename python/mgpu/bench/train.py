@@ -188,8 +188,10 @@ def _find_rivals(names: Sequence[str], explicit: Dict[str, Optional[str]]) -> Di
 
 def _run_rival(name: str, py: str, data_dir: Optional[str], synthetic: int,
                devices: Sequence[int], batch_size: int, lr: float, epochs: int, limit: int,
-               warmup: int, threads: int, seed: int, variants: Optional[str] = None) -> Dict:
-    """Runs ``_{name}_rival.py`` with ``py``; returns the JSON object it prints."""
+               warmup: int, threads: int, seed: int, variants: Optional[str] = None,
+               env: Optional[Dict[str, str]] = None) -> Dict:
+    """Runs ``_{name}_rival.py`` with ``py`` (in ``env``, default this process's environment);
+    returns the JSON object it prints."""
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     args = ["--batch-size", str(batch_size), "--lr", repr(lr),
             "--devices", ",".join(str(k) for k in devices), "--epochs", str(epochs),
@@ -200,7 +202,7 @@ def _run_rival(name: str, py: str, data_dir: Optional[str], synthetic: int,
         args += ["--variants", variants]
     with tempfile.TemporaryDirectory() as cwd:
         r = subprocess.run(rival_command(py, os.path.join(here, f"_{name}_rival.py")) + args,
-                           capture_output=True, text=True, cwd=cwd)
+                           capture_output=True, text=True, cwd=cwd, env=env)
     what = _FRAMEWORK[name]
     if r.returncode != 0:
         raise RuntimeError(f"bench train: the {what} run ({py}) failed:\n"
