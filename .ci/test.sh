@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Sets everything up (.ci/setup.sh), lints python/ and tests/ (ruff), then runs:
 #   1. the C++ tests (ctest, GPU backend on mgpu's CUDA emulator, plus the nvcc compile check;
-#      the CPU kernel tests run on both the avx2 and the avx512 path), then the sanitizer build
+#      the CPU kernel tests run on the avx2 path, on the CPU's widest, and on the avx512 path
+#      compiled for AVX2 (tests/cpp/avx512_emulated.h), so every CPU checks that path's logic
+#      against the avx2 path bit for bit), then the sanitizer build
 #      (ASan + UBSan): the C++ engine tests and a Python smoke suite under it (MGPU_CI_SANITIZE=0
 #      skips it, for quick local runs);
 #   2. the Python suite against the installed package;

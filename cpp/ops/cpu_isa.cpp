@@ -37,6 +37,11 @@ IsaChoice choose() {
   }
   if (want == "avx2") return {Isa::AVX2, "avx2", "forced by MGPU_ISA=avx2"};
   if (want == "avx512") {
+#if defined(MGPU_AVX512_EMULATED)
+    // A test build's kernels (tests/cpp/avx512_emulated.h): the AVX-512 path compiled for AVX2.
+    return {Isa::AVX512, "avx512",
+            "forced by MGPU_ISA=avx512, emulated with AVX2 instructions (a test build)"};
+#endif
     if (!v4) {
       throw std::invalid_argument("MGPU_ISA=avx512, but " + cpu +
                                   " lacks AVX-512 F/BW/DQ/VL (or the OS does not enable it); "

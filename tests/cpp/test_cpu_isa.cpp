@@ -1,8 +1,10 @@
 // tests/cpp/test_cpu_isa.cpp -- the two instruction-set paths of the CPU kernels (cpu_isa.h):
 // cpu::avx2 and cpu::avx512 called directly on the same data give the same bits, on every conv
 // algorithm (direct, lanes, im2col) with tails in every direction, the fused relu-pool kernels,
-// pooling, the loss and the bias sums, batch norm, the elementwise add and the SGD step. (Both are checked against float64 references by
-// test_kernels.cpp, which ctest runs once per path.) Skipped where the CPU lacks AVX-512.
+// pooling, the loss and the bias sums, batch norm, the elementwise add and the SGD step. (Both
+// are checked against float64 references by test_kernels.cpp, which ctest runs once per path.)
+// Skipped in mgpu_cpp_tests where the CPU lacks AVX-512; mgpu_avx512_emulated_tests runs them
+// everywhere, with the AVX-512 path compiled for AVX2 (tests/cpp/avx512_emulated.h).
 #include <gtest/gtest.h>
 
 #include <cstdint>
@@ -44,6 +46,16 @@ template <class T>
   return ::testing::AssertionSuccess();
 }
 
+// Whether the avx512 kernels run here: on a CPU with AVX-512, or, in mgpu_avx512_emulated_tests,
+// anywhere (the AVX-512 path compiled for AVX2: tests/cpp/avx512_emulated.h).
+bool avx512_runs() {
+#if defined(MGPU_AVX512_EMULATED)
+  return true;
+#else
+  return cpu_has_avx512();
+#endif
+}
+
 struct IsaCase {
   const char* name;
   Conv2dShape s;
@@ -74,7 +86,7 @@ const IsaCase kCases[] = {
 class CpuIsaTest : public ::testing::TestWithParam<IsaCase> {
  protected:
   void SetUp() override {
-    if (!cpu_has_avx512()) GTEST_SKIP() << "this CPU has no AVX-512: one path only";
+    if (!avx512_runs()) GTEST_SKIP() << "this CPU has no AVX-512: one path only";
   }
 };
 
@@ -135,7 +147,7 @@ INSTANTIATE_TEST_SUITE_P(Shapes, CpuIsaTest, ::testing::ValuesIn(kCases),
 // weight gradient's blocks and register-tile tails; against float64 in
 // tests/test_conv_winograd.py.
 TEST(CpuIsa, WinogradSameBits) {
-  if (!cpu_has_avx512()) GTEST_SKIP() << "this CPU has no AVX-512: one path only";
+  if (!avx512_runs()) GTEST_SKIP() << "this CPU has no AVX-512: one path only";
   const char* old = std::getenv("MGPU_CONV_ALGO");
   const std::string saved = old ? old : "";
   setenv("MGPU_CONV_ALGO", "winograd", 1);
@@ -179,7 +191,7 @@ TEST(CpuIsa, WinogradSameBits) {
 }
 
 TEST(CpuIsa, PoolLossAndBiasSumsSameBits) {
-  if (!cpu_has_avx512()) GTEST_SKIP() << "this CPU has no AVX-512: one path only";
+  if (!avx512_runs()) GTEST_SKIP() << "this CPU has no AVX-512: one path only";
   const int64_t N = 7, C = 5, H = 13, W = 11, n = 37, m = 10;
   const Floats x = random_floats(N * C * H * W, 9);
   const int64_t P = (H - 3) / 2 + 1, Q = (W - 3) / 2 + 1;
@@ -213,7 +225,7 @@ TEST(CpuIsa, PoolLossAndBiasSumsSameBits) {
 // Batch norm (ResNet-18's): the statistics, forward, the backward's sums and dx, with and without
 // the affine parameters, HW with and without a tail of the 16 lanes, and (N, C) inputs (HW = 1).
 TEST(CpuIsa, BatchNormSameBits) {
-  if (!cpu_has_avx512()) GTEST_SKIP() << "this CPU has no AVX-512: one path only";
+  if (!avx512_runs()) GTEST_SKIP() << "this CPU has no AVX-512: one path only";
   struct Case {
     int64_t N, C, HW;
   };
@@ -261,7 +273,7 @@ TEST(CpuIsa, BatchNormSameBits) {
 // Batch norm + relu (+ add), the fused step's layers: forward with and without the shortcut, the
 // masked sums and dx with the shortcut's gradient, HW with and without a tail of the lanes.
 TEST(CpuIsa, BatchNormActSameBits) {
-  if (!cpu_has_avx512()) GTEST_SKIP() << "this CPU has no AVX-512: one path only";
+  if (!avx512_runs()) GTEST_SKIP() << "this CPU has no AVX-512: one path only";
   struct Case {
     int64_t N, C, HW;
   };
@@ -316,7 +328,7 @@ TEST(CpuIsa, BatchNormActSameBits) {
 // The residual add and the SGD step, over more than one parallel block and a vector tail, in
 // place as the ops use them.
 TEST(CpuIsa, AddAndSgdSameBits) {
-  if (!cpu_has_avx512()) GTEST_SKIP() << "this CPU has no AVX-512: one path only";
+  if (!avx512_runs()) GTEST_SKIP() << "this CPU has no AVX-512: one path only";
   const int64_t n = (1 << 15) + 37;
   const Floats a = random_floats(n, 16), b = random_floats(n, 17);
   Floats sum[2] = {a, a}, param[2] = {b, b};
@@ -336,8 +348,13 @@ TEST(CpuIsa, ChoiceIsSupported) {
   EXPECT_TRUE(c.name == "avx2" || c.name == "avx512") << c.name;
   EXPECT_FALSE(c.reason.empty());
   if (c.isa == Isa::AVX512) {
-    EXPECT_TRUE(cpu_has_avx512());
+    EXPECT_TRUE(avx512_runs());
   }
+#if defined(MGPU_AVX512_EMULATED)
+  // ctest runs this binary with MGPU_ISA=avx512, so test_kernels.cpp's calls through cpu::NAME
+  // run the emulated AVX-512 path.
+  EXPECT_EQ(c.name, "avx512") << c.reason;
+#endif
   EXPECT_TRUE(cpu_has_avx2());
 }
 
