@@ -13,7 +13,7 @@
 #      files and the gpu(0) cases of the op, module and step files on the strict emulator
 #      (MGPU_EMU_STRICT=1) with two seeds (the emulated NCCL, then the peer-copy all-reduce);
 #   4. the CPU op and training tests with the AVX2 kernel path forced (the runs above take the
-#      widest path the CPU has);
+#      widest path the CPU has), then on the AVX-512 path compiled for AVX2;
 #   5. the pip-only route (.ci/wheel.sh): the sdist, a CPU-only wheel built from it in isolation
 #      (OpenBLAS from PyPI, the system's ignored; no CUDA, no MPI) and repaired for manylinux,
 #      cached in build/pip-smoke by source hash, installed into a fresh venv: import, one fused
@@ -131,6 +131,16 @@ stage "CPU op and training tests with MGPU_ISA=avx2 (the installed package)"
 # Paths from the repository root, so the pass finds its files whatever the working directory.
 (cd tests && MGPU_ISA=avx2 ../.venv/bin/python -m pytest -q -p no:cacheprovider -m "not gpu" \
   "$PWD/test_ops.py" "$PWD/test_train.py" "$PWD/test_conv_stride2.py")
+
+stage "CPU op and training tests on the AVX-512 path compiled for AVX2 (MGPU_ISA=avx512)"
+# The package in build/cpp-tests/avx512_emulated (CMakeLists.txt, tests/cpp/avx512_emulated.h): the
+# AVX-512 kernels' logic on any CPU, checked against float64 and the other paths as above. Its
+# 16-float tiles spill on 16 registers (LeNet's step ~10x slower than either real path), so the
+# real-data training run is left out (over 30 min there, 5 s on a real path).
+(cd tests && MGPU_ISA=avx512 PYTHONPATH="$PWD/../build/cpp-tests/avx512_emulated/python" \
+  ../.venv/bin/python -m pytest -q -p no:cacheprovider -m "not gpu" \
+  -k "not test_short_training_run_on_real_data_learns" "$PWD/test_ops.py" "$PWD/test_train.py" \
+  "$PWD/test_conv_stride2.py" "$PWD/test_conv_winograd.py" "$PWD/test_fused_bn_relu.py")
 
 stage "pip-only route: sdist, CPU-only manylinux wheel from it (.ci/wheel.sh), fresh venv, tests"
 # One build checks both routes: the wheel is built from the sdist (isolated: PyPI's OpenBLAS, no
