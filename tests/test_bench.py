@@ -665,14 +665,18 @@ def test_isa_times_every_path_this_cpu_runs(tmp_path):
         assert "avx2 / avx512: not measured" in text
 
 
-def test_isa_times_another_build_round_by_round(tmp_path, capsys):
+def test_isa_times_another_build_round_by_round(tmp_path, capsys, monkeypatch):
     """--builds: an interpreter that imports this same build (a wrapper that sets its path) is
-    timed as a second build, and its ratios are its medians over the first build's."""
+    timed as a second build, and its ratios are its medians over the first build's. It is given
+    relative to the working directory, which the children (run elsewhere) do not share."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(mgpu.__file__)))
-    wrapper = tmp_path / "other-python"
+    (tmp_path / "bin").mkdir()
+    wrapper = tmp_path / "bin" / "other-python"
     wrapper.write_text(f"#!/bin/sh\nPYTHONPATH='{root}' exec '{sys.executable}' \"$@\"\n")
     wrapper.chmod(0o755)
-    code, text, r = _run_isa(tmp_path, "builds", "--isas", "avx2", "--builds", str(wrapper))
+    monkeypatch.chdir(tmp_path)
+    code, text, r = _run_isa(tmp_path, "builds", "--isas", "avx2", "--builds",
+                             os.path.join("bin", "other-python"))
     assert code == 0
     first, second = r["settings"]["builds"]
     assert second == first + "#2" and r["builds"][1]["python"] == str(wrapper)
@@ -691,6 +695,19 @@ def test_isa_times_another_build_round_by_round(tmp_path, capsys):
     assert cli.main(["bench", "isa", "--synthetic", "300", "--builds",
                      str(tmp_path / "missing")]) == 2
     assert "cannot run it" in capsys.readouterr().err
+
+
+def test_a_rival_interpreter_given_relative_to_the_working_directory_is_found(tmp_path,
+                                                                                 monkeypatch):
+    """--torch-python bin/python names a file in the working directory; the probe runs in
+    another one, so the path is made absolute first (a stand-in that prints a version)."""
+    (tmp_path / "bin").mkdir()
+    fake = tmp_path / "bin" / "torch-python"
+    fake.write_text("#!/bin/sh\necho 2.15.0\n")
+    fake.chmod(0o755)
+    monkeypatch.chdir(tmp_path)
+    assert bench.train.find_torch_python(os.path.join("bin", "torch-python")) == (str(fake),
+                                                                                 "2.15.0")
 
 
 def test_isa_refuses_paths_the_cpu_cannot_run(capsys):

@@ -28,7 +28,7 @@ from .. import _core
 from ..data import find_data_dir
 from .common import Log, _machine_lines, _ms, _say, _table, header, summarize
 from .layers import _has_isas
-from .train import _package_root, _run_rival, find_torch_python
+from .train import _package_root, _run_rival, find_torch_python, interpreter_path
 
 ISAS = ("avx2", "avx512")
 # avx2 time / avx512 time allowed, by the ratio of the two paths' FMA peaks: a peak ratio below
@@ -134,7 +134,7 @@ def bench_isa(rounds: int = 3, ops_batch: int = 128, batch_size: int = 256,
                              "build/peers/torch)")
     entries = [{"label": _label(dict(_core.build_info()), []), "python": sys.executable,
                 "own": True, "build_info": dict(_core.build_info())}]
-    for py in builds:
+    for py in map(interpreter_path, builds):
         info = _probe_build(py)
         entries.append({"label": _label(info, [e["label"] for e in entries]), "python": py,
                         "own": False, "build_info": info})

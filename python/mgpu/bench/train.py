@@ -81,12 +81,19 @@ def _time_training(name: str, step, split, batch_size: int, epochs: int, limit: 
     return result
 
 
+def interpreter_path(py: Optional[str]) -> Optional[str]:
+    """``py`` made absolute when it is a path (``build/peers/torch/bin/python``), so it names the
+    same file from the children's working directories; a bare name (``python3``) stays as it is,
+    for the PATH search."""
+    return os.path.abspath(py) if py and os.sep in py else py
+
+
 @functools.lru_cache(maxsize=None)
 def _probe_python(candidates: tuple, code: str):
     """(interpreter, what ``code`` printed) for the first of ``candidates`` that runs ``code``,
     else (None, [each candidate with why it failed]). The answer is cached."""
     tried = []
-    for py in candidates:
+    for py in map(interpreter_path, candidates):
         if not py or not os.path.exists(py):
             tried.append(f"{py} (missing)")
             continue
