@@ -737,3 +737,15 @@ def test_isa_compare_torch_runs_its_default_and_avx2_kernels(tmp_path, monkeypat
             t["step"][kind]["median"] / r["paths"][r["settings"]["builds"][0]]["avx2"]
             ["train_step"]["median"])
     assert "ATEN_CPU_CAPABILITY=avx2 (AVX2)" in text
+    ratio = r["torch_ratios"]["torch avx2 / mgpu avx2"]
+    assert r["torch_target"] == {"what": "torch avx2 / mgpu avx2", "ratio": ratio,
+                                 "ahead": ratio > 1}
+    assert f"ahead of PyTorch's with its AVX2 kernels: {ratio:.2f}x, " in text
+
+
+def test_isa_torch_target_is_mgpu_ahead_of_pytorch_avx2():
+    """PyTorch ms / mgpu ms above 1 meets the target; 1 itself (a tie) and below do not."""
+    assert bench.isa.torch_target(1.86) == {"what": "torch avx2 / mgpu avx2", "ratio": 1.86,
+                                            "ahead": True}
+    assert not bench.isa.torch_target(1.0)["ahead"]
+    assert not bench.isa.torch_target(0.8)["ahead"]
