@@ -700,14 +700,16 @@ def test_isa_times_another_build_round_by_round(tmp_path, capsys, monkeypatch):
 def test_a_rival_interpreter_given_relative_to_the_working_directory_is_found(tmp_path,
                                                                                  monkeypatch):
     """--torch-python bin/python names a file in the working directory; the probe runs in
-    another one, so the path is made absolute first (a stand-in that prints a version)."""
-    (tmp_path / "bin").mkdir()
-    fake = tmp_path / "bin" / "torch-python"
-    fake.write_text("#!/bin/sh\necho 2.15.0\n")
-    fake.chmod(0o755)
-    monkeypatch.chdir(tmp_path)
-    assert bench.train.find_torch_python(os.path.join("bin", "torch-python")) == (str(fake),
-                                                                                 "2.15.0")
+    another one, so the path is made absolute first (stand-ins that print a version). The same
+    relative path from another directory names another file, and is probed again."""
+    for name, version in (("a", "2.15.0"), ("b", "2.16.0")):
+        (tmp_path / name / "bin").mkdir(parents=True)
+        fake = tmp_path / name / "bin" / "torch-python"
+        fake.write_text(f"#!/bin/sh\necho {version}\n")
+        fake.chmod(0o755)
+        monkeypatch.chdir(tmp_path / name)
+        assert bench.train.find_torch_python(os.path.join("bin", "torch-python")) == (
+            str(fake), version)
 
 
 def test_isa_refuses_paths_the_cpu_cannot_run(capsys):

@@ -88,12 +88,17 @@ def interpreter_path(py: Optional[str]) -> Optional[str]:
     return os.path.abspath(py) if py and os.sep in py else py
 
 
-@functools.lru_cache(maxsize=None)
 def _probe_python(candidates: tuple, code: str):
     """(interpreter, what ``code`` printed) for the first of ``candidates`` that runs ``code``,
-    else (None, [each candidate with why it failed]). The answer is cached."""
+    else (None, [each candidate with why it failed]). The answer is cached by the absolute paths,
+    so a relative one is probed again from another working directory."""
+    return _probe_absolute(tuple(map(interpreter_path, candidates)), code)
+
+
+@functools.lru_cache(maxsize=None)
+def _probe_absolute(candidates: tuple, code: str):
     tried = []
-    for py in map(interpreter_path, candidates):
+    for py in candidates:
         if not py or not os.path.exists(py):
             tried.append(f"{py} (missing)")
             continue
