@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import mgpu
+import peers
 from mgpu import _rival_common, bench, cli
 
 
@@ -270,9 +271,7 @@ def test_rivals_read_idx_like_mgpu(tmp_path):
 
 
 def test_train_compare_torch(tmp_path):
-    py, info = bench.find_torch_python()
-    if py is None:
-        pytest.skip(info)
+    py = peers.torch_python()
     code, text, r = _run(["bench", "train", "--synthetic", "600", "--batch-size", "64",
                           "--limit-batches", "2", "--epochs", "1", "--warmup", "0",
                           "--parts", "fused,op-by-op", "--compare", "torch"], tmp_path, "torch")
@@ -387,9 +386,7 @@ def test_train_resnet18_weak_scaling_gives_k_devices_k_times_the_batch(tmp_path,
 
 
 def test_train_resnet18_against_torch_eager(monkeypatch):
-    py, info = bench.find_torch_python()
-    if py is None:
-        pytest.skip(info)
+    peers.torch_python()  # the bench finds the same interpreter; skips without a supported one
     monkeypatch.setenv("MGPU_EMULATED_GPUS", "0")
     r = bench.bench_train_resnet18(devices=[1], batch_size=4, epochs=1, limit_batches=1,
                                    warmup=1, synthetic=12, compare="torch", parts=["fused"],
@@ -723,9 +720,7 @@ def test_isa_refuses_paths_the_cpu_cannot_run(capsys):
 
 
 def test_isa_compare_torch_runs_its_default_and_avx2_kernels(tmp_path, monkeypatch):
-    py, info = bench.find_torch_python()
-    if py is None:
-        pytest.skip(info)
+    py = peers.torch_python()
     # A capability set outside is dropped for PyTorch's own choice and replaced for the AVX2 run.
     monkeypatch.setenv("ATEN_CPU_CAPABILITY", "default")
     code, text, r = _run_isa(tmp_path, "isa_torch", "--isas", "avx2", "--compare", "torch")

@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 import mgpu
+import peers
 from mgpu.bench import train as bench_train
 
 TIMEOUT = 300  # seconds for one peer script (an interpreter start is ~1-3 s; the checks are small)
@@ -383,8 +384,10 @@ def _run_peer(name):
     session; skips (with the reason) without the peer."""
     if name not in _RUNS:
         py, version = _find_peer(name)
-        if py is None:
-            _RUNS[name] = version
+        why = peers.unsupported_torch(py, version) if name == "torch" else \
+            (version if py is None else None)
+        if why is not None:
+            _RUNS[name] = why
         else:
             code = textwrap.dedent(COMMON) + textwrap.dedent(SCRIPTS[name])
             r = subprocess.run([py, "-c", code], capture_output=True, text=True, timeout=TIMEOUT,

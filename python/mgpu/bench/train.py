@@ -118,25 +118,33 @@ def _probe_absolute(candidates: tuple, code: str):
 def find_torch_python(explicit: Optional[str] = None):
     """(interpreter, torch version) of a Python that can ``import torch``, or (None, reason).
 
-    Tries ``explicit`` only when given; else the peers' PyTorch ($MGPU_TORCH_PYTHON, or
+    Tries ``explicit`` only when given; else the project's peer first ($MGPU_TORCH_PYTHON, or
     build/peers/torch/bin/python made by ``bash .ci/peers.sh torch``: PyTorch 2.15 from PyPI),
-    then this interpreter, then /usr/bin/python3 (Debian's python3-torch, 1.13: old and slower,
-    the last resort). The answer is cached.
+    then this interpreter, then ``python3`` on PATH (e.g. Debian's python3-torch, 1.13: older and
+    slower, the last resort; the version found is in every report, and the tests skip a PyTorch
+    older than they support). The answer is cached.
     """
+    import shutil
     candidates = ((explicit,) if explicit else
-                  (*peer_python_candidates("torch"), sys.executable, "/usr/bin/python3"))
-    py, found = _probe_python(candidates, "import torch, numpy; print(torch.__version__)")
+                  (*peer_python_candidates("torch"), sys.executable,
+                   shutil.which("python3") or "/usr/bin/python3"))
+    py, found = _probe_python(tuple(dict.fromkeys(candidates)),
+                              "import torch, numpy; print(torch.__version__)")
     if py is not None:
         return py, found
     return None, ("no Python with PyTorch found (tried " + "; ".join(found) + "); run `bash "
                   ".ci/peers.sh torch` (it makes build/peers/torch), or pass --torch-python")
 
 
+# The variable that names each peer's interpreter (see mgpu.environment).
+PEER_PYTHON_ENV = {"torch": "MGPU_TORCH_PYTHON", "jax": "MGPU_JAX_PYTHON"}
+
+
 def peer_python_candidates(peer: str) -> List[str]:
     """Where a peer's interpreter is looked for: $MGPU_<PEER>_PYTHON when set, else
     build/peers/<peer>/bin/python (made by ``bash .ci/peers.sh <peer>``) in the current directory
     or in a directory above this package (the repository's, when mgpu runs from build/dev)."""
-    env = os.environ.get(f"MGPU_{peer.upper()}_PYTHON")
+    env = os.environ.get(PEER_PYTHON_ENV[peer])
     if env:
         return [env]
     here = os.path.dirname(os.path.abspath(__file__))
