@@ -1,5 +1,7 @@
-"""``python -m mgpu``: train the chapters' LeNet or ResNet-18 from a shell, or show what this build
-contains."""
+"""The ``mgpu`` command (also ``python -m mgpu``): train the chapters' LeNet or ResNet-18 from a
+shell, show what this build contains (``mgpu info``, ``mgpu info --env``), benchmark, and predict
+scaling. ``main(argv)`` returns the exit status: 0, 2 for a user error (one line on stderr, no
+traceback), 130 after Ctrl-C."""
 from __future__ import annotations
 
 import argparse
@@ -154,6 +156,11 @@ def _no_gpu_why(b: dict, gpus: int) -> str:
 
 
 def _info(args) -> int:
+    if args.env:
+        from .environment import format_table
+        print("Environment variables mgpu reads (each where it acts; unset means the default):")
+        print(format_table())
+        return 0
     if args.json:
         from . import _core
         info = dict(_core.build_info())
@@ -359,8 +366,28 @@ def _bench_parser(sub) -> None:
                    help="bytes per device, e.g. 1K,64K,4M (default: 1 KiB to 64 MiB, x4 steps)")
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m mgpu", description=__doc__)
+DESCRIPTION = """\
+mgpu: d2l's "Training on Multiple GPUs" (12.5) and "Concise Implementation" (12.6) on a C++/CUDA
+engine. Without a GPU, cpu(0), cpu(1), ... are virtual devices with one worker thread each."""
+
+EXAMPLES = """\
+examples:
+  {prog} train --num-gpus 2 --batch-size 256 --lr 0.2          the chapter's LeNet run
+  {prog} train --model resnet18 --fused --num-gpus 2 --batch-size 512 --lr 0.2
+  {prog} info                  version, CPU kernel path, BLAS, built parts, devices, data
+  {prog} info --env            every environment variable mgpu reads
+  {prog} bench train --compare torch,jax --json run.json
+  {prog} advise --model resnet18 --batch-size 64,256
+
+{prog} COMMAND --help explains each command's options."""
+
+
+def main(argv: Optional[List[str]] = None, prog: str = "mgpu") -> int:
+    """Runs the command line ``argv`` (default: sys.argv[1:]) and returns the exit status.
+    ``prog`` is the name the help and usage lines show (``python -m mgpu`` from __main__)."""
+    parser = argparse.ArgumentParser(prog=prog, description=DESCRIPTION,
+                                     epilog=EXAMPLES.format(prog=prog),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="train LeNet or ResNet-18 on Fashion-MNIST, data-parallel")
     t.add_argument("--model", choices=["lenet", "resnet18"], default="lenet",
@@ -405,6 +432,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     _advise_parser(sub)
     i = sub.add_parser("info", help="version, CPU kernel path, BLAS, built parts, devices, data")
     i.add_argument("--json", action="store_true", help="print mgpu.build_info() as JSON instead")
+    i.add_argument("--env", action="store_true",
+                   help="list every environment variable mgpu reads: effect and default")
     i.set_defaults(run=_info)
     _bench_parser(sub)
     args = parser.parse_args(argv)
