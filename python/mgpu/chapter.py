@@ -173,6 +173,9 @@ def train_concise(net, num_gpus: int, batch_size: int, lr: float, num_epochs: in
         if loaded is not None:
             run = _resume_concise(*loaded, net.module, trainer, train_iter, result, batch_size,
                                   len(devices), fused, shards)
+            if run.epoch >= int(num_epochs):
+                print(f"the run in {checkpoint} has finished its {run.epoch} epochs: its "
+                      "results, nothing trained")
     config = {"batch_size": batch_size, "num_devices": len(devices), "world_size": 1,
               "lr": lr, "seed": seed, "fused": bool(fused), "deterministic": shards}
 
@@ -222,7 +225,8 @@ def train_concise(net, num_gpus: int, batch_size: int, lr: float, num_epochs: in
         if ckpts is not None:
             timer.start()
             save_state(epoch + 1)
-    print(f'test acc: {result.test_acc[-1]:.2f}, {timer.avg():.1f} sec/epoch '
+    # Every epoch's time, those before a resume included (the timer holds this session's).
+    print(f'test acc: {result.test_acc[-1]:.2f}, {result.sec_per_epoch:.1f} sec/epoch '
           f'on {str(devices)}')
     return result
 
