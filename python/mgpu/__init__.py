@@ -4,7 +4,16 @@ Devices (``cpu``, ``gpu``, ``try_gpu``, ``try_all_gpus``), tensors with autograd
 ops with their backward passes (``mgpu.ops``), losses and modules (``mgpu.nn``), the networks
 (``mgpu.models``), the chapter's helpers (``get_params``, ``allreduce``, ``split_batch``,
 ``sgd``), a fused data-parallel ``train_batch``, Fashion-MNIST and ``train``. The engine is C++
-(``mgpu._core``); every device runs its work asynchronously on its own queue.
+(``mgpu._core``); every device runs its work asynchronously on its own queue: ops enqueue and
+return, and the host waits only where it needs values (``numpy()``, ``item()``, printing,
+``waitall()``).
+
+GPUs: ``gpu(i)`` launches onto the GPU's compute stream (and a second stream for communication).
+Memory comes from a caching allocator, so a training loop's steady state calls no ``cudaMalloc``
+(``gpu_memory_stats(d)``); running out raises ``OutOfMemoryError`` (a ``MemoryError``) naming the
+device and the size, and ``empty_cache()`` gives the cache back. A bad label is caught by the
+kernel and raised as an ``IndexError`` at the next wait, as on the CPU. ``mgpu info --env`` lists
+the switches (``MGPU_GEMM``, ``MGPU_CONV``, ``MGPU_ALLREDUCE``, ...).
 """
 import atexit
 

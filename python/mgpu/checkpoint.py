@@ -4,6 +4,20 @@ A file is a safetensors file: an 8-byte little-endian header length, a JSON head
 dtype, shape and byte offsets, plus ``__metadata__``), then the raw little-endian tensor bytes.
 ``__metadata__`` holds the format name and version, a SHA-256 over the whole file, and the saved
 object's structure as JSON. Loading parses JSON and copies bytes, nothing else: no pickle, no code.
+``save`` stores tensors, NumPy arrays, numbers, strings and lists, tuples and dicts of them
+(``net.state_dict()``, ``trainer.state_dict()``). Writes are atomic (a temporary file, fsync,
+rename, directory fsync): a crash or a full disk never damages the previous file. A corrupt,
+truncated, other-version or foreign file is refused with a ``CheckpointError`` naming the file.
+
+The training loops (``mgpu.train``, ``mgpu.chapter.train_concise``; ``mgpu train --checkpoint DIR
+--checkpoint-every K [--resume]``) write ``DIR/ckpt-<step>.mgpu`` every K steps and at each
+epoch's end, keeping the newest two: the parameters, batch norm buffers, SGD's momentum, the data
+loader's epoch and position (its shuffle is a function of seed and epoch), the RNG, the step and
+the results so far. ``resume=True`` continues from the newest, mid-epoch included, and ends with
+the parameters the uninterrupted run would have had: on the same devices, or on any device count
+with ``deterministic=True``. A checkpoint of another network, batch size, data order or device
+count is refused before anything changes. Resuming a run that has finished its epochs trains
+nothing and returns (and prints) its results. Under ``mpirun`` rank 0 writes and every rank reads.
 """
 from __future__ import annotations
 

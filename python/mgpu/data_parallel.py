@@ -117,6 +117,16 @@ class DataParallel(Module):
     device_ids[0]'s shard (the master is replica 0), and every forward starts all replicas from
     the master's, so they stay consistent. For statistics over the whole batch convert the
     network with ``nn.SyncBatchNorm.convert_sync_batchnorm(net)``.
+
+    ``net.train_step(X, y, loss, trainer)`` is the same step fused: the module tree becomes a C++
+    model (layers over value slots, built on first use), every replica's forward and backward,
+    the gradients' sum and the SGD update run in one call without Python, SyncBatchNorm included
+    (see its docstring). The book's ``train(net, num_gpus, batch_size, lr)`` is
+    ``mgpu.chapter.train_concise`` (``fused=True`` takes this step, ``checkpoint=DIR,
+    resume=True`` survives a kill); from a shell, ``mgpu train --model resnet18 [--fused]
+    [--sync-bn]``. The fused step takes the modules ``mgpu.models.resnet18`` is made of
+    (``mgpu.nn``'s Sequential, Conv2d, BatchNorm2d, SyncBatchNorm, ReLU, AvgPool2d,
+    AdaptiveAvgPool2d((1, 1)), Flatten, Linear and ``mgpu.models.Residual``).
     """
 
     def __init__(self, module: Module, device_ids: Optional[Sequence] = None,

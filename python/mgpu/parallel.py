@@ -1,6 +1,19 @@
 """Data parallelism, the chapter's way (sec. 12.5.4-12.5.6): replicate parameters, sum gradients,
 split minibatches, take the same SGD step everywhere -- and the fused ``train_batch`` that does all
 of it in one C++ call.
+
+The fused step runs any list of layers (``FusedModel``; LeNet is one such model, DataParallel's
+``train_step`` builds one from a module tree). Gradients sit in one flat buffer per replica. On
+GPUs they are cut into buckets in reverse layer order (the first closes after 256 KB, later ones
+after 4 MB) and each bucket is all-reduced (NCCL, or mgpu's peer copies) as soon as backward has
+produced it, on a communication stream while the earlier layers' backward runs; then every replica
+takes the SGD step; each replica's forward and backward are captured as CUDA graphs the first time
+a shape is seen and replayed after (``MGPU_CUDA_GRAPH=0`` turns this off). CPU devices of one
+process share memory and cores, so there the sum and the update are one collective after
+backward: device j sums chunk j of the flat gradients over the replicas and updates chunk j of
+every replica's parameters, with the same bits as the bucketed path (``MGPU_CPU_SHARED_UPDATE=0``).
+Sums run in a fixed order (no atomics), so results are reproducible run to run; with
+``deterministic=True`` they are the same bits on any number of devices.
 """
 from __future__ import annotations
 

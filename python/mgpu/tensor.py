@@ -461,7 +461,11 @@ _DLPACK_CUDA = 2  # kDLCUDA, DLPack's device type of CUDA memory
 
 
 def from_dlpack(obj) -> Tensor:
-    """A tensor sharing memory with any DLPack producer (NumPy array, PyTorch CPU tensor, ...)."""
+    """A tensor sharing memory with any DLPack producer (NumPy array, PyTorch or JAX CPU tensor,
+    ...): float32, int32, int64 or uint8, contiguous; other element types and strided views are
+    refused with a TypeError / ValueError naming the problem. A tensor made from a JAX array
+    shares JAX's buffer, which JAX treats as immutable: write to a copy
+    (``mgpu.array(np.asarray(x))``)."""
     if hasattr(obj, "__dlpack__"):
         # A producer on one of our GPUs is asked to order its pending work before the stream
         # mgpu reads after (the protocol's `stream`): mgpu's own streams do not wait for its
