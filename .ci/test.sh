@@ -183,6 +183,7 @@ C.waitall()
 print("pip-only smoke: one fused step ran; kernels", info["cpu_isa"], "BLAS", info["blas"][:40])
 PY
 )
-(cd "$smoke" && venv/bin/python -m mgpu info)
+# The wheel's console script ([project.scripts]), as a user runs it after pip install.
+(cd "$smoke" && venv/bin/mgpu info)
 # The info lines and the data-not-found messages of this build (CUDA and MPI switched off).
 (cd tests && "../$smoke/venv/bin/python" -m pytest -q -p no:cacheprovider "$PWD/test_info.py")
