@@ -92,6 +92,8 @@ VARIABLES: Tuple[Variable, ...] = tuple(
          "(quick runs)"),
         ("MGPU_NB_LIMIT_BATCHES", "whole epochs", "batches per epoch and per evaluation in the "
          "notebooks (quick runs)"),
+        ("MGPU_NB_BENCH", "notebooks/bench", "the folder of JSON results (mgpu bench --json, "
+         "mgpu advise --json) that notebooks/benchmarks.ipynb draws"),
         ("MGPU_NOTEBOOK_RUNS", "~/.mgpu/runs/concise", "where the concise notebook's two runs "
          "keep their checkpoints (DIR/d1/ckpt, DIR/d2/ckpt); a finished run resumes at its end "
          "and shows its results"),
