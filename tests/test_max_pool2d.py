@@ -179,3 +179,70 @@ def test_module_is_the_functional_op(device, rng):
     x = rng.normal(size=(2, 3, 7, 6)).astype(np.float32)
     y, _ = ref.max_pool2d_forward(x, (3, 2), (2, 1), 1)
     np.testing.assert_array_equal(pool(mgpu.array(x, device=device)).numpy(), y)
+
+
+# --- the fused step's layer ---------------------------------------------------------------------
+
+def stem_net(seed=0, classes=5):
+    """torchvision's ResNet-18 stem at a small width, then a classifier head."""
+    mgpu.random.seed(seed)
+    return nn.Sequential(
+        nn.Conv2d(3, 8, kernel_size=7, stride=2, padding=3, bias=False), nn.BatchNorm2d(8),
+        nn.ReLU(), nn.MaxPool2d(kernel_size=3, stride=2, padding=1),
+        nn.Conv2d(8, 6, kernel_size=3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Flatten(), nn.Linear(6 * 2 * 2, classes))
+
+
+def close(got, expected, what, rtol=2e-4, atol=2e-5):
+    np.testing.assert_allclose(np.asarray(got, np.float64), np.asarray(expected, np.float64),
+                               rtol=rtol, atol=atol, err_msg=what)
+
+
+def fused_equals_books_loop(devices, steps=3):
+    """DataParallel.train_step and the book's loop (forward, backward, SGD with momentum and
+    weight decay) give the same losses, parameters and running statistics."""
+    nets = [stem_net(), stem_net()]
+    models = [nn.DataParallel(n, device_ids=devices) for n in nets]
+    trainers = [mgpu.optim.SGD(m.parameters(), lr=0.2, momentum=0.9, weight_decay=1e-3)
+                for m in models]
+    loss = nn.CrossEntropyLoss()
+    rng = np.random.default_rng(3)
+    for step in range(steps):
+        # 17x15 images: the stem makes 9x8, its pool 5x4, the second pool 2x2.
+        X = mgpu.array(rng.normal(size=(6, 3, 17, 15)).astype(np.float32), device=devices[0])
+        y = mgpu.array(rng.integers(0, 5, size=6), device=devices[0])
+        trainers[0].zero_grad()
+        book = loss(models[0](X), y)
+        book.backward()
+        trainers[0].step()
+        fused = models[1].train_step(X, y, loss, trainers[1])
+        close(fused.item(), book.item(), f"loss, step {step}")
+    assert [kind for kind, _ in models[1]._fused.spec].count("max_pool2d") == 2
+    book, fused = nets[0].state_dict(), nets[1].state_dict()
+    for name in book:
+        if not name.endswith("num_batches_tracked"):
+            close(fused[name].numpy(), book[name].numpy(), f"fused vs book: {name}")
+    return nets
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_fused_step_with_max_pool_equals_the_books_loop(k):
+    nets = fused_equals_books_loop([mgpu.cpu(i) for i in range(k)])
+    # Not vacuous: training moved the weights.
+    assert not np.allclose(nets[0][0].weight.numpy(), stem_net()[0].weight.numpy())
+
+
+@pytest.mark.gpu
+def test_fused_step_with_max_pool_on_emulated_gpus():
+    if mgpu.num_gpus() < 2:
+        pytest.skip(f"needs 2 GPUs (emulated build), this build has {mgpu.num_gpus()}")
+    fused_equals_books_loop([mgpu.gpu(0), mgpu.gpu(1)], steps=2)
+
+
+def test_fused_step_rejects_a_non_square_max_pool():
+    net = nn.Sequential(nn.Conv2d(1, 2, 3), nn.MaxPool2d((2, 3)), nn.Flatten(), nn.Linear(8, 3))
+    model = nn.DataParallel(net, device_ids=[mgpu.cpu(0)])
+    X = mgpu.array(np.zeros((2, 1, 6, 8), np.float32))
+    with pytest.raises(NotImplementedError, match="MaxPool2d"):
+        model.train_step(X, mgpu.array(np.zeros(2, np.int64)), nn.CrossEntropyLoss(),
+                         mgpu.optim.SGD(net.parameters(), lr=0.1))

@@ -146,6 +146,7 @@ def lenet_forward(X: Tensor, params: List[Tensor]) -> Tensor: ...
 #                                                  statistics of every replica's (and rank's)
 #                                                  examples, as one device on the whole batch
 #   ("relu",)  ("flatten",)  ("global_avg_pool",)  ("avg_pool2d", {kernel, stride=kernel})
+#   ("max_pool2d", {kernel, stride=kernel, padding=0})  -inf padding (padding <= kernel / 2)
 #   ("linear", {bias=True, transpose=False})       W (in, out) as LeNet's, or (out, in) as
 #                                                  PyTorch's nn.Linear with transpose=True [, b]
 #   ("add", {"in": [a, b]})                        residual sum; slot a and b each get dy

@@ -338,6 +338,7 @@ class _Fused:
             Conv2d,
             Flatten,
             Linear,
+            MaxPool2d,
             ReLU,
             Sequential,
         )
@@ -364,6 +365,10 @@ class _Fused:
         if isinstance(m, AvgPool2d) and m.kernel_size[0] == m.kernel_size[1] \
                 and m.stride[0] == m.stride[1]:
             return self._layer("avg_pool2d", src, kernel=m.kernel_size[0], stride=m.stride[0])
+        if isinstance(m, MaxPool2d) and m.kernel_size[0] == m.kernel_size[1] \
+                and m.stride[0] == m.stride[1] and m.padding[0] == m.padding[1]:
+            return self._layer("max_pool2d", src, kernel=m.kernel_size[0], stride=m.stride[0],
+                               padding=m.padding[0])
         if isinstance(m, Linear):
             ps = [m.weight] + ([m.bias] if m.bias is not None else [])
             return self._layer("linear", src, ps, bias=m.bias is not None, transpose=True)
@@ -376,7 +381,8 @@ class _Fused:
         raise NotImplementedError(
             f"train_step: the fused step has no layer for {type(m).__name__}; supported are "
             "Sequential, Conv2d, BatchNorm2d and SyncBatchNorm (with running statistics and a "
-            "momentum), ReLU, Flatten, AvgPool2d, AdaptiveAvgPool2d((1, 1)), Linear and "
+            "momentum), ReLU, Flatten, AvgPool2d, MaxPool2d (square), AdaptiveAvgPool2d((1, 1)), "
+            "Linear and "
             "models.Residual (use the book's loop for other modules)")
 
 
