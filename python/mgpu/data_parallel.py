@@ -336,6 +336,7 @@ class _Fused:
             AvgPool2d,
             BatchNorm2d,
             Conv2d,
+            Dropout,
             Flatten,
             Linear,
             MaxPool2d,
@@ -369,6 +370,13 @@ class _Fused:
                 and m.stride[0] == m.stride[1] and m.padding[0] == m.padding[1]:
             return self._layer("max_pool2d", src, kernel=m.kernel_size[0], stride=m.stride[0],
                                padding=m.padding[0])
+        if isinstance(m, Dropout):
+            if m.p == 0.0:
+                return src  # the identity
+            raise NotImplementedError(
+                f"train_step: the fused step has no dropout layer ({m!r}: its masks are drawn "
+                "per step by mgpu.random); train this model with the book's loop (forward, "
+                "loss.backward(), trainer.step()), or use Dropout(p=0)")
         if isinstance(m, Linear):
             ps = [m.weight] + ([m.bias] if m.bias is not None else [])
             return self._layer("linear", src, ps, bias=m.bias is not None, transpose=True)

@@ -673,6 +673,29 @@ class MaxPool2d(Module):
         return functional.max_pool2d(x, self.kernel_size, self.stride, self.padding)
 
 
+class Dropout(Module):
+    """PyTorch's ``nn.Dropout(p)``: in training mode zeroes each element with probability p and
+    scales the rest by 1 / (1 - p); in evaluation mode (``net.eval()``) the identity. The masks
+    come from ``mgpu.random`` (``mgpu.random.seed(n)`` repeats them); backward uses the forward's
+    mask. The fused ``DataParallel.train_step`` has no dropout layer: train such a model with the
+    book's loop."""
+
+    def __init__(self, p: float = 0.5, inplace: bool = False):
+        super().__init__()
+        if isinstance(p, bool) or not isinstance(p, numbers.Real) or not 0.0 <= float(p) <= 1.0:
+            raise ValueError(f"Dropout: p must be a probability in [0, 1], got {p!r}")
+        if inplace:
+            raise ValueError("Dropout: inplace=True is not supported; use inplace=False")
+        self.p = float(p)
+        self.inplace = False
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}"
+
+    def forward(self, x: Tensor) -> Tensor:
+        return functional.dropout(_check_input(x, "Dropout"), self.p, self.training)
+
+
 class AdaptiveAvgPool2d(Module):
     """Global average pooling: (N, C, H, W) -> (N, C, 1, 1). Only output size (1, 1) is
     supported (what ResNet uses)."""
@@ -827,6 +850,6 @@ class SoftmaxCrossEntropyLoss(CrossEntropyLoss):
 from .data_parallel import DataParallel, SyncBatchNorm  # noqa: E402  (they build on Module)
 
 __all__ = ["Module", "Parameter", "Sequential", "Conv2d", "Linear", "ReLU", "Flatten",
-           "AvgPool2d", "MaxPool2d", "AdaptiveAvgPool2d", "BatchNorm1d", "BatchNorm2d",
+           "AvgPool2d", "MaxPool2d", "Dropout", "AdaptiveAvgPool2d", "BatchNorm1d", "BatchNorm2d",
            "SyncBatchNorm",
            "CrossEntropyLoss", "SoftmaxCrossEntropyLoss", "DataParallel", "init", "functional"]

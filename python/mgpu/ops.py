@@ -12,6 +12,7 @@ from typing import Optional, Sequence, Tuple, Union
 import numpy as np
 
 from . import _core, autograd
+from . import random as _random
 from . import trace as _trace
 from .tensor import Tensor
 
@@ -108,6 +109,24 @@ def max_pool2d(x: Tensor, kernel_size: IntPair, stride: Optional[IntPair] = None
     H, W = x.shape[2], x.shape[3]
     return autograd.attach(Tensor(y), [x], lambda dy: (Tensor(_core.max_pool2d_backward(
         indices, dy._t, H, W, kh, kw, sh, sw, ph, pw)),), saved=[])
+
+
+def dropout(x: Tensor, p: float = 0.5, training: bool = True) -> Tensor:
+    """PyTorch's ``F.dropout``: in training each element is zeroed with probability ``p`` and the
+    rest scaled by 1 / (1 - p); otherwise x itself. The mask is drawn from ``mgpu.random`` (so
+    ``mgpu.random.seed`` makes it reproducible) and backward multiplies dy by the same mask."""
+    _tensors("dropout", x=x)
+    if isinstance(p, bool) or not isinstance(p, numbers.Real) or not 0.0 <= float(p) <= 1.0:
+        raise ValueError(f"dropout: p must be a probability in [0, 1], got {p!r}")
+    p = float(p)
+    if not training or p == 0.0:
+        return x
+    if x.dtype.name != "float32":
+        raise TypeError(f"dropout: x must be float32, got {x.dtype.name}")
+    mask = _random.dropout_mask(x.shape, p, x.device)
+    out = Tensor(_core.binary(_core.BinaryOp.Mul, x._t, mask._t))
+    return autograd.attach(out, [x], lambda dy: (
+        Tensor(_core.binary(_core.BinaryOp.Mul, dy._t, mask._t)),), saved=[])
 
 
 def relu(x: Tensor) -> Tensor:
@@ -288,7 +307,7 @@ def _update_running(running: Optional[Tensor], batch: "_core.Tensor", momentum: 
 
 
 # Each public op is a host span on the timeline (mgpu.profile); one flag check while it is off.
-for _name in ("conv2d", "avg_pool2d", "max_pool2d", "relu", "mm", "dot",
+for _name in ("conv2d", "avg_pool2d", "max_pool2d", "dropout", "relu", "mm", "dot",
               "cross_entropy", "argmax", "linear", "batch_norm", "gather_rows"):
     if _name in globals():
         globals()[_name] = _trace.span(_name)(globals()[_name])
