@@ -246,3 +246,19 @@ def test_fused_step_rejects_a_non_square_max_pool():
     with pytest.raises(NotImplementedError, match="MaxPool2d"):
         model.train_step(X, mgpu.array(np.zeros(2, np.int64)), nn.CrossEntropyLoss(),
                          mgpu.optim.SGD(net.parameters(), lr=0.1))
+
+
+def test_fused_deterministic_step_with_max_pool_gives_the_same_bits_on_1_and_2_devices():
+    states = []
+    for k in (1, 2):
+        net = stem_net()
+        model = nn.DataParallel(net, device_ids=[mgpu.cpu(i) for i in range(k)])
+        trainer = mgpu.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+        rng = np.random.default_rng(5)
+        for _ in range(2):
+            X = mgpu.array(rng.normal(size=(6, 3, 17, 15)).astype(np.float32))
+            y = mgpu.array(rng.integers(0, 5, size=6))
+            model.train_step(X, y, nn.CrossEntropyLoss(), trainer, deterministic=True)
+        states.append({name: t.numpy() for name, t in net.state_dict().items()})
+    for name in states[0]:
+        np.testing.assert_array_equal(states[1][name], states[0][name], err_msg=name)
