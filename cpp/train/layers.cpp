@@ -28,10 +28,10 @@ bool fused_fits(const Tensor& x, const Tensor& w, int64_t pool) {
 }
 
 // What a layer's backward needs beyond its inputs: the fused layer's relu mask (or, unfused, the
-// conv and relu outputs), max pooling's indices, batch norm's batch mean and variance (a, b) over count values per
-// channel. A synchronised batch norm gets a, b and count (of every replica's examples) from the
-// exchange before its forward, and before its backward this replica's sums (part_*) and every
-// replica's (all_*).
+// conv and relu outputs), max pooling's indices, batch norm's batch mean and variance (a, b) over
+// count values per channel. A synchronised batch norm gets a, b and count (of every replica's
+// examples) from the exchange before its forward, and before its backward this replica's sums
+// (part_*) and every replica's (all_*).
 struct Saved {
   Tensor a, b;
   int64_t h = 0, w = 0;  // max pooling: its input's height and width (a holds the indices)

@@ -43,7 +43,7 @@ struct Layer {
   std::vector<int> in;                     // input slots
   int out = 0;                             // output slot
   int64_t stride = 1, padding = 0;         // conv2d (and max_pool2d's padding)
-  int64_t kh = 2, kw = 2, sh = 2, sw = 2;  // avg_pool2d, max_pool2d (and the fused layer's pool: kh)
+  int64_t kh = 2, kw = 2, sh = 2, sw = 2;  // avg_pool2d, max_pool2d (the fused layer's pool: kh)
   bool bias = true, transpose = false;     // conv2d / linear: has a bias; linear: W is (out, in)
   double eps = 1e-5, momentum = 0.1;       // batch_norm
   bool sync = false;                       // batch_norm: statistics over every replica of a step
