@@ -662,6 +662,11 @@ TEST(MaxPool2d, TiesGoToTheFirstInRowMajorOrderAndNaNsToTheLast) {
   max_pool2d_forward(s, nans.data(), y.data(), &at);
   EXPECT_TRUE(std::isnan(y[0]));
   EXPECT_EQ(at, 2);
+  // Two NaNs in one row: the later column.
+  const Floats row_nans = {kNaN, kNaN, 1, 5};
+  max_pool2d_forward(s, row_nans.data(), y.data(), &at);
+  EXPECT_TRUE(std::isnan(y[0]));
+  EXPECT_EQ(at, 1);
 }
 
 // ================================ bias ================================
