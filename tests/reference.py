@@ -115,6 +115,51 @@ def avg_pool2d_backward(x_shape, dy, kernel_size, stride=None):
 
 
 # ---------------------------------------------------------------------------------------------
+# max_pool2d: implicit -inf padding, floor output size (PyTorch's F.max_pool2d, dilation 1).
+# y[n, c, p, q] = max over the window's image elements x[n, c, p*sh - ph + i, q*sw - pw + j].
+# The winner is PyTorch's CPU kernel's: read the window in row-major order, starting from -inf
+# at its first image element, and take a value greater than the best so far, or NaN.
+# ---------------------------------------------------------------------------------------------
+
+def max_pool2d_forward(x, kernel_size, stride=None, padding=0):
+    """x (N, C, H, W) -> (y (N, C, P, Q), index (N, C, P, Q) int64: the winner's h * W + w),
+    P = (H + 2*ph - kh) // sh + 1, Q likewise. stride defaults to kernel_size."""
+    x = _f64(x)
+    N, C, H, W = x.shape
+    kh, kw = _pair(kernel_size)
+    sh, sw = _pair(kernel_size if stride is None else stride)
+    ph, pw = _pair(padding)
+    P, Q = _out_size(H + 2 * ph, kh, sh), _out_size(W + 2 * pw, kw, sw)
+    y = np.empty((N, C, P, Q))
+    index = np.empty((N, C, P, Q), dtype=np.int64)
+    for n in range(N):
+        for c in range(C):
+            for p in range(P):
+                for q in range(Q):
+                    rows = range(max(p * sh - ph, 0), min(p * sh - ph + kh, H))
+                    cols = range(max(q * sw - pw, 0), min(q * sw - pw + kw, W))
+                    best, at = -np.inf, rows[0] * W + cols[0]
+                    for h in rows:
+                        for w in cols:
+                            if x[n, c, h, w] > best or np.isnan(x[n, c, h, w]):
+                                best, at = x[n, c, h, w], h * W + w
+                    y[n, c, p, q], index[n, c, p, q] = best, at
+    return y, index
+
+
+def max_pool2d_backward(x, dy, kernel_size, stride=None, padding=0):
+    """x (N, C, H, W), dy (N, C, P, Q) -> dx (N, C, H, W): each dy added at its window's winner."""
+    x, dy = _f64(x), _f64(dy)
+    N, C, H, W = x.shape
+    _, index = max_pool2d_forward(x, kernel_size, stride, padding)
+    dx = np.zeros((N, C, H * W))
+    for n in range(N):
+        for c in range(C):
+            np.add.at(dx[n, c], index[n, c].ravel(), dy[n, c].ravel())
+    return dx.reshape(x.shape)
+
+
+# ---------------------------------------------------------------------------------------------
 # Elementwise, matrix product, linear layer.
 # ---------------------------------------------------------------------------------------------
 

@@ -10,6 +10,7 @@
 #include "ops/conv2d.h"
 #include "ops/elementwise.h"
 #include "ops/linear.h"
+#include "ops/max_pool2d.h"
 #include "ops/relu.h"
 #include "ops/softmax_ce.h"
 #include "train/split_batch.h"
@@ -58,6 +59,17 @@ void bind_ops(py::module_& m) {
   }, nogil(), "(dx or None, dw, db or None).");
   m.def("avg_pool2d_forward", &ops::avg_pool2d_forward, nogil(), "Average pooling, floor output size.");
   m.def("avg_pool2d_backward", &ops::avg_pool2d_backward, nogil(), "dx of average pooling.");
+  m.def("max_pool2d_forward", [](const Tensor& x, int64_t kh, int64_t kw, int64_t sh, int64_t sw,
+                                 int64_t ph, int64_t pw, bool keep_indices) {
+    ops::MaxPool2d r = ops::max_pool2d_forward(x, kh, kw, sh, sw, ph, pw, keep_indices);
+    return std::make_pair(r.y, r.indices.defined() ? std::optional<Tensor>(r.indices)
+                                                   : std::nullopt);
+  }, py::arg("x"), py::arg("kh"), py::arg("kw"), py::arg("sh"), py::arg("sw"), py::arg("ph"),
+        py::arg("pw"), py::arg("keep_indices") = true, nogil(),
+        "(y, int32 argmax indices or None) of max pooling with -inf padding, floor output size.");
+  m.def("max_pool2d_backward", &ops::max_pool2d_backward, py::arg("indices"), py::arg("dy"),
+        py::arg("H"), py::arg("W"), py::arg("kh"), py::arg("kw"), py::arg("sh"), py::arg("sw"),
+        py::arg("ph"), py::arg("pw"), nogil(), "dx of max pooling: dy added at forward's indices.");
   auto opt_ptr = [](const std::optional<Tensor>& t) { return t ? &*t : nullptr; };
   m.def("batch_norm_stats", &ops::batch_norm_stats, py::arg("x"), nogil(),
         "(mean, biased var) per channel of x (N, C, H, W) or (N, C).");

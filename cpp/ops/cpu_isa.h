@@ -14,6 +14,7 @@
 #include "ops/conv2d.h"
 #include "ops/conv2d_relu_pool.h"
 #include "ops/elementwise.h"
+#include "ops/max_pool2d.h"
 #include "ops/softmax_ce.h"
 
 namespace mgpu::ops::cpu {
@@ -67,6 +68,11 @@ std::string cpu_model();
     (int64_t N, int64_t C, int64_t H, int64_t W, int64_t kh, int64_t kw, int64_t sh, int64_t sw,  \
      const float* dy, float* dx),                                                                 \
     (N, C, H, W, kh, kw, sh, sw, dy, dx))                                                         \
+  X(void, max_pool2d_forward,                                                                     \
+    (const MaxPoolShape& s, const float* x, float* y, int32_t* indices), (s, x, y, indices))      \
+  X(void, max_pool2d_backward,                                                                    \
+    (const MaxPoolShape& s, const int32_t* indices, const float* dy, float* dx),                  \
+    (s, indices, dy, dx))                                                                         \
   X(void, batch_norm_stats,                                                                       \
     (int64_t N, int64_t C, int64_t HW, const float* x, float* mean, float* var),                  \
     (N, C, HW, x, mean, var))                                                                     \

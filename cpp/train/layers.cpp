@@ -12,6 +12,7 @@
 #include "ops/conv2d_relu_pool.h"
 #include "ops/elementwise.h"
 #include "ops/linear.h"
+#include "ops/max_pool2d.h"
 #include "ops/relu.h"
 #include "ops/softmax_ce.h"
 
@@ -27,12 +28,13 @@ bool fused_fits(const Tensor& x, const Tensor& w, int64_t pool) {
 }
 
 // What a layer's backward needs beyond its inputs: the fused layer's relu mask (or, unfused, the
-// conv and relu outputs), batch norm's batch mean and variance (a, b) over count values per
-// channel. A synchronised batch norm gets a, b and count (of every replica's examples) from the
-// exchange before its forward, and before its backward this replica's sums (part_*) and every
-// replica's (all_*).
+// conv and relu outputs), max pooling's indices, batch norm's batch mean and variance (a, b) over
+// count values per channel. A synchronised batch norm gets a, b and count (of every replica's
+// examples) from the exchange before its forward, and before its backward this replica's sums
+// (part_*) and every replica's (all_*).
 struct Saved {
   Tensor a, b;
+  int64_t h = 0, w = 0;  // max pooling: its input's height and width (a holds the indices)
   double count = 0.0;
   bool synced = false;
   Tensor part_dy, part_dy_xhat, all_dy, all_dy_xhat;
@@ -125,6 +127,14 @@ Tensor forward(const Layer& l, const std::vector<Tensor>& in, const ReplicaState
     case LayerKind::Absorbed: return Tensor();
     case LayerKind::Relu: return ops::relu_forward(x);
     case LayerKind::AvgPool2d: return ops::avg_pool2d_forward(x, l.kh, l.kw, l.sh, l.sw);
+    case LayerKind::MaxPool2d: {
+      MGPU_CHECK_VALUE(x.dim() == 4, l.name, ": expects (N, C, H, W), got shape ", x.shape());
+      ops::MaxPool2d f = ops::max_pool2d_forward(x, l.kh, l.kw, l.sh, l.sw, l.padding, l.padding,
+                                                 for_backward);
+      s->a = f.indices;
+      s->h = x.size(2), s->w = x.size(3);
+      return f.y;
+    }
     case LayerKind::GlobalAvgPool:
       MGPU_CHECK_VALUE(x.dim() == 4, l.name, ": expects (N, C, H, W), got shape ", x.shape());
       return ops::avg_pool2d_forward(x, x.size(2), x.size(3), x.size(2), x.size(3));
@@ -229,6 +239,10 @@ void backward(const Layer& l, const std::vector<Tensor>& in, const Tensor& out, 
     case LayerKind::Relu: dx0 = ops::relu_backward(out, dy); return;
     case LayerKind::AvgPool2d:
       dx0 = ops::avg_pool2d_backward(x, dy, l.kh, l.kw, l.sh, l.sw);
+      return;
+    case LayerKind::MaxPool2d:
+      dx0 = ops::max_pool2d_backward(s.a, dy, s.h, s.w, l.kh, l.kw, l.sh, l.sw, l.padding,
+                                     l.padding);
       return;
     case LayerKind::GlobalAvgPool:
       dx0 = ops::avg_pool2d_backward(x, dy, x.size(2), x.size(3), x.size(2), x.size(3));

@@ -29,6 +29,7 @@ const std::map<std::string, KindInfo>& kinds() {
       {"batch_norm", {LayerKind::BatchNorm, 1, {"eps", "momentum", "affine", "sync"}}},
       {"relu", {LayerKind::Relu, 1, {}}},
       {"avg_pool2d", {LayerKind::AvgPool2d, 1, {"kernel", "stride"}}},
+      {"max_pool2d", {LayerKind::MaxPool2d, 1, {"kernel", "stride", "padding"}}},
       {"global_avg_pool", {LayerKind::GlobalAvgPool, 1, {}}},
       {"flatten", {LayerKind::Flatten, 1, {}}},
       {"linear", {LayerKind::Linear, 1, {"bias", "transpose"}}},
@@ -138,7 +139,7 @@ Model::Model(const std::vector<LayerSpec>& spec, const std::vector<Shape>& param
     has_sync_ = has_sync_ || l.sync;
     l.stride = positive_int(l, o, "stride", 1, 1);
     l.padding = positive_int(l, o, "padding", 0, 0);
-    if (l.kind == LayerKind::AvgPool2d) {
+    if (l.kind == LayerKind::AvgPool2d || l.kind == LayerKind::MaxPool2d) {
       MGPU_CHECK_VALUE(o.count("kernel"), l.name, ": give the pooling window as option 'kernel'");
       l.kh = l.kw = positive_int(l, o, "kernel", 2, 1);
       l.sh = l.sw = positive_int(l, o, "stride", l.kh, 1);
@@ -195,8 +196,9 @@ Model::Model(const std::vector<LayerSpec>& spec, const std::vector<Shape>& param
     grad_needed_[static_cast<size_t>(l.out)] = g;
     // Relu's backward reads its output (x > 0 exactly where relu(x) > 0), which the next layer
     // usually keeps anyway, so the batch norm or add output before it is freed in forward; add
-    // reads nothing; every other backward re-reads its input (flatten and pooling for its shape).
-    if (!g || l.kind == LayerKind::Add) continue;
+    // reads nothing, max pooling only the indices its forward keeps; every other backward
+    // re-reads its input (flatten and average pooling for its shape).
+    if (!g || l.kind == LayerKind::Add || l.kind == LayerKind::MaxPool2d) continue;
     // The fused layers re-read x (their batch norm's input) and their output y (the mask), not
     // the shortcut.
     if (l.kind == LayerKind::Relu) {

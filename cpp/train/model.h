@@ -17,8 +17,8 @@ namespace mgpu::train {
 // output slot, the batch norm and add it replaced become Absorbed (they run nothing, their slots
 // stay empty). MGPU_FUSE_LAYERS=0 (read when a Model is built) keeps the layers as given.
 enum class LayerKind {
-  Conv2d, Conv2dReluPool, BatchNorm, Relu, AvgPool2d, GlobalAvgPool, Flatten, Linear, Add,
-  BatchNormRelu, BatchNormAddRelu, Absorbed
+  Conv2d, Conv2dReluPool, BatchNorm, Relu, AvgPool2d, MaxPool2d, GlobalAvgPool, Flatten, Linear,
+  Add, BatchNormRelu, BatchNormAddRelu, Absorbed
 };
 
 // A batch norm, alone or fused with what follows it (owns gamma, beta and the running buffers).
@@ -42,8 +42,8 @@ struct Layer {
   std::string add_name;                    // BatchNormAddRelu: the add's name, for its messages
   std::vector<int> in;                     // input slots
   int out = 0;                             // output slot
-  int64_t stride = 1, padding = 0;         // conv2d
-  int64_t kh = 2, kw = 2, sh = 2, sw = 2;  // avg_pool2d (and the fused layer's pool: kh)
+  int64_t stride = 1, padding = 0;         // conv2d (and max_pool2d's padding)
+  int64_t kh = 2, kw = 2, sh = 2, sw = 2;  // avg_pool2d, max_pool2d (the fused layer's pool: kh)
   bool bias = true, transpose = false;     // conv2d / linear: has a bias; linear: W is (out, in)
   double eps = 1e-5, momentum = 0.1;       // batch_norm
   bool sync = false;                       // batch_norm: statistics over every replica of a step

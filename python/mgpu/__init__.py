@@ -43,7 +43,18 @@ from .data import DataLoader, get_fashion_mnist_labels, load_data_fashion_mnist
 from .device import Device, cpu, gpu, num_gpus, try_all_gpus, try_gpu
 from .models import lenet, lenet_params
 from .nn import CrossEntropyLoss, SoftmaxCrossEntropyLoss
-from .ops import argmax, avg_pool2d, batch_norm, conv2d, cross_entropy, dot, mm, relu
+from .ops import (
+    argmax,
+    avg_pool2d,
+    batch_norm,
+    conv2d,
+    cross_entropy,
+    dot,
+    dropout,
+    max_pool2d,
+    mm,
+    relu,
+)
 from .parallel import allreduce, get_params, sgd, split_and_load, split_batch, train_batch
 from .random import randn
 from .tensor import (
@@ -143,7 +154,8 @@ __all__ = [
     "from_dlpack", "random", "autograd", "chapter", "checkpoint", "distributed", "plot", "no_grad",
     "save", "load", "CheckpointError",
     "models", "nn", "ops", "optim", "profile", "trace",
-    "conv2d", "avg_pool2d", "relu", "batch_norm", "mm", "dot", "cross_entropy", "argmax",
+    "conv2d", "avg_pool2d", "max_pool2d", "dropout", "relu", "batch_norm", "mm", "dot",
+    "cross_entropy", "argmax",
     "lenet", "lenet_params", "get_params", "allreduce", "split_batch", "split_and_load", "sgd",
     "train_batch", "load_data_fashion_mnist", "get_fashion_mnist_labels",
     "evaluate_accuracy", "evaluate_accuracy_gpu", "train", "train_op_by_op",

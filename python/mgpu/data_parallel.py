@@ -346,8 +346,10 @@ class _Fused:
             AvgPool2d,
             BatchNorm2d,
             Conv2d,
+            Dropout,
             Flatten,
             Linear,
+            MaxPool2d,
             ReLU,
             Sequential,
         )
@@ -374,6 +376,17 @@ class _Fused:
         if isinstance(m, AvgPool2d) and m.kernel_size[0] == m.kernel_size[1] \
                 and m.stride[0] == m.stride[1]:
             return self._layer("avg_pool2d", src, kernel=m.kernel_size[0], stride=m.stride[0])
+        if isinstance(m, MaxPool2d) and m.kernel_size[0] == m.kernel_size[1] \
+                and m.stride[0] == m.stride[1] and m.padding[0] == m.padding[1]:
+            return self._layer("max_pool2d", src, kernel=m.kernel_size[0], stride=m.stride[0],
+                               padding=m.padding[0])
+        if isinstance(m, Dropout):
+            if m.p == 0.0:
+                return src  # the identity
+            raise NotImplementedError(
+                f"train_step: the fused step has no dropout layer ({m!r}: its masks are drawn "
+                "per step by mgpu.random); train this model with the book's loop (forward, "
+                "loss.backward(), trainer.step()), or use Dropout(p=0)")
         if isinstance(m, Linear):
             ps = [m.weight] + ([m.bias] if m.bias is not None else [])
             return self._layer("linear", src, ps, bias=m.bias is not None, transpose=True)
@@ -386,7 +399,8 @@ class _Fused:
         raise NotImplementedError(
             f"train_step: the fused step has no layer for {type(m).__name__}; supported are "
             "Sequential, Conv2d, BatchNorm2d and SyncBatchNorm (with running statistics and a "
-            "momentum), ReLU, Flatten, AvgPool2d, AdaptiveAvgPool2d((1, 1)), Linear and "
+            "momentum), ReLU, Flatten, AvgPool2d, MaxPool2d (square), AdaptiveAvgPool2d((1, 1)), "
+            "Linear and "
             "models.Residual (use the book's loop for other modules)")
 
 

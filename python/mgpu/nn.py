@@ -636,6 +636,66 @@ class AvgPool2d(Module):
         return functional.avg_pool2d(x, self.kernel_size, self.stride)
 
 
+class MaxPool2d(Module):
+    """Max pooling (PyTorch's ``nn.MaxPool2d``): (N, C, H, W) -> (N, C, P, Q), implicit -inf
+    padding of at most half the kernel, floor output size; see ``mgpu.ops.max_pool2d``."""
+
+    def __init__(self, kernel_size: IntPair, stride: Optional[IntPair] = None,
+                 padding: IntPair = 0, dilation: IntPair = 1, return_indices: bool = False,
+                 ceil_mode: bool = False):
+        super().__init__()
+        op = "MaxPool2d"
+        self.kernel_size = functional._int_pair(kernel_size, "kernel_size", op)
+        self.stride = functional._int_pair(stride, "stride", op) if stride is not None \
+            else self.kernel_size
+        self.padding = functional._int_pair(padding, "padding", op)
+        (kh, kw), (sh, sw), (ph, pw) = self.kernel_size, self.stride, self.padding
+        if min(kh, kw, sh, sw) < 1 or min(ph, pw) < 0 or 2 * ph > kh or 2 * pw > kw:
+            raise ValueError(f"MaxPool2d: kernel_size and stride must be >= 1 and padding >= 0 "
+                             f"and at most half the kernel, got kernel_size={kernel_size}, "
+                             f"stride={stride}, padding={padding}")
+        if functional._int_pair(dilation, "dilation", op) != (1, 1) or return_indices \
+                or ceil_mode:
+            raise ValueError("MaxPool2d: only dilation=1, return_indices=False and "
+                             "ceil_mode=False are supported")
+        self.dilation, self.return_indices, self.ceil_mode = 1, False, False
+
+    def extra_repr(self) -> str:
+        return (f"kernel_size={self.kernel_size}, stride={self.stride}, "
+                f"padding={self.padding}")
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = _check_input(x, "MaxPool2d")
+        (kh, kw), (ph, pw) = self.kernel_size, self.padding
+        if x.ndim != 4 or x.shape[2] + 2 * ph < kh or x.shape[3] + 2 * pw < kw:
+            raise ValueError(f"MaxPool2d({self.extra_repr()}): expected (N, C, H, W) at least as "
+                             f"large as the kernel once padded, got shape {x.shape}")
+        return functional.max_pool2d(x, self.kernel_size, self.stride, self.padding)
+
+
+class Dropout(Module):
+    """PyTorch's ``nn.Dropout(p)``: in training mode zeroes each element with probability p and
+    scales the rest by 1 / (1 - p); in evaluation mode (``net.eval()``) the identity. The masks
+    come from ``mgpu.random`` (``mgpu.random.seed(n)`` repeats them); backward uses the forward's
+    mask. The fused ``DataParallel.train_step`` has no dropout layer: train such a model with the
+    book's loop."""
+
+    def __init__(self, p: float = 0.5, inplace: bool = False):
+        super().__init__()
+        if isinstance(p, bool) or not isinstance(p, numbers.Real) or not 0.0 <= float(p) <= 1.0:
+            raise ValueError(f"Dropout: p must be a probability in [0, 1], got {p!r}")
+        if inplace:
+            raise ValueError("Dropout: inplace=True is not supported; use inplace=False")
+        self.p = float(p)
+        self.inplace = False
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}"
+
+    def forward(self, x: Tensor) -> Tensor:
+        return functional.dropout(_check_input(x, "Dropout"), self.p, self.training)
+
+
 class AdaptiveAvgPool2d(Module):
     """Global average pooling: (N, C, H, W) -> (N, C, 1, 1). Only output size (1, 1) is
     supported (what ResNet uses)."""
@@ -790,5 +850,6 @@ class SoftmaxCrossEntropyLoss(CrossEntropyLoss):
 from .data_parallel import DataParallel, SyncBatchNorm  # noqa: E402  (they build on Module)
 
 __all__ = ["Module", "Parameter", "Sequential", "Conv2d", "Linear", "ReLU", "Flatten",
-           "AvgPool2d", "AdaptiveAvgPool2d", "BatchNorm1d", "BatchNorm2d", "SyncBatchNorm",
+           "AvgPool2d", "MaxPool2d", "Dropout", "AdaptiveAvgPool2d", "BatchNorm1d", "BatchNorm2d",
+           "SyncBatchNorm",
            "CrossEntropyLoss", "SoftmaxCrossEntropyLoss", "DataParallel", "init", "functional"]

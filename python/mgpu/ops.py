@@ -6,11 +6,13 @@ an input requires grad. The forward and backward math lives in C++ (cpp/ops/).
 """
 from __future__ import annotations
 
+import numbers
 from typing import Optional, Sequence, Tuple, Union
 
 import numpy as np
 
 from . import _core, autograd
+from . import random as _random
 from . import trace as _trace
 from .tensor import Tensor
 
@@ -71,6 +73,60 @@ def avg_pool2d(x: Tensor, kernel_size: IntPair, stride: Optional[IntPair] = None
     out = Tensor(_core.avg_pool2d_forward(x._t, kh, kw, sh, sw))
     return autograd.attach(out, [x], lambda dy: (
         Tensor(_core.avg_pool2d_backward(x._t, dy._t, kh, kw, sh, sw)),))
+
+
+def _int_pair(v, name: str, op: str) -> Tuple[int, int]:
+    """An int or a pair of ints, as (h, w): a float, a bool or anything else is a TypeError."""
+    pair = tuple(v) if isinstance(v, (tuple, list)) else (v, v)
+    if len(pair) != 2 or any(isinstance(e, bool) or not isinstance(e, numbers.Integral)
+                             for e in pair):
+        raise TypeError(f"{op}: {name} must be an int or a pair of ints, got {v!r}")
+    return int(pair[0]), int(pair[1])
+
+
+def max_pool2d(x: Tensor, kernel_size: IntPair, stride: Optional[IntPair] = None,
+               padding: IntPair = 0, dilation: IntPair = 1, ceil_mode: bool = False,
+               return_indices: bool = False) -> Tensor:
+    """Max pooling, PyTorch's ``F.max_pool2d``: x (N, C, H, W) -> (N, C, P, Q) with
+    P = (H + 2 * padding - kernel) // stride + 1 (likewise Q); stride defaults to kernel_size;
+    padding is implicit -inf and at most half the kernel. Backward sends each dy to where its
+    window's maximum sits: the first maximum in row-major window order on ties, the last NaN when
+    the window holds NaNs (PyTorch's CPU rule). Only dilation 1, floor output size and no returned
+    indices are supported (ValueError otherwise)."""
+    _tensors("max_pool2d", x=x)
+    kh, kw = _int_pair(kernel_size, "kernel_size", "max_pool2d")
+    sh, sw = _int_pair(stride, "stride", "max_pool2d") if stride is not None else (kh, kw)
+    ph, pw = _int_pair(padding, "padding", "max_pool2d")
+    if _int_pair(dilation, "dilation", "max_pool2d") != (1, 1):
+        raise ValueError(f"max_pool2d: only dilation 1 is supported, got {dilation!r}")
+    if ceil_mode or return_indices:
+        raise ValueError("max_pool2d: ceil_mode=True and return_indices=True are not supported; "
+                         "use the default floor output size")
+    if x.ndim != 4:
+        raise ValueError(f"max_pool2d: x must have 4 dims (N, C, H, W), got shape {x.shape}")
+    keep = autograd.is_recording() and x.requires_grad
+    y, indices = _core.max_pool2d_forward(x._t, kh, kw, sh, sw, ph, pw, keep)
+    H, W = x.shape[2], x.shape[3]
+    return autograd.attach(Tensor(y), [x], lambda dy: (Tensor(_core.max_pool2d_backward(
+        indices, dy._t, H, W, kh, kw, sh, sw, ph, pw)),), saved=[])
+
+
+def dropout(x: Tensor, p: float = 0.5, training: bool = True) -> Tensor:
+    """PyTorch's ``F.dropout``: in training each element is zeroed with probability ``p`` and the
+    rest scaled by 1 / (1 - p); otherwise x itself. The mask is drawn from ``mgpu.random`` (so
+    ``mgpu.random.seed`` makes it reproducible) and backward multiplies dy by the same mask."""
+    _tensors("dropout", x=x)
+    if isinstance(p, bool) or not isinstance(p, numbers.Real) or not 0.0 <= float(p) <= 1.0:
+        raise ValueError(f"dropout: p must be a probability in [0, 1], got {p!r}")
+    p = float(p)
+    if not training or p == 0.0:
+        return x
+    if x.dtype.name != "float32":
+        raise TypeError(f"dropout: x must be float32, got {x.dtype.name}")
+    mask = _random.dropout_mask(x.shape, p, x.device)
+    out = Tensor(_core.binary(_core.BinaryOp.Mul, x._t, mask._t))
+    return autograd.attach(out, [x], lambda dy: (
+        Tensor(_core.binary(_core.BinaryOp.Mul, dy._t, mask._t)),), saved=[])
 
 
 def relu(x: Tensor) -> Tensor:
@@ -251,8 +307,8 @@ def _update_running(running: Optional[Tensor], batch: "_core.Tensor", momentum: 
 
 
 # Each public op is a host span on the timeline (mgpu.profile); one flag check while it is off.
-for _name in ("conv2d", "avg_pool2d", "relu", "mm", "dot", "cross_entropy", "argmax", "linear",
-              "batch_norm", "gather_rows"):
+for _name in ("conv2d", "avg_pool2d", "max_pool2d", "dropout", "relu", "mm", "dot",
+              "cross_entropy", "argmax", "linear", "batch_norm", "gather_rows"):
     if _name in globals():
         globals()[_name] = _trace.span(_name)(globals()[_name])
 del _name

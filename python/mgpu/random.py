@@ -77,3 +77,12 @@ def randn(*shape, device=None):
     if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
         shape = tuple(shape[0])
     return normal(size=shape, device=device)
+
+
+def dropout_mask(shape, p: float, device=None):
+    """Dropout's mask as a float32 tensor on ``device``: each element is 1 / (1 - p) (computed in
+    float32, as PyTorch scales) with probability 1 - p, else 0; all zeros when p is 1."""
+    from .tensor import array
+    keep = _rng.random(size=shape) >= p
+    scale = np.float32(0.0) if p >= 1.0 else np.float32(1.0) / np.float32(1.0 - p)
+    return array(np.where(keep, scale, np.float32(0.0)).astype(np.float32), device=device)

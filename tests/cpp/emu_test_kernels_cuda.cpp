@@ -26,6 +26,7 @@
 #include "ops/elementwise.h"
 #include "ops/gemm.h"
 #include "ops/linear.h"
+#include "ops/max_pool2d.h"
 #include "ops/relu.h"
 #include "ops/softmax_ce.h"
 #include "emu_test_util.h"
@@ -265,6 +266,55 @@ TEST_P(AvgPool2dCuda, ForwardAndBackwardMatchCpu) {
 
 INSTANTIATE_TEST_SUITE_P(Shapes, AvgPool2dCuda, ::testing::ValuesIn(kPoolCases),
                          [](const ::testing::TestParamInfo<PoolCase>& param) {
+                           return std::string(param.param.name);
+                         });
+
+// ================================ max_pool2d ================================
+
+struct MaxPoolCase {
+  const char* name;
+  mgpu::ops::MaxPoolShape s;
+};
+
+const MaxPoolCase kMaxPoolCases[] = {
+    {"resnet_stem_n2_odd", {2, 3, 11, 9, 3, 3, 2, 2, 1, 1}},
+    {"batch1_2x2", {1, 4, 8, 8, 2, 2, 2, 2, 0, 0}},
+    {"overlap_3x2_s1x2_pad1_nonsquare", {2, 2, 7, 5, 3, 2, 1, 2, 1, 1}},
+    {"gaps_2x3_s3x2", {1, 1, 8, 7, 2, 3, 3, 2, 0, 1}},
+};
+
+void PrintTo(const MaxPoolCase& c, std::ostream* out) { *out << c.name; }
+
+class MaxPool2dCuda : public CudaKernels, public ::testing::WithParamInterface<MaxPoolCase> {};
+
+// The same winners, values and sums in the same order as the CPU: every bit equal, on data with
+// ties (a coarse grid), a NaN and -inf.
+TEST_P(MaxPool2dCuda, ForwardAndBackwardMatchCpuBitForBit) {
+  const mgpu::ops::MaxPoolShape s = GetParam().s;
+  const size_t nx = s.N * s.C * s.H * s.W, ny = s.N * s.C * s.P() * s.Q();
+  Floats x = random_floats(nx, 7);
+  for (float& v : x) v = std::floor(v * 2.0f);
+  x[3] = kNaN;
+  x[nx - 1] = -INFINITY;
+  const Floats dy = random_floats(ny, 8);
+  Floats want_y(ny), want_dx(nx);
+  std::vector<int32_t> want_at(ny);
+  cpu::max_pool2d_forward(s, x.data(), want_y.data(), want_at.data());
+  cpu::max_pool2d_backward(s, want_at.data(), dy.data(), want_dx.data());
+
+  DeviceVector<float> x_(x), dy_(dy), y_(Floats(ny, kNaN)), dx_(Floats(nx, kNaN));
+  DeviceVector<int32_t> at_(std::vector<int32_t>(ny, -1));
+  gpu::max_pool2d_forward(s, x_.get(), y_.get(), at_.get(), stream_);
+  gpu::max_pool2d_backward(s, at_.get(), dy_.get(), dx_.get(), stream_);
+  sync();
+  const Floats y = y_.download(), dx = dx_.download();
+  EXPECT_EQ(at_.download(), want_at);
+  EXPECT_EQ(0, std::memcmp(y.data(), want_y.data(), ny * sizeof(float))) << "y differs";
+  EXPECT_EQ(0, std::memcmp(dx.data(), want_dx.data(), nx * sizeof(float))) << "dx differs";
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, MaxPool2dCuda, ::testing::ValuesIn(kMaxPoolCases),
+                         [](const ::testing::TestParamInfo<MaxPoolCase>& param) {
                            return std::string(param.param.name);
                          });
 

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <ostream>
 #include <string>
 #include <vector>
@@ -187,6 +188,31 @@ TEST(CpuIsa, WinogradSameBits) {
     setenv("MGPU_CONV_ALGO", saved.c_str(), 1);
   } else {
     unsetenv("MGPU_CONV_ALGO");
+  }
+}
+
+TEST(CpuIsa, MaxPoolSameBits) {
+  if (!avx512_runs()) GTEST_SKIP() << "this CPU has no AVX-512: one path only";
+  // Rows of 37 floats: two 16-float vectors and a tail on the AVX-512 path, four 8-float ones and
+  // a tail on the AVX2 path; values on a coarse grid (ties) with pairs of neighbouring NaNs.
+  for (const mgpu::ops::MaxPoolShape& s : {mgpu::ops::MaxPoolShape{3, 5, 13, 37, 3, 3, 2, 2, 1, 1},
+                                          mgpu::ops::MaxPoolShape{2, 3, 9, 17, 2, 3, 1, 2, 1, 0}}) {
+    Floats x = random_floats(s.N * s.C * s.H * s.W, 12);
+    for (size_t i = 0; i < x.size(); ++i) {
+      x[i] = static_cast<float>(static_cast<int>(x[i] * 3.0f));
+      if (i % 29 < 2) x[i] = std::numeric_limits<float>::quiet_NaN();
+    }
+    const int64_t ny = s.N * s.C * s.P() * s.Q();
+    const Floats dy = random_floats(ny, 13);
+    Floats y[2] = {Floats(ny), Floats(ny)}, dx[2] = {Floats(x.size()), Floats(x.size())};
+    std::vector<int32_t> at[2] = {std::vector<int32_t>(ny), std::vector<int32_t>(ny)};
+    avx2::max_pool2d_forward(s, x.data(), y[0].data(), at[0].data());
+    avx512::max_pool2d_forward(s, x.data(), y[1].data(), at[1].data());
+    avx2::max_pool2d_backward(s, at[0].data(), dy.data(), dx[0].data());
+    avx512::max_pool2d_backward(s, at[1].data(), dy.data(), dx[1].data());
+    EXPECT_TRUE(same_bits("max_pool y", y[0], y[1]));
+    EXPECT_TRUE(same_bits("max_pool indices", at[0], at[1]));
+    EXPECT_TRUE(same_bits("max_pool dx", dx[0], dx[1]));
   }
 }
 

@@ -24,6 +24,7 @@
 #include "ops/conv2d_relu_pool.h"
 #include "ops/elementwise.h"
 #include "ops/gemm.h"
+#include "ops/max_pool2d.h"
 #include "ops/softmax_ce.h"
 
 namespace {
@@ -562,6 +563,110 @@ TEST(AvgPool2d, FloorDropsLastRowAndColumn) {
   Floats dx(9, kNaN);
   avg_pool2d_backward(1, 1, 3, 3, 2, 2, 2, 2, dy.data(), dx.data());
   EXPECT_EQ(dx, (Floats{2, 2, 0, 2, 2, 0, 0, 0, 0}));
+}
+
+// ================================ max_pool2d ================================
+
+using mgpu::ops::MaxPoolShape;
+
+// The winner of every window, read in row-major order from -inf at its first image element: a
+// value wins if greater than the best so far, or NaN (PyTorch's CPU rule).
+void ref_max_pool(const MaxPoolShape& s, const Floats& x, Doubles* y, std::vector<int32_t>* at) {
+  const int64_t P = s.P(), Q = s.Q();
+  y->assign(static_cast<size_t>(s.N * s.C * P * Q), 0.0);
+  at->assign(y->size(), -1);
+  for (int64_t nc = 0; nc < s.N * s.C; ++nc)
+    for (int64_t p = 0; p < P; ++p)
+      for (int64_t q = 0; q < Q; ++q) {
+        const int64_t h0 = std::max<int64_t>(p * s.sh - s.ph, 0);
+        const int64_t h1 = std::min(p * s.sh - s.ph + s.kh, s.H);
+        const int64_t w0 = std::max<int64_t>(q * s.sw - s.pw, 0);
+        const int64_t w1 = std::min(q * s.sw - s.pw + s.kw, s.W);
+        double best = -INFINITY;
+        int64_t win = h0 * s.W + w0;
+        for (int64_t h = h0; h < h1; ++h)
+          for (int64_t w = w0; w < w1; ++w) {
+            const double v = x[static_cast<size_t>(nc * s.H * s.W + h * s.W + w)];
+            if (v > best || std::isnan(v)) best = v, win = h * s.W + w;
+          }
+        const size_t o = static_cast<size_t>((nc * P + p) * Q + q);
+        (*y)[o] = best;
+        (*at)[o] = static_cast<int32_t>(win);
+      }
+}
+
+struct MaxPoolCase {
+  const char* name;
+  MaxPoolShape s;
+  bool ties;  // values from {0, 1, 2}: most windows hold their maximum more than once
+};
+
+const MaxPoolCase kMaxPoolCases[] = {
+    {"batch1_2x2", {1, 1, 4, 4, 2, 2, 2, 2, 0, 0}, false},
+    {"resnet_stem_odd_nonsquare", {2, 3, 11, 7, 3, 3, 2, 2, 1, 1}, false},
+    {"resnet_stem_ties", {2, 3, 11, 7, 3, 3, 2, 2, 1, 1}, true},
+    {"wide_rows_vector_tail", {2, 2, 9, 37, 3, 3, 2, 2, 1, 1}, true},
+    {"k3x2_s1x2_pad1", {1, 2, 5, 8, 3, 2, 1, 2, 1, 1}, true},
+    {"gaps_k2x3_s3x1", {3, 2, 7, 6, 2, 3, 3, 1, 1, 0}, false},
+    {"whole_map", {2, 1, 3, 5, 3, 5, 1, 1, 0, 0}, true},
+};
+
+void PrintTo(const MaxPoolCase& c, std::ostream* os) { *os << c.name; }
+
+class MaxPool2dTest : public ::testing::TestWithParam<MaxPoolCase> {};
+
+TEST_P(MaxPool2dTest, ForwardAndBackwardMatchReference) {
+  const MaxPoolShape s = GetParam().s;
+  Rng rng(5);
+  Floats x = rng.floats(s.N * s.C * s.H * s.W);
+  if (GetParam().ties)
+    for (float& v : x) v = std::floor((v + 1.0f) * 1.5f);
+  const Floats dy = rng.floats(s.N * s.C * s.P() * s.Q());
+  Floats y(dy.size(), kNaN), dx(x.size(), kNaN);
+  std::vector<int32_t> at(dy.size(), -7);
+  max_pool2d_forward(s, x.data(), y.data(), at.data());
+  Doubles want_y;
+  std::vector<int32_t> want_at;
+  ref_max_pool(s, x, &want_y, &want_at);
+  EXPECT_TRUE(all_close("max_pool2d_forward", y, want_y, kElementwise));
+  EXPECT_EQ(at, want_at);
+  max_pool2d_backward(s, at.data(), dy.data(), dx.data());
+  Doubles want_dx(x.size(), 0.0);
+  for (int64_t nc = 0; nc < s.N * s.C; ++nc)
+    for (int64_t o = 0; o < s.P() * s.Q(); ++o) {
+      const size_t yi = static_cast<size_t>(nc * s.P() * s.Q() + o);
+      want_dx[static_cast<size_t>(nc * s.H * s.W + want_at[yi])] += dy[yi];
+    }
+  EXPECT_TRUE(all_close("max_pool2d_backward", dx, want_dx, kSum));
+  // Without indices, the same y.
+  Floats y_only(dy.size(), kNaN);
+  max_pool2d_forward(s, x.data(), y_only.data(), nullptr);
+  EXPECT_EQ(0, std::memcmp(y.data(), y_only.data(), y.size() * sizeof(float)));
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, MaxPool2dTest, ::testing::ValuesIn(kMaxPoolCases),
+                         [](const ::testing::TestParamInfo<MaxPoolCase>& param) {
+                           return std::string(param.param.name);
+                         });
+
+TEST(MaxPool2d, TiesGoToTheFirstInRowMajorOrderAndNaNsToTheLast) {
+  // 9 at (0, 1) and (1, 0): row-major order reaches (0, 1) first.
+  const MaxPoolShape s{1, 1, 2, 2, 2, 2, 2, 2, 0, 0};
+  const Floats x = {0, 9, 9, 0};
+  Floats y(1);
+  int32_t at = -1;
+  max_pool2d_forward(s, x.data(), y.data(), &at);
+  EXPECT_EQ(y[0], 9.0f);
+  EXPECT_EQ(at, 1);
+  const Floats nans = {1, kNaN, kNaN, 5};
+  max_pool2d_forward(s, nans.data(), y.data(), &at);
+  EXPECT_TRUE(std::isnan(y[0]));
+  EXPECT_EQ(at, 2);
+  // Two NaNs in one row: the later column.
+  const Floats row_nans = {kNaN, kNaN, 1, 5};
+  max_pool2d_forward(s, row_nans.data(), y.data(), &at);
+  EXPECT_TRUE(std::isnan(y[0]));
+  EXPECT_EQ(at, 1);
 }
 
 // ================================ bias ================================
