@@ -43,13 +43,14 @@ def _source(value, key: str) -> Tensor:
                         "tensor, ...). Nothing was loaded.")
     try:
         return from_dlpack(value)  # contiguous and of a dtype mgpu holds: no copy
-    except (TypeError, ValueError) as direct:
+    except (TypeError, ValueError, RuntimeError) as direct:  # PyTorch: a tensor needing grad
         try:  # a strided view or another element type: through NumPy, converted below
             return array(np.from_dlpack(value))
         except (TypeError, ValueError, BufferError, RuntimeError) as e:
-            raise TypeError(f"load_state_dict: entry '{key}' ({type(value).__name__}) cannot be "
-                            f"read through DLPack ({direct}; through NumPy: {e}); convert it to "
-                            "float32 first (e.g. t.float()). Nothing was loaded.") from None
+            raise TypeError(
+                f"load_state_dict: entry '{key}' ({type(value).__name__}) cannot be read through "
+                f"DLPack ({direct}; through NumPy: {e}); pass a detached float32 tensor (e.g. "
+                "t.detach().float()). Nothing was loaded.") from None
 
 
 def load_into(owner: str, targets: Mapping[str, Tensor], state_dict: Mapping, strict: bool,
