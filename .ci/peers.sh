@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Creates the benchmark peers' virtual environments (never used by the test command):
+# Creates the peers' virtual environments (the test command makes torch and jax when missing and
+# runs the interop and comparison tests against them; the benchmarks use them too):
 #   build/peers/torch  PyTorch from PyPI (a CUDA build that also runs on CPU, ~5 GB)
 #   build/peers/jax    JAX for the CPU, with Flax and Optax (the JAX chapters' code)
 #   build/peers/onednn oneDNN from PyPI (its GNU OpenMP build) and cpp/bench/onednn_conv.cpp

@@ -6,7 +6,8 @@
 #      against the avx2 path bit for bit), then the sanitizer build
 #      (ASan + UBSan): the C++ engine tests and a Python smoke suite under it (MGPU_CI_SANITIZE=0
 #      skips it, for quick local runs);
-#   2. the Python suite against the installed package;
+#   2. the Python suite against the installed package, the interop tests with the peer venvs
+#      that .ci/peers.sh makes when they are missing (PyTorch 2.15, JAX; cached in build/peers);
 #   3. the tests marked `gpu` again against the emulated build's package, where gpu(0) and gpu(1)
 #      are emulated GPUs running our CUDA kernels (test_gpu_stress.py among them: 200 fused steps
 #      on random sets of 4 emulated GPUs, graphs and all-reduce paths, in a child); then the GPU
@@ -73,6 +74,20 @@ if [ "${MGPU_CI_SANITIZE:-1}" != 0 ]; then
     -p no:cacheprovider test_robust.py test_tensor.py test_errors.py test_nn.py \
     test_fused_step.py test_data_parallel.py -k "not cli and not gpu and not concise and not resnet18")
 fi
+
+stage "Peer venvs (.ci/peers.sh torch jax, cached in build/peers) for the interop tests"
+# PyTorch 2.15 from PyPI (a CUDA build, ~5 GB: 530 s from nothing here) and JAX for the CPU
+# (193 s), made when missing or broken and reused after. The Python tests below run against them
+# every time (DLPack both ways, both import orders, weights with PyTorch, the bench and rival
+# comparisons): MGPU_REQUIRE_PEERS turns a peer test that finds no peer into a failure, and a
+# failed install (no network) fails this stage, never a silent skip.
+for peer in torch jax; do
+  probe="import $peer, numpy"
+  [ $peer = jax ] && probe="import jax, flax, optax, numpy"
+  build/peers/$peer/bin/python -c "$probe" 2>/dev/null || bash .ci/peers.sh $peer
+done
+export MGPU_TORCH_PYTHON="$PWD/build/peers/torch/bin/python"
+export MGPU_JAX_PYTHON="$PWD/build/peers/jax/bin/python" MGPU_REQUIRE_PEERS="torch jax"
 
 stage "Python tests (pytest) of the installed package"
 # Run from tests/ so `import mgpu` finds the installed package, never python/mgpu.

@@ -4,8 +4,11 @@
 build/peers/torch made by ``bash .ci/peers.sh torch``: PyTorch 2.15), then falls back to this
 interpreter and ``python3`` on PATH, where another PyTorch may live (Debian's python3-torch is
 1.13). The tests assert on what PyTorch 2.15 gives (its CPU capability report, torch.compile), so
-a PyTorch older than MIN_TORCH skips them with the reason, never fails them.
+a PyTorch older than MIN_TORCH skips them with the reason, never fails them -- unless
+$MGPU_REQUIRE_PEERS names the peer ("torch jax"): the test command sets it after making the peer
+venvs, so a peer that is missing or broken there fails its tests instead of skipping them.
 """
+import os
 import re
 from typing import Optional, Tuple
 
@@ -36,10 +39,23 @@ def unsupported_torch(py: Optional[str], version: str) -> Optional[str]:
     return None
 
 
+def required(peer: str) -> bool:
+    """Whether $MGPU_REQUIRE_PEERS (names separated by spaces or commas) names ``peer``."""
+    return peer in os.environ.get("MGPU_REQUIRE_PEERS", "").replace(",", " ").split()
+
+
+def skip_or_fail(peer: str, why: str) -> None:
+    """Skips the calling test for ``why``, or fails it where the peer is required."""
+    if required(peer):
+        pytest.fail(f"{why} (MGPU_REQUIRE_PEERS={os.environ['MGPU_REQUIRE_PEERS']!r} requires "
+                    f"the {peer} peer: the test command makes it with `bash .ci/peers.sh {peer}`)")
+    pytest.skip(why)
+
+
 def torch_python() -> str:
     """The interpreter of a supported PyTorch peer; skips the calling test without one."""
     py, version = bench.find_torch_python()
     why = unsupported_torch(py, version)
     if why is not None:
-        pytest.skip(why)
+        skip_or_fail("torch", why)
     return py

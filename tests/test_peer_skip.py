@@ -54,6 +54,7 @@ def _child_env(**changes):
     env = dict(os.environ)
     env["PYTHONPATH"] = PKG_ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH")
                                     else "")
+    env.pop("MGPU_REQUIRE_PEERS", None)  # the children are meant to skip
     env.update(changes)
     return env
 

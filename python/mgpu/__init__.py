@@ -21,6 +21,7 @@ from . import _startup
 
 _startup.check_cpu()
 _startup.preload_blas()
+_startup.preload_cuda_wheels()
 
 from . import (  # after the checks above (pyproject.toml: E402 is off for this file)
     _core,

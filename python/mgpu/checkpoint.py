@@ -33,6 +33,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
+from . import tensorfile
+
 FORMAT = "mgpu.checkpoint"
 VERSION = 1
 _MAX_HEADER = 100 << 20  # a header larger than this is not ours (safetensors uses the same cap)
@@ -345,15 +347,41 @@ def _parse(path) -> Tuple[Any, Dict[str, np.ndarray], dict, str]:
 
 
 def load(path, device=None):
-    """Reads an object written by :func:`save`, after checking the file whole.
+    """Reads an object written by :func:`save`, after checking the file whole, or any other
+    safetensors file (PyTorch's, Hugging Face's: ``safetensors.numpy.save_file``) as a dict of
+    its tensors by name (see :mod:`mgpu.tensorfile` for the dtypes it converts and refuses).
 
     mgpu tensors come back on ``device`` (default ``cpu(0)``), NumPy arrays as NumPy arrays.
-    A file that is corrupt, truncated, of another format version or not a checkpoint raises
+    A file that is corrupt, truncated, of another format version or not a safetensors file raises
     :class:`CheckpointError` (a ValueError) naming the file and the fault; nothing is returned
     half. Reading parses JSON and copies bytes only: no code is executed.
     """
+    foreign = _foreign(path)
+    if foreign is not None:
+        from .tensor import array
+        return {name: array(a, device=device, dtype=a.dtype) for name, a in foreign.items()}
     tree, arrays, _, _ = _parse(path)
     return _decode(tree, arrays, device, os.fspath(path))
+
+
+def _foreign(path):
+    """The arrays of a safetensors file that is not one of mgpu's checkpoints, or None for a
+    file that is (or that is no safetensors file at all: :func:`_parse` says what is wrong)."""
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        return None
+    with open(path, "rb") as f:  # the header first: a checkpoint is read once, by _parse
+        head = f.read(8)
+        n = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
+        head += f.read(min(n, _MAX_HEADER))
+        parsed = tensorfile.read_header(head)
+        if parsed is None or tensorfile.is_mgpu_header(parsed[1], FORMAT):
+            return None
+        data = head + f.read()
+    try:
+        return tensorfile.parse(data)[0]
+    except tensorfile.TensorFileError as e:
+        raise CheckpointError(path, f"a safetensors file that mgpu cannot read: {e}") from None
 
 
 def read_meta(path) -> dict:

@@ -15,7 +15,7 @@ from typing import Callable, Iterable, Iterator, List, Mapping, NamedTuple, Opti
 
 import numpy as np
 
-from . import _core
+from . import _core, weights
 from . import ops as functional
 from . import random as _random
 from .device import Device, as_device
@@ -303,52 +303,18 @@ class Module:
         return out
 
     def load_state_dict(self, state_dict: Mapping, strict: bool = True) -> _IncompatibleKeys:
-        """Copies values into the parameters and buffers of the same names.
+        """Copies values into the parameters and buffers of the same names, PyTorch's way
+        (:mod:`mgpu.weights`): PyTorch's names, DataParallel's ``module.`` prefix dropped, values
+        as mgpu tensors, NumPy arrays or anything with ``__dlpack__`` (PyTorch tensors).
 
         Every entry is checked first (names with ``strict``, shapes always, types): on any
         mismatch a ValueError (TypeError for a non-tensor) lists the problems and nothing is
         changed. Returns (missing_keys, unexpected_keys) like PyTorch.
         """
-        if not isinstance(state_dict, Mapping):
-            raise TypeError(f"load_state_dict: expected a mapping of names to tensors, got "
-                            f"{type(state_dict).__name__}")
-        targets = self._state_targets()
-        missing = [k for k in targets if k not in state_dict]
-        unexpected = [k for k in state_dict if k not in targets]
-        problems = []
-        if strict and missing:
-            problems.append(f"missing keys {missing}")
-        if strict and unexpected:
-            problems.append(f"unexpected keys {unexpected}")
-        sources = {}
-        for k, t in targets.items():
-            if k not in state_dict:
-                continue
-            v = state_dict[k]
-            if not isinstance(v, (Tensor, np.ndarray)):
-                raise TypeError(f"load_state_dict: entry '{k}' is a {type(v).__name__}; expected "
-                                "an mgpu tensor or a NumPy array. Nothing was loaded.")
-            if tuple(v.shape) != tuple(t.shape):
-                problems.append(f"'{k}' has shape {tuple(v.shape)} but the module's is "
-                                f"{tuple(t.shape)}")
-                continue
-            sources[k] = v
-        if problems:
-            raise ValueError(f"load_state_dict into {type(self).__name__}: " + "; ".join(problems)
-                             + ". Nothing was loaded.")
-        # Convert everything before the first write, so a failing conversion changes nothing.
-        staged = {}
-        for k, v in sources.items():
-            t = targets[k]
-            if isinstance(v, np.ndarray):
-                src = array(v, device=t.device, dtype=t.dtype)
-            else:
-                src = v
-            if src.dtype != t.dtype:
-                src = src.astype(t.dtype)
-            staged[k] = src
-        for k, src in staged.items():
-            _core.copy(targets[k]._t, src._t)
+        optional = frozenset(f"{p}.num_batches_tracked" if p else "num_batches_tracked"
+                             for p, m in self.named_modules() if isinstance(m, _BatchNorm))
+        missing, unexpected = weights.load_into(type(self).__name__, self._state_targets(),
+                                                state_dict, strict, optional)
         return _IncompatibleKeys(missing, unexpected)
 
     # --- printing --------------------------------------------------------------------------
