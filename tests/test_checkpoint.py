@@ -283,7 +283,7 @@ def test_train_resumed_after_a_crash_inside_a_checkpoint_write_ends_bitwise(
         count["n"] += where == point
         if where == point and count["n"] == n:
             raise KeyboardInterrupt(f"simulated crash at {point}@{n}")
-    monkeypatch.setattr(ck, "_fault", crash)
+    monkeypatch.setattr(mgpu.faults, "fault", crash)
     with pytest.raises(KeyboardInterrupt):
         _run(tmp_path, "c", 3)
     monkeypatch.undo()
@@ -322,7 +322,7 @@ def test_deterministic_training_resumes_on_another_device_count(tmp_path, monkey
         count["n"] += point == "step"
         if count["n"] == 8:
             raise KeyboardInterrupt("simulated crash")
-    monkeypatch.setattr(ck, "_fault", crash)
+    monkeypatch.setattr(mgpu.faults, "fault", crash)
     with pytest.raises(KeyboardInterrupt):
         train("c", 2)
     monkeypatch.undo()
@@ -392,7 +392,7 @@ def _concise(tmp_path, name, epochs, crash_at=None, devices=1, monkeypatch=None,
                 count["n"] += 1
                 if count["n"] == crash_at:
                     raise KeyboardInterrupt("simulated crash")
-        monkeypatch.setattr(mgpu.chapter, "_fault", fault)
+        monkeypatch.setattr(mgpu.faults, "fault", fault)
     mgpu.random.seed(0)  # the default init of the biases (train_concise re-draws the weights)
     net = net or _small_net()
     kw = {} if name is None else dict(checkpoint=str(tmp_path / name), checkpoint_every=2,

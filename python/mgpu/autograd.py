@@ -108,23 +108,13 @@ def _topological(root) -> List:
     return order
 
 
-def backward(root, grad: Optional[object] = None) -> None:
-    """Back-propagates from ``root``; ``grad`` defaults to ones (the gradient of a sum)."""
-    from .tensor import Tensor, ones_like
-
-    if not root.requires_grad:
-        raise RuntimeError("backward: this tensor does not require grad; call requires_grad_() or "
-                           "attach_grad() on the parameters before computing it")
-    if grad is not None:
-        if not isinstance(grad, Tensor):
-            raise TypeError(f"backward: grad must be an mgpu tensor, got {type(grad).__name__}")
-        if grad.shape != root.shape or grad.device != root.device:
-            raise ValueError(f"backward: grad has shape {grad.shape} on {grad.device} but the "
-                             f"tensor has shape {root.shape} on {root.device}; they must match")
+def backward(root, grad) -> None:
+    """Back-propagates ``grad``, the gradient of ``root`` (a tensor of its shape on its device:
+    ``Tensor.backward`` checks it and defaults it to ones, the gradient of a sum)."""
     order = _topological(root)
     for t in order:  # before any gradient is written: a refused backward changes nothing
         t._node.check_saved()
-    grads = {id(root): grad if grad is not None else ones_like(root)}
+    grads = {id(root): grad}
     with no_grad():
         for t in reversed(order):
             dy = grads.pop(id(t))

@@ -13,11 +13,12 @@ import json
 import math
 import os
 import re
-import signal
 import struct
 from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
+
+from . import faults
 
 FORMAT = "mgpu.checkpoint"
 VERSION = 1
@@ -35,31 +36,6 @@ class CheckpointError(ValueError):
     def __init__(self, path, what: str):
         self.path = os.fspath(path)
         super().__init__(f"checkpoint {self.path}: {what}")
-
-
-# --- fault injection for the kill tests ------------------------------------------------------
-# MGPU_TEST_CHECKPOINT_FAULT="point@n[,point@n...]" kills this process with SIGKILL the n-th time
-# it reaches `point` (counted from 1): "write" (half of a file's bytes written), "rename" (the
-# temporary file complete and fsynced, not yet renamed), "dirsync" (renamed, the directory not
-# yet fsynced), "prune" (the new file durable, older ones not yet removed), "step" (after a
-# training step, before its checkpoint). MGPU_TEST_CHECKPOINT_FAULT_RANK limits it to one rank.
-_fault_counts: Dict[str, int] = {}
-
-
-def _fault(point: str) -> None:
-    spec = os.environ.get("MGPU_TEST_CHECKPOINT_FAULT")
-    if not spec:
-        return
-    only = os.environ.get("MGPU_TEST_CHECKPOINT_FAULT_RANK")
-    if only is not None:
-        from . import _core
-        if _core.dist_rank() != int(only):
-            return
-    _fault_counts[point] = _fault_counts.get(point, 0) + 1
-    for item in spec.split(","):
-        name, _, n = item.strip().partition("@")
-        if name == point and int(n or 1) == _fault_counts[point]:
-            os.kill(os.getpid(), signal.SIGKILL)
 
 
 # --- the object tree: JSON with tensors replaced by references --------------------------------
@@ -222,7 +198,7 @@ def save(obj, path, meta: Optional[dict] = None) -> None:
         written = 0
         for _, a in tensors:
             if written < total // 2 <= written + a.nbytes:
-                _fault("write")
+                faults.fault("write")
             raw = a.reshape(-1).view(np.uint8)
             digest.update(raw)
             _write_all(fd, raw)
@@ -244,9 +220,9 @@ def save(obj, path, meta: Optional[dict] = None) -> None:
                           f"{kept}") from e
         raise
     os.close(fd)
-    _fault("rename")
+    faults.fault("rename")
     os.replace(tmp, path)
-    _fault("dirsync")
+    faults.fault("dirsync")
     _fsync_dir(directory)
 
 
@@ -438,7 +414,7 @@ class TrainCheckpoints:
         if dist.rank() == 0:
             try:
                 save(state, path, meta={"step": step})
-                _fault("prune")
+                faults.fault("prune")
                 for _, old in self.files()[:-_KEEP]:
                     os.unlink(old)
             except OSError as e:

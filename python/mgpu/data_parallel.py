@@ -10,13 +10,28 @@ import threading
 from collections import OrderedDict
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from . import _core, autograd
+from . import _core, autograd, nn
 from . import ops as functional
 from . import trace as _trace
 from .device import Device, as_device, try_all_gpus, try_gpu
+from .models import Residual
+from .nn import (
+    AdaptiveAvgPool2d,
+    AvgPool2d,
+    BatchNorm2d,
+    BatchNormBase,
+    Conv2d,
+    Flatten,
+    Linear,
+    Module,
+    ReLU,
+    Sequential,
+    check_input,
+    module_calls,
+)
 from .nn import CrossEntropyLoss as nn_CrossEntropyLoss
-from .nn import Module, _BatchNorm, _calls, _check_input
 from .optim import SGD as optim_SGD
+from .parallel import FusedModel
 from .tensor import Tensor, zeros_like
 
 # Replica modules are shallow copies of the master's modules: these entries of a module's
@@ -161,7 +176,7 @@ class DataParallel(Module):
         return roots
 
     def forward(self, X: Tensor) -> Tensor:
-        X = _check_input(X, "DataParallel")
+        X = check_input(X, "DataParallel")
         if X.requires_grad:
             raise NotImplementedError("DataParallel: an input that requires grad is not "
                                       "supported (the scatter is not recorded); pass data tensors")
@@ -225,7 +240,7 @@ class DataParallel(Module):
         if [id(p) for p in trainer.params] != [id(p) for p in master]:
             raise ValueError("train_step: trainer must hold exactly this network's parameters "
                              "(optim.SGD(net.parameters(), ...))")
-        X, y = _check_input(X, "train_step"), _check_input(y, "train_step")
+        X, y = check_input(X, "train_step"), check_input(y, "train_step")
         self._check_master()
         fused = self._fused_model()
         if fused.steps == 1 and fused.trace:
@@ -283,7 +298,6 @@ class _Fused:
     """The module tree as a layer list for ``mgpu._core.Model`` (via ``parallel.FusedModel``)."""
 
     def __init__(self, module: Module, devices: List[Device], key):
-        from .parallel import FusedModel
         self.key = key
         params = list(module.parameters())
         self._pindex = {id(p): i for i, p in enumerate(params)}
@@ -330,17 +344,6 @@ class _Fused:
         return len(self.spec)  # the slot this layer writes
 
     def _emit(self, m: Module, src: int) -> int:
-        from .models import Residual
-        from .nn import (
-            AdaptiveAvgPool2d,
-            AvgPool2d,
-            BatchNorm2d,
-            Conv2d,
-            Flatten,
-            Linear,
-            ReLU,
-            Sequential,
-        )
         if isinstance(m, Sequential):
             for child in m:
                 src = self._emit(child, src)
@@ -433,8 +436,8 @@ def _run_synced(roots: List[Module], shards: List[Tensor]) -> List[Tensor]:
     recording = autograd.is_recording()
 
     def run(rank: int) -> None:
-        depth = getattr(_calls, "depth", 0)
-        _calls.depth = 1  # a replica's call is nested in DataParallel's (which restores on error)
+        depth = getattr(module_calls, "depth", 0)
+        module_calls.depth = 1  # nested in DataParallel's call (which restores on error)
         try:
             with autograd._recording(recording):
                 outs[rank] = roots[rank](shards[rank])
@@ -442,7 +445,7 @@ def _run_synced(roots: List[Module], shards: List[Tensor]) -> List[Tensor]:
             errors[rank] = e
             group.barrier.abort()
         finally:
-            _calls.depth = depth
+            module_calls.depth = depth
 
     threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(1, k)]
     try:
@@ -558,7 +561,7 @@ def _sync_batch_norm(items, master: "SyncBatchNorm", momentum: float) -> List[Te
     return [autograd.attach(y, [joint], select(i)) for i, y in enumerate(ys)]
 
 
-class SyncBatchNorm(_BatchNorm):
+class SyncBatchNorm(BatchNormBase):
     """Batch norm whose statistics, under ``DataParallel`` in training, are those of the whole
     batch across all replicas (so k devices compute what one device does on the whole batch).
     Alone, or in evaluation, it is ``BatchNorm2d``. Inputs (N, C, H, W) or (N, C)."""
@@ -584,7 +587,7 @@ class SyncBatchNorm(_BatchNorm):
             raise TypeError(f"convert_sync_batchnorm: expected an mgpu.nn.Module, got "
                             f"{type(module).__name__}")
         out = module
-        if isinstance(module, _BatchNorm) and not isinstance(module, SyncBatchNorm):
+        if isinstance(module, BatchNormBase) and not isinstance(module, SyncBatchNorm):
             out = cls(module.num_features, module.eps, module.momentum, module.affine,
                       module.track_running_stats, device=module.running_mean.device
                       if module.running_mean is not None else None)
@@ -595,3 +598,9 @@ class SyncBatchNorm(_BatchNorm):
             if child is not None:
                 out._modules[name] = cls.convert_sync_batchnorm(child)
         return out
+
+
+# PyTorch's spelling, nn.DataParallel and nn.SyncBatchNorm: this module, a floor above mgpu.nn,
+# adds them there (mgpu imports this module, so they are in nn once mgpu is imported).
+nn.DataParallel, nn.SyncBatchNorm = DataParallel, SyncBatchNorm
+nn.__all__ += ["DataParallel", "SyncBatchNorm"]

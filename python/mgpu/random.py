@@ -21,7 +21,7 @@ _rng = np.random.default_rng(DEFAULT_SEED)
 def seed(n: int) -> None:
     """Makes every following draw reproducible."""
     global _rng
-    _rng = np.random.default_rng(_seed(n, "mgpu.random.seed"))
+    _rng = np.random.default_rng(check_seed(n, "mgpu.random.seed"))
 
 
 def get_state() -> dict:
@@ -49,7 +49,7 @@ def _generator(state) -> np.random.Generator:
     return g
 
 
-def _seed(n, op: str) -> int:
+def check_seed(n, op: str) -> int:
     """A seed: an integer in [0, 2**64) (ValueError or TypeError otherwise, never truncated)."""
     if isinstance(n, bool) or not isinstance(n, (numbers.Integral, np.integer)):
         raise TypeError(f"{op}: the seed must be an integer, got {n!r} ({type(n).__name__})")

@@ -18,8 +18,8 @@ _on = False
 
 
 def _rank_and_size():
-    from . import distributed
-    return distributed.rank(), distributed.world_size()
+    # The engine's, as mgpu.distributed reads them (that module sits a floor above this one).
+    return _core.dist_rank(), _core.dist_world_size()
 
 
 def rank_path(path: str, rank: int, world_size: int) -> str:
@@ -151,7 +151,7 @@ class scope:
 _env_profile = None
 
 
-def _start_from_env() -> None:
+def start_from_env() -> None:
     """``MGPU_TRACE=path``: record the whole program, write at exit."""
     global _env_profile
     path = os.environ.get("MGPU_TRACE")
