@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -167,9 +168,9 @@ def test_bad_inputs_raise_clear_errors(tmp_path):
     bad = tmp_path / "m.json"
     bad.write_text(json.dumps({"devices": 8}))
     with pytest.raises(ValueError, match="lacks device_flops"):
-        advisor._load_machine(str(bad))
+        advisor.load_machine(str(bad))
     with pytest.raises(FileNotFoundError, match="8gpu-nvlink"):
-        advisor._load_machine(str(tmp_path / "none.json"))
+        advisor.load_machine(str(tmp_path / "none.json"))
 
 
 def test_advise_command_runs_end_to_end_quick(tmp_path):
@@ -696,7 +697,7 @@ def test_warm_up_times_its_last_step_by_hand(monkeypatch):
     on a fake clock, the second 2^-7 s = 7.8 ms (binary fractions: the quotient is exact). The
     second, timed alone, asks for 0.5 / 2^-7 = 64 traced steps (both together would give 6)."""
     now = [2.0]
-    monkeypatch.setattr(advisor.time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(time, "perf_counter", lambda: now[0])
     seen = []
 
     def step(X, y):

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 import mgpu
-from mgpu import _rival_common, bench, cli
+from mgpu import bench, cli
+from mgpu.bench import rival_common
 
 
 def _run(argv, tmp_path, name):
@@ -245,7 +246,7 @@ def test_bad_arguments_fail_with_a_message(capsys):
 @pytest.mark.parametrize("rival,framework", [("torch", "PyTorch"), ("jax", "JAX")])
 def test_a_rival_comparison_is_skipped_without_its_framework(tmp_path, monkeypatch, rival,
                                                              framework):
-    monkeypatch.setattr(bench.train, f"find_{rival}_python",
+    monkeypatch.setattr(bench.rivals, f"find_{rival}_python",
                         lambda explicit=None: (None, f"no {rival} here"))
     code, text, r = _run(["bench", "train", "--synthetic", "300", "--batch-size", "64",
                           "--limit-batches", "1", "--epochs", "1", "--warmup", "0",
@@ -265,7 +266,7 @@ def test_rivals_read_idx_like_mgpu(tmp_path):
     for name, opener in (("x-idx3-ubyte.gz", gzip.open), ("x-idx3-ubyte", open)):
         with opener(tmp_path / name, "wb") as f:
             f.write(header + images.tobytes())
-        np.testing.assert_array_equal(_rival_common.read_idx(str(tmp_path / name)), images)
+        np.testing.assert_array_equal(rival_common.read_idx(str(tmp_path / name)), images)
         np.testing.assert_array_equal(mgpu._core.read_idx(str(tmp_path / name)), images)
 
 
@@ -343,7 +344,7 @@ def _check_resnet_result(r, sides):
 def test_train_resnet18_times_each_side_in_its_own_process(tmp_path, monkeypatch):
     # The sides' processes see CPU devices only, as on a machine without GPUs.
     monkeypatch.setenv("MGPU_EMULATED_GPUS", "0")
-    monkeypatch.setattr(bench.train, "find_torch_python",
+    monkeypatch.setattr(bench.rivals, "find_torch_python",
                         lambda explicit=None: (None, "no torch here"))
     code, text, r = _run(["bench", "train", "--model", "resnet18", "--synthetic", "12",
                           "--batch-size", "4", "--limit-batches", "1", "--epochs", "1",
@@ -639,7 +640,7 @@ def test_isa_times_every_path_this_cpu_runs(tmp_path):
     code, text, r = _run_isa(tmp_path, "isa")
     assert code == 0
     _check_machine(r)
-    paths = bench.layers._has_isas()
+    paths = bench.layers.cpu_paths()
     label = mgpu._core.build_info()["cpu_baseline"].split(" ")[0]
     assert list(r["paths"]) == [label] == r["settings"]["builds"]
     assert list(r["paths"][label]) == paths == list(r["raw"][label]) == list(r["peaks"])
@@ -708,7 +709,7 @@ def test_a_rival_interpreter_given_relative_to_the_working_directory_is_found(tm
         fake.write_text(f"#!/bin/sh\necho {version}\n")
         fake.chmod(0o755)
         monkeypatch.chdir(tmp_path / name)
-        assert bench.train.find_torch_python(os.path.join("bin", "torch-python")) == (
+        assert bench.rivals.find_torch_python(os.path.join("bin", "torch-python")) == (
             str(fake), version)
 
 
@@ -717,7 +718,7 @@ def test_isa_refuses_paths_the_cpu_cannot_run(capsys):
     assert "'sse4' is not a kernel path" in capsys.readouterr().err
     assert cli.main(["bench", "isa", "--rounds", "0", "--synthetic", "300"]) == 2
     assert "rounds must be >= 1" in capsys.readouterr().err
-    if "avx512" not in bench.layers._has_isas():
+    if "avx512" not in bench.layers.cpu_paths():
         assert cli.main(["bench", "isa", "--isas", "avx512", "--synthetic", "300"]) == 2
         assert "cannot run the avx512 path" in capsys.readouterr().err
 

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 import mgpu
-from mgpu.bench import train as bench_train
+from mgpu.bench import rivals
 
 TIMEOUT = 300  # seconds for one peer script (an interpreter start is ~1-3 s; the checks are small)
 DTYPES = ["float32", "int32", "int64", "uint8"]  # what mgpu holds
@@ -42,7 +42,7 @@ def _find_peer(peer):
     tried = []
     probe = (f"import {peer}, mgpu, os; print({peer}.__version__); "
              "print(os.path.dirname(os.path.dirname(os.path.abspath(mgpu.__file__))))")
-    for py in bench_train.peer_python_candidates(peer):
+    for py in rivals.peer_python_candidates(peer):
         if not os.path.exists(py):
             tried.append(f"{py} (missing)")
             continue

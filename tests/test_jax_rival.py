@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 import reference as R
-from mgpu import _rival_common, bench, cli
-from mgpu.bench import train as bench_train_module
+from mgpu import bench, cli
+from mgpu.bench import rival_common, rivals
 from mgpu.models import lenet_params, resnet18
 from test_bench import _run
 
@@ -72,7 +72,7 @@ def _calls(log):
 
 
 def test_compare_takes_torch_jax_or_both(capsys):
-    parse = bench_train_module.parse_compare
+    parse = rivals.parse_compare
     assert parse(None) == [] and parse("jax") == ["jax"] and parse("torch") == ["torch"]
     assert parse("torch,jax") == ["torch", "jax"] and parse("jax, torch") == ["jax", "torch"]
     for bad in ("tf", "jax,jax", "", ",", "torch,tf"):
@@ -91,13 +91,13 @@ def test_compare_takes_torch_jax_or_both(capsys):
 
 def test_jax_python_defaults_to_the_environment_then_the_peers_venv(monkeypatch, tmp_path):
     monkeypatch.setenv("MGPU_JAX_PYTHON", "/somewhere/python")
-    assert bench_train_module.jax_python_candidates() == ["/somewhere/python"]
+    assert rivals.jax_python_candidates() == ["/somewhere/python"]
     monkeypatch.delenv("MGPU_JAX_PYTHON")
     venv = tmp_path / "build" / "peers" / "jax" / "bin"
     venv.mkdir(parents=True)
     (venv / "python").write_text("")
     monkeypatch.chdir(tmp_path)
-    assert bench_train_module.jax_python_candidates()[0] == str(venv / "python")
+    assert rivals.jax_python_candidates()[0] == str(venv / "python")
     fake, _ = _fake_python(tmp_path)
     monkeypatch.setenv("MGPU_JAX_PYTHON", fake)
     assert bench.find_jax_python() == (fake, "0.0-fake")
@@ -115,7 +115,7 @@ def test_torch_python_prefers_the_peers_venv_to_this_interpreter(monkeypatch, tm
     assert bench.find_torch_python() == (str(fake), "9.9-fake")
     monkeypatch.setenv("MGPU_TORCH_PYTHON", "/nonexistent/python")
     tried = []
-    monkeypatch.setattr(bench_train_module, "_probe_python",
+    monkeypatch.setattr(rivals, "probe_python",
                         lambda candidates, code: tried.append(candidates) or (None, ["none"]))
     assert bench.find_torch_python()[0] is None
     assert tried == [("/nonexistent/python", sys.executable, "/usr/bin/python3")]
@@ -132,7 +132,7 @@ def test_lenet_rows_come_from_the_jax_rivals_json(tmp_path):
     calls = _calls(log)
     assert len(calls) == 2
     for k, argv in zip((1, 2), calls):
-        assert argv[0].endswith("_jax_rival.py")
+        assert argv[0].endswith("/jax_rival.py")
         args = dict(zip(argv[1::2], argv[2::2]))
         assert args["--devices"] == str(k) and args["--threads"] == "3"
         assert args["--synthetic"] == "300" and args["--batch-size"] == "64"
@@ -207,9 +207,9 @@ def test_resnet18_pairs_a_jax_run_on_k_devices_with_mgpu_on_k(tmp_path, monkeypa
 def test_the_shared_batches_and_timing_loop():
     """Every side draws the same shuffles; run_config waits with ``finish`` once per epoch and
     sums the steps' losses (floats or lazy values) after the timing."""
-    images, labels = _rival_common.synthetic_split(10, 3)
-    a = _rival_common.Batches(images, labels, 4, 0, 7)
-    b = _rival_common.Batches(images, labels, 4, 0, 7, make=lambda X, y: (X * 2, y + 1))
+    images, labels = rival_common.synthetic_split(10, 3)
+    a = rival_common.Batches(images, labels, 4, 0, 7)
+    b = rival_common.Batches(images, labels, 4, 0, 7, make=lambda X, y: (X * 2, y + 1))
     assert (a.full_batches, a.num_batches) == (3, 3)
     got_a, got_b = list(a.epoch()), list(b.epoch())
     order = np.random.default_rng(7).permutation(10)
@@ -229,7 +229,7 @@ def test_the_shared_batches_and_timing_loop():
             return self.v
 
     waits = []
-    r = _rival_common.run_config("x", lambda X, y: Lazy(float(y.sum())), a, 2, 1,
+    r = rival_common.run_config("x", lambda X, y: Lazy(float(y.sum())), a, 2, 1,
                                  finish=lambda outs: waits.append(len(outs)))
     assert waits == [1, 3, 3]  # the warm-up's one batch, then each timed epoch's three
     assert r["steps_per_epoch"] == 3 and len(r["epoch_times"]) == 2
@@ -254,8 +254,8 @@ def load(name):
     mod = sys.modules[name] = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
-load("_rival_common")
-rival = load("_jax_rival")
+load("rival_common")
+rival = load("jax_rival")
 rival.configure_xla(2, 2)
 import jax, optax
 from jax import numpy as jnp
@@ -292,7 +292,7 @@ def jax_run(tmp_path_factory):
     X = rng.random((8, 1, 28, 28), dtype=np.float32)
     y = rng.integers(0, 10, size=8).astype(np.int32)
     np.savez(tmp / "in.npz", X=X, y=y, lr=0.2, **{f"p{i}": p for i, p in enumerate(params)})
-    here = os.path.dirname(os.path.abspath(_rival_common.__file__))
+    here = os.path.dirname(os.path.abspath(rival_common.__file__))
     (tmp / "driver.py").write_text(_DRIVER)
     r = subprocess.run([py, str(tmp / "driver.py"), here, str(tmp / "in.npz"),
                         str(tmp / "out.npz")], capture_output=True, text=True, cwd=str(tmp))
@@ -332,7 +332,7 @@ def test_jax_resnet18_is_mgpus_resnet18(jax_run):
 
 
 def test_bench_runs_the_real_jax_rival():
-    """The launcher runs _jax_rival.py by path in the JAX interpreter, one process per device
+    """The launcher runs jax_rival.py by path in the JAX interpreter, one process per device
     count with exactly that many host devices, on the bench's batches."""
     py = _jax_python()
     r = bench.bench_train(devices=[1, 2], batch_size=32, epochs=1, limit_batches=2, warmup=1,

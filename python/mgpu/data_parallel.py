@@ -31,7 +31,7 @@ from .nn import (
 )
 from .nn import CrossEntropyLoss as nn_CrossEntropyLoss
 from .optim import SGD as optim_SGD
-from .parallel import FusedModel
+from .parallel import FusedModel, SteadyAllocations
 from .tensor import Tensor, zeros_like
 
 # Replica modules are shallow copies of the master's modules: these entries of a module's
@@ -243,26 +243,8 @@ class DataParallel(Module):
         X, y = check_input(X, "train_step"), check_input(y, "train_step")
         self._check_master()
         fused = self._fused_model()
-        if fused.steps == 1 and fused.trace:
-            # Steady state: the CPU allocator keeps, per size class, as many blocks as were live
-            # at once during the first step (each step starts once the previous one's tasks
-            # have run), so later steps take nothing from the system whatever order the device
-            # threads release theirs in (see _core.cpu_reserve). Small blocks (up to 64 KiB:
-            # every request of the first step) get as many again and a few more, for what later
-            # steps add (the label guard's copies of the state when the labels were on a queue
-            # already) and results of the previous step the caller may still hold (its loss).
-            _core.waitall()
-            _core.cpu_reserve({size: 2 * n + 4 if size <= 65536 else n
-                               for size, n in fused.trace.items()})
-        if fused.steps == 0:
-            _core.cpu_trace_begin()
-        try:
-            result = self._fused_step(fused, X, y, trainer, master, deterministic)
-        finally:
-            if fused.steps == 0:
-                fused.trace = _core.cpu_trace_end()
-        fused.steps += 1
-        return result
+        with fused.allocations:
+            return self._fused_step(fused, X, y, trainer, master, deterministic)
 
     def _fused_step(self, fused: "_Fused", X: Tensor, y: Tensor, trainer, master,
                     deterministic) -> Tensor:
@@ -308,8 +290,7 @@ class _Fused:
         self.replica_params = [params] + [[p.copyto(d) for p in params] for d in devices[1:]]
         self.replica_buffers = [bufs] + [[b.copyto(d) for b in bufs] for d in devices[1:]]
         self.model = FusedModel(self.spec, self.replica_params, self.replica_buffers, devices)
-        self.steps = 0  # fused steps taken
-        self.trace: Dict[int, int] = {}  # most CPU blocks live at once per class, step 1
+        self.allocations = SteadyAllocations()  # the CPU allocator's warm-up over the steps
         # The trainer and its momentum buffers (with their storage versions) as the last step
         # left them: while they are unchanged, the replicas' own buffers are current.
         self._handed: Optional[Tuple[object, List[Optional[Tensor]], List[int]]] = None

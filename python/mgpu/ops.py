@@ -10,8 +10,13 @@ from typing import Optional, Sequence, Tuple, Union
 
 from . import _core, autograd
 from . import trace as _trace
-from .tensor import Tensor, check_tensors, mm, needs_grad
-from .tensor import argmax  # noqa: F401  (an op of this module, defined where Tensor calls it)
+from .tensor import (
+    Tensor,
+    argmax,  # noqa: F401  (an op of this module, defined where Tensor calls it)
+    check_tensors,
+    mm,
+    needs_grad,
+)
 
 IntPair = Union[int, Tuple[int, int]]
 

@@ -2,7 +2,7 @@
 
 Runs in a separate interpreter (a Python with jax, flax, optax and NumPy: ``bash .ci/peers.sh
 jax`` makes one in build/peers/jax) and must never import mgpu: it shares only the NumPy-only
-``_rival_common.py`` (IDX files, synthetic draw, shuffled batches, timing loop) with the PyTorch
+``rival_common.py`` (IDX files, synthetic draw, shuffled batches, timing loop) with the PyTorch
 rival and prints one JSON object on stdout. Variants:
 
 ``chapter``: the JAX chapter's code (sec. 12.5 in JAX: lenet with lax.conv_general_dilated and
@@ -31,10 +31,10 @@ from types import SimpleNamespace
 
 import numpy as np
 
-try:  # imported as mgpu._jax_rival
-    from . import _rival_common as common
+try:  # imported as mgpu.bench.jax_rival
+    from . import rival_common as common
 except ImportError:  # run by path: bench train's launcher has loaded it as a top-level module
-    import _rival_common as common
+    import rival_common as common
 
 
 def configure_xla(num_devices, threads):
@@ -323,7 +323,7 @@ def main(argv=None):
     variants = [v for v in args.variants.split(",") if v]
     unknown = set(variants) - {"chapter", "resnet18"}
     if unknown:
-        raise SystemExit(f"_jax_rival: unknown variants {sorted(unknown)} (chapter, resnet18)")
+        raise SystemExit(f"jax_rival: unknown variants {sorted(unknown)} (chapter, resnet18)")
     for k in devices:
         if "chapter" in variants:
             results.append(_chapter_config(jax, jnp, optax, k, images, labels, args))

@@ -1,6 +1,6 @@
 """What the timed rivals of ``mgpu bench train`` share: Fashion-MNIST's IDX files, the synthetic
-draw, the shuffled batches and the timing loop. NumPy only: ``_torch_rival.py`` and
-``_jax_rival.py`` run in other interpreters and load this file by path (they never import mgpu),
+draw, the shuffled batches and the timing loop. NumPy only: ``torch_rival.py`` and
+``jax_rival.py`` run in other interpreters and load this file by path (they never import mgpu),
 and mgpu's own side of the ResNet-18 bench uses it too, so every side reads the same data, draws
 the same shuffles and is timed by the same loop.
 """

@@ -1,7 +1,7 @@
 """The chapter's PyTorch code (sec. 12.5), timed on CPU for ``mgpu bench train --compare torch``.
 
 Runs in a separate interpreter (any Python with torch and NumPy) and must never import mgpu: it
-reads the Fashion-MNIST IDX files with the NumPy-only ``_rival_common.py`` (which also gives the
+reads the Fashion-MNIST IDX files with the NumPy-only ``rival_common.py`` (which also gives the
 batches and the timing loop every side of the bench shares) and prints one JSON object on
 stdout. Two variants:
 ``chapter`` is the section's code (lenet, get_params, allreduce, split_batch, train_batch) with
@@ -18,10 +18,10 @@ counted).
 """
 import sys
 
-try:  # imported as mgpu._torch_rival
-    from . import _rival_common as common
+try:  # imported as mgpu.bench.torch_rival
+    from . import rival_common as common
 except ImportError:  # run by path: bench train's launcher has loaded it as a top-level module
-    import _rival_common as common
+    import rival_common as common
 
 
 # --- the chapter's code (sec. 12.5.3-12.5.6), PyTorch flavour --------------------------------
