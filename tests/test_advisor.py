@@ -1,4 +1,4 @@
-"""The scaling advisor (issue 14): its model gives the hand-computed prediction of a synthetic
+"""The scaling advisor: its model gives the hand-computed prediction of a synthetic
 measurement table, its fits recover known latency and bandwidth, and `python -m mgpu advise`
 runs end to end in --quick mode."""
 import json

@@ -1,5 +1,5 @@
-"""Bad input that issue 13 lists: each is a clear Python exception, and nothing is half-applied
-(the fused step's replicas are unchanged after a refused call)."""
+"""Bad input to the fused step and its helpers: each is a clear Python exception, and nothing
+is half-applied (the fused step's replicas are unchanged after a refused call)."""
 import os
 import subprocess
 import sys

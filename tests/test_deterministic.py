@@ -1,4 +1,4 @@
-"""Device-count-invariant training (issue 13): ``deterministic=True`` cuts every batch into a fixed
+"""Device-count-invariant training: ``deterministic=True`` cuts every batch into a fixed
 set of logical shards and adds their gradients in one fixed tree, so 1, 2, 3, 4 CPU devices,
 2 processes x 2 devices, and 1, 2, 3 emulated GPUs each give bitwise the same parameters."""
 import os

@@ -1,4 +1,4 @@
-"""Batch norm + ReLU (+ residual add) as one layer of the fused step (issue 17, "fused layers"):
+"""Batch norm + ReLU (+ residual add) as one layer of the fused step ("fused layers"):
 the fused kernels against NumPy float64, and the fused step with the fusion on (the default) equal
 to the same step with MGPU_FUSE_LAYERS=0, bit for bit (the fused kernels keep the unfused ops'
 arithmetic order), for the small residual net and ResNet-18, per-replica and synchronised batch

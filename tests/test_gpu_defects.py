@@ -1,4 +1,5 @@
-"""GPU defects of issue 21, each with a test that fails on the code before its fix.
+"""GPU defects found in a review of the CUDA code, each with a test that fails on the code
+before its fix.
 
 Most run on the emulated GPUs (``.ci/test.sh`` runs the tests marked ``gpu`` against the emulated
 build); the source checks run everywhere. Finding 9 (cuDNN) runs in the real CUDA build (the

@@ -1,4 +1,4 @@
-"""Issue 21's stress: 200 fused LeNet steps in one process, each on a random set of 1 to 4 GPUs,
+"""The GPU stress run: 200 fused LeNet steps in one process, each on a random set of 1 to 4 GPUs,
 with CUDA graphs on or off and the all-reduce on the emulated NCCL or on peer copies at random
 (seeded, the seed printed), and nothing may grow -- the caching allocator's live and cached bytes
 per GPU, the runtime's device and pinned host allocations, streams, events, graphs and executable

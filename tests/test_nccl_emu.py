@@ -1,7 +1,8 @@
-"""The all-reduce's NCCL path on the emulated NCCL (cpp/cuda/emu/nccl_emu.h), issue 21's
-findings 5 (a failed NCCL collective: communicators never polled for asynchronous errors, never
-aborted, the communication stream not joined back on the error path) and 7 (no time limit on the
-in-process NCCL path), with the emulator's fault injection: MGPU_EMU_NCCL_FAIL, MGPU_EMU_NCCL_STALL.
+"""The all-reduce's NCCL path on the emulated NCCL (cpp/cuda/emu/nccl_emu.h), the
+GPU review's findings 5 (a failed NCCL collective: communicators never polled for asynchronous
+errors, never aborted, the communication stream not joined back on the error path) and 7 (no time
+limit on the in-process NCCL path), with the emulator's fault injection: MGPU_EMU_NCCL_FAIL,
+MGPU_EMU_NCCL_STALL.
 
 Each fault runs in a child process with a time limit, so a regression that hangs fails the test
 instead of hanging the suite, and no error left on a device reaches the next test.

@@ -1,4 +1,4 @@
-"""No crash, no hang, no silent wrong answer (issue 22): huge shapes, sticky failures, threads
+"""No crash, no hang, no silent wrong answer: huge shapes, sticky failures, threads
 sharing devices, the queue's byte budget, NaN, version counters, overlapping in-place ops,
 DLPack order, and clear errors at the Python boundary.
 

@@ -1,4 +1,4 @@
-"""The timeline (issue 14): mgpu.profile writes a Chrome trace with a track per device and per
+"""The timeline: mgpu.profile writes a Chrome trace with a track per device and per
 communication stream, each layer's forward and backward wrapping its ops, all-reduce buckets,
 waits; one device's spans never overlap; tracing changes no result; ranks' files merge."""
 import json
