@@ -91,7 +91,7 @@ def bench_conv(batch: int = 64, algos: Sequence[str] = ("direct", "winograd"), r
                 if onednn and plain:
                     peer = _run_onednn(onednn, batch, C, H, repeat, warmup, peer_env)
                     for phase in ("forward", "backward"):
-                        samples[("onednn", phase)] += [t / 1e3 for t in peer[phase + "ms"]]
+                        samples[("onednn", phase)] += [t / 1e3 for t in peer[phase + "_ms"]]
                     out["onednn_impl"] = f"oneDNN {peer['version']}, {peer['impl']}"
             flops = 2 * batch * K * C * R * R * P * P
             for a in names:
@@ -138,5 +138,5 @@ def format_conv(r: Dict) -> str:
             for x in r["layers"]]
     lines.append("")
     lines += table(["layer", "algorithm", "forward ms", "GFLOP/s", "backward ms", "GFLOP/s"],
-                    rows, "llrrrr")
+                   rows, "llrrrr")
     return "\n".join(lines)
