@@ -27,7 +27,9 @@ def is_recording() -> bool:
 
 
 @contextlib.contextmanager
-def _recording(flag: bool):
+def set_grad_enabled(flag: bool):
+    """Context manager under which recording is ``flag`` on this thread, restored after
+    (PyTorch's name)."""
     old = is_recording()
     _state.enabled = flag
     try:
@@ -38,12 +40,12 @@ def _recording(flag: bool):
 
 def record():
     """Context manager that records ops for backward (already the default)."""
-    return _recording(True)
+    return set_grad_enabled(True)
 
 
 def no_grad():
     """Context manager under which nothing is recorded."""
-    return _recording(False)
+    return set_grad_enabled(False)
 
 
 class Node:
@@ -118,7 +120,7 @@ def backward(root, grad) -> None:
     with no_grad():
         for t in reversed(order):
             dy = grads.pop(id(t))
-            if _trace._on:  # a host span per op's backward on the timeline
+            if _trace.active:  # a host span per op's backward on the timeline
                 with _trace.scope(t._node.op + " backward"):
                     dxs = t._node.backward_fn(dy)
             else:

@@ -265,7 +265,7 @@ def _resume_concise(path: str, state, module, trainer, train_iter, result: Train
                                   "its momentum buffers to be settable (issue 13)")
     opt = state["optimizer"]
     try:
-        rng = random._generator(state["rng"])
+        rng = random.generator_from_state(state["rng"])
         if len(opt["param_groups"][0]["params"]) != len(trainer.params):
             raise ValueError("its optimizer state is for another parameter count")
         for i, entry in opt["state"].items():
@@ -276,9 +276,9 @@ def _resume_concise(path: str, state, module, trainer, train_iter, result: Train
         raise CheckpointError(path, str(e)) from None
     trainer.load_state_dict(opt)
     module.load_state_dict(saved)
-    random._rng = rng
+    random.set_generator(rng)
     restore_result(result, state["result"])
     print(f"resuming from {path} (epoch {state['epoch'] + 1}, step {state['step']})")
     return Progress(epoch=int(state["epoch"]), step=int(state["step"]),
-                     losses=[float(v) for v in state["epoch_losses"]],
-                     elapsed=float(state["epoch_elapsed"]))
+                    losses=[float(v) for v in state["epoch_losses"]],
+                    elapsed=float(state["epoch_elapsed"]))

@@ -228,7 +228,7 @@ def save(obj, path, meta: Optional[dict] = None) -> None:
 
 # --- reading ---------------------------------------------------------------------------------
 
-def _parse(path) -> Tuple[Any, Dict[str, np.ndarray], dict, str]:
+def read_file(path) -> Tuple[Any, Dict[str, np.ndarray], dict, str]:
     """Reads and verifies a file: (tree, arrays by name, meta, checksum). CheckpointError on any
     fault."""
     path = os.fspath(path)
@@ -314,13 +314,13 @@ def load(path, device=None):
     :class:`CheckpointError` (a ValueError) naming the file and the fault; nothing is returned
     half. Reading parses JSON and copies bytes only: no code is executed.
     """
-    tree, arrays, _, _ = _parse(path)
+    tree, arrays, _, _ = read_file(path)
     return _decode(tree, arrays, device, os.fspath(path))
 
 
 def read_meta(path) -> dict:
     """The ``meta`` dict given to :func:`save` (the file is verified whole first)."""
-    return _parse(path)[2]
+    return read_file(path)[2]
 
 
 # --- a training run's checkpoint directory ---------------------------------------------------
@@ -392,7 +392,7 @@ class TrainCheckpoints:
         if not files:
             return None
         path = files[-1][1]
-        tree, arrays, _, checksum = _parse(path)
+        tree, arrays, _, checksum = read_file(path)
         if dist.world_size() > 1:
             from .tensor import array
             mine = int(checksum[7:22], 16)

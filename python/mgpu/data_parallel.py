@@ -420,7 +420,7 @@ def _run_synced(roots: List[Module], shards: List[Tensor]) -> List[Tensor]:
         depth = getattr(module_calls, "depth", 0)
         module_calls.depth = 1  # nested in DataParallel's call (which restores on error)
         try:
-            with autograd._recording(recording):
+            with autograd.set_grad_enabled(recording):
                 outs[rank] = roots[rank](shards[rank])
         except BaseException as e:
             errors[rank] = e

@@ -33,10 +33,17 @@ def get_state() -> dict:
 def set_state(state: dict) -> None:
     """Restores a state from :func:`get_state` (ValueError if it is not one)."""
     global _rng
-    _rng = _generator(state)
+    _rng = generator_from_state(state)
 
 
-def _generator(state) -> np.random.Generator:
+def set_generator(g: np.random.Generator) -> None:
+    """Makes ``g`` the generator of every following draw (a resumed run's, checked beforehand
+    with :func:`generator_from_state`)."""
+    global _rng
+    _rng = g
+
+
+def generator_from_state(state) -> np.random.Generator:
     """A generator in ``state`` (checked: ValueError names what is wrong)."""
     if not isinstance(state, dict) or state.get("bit_generator") != "PCG64":
         raise ValueError("mgpu.random.set_state: expected a state from mgpu.random.get_state() "

@@ -339,7 +339,7 @@ def _resume_lenet(path: str, state, device_params, train_iter, result: TrainResu
     _checkpoint.check_run(path, state, "mgpu.train", batch_size, num_devices, world, shards)
     _checkpoint.check_shapes(path, "parameters", state["params"], device_params[0])
     try:
-        rng = _random._generator(state["rng"])
+        rng = _random.generator_from_state(state["rng"])
     except ValueError as e:
         raise _checkpoint.CheckpointError(path, str(e)) from None
     try:
@@ -356,7 +356,7 @@ def _resume_lenet(path: str, state, device_params, train_iter, result: TrainResu
         train_iter.load_state_dict(state["loader"])  # checks before it changes anything
     except ValueError as e:
         raise _checkpoint.CheckpointError(path, str(e)) from None
-    _random._rng = rng
+    _random.set_generator(rng)
     for ps in device_params:
         for p, v in zip(ps, state["params"]):
             _core.copy(p._t, array(v, device=p.device)._t)
@@ -365,8 +365,8 @@ def _resume_lenet(path: str, state, device_params, train_iter, result: TrainResu
     if is_root:
         print(f"resuming from {path} (epoch {state['epoch'] + 1}, step {state['step']})")
     return Progress(epoch=int(state["epoch"]), step=int(state["step"]),
-                     losses=mine,
-                     seen=int(state["epoch_seen"]), elapsed=float(state["epoch_elapsed"]))
+                    losses=mine,
+                    seen=int(state["epoch_seen"]), elapsed=float(state["epoch_elapsed"]))
 
 
 def _check_finite_losses(losses: List[float], per_step: int, epoch: int, lr: float) -> None:

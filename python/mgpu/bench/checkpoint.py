@@ -66,7 +66,7 @@ def bench_checkpoint(models: Sequence[str] = MODELS, momentum: bool = True, warm
                     times["load"].append(w2 - w1)
                     times["load_cpu"].append(c2 - c1)
             size = os.path.getsize(path)
-            tensors = checkpoint._parse(path)[1]
+            tensors = checkpoint.read_file(path)[1]
             numel = sum(a.size for a in tensors.values())
             rows.append({"model": model, "bytes": size, "numel": int(numel),
                          **{k: summarize(v) for k, v in times.items()}})

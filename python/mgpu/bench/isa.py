@@ -194,9 +194,9 @@ def bench_isa(rounds: int = 3, ops_batch: int = 128, batch_size: int = 256,
                 if kind == "avx2":
                     env["ATEN_CPU_CAPABILITY"] = "avx2"
                 got = run_rival("torch", torch_py, data.get("dir"), data["train_examples"]
-                                 if synthetic else 0, [1], batch_size, 0.2, 1,
-                                 int(limit_batches), int(warmup), int(torch_threads), 0,
-                                 variants="chapter", env=env)
+                                if synthetic else 0, [1], batch_size, 0.2, 1,
+                                int(limit_batches), int(warmup), int(torch_threads), 0,
+                                variants="chapter", env=env)
                 res = got["results"][0]
                 torch_raw[kind].append(statistics.median(
                     t / res["steps_per_epoch"] for t in res["epoch_times"]))

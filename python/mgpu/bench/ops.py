@@ -144,7 +144,7 @@ def format_ops(r: Dict) -> str:
         st = [x for x in r["steps"] if x["batch"] == n][0]
         lines.append(f"batch {n}")
         lines += table(["op", "fwd ms", "spread", "GFLOP/s", "bwd ms", "spread", "GFLOP/s"],
-                        rows, "lrrrrrr")
+                       rows, "lrrrrrr")
         lines.append(f"sum of the ops, forward + backward: {ms(st['sum_of_ops'])} ms; fused "
                      f"train_batch on 1 device: {ms(st['fused_step']['median'])} ms (spread "
                      f"{fmt_pct(100 * st['fused_step']['spread'])}), {st['gflops']:.1f} GFLOP/s")

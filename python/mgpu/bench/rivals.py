@@ -132,9 +132,9 @@ def find_rivals(names: Sequence[str], explicit: Dict[str, Optional[str]]) -> Dic
 
 
 def run_rival(name: str, py: str, data_dir: Optional[str], synthetic: int,
-               devices: Sequence[int], batch_size: int, lr: float, epochs: int, limit: int,
-               warmup: int, threads: int, seed: int, variants: Optional[str] = None,
-               env: Optional[Dict[str, str]] = None) -> Dict:
+              devices: Sequence[int], batch_size: int, lr: float, epochs: int, limit: int,
+              warmup: int, threads: int, seed: int, variants: Optional[str] = None,
+              env: Optional[Dict[str, str]] = None) -> Dict:
     """Runs ``{name}_rival.py`` with ``py`` (in ``env``, default this process's environment);
     returns the JSON object it prints."""
     here = os.path.dirname(os.path.abspath(__file__))

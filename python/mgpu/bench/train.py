@@ -392,7 +392,7 @@ def _bench_rival(name, py, info, data, devices, batch_size, lr, epochs, limit, w
                   f"device(s) with {py} ({name} {info}) ...")
         got = run_rival(name, py, data.get("dir"), data["train_examples"] if data["source"] ==
                          "synthetic" else 0, ks, batch_size, lr, epochs, limit, warmup, threads,
-                         seed)
+                        seed)
         for r in got.pop("results"):
             r.setdefault("threads", got["threads"])
             results.append(rival_entry(name, r))
@@ -498,14 +498,8 @@ def format_train(r: Dict) -> str:
         for a in f["achieved"]:
             lines.append(f"  {a['name']}: {a['gflops']:.1f} GFLOP/s = "
                          f"{a['percent_of_sgemm']:.0f}% of sgemm")
-    t = r.get("torch")
-    if t and "skipped" not in t:
-        lines.append(f"PyTorch {t['torch_version']} ({t['python']}), {t['threads']} threads, "
-                     "shards of the chapter's code run one after the other on the CPU")
-    j = r.get("jax")
-    if j and "skipped" not in j:
-        lines.append(_jax_line(j) + ", the chapter's pmap_step on k host devices")
-    lines += _skipped_lines(r)
+    lines += _rival_lines(r, ", shards of the chapter's code run one after the other on the CPU",
+                          ", the chapter's pmap_step on k host devices")
     if r.get("comparisons"):
         lines.append("")
         lines.append("ratio = rival ms/step / mgpu ms/step (medians; above 1: mgpu is faster)")
@@ -519,6 +513,20 @@ def _jax_line(j: Dict) -> str:
     return (f"JAX {j['jax_version']} (Flax {j['flax_version']}, Optax {j['optax_version']}; "
             f"{j['python']}), {j['threads']} CPUs for XLA's threads, one process per device "
             "count k (XLA_FLAGS --xla_force_host_platform_device_count=k)")
+
+
+def _rival_lines(r: Dict, torch_note: str, jax_note: str) -> List[str]:
+    """A line for each rival that ran (its version, interpreter and threads, then ``torch_note``
+    or ``jax_note``) and one for each that was skipped."""
+    lines = []
+    t = r.get("torch")
+    if t and "skipped" not in t:
+        lines.append(f"PyTorch {t['torch_version']} ({t['python']}), {t.get('threads')} threads"
+                     + torch_note)
+    j = r.get("jax")
+    if j and "skipped" not in j:
+        lines.append(_jax_line(j) + jax_note)
+    return lines + _skipped_lines(r)
 
 
 def _skipped_lines(r: Dict) -> List[str]:
@@ -699,7 +707,7 @@ def bench_train_resnet18(devices: Sequence[int] = (1, 2), batch_size: int = 256,
             say(log, f"bench train: {FRAMEWORK[name]} {variant} on {plural(k, 'device')}, batch "
                       f"{batch}, with {py} (own process) ...")
             rival = run_rival(name, py, devices=[k], batch_size=batch, variants=variant,
-                               threads=torch_threads if name == "torch" else jax_threads, **run)
+                              threads=torch_threads if name == "torch" else jax_threads, **run)
             for key, v in rival.items():
                 if key != "results" and key not in out[name]:
                     out[name][key] = v
@@ -779,19 +787,13 @@ def format_train_resnet18(r: Dict) -> str:
                      str(x.get("system_mallocs_timed", "-"))])
     lines += table(["configuration", "threads", "batch", "ms/step", "ms/image", "cpu ms/step",
                      "GFLOP/s", "peak RSS MiB", "alloc peak MiB", "alloc held MiB", "mallocs"],
-                    rows, "lrrrrrrrrrr")
+                   rows, "lrrrrrrrrrr")
     lines.append("cpu ms/step: process CPU time per step (all threads); peak RSS: the process's "
                  "most resident memory (ru_maxrss: Python, data, libraries and mgpu's allocator); "
                  "alloc peak: the most bytes mgpu's CPU allocator had handed out at once; alloc "
                  "held: what it took from the system (address space, resident once written); "
                  "mallocs: blocks it took from the system during the timed epochs")
-    t = r.get("torch")
-    if t and "skipped" not in t:
-        lines.append(f"PyTorch {t['torch_version']} ({t['python']}), {t.get('threads')} threads")
-    j = r.get("jax")
-    if j and "skipped" not in j:
-        lines.append(_jax_line(j) + "; the Flax step jitted on 1 device, pmapped on more")
-    lines += _skipped_lines(r)
+    lines += _rival_lines(r, "", "; the Flax step jitted on 1 device, pmapped on more")
     if r.get("comparisons"):
         lines.append("")
         lines.append("time = rival ms/image / mgpu ms/image (above 1: mgpu faster); memory = mgpu "
