@@ -692,6 +692,21 @@ def test_traced_steps_fill_the_minimum_window_by_hand():
     assert advisor.traced_steps(1e-6, 6, 0.2) == advisor.MAX_TRACED_STEPS == 100
 
 
+def test_seconds_per_step_times_n_steps_on_the_next_batches_by_hand(monkeypatch):
+    """Four steps of 2^-5 s each on a fake clock, each fed the next batch: 2^-5 s per step
+    (binary fractions: exact), and the fifth batch is never drawn."""
+    now = [1.0]
+    monkeypatch.setattr(time, "perf_counter", lambda: now[0])
+    seen = []
+
+    def step(X, y):
+        seen.append((X, y))
+        now[0] += 0.03125
+    batches = iter([(i, -i) for i in range(5)])
+    assert advisor.seconds_per_step(step, lambda: next(batches), 4) == 0.03125
+    assert seen == [(i, -i) for i in range(4)]
+
+
 def test_warm_up_times_its_last_step_by_hand(monkeypatch):
     """Two warm-up steps on the fed batches: the first (allocations, a cold cache) takes 0.25 s
     on a fake clock, the second 2^-7 s = 7.8 ms (binary fractions: the quotient is exact). The

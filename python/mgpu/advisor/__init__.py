@@ -37,6 +37,7 @@ from .measure import (
     mpi_worker,
     mpirun_command,
     needed_shards,
+    seconds_per_step,
     slowest_device,
     small_batches,
 )
@@ -82,6 +83,6 @@ __all__ = ["EXAMPLE_MACHINES", "MACHINE_KEYS", "allreduce_time", "concurrency", 
            "calibration_shard", "calibration_shards", "contention_shards", "measure",
            "measure_allreduce", "measure_effective_cores", "measure_input",
            "measure_mpi", "measure_mpi_allreduce", "measure_rank_calibration",
-           "measure_step", "mpi_worker", "mpirun_command", "needed_shards",
+           "measure_step", "mpi_worker", "mpirun_command", "needed_shards", "seconds_per_step",
            "slowest_device", "small_batches", "format_table", "load_machine", "main",
            "median_prediction", "median_table", "plot_speedup", "validate"]

@@ -394,6 +394,21 @@ def _machine_name() -> str:
     return f"{m.get('cpu_model') or '?'}, load {load[0]:.1f}" if load else m.get("cpu_model", "?")
 
 
+def seconds_per_step(step: Callable, data: Callable[[], Tuple], n: int) -> float:
+    """The wall time per step of ``n`` steps back to back on the next ``data()`` batches, from
+    idle devices and, under mpirun, from a barrier (the ranks start together) to the last
+    device's end."""
+    from .. import _core, distributed
+    _core.waitall()
+    if distributed.world_size() > 1:
+        distributed.barrier()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        step(*data())
+    _core.waitall()
+    return (time.perf_counter() - t0) / n
+
+
 def measure_step(model: str, k: int, batch: int, steps: int = 5, repeat: int = 3,
                 devices=None) -> List[float]:
     """Real runs: after 2 warm-up steps, `repeat` times the seconds per step of `steps`
@@ -401,24 +416,13 @@ def measure_step(model: str, k: int, batch: int, steps: int = 5, repeat: int = 3
     in training; one synthetic batch reused when it is not installed). Returns every
     repetition's time (the caller takes the median). Under mpirun every rank runs this and the
     ranks start each repetition together."""
-    from .. import _core, distributed
     from ..device import try_gpu
     devs = devices or [try_gpu(i) for i in range(k)]
     step = runner(model, devs)
     data = feed(batch)
     for _ in range(2):
         step(*data())
-    ts = []
-    for _ in range(repeat):
-        _core.waitall()
-        if distributed.world_size() > 1:
-            distributed.barrier()
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            step(*data())
-        _core.waitall()
-        ts.append((time.perf_counter() - t0) / steps)
-    return ts
+    return [seconds_per_step(step, data, steps) for _ in range(repeat)]
 
 
 # ---- MPI ranks, through mpirun ----------------------------------------------------------------
@@ -499,15 +503,7 @@ def measure_rank_calibration(model: str, batch: int, steps: int) -> Dict:
     distributed.barrier()
     parsed = parse_step_trace(trace_steps(step, data, steps), steps, str(dev))
     per = max(1, steps // CALIBRATION_GROUPS)
-    walls = []
-    for _ in range(CALIBRATION_GROUPS):
-        _core.waitall()
-        distributed.barrier()
-        t0 = time.perf_counter()
-        for _ in range(per):
-            step(*data())
-        _core.waitall()
-        walls.append((time.perf_counter() - t0) / per)
+    walls = [seconds_per_step(step, data, per) for _ in range(CALIBRATION_GROUPS)]
     return {"batch": batch, "shard": shard, "rows": batch,
             "threads": _core.num_threads(),
             "compute": sum(e["seconds"] for e in parsed["entries"]),
