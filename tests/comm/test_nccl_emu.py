@@ -20,7 +20,7 @@ pytestmark = pytest.mark.gpu
 
 NUM_GPUS = mgpu.num_gpus()
 EMULATED = bool(mgpu.build_info()["cuda_emulation"])
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1]
 
 emulated_only = pytest.mark.skipif(
     not EMULATED or NUM_GPUS < 1, reason="injects faults into the emulated NCCL")
@@ -155,7 +155,7 @@ def test_nccl_path_on_the_strict_emulator(seed):
     if seed == 3:
         select += " or fused_step_on_every_gpu"
     run = _run_with_limit(
-        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "test_gpu.py",
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "gpu/test_gpu.py",
          "-k", select], env)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
     assert " passed" in run.stdout and "skipped" not in run.stdout.splitlines()[-1], run.stdout
@@ -175,6 +175,7 @@ _GROUP_CHILD = r"""
 import os, sys
 import numpy as np
 import mgpu
+import conftest  # puts every test folder on sys.path: test_gpu is in gpu/
 from test_gpu import _batch, _start, assert_same_update
 
 fault = sys.argv[1]

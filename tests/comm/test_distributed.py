@@ -21,7 +21,7 @@ import mgpu
 from conftest import assert_close, requires_fashion_mnist
 from mgpu import distributed as dist
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MPIRUN = shutil.which("mpirun")
 HAVE_MPI = MPIRUN is not None and mgpu.build_info()["mpi"] == "built"
 if not HAVE_MPI and os.environ.get("CI"):

@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("hypothesis", reason="needs Hypothesis (pip install hypothesis; .ci/setup.sh)")
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Examples per group: enough to reach the odd corners, few enough for CI (a few seconds each).
 GROUPS = {"elementwise": 300, "inplace": 300, "bad_args": 600, "idx_fuzz": 400,
           "ckpt_fuzz": 300}

@@ -9,7 +9,8 @@ import os
 
 import pytest
 
-PACKAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python", "mgpu")
+PACKAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "python",
+                       "mgpu")
 
 # Bottom to top. A module imports from its own floor or the floors below it.
 FLOORS = [

@@ -108,10 +108,10 @@ def test_stride2_dx_is_zero_where_no_window_reaches(rng):
 def test_stride2_on_avx2():
     """A subset of the shapes above on the AVX2 path, in a subprocess with MGPU_ISA=avx2 (the
     path is chosen once per process)."""
-    here = os.path.dirname(os.path.abspath(__file__))
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, MGPU_ISA="avx2")
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                        os.path.join(here, "test_conv_stride2.py"), "-k",
+                        os.path.abspath(__file__), "-k",
                         "matches_float64 and (28x28 or batch9 or 9x5 or pad0 or c13 or batch40)"
                         " or zero_where"],
                        env=env, cwd=here, capture_output=True, text=True, timeout=1200)

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.gpu
 
 NUM_GPUS = mgpu.num_gpus()
 EMULATED = bool(mgpu.build_info()["cuda_emulation"])
-CPP = Path(__file__).resolve().parent.parent / "cpp"
+CPP = Path(__file__).resolve().parents[2] / "cpp"
 
 
 def needs_gpus(k):
@@ -228,9 +228,9 @@ def test_collectives_and_the_fused_step_on_more_gpus(count, peer, path):
     env.pop("MGPU_ALLREDUCE", None)
     if path == "peer":
         env["MGPU_ALLREDUCE"] = "peer"
-    here = Path(__file__).resolve().parent
+    here = Path(__file__).resolve().parents[1]
     run = _run_with_watchdog(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_gpu.py", "-k",
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "gpu/test_gpu.py", "-k",
          "allreduce_on_gpus_is_bitwise or fused_step_on_every_gpu or nccl_matches_the_peer"],
         cwd=here, env=env, limit=float(os.environ.get("MGPU_TEST_CHILD_LIMIT", "600")))
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]

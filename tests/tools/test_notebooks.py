@@ -17,7 +17,7 @@ import pytest
 import mgpu
 from conftest import fashion_mnist_available
 
-NOTEBOOK = pathlib.Path(__file__).resolve().parent.parent / "notebooks" / "multiple-gpus.ipynb"
+NOTEBOOK = pathlib.Path(__file__).resolve().parents[2] / "notebooks" / "multiple-gpus.ipynb"
 SHORT_RUN = {"MGPU_NB_EPOCHS": "1", "MGPU_NB_LIMIT_BATCHES": "10"}
 CELL_TIMEOUT = 900  # seconds; a 2-core CI machine shared with other jobs can be slow
 

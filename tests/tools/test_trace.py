@@ -13,7 +13,7 @@ import pytest
 import mgpu
 from mgpu import _core
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _problem(n=48, seed=0):

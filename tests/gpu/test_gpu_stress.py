@@ -52,7 +52,7 @@ NUM_GPUS = mgpu.num_gpus()
 EMULATED = bool(mgpu.build_info()["cuda_emulation"])
 STEPS = int(os.environ.get("MGPU_GPU_STRESS_STEPS", "200"))
 SETS = [(0,), (3,), (1, 2), (0, 1, 2), (1, 2, 3), (0, 1, 2, 3)]
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1]
 
 _CHILD = r"""
 import json, math, os, sys

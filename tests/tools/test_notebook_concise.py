@@ -18,7 +18,7 @@ from test_notebooks import (  # noqa: F401
     test_every_cell_ran_without_error,
 )
 
-NOTEBOOK = (pathlib.Path(__file__).resolve().parent.parent / "notebooks" /
+NOTEBOOK = (pathlib.Path(__file__).resolve().parents[2] / "notebooks" /
             "concise-multiple-gpus.ipynb")
 SHORT_RUN = {"MGPU_NB_EPOCHS": "1", "MGPU_NB_LIMIT_BATCHES": "1"}
 

@@ -21,7 +21,7 @@ from conftest import requires_fashion_mnist
 from mgpu import checkpoint as ck
 from mgpu.data import array_loader
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _nested():
