@@ -18,7 +18,7 @@
 #   5. the pip-only route (.ci/wheel.sh): the sdist, a CPU-only wheel built from it in isolation
 #      (OpenBLAS from PyPI, the system's ignored; no CUDA, no MPI) and repaired for manylinux,
 #      cached in build/pip-smoke by source hash, installed into a fresh venv: import, one fused
-#      step, `mgpu info`, tests/test_info.py.
+#      step, `mgpu info`, tests/tools/test_info.py.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash .ci/setup.sh
@@ -71,8 +71,9 @@ if [ "${MGPU_CI_SANITIZE:-1}" != 0 ]; then
   # batch norm, DataParallel steps, the fused step of a residual net on cpu(0), cpu(1)).
   (cd tests && LD_PRELOAD="$asan_preload" ASAN_OPTIONS=detect_leaks=0 \
     MGPU_EMULATED_GPUS=0 PYTHONPATH="$PWD/../build/asan/python" ../.venv/bin/python -m pytest -q \
-    -p no:cacheprovider test_robust.py test_tensor.py test_errors.py test_nn.py \
-    test_fused_step.py test_data_parallel.py -k "not cli and not gpu and not concise and not resnet18")
+    -p no:cacheprovider robust/test_robust.py tensor/test_tensor.py robust/test_errors.py \
+    nn/test_nn.py step/test_fused_step.py nn/test_data_parallel.py \
+    -k "not cli and not gpu and not concise and not resnet18")
 fi
 
 stage "Peer venvs (.ci/peers.sh torch jax, cached in build/peers) for the interop tests"
@@ -126,9 +127,10 @@ stage "Python GPU tests on the strict emulator (MGPU_EMU_STRICT=1)"
 # too: they add about 60 s per seed (measured on 2 shared cores at load 10-11: seed 2 149 -> 207 s,
 # seed 4 77 -> 144 s, all passing); test_deterministic.py (83 s alone under seed 2) and
 # test_gpu_stress.py stay on the lenient stage.
-strict_more=(test_ops.py test_fused_bn_relu.py test_robust.py test_tensor.py test_nn.py
-             test_fused_step.py test_data_parallel.py test_chapter.py test_train.py test_errors.py
-             test_concise_step.py)
+strict_more=(ops/test_ops.py ops/test_batch_norm_relu_fused.py robust/test_robust.py
+             tensor/test_tensor.py nn/test_nn.py step/test_fused_step.py nn/test_data_parallel.py
+             step/test_chapter.py step/test_train.py robust/test_errors.py
+             step/test_concise_step.py)
 strict_seeds=${MGPU_CI_STRICT_SEEDS:-"2 4"}
 first=1
 for seed in $strict_seeds; do
@@ -139,13 +141,14 @@ for seed in $strict_seeds; do
   (cd tests && env -u MGPU_ALLREDUCE MGPU_EMU_STRICT=1 MGPU_EMU_SEED=$seed "${allreduce[@]}" \
     PYTHONPATH="$PWD/../build/cpp-tests/python" \
     ../.venv/bin/python -m pytest -q -p no:cacheprovider -m gpu "${select[@]}" \
-    test_gpu.py test_gpu_defects.py "${strict_more[@]}")
+    gpu/test_gpu.py gpu/test_gpu_defects.py "${strict_more[@]}")
 done
 
 stage "CPU op and training tests with MGPU_ISA=avx2 (the installed package)"
 # Paths from the repository root, so the pass finds its files whatever the working directory.
 (cd tests && MGPU_ISA=avx2 ../.venv/bin/python -m pytest -q -p no:cacheprovider -m "not gpu" \
-  "$PWD/test_ops.py" "$PWD/test_train.py" "$PWD/test_conv_stride2.py")
+  "$PWD/ops/test_ops.py" "$PWD/step/test_train.py" "$PWD/ops/test_conv2d_stride2.py" \
+  "$PWD/ops/test_max_pool2d.py")
 
 stage "CPU op and training tests on the AVX-512 path compiled for AVX2 (MGPU_ISA=avx512)"
 # The package in build/cpp-tests/avx512_emulated (CMakeLists.txt, tests/cpp/avx512_emulated.h): the
@@ -154,8 +157,9 @@ stage "CPU op and training tests on the AVX-512 path compiled for AVX2 (MGPU_ISA
 # real-data training run is left out (over 30 min there, 5 s on a real path).
 (cd tests && MGPU_ISA=avx512 PYTHONPATH="$PWD/../build/cpp-tests/avx512_emulated/python" \
   ../.venv/bin/python -m pytest -q -p no:cacheprovider -m "not gpu" \
-  -k "not test_short_training_run_on_real_data_learns" "$PWD/test_ops.py" "$PWD/test_train.py" \
-  "$PWD/test_conv_stride2.py" "$PWD/test_conv_winograd.py" "$PWD/test_fused_bn_relu.py")
+  -k "not test_short_training_run_on_real_data_learns" "$PWD/ops/test_ops.py" \
+  "$PWD/step/test_train.py" "$PWD/ops/test_conv2d_stride2.py" "$PWD/ops/test_conv2d_winograd.py" \
+  "$PWD/ops/test_batch_norm_relu_fused.py" "$PWD/ops/test_max_pool2d.py")
 
 stage "pip-only route: sdist, CPU-only manylinux wheel from it (.ci/wheel.sh), fresh venv, tests"
 # One build checks both routes: the wheel is built from the sdist (isolated: PyPI's OpenBLAS, no
@@ -201,4 +205,4 @@ PY
 # The wheel's console script ([project.scripts]), as a user runs it after pip install.
 (cd "$smoke" && venv/bin/mgpu info)
 # The info lines and the data-not-found messages of this build (CUDA and MPI switched off).
-(cd tests && "../$smoke/venv/bin/python" -m pytest -q -p no:cacheprovider "$PWD/test_info.py")
+(cd tests && "../$smoke/venv/bin/python" -m pytest -q -p no:cacheprovider "$PWD/tools/test_info.py")

@@ -4,11 +4,22 @@ Tests import the installed ``mgpu`` package (run them from tests/, as .ci/test.s
 the source tree, so they exercise exactly what ``pip install .`` built.
 """
 import os
+import sys
 
 import numpy as np
 import pytest
 
 import mgpu
+
+# The tests stand in folders by layer (ops/, nn/, step/, comm/, gpu/, robust/, tools/, ...): the
+# helpers beside this file (reference.py, dist_worker.py, ...) and the test modules a test of
+# another folder imports (test_distributed's launcher, test_data_parallel's nets) are importable
+# from every folder.
+TESTS = os.path.dirname(os.path.abspath(__file__))
+for _folder in sorted(os.listdir(TESTS)):
+    _path = os.path.join(TESTS, _folder)
+    if os.path.isdir(_path) and _folder not in ("cpp", "__pycache__") and _path not in sys.path:
+        sys.path.append(_path)
 
 
 def _strict_emulator():

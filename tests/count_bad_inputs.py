@@ -7,7 +7,7 @@ fixed corrupt-file cases of the IDX tests. Run from tests/ with the package on P
 
 Without --run it counts what one run tries (collection only, the configured example counts);
 with --run it also runs them (pytest, then each Hypothesis group in a child process as
-test_properties.py does) and reports crashes, hangs and failures (a refused call that changed
+ops/test_properties.py does) and reports crashes, hangs and failures (a refused call that changed
 state fails its test: test_robust's atomic-step tests and property_suite's bad_args check it).
 """
 import os
@@ -17,10 +17,11 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # Tests that feed bad inputs: whole files, and in other files tests whose names say so.
-BAD_FILES = ["test_errors.py", "test_robust.py"]
-OTHER_FILES = ["test_tensor.py", "test_ops.py", "test_nn.py", "test_fused_step.py",
-               "test_data_parallel.py", "test_train.py", "test_data.py", "test_bench.py",
-               "test_gpu.py", "test_chapter.py"]
+BAD_FILES = ["robust/test_errors.py", "robust/test_robust.py"]
+OTHER_FILES = ["tensor/test_tensor.py", "ops/test_ops.py", "nn/test_nn.py",
+               "step/test_fused_step.py", "nn/test_data_parallel.py", "step/test_train.py",
+               "data/test_data.py", "tools/test_bench.py", "gpu/test_gpu.py",
+               "step/test_chapter.py"]
 BAD_NAMES = "bad or reject or refuse or invalid or raise or error or wrong or out_of_range"
 BAD_GROUPS = ("bad_args", "idx_fuzz", "ckpt_fuzz")
 
@@ -35,7 +36,7 @@ def main():
     run = "--run" in sys.argv
     ids = pytest_ids(BAD_FILES) + pytest_ids(OTHER_FILES + ["-k", BAD_NAMES])
     ids = sorted(set(ids))
-    sys.path.insert(0, HERE)
+    sys.path.insert(0, os.path.join(HERE, "ops"))
     from test_properties import GROUPS  # the configured example counts
     examples = {g: GROUPS[g] for g in BAD_GROUPS}
     print(f"pytest cases with bad inputs: {len(ids)}")

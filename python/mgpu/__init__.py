@@ -28,6 +28,7 @@ from . import (  # after the checks above (pyproject.toml: E402 is off for this 
     autograd,
     chapter,
     checkpoint,
+    data_parallel,
     distributed,
     models,
     nn,
@@ -39,6 +40,7 @@ from . import (  # after the checks above (pyproject.toml: E402 is off for this 
 )
 from ._core import DeviceError, OutOfMemoryError
 from .autograd import no_grad
+from .chapter import train_op_by_op
 from .checkpoint import CheckpointError, load, save
 from .data import DataLoader, get_fashion_mnist_labels, load_data_fashion_mnist
 from .device import Device, cpu, gpu, num_gpus, try_all_gpus, try_gpu
@@ -71,14 +73,7 @@ from .tensor import (
     zeros_like,
 )
 from .trace import profile
-from .train import (
-    Timer,
-    TrainResult,
-    evaluate_accuracy,
-    evaluate_accuracy_gpu,
-    train,
-    train_op_by_op,
-)
+from .train import Timer, TrainResult, evaluate_accuracy, evaluate_accuracy_gpu, train
 
 __version__: str = _core.build_info()["version"]  # pyproject.toml's, through the build
 
@@ -93,7 +88,7 @@ def _drain_at_exit() -> None:
 
 
 atexit.register(_drain_at_exit)
-trace._start_from_env()  # MGPU_TRACE=path: the whole program's timeline, written at exit
+trace.start_from_env()  # MGPU_TRACE=path: the whole program's timeline, written at exit
 
 
 def waitall() -> None:
@@ -117,8 +112,8 @@ def info(file=None) -> None:
 
 def set_num_threads(n: int) -> None:
     """Threads mgpu uses for CPU compute (shared fairly by the busy CPU devices)."""
-    from .tensor import _int
-    _core.set_num_threads(_int(n, "set_num_threads", "n"))
+    from .tensor import check_int
+    _core.set_num_threads(check_int(n, "set_num_threads", "n"))
 
 
 def num_threads() -> int:
@@ -152,7 +147,8 @@ __all__ = [
     "Timer", "TrainResult", "build_info", "info",
     "cpu", "gpu", "try_gpu", "try_all_gpus", "num_gpus",
     "array", "tensor", "zeros", "ones", "full", "zeros_like", "ones_like", "arange", "randn",
-    "from_dlpack", "random", "autograd", "chapter", "checkpoint", "distributed", "plot", "no_grad",
+    "from_dlpack", "random", "autograd", "chapter", "checkpoint", "data_parallel", "distributed",
+    "plot", "no_grad",
     "save", "load", "CheckpointError",
     "models", "nn", "ops", "optim", "profile", "trace",
     "conv2d", "avg_pool2d", "max_pool2d", "dropout", "relu", "batch_norm", "mm", "dot",

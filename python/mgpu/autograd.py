@@ -27,7 +27,9 @@ def is_recording() -> bool:
 
 
 @contextlib.contextmanager
-def _recording(flag: bool):
+def set_grad_enabled(flag: bool):
+    """Context manager under which recording is ``flag`` on this thread, restored after
+    (PyTorch's name)."""
     old = is_recording()
     _state.enabled = flag
     try:
@@ -38,12 +40,12 @@ def _recording(flag: bool):
 
 def record():
     """Context manager that records ops for backward (already the default)."""
-    return _recording(True)
+    return set_grad_enabled(True)
 
 
 def no_grad():
     """Context manager under which nothing is recorded."""
-    return _recording(False)
+    return set_grad_enabled(False)
 
 
 class Node:
@@ -108,27 +110,17 @@ def _topological(root) -> List:
     return order
 
 
-def backward(root, grad: Optional[object] = None) -> None:
-    """Back-propagates from ``root``; ``grad`` defaults to ones (the gradient of a sum)."""
-    from .tensor import Tensor, ones_like
-
-    if not root.requires_grad:
-        raise RuntimeError("backward: this tensor does not require grad; call requires_grad_() or "
-                           "attach_grad() on the parameters before computing it")
-    if grad is not None:
-        if not isinstance(grad, Tensor):
-            raise TypeError(f"backward: grad must be an mgpu tensor, got {type(grad).__name__}")
-        if grad.shape != root.shape or grad.device != root.device:
-            raise ValueError(f"backward: grad has shape {grad.shape} on {grad.device} but the "
-                             f"tensor has shape {root.shape} on {root.device}; they must match")
+def backward(root, grad) -> None:
+    """Back-propagates ``grad``, the gradient of ``root`` (a tensor of its shape on its device:
+    ``Tensor.backward`` checks it and defaults it to ones, the gradient of a sum)."""
     order = _topological(root)
     for t in order:  # before any gradient is written: a refused backward changes nothing
         t._node.check_saved()
-    grads = {id(root): grad if grad is not None else ones_like(root)}
+    grads = {id(root): grad}
     with no_grad():
         for t in reversed(order):
             dy = grads.pop(id(t))
-            if _trace._on:  # a host span per op's backward on the timeline
+            if _trace.active:  # a host span per op's backward on the timeline
                 with _trace.scope(t._node.op + " backward"):
                     dxs = t._node.backward_fn(dy)
             else:

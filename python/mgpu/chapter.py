@@ -12,27 +12,29 @@ from typing import Optional
 
 import numpy as np
 
-from . import nn, optim, random
+from . import distributed as _dist
+from . import faults, nn, optim, random
 from ._core import waitall
 from .autograd import no_grad
-from .checkpoint import CheckpointError, _fault, check_run
+from .checkpoint import CheckpointError, check_run
 from .data import load_data_fashion_mnist
 from .device import try_gpu
 from .models import lenet
 from .nn import CrossEntropyLoss
-from .parallel import _shards, sgd, split_batch
+from .parallel import sgd, shard_count, split_batch
 from .tensor import zeros_like
 from .train import (
+    Progress,
     Timer,
     TrainResult,
-    _check_resumable_loader,
-    _checkpoints,
-    _host,
-    _Progress,
-    _progress_bar,
-    _restore_result,
-    _result_state,
+    check_resumable_loader,
     evaluate_accuracy_gpu,
+    host_value,
+    open_checkpoints,
+    progress_bar,
+    restore_result,
+    result_state,
+    train,
 )
 
 loss = CrossEntropyLoss(reduction="none")
@@ -119,6 +121,23 @@ def train_batch_sharded(X, y, device_params, devices, lr, shards: int = 8):
         sgd(param, lr, X.shape[0])
 
 
+def train_op_by_op(num_gpus: int, batch_size: int, lr: float, num_epochs: int = 10,
+                   deterministic=False, **kw) -> TrainResult:
+    """``train`` with the chapter's Python-level train_batch (autograd, op by op); with
+    ``deterministic`` its variant in the deterministic step's shards and tree
+    (``chapter.train_batch_sharded``), bitwise the fused deterministic training."""
+    shards = shard_count(deterministic, "train_op_by_op")
+    _dist.auto_init()
+    if _dist.world_size() > 1:
+        raise ValueError("train_op_by_op: the chapter's op-by-op step runs in one process; under "
+                         "mpirun use the fused train (drop --op-by-op)")
+    step = train_batch
+    if shards:
+        def step(X, y, device_params, devices, lr):
+            return train_batch_sharded(X, y, device_params, devices, lr, shards)
+    return train(num_gpus, batch_size, lr, num_epochs, step=step, **kw)
+
+
 # --- sec. 12.6, the concise implementation ------------------------------------------------------
 
 def train_concise(net, num_gpus: int, batch_size: int, lr: float, num_epochs: int = 10,
@@ -146,13 +165,13 @@ def train_concise(net, num_gpus: int, batch_size: int, lr: float, num_epochs: in
     if deterministic and not fused:
         raise ValueError("train_concise: deterministic needs fused=True (the book's loop through "
                          "autograd sums gradients in device order)")
-    ckpts = _checkpoints(checkpoint, checkpoint_every, resume, "train_concise")
-    shards = _shards(deterministic, "train_concise")
+    ckpts = open_checkpoints(checkpoint, checkpoint_every, resume, "train_concise")
+    shards = shard_count(deterministic, "train_concise")
     random.seed(seed)
     train_iter, test_iter = data if data is not None else load_data_fashion_mnist(
         batch_size, data_dir=data_dir, seed=seed, limit_batches=limit_batches)
     if ckpts is not None:
-        _check_resumable_loader(train_iter, "train_concise")
+        check_resumable_loader(train_iter, "train_concise")
     devices = [try_gpu(i) for i in range(num_gpus)]
 
     def init_weights(module):
@@ -167,7 +186,7 @@ def train_concise(net, num_gpus: int, batch_size: int, lr: float, num_epochs: in
     timer = Timer()
     result = TrainResult(devices=devices)
     show_bar = progress if progress is not None else sys.stderr.isatty()
-    run = _Progress()
+    run = Progress()
     if ckpts is not None:
         loaded = ckpts.start(resume)
         if loaded is not None:
@@ -181,18 +200,18 @@ def train_concise(net, num_gpus: int, batch_size: int, lr: float, num_epochs: in
 
     def save_state(epoch_next: int) -> None:
         waitall()
-        run.losses[:] = [_host(v) for v in run.losses]
+        run.losses[:] = [host_value(v) for v in run.losses]
         state = {"kind": "mgpu.train_concise", "step": run.step, "epoch": epoch_next,
                  "config": config, "model": net.module.state_dict(),
                  "optimizer": trainer.state_dict(), "loader": train_iter.state_dict(),
-                 "rng": random.get_state(), "result": _result_state(result),
+                 "rng": random.get_state(), "result": result_state(result),
                  "epoch_losses": np.array(run.losses, dtype=np.float32),
                  "epoch_elapsed": run.elapsed + timer.stop()}
         timer.times.pop()  # the timer keeps running for the epoch
         ckpts.write(state, run.step)
 
     for epoch in range(run.epoch, int(num_epochs)):
-        bar = _progress_bar(len(train_iter), f"epoch {epoch + 1}/{num_epochs}") \
+        bar = progress_bar(len(train_iter), f"epoch {epoch + 1}/{num_epochs}") \
             if show_bar else None
         net.train()
         timer.start()
@@ -209,14 +228,14 @@ def train_concise(net, num_gpus: int, batch_size: int, lr: float, num_epochs: in
             losses.append(l.detach())
             run.step += 1
             if ckpts is not None:
-                _fault("step")
+                faults.fault("step")
                 if ckpts.due(run.step):
                     save_state(epoch)
             if bar is not None:
                 bar.update(1)
         waitall()
         result.epoch_times.append(run.elapsed + timer.stop())
-        result.train_loss.append(float(np.mean([_host(v) for v in losses])) if losses
+        result.train_loss.append(float(np.mean([host_value(v) for v in losses])) if losses
                                  else float("nan"))
         result.test_acc.append(evaluate_accuracy_gpu(net, test_iter))
         if bar is not None:
@@ -232,7 +251,7 @@ def train_concise(net, num_gpus: int, batch_size: int, lr: float, num_epochs: in
 
 
 def _resume_concise(path: str, state, module, trainer, train_iter, result: TrainResult,
-                    batch_size: int, num_devices: int, fused: bool, shards: int) -> _Progress:
+                    batch_size: int, num_devices: int, fused: bool, shards: int) -> Progress:
     """Puts a checkpoint's state into the run: everything is checked before anything changes."""
     check_run(path, state, "mgpu.train_concise", batch_size, num_devices, 1, shards)
     saved, mine = state["model"], module.state_dict()
@@ -250,7 +269,7 @@ def _resume_concise(path: str, state, module, trainer, train_iter, result: Train
                                   "its momentum buffers to be settable (issue 13)")
     opt = state["optimizer"]
     try:
-        rng = random._generator(state["rng"])
+        rng = random.generator_from_state(state["rng"])
         if len(opt["param_groups"][0]["params"]) != len(trainer.params):
             raise ValueError("its optimizer state is for another parameter count")
         for i, entry in opt["state"].items():
@@ -261,9 +280,9 @@ def _resume_concise(path: str, state, module, trainer, train_iter, result: Train
         raise CheckpointError(path, str(e)) from None
     trainer.load_state_dict(opt)
     module.load_state_dict(saved)
-    random._rng = rng
-    _restore_result(result, state["result"])
+    random.set_generator(rng)
+    restore_result(result, state["result"])
     print(f"resuming from {path} (epoch {state['epoch'] + 1}, step {state['step']})")
-    return _Progress(epoch=int(state["epoch"]), step=int(state["step"]),
-                     losses=[float(v) for v in state["epoch_losses"]],
-                     elapsed=float(state["epoch_elapsed"]))
+    return Progress(epoch=int(state["epoch"]), step=int(state["step"]),
+                    losses=[float(v) for v in state["epoch_losses"]],
+                    elapsed=float(state["epoch_elapsed"]))

@@ -27,13 +27,12 @@ import json
 import math
 import os
 import re
-import signal
 import struct
 from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from . import tensorfile
+from . import faults, tensorfile
 
 FORMAT = "mgpu.checkpoint"
 VERSION = 1
@@ -51,31 +50,6 @@ class CheckpointError(ValueError):
     def __init__(self, path, what: str):
         self.path = os.fspath(path)
         super().__init__(f"checkpoint {self.path}: {what}")
-
-
-# --- fault injection for the kill tests ------------------------------------------------------
-# MGPU_TEST_CHECKPOINT_FAULT="point@n[,point@n...]" kills this process with SIGKILL the n-th time
-# it reaches `point` (counted from 1): "write" (half of a file's bytes written), "rename" (the
-# temporary file complete and fsynced, not yet renamed), "dirsync" (renamed, the directory not
-# yet fsynced), "prune" (the new file durable, older ones not yet removed), "step" (after a
-# training step, before its checkpoint). MGPU_TEST_CHECKPOINT_FAULT_RANK limits it to one rank.
-_fault_counts: Dict[str, int] = {}
-
-
-def _fault(point: str) -> None:
-    spec = os.environ.get("MGPU_TEST_CHECKPOINT_FAULT")
-    if not spec:
-        return
-    only = os.environ.get("MGPU_TEST_CHECKPOINT_FAULT_RANK")
-    if only is not None:
-        from . import _core
-        if _core.dist_rank() != int(only):
-            return
-    _fault_counts[point] = _fault_counts.get(point, 0) + 1
-    for item in spec.split(","):
-        name, _, n = item.strip().partition("@")
-        if name == point and int(n or 1) == _fault_counts[point]:
-            os.kill(os.getpid(), signal.SIGKILL)
 
 
 # --- the object tree: JSON with tensors replaced by references --------------------------------
@@ -238,7 +212,7 @@ def save(obj, path, meta: Optional[dict] = None) -> None:
         written = 0
         for _, a in tensors:
             if written < total // 2 <= written + a.nbytes:
-                _fault("write")
+                faults.fault("write")
             raw = a.reshape(-1).view(np.uint8)
             digest.update(raw)
             _write_all(fd, raw)
@@ -260,15 +234,15 @@ def save(obj, path, meta: Optional[dict] = None) -> None:
                           f"{kept}") from e
         raise
     os.close(fd)
-    _fault("rename")
+    faults.fault("rename")
     os.replace(tmp, path)
-    _fault("dirsync")
+    faults.fault("dirsync")
     _fsync_dir(directory)
 
 
 # --- reading ---------------------------------------------------------------------------------
 
-def _parse(path) -> Tuple[Any, Dict[str, np.ndarray], dict, str]:
+def read_file(path) -> Tuple[Any, Dict[str, np.ndarray], dict, str]:
     """Reads and verifies a file: (tree, arrays by name, meta, checksum). CheckpointError on any
     fault."""
     path = os.fspath(path)
@@ -360,17 +334,17 @@ def load(path, device=None):
     if foreign is not None:
         from .tensor import array
         return {name: array(a, device=device, dtype=a.dtype) for name, a in foreign.items()}
-    tree, arrays, _, _ = _parse(path)
+    tree, arrays, _, _ = read_file(path)
     return _decode(tree, arrays, device, os.fspath(path))
 
 
 def _foreign(path):
     """The arrays of a safetensors file that is not one of mgpu's checkpoints, or None for a
-    file that is (or that is no safetensors file at all: :func:`_parse` says what is wrong)."""
+    file that is (or that is no safetensors file at all: :func:`read_file` says what is wrong)."""
     path = os.fspath(path)
     if os.path.isdir(path):
         return None
-    with open(path, "rb") as f:  # the header first: a checkpoint is read once, by _parse
+    with open(path, "rb") as f:  # the header first: a checkpoint is read once, by read_file
         head = f.read(8)
         n = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
         head += f.read(min(n, _MAX_HEADER))
@@ -386,7 +360,7 @@ def _foreign(path):
 
 def read_meta(path) -> dict:
     """The ``meta`` dict given to :func:`save` (the file is verified whole first)."""
-    return _parse(path)[2]
+    return read_file(path)[2]
 
 
 # --- a training run's checkpoint directory ---------------------------------------------------
@@ -458,7 +432,7 @@ class TrainCheckpoints:
         if not files:
             return None
         path = files[-1][1]
-        tree, arrays, _, checksum = _parse(path)
+        tree, arrays, _, checksum = read_file(path)
         if dist.world_size() > 1:
             from .tensor import array
             mine = int(checksum[7:22], 16)
@@ -480,7 +454,7 @@ class TrainCheckpoints:
         if dist.rank() == 0:
             try:
                 save(state, path, meta={"step": step})
-                _fault("prune")
+                faults.fault("prune")
                 for _, old in self.files()[:-_KEEP]:
                     os.unlink(old)
             except OSError as e:

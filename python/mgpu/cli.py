@@ -21,7 +21,8 @@ def _train(args) -> int:
 
 
 def _train_run(args) -> int:
-    from .train import train, train_op_by_op
+    from .chapter import train_op_by_op
+    from .train import train
     kw = dict(data_dir=args.data_dir, limit_batches=args.limit_batches, seed=args.seed,
               checkpoint=args.checkpoint, checkpoint_every=args.checkpoint_every,
               resume=args.resume)
@@ -448,5 +449,5 @@ def main(argv: Optional[List[str]] = None, prog: str = "mgpu") -> int:
         from . import distributed
         where = f" (rank {distributed.rank()})" if distributed.world_size() > 1 else ""
         print(f"mgpu: error{where}: {e}", file=sys.stderr)
-        distributed._mark_failed()  # under mpirun: end every rank now, none waits for this one
+        distributed.mark_failed()  # under mpirun: end every rank now, none waits for this one
         return 2

@@ -34,17 +34,17 @@ class DataLoader:
 
     def __init__(self, split: "_core.DataSplit", batch_size: int, shuffle: bool, seed: int = 0,
                  limit_batches: int = 0):
-        from .random import _seed
-        from .tensor import _int
-        batch_size = _int(batch_size, "DataLoader", "batch_size")
+        from .random import check_seed
+        from .tensor import check_int
+        batch_size = check_int(batch_size, "DataLoader", "batch_size")
         if not 1 <= batch_size < 2**62:
             raise ValueError(f"DataLoader: batch_size must be >= 1, got {batch_size}")
-        limit_batches = _int(limit_batches or 0, "DataLoader", "limit_batches")
+        limit_batches = check_int(limit_batches or 0, "DataLoader", "limit_batches")
         if not 0 <= limit_batches < 2**62:
             raise ValueError(f"DataLoader: limit_batches must be >= 0 (0: no limit), got "
                              f"{limit_batches}")
         self._it = _core.BatchIterator(split, batch_size, bool(shuffle),
-                                       _seed(seed, "DataLoader"), False, limit_batches)
+                                       check_seed(seed, "DataLoader"), False, limit_batches)
         self.batch_size = int(batch_size)
         self._limit_batches = limit_batches
         self._epoch = -1     # the epoch being (or last) iterated

@@ -10,13 +10,30 @@ import threading
 from collections import OrderedDict
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from . import _core, autograd
+from . import _core, autograd, nn
 from . import ops as functional
 from . import trace as _trace
 from .device import Device, as_device, try_all_gpus, try_gpu
+from .models import Residual
+from .nn import (
+    AdaptiveAvgPool2d,
+    AvgPool2d,
+    BatchNorm2d,
+    BatchNormBase,
+    Conv2d,
+    Dropout,
+    Flatten,
+    Linear,
+    MaxPool2d,
+    Module,
+    ReLU,
+    Sequential,
+    check_input,
+    module_calls,
+)
 from .nn import CrossEntropyLoss as nn_CrossEntropyLoss
-from .nn import Module, _BatchNorm, _calls, _check_input
 from .optim import SGD as optim_SGD
+from .parallel import FusedModel, SteadyAllocations
 from .tensor import Tensor, zeros_like
 
 # Replica modules are shallow copies of the master's modules: these entries of a module's
@@ -171,7 +188,7 @@ class DataParallel(Module):
         return roots
 
     def forward(self, X: Tensor) -> Tensor:
-        X = _check_input(X, "DataParallel")
+        X = check_input(X, "DataParallel")
         if X.requires_grad:
             raise NotImplementedError("DataParallel: an input that requires grad is not "
                                       "supported (the scatter is not recorded); pass data tensors")
@@ -235,29 +252,11 @@ class DataParallel(Module):
         if [id(p) for p in trainer.params] != [id(p) for p in master]:
             raise ValueError("train_step: trainer must hold exactly this network's parameters "
                              "(optim.SGD(net.parameters(), ...))")
-        X, y = _check_input(X, "train_step"), _check_input(y, "train_step")
+        X, y = check_input(X, "train_step"), check_input(y, "train_step")
         self._check_master()
         fused = self._fused_model()
-        if fused.steps == 1 and fused.trace:
-            # Steady state: the CPU allocator keeps, per size class, as many blocks as were live
-            # at once during the first step (each step starts once the previous one's tasks
-            # have run), so later steps take nothing from the system whatever order the device
-            # threads release theirs in (see _core.cpu_reserve). Small blocks (up to 64 KiB:
-            # every request of the first step) get as many again and a few more, for what later
-            # steps add (the label guard's copies of the state when the labels were on a queue
-            # already) and results of the previous step the caller may still hold (its loss).
-            _core.waitall()
-            _core.cpu_reserve({size: 2 * n + 4 if size <= 65536 else n
-                               for size, n in fused.trace.items()})
-        if fused.steps == 0:
-            _core.cpu_trace_begin()
-        try:
-            result = self._fused_step(fused, X, y, trainer, master, deterministic)
-        finally:
-            if fused.steps == 0:
-                fused.trace = _core.cpu_trace_end()
-        fused.steps += 1
-        return result
+        with fused.allocations:
+            return self._fused_step(fused, X, y, trainer, master, deterministic)
 
     def _fused_step(self, fused: "_Fused", X: Tensor, y: Tensor, trainer, master,
                     deterministic) -> Tensor:
@@ -293,7 +292,6 @@ class _Fused:
     """The module tree as a layer list for ``mgpu._core.Model`` (via ``parallel.FusedModel``)."""
 
     def __init__(self, module: Module, devices: List[Device], key):
-        from .parallel import FusedModel
         self.key = key
         params = list(module.parameters())
         self._pindex = {id(p): i for i, p in enumerate(params)}
@@ -304,8 +302,7 @@ class _Fused:
         self.replica_params = [params] + [[p.copyto(d) for p in params] for d in devices[1:]]
         self.replica_buffers = [bufs] + [[b.copyto(d) for b in bufs] for d in devices[1:]]
         self.model = FusedModel(self.spec, self.replica_params, self.replica_buffers, devices)
-        self.steps = 0  # fused steps taken
-        self.trace: Dict[int, int] = {}  # most CPU blocks live at once per class, step 1
+        self.allocations = SteadyAllocations()  # the CPU allocator's warm-up over the steps
         # The trainer and its momentum buffers (with their storage versions) as the last step
         # left them: while they are unchanged, the replicas' own buffers are current.
         self._handed: Optional[Tuple[object, List[Optional[Tensor]], List[int]]] = None
@@ -340,19 +337,6 @@ class _Fused:
         return len(self.spec)  # the slot this layer writes
 
     def _emit(self, m: Module, src: int) -> int:
-        from .models import Residual
-        from .nn import (
-            AdaptiveAvgPool2d,
-            AvgPool2d,
-            BatchNorm2d,
-            Conv2d,
-            Dropout,
-            Flatten,
-            Linear,
-            MaxPool2d,
-            ReLU,
-            Sequential,
-        )
         if isinstance(m, Sequential):
             for child in m:
                 src = self._emit(child, src)
@@ -457,16 +441,16 @@ def _run_synced(roots: List[Module], shards: List[Tensor]) -> List[Tensor]:
     recording = autograd.is_recording()
 
     def run(rank: int) -> None:
-        depth = getattr(_calls, "depth", 0)
-        _calls.depth = 1  # a replica's call is nested in DataParallel's (which restores on error)
+        depth = getattr(module_calls, "depth", 0)
+        module_calls.depth = 1  # nested in DataParallel's call (which restores on error)
         try:
-            with autograd._recording(recording):
+            with autograd.set_grad_enabled(recording):
                 outs[rank] = roots[rank](shards[rank])
         except BaseException as e:
             errors[rank] = e
             group.barrier.abort()
         finally:
-            _calls.depth = depth
+            module_calls.depth = depth
 
     threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(1, k)]
     try:
@@ -582,7 +566,7 @@ def _sync_batch_norm(items, master: "SyncBatchNorm", momentum: float) -> List[Te
     return [autograd.attach(y, [joint], select(i)) for i, y in enumerate(ys)]
 
 
-class SyncBatchNorm(_BatchNorm):
+class SyncBatchNorm(BatchNormBase):
     """Batch norm whose statistics, under ``DataParallel`` in training, are those of the whole
     batch across all replicas (so k devices compute what one device does on the whole batch).
     Alone, or in evaluation, it is ``BatchNorm2d``. Inputs (N, C, H, W) or (N, C)."""
@@ -608,7 +592,7 @@ class SyncBatchNorm(_BatchNorm):
             raise TypeError(f"convert_sync_batchnorm: expected an mgpu.nn.Module, got "
                             f"{type(module).__name__}")
         out = module
-        if isinstance(module, _BatchNorm) and not isinstance(module, SyncBatchNorm):
+        if isinstance(module, BatchNormBase) and not isinstance(module, SyncBatchNorm):
             out = cls(module.num_features, module.eps, module.momentum, module.affine,
                       module.track_running_stats, device=module.running_mean.device
                       if module.running_mean is not None else None)
@@ -619,3 +603,9 @@ class SyncBatchNorm(_BatchNorm):
             if child is not None:
                 out._modules[name] = cls.convert_sync_batchnorm(child)
         return out
+
+
+# PyTorch's spelling, nn.DataParallel and nn.SyncBatchNorm: this module, a floor above mgpu.nn,
+# adds them there (mgpu imports this module, so they are in nn once mgpu is imported).
+nn.DataParallel, nn.SyncBatchNorm = DataParallel, SyncBatchNorm
+nn.__all__ += ["DataParallel", "SyncBatchNorm"]

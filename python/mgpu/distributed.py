@@ -167,7 +167,7 @@ def _nccl_missing() -> Optional[str]:
             "mgpu, " + use_mpi)
 
 
-def _auto_init() -> None:
+def auto_init() -> None:
     """What ``train`` and ``train_batch`` call: join the MPI world when started by mpirun."""
     if _state["backend"] is None and launched():
         init("auto")
@@ -245,7 +245,7 @@ def finalize() -> None:
     _core.dist_finalize(False)
 
 
-def _mark_failed() -> None:
+def mark_failed() -> None:
     """Makes exit end every rank (MPI_Abort) instead of finalizing: this rank has failed."""
     _state["failed"] = True
 

@@ -78,19 +78,19 @@ class Module:
                                   "subclass must implement it")
 
     def __call__(self, *args, **kwargs):
-        if getattr(_calls, "depth", 0) > 0:
+        if getattr(module_calls, "depth", 0) > 0:
             return self.forward(*args, **kwargs)
         # The outermost call undoes BatchNorm's running-statistics updates if the forward fails
         # part way (an input too small for a later layer), so a failed call changes nothing.
         saved = _save_running_stats(self)
-        _calls.depth = 1
+        module_calls.depth = 1
         try:
             return self.forward(*args, **kwargs)
         except BaseException:
             _restore_running_stats(saved)
             raise
         finally:
-            _calls.depth = 0
+            module_calls.depth = 0
 
     # --- registration ----------------------------------------------------------------------
     def _check_init(self, what: str) -> None:
@@ -312,7 +312,7 @@ class Module:
         changed. Returns (missing_keys, unexpected_keys) like PyTorch.
         """
         optional = frozenset(f"{p}.num_batches_tracked" if p else "num_batches_tracked"
-                             for p, m in self.named_modules() if isinstance(m, _BatchNorm))
+                             for p, m in self.named_modules() if isinstance(m, BatchNormBase))
         missing, unexpected = weights.load_into(type(self).__name__, self._state_targets(),
                                                 state_dict, strict, optional)
         return _IncompatibleKeys(missing, unexpected)
@@ -330,13 +330,13 @@ class Module:
         return head + "\n  " + "\n  ".join(lines) + "\n)"
 
 
-_calls = threading.local()  # per thread: how deep in nested Module calls we are
+module_calls = threading.local()  # per thread: how deep in nested Module calls we are
 
 
 def _save_running_stats(module: "Module") -> list:
     saved = []
     for m in module.modules():
-        if isinstance(m, _BatchNorm) and m.training and m.track_running_stats:
+        if isinstance(m, BatchNormBase) and m.training and m.track_running_stats:
             saved.append([(b, b.copy()) for b in
                           (m.running_mean, m.running_var, m.num_batches_tracked)])
     return saved
@@ -487,7 +487,7 @@ def _empty_param(shape, device) -> Parameter:
     return Parameter(zeros(shape, device=as_device(device) if device is not None else None))
 
 
-def _check_input(x, what: str) -> Tensor:
+def check_input(x, what: str) -> Tensor:
     if isinstance(x, np.ndarray):
         raise TypeError(f"{what}: got a NumPy array; convert it with mgpu.array(x, device=...) on "
                         "the module's device first")
@@ -528,7 +528,7 @@ class Conv2d(Module):
                 f"stride={self.stride}, padding={self.padding}, bias={self.bias is not None}")
 
     def forward(self, x: Tensor) -> Tensor:
-        x = _check_input(x, "Conv2d")
+        x = check_input(x, "Conv2d")
         if x.ndim != 4 or x.shape[1] != self.in_channels:
             raise ValueError(f"Conv2d({self.extra_repr()}): expected input (N, {self.in_channels},"
                              f" H, W), got shape {x.shape}")
@@ -559,7 +559,7 @@ class Linear(Module):
                 f"bias={self.bias is not None}")
 
     def forward(self, x: Tensor) -> Tensor:
-        x = _check_input(x, "Linear")
+        x = check_input(x, "Linear")
         if x.ndim != 2 or x.shape[1] != self.in_features:
             raise ValueError(f"Linear({self.extra_repr()}): expected input (N, "
                              f"{self.in_features}), got shape {x.shape}")
@@ -570,14 +570,14 @@ class ReLU(Module):
     """max(x, 0), elementwise."""
 
     def forward(self, x: Tensor) -> Tensor:
-        return functional.relu(_check_input(x, "ReLU"))
+        return functional.relu(check_input(x, "ReLU"))
 
 
 class Flatten(Module):
     """(N, ...) -> (N, product of the rest) (PyTorch's default start_dim=1)."""
 
     def forward(self, x: Tensor) -> Tensor:
-        x = _check_input(x, "Flatten")
+        x = check_input(x, "Flatten")
         if x.ndim < 1:
             raise ValueError("Flatten: expected a tensor with a batch axis, got a 0-d tensor")
         return x.reshape(x.shape[0], -1)
@@ -595,7 +595,7 @@ class AvgPool2d(Module):
         return f"kernel_size={self.kernel_size}, stride={self.stride}"
 
     def forward(self, x: Tensor) -> Tensor:
-        x = _check_input(x, "AvgPool2d")
+        x = check_input(x, "AvgPool2d")
         if x.ndim != 4 or x.shape[2] < self.kernel_size[0] or x.shape[3] < self.kernel_size[1]:
             raise ValueError(f"AvgPool2d({self.extra_repr()}): expected (N, C, H, W) at least as "
                              f"large as the kernel, got shape {x.shape}")
@@ -631,7 +631,7 @@ class MaxPool2d(Module):
                 f"padding={self.padding}")
 
     def forward(self, x: Tensor) -> Tensor:
-        x = _check_input(x, "MaxPool2d")
+        x = check_input(x, "MaxPool2d")
         (kh, kw), (ph, pw) = self.kernel_size, self.padding
         if x.ndim != 4 or x.shape[2] + 2 * ph < kh or x.shape[3] + 2 * pw < kw:
             raise ValueError(f"MaxPool2d({self.extra_repr()}): expected (N, C, H, W) at least as "
@@ -659,7 +659,7 @@ class Dropout(Module):
         return f"p={self.p}"
 
     def forward(self, x: Tensor) -> Tensor:
-        return functional.dropout(_check_input(x, "Dropout"), self.p, self.training)
+        return functional.dropout(check_input(x, "Dropout"), self.p, self.training)
 
 
 class AdaptiveAvgPool2d(Module):
@@ -678,13 +678,13 @@ class AdaptiveAvgPool2d(Module):
         return f"output_size={self.output_size}"
 
     def forward(self, x: Tensor) -> Tensor:
-        x = _check_input(x, "AdaptiveAvgPool2d")
+        x = check_input(x, "AdaptiveAvgPool2d")
         if x.ndim != 4:
             raise ValueError(f"AdaptiveAvgPool2d: expected (N, C, H, W), got shape {x.shape}")
         return functional.avg_pool2d(x, (x.shape[2], x.shape[3]))
 
 
-class _BatchNorm(Module):
+class BatchNormBase(Module):
     """Batch normalisation over N, H, W per channel, PyTorch's semantics and defaults.
 
     In training the output uses the batch's statistics and the running ones are updated in
@@ -734,7 +734,7 @@ class _BatchNorm(Module):
 
     def _check(self, x) -> Tensor:
         name = type(self).__name__
-        x = _check_input(x, name)
+        x = check_input(x, name)
         if x.ndim not in self._dims or x.shape[1] != self.num_features:
             want = " or ".join(f"{d}-d" for d in self._dims)
             raise ValueError(f"{name}({self.num_features}): expected a {want} input with "
@@ -767,11 +767,11 @@ class _BatchNorm(Module):
             training=use_batch, momentum=momentum, eps=self.eps)
 
 
-class BatchNorm2d(_BatchNorm):
+class BatchNorm2d(BatchNormBase):
     """Batch normalisation of (N, C, H, W) inputs, statistics per channel over N, H, W."""
 
 
-class BatchNorm1d(_BatchNorm):
+class BatchNorm1d(BatchNormBase):
     """Batch normalisation of (N, C) inputs, statistics per feature over N."""
 
     _dims = (2,)
@@ -796,8 +796,8 @@ class CrossEntropyLoss(Module):
         return f"reduction={self.reduction!r}"
 
     def forward(self, y_hat: Tensor, y: Tensor) -> Tensor:
-        y_hat = _check_input(y_hat, f"{type(self).__name__} (logits)")
-        y = _check_input(y, f"{type(self).__name__} (labels)")
+        y_hat = check_input(y_hat, f"{type(self).__name__} (logits)")
+        y = check_input(y, f"{type(self).__name__} (labels)")
         losses = cross_entropy(y_hat, y)
         if self.reduction == "sum":
             return losses.sum()
@@ -813,9 +813,7 @@ class SoftmaxCrossEntropyLoss(CrossEntropyLoss):
         super().__init__(reduction)
 
 
-from .data_parallel import DataParallel, SyncBatchNorm  # noqa: E402  (they build on Module)
-
+# DataParallel and SyncBatchNorm build on Module: mgpu.data_parallel, a floor above, adds them here.
 __all__ = ["Module", "Parameter", "Sequential", "Conv2d", "Linear", "ReLU", "Flatten",
-           "AvgPool2d", "MaxPool2d", "Dropout", "AdaptiveAvgPool2d", "BatchNorm1d", "BatchNorm2d",
-           "SyncBatchNorm",
-           "CrossEntropyLoss", "SoftmaxCrossEntropyLoss", "DataParallel", "init", "functional"]
+           "AvgPool2d", "MaxPool2d", "Dropout", "AdaptiveAvgPool2d", "BatchNorm1d",
+           "BatchNorm2d", "CrossEntropyLoss", "SoftmaxCrossEntropyLoss", "init", "functional"]

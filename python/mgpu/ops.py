@@ -9,12 +9,16 @@ from __future__ import annotations
 import numbers
 from typing import Optional, Sequence, Tuple, Union
 
-import numpy as np
-
 from . import _core, autograd
 from . import random as _random
 from . import trace as _trace
-from .tensor import Tensor
+from .tensor import (
+    Tensor,
+    argmax,  # noqa: F401  (an op of this module, defined where Tensor calls it)
+    check_tensors,
+    mm,
+    needs_grad,
+)
 
 IntPair = Union[int, Tuple[int, int]]
 
@@ -34,31 +38,15 @@ def _square(v: IntPair, name: str, op: str) -> int:
     return a
 
 
-def _need(t: Optional[Tensor]) -> bool:
-    return t is not None and t.requires_grad
-
-
-def _tensors(op: str, **named) -> None:
-    """Checks that every named argument is an mgpu tensor (or None): a NumPy array or anything
-    else is a TypeError saying how to make one, never an AttributeError from inside mgpu."""
-    for name, t in named.items():
-        if t is None or isinstance(t, Tensor):
-            continue
-        if isinstance(t, np.ndarray):
-            raise TypeError(f"{op}: {name} is a NumPy array; ops take mgpu tensors, make one "
-                            f"with mgpu.array({name}, device=...) on the other inputs' device")
-        raise TypeError(f"{op}: {name} must be an mgpu tensor, got {type(t).__name__}")
-
-
 def conv2d(x: Tensor, w: Tensor, b: Optional[Tensor] = None, stride: IntPair = 1,
            padding: IntPair = 0) -> Tensor:
     """Convolution (cross-correlation): x (N, C, H, W), w (K, C, R, S), b (K,) -> (N, K, P, Q)."""
-    _tensors("conv2d", x=x, w=w, b=b)
+    check_tensors("conv2d", x=x, w=w, b=b)
     s, p = _square(stride, "stride", "conv2d"), _square(padding, "padding", "conv2d")
     out = Tensor(_core.conv2d_forward(x._t, w._t, b._t if b is not None else None, s, p))
 
     def backward(dy):
-        dx, dw, db = _core.conv2d_backward(x._t, w._t, dy._t, s, p, _need(x), b is not None)
+        dx, dw, db = _core.conv2d_backward(x._t, w._t, dy._t, s, p, needs_grad(x), b is not None)
         wrap = lambda h: Tensor(h) if h is not None else None  # noqa: E731
         return wrap(dx), wrap(dw), wrap(db)
 
@@ -67,7 +55,7 @@ def conv2d(x: Tensor, w: Tensor, b: Optional[Tensor] = None, stride: IntPair = 1
 
 def avg_pool2d(x: Tensor, kernel_size: IntPair, stride: Optional[IntPair] = None) -> Tensor:
     """Average pooling without padding: x (N, C, H, W) -> (N, C, P, Q), floor output size."""
-    _tensors("avg_pool2d", x=x)
+    check_tensors("avg_pool2d", x=x)
     kh, kw = _pair(kernel_size, "kernel_size")
     sh, sw = _pair(stride, "stride") if stride is not None else (kh, kw)
     out = Tensor(_core.avg_pool2d_forward(x._t, kh, kw, sh, sw))
@@ -93,7 +81,7 @@ def max_pool2d(x: Tensor, kernel_size: IntPair, stride: Optional[IntPair] = None
     window's maximum sits: the first maximum in row-major window order on ties, the last NaN when
     the window holds NaNs (PyTorch's CPU rule). Only dilation 1, floor output size and no returned
     indices are supported (ValueError otherwise)."""
-    _tensors("max_pool2d", x=x)
+    check_tensors("max_pool2d", x=x)
     kh, kw = _int_pair(kernel_size, "kernel_size", "max_pool2d")
     sh, sw = _int_pair(stride, "stride", "max_pool2d") if stride is not None else (kh, kw)
     ph, pw = _int_pair(padding, "padding", "max_pool2d")
@@ -115,7 +103,7 @@ def dropout(x: Tensor, p: float = 0.5, training: bool = True) -> Tensor:
     """PyTorch's ``F.dropout``: in training each element is zeroed with probability ``p`` and the
     rest scaled by 1 / (1 - p); otherwise x itself. The mask is drawn from ``mgpu.random`` (so
     ``mgpu.random.seed`` makes it reproducible) and backward multiplies dy by the same mask."""
-    _tensors("dropout", x=x)
+    check_tensors("dropout", x=x)
     if isinstance(p, bool) or not isinstance(p, numbers.Real) or not 0.0 <= float(p) <= 1.0:
         raise ValueError(f"dropout: p must be a probability in [0, 1], got {p!r}")
     p = float(p)
@@ -131,22 +119,9 @@ def dropout(x: Tensor, p: float = 0.5, training: bool = True) -> Tensor:
 
 def relu(x: Tensor) -> Tensor:
     """max(x, 0), elementwise."""
-    _tensors("relu", x=x)
+    check_tensors("relu", x=x)
     out = Tensor(_core.relu_forward(x._t))
     return autograd.attach(out, [x], lambda dy: (Tensor(_core.relu_backward(x._t, dy._t)),))
-
-
-def mm(a: Tensor, b: Tensor) -> Tensor:
-    """Matrix product: a (M, K) @ b (K, N) -> (M, N)."""
-    _tensors("mm", a=a, b=b)
-    out = Tensor(_core.mm(a._t, b._t))
-
-    def backward(dy):
-        da = Tensor(_core.mm(dy._t, b._t, False, True)) if _need(a) else None
-        db = Tensor(_core.mm(a._t, dy._t, True, False)) if _need(b) else None
-        return da, db
-
-    return autograd.attach(out, [a, b], backward)
 
 
 dot = mm  # MXNet's name in the chapter (np.dot on matrices)
@@ -154,32 +129,23 @@ dot = mm  # MXNet's name in the chapter (np.dot on matrices)
 
 def cross_entropy(y_hat: Tensor, y: Tensor) -> Tensor:
     """Softmax cross-entropy per example (reduction none): y_hat (N, M) logits, y (N,) -> (N,)."""
-    _tensors("cross_entropy", y_hat=y_hat, y=y)
+    check_tensors("cross_entropy", y_hat=y_hat, y=y)
     out = Tensor(_core.softmax_ce_forward(y_hat._t, y._t))
     return autograd.attach(out, [y_hat], lambda dy: (
         Tensor(_core.softmax_ce_backward(y_hat._t, y._t, dy._t)),))
 
 
-def argmax(x: Tensor, axis: int = -1) -> Tensor:
-    """Index of the largest entry along ``axis`` (the last axis of a 1-d or 2-d tensor)."""
-    _tensors("argmax", x=x)
-    if axis not in (-1, x.ndim - 1):
-        raise ValueError(f"argmax: only the last axis is supported (axis=-1 or {x.ndim - 1}), "
-                         f"got axis={axis}")
-    return Tensor(_core.argmax(x._t))
-
-
 def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
     """x W^T + b (PyTorch's layout): x (N, I), weight (O, I), bias (O,) -> (N, O)."""
-    _tensors("linear", x=x, weight=weight, bias=bias)
+    check_tensors("linear", x=x, weight=weight, bias=bias)
     out = Tensor(_core.mm(x._t, weight._t, False, True))
     if bias is not None:
         out = Tensor(_core.binary(_core.BinaryOp.Add, out._t, bias._t))
 
     def backward(dy):
-        dx = Tensor(_core.mm(dy._t, weight._t)) if _need(x) else None
-        dw = Tensor(_core.mm(dy._t, x._t, True, False)) if _need(weight) else None
-        db = Tensor(_core.sum_to_shape(dy._t, list(bias.shape))) if _need(bias) else None
+        dx = Tensor(_core.mm(dy._t, weight._t)) if needs_grad(x) else None
+        dw = Tensor(_core.mm(dy._t, x._t, True, False)) if needs_grad(weight) else None
+        db = Tensor(_core.sum_to_shape(dy._t, list(bias.shape))) if needs_grad(bias) else None
         return dx, dw, db
 
     return autograd.attach(out, [x, weight, bias], backward)
@@ -269,7 +235,7 @@ def gather_rows(parts: Sequence[Tensor], device) -> Tensor:
     gather); backward sends each part its rows of the gradient, on its own device."""
     from .device import as_device
     parts = list(parts)
-    _tensors("gather_rows", **{f"parts[{i}]": p for i, p in enumerate(parts)})
+    check_tensors("gather_rows", **{f"parts[{i}]": p for i, p in enumerate(parts)})
     if not parts:
         raise ValueError("gather_rows: nothing to gather; pass at least one tensor")
     rest = parts[0].shape[1:]

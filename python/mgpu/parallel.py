@@ -18,7 +18,7 @@ Sums run in a fixed order (no atomics), so results are reproducible run to run; 
 from __future__ import annotations
 
 import numbers
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -26,7 +26,7 @@ from . import _core
 from . import distributed as _dist
 from . import trace as _trace
 from .device import Device, as_device
-from .tensor import Tensor, _handle, _int, array
+from .tensor import Tensor, array, check_int, engine_handle
 
 
 def get_params(params: Sequence[Tensor], device: Device) -> List[Tensor]:
@@ -79,7 +79,7 @@ def allreduce(data) -> None:
 def split_batch(X: Tensor, y: Tensor,
                 devices: Sequence[Device]) -> Tuple[List[Tensor], List[Tensor]]:
     """Splits X and y along axis 0 into one shard per device (sizes differ by at most one)."""
-    _handle(X, "split_batch", "X"), _handle(y, "split_batch", "y")
+    engine_handle(X, "split_batch", "X"), engine_handle(y, "split_batch", "y")
     if X.shape[:1] != y.shape[:1]:
         raise ValueError(f"split_batch: X and y must hold the same number of examples, got "
                          f"X {X.shape} and y {y.shape}")
@@ -90,11 +90,11 @@ def split_batch(X: Tensor, y: Tensor,
 
 def split_and_load(data: Tensor, devices: Sequence[Device]) -> List[Tensor]:
     """Gluon's name: splits one tensor along axis 0 over the devices."""
-    return [Tensor(t) for t in _core.split_rows(_handle(data, "split_and_load", "data"),
+    return [Tensor(t) for t in _core.split_rows(engine_handle(data, "split_and_load", "data"),
                                                 [as_device(d) for d in devices])]
 
 
-def _check_lr(lr, op: str) -> float:
+def check_lr(lr, op: str) -> float:
     """``lr`` as a float; ValueError unless it is a finite number > 0 (NaN would train silently)."""
     if isinstance(lr, bool) or not isinstance(lr, (numbers.Real, np.number)):
         raise TypeError(f"{op}: lr must be a number, got {type(lr).__name__}")
@@ -114,8 +114,8 @@ def _check_nonnegative(v, name: str, op: str) -> float:
     return v
 
 
-def _check_batch_size(batch_size, op: str) -> int:
-    n = _int(batch_size, op, "batch_size")
+def check_batch_size(batch_size, op: str) -> int:
+    n = check_int(batch_size, op, "batch_size")
     if n < 1:
         raise ValueError(f"{op}: batch_size must be >= 1, got {n}")
     return n
@@ -127,7 +127,7 @@ def _check_batch_size(batch_size, op: str) -> int:
 DEFAULT_SHARDS = 8
 
 
-def _shards(deterministic, op: str) -> int:
+def shard_count(deterministic, op: str) -> int:
     """The logical shard count of ``deterministic``: 0 for False (one shard per device, today's
     fastest step), DEFAULT_SHARDS for True, or the given count n >= 1."""
     if deterministic is None or deterministic is False:
@@ -151,10 +151,10 @@ def _scale(lr: float, batch_size: int) -> float:
 
 def sgd(params: Sequence[Tensor], lr: float, batch_size: int) -> None:
     """Minibatch SGD in place: p -= lr * p.grad / batch_size, then the gradients are zeroed."""
-    scale = _scale(_check_lr(lr, "sgd"), _check_batch_size(batch_size, "sgd"))
+    scale = _scale(check_lr(lr, "sgd"), check_batch_size(batch_size, "sgd"))
     params = list(params)
     for i, p in enumerate(params):  # all checked before any is changed
-        _handle(p, "sgd", f"params[{i}]")
+        engine_handle(p, "sgd", f"params[{i}]")
         if p.grad is None:
             raise ValueError("sgd: a parameter has no gradient; attach one with attach_grad() "
                              "or requires_grad_() and run backward() first")
@@ -170,7 +170,7 @@ def _replicas(device_params, devices) -> Tuple[list, list]:
     for i, ps in enumerate(device_params):
         if not isinstance(ps, (list, tuple)):
             raise TypeError(f"device_params[{i}] must be a list of the parameters on devices[{i}]")
-        handles.append([_handle(p, "train_batch", f"device_params[{i}][{j}]")
+        handles.append([engine_handle(p, "train_batch", f"device_params[{i}][{j}]")
                         for j, p in enumerate(ps)])
     return handles, devices
 
@@ -192,10 +192,10 @@ def train_batch(X: Tensor, y: Tensor, device_params, devices: Sequence[Device],
     devices under mpirun, give bitwise the same parameters. The whole loss is then returned by
     the first device (of rank 0) and the others return 0.
     """
-    lr = _check_lr(lr, "train_batch")
-    shards = _shards(deterministic, "train_batch")
-    Xh, yh = _handle(X, "train_batch", "X"), _handle(y, "train_batch", "y")
-    _dist._auto_init()
+    lr = check_lr(lr, "train_batch")
+    shards = shard_count(deterministic, "train_batch")
+    Xh, yh = engine_handle(X, "train_batch", "X"), engine_handle(y, "train_batch", "y")
+    _dist.auto_init()
     handles, devices = _replicas(device_params, devices)
     losses = [Tensor(t) for t in _core.train_batch(Xh, yh, handles, devices, lr, shards)]
     for ps in device_params:  # updated in place
@@ -207,7 +207,7 @@ def train_batch(X: Tensor, y: Tensor, device_params, devices: Sequence[Device],
 @_trace.span("evaluate_counts")
 def evaluate_counts(X: Tensor, y: Tensor, device_params, devices: Sequence[Device]) -> List[Tensor]:
     """Correct predictions of the replicas on one batch, split over the devices (0-d each)."""
-    Xh, yh = _handle(X, "evaluate_accuracy", "X"), _handle(y, "evaluate_accuracy", "y")
+    Xh, yh = engine_handle(X, "evaluate_accuracy", "X"), engine_handle(y, "evaluate_accuracy", "y")
     handles, devices = _replicas(device_params, devices)
     return [Tensor(t) for t in _core.evaluate_batch(Xh, yh, handles, devices)]
 
@@ -223,6 +223,40 @@ def _tensors(items, what: str) -> List["_core.Tensor"]:
                             "tensor")
         out.append(t._t)
     return out
+
+
+class SteadyAllocations:
+    """``with`` around each step of a repeated step: the CPU allocator's warm-up, so later steps
+    take nothing from the system.
+
+    The first step records, per size class, the most CPU blocks live at once
+    (``_core.cpu_trace_begin``/``_end``); before the second, the allocator keeps that many: each
+    step starts once the previous one's tasks have run, so later steps take nothing from the
+    system whatever order the device threads release theirs in (see ``_core.cpu_reserve``). Small
+    blocks (up to 64 KiB: every request of the first step) get as many again and a few more, for
+    what later steps add (the label guard's copies of the state when the labels were on a queue
+    already) and results of the previous step the caller may still hold (its loss). A step that
+    raises is not counted.
+    """
+
+    def __init__(self):
+        self.steps = 0  # steps taken
+        self.trace: Dict[int, int] = {}  # most CPU blocks live at once per class, step 1
+
+    def __enter__(self) -> "SteadyAllocations":
+        if self.steps == 1 and self.trace:
+            _core.waitall()
+            _core.cpu_reserve({size: 2 * n + 4 if size <= 65536 else n
+                               for size, n in self.trace.items()})
+        if self.steps == 0:
+            _core.cpu_trace_begin()
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if self.steps == 0:
+            self.trace = _core.cpu_trace_end()
+        if exc_type is None:
+            self.steps += 1
 
 
 class FusedModel:
@@ -262,8 +296,8 @@ class FusedModel:
                             f"{type(X).__name__} and {type(y).__name__}")
         lr, momentum, weight_decay = (_check_nonnegative(v, name, "train_step") for v, name in (
             (lr, "lr"), (momentum, "momentum"), (weight_decay, "weight_decay")))
-        shards = _shards(deterministic, "train_step")
-        _dist._auto_init()
+        shards = shard_count(deterministic, "train_step")
+        _dist.auto_init()
         # A label out of range raises IndexError and changes nothing (the step checks them).
         losses = self._model.train_step(X._t, y._t, lr, momentum, weight_decay, shards)
         for t in self._changed:  # updated in place

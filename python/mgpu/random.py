@@ -21,7 +21,7 @@ _rng = np.random.default_rng(DEFAULT_SEED)
 def seed(n: int) -> None:
     """Makes every following draw reproducible."""
     global _rng
-    _rng = np.random.default_rng(_seed(n, "mgpu.random.seed"))
+    _rng = np.random.default_rng(check_seed(n, "mgpu.random.seed"))
 
 
 def get_state() -> dict:
@@ -33,10 +33,17 @@ def get_state() -> dict:
 def set_state(state: dict) -> None:
     """Restores a state from :func:`get_state` (ValueError if it is not one)."""
     global _rng
-    _rng = _generator(state)
+    _rng = generator_from_state(state)
 
 
-def _generator(state) -> np.random.Generator:
+def set_generator(g: np.random.Generator) -> None:
+    """Makes ``g`` the generator of every following draw (a resumed run's, checked beforehand
+    with :func:`generator_from_state`)."""
+    global _rng
+    _rng = g
+
+
+def generator_from_state(state) -> np.random.Generator:
     """A generator in ``state`` (checked: ValueError names what is wrong)."""
     if not isinstance(state, dict) or state.get("bit_generator") != "PCG64":
         raise ValueError("mgpu.random.set_state: expected a state from mgpu.random.get_state() "
@@ -49,7 +56,7 @@ def _generator(state) -> np.random.Generator:
     return g
 
 
-def _seed(n, op: str) -> int:
+def check_seed(n, op: str) -> int:
     """A seed: an integer in [0, 2**64) (ValueError or TypeError otherwise, never truncated)."""
     if isinstance(n, bool) or not isinstance(n, (numbers.Integral, np.integer)):
         raise TypeError(f"{op}: the seed must be an integer, got {n!r} ({type(n).__name__})")

@@ -20,7 +20,7 @@ Shape = Tuple[int, ...]
 _Op = _core.BinaryOp
 
 
-def _handle(x, op: str, arg: str) -> "_core.Tensor":
+def engine_handle(x, op: str, arg: str) -> "_core.Tensor":
     """The engine handle of tensor ``x``; a TypeError naming ``op`` and ``arg`` otherwise."""
     if isinstance(x, Tensor):
         return x._t
@@ -29,7 +29,7 @@ def _handle(x, op: str, arg: str) -> "_core.Tensor":
     raise TypeError(f"{op}: {arg} must be an mgpu tensor, got {type(x).__name__}{hint}")
 
 
-def _int(v, op: str, what: str) -> int:
+def check_int(v, op: str, what: str) -> int:
     """``v`` as a Python int; a TypeError for floats, bools and other non-integers (never
     truncated)."""
     if isinstance(v, bool) or not isinstance(v, (numbers.Integral, np.integer)):
@@ -43,7 +43,7 @@ def _shape(shape, op: str = "shape") -> list:
         return [int(shape)]
     if not isinstance(shape, (tuple, list)):
         raise TypeError(f"{op}: the shape must be an int or a tuple of ints, got {shape!r}")
-    return [_int(s, op, f"every extent of the shape {tuple(shape)!r}") for s in shape]
+    return [check_int(s, op, f"every extent of the shape {tuple(shape)!r}") for s in shape]
 
 
 class Tensor:
@@ -151,7 +151,16 @@ class Tensor:
 
     def backward(self, grad: Optional["Tensor"] = None) -> None:
         """Adds d(self)/d(leaf) into every leaf's ``.grad``; a non-scalar propagates its sum."""
-        autograd.backward(self, grad)
+        if not self.requires_grad:
+            raise RuntimeError("backward: this tensor does not require grad; call requires_grad_() "
+                               "or attach_grad() on the parameters before computing it")
+        if grad is not None:
+            if not isinstance(grad, Tensor):
+                raise TypeError(f"backward: grad must be an mgpu tensor, got {type(grad).__name__}")
+            if grad.shape != self.shape or grad.device != self.device:
+                raise ValueError(f"backward: grad has shape {grad.shape} on {grad.device} but the "
+                                 f"tensor has shape {self.shape} on {self.device}; they must match")
+        autograd.backward(self, grad if grad is not None else ones_like(self))
 
     def detach(self) -> "Tensor":
         """The same values, cut from the graph (shares memory)."""
@@ -322,11 +331,9 @@ class Tensor:
         return self.sum() / max(1, self.size)
 
     def argmax(self, axis: int = -1) -> "Tensor":
-        from .ops import argmax
         return argmax(self, axis)
 
     def __matmul__(self, other: "Tensor") -> "Tensor":
-        from .ops import mm
         return mm(self, other)
 
     # Elementwise equality of labels is not a tensor op here: compare with numpy() or use
@@ -382,6 +389,47 @@ def _scalar_op(a: Tensor, s: float, op: "_core.BinaryOp", scalar_first: bool) ->
 # --- construction --------------------------------------------------------------------------
 
 _DTYPES = {np.dtype(np.float32), np.dtype(np.int32), np.dtype(np.int64), np.dtype(np.uint8)}
+
+
+# --- mm and argmax: Tensor's ``@`` and ``argmax`` call them, so they live on this floor; mgpu.ops
+# exports them with its other ops, which check their inputs with check_tensors --------------------
+
+def needs_grad(t: Optional[Tensor]) -> bool:
+    return t is not None and t.requires_grad
+
+
+def check_tensors(op: str, **named) -> None:
+    """Checks that every named argument is an mgpu tensor (or None): a NumPy array or anything
+    else is a TypeError saying how to make one, never an AttributeError from inside mgpu."""
+    for name, t in named.items():
+        if t is None or isinstance(t, Tensor):
+            continue
+        if isinstance(t, np.ndarray):
+            raise TypeError(f"{op}: {name} is a NumPy array; ops take mgpu tensors, make one "
+                            f"with mgpu.array({name}, device=...) on the other inputs' device")
+        raise TypeError(f"{op}: {name} must be an mgpu tensor, got {type(t).__name__}")
+
+
+def mm(a: Tensor, b: Tensor) -> Tensor:
+    """Matrix product: a (M, K) @ b (K, N) -> (M, N)."""
+    check_tensors("mm", a=a, b=b)
+    out = Tensor(_core.mm(a._t, b._t))
+
+    def backward(dy):
+        da = Tensor(_core.mm(dy._t, b._t, False, True)) if needs_grad(a) else None
+        db = Tensor(_core.mm(a._t, dy._t, True, False)) if needs_grad(b) else None
+        return da, db
+
+    return autograd.attach(out, [a, b], backward)
+
+
+def argmax(x: Tensor, axis: int = -1) -> Tensor:
+    """Index of the largest entry along ``axis`` (the last axis of a 1-d or 2-d tensor)."""
+    check_tensors("argmax", x=x)
+    if axis not in (-1, x.ndim - 1):
+        raise ValueError(f"argmax: only the last axis is supported (axis=-1 or {x.ndim - 1}), "
+                         f"got axis={axis}")
+    return Tensor(_core.argmax(x._t))
 
 
 def _default_dtype(a: np.ndarray) -> np.dtype:
@@ -454,7 +502,7 @@ def ones_like(t: Tensor) -> Tensor:
 def arange(n: int, device: Optional[Device] = None, dtype=np.float32,
            ctx: Optional[Device] = None) -> Tensor:
     """0, 1, ..., n-1 (float32 by default, as MXNet's ``np.arange`` in the chapter)."""
-    return array(np.arange(_int(n, "arange", "n")), device=device or ctx, dtype=dtype)
+    return array(np.arange(check_int(n, "arange", "n")), device=device or ctx, dtype=dtype)
 
 
 _DLPACK_CUDA = 2  # kDLCUDA, DLPack's device type of CUDA memory

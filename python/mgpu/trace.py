@@ -13,13 +13,14 @@ from typing import Callable, List, Sequence
 
 from . import _core
 
-# Read by every Python span site: while no profile is recording, a site costs this one check.
-_on = False
+# Whether a profile records; read by every Python span site (while none records, a site costs
+# this one check).
+active = False
 
 
 def _rank_and_size():
-    from . import distributed
-    return distributed.rank(), distributed.world_size()
+    # The engine's, as mgpu.distributed reads them (that module sits a floor above this one).
+    return _core.dist_rank(), _core.dist_world_size()
 
 
 def rank_path(path: str, rank: int, world_size: int) -> str:
@@ -64,14 +65,14 @@ class profile:
         self.written: List[str] = []
 
     def __enter__(self) -> "profile":
-        global _on
+        global active
         _core.waitall()
         _core.trace_start()
-        _on = True
+        active = True
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        global _on
+        global active
         try:
             _core.waitall()
         except Exception:
@@ -81,8 +82,8 @@ class profile:
         self._stop()
 
     def _stop(self) -> None:
-        global _on
-        _on = False
+        global active
+        active = False
         rank, size = _rank_and_size()
         name = f"rank {rank} (pid {os.getpid()})" if size > 1 else f"mgpu (pid {os.getpid()})"
         body = _core.trace_stop(rank, name)
@@ -121,7 +122,7 @@ def span(name: str):
     def wrap(fn: Callable) -> Callable:
         @functools.wraps(fn)
         def traced(*args, **kwargs):
-            if not _on:
+            if not active:
                 return fn(*args, **kwargs)
             t0 = time.monotonic_ns()
             try:
@@ -140,18 +141,18 @@ class scope:
         self.name = name
 
     def __enter__(self):
-        self.t0 = time.monotonic_ns() if _on else 0
+        self.t0 = time.monotonic_ns() if active else 0
         return self
 
     def __exit__(self, *exc):
-        if self.t0 and _on:
+        if self.t0 and active:
             _core.trace_record(self.name, self.t0, time.monotonic_ns())
 
 
 _env_profile = None
 
 
-def _start_from_env() -> None:
+def start_from_env() -> None:
     """``MGPU_TRACE=path``: record the whole program, write at exit."""
     global _env_profile
     path = os.environ.get("MGPU_TRACE")

@@ -15,7 +15,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from . import _core
+from . import _core, faults
 from . import checkpoint as _checkpoint
 from . import distributed as _dist
 from . import random as _random
@@ -26,11 +26,11 @@ from .device import Device, as_device, try_gpu
 from .models import lenet_params
 from .nn import Module
 from .parallel import (
-    _check_batch_size,
-    _check_lr,
-    _shards,
+    check_batch_size,
+    check_lr,
     evaluate_counts,
     get_params,
+    shard_count,
     train_batch,
 )
 from .tensor import Tensor, array
@@ -165,14 +165,14 @@ def train(num_gpus: int, batch_size: int, lr: float, num_epochs: int = 10,
     writes and every rank reads.
     Returns the per-epoch accuracies, losses and times.
     """
-    lr = _check_lr(lr, "train")
-    batch_size = _check_batch_size(batch_size, "train")
+    lr = check_lr(lr, "train")
+    batch_size = check_batch_size(batch_size, "train")
     if int(num_gpus) < 1:
         raise ValueError(f"train: num_gpus must be >= 1, got {num_gpus}")
     if int(num_epochs) < 1:
         raise ValueError(f"train: num_epochs must be >= 1, got {num_epochs}")
-    ckpts = _checkpoints(checkpoint, checkpoint_every, resume, "train")
-    shards = _shards(deterministic, "train")
+    ckpts = open_checkpoints(checkpoint, checkpoint_every, resume, "train")
+    shards = shard_count(deterministic, "train")
     if shards and step is not None:
         raise ValueError("train: deterministic is a mode of the fused train_batch; pass either "
                          "deterministic or step, not both")
@@ -182,8 +182,8 @@ def train(num_gpus: int, batch_size: int, lr: float, num_epochs: int = 10,
     train_iter, test_iter = data if data is not None else load_data_fashion_mnist(
         batch_size, data_dir=data_dir, seed=seed, limit_batches=limit_batches)
     if ckpts is not None:
-        _check_resumable_loader(train_iter, "train")
-    _dist._auto_init()
+        check_resumable_loader(train_iter, "train")
+    _dist.auto_init()
     world, is_root = _dist.world_size(), _dist.rank() == 0
     devices = _local_devices(int(num_gpus))
     if params is None:
@@ -194,7 +194,7 @@ def train(num_gpus: int, batch_size: int, lr: float, num_epochs: int = 10,
         _dist.broadcast(params, root=0)
     device_params = [get_params(params, d) for d in devices]
     result = TrainResult(devices=devices, world_size=world)
-    run = _Progress()
+    run = Progress()
     if ckpts is not None:
         loaded = ckpts.start(resume)
         if loaded is not None:
@@ -216,7 +216,7 @@ def train(num_gpus: int, batch_size: int, lr: float, num_epochs: int = 10,
         state = {"kind": "mgpu.train", "step": run.step, "epoch": epoch_next, "config": config,
                  "params": [p.numpy() for p in device_params[0]],
                  "loader": train_iter.state_dict(), "rng": _random.get_state(),
-                 "result": _result_state(result),
+                 "result": result_state(result),
                  "epoch_losses": _gather_losses(run.losses, world),  # (rows, counts)
                  "epoch_seen": run.seen, "epoch_elapsed": run.elapsed + timer.stop()}
         timer.times.pop()  # the timer keeps running for the epoch
@@ -224,7 +224,7 @@ def train(num_gpus: int, batch_size: int, lr: float, num_epochs: int = 10,
 
     for epoch in range(run.epoch, int(num_epochs)):
         title = f"epoch {epoch + 1}/{num_epochs}"
-        bar = _progress_bar(len(train_iter), title) if show_bar else None
+        bar = progress_bar(len(train_iter), title) if show_bar else None
         timer.start()
         for X, y in train_iter:
             step_losses = step(X, y, device_params, devices, lr)
@@ -233,9 +233,9 @@ def train(num_gpus: int, batch_size: int, lr: float, num_epochs: int = 10,
             run.seen += X.shape[0]
             run.step += 1
             if ckpts is not None:
-                _checkpoint._fault("step")
+                faults.fault("step")
                 if ckpts.due(run.step):
-                    run.losses[:] = [_host(v) for v in run.losses]
+                    run.losses[:] = [host_value(v) for v in run.losses]
                     save_state(epoch)
             if bar is not None:
                 bar.update(1)
@@ -245,7 +245,7 @@ def train(num_gpus: int, batch_size: int, lr: float, num_epochs: int = 10,
         result.test_acc.append(evaluate_accuracy(device_params, test_iter, devices))
         result.eval_times.append(time.perf_counter() - t0)
         losses, seen = run.losses, run.seen
-        step_losses_host = [_host(v) for v in losses]
+        step_losses_host = [host_value(v) for v in losses]
         if check_finite:
             _check_finite_losses(step_losses_host, max(1, len(devices)), epoch, lr)
         loss_sum = sum(step_losses_host)
@@ -271,7 +271,7 @@ def train(num_gpus: int, batch_size: int, lr: float, num_epochs: int = 10,
 # --- checkpoints (mgpu.checkpoint) ------------------------------------------------------------
 
 @dataclass
-class _Progress:
+class Progress:
     """Where a run is: the epoch under way, steps taken, and the epoch's partial results."""
     epoch: int = 0
     step: int = 0
@@ -280,11 +280,11 @@ class _Progress:
     elapsed: float = 0.0  # seconds of the epoch spent before the run was resumed
 
 
-def _host(v) -> float:
+def host_value(v) -> float:
     return v if isinstance(v, float) else v.item()
 
 
-def _checkpoints(checkpoint, every, resume, op: str):
+def open_checkpoints(checkpoint, every, resume, op: str):
     """The run's checkpoint directory, or None; ValueError for options that need one."""
     if checkpoint is None:
         if resume or every is not None:
@@ -294,19 +294,19 @@ def _checkpoints(checkpoint, every, resume, op: str):
     return _checkpoint.TrainCheckpoints(checkpoint, every, op)
 
 
-def _check_resumable_loader(train_iter, op: str) -> None:
+def check_resumable_loader(train_iter, op: str) -> None:
     if not (hasattr(train_iter, "state_dict") and hasattr(train_iter, "load_state_dict")):
         raise TypeError(f"{op}: checkpoints save the training data's order and position, so the "
                         "training iterator must be an mgpu DataLoader (load_data_fashion_mnist, "
                         f"mgpu.data.array_loader), got {type(train_iter).__name__}")
 
 
-def _result_state(result: TrainResult) -> dict:
+def result_state(result: TrainResult) -> dict:
     return {"test_acc": list(result.test_acc), "train_loss": list(result.train_loss),
             "epoch_times": list(result.epoch_times), "eval_times": list(result.eval_times)}
 
 
-def _restore_result(result: TrainResult, saved: dict) -> None:
+def restore_result(result: TrainResult, saved: dict) -> None:
     for name in ("test_acc", "train_loss", "epoch_times", "eval_times"):
         getattr(result, name)[:] = [float(v) for v in saved[name]]
 
@@ -315,7 +315,7 @@ def _gather_losses(losses: list, world: int) -> Tuple[np.ndarray, List[int]]:
     """Every rank's step losses of the epoch so far: one zero-padded row per rank and each
     row's length (rows are added across ranks with zeros elsewhere, so every value arrives
     exactly; ranks may hold different counts after a deterministic resume on other ranks)."""
-    values = [_host(v) for v in losses]
+    values = [host_value(v) for v in losses]
     counts = np.zeros(world, dtype=np.float32)  # exact: an epoch has far fewer than 2^24 steps
     counts[_dist.rank()] = len(values)
     if world > 1:
@@ -334,12 +334,12 @@ def _gather_losses(losses: list, world: int) -> Tuple[np.ndarray, List[int]]:
 
 def _resume_lenet(path: str, state, device_params, train_iter, result: TrainResult,
                   batch_size: int, num_devices: int, world: int, is_root: bool,
-                  shards: int) -> _Progress:
+                  shards: int) -> Progress:
     """Puts a checkpoint's state into the run: everything is checked before anything changes."""
     _checkpoint.check_run(path, state, "mgpu.train", batch_size, num_devices, world, shards)
     _checkpoint.check_shapes(path, "parameters", state["params"], device_params[0])
     try:
-        rng = _random._generator(state["rng"])
+        rng = _random.generator_from_state(state["rng"])
     except ValueError as e:
         raise _checkpoint.CheckpointError(path, str(e)) from None
     try:
@@ -356,17 +356,17 @@ def _resume_lenet(path: str, state, device_params, train_iter, result: TrainResu
         train_iter.load_state_dict(state["loader"])  # checks before it changes anything
     except ValueError as e:
         raise _checkpoint.CheckpointError(path, str(e)) from None
-    _random._rng = rng
+    _random.set_generator(rng)
     for ps in device_params:
         for p, v in zip(ps, state["params"]):
             _core.copy(p._t, array(v, device=p.device)._t)
             p._t.bump_version()
-    _restore_result(result, state["result"])
+    restore_result(result, state["result"])
     if is_root:
         print(f"resuming from {path} (epoch {state['epoch'] + 1}, step {state['step']})")
-    return _Progress(epoch=int(state["epoch"]), step=int(state["step"]),
-                     losses=mine,
-                     seen=int(state["epoch_seen"]), elapsed=float(state["epoch_elapsed"]))
+    return Progress(epoch=int(state["epoch"]), step=int(state["step"]),
+                    losses=mine,
+                    seen=int(state["epoch_seen"]), elapsed=float(state["epoch_elapsed"]))
 
 
 def _check_finite_losses(losses: List[float], per_step: int, epoch: int, lr: float) -> None:
@@ -387,29 +387,10 @@ def _local_devices(n: int) -> List[Device]:
     return [try_gpu(base + i) for i in range(n)]
 
 
-def _progress_bar(total: int, desc: str):
+def progress_bar(total: int, desc: str):
     from tqdm.auto import tqdm
     return tqdm(total=total, desc=desc, unit="batch", leave=False, file=sys.stderr)
 
 
-def train_op_by_op(num_gpus: int, batch_size: int, lr: float, num_epochs: int = 10,
-                   deterministic=False, **kw) -> TrainResult:
-    """``train`` with the chapter's Python-level train_batch (autograd, op by op); with
-    ``deterministic`` its variant in the deterministic step's shards and tree
-    (``chapter.train_batch_sharded``), bitwise the fused deterministic training."""
-    shards = _shards(deterministic, "train_op_by_op")
-    _dist._auto_init()
-    if _dist.world_size() > 1:
-        raise ValueError("train_op_by_op: the chapter's op-by-op step runs in one process; under "
-                         "mpirun use the fused train (drop --op-by-op)")
-    from .chapter import train_batch as chapter_train_batch
-    from .chapter import train_batch_sharded
-    step = chapter_train_batch
-    if shards:
-        def step(X, y, device_params, devices, lr):
-            return train_batch_sharded(X, y, device_params, devices, lr, shards)
-    return train(num_gpus, batch_size, lr, num_epochs, step=step, **kw)
-
-
 __all__ = ["Timer", "TrainResult", "evaluate_accuracy", "evaluate_accuracy_gpu", "train",
-           "train_op_by_op", "DataLoader"]
+           "DataLoader"]

@@ -32,13 +32,12 @@ from .conv import bench_conv, format_conv
 from .isa import bench_isa, format_isa, isa_target
 from .ops import bench_ops, format_ops
 from .plot import plot
+from .rivals import find_jax_python, find_torch_python
 from .train import (
     RESNET_PARTS,
     TRAIN_PARTS,
     bench_train,
     bench_train_resnet18,
-    find_jax_python,
-    find_torch_python,
     format_train,
     resnet18_step_flops,
 )

@@ -10,7 +10,7 @@ from .. import _core
 from ..device import cpu, try_gpu
 from ..parallel import allreduce
 from ..tensor import zeros
-from .common import Log, _machine_lines, _n, _pct, _say, _table, header, measure
+from .common import Log, fmt_pct, header, machine_lines, measure, plural, say, table
 
 
 def parse_size(text: str) -> int:
@@ -65,7 +65,7 @@ def bench_allreduce(devices: Sequence[int] = (2,), sizes: Sequence[int] = DEFAUL
         devs = [try_gpu(i) for i in range(k)]
         for size in sizes:
             n = max(1, size // 4)
-            _say(log, f"bench allreduce: {format_size(4 * n)} over {_n(k, 'device')} ...")
+            say(log, f"bench allreduce: {format_size(4 * n)} over {plural(k, 'device')} ...")
             # Zeros stay zeros however often they are summed: no overflow, no denormals.
             data = [zeros((n,), device=d) for d in devs]
             m = measure(lambda: allreduce(data), warmup, repeat, _core.waitall, min_time)
@@ -87,7 +87,7 @@ def bench_allreduce(devices: Sequence[int] = (2,), sizes: Sequence[int] = DEFAUL
 
 def format_allreduce(r: Dict) -> str:
     lines = ["mgpu bench allreduce: mgpu.allreduce of one float32 tensor per device"]
-    lines += _machine_lines(r)
+    lines += machine_lines(r)
     s = r["settings"]
     lines.append(f"{s['warmup']} warm-up calls, {s['repeat']} samples of >= "
                  f"{s['min_time'] * 1e3:.0f} ms each; algbw = bytes / time, "
@@ -95,10 +95,10 @@ def format_allreduce(r: Dict) -> str:
     for k in s["devices"]:
         lines.append("")
         rows = [[format_size(x["bytes"]), f"{x['time']['median'] * 1e6:.1f}",
-                 _pct(100 * x["time"]["spread"]), f"{x['algbw'] / 1e9:.2f}",
+                 fmt_pct(100 * x["time"]["spread"]), f"{x['algbw'] / 1e9:.2f}",
                  f"{x['busbw'] / 1e9:.2f}"] for x in r["results"] if x["devices"] == k]
         lines.append(f"k = {k} devices")
-        lines += _table(["size", "time us", "spread", "algbw GB/s", "busbw GB/s"], rows, "rrrrr")
+        lines += table(["size", "time us", "spread", "algbw GB/s", "busbw GB/s"], rows, "rrrrr")
     lines.append("")
     for b in r["baselines"]:
         lines.append(f"baseline {b['name']}, {format_size(b['bytes'])}: "

@@ -9,7 +9,7 @@ import numpy as np
 from .. import _core
 from ..device import as_device
 from ..tensor import array
-from .common import Log, _machine_lines, _ms, _pct, _say, _table, header, measure
+from .common import Log, fmt_pct, header, machine_lines, measure, ms, say, table
 
 
 def bench_batch_norm(shape: Sequence[int] = (256, 64, 28, 28), warmup: int = 2, repeat: int = 10,
@@ -36,7 +36,7 @@ def bench_batch_norm(shape: Sequence[int] = (256, 64, 28, 28), warmup: int = 2, 
     mean, var = _core.batch_norm_stats(x)
     s1, s2 = _core.batch_norm_backward_reduce(x, dy, mean, var, 1e-5)
     y = _core.batch_norm_forward(x, mean, var, gamma, beta, 1e-5)
-    _say(log, f"bench batch_norm: {tuple(shape)} on {dev} ...")
+    say(log, f"bench batch_norm: {tuple(shape)} on {dev} ...")
     # (name, call, float32 elements read + written per element of x)
     cases = [
         ("copy x -> y (memcpy)", lambda: _core.copy(y, x), 2),
@@ -62,18 +62,18 @@ def bench_batch_norm(shape: Sequence[int] = (256, 64, 28, 28), warmup: int = 2, 
 def format_batch_norm(r: Dict) -> str:
     s = r["settings"]
     lines = [f"mgpu bench batch_norm: {tuple(s['shape'])} float32 on {s['device']}"]
-    lines += _machine_lines(r)
+    lines += machine_lines(r)
     lines.append(f"{s['warmup']} warm-up calls, {s['repeat']} samples of >= "
                  f"{s['min_time'] * 1e3:.0f} ms; median, spread = (max - min) / median; GB/s = "
                  "bytes the op must read and write / time")
     copy_gbps = r["ops"][0]["gbps"]
-    rows = [[x["op"], _ms(x["time"]["median"]), _pct(100 * x["time"]["spread"]),
+    rows = [[x["op"], ms(x["time"]["median"]), fmt_pct(100 * x["time"]["spread"]),
              f"{x['bytes'] / 1e6:.0f}", f"{x['gbps']:.1f}", f"{100 * x['gbps'] / copy_gbps:.0f}%"]
             for x in r["ops"]]
-    lines += _table(["kernel", "ms", "spread", "MB moved", "GB/s", "of copy"], rows, "lrrrrr")
+    lines += table(["kernel", "ms", "spread", "MB moved", "GB/s", "of copy"], rows, "lrrrrr")
     t = r["totals"]
-    lines.append(f"training forward (stats + normalise): {_ms(t['forward_training'])} ms = "
+    lines.append(f"training forward (stats + normalise): {ms(t['forward_training'])} ms = "
                  f"{t['forward_training'] / t['copy']:.2f} copies; backward (reduce + dx): "
-                 f"{_ms(t['backward_training'])} ms = {t['backward_training'] / t['copy']:.2f} "
+                 f"{ms(t['backward_training'])} ms = {t['backward_training'] / t['copy']:.2f} "
                  "copies")
     return "\n".join(lines)

@@ -10,7 +10,7 @@ from typing import Dict, Optional, Sequence
 
 import numpy as np
 
-from .common import Log, _machine_lines, _ms, _pct, _say, _table, header, summarize
+from .common import Log, fmt_pct, header, machine_lines, ms, say, summarize, table
 
 MODELS = ("lenet", "resnet18")
 
@@ -50,7 +50,7 @@ def bench_checkpoint(models: Sequence[str] = MODELS, momentum: bool = True, warm
     with tempfile.TemporaryDirectory(dir=directory) as tmp:
         out["settings"]["directory"] = os.path.dirname(tmp)
         for model in models:
-            _say(log, f"bench checkpoint: {model} ...")
+            say(log, f"bench checkpoint: {model} ...")
             state = _state(model, momentum)
             path = os.path.join(tmp, f"{model}.mgpu")
             times: Dict[str, list] = {"save": [], "save_cpu": [], "load": [], "load_cpu": []}
@@ -66,7 +66,7 @@ def bench_checkpoint(models: Sequence[str] = MODELS, momentum: bool = True, warm
                     times["load"].append(w2 - w1)
                     times["load_cpu"].append(c2 - c1)
             size = os.path.getsize(path)
-            tensors = checkpoint._parse(path)[1]
+            tensors = checkpoint.read_file(path)[1]
             numel = sum(a.size for a in tensors.values())
             rows.append({"model": model, "bytes": size, "numel": int(numel),
                          **{k: summarize(v) for k, v in times.items()}})
@@ -78,17 +78,17 @@ def format_checkpoint(r: Dict) -> str:
     s = r["settings"]
     lines = [f"mgpu bench checkpoint: mgpu.save + mgpu.load of a training checkpoint "
              f"({'with' if s['momentum'] else 'without'} momentum buffers) in {s['directory']}"]
-    lines += _machine_lines(r)
+    lines += machine_lines(r)
     lines.append(f"{s['warmup']} warm-up rounds, {s['repeat']} samples; median, spread = "
                  "(max - min) / median; save = encode + SHA-256 + write + fsync + rename + "
                  "directory fsync; load = read + verify + decode; CPU = this process's CPU time")
     rows = [[x["model"], f"{x['numel'] / 1e6:.2f}", f"{x['bytes'] / 1e6:.1f}",
-             _ms(x["save"]["median"]), _pct(100 * x["save"]["spread"]),
-             _ms(x["save_cpu"]["median"]), _ms(x["load"]["median"]),
-             _pct(100 * x["load"]["spread"]), _ms(x["load_cpu"]["median"]),
+             ms(x["save"]["median"]), fmt_pct(100 * x["save"]["spread"]),
+             ms(x["save_cpu"]["median"]), ms(x["load"]["median"]),
+             fmt_pct(100 * x["load"]["spread"]), ms(x["load_cpu"]["median"]),
              f"{x['bytes'] / x['save']['median'] / 1e6:.0f}",
              f"{x['bytes'] / x['load']['median'] / 1e6:.0f}"]
             for x in r["models"]]
-    lines += _table(["model", "M values", "MB", "save ms", "spread", "save CPU ms", "load ms",
+    lines += table(["model", "M values", "MB", "save ms", "spread", "save CPU ms", "load ms",
                      "spread", "load CPU ms", "save MB/s", "load MB/s"], rows, "lrrrrrrrrrr")
     return "\n".join(lines)

@@ -82,11 +82,10 @@ def machine_info() -> Dict:
         load = list(os.getloadavg())
     except OSError:
         load = None
-    from .. import __version__
     return {
         "nproc": usable, "cpu_count": os.cpu_count(), "cpu_model": _cpu_model(),
         "loadavg": load, "platform": platform.platform(), "python": platform.python_version(),
-        "numpy": np.__version__, "mgpu_version": __version__,
+        "numpy": np.__version__, "mgpu_version": _core.build_info()["version"],
         "mgpu_threads": _core.num_threads(), "build_info": dict(_core.build_info()),
         "num_gpus": _core.num_gpus(),
     }
@@ -98,7 +97,7 @@ def header(benchmark: str, settings: Dict) -> Dict:
             "settings": settings}
 
 
-def _say(log: Log, msg: str) -> None:
+def say(log: Log, msg: str) -> None:
     if log is not None:
         log(msg)
 
@@ -202,19 +201,19 @@ def module_step_flops(net, input_chw, batch_size: int) -> int:
                                                                         batch_size))
 
 
-def _n(k: int, what: str) -> str:
+def plural(k: int, what: str) -> str:
     return f"{k} {what}{'s' if k != 1 else ''}"
 
 
-def _ms(s: float) -> str:
+def ms(s: float) -> str:
     return f"{s * 1e3:.3f}" if s < 0.01 else f"{s * 1e3:.1f}"
 
 
-def _pct(x: Optional[float]) -> str:
+def fmt_pct(x: Optional[float]) -> str:
     return "-" if x is None else f"{x:.0f}%"
 
 
-def _machine_lines(r: Dict) -> List[str]:
+def machine_lines(r: Dict) -> List[str]:
     m = r["machine"]
     b = m["build_info"]
     load = m.get("loadavg")
@@ -229,7 +228,7 @@ def _machine_lines(r: Dict) -> List[str]:
     return lines
 
 
-def _table(header: List[str], rows: List[List[str]], align: str) -> List[str]:
+def table(header: List[str], rows: List[List[str]], align: str) -> List[str]:
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h)
               for i, h in enumerate(header)]
 

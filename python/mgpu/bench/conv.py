@@ -15,7 +15,7 @@ import numpy as np
 from .. import _core
 from ..device import as_device
 from ..tensor import array
-from .common import Log, _machine_lines, _ms, _say, _table, header, measure, summarize
+from .common import Log, header, machine_lines, measure, ms, say, summarize, table
 
 # ResNet-18's 3x3 stride-1 convs on 28x28 Fashion-MNIST (d2l's resnet18(10, 1)): (C, H) with K = C
 RESNET18_3X3 = [(64, 28), (128, 14), (256, 7), (512, 4)]
@@ -72,7 +72,7 @@ def bench_conv(batch: int = 64, algos: Sequence[str] = ("direct", "winograd"), r
             P = (H + 2 * pad - R) // st + 1
             plain = (K, R, st, pad) == (C, 3, 1, 1)
             name = f"{C}ch {H}x{H}" if plain else f"{C}->{K} {R}x{R} s{st} {H}x{H}"
-            _say(log, f"bench conv: {name}, batch {batch} on {dev} ...")
+            say(log, f"bench conv: {name}, batch {batch} on {dev} ...")
             x = array(rng.standard_normal((batch, C, H, H), dtype=np.float32), device=dev)._t
             w = array(rng.standard_normal((K, C, R, R), dtype=np.float32) / np.sqrt(R * R * C),
                       device=dev)._t
@@ -127,16 +127,16 @@ def format_conv(r: Dict) -> str:
     lines = [f"mgpu bench conv: ResNet-18's layers on {s['device']}, batch {s['batch']} "
              "(\"64ch 28x28\": K = C, 3x3, stride 1, pad 1; stride-2 layers as C->K RxR s2 HxH, "
              "pad 1 for 3x3, 0 for 1x1)"]
-    lines += _machine_lines(r)
+    lines += machine_lines(r)
     lines.append(f"{s['rounds']} rounds x {s['repeat']} samples per algorithm, interleaved; "
                  "median; GFLOP/s as the direct conv's 2 * N*K*C*R*S*P*Q (backward: twice that)")
     if r.get("onednn_impl"):
         lines.append(f"onednn: {r['onednn_impl']} in its own process, OpenMP threads = mgpu's; "
                      "memory formats its own choice (reorders from NCHW not timed)")
-    rows = [[x["layer"], x["algo"], _ms(x["forward"]["median"]), f"{x['gflops_forward']:.0f}",
-             _ms(x["backward"]["median"]), f"{x['gflops_backward']:.0f}"]
+    rows = [[x["layer"], x["algo"], ms(x["forward"]["median"]), f"{x['gflops_forward']:.0f}",
+             ms(x["backward"]["median"]), f"{x['gflops_backward']:.0f}"]
             for x in r["layers"]]
     lines.append("")
-    lines += _table(["layer", "algorithm", "forward ms", "GFLOP/s", "backward ms", "GFLOP/s"],
-                    rows, "llrrrr")
+    lines += table(["layer", "algorithm", "forward ms", "GFLOP/s", "backward ms", "GFLOP/s"],
+                   rows, "llrrrr")
     return "\n".join(lines)

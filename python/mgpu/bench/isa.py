@@ -27,9 +27,9 @@ from typing import Dict, List, Optional, Sequence
 
 from .. import _core
 from ..data import find_data_dir
-from .common import Log, _machine_lines, _ms, _say, _table, header, summarize
-from .layers import _has_isas
-from .train import _package_root, _run_rival, find_torch_python, interpreter_path
+from .common import Log, header, machine_lines, ms, say, summarize, table
+from .layers import cpu_paths
+from .rivals import find_torch_python, interpreter_path, package_root, run_rival
 
 ISAS = ("avx2", "avx512")
 # avx2 time / avx512 time allowed, by the ratio of the two paths' FMA peaks: a peak ratio below
@@ -54,7 +54,7 @@ def _child(python: str, own: bool, argv: List[str], env: Dict[str, str], what: s
         path = os.path.join(cwd, "result.json")
         env = {k: v for k, v in env.items() if k != "PYTHONPATH"}
         if own:
-            env["PYTHONPATH"] = _package_root() + os.pathsep + os.environ.get("PYTHONPATH", "")
+            env["PYTHONPATH"] = package_root() + os.pathsep + os.environ.get("PYTHONPATH", "")
         r = subprocess.run([python, "-m", "mgpu"] + argv + ["--quiet", "--json", path],
                            capture_output=True, text=True, cwd=cwd, env=env)
         if r.returncode != 0 or not os.path.exists(path):
@@ -106,7 +106,7 @@ def bench_isa(rounds: int = 3, ops_batch: int = 128, batch_size: int = 256,
     rounds of each round's median. ``compare='torch'`` adds the chapter's PyTorch step in every
     round, with its default kernels and with ``ATEN_CPU_CAPABILITY=avx2``. Returns a dict (JSON)
     with the per-round figures, the FMA peaks, and the ratios (``summarize_isa``)."""
-    have = _has_isas()
+    have = cpu_paths()
     isas = list(have if isas is None else isas)
     for isa in isas:
         if isa not in ISAS:
@@ -169,7 +169,7 @@ def bench_isa(rounds: int = 3, ops_batch: int = 128, batch_size: int = 256,
         for e in entries:
             for isa in isas:
                 what = f"MGPU_ISA={isa}" + ("" if e["own"] else f" with {e['python']}")
-                _say(log, f"bench isa: round {r + 1} of {rounds}, {e['label']}, {what} ...")
+                say(log, f"bench isa: round {r + 1} of {rounds}, {e['label']}, {what} ...")
                 env = dict(env0, MGPU_ISA=isa)
                 ops = _child(e["python"], e["own"], ops_argv, env, f"bench ops, {what}")
                 train = _child(e["python"], e["own"], train_argv, env, f"bench train, {what}")
@@ -188,15 +188,15 @@ def bench_isa(rounds: int = 3, ops_batch: int = 128, batch_size: int = 256,
                     "full_batches": step["full_batches"]})
         if torch_py:
             for kind in ("default", "avx2"):
-                _say(log, f"bench isa: round {r + 1}, the chapter's PyTorch step ({kind} "
+                say(log, f"bench isa: round {r + 1}, the chapter's PyTorch step ({kind} "
                           "kernels) ...")
                 env = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}
                 if kind == "avx2":
                     env["ATEN_CPU_CAPABILITY"] = "avx2"
-                got = _run_rival("torch", torch_py, data.get("dir"), data["train_examples"]
-                                 if synthetic else 0, [1], batch_size, 0.2, 1,
-                                 int(limit_batches), int(warmup), int(torch_threads), 0,
-                                 variants="chapter", env=env)
+                got = run_rival("torch", torch_py, data.get("dir"), data["train_examples"]
+                                if synthetic else 0, [1], batch_size, 0.2, 1,
+                                int(limit_batches), int(warmup), int(torch_threads), 0,
+                                variants="chapter", env=env)
                 res = got["results"][0]
                 torch_raw[kind].append(statistics.median(
                     t / res["steps_per_epoch"] for t in res["epoch_times"]))
@@ -290,7 +290,8 @@ def summarize_isa(raw: Dict[str, Dict[str, List[Dict]]], peaks: Dict[str, float]
     return out
 
 
-def _conv(ops: Dict, name: str) -> Dict:
+def op_entry(ops: Dict, name: str) -> Dict:
+    """The entry of op ``name`` in a bench ops result (its keys carry the shapes)."""
     return next(v for k, v in ops.items() if k.split(" (")[0] == name)
 
 
@@ -316,7 +317,7 @@ def format_isa(r: Dict) -> str:
     lines = [f"mgpu bench isa: LeNet on each CPU kernel path ({', '.join(s['isas'])}) of "
              f"{len(builds)} build(s) ({', '.join(builds)}), each in its own process, "
              f"{s['rounds']} round(s) interleaved; median over the rounds of each round's median"]
-    lines += _machine_lines(r)
+    lines += machine_lines(r)
     for b in r.get("builds", []):
         lines.append(f"build {b['label']}: {b['python']}, engine {b['build_info']['cpu_baseline']}")
     lines.append("FMA peak, 1 thread (mgpu._core.fma_peak): " + ", ".join(
@@ -324,14 +325,14 @@ def format_isa(r: Dict) -> str:
     rows = []
     for label, per in r["paths"].items():
         for isa, p in per.items():
-            c2 = _conv(p["ops"], "conv2")
-            rows.append([label, isa, f"{_ms(c2['forward']['median'])} ms, "
+            c2 = op_entry(p["ops"], "conv2")
+            rows.append([label, isa, f"{ms(c2['forward']['median'])} ms, "
                                      f"{c2['gflops_forward']:.0f} GFLOP/s",
-                         f"{_ms(c2['backward']['median'])} ms",
-                         f"{_ms(p['ops_step']['median'])} ms",
-                         f"{_ms(p['train_step']['median'])} ms", f"{p['sec_per_epoch']:.1f}"])
+                         f"{ms(c2['backward']['median'])} ms",
+                         f"{ms(p['ops_step']['median'])} ms",
+                         f"{ms(p['train_step']['median'])} ms", f"{p['sec_per_epoch']:.1f}"])
     lines.append("")
-    lines += _table(["build", "path", f"conv2 fwd (batch {s['ops_batch']})", "conv2 bwd",
+    lines += table(["build", "path", f"conv2 fwd (batch {s['ops_batch']})", "conv2 bwd",
                      f"fused step, batch {s['ops_batch']}",
                      f"fused step, batch {s['batch_size']}, 1 device", "sec/epoch"], rows,
                     "llrrrrr")
@@ -358,9 +359,9 @@ def format_isa(r: Dict) -> str:
         t = r["torch"]
         lines.append(f"PyTorch {t['version']} ({t['python']}), {t['threads']} threads, the "
                      "chapter's step on 1 device: default kernels ("
-                     f"{t['capability']['default']}) {_ms(t['step']['default']['median'])} ms, "
+                     f"{t['capability']['default']}) {ms(t['step']['default']['median'])} ms, "
                      f"ATEN_CPU_CAPABILITY=avx2 ({t['capability']['avx2']}) "
-                     f"{_ms(t['step']['avx2']['median'])} ms")
+                     f"{ms(t['step']['avx2']['median'])} ms")
         lines.append(f"ratio = PyTorch ms / mgpu ({builds[0]}) ms (above 1: mgpu is faster): "
                      + ", ".join(f"{k} {v:.2f}" for k, v in r["torch_ratios"].items()))
         if "torch_target" in r:

@@ -10,12 +10,12 @@ from typing import Dict, List, Optional, Sequence
 from .. import _core
 from .common import (
     Log,
-    _machine_lines,
-    _say,
-    _table,
     header,
     lenet_layer_flops,
+    machine_lines,
     module_layer_flops,
+    say,
+    table,
 )
 
 # The trace names a fused layer "layer I (KIND) forward" / "... backward" (cpp/train/model.cpp).
@@ -78,11 +78,12 @@ def layer_table(entries: Sequence[Dict], flops: Sequence[Dict], peak_gflops: flo
 def measure_peaks(threads: Sequence[int], seconds: float = 0.1, repeat: int = 3) -> List[Dict]:
     """The FMA peak of every path this CPU runs (AVX2, and AVX-512 where it has it) at each
     thread count."""
-    isas = ["avx2"] + (["avx512"] if "avx512" in _has_isas() else [])
+    isas = ["avx2"] + (["avx512"] if "avx512" in cpu_paths() else [])
     return [_core.fma_peak(isa, t, seconds, repeat) for isa in isas for t in threads]
 
 
-def _has_isas() -> List[str]:
+def cpu_paths() -> List[str]:
+    """The CPU kernel paths this CPU runs (avx2, and avx512 where it has AVX-512)."""
     try:
         _core.fma_loop("avx512", 1)
         return ["avx2", "avx512"]
@@ -95,7 +96,7 @@ def bench_layers(model: str = "resnet18", batch_size: int = 256, steps: int = 3,
     """Times ``steps`` fused steps of ``model`` on one CPU device (after ``warmup`` untimed ones)
     inside mgpu.profile; each layer's time is the median step's busy time of its kernels. The
     peak is the FMA loop's on the path the kernels run, with the step's thread count."""
-    from ..advisor import _batch, _runner, _trace_steps, parse_step_trace
+    from ..advisor import parse_step_trace, random_batch, runner, trace_steps
     from ..device import cpu
     if int(batch_size) < 1 or int(steps) < 1 or int(warmup) < 0:
         raise ValueError(f"bench train --parts layers: batch size and steps must be >= 1 and "
@@ -105,19 +106,19 @@ def bench_layers(model: str = "resnet18", batch_size: int = 256, steps: int = 3,
     settings = dict(model=model, batch_size=int(batch_size), steps=int(steps),
                     warmup=int(warmup), parts=["layers"], devices=[1], threads=threads)
     out = header("train", settings)
-    _say(log, f"bench train: the FMA peak (1 and {threads} threads, each path) ...")
+    say(log, f"bench train: the FMA peak (1 and {threads} threads, each path) ...")
     peaks = measure_peaks(sorted({1, threads}), peak_seconds)
     isa = _core.build_info().get("cpu_isa") or "avx2"
     peak = next(p for p in peaks if p["isa"] == isa and p["threads"] == threads)
-    _say(log, f"bench train: {model} fused step, batch {batch_size}, 1 device, {threads} "
+    say(log, f"bench train: {model} fused step, batch {batch_size}, 1 device, {threads} "
               f"thread(s), {steps} traced step(s) ...")
     dev = cpu(0)
-    step = _runner(model, [dev])
-    X, y = _batch(int(batch_size))
+    step = runner(model, [dev])
+    X, y = random_batch(int(batch_size))
     for _ in range(int(warmup)):
         step(X, y)
     _core.waitall()
-    parsed = parse_step_trace(_trace_steps(step, lambda: (X, y), int(steps)), int(steps), str(dev),
+    parsed = parse_step_trace(trace_steps(step, lambda: (X, y), int(steps)), int(steps), str(dev),
                               statistic="median")
     out.update(peaks=peaks, peak={"isa": isa, "threads": threads, "gflops": peak["gflops"]},
                layers=layer_table(parsed["entries"], flops, peak["gflops"]),
@@ -135,7 +136,7 @@ def format_layers(r: Dict) -> str:
     s, p = r["settings"], r["peak"]
     lines = [f"mgpu bench train --parts layers: {s['model']} fused step, batch {s['batch_size']}, "
              f"1 CPU device, {s['threads']} thread(s); median of {s['steps']} traced steps"]
-    lines += _machine_lines(r)
+    lines += machine_lines(r)
     lines.append("FMA peak measured here (mgpu._core.fma_peak: independent vector FMAs, fastest "
                  "of 3 runs): " + ", ".join(f"{x['isa']} {x['threads']} thread(s) "
                                            f"{x['gflops']:.1f} GFLOP/s" for x in r["peaks"]))
@@ -155,7 +156,7 @@ def format_layers(r: Dict) -> str:
                      _num(x.get("forward_gflops"), ".1f"), _num(x.get("backward_gflops"), ".1f"),
                      _num(x.get("forward_percent_of_peak"), ".0f"),
                      _num(x.get("backward_percent_of_peak"), ".0f")])
-    lines += _table(["fused layer", "module", "shape", "fwd ms", "bwd ms", "fwd GFLOP",
+    lines += table(["fused layer", "module", "shape", "fwd ms", "bwd ms", "fwd GFLOP",
                      "bwd GFLOP", "fwd GFLOP/s", "bwd GFLOP/s", "fwd %peak", "bwd %peak"], rows,
                     "lllrrrrrrrr")
     lines.append(f"outside the layers: {r['other_seconds'] * 1e3:.3f} ms of device work per step "

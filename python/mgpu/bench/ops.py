@@ -13,15 +13,15 @@ from ..parallel import get_params, train_batch
 from ..tensor import array
 from .common import (
     Log,
-    _machine_lines,
-    _ms,
-    _pct,
-    _say,
-    _table,
+    fmt_pct,
     header,
     lenet_layer_flops,
     lenet_step_flops,
+    machine_lines,
     measure,
+    ms,
+    say,
+    table,
 )
 
 
@@ -102,7 +102,7 @@ def bench_ops(batch_sizes: Sequence[int] = (128, 256), warmup: int = 2, repeat: 
     rows = []
     steps = []
     for n in batch_sizes:
-        _say(log, f"bench ops: LeNet's ops at batch {n} on {dev} ...")
+        say(log, f"bench ops: LeNet's ops at batch {n} on {dev} ...")
         for case in _lenet_op_cases(n, rng, dev):
             row = {"op": case["op"], "batch": n}
             for phase in ("forward", "backward"):
@@ -127,7 +127,7 @@ def bench_ops(batch_sizes: Sequence[int] = (128, 256), warmup: int = 2, repeat: 
 def format_ops(r: Dict) -> str:
     lines = [f"mgpu bench ops: LeNet's ops on {r['settings'].get('device', 'cpu(0)')}, "
              "forward and backward"]
-    lines += _machine_lines(r)
+    lines += machine_lines(r)
     s = r["settings"]
     lines.append(f"{s['warmup']} warm-up calls, {s['repeat']} samples of >= "
                  f"{s['min_time'] * 1e3:.0f} ms; median, spread = (max - min) / median")
@@ -138,14 +138,14 @@ def format_ops(r: Dict) -> str:
             if x["batch"] != n:
                 continue
             g = lambda v: f"{v:.1f}" if v else "-"  # noqa: E731
-            rows.append([x["op"], _ms(x["forward"]["median"]), _pct(100 * x["forward"]["spread"]),
-                         g(x["gflops_forward"]), _ms(x["backward"]["median"]),
-                         _pct(100 * x["backward"]["spread"]), g(x["gflops_backward"])])
+            rows.append([x["op"], ms(x["forward"]["median"]), fmt_pct(100 * x["forward"]["spread"]),
+                         g(x["gflops_forward"]), ms(x["backward"]["median"]),
+                         fmt_pct(100 * x["backward"]["spread"]), g(x["gflops_backward"])])
         st = [x for x in r["steps"] if x["batch"] == n][0]
         lines.append(f"batch {n}")
-        lines += _table(["op", "fwd ms", "spread", "GFLOP/s", "bwd ms", "spread", "GFLOP/s"],
-                        rows, "lrrrrrr")
-        lines.append(f"sum of the ops, forward + backward: {_ms(st['sum_of_ops'])} ms; fused "
-                     f"train_batch on 1 device: {_ms(st['fused_step']['median'])} ms (spread "
-                     f"{_pct(100 * st['fused_step']['spread'])}), {st['gflops']:.1f} GFLOP/s")
+        lines += table(["op", "fwd ms", "spread", "GFLOP/s", "bwd ms", "spread", "GFLOP/s"],
+                       rows, "lrrrrrr")
+        lines.append(f"sum of the ops, forward + backward: {ms(st['sum_of_ops'])} ms; fused "
+                     f"train_batch on 1 device: {ms(st['fused_step']['median'])} ms (spread "
+                     f"{fmt_pct(100 * st['fused_step']['spread'])}), {st['gflops']:.1f} GFLOP/s")
     return "\n".join(lines)

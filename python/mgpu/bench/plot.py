@@ -99,10 +99,10 @@ def plot(r: Dict, path: Optional[str] = None, ax=None):
         ax.legend(fontsize=7)
     elif kind == "isa":
         # Each build and kernel path: conv2 and the fused steps, median over the rounds, min-max.
-        from .isa import _conv
+        from .isa import op_entry
         s = r["settings"]
-        figures = [("conv2 forward", lambda p: _conv(p["ops"], "conv2")["forward"]),
-                   ("conv2 backward", lambda p: _conv(p["ops"], "conv2")["backward"]),
+        figures = [("conv2 forward", lambda p: op_entry(p["ops"], "conv2")["forward"]),
+                   ("conv2 backward", lambda p: op_entry(p["ops"], "conv2")["backward"]),
                    (f"fused step, batch {s['ops_batch']}", lambda p: p["ops_step"]),
                    (f"fused step, batch {s['batch_size']}", lambda p: p["train_step"])]
         runs = [(f"{label} {isa}", p) for label, per in r["paths"].items()

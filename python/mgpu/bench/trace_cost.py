@@ -27,20 +27,25 @@ def cpu_per_step(step, steps: int) -> float:
 
 
 def main(argv=None) -> int:
-    import mgpu
+    from .. import _core
+    from ..device import cpu
+    from ..models import lenet_params
+    from ..parallel import get_params, train_batch
+    from ..tensor import array
+    from ..trace import profile
     p = argparse.ArgumentParser(prog="python -m mgpu.bench.trace_cost", description=__doc__)
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--steps", type=int, default=40, help="steps per sample")
     p.add_argument("--rounds", type=int, default=7, help="off/on sample pairs")
     args = p.parse_args(argv)
-    devs = [mgpu.cpu(0), mgpu.cpu(1)]
-    dp = [mgpu.get_params(mgpu.lenet_params(seed=0), d) for d in devs]
+    devs = [cpu(0), cpu(1)]
+    dp = [get_params(lenet_params(seed=0), d) for d in devs]
     rng = np.random.default_rng(0)
-    X = mgpu.array(rng.random((args.batch_size, 1, 28, 28), dtype=np.float32))
-    y = mgpu.array(rng.integers(0, 10, args.batch_size).astype(np.int64))
+    X = array(rng.random((args.batch_size, 1, 28, 28), dtype=np.float32))
+    y = array(rng.integers(0, 10, args.batch_size).astype(np.int64))
 
     def step():
-        mgpu.train_batch(X, y, dp, devs, 0.01)
+        train_batch(X, y, dp, devs, 0.01)
     cpu_per_step(step, 3)
     fd, path = tempfile.mkstemp(suffix=".json")
     os.close(fd)
@@ -48,7 +53,7 @@ def main(argv=None) -> int:
     try:
         for _ in range(args.rounds):
             off.append(cpu_per_step(step, args.steps))
-            with mgpu.profile(path):
+            with profile(path):
                 on.append(cpu_per_step(step, args.steps))
         with open(path) as f:
             events = len(json.load(f)["traceEvents"])
@@ -56,7 +61,7 @@ def main(argv=None) -> int:
         os.unlink(path)
     a, b = statistics.median(off), statistics.median(on)
     print(f"LeNet fused step, batch {args.batch_size}, 2 CPU devices, "
-          f"{mgpu.num_threads()} thread(s), process CPU time, median of {args.rounds}:")
+          f"{_core.num_threads()} thread(s), process CPU time, median of {args.rounds}:")
     print(f"  tracing off {a * 1e3:.3f} ms/step, on {b * 1e3:.3f} ms/step "
           f"({(b / a - 1) * 100:+.1f} %); {events / args.steps:.0f} trace events per step")
     return 0

@@ -1,9 +1,8 @@
 """``bench train``: the chapter's training step (sec. 12.5.6) fused and op by op, scaling, the data
 pipeline, evaluation, achieved FLOP/s, and optionally the chapters' PyTorch and JAX code run by
-other interpreters (``_torch_rival.py``, ``_jax_rival.py``)."""
+other interpreters (``torch_rival.py``, ``jax_rival.py``, launched by rivals.py)."""
 from __future__ import annotations
 
-import functools
 import json
 import os
 import subprocess
@@ -14,33 +13,43 @@ from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
-from .. import _core, _rival_common
+from .. import _core
 from ..data import DataLoader, find_data_dir
 from ..device import cpu, try_gpu
 from ..models import lenet_params
 from ..parallel import get_params, train_batch
 from ..tensor import array
+from . import rival_common
 from .common import (
     Log,
-    _machine_lines,
-    _ms,
-    _n,
-    _pct,
-    _say,
-    _table,
+    fmt_pct,
     header,
     lenet_layer_flops,
     lenet_step_flops,
     machine_info,
+    machine_lines,
     measure,
     module_step_flops,
+    ms,
+    plural,
+    say,
     summarize,
+    table,
+)
+from .rivals import (
+    FRAMEWORK,
+    RIVALS,
+    find_rivals,
+    package_root,
+    parse_compare,
+    rival_entry,
+    run_rival,
 )
 
 
 def _synthetic_split(n: int, seed: int):
-    # The rivals' draw (_rival_common.synthetic_split), so every side trains on identical data.
-    return _core.make_split(*_rival_common.synthetic_split(n, seed))
+    # The rivals' draw (rival_common.synthetic_split), so every side trains on identical data.
+    return _core.make_split(*rival_common.synthetic_split(n, seed))
 
 
 def _full_batches(split, batch_size: int) -> int:
@@ -79,184 +88,6 @@ def _time_training(name: str, step, split, batch_size: int, epochs: int, limit: 
         result["train_loss"] = losses
     result.update(info)
     return result
-
-
-def interpreter_path(py: Optional[str]) -> Optional[str]:
-    """``py`` made absolute when it is a path (``build/peers/torch/bin/python``), so it names the
-    same file from the children's working directories; a bare name (``python3``) stays as it is,
-    for the PATH search."""
-    return os.path.abspath(py) if py and os.sep in py else py
-
-
-def _probe_python(candidates: tuple, code: str):
-    """(interpreter, what ``code`` printed) for the first of ``candidates`` that runs ``code``,
-    else (None, [each candidate with why it failed]). The answer is cached by the absolute paths,
-    so a relative one is probed again from another working directory."""
-    return _probe_absolute(tuple(map(interpreter_path, candidates)), code)
-
-
-@functools.lru_cache(maxsize=None)
-def _probe_absolute(candidates: tuple, code: str):
-    tried = []
-    for py in candidates:
-        if not py or not os.path.exists(py):
-            tried.append(f"{py} (missing)")
-            continue
-        try:
-            r = subprocess.run([py, "-c", code], capture_output=True, text=True, timeout=300,
-                               cwd=tempfile.gettempdir())
-        except (OSError, subprocess.TimeoutExpired) as e:
-            tried.append(f"{py} ({e})")
-            continue
-        if r.returncode == 0:
-            return py, r.stdout.strip()
-        last = (r.stderr.strip().splitlines() or ["failed"])[-1]
-        tried.append(f"{py} ({last})")
-    return None, tried
-
-
-def find_torch_python(explicit: Optional[str] = None):
-    """(interpreter, torch version) of a Python that can ``import torch``, or (None, reason).
-
-    Tries ``explicit`` only when given; else the project's peer first ($MGPU_TORCH_PYTHON, or
-    build/peers/torch/bin/python made by ``bash .ci/peers.sh torch``: PyTorch 2.15 from PyPI),
-    then this interpreter, then ``python3`` on PATH (e.g. Debian's python3-torch, 1.13: older and
-    slower, the last resort; the version found is in every report, and the tests skip a PyTorch
-    older than they support). The answer is cached.
-    """
-    import shutil
-    candidates = ((explicit,) if explicit else
-                  (*peer_python_candidates("torch"), sys.executable,
-                   shutil.which("python3") or "/usr/bin/python3"))
-    py, found = _probe_python(tuple(dict.fromkeys(candidates)),
-                              "import torch, numpy; print(torch.__version__)")
-    if py is not None:
-        return py, found
-    return None, ("no Python with PyTorch found (tried " + "; ".join(found) + "); run `bash "
-                  ".ci/peers.sh torch` (it makes build/peers/torch), or pass --torch-python")
-
-
-# The variable that names each peer's interpreter (see mgpu.environment).
-PEER_PYTHON_ENV = {"torch": "MGPU_TORCH_PYTHON", "jax": "MGPU_JAX_PYTHON"}
-
-
-def peer_python_candidates(peer: str) -> List[str]:
-    """Where a peer's interpreter is looked for: $MGPU_<PEER>_PYTHON when set, else
-    build/peers/<peer>/bin/python (made by ``bash .ci/peers.sh <peer>``) in the current directory
-    or in a directory above this package (the repository's, when mgpu runs from build/dev)."""
-    env = os.environ.get(PEER_PYTHON_ENV[peer])
-    if env:
-        return [env]
-    here = os.path.dirname(os.path.abspath(__file__))
-    roots = [os.getcwd()] + [os.path.dirname(here)]
-    while os.path.dirname(roots[-1]) != roots[-1]:
-        roots.append(os.path.dirname(roots[-1]))
-    out = []
-    for root in roots:
-        py = os.path.join(root, "build", "peers", peer, "bin", "python")
-        if os.path.exists(py) and py not in out:
-            out.append(py)
-    return out or [os.path.join(os.getcwd(), "build", "peers", peer, "bin", "python")]
-
-
-def jax_python_candidates() -> List[str]:
-    """Where ``find_jax_python`` looks when no interpreter is given: $MGPU_JAX_PYTHON when set,
-    else build/peers/jax/bin/python (``peer_python_candidates``)."""
-    return peer_python_candidates("jax")
-
-
-def find_jax_python(explicit: Optional[str] = None):
-    """(interpreter, jax version) of a Python that can import jax, flax and optax, or (None,
-    reason). Tries ``explicit`` only when given, else ``jax_python_candidates()``."""
-    candidates = tuple([explicit] if explicit else jax_python_candidates())
-    py, found = _probe_python(candidates, "import jax, flax, optax, numpy; print(jax.__version__)")
-    if py is not None:
-        return py, found
-    return None, ("no Python with JAX, Flax and Optax found (tried " + "; ".join(found) + "); run "
-                  "`bash .ci/peers.sh jax` (it makes build/peers/jax) or pass --jax-python")
-
-
-RIVALS = ("torch", "jax")
-_FRAMEWORK = {"torch": "PyTorch", "jax": "JAX"}
-
-
-def parse_compare(compare: Optional[str]) -> List[str]:
-    """``--compare``: None, or rivals separated by commas ('torch', 'jax', 'torch,jax')."""
-    if compare is None:
-        return []
-    names = [c.strip() for c in str(compare).split(",") if c.strip()]
-    if not names or set(names) - set(RIVALS) or len(set(names)) != len(names):
-        raise ValueError(f"bench train: --compare takes 'torch', 'jax' or 'torch,jax', got "
-                         f"{compare!r}")
-    return names
-
-
-def _find_rivals(names: Sequence[str], explicit: Dict[str, Optional[str]]) -> Dict:
-    """{rival: (interpreter or None, version or why not)}; an interpreter given explicitly that
-    cannot import the rival's framework is a ValueError, before anything is timed."""
-    finders = {"torch": (find_torch_python, "torch"), "jax": (find_jax_python, "jax, flax, optax")}
-    out = {}
-    for name in names:
-        find, modules = finders[name]
-        py, info = find(explicit.get(name))
-        if py is None and explicit.get(name):
-            raise ValueError(f"bench train: --{name}-python {explicit[name]} cannot import "
-                             f"{modules}: {info}")
-        out[name] = (py, info)
-    return out
-
-
-def _run_rival(name: str, py: str, data_dir: Optional[str], synthetic: int,
-               devices: Sequence[int], batch_size: int, lr: float, epochs: int, limit: int,
-               warmup: int, threads: int, seed: int, variants: Optional[str] = None,
-               env: Optional[Dict[str, str]] = None) -> Dict:
-    """Runs ``_{name}_rival.py`` with ``py`` (in ``env``, default this process's environment);
-    returns the JSON object it prints."""
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    args = ["--batch-size", str(batch_size), "--lr", repr(lr),
-            "--devices", ",".join(str(k) for k in devices), "--epochs", str(epochs),
-            "--limit-batches", str(limit), "--warmup", str(warmup), "--threads", str(threads),
-            "--seed", str(seed)]
-    args += ["--synthetic", str(synthetic)] if synthetic else ["--data-dir", data_dir]
-    if variants:
-        args += ["--variants", variants]
-    with tempfile.TemporaryDirectory() as cwd:
-        r = subprocess.run(rival_command(py, os.path.join(here, f"_{name}_rival.py")) + args,
-                           capture_output=True, text=True, cwd=cwd, env=env)
-    what = _FRAMEWORK[name]
-    if r.returncode != 0:
-        raise RuntimeError(f"bench train: the {what} run ({py}) failed:\n"
-                           f"{r.stderr.strip()[-2000:]}")
-    try:
-        return json.loads(r.stdout.strip().splitlines()[-1])
-    except (IndexError, ValueError):
-        raise RuntimeError(f"bench train: the {what} run ({py}) printed no JSON result:\n"
-                           f"{r.stdout.strip()[-2000:]}") from None
-
-
-def rival_command(py: str, script: str) -> List[str]:
-    """The command that runs a rival script with ``py``: by path, from the caller's (empty)
-    directory, so the package's own modules (random.py, data.py) cannot shadow the standard
-    library's in that interpreter and mgpu is never imported; _rival_common.py, next to the
-    script, is loaded first as the top-level module the script imports."""
-    boot = ("import importlib.util, os, runpy, sys; p = sys.argv[1]; sys.argv = sys.argv[1:]; "
-            "s = importlib.util.spec_from_file_location('_rival_common', "
-            "os.path.join(os.path.dirname(p), '_rival_common.py')); "
-            "m = sys.modules['_rival_common'] = importlib.util.module_from_spec(s); "
-            "s.loader.exec_module(m); runpy.run_path(p, run_name='__main__')")
-    return [py, "-c", boot, script]
-
-
-def _rival_entry(name: str, r: Dict) -> Dict:
-    """A rival's LeNet result with the bench's statistics; impl is e.g. 'torch chapter'."""
-    per_step = summarize([t / r["steps_per_epoch"] for t in r["epoch_times"]])
-    impl = name + " " + {"chapter": "chapter", "loader": "chapter + loader"}.get(
-        r["variant"], "idiomatic")
-    out = dict(r)
-    out.update(impl=impl, sec_per_step=per_step,
-               sec_per_epoch=per_step["median"] * r["full_batches"],
-               images_per_sec=r["global_batch"] / per_step["median"])
-    return out
 
 
 TRAIN_PARTS = ("fused", "op-by-op", "scaling", "pipeline", "eval", "flops", "deterministic")
@@ -315,7 +146,7 @@ def bench_train(devices: Sequence[int] = (1, 2), batch_size: int = 256, lr: floa
     if unknown:
         raise ValueError(f"bench train: unknown parts {sorted(unknown)}; choose from {TRAIN_PARTS}")
     # Before anything is timed, so a wrong --compare or --torch-python fails fast.
-    rivals = _find_rivals(parse_compare(compare), {"torch": torch_python, "jax": jax_python})
+    rivals = find_rivals(parse_compare(compare), {"torch": torch_python, "jax": jax_python})
     limit = int(limit_batches or 0)
     warmup = max(0, int(warmup))
     if synthetic:
@@ -346,11 +177,11 @@ def bench_train(devices: Sequence[int] = (1, 2), batch_size: int = 256, lr: floa
     fused_params = {}
     if "fused" in parts:
         for k in devices:
-            _say(log, f"bench train: fused train_batch on {k} device(s) ...")
+            say(log, f"bench train: fused train_batch on {k} device(s) ...")
             devs = [try_gpu(i) for i in range(k)]
             dp = [get_params(lenet_params(seed=seed), d) for d in devs]
             step = lambda X, y, dp=dp, devs=devs: train_batch(X, y, dp, devs, lr)  # noqa: E731
-            results.append(_time_training(f"mgpu train_batch (fused), {_n(k, 'device')}", step,
+            results.append(_time_training(f"mgpu train_batch (fused), {plural(k, 'device')}", step,
                                           impl="mgpu fused", num_devices=k,
                                           threads=_core.num_threads(), **timing))
             fused_params[k] = (dp, devs)
@@ -358,13 +189,13 @@ def bench_train(devices: Sequence[int] = (1, 2), batch_size: int = 256, lr: floa
     if "op-by-op" in parts:
         from ..chapter import train_batch as chapter_train_batch
         for k in devices:
-            _say(log, f"bench train: the chapter's op-by-op train_batch on {k} device(s) ...")
+            say(log, f"bench train: the chapter's op-by-op train_batch on {k} device(s) ...")
             devs = [try_gpu(i) for i in range(k)]
             dp = [get_params(lenet_params(seed=seed), d) for d in devs]
             def step(X, y, dp=dp, devs=devs):
                 return chapter_train_batch(X, y, dp, devs, lr)
-            results.append(_time_training(f"mgpu chapter.train_batch (op by op), {_n(k, 'device')}",
-                                          step, impl="mgpu op-by-op", num_devices=k,
+            label = f"mgpu chapter.train_batch (op by op), {plural(k, 'device')}"
+            results.append(_time_training(label, step, impl="mgpu op-by-op", num_devices=k,
                                           threads=_core.num_threads(), **timing))
 
     if "scaling" in parts:
@@ -374,7 +205,7 @@ def bench_train(devices: Sequence[int] = (1, 2), batch_size: int = 256, lr: floa
         out["deterministic"] = _bench_deterministic(timing, devices, lr, seed, log)
 
     if "pipeline" in parts:
-        _say(log, "bench train: the train loader alone ...")
+        say(log, "bench train: the train loader alone ...")
         loader = DataLoader(train_split, batch_size, True, seed, limit)
         full = _full_batches(train_split, batch_size)
 
@@ -398,7 +229,7 @@ def bench_train(devices: Sequence[int] = (1, 2), batch_size: int = 256, lr: floa
                                  results, log)
 
     if "flops" in parts:
-        _say(log, f"bench train: sgemm {gemm_size}x{gemm_size} on cpu(0) with all threads ...")
+        say(log, f"bench train: sgemm {gemm_size}x{gemm_size} on cpu(0) with all threads ...")
         out["flops"] = _bench_flops(batch_size, gemm_size, repeat,
                                     results + out.get("scaling", {}).get("runs", []), data)
     out["comparisons"] = _comparisons(results)
@@ -419,7 +250,7 @@ def _bench_deterministic(timing: Dict, devices: Sequence[int], lr: float, seed: 
     loader = DataLoader(split, batch, True, seed, timing["limit"])
     out = []
     for k in devices:
-        _say(log, f"bench train: deterministic against default step on {_n(k, 'device')} ...")
+        say(log, f"bench train: deterministic against default step on {plural(k, 'device')} ...")
         devs = [try_gpu(i) for i in range(k)]
         modes = {"default": False, "deterministic": True}
         reps = {m: [get_params(lenet_params(seed=seed), d) for d in devs] for m in modes}
@@ -462,8 +293,8 @@ def _bench_scaling(timing: Dict, lr: float, seed: int, log: Log) -> Dict:
     b = timing["batch_size"]
     runs = []
     for k, batch, threads in ((2, 2 * b, None), (1, b, 1)):
-        _say(log, f"bench train: scaling, batch {batch} on {_n(k, 'device')}"
-                  + (f", {_n(threads, 'thread')}" if threads else "") + " ...")
+        say(log, f"bench train: scaling, batch {batch} on {plural(k, 'device')}"
+                  + (f", {plural(threads, 'thread')}" if threads else "") + " ...")
         devs = [try_gpu(i) for i in range(k)]
         dp = [get_params(lenet_params(seed=seed), d) for d in devs]
         step = lambda X, y, dp=dp, devs=devs: train_batch(X, y, dp, devs, lr)  # noqa: E731
@@ -473,8 +304,8 @@ def _bench_scaling(timing: Dict, lr: float, seed: int, log: Log) -> Dict:
         try:
             t = dict(timing, batch_size=batch)
             runs.append(_time_training(
-                f"scaling: batch {batch} on {_n(k, 'device')}"
-                + (f", {_n(threads, 'thread')}" if threads else ""), step, impl="mgpu fused",
+                f"scaling: batch {batch} on {plural(k, 'device')}"
+                + (f", {plural(threads, 'thread')}" if threads else ""), step, impl="mgpu fused",
                 num_devices=k, threads=_core.num_threads(), **t))
         finally:
             _core.set_num_threads(old)
@@ -497,7 +328,7 @@ def _bench_eval(fused_params: Dict, devices: Sequence[int], test_split, batch_si
         else:
             devs = [try_gpu(i) for i in range(k)]
             dp = [get_params(lenet_params(seed=seed), d) for d in devs]
-        _say(log, f"bench train: evaluate_accuracy on {_n(k, 'device')} ...")
+        say(log, f"bench train: evaluate_accuracy on {plural(k, 'device')} ...")
         m = measure(lambda: evaluate_accuracy(dp, loader, devs), warmup=1, repeat=repeat)
         per_epoch = m["median"] / len(loader) * full
         fused = [r for r in results if r.get("impl") == "mgpu fused" and r["num_devices"] == k]
@@ -547,9 +378,9 @@ def _bench_rival(name, py, info, data, devices, batch_size, lr, epochs, limit, w
     """Runs a rival's LeNet variants (torch: the chapter's code on each k, nn.Sequential, the
     chapter with its DataLoader; jax: the chapter's pmap_step on each k) and adds their rows to
     ``results``; returns the rival's settings (versions, threads) or {"skipped": why}."""
-    what = _FRAMEWORK[name]
+    what = FRAMEWORK[name]
     if py is None:
-        _say(log, f"bench train: skipping the {what} comparison: {info}")
+        say(log, f"bench train: skipping the {what} comparison: {info}")
         return {"skipped": info}
     # JAX: one process per device count, each with exactly k host devices, because XLA divides
     # its CPU threads among a process's host devices (a 1-device step in a process with 2 of
@@ -557,14 +388,14 @@ def _bench_rival(name, py, info, data, devices, batch_size, lr, epochs, limit, w
     runs = [list(devices)] if name == "torch" else [[k] for k in devices]
     rival: Dict = {}
     for ks in runs:
-        _say(log, f"bench train: the chapter's {what} code on {','.join(map(str, ks))} "
+        say(log, f"bench train: the chapter's {what} code on {','.join(map(str, ks))} "
                   f"device(s) with {py} ({name} {info}) ...")
-        got = _run_rival(name, py, data.get("dir"), data["train_examples"] if data["source"] ==
+        got = run_rival(name, py, data.get("dir"), data["train_examples"] if data["source"] ==
                          "synthetic" else 0, ks, batch_size, lr, epochs, limit, warmup, threads,
-                         seed)
+                        seed)
         for r in got.pop("results"):
             r.setdefault("threads", got["threads"])
-            results.append(_rival_entry(name, r))
+            results.append(rival_entry(name, r))
         rival = dict(got, **rival)  # the first run's settings; each row keeps its own
     rival["python"] = py
     return rival
@@ -610,7 +441,7 @@ def format_train(r: Dict) -> str:
     lines = [f"mgpu bench train: LeNet on {s['data']['source']} ({s['data']['train_examples']} "
              f"train / {s['data']['test_examples']} test images), batch {s['batch_size']}, "
              f"lr {s['lr']}"]
-    lines += _machine_lines(r)
+    lines += machine_lines(r)
     cut = f"cut at {s['limit_batches']} batches" if s["limit_batches"] else "whole"
     warm = f"{s['warmup']} warm-up batch" + ("es" if s["warmup"] != 1 else "")
     lines.append(f"each configuration: {warm}, then {s['epochs']} timed epochs ({cut}); "
@@ -621,12 +452,12 @@ def format_train(r: Dict) -> str:
     for x in r["results"] + [x for x in r.get("scaling", {}).get("runs", [])]:
         extrapolated |= x["extrapolated"]
         rows.append([x["name"], str(x["global_batch"]), str(x.get("threads", "")),
-                     _ms(x["sec_per_step"]["median"]), _pct(100 * x["sec_per_step"]["spread"]),
+                     ms(x["sec_per_step"]["median"]), fmt_pct(100 * x["sec_per_step"]["spread"]),
                      f"{x['sec_per_epoch']:.2f}" + ("*" if x["extrapolated"] else ""),
                      f"{x['images_per_sec']:.0f}",
                      f"{x['gflops']:.1f}" if "gflops" in x else "-"])
     if rows:  # none when only the side parts (e.g. --parts deterministic) ran
-        lines += _table(["configuration", "batch", "threads", "ms/step", "spread", "sec/epoch",
+        lines += table(["configuration", "batch", "threads", "ms/step", "spread", "sec/epoch",
                          "img/s", "GFLOP/s"], rows, "lrrrrrrr")
     if extrapolated:
         lines.append("* sec/epoch extrapolated: median sec/step x batches in a whole epoch")
@@ -634,26 +465,27 @@ def format_train(r: Dict) -> str:
     if sc:
         two, one = sc["runs"]
         lines.append(f"scaling: batch {two['global_batch']} on 2 devices "
-                     f"{_ms(two['sec_per_step']['median'])} ms/step vs batch {one['global_batch']} "
-                     f"on 1 device, 1 thread {_ms(one['sec_per_step']['median'])} ms/step: "
+                     f"{ms(two['sec_per_step']['median'])} ms/step vs batch {one['global_batch']} "
+                     f"on 1 device, 1 thread {ms(one['sec_per_step']['median'])} ms/step: "
                      f"efficiency {sc['efficiency']:.2f} (1.0 = perfect weak scaling)")
     for d in r.get("deterministic", []):
         a, b = d["default"], d["deterministic"]
         lines.append(f"deterministic (train_batch deterministic=True, {d['shards']} shards) on "
-                     f"{_n(d['num_devices'], 'device')}: {_ms(b['wall']['median'])} ms/step wall, "
-                     f"{_ms(b['cpu']['median'])} ms/step CPU against the default step's "
-                     f"{_ms(a['wall']['median'])} wall, {_ms(a['cpu']['median'])} CPU: cost "
+                     f"{plural(d['num_devices'], 'device')}: {ms(b['wall']['median'])} ms/step "
+                     "wall, "
+                     f"{ms(b['cpu']['median'])} ms/step CPU against the default step's "
+                     f"{ms(a['wall']['median'])} wall, {ms(a['cpu']['median'])} CPU: cost "
                      f"{d['wall_cost_percent']:+.1f}% wall, {d['cpu_cost_percent']:+.1f}% CPU "
                      "(process CPU time, all threads; interleaved epochs, medians)")
     p = r.get("pipeline")
     if p:
-        pct = ", ".join(f"{v:.1f}% of the fused epoch on {_n(int(k), 'device')}"
+        pct = ", ".join(f"{v:.1f}% of the fused epoch on {plural(int(k), 'device')}"
                         for k, v in p["percent_of_epoch"].items())
         lines.append(f"input pipeline (train loader alone): {p['sec_per_epoch']:.3f} s/epoch"
                      + ("*" if p["extrapolated"] else "") + (f" = {pct}" if pct else ""))
     for e in r.get("evaluation", []):
         pct = e["percent_of_epoch"]
-        lines.append(f"evaluation (evaluate_accuracy, {_n(e['num_devices'], 'device')}): "
+        lines.append(f"evaluation (evaluate_accuracy, {plural(e['num_devices'], 'device')}): "
                      f"{e['sec_per_eval']:.3f} s per test pass" + ("*" if e["extrapolated"] else "")
                      + (f" = {pct:.1f}% of the fused training epoch" if pct is not None else ""))
     f = r.get("flops")
@@ -666,18 +498,12 @@ def format_train(r: Dict) -> str:
         for a in f["achieved"]:
             lines.append(f"  {a['name']}: {a['gflops']:.1f} GFLOP/s = "
                          f"{a['percent_of_sgemm']:.0f}% of sgemm")
-    t = r.get("torch")
-    if t and "skipped" not in t:
-        lines.append(f"PyTorch {t['torch_version']} ({t['python']}), {t['threads']} threads, "
-                     "shards of the chapter's code run one after the other on the CPU")
-    j = r.get("jax")
-    if j and "skipped" not in j:
-        lines.append(_jax_line(j) + ", the chapter's pmap_step on k host devices")
-    lines += _skipped_lines(r)
+    lines += _rival_lines(r, ", shards of the chapter's code run one after the other on the CPU",
+                          ", the chapter's pmap_step on k host devices")
     if r.get("comparisons"):
         lines.append("")
         lines.append("ratio = rival ms/step / mgpu ms/step (medians; above 1: mgpu is faster)")
-        lines += _table(["mgpu", "rival", "ratio"],
+        lines += table(["mgpu", "rival", "ratio"],
                         [[c["mgpu"], c[c["rival"]], f"{c['ratio']:.2f}"]
                          for c in r["comparisons"]], "llr")
     return "\n".join(lines)
@@ -689,8 +515,22 @@ def _jax_line(j: Dict) -> str:
             "count k (XLA_FLAGS --xla_force_host_platform_device_count=k)")
 
 
+def _rival_lines(r: Dict, torch_note: str, jax_note: str) -> List[str]:
+    """A line for each rival that ran (its version, interpreter and threads, then ``torch_note``
+    or ``jax_note``) and one for each that was skipped."""
+    lines = []
+    t = r.get("torch")
+    if t and "skipped" not in t:
+        lines.append(f"PyTorch {t['torch_version']} ({t['python']}), {t.get('threads')} threads"
+                     + torch_note)
+    j = r.get("jax")
+    if j and "skipped" not in j:
+        lines.append(_jax_line(j) + jax_note)
+    return lines + _skipped_lines(r)
+
+
 def _skipped_lines(r: Dict) -> List[str]:
-    return [f"{_FRAMEWORK[name]} comparison skipped: {r[name]['skipped']}"
+    return [f"{FRAMEWORK[name]} comparison skipped: {r[name]['skipped']}"
             for name in RIVALS if "skipped" in r.get(name, {})]
 
 
@@ -701,20 +541,19 @@ RESNET_PARTS = ("fused", "op-by-op")
 
 def _resnet18_side(cfg: Dict) -> Dict:
     """One mgpu configuration (``cfg['impl']`` 'fused' or 'op-by-op' on ``cfg['num_devices']``
-    devices), timed by ``_rival_common.run_config`` as the rivals are; run in its own process
+    devices), timed by ``rival_common.run_config`` as the rivals are; run in its own process
     so its peak RSS is its own."""
-    from .. import _rival_common as rival
     from .. import nn, optim
     from ..models import resnet18
     from ..random import seed as mgpu_seed
     k = int(cfg["num_devices"])
     devices = [try_gpu(i) for i in range(k)]
     if cfg["synthetic"]:
-        images, labels = rival.synthetic_split(cfg["synthetic"], cfg["seed"])
+        images, labels = rival_common.synthetic_split(cfg["synthetic"], cfg["seed"])
     else:
-        images, labels = rival.load_split(cfg["data_dir"], "train")
+        images, labels = rival_common.load_split(cfg["data_dir"], "train")
     # The rivals' shuffled batches, made mgpu tensors on the first device.
-    batches = rival.Batches(images, labels, cfg["batch_size"], cfg["limit"], cfg["seed"],
+    batches = rival_common.Batches(images, labels, cfg["batch_size"], cfg["limit"], cfg["seed"],
                             make=lambda X, y: (array(X, device=devices[0]),
                                                array(y, device=devices[0])))
     mgpu_seed(cfg["seed"])
@@ -725,7 +564,7 @@ def _resnet18_side(cfg: Dict) -> Dict:
     if cfg["impl"] == "fused":
         def step(X, y):
             return model.train_step(X, y, loss, trainer).item() * X.shape[0]
-        name = f"mgpu ResNet-18 fused train_step, {_n(k, 'device')}"
+        name = f"mgpu ResNet-18 fused train_step, {plural(k, 'device')}"
     else:
         def step(X, y):
             trainer.zero_grad()
@@ -733,16 +572,16 @@ def _resnet18_side(cfg: Dict) -> Dict:
             out.backward()
             trainer.step()
             return out.item() * X.shape[0]
-        name = f"mgpu ResNet-18 book's loop (autograd), {_n(k, 'device')}"
+        name = f"mgpu ResNet-18 book's loop (autograd), {plural(k, 'device')}"
     # The allocator's counters from the end of the warm-up: the first steps fill its cache (the
     # first step's blocks, then the reserve made before the second), the timed ones should not.
     before = {}
-    r = rival.run_config(name, step, batches, cfg["epochs"], cfg["warmup"],
+    r = rival_common.run_config(name, step, batches, cfg["epochs"], cfg["warmup"],
                          on_timed=lambda: before.update(_core.cpu_memory_stats()))
     after = _core.cpu_memory_stats()
     r.update(impl=f"mgpu {cfg['impl']}", num_devices=k, global_batch=cfg["batch_size"],
              threads=_core.num_threads(), devices=[str(d) for d in devices],
-             peak_rss_bytes=rival.peak_rss_bytes(),
+             peak_rss_bytes=rival_common.peak_rss_bytes(),
              allocator_peak_bytes=after["peak_allocated"],
              allocator_held_bytes=after["system_bytes"],
              system_mallocs_timed=after["system_mallocs"] - before["system_mallocs"])
@@ -760,19 +599,14 @@ def _run_side(cfg: Dict) -> Dict:
             "sys.exit(_resnet18_side_main(sys.argv[1:]))")
     with tempfile.TemporaryDirectory() as cwd:
         r = subprocess.run([sys.executable, "-c", boot, json.dumps(cfg)], capture_output=True,
-                           text=True, cwd=cwd, env=dict(os.environ, PYTHONPATH=_package_root()
+                           text=True, cwd=cwd, env=dict(os.environ, PYTHONPATH=package_root()
                                                         + os.pathsep
                                                         + os.environ.get("PYTHONPATH", "")))
     if r.returncode != 0:
         raise RuntimeError(f"bench train: the mgpu run {cfg['impl']} on "
-                           f"{_n(cfg['num_devices'], 'device')} failed:\n"
+                           f"{plural(cfg['num_devices'], 'device')} failed:\n"
                            f"{r.stderr.strip()[-2000:]}")
     return json.loads(r.stdout.strip().splitlines()[-1])
-
-
-def _package_root() -> str:
-    # The directory holding this mgpu package, so the side process imports the same build.
-    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def resnet18_step_flops(batch_size: int) -> int:
@@ -825,7 +659,7 @@ def bench_train_resnet18(devices: Sequence[int] = (1, 2), batch_size: int = 256,
     if not sides:
         raise ValueError(f"bench train --model resnet18: parts must include one of "
                          f"{RESNET_PARTS}, got {list(parts)}")
-    rivals = _find_rivals(parse_compare(compare), {"torch": torch_python, "jax": jax_python})
+    rivals = find_rivals(parse_compare(compare), {"torch": torch_python, "jax": jax_python})
     limit, warmup = int(limit_batches or 0), max(0, int(warmup))
     if synthetic:
         data = {"source": "synthetic", "train_examples": int(synthetic)}
@@ -852,7 +686,7 @@ def bench_train_resnet18(devices: Sequence[int] = (1, 2), batch_size: int = 256,
     for side in sides:
         for k in devices:
             batch = int(batch_size) * (k if weak_scaling else 1)
-            _say(log, f"bench train: ResNet-18 {side} on {_n(k, 'device')}, batch {batch} "
+            say(log, f"bench train: ResNet-18 {side} on {plural(k, 'device')}, batch {batch} "
                       "(own process) ...")
             results.append(_entry(_run_side(dict(base, impl=side, num_devices=k,
                                                  batch_size=batch)),
@@ -861,7 +695,7 @@ def bench_train_resnet18(devices: Sequence[int] = (1, 2), batch_size: int = 256,
                limit=limit, warmup=warmup, seed=seed)
     for name, (py, info) in rivals.items():
         if py is None:
-            _say(log, f"bench train: skipping the {_FRAMEWORK[name]} comparison: {info}")
+            say(log, f"bench train: skipping the {FRAMEWORK[name]} comparison: {info}")
             out[name] = {"skipped": info}
             continue
         out[name] = {"python": py, f"{name}_version": info}
@@ -870,10 +704,10 @@ def bench_train_resnet18(devices: Sequence[int] = (1, 2), batch_size: int = 256,
                    [("resnet18", k, int(batch_size) * (k if weak_scaling else 1))
                     for k in devices])
         for variant, k, batch in configs:
-            _say(log, f"bench train: {_FRAMEWORK[name]} {variant} on {_n(k, 'device')}, batch "
+            say(log, f"bench train: {FRAMEWORK[name]} {variant} on {plural(k, 'device')}, batch "
                       f"{batch}, with {py} (own process) ...")
-            rival = _run_rival(name, py, devices=[k], batch_size=batch, variants=variant,
-                               threads=torch_threads if name == "torch" else jax_threads, **run)
+            rival = run_rival(name, py, devices=[k], batch_size=batch, variants=variant,
+                              threads=torch_threads if name == "torch" else jax_threads, **run)
             for key, v in rival.items():
                 if key != "results" and key not in out[name]:
                     out[name][key] = v
@@ -934,7 +768,7 @@ def format_train_resnet18(r: Dict) -> str:
     s = r["settings"]
     lines = [f"mgpu bench train: ResNet-18 (d2l resnet18(10, 1)) on {s['data']['source']}, "
              f"batch {s['batch_size']}, lr {s['lr']}; every configuration in its own process"]
-    lines += _machine_lines(r)
+    lines += machine_lines(r)
     cut = f"cut at {s['limit_batches']} batches" if s["limit_batches"] else "whole"
     lines.append(f"each configuration: {s['warmup']} warm-up batches, then {s['epochs']} timed "
                  f"epoch(s) ({cut}); the same shuffled batches on every side")
@@ -946,31 +780,25 @@ def format_train_resnet18(r: Dict) -> str:
     for x in r["results"]:
         cpu = x.get("cpu_sec_per_step")
         rows.append([x["name"], str(x.get("threads", "")), str(x["global_batch"]),
-                     _ms(x["sec_per_step"]["median"]), f"{x['sec_per_image'] * 1e3:.3f}",
-                     _ms(cpu["median"]) if cpu else "-", f"{x['gflops']:.1f}",
+                     ms(x["sec_per_step"]["median"]), f"{x['sec_per_image'] * 1e3:.3f}",
+                     ms(cpu["median"]) if cpu else "-", f"{x['gflops']:.1f}",
                      _mib(x.get("peak_rss_bytes")), _mib(x.get("allocator_peak_bytes")),
                      _mib(x.get("allocator_held_bytes")),
                      str(x.get("system_mallocs_timed", "-"))])
-    lines += _table(["configuration", "threads", "batch", "ms/step", "ms/image", "cpu ms/step",
+    lines += table(["configuration", "threads", "batch", "ms/step", "ms/image", "cpu ms/step",
                      "GFLOP/s", "peak RSS MiB", "alloc peak MiB", "alloc held MiB", "mallocs"],
-                    rows, "lrrrrrrrrrr")
+                   rows, "lrrrrrrrrrr")
     lines.append("cpu ms/step: process CPU time per step (all threads); peak RSS: the process's "
                  "most resident memory (ru_maxrss: Python, data, libraries and mgpu's allocator); "
                  "alloc peak: the most bytes mgpu's CPU allocator had handed out at once; alloc "
                  "held: what it took from the system (address space, resident once written); "
                  "mallocs: blocks it took from the system during the timed epochs")
-    t = r.get("torch")
-    if t and "skipped" not in t:
-        lines.append(f"PyTorch {t['torch_version']} ({t['python']}), {t.get('threads')} threads")
-    j = r.get("jax")
-    if j and "skipped" not in j:
-        lines.append(_jax_line(j) + "; the Flax step jitted on 1 device, pmapped on more")
-    lines += _skipped_lines(r)
+    lines += _rival_lines(r, "", "; the Flax step jitted on 1 device, pmapped on more")
     if r.get("comparisons"):
         lines.append("")
         lines.append("time = rival ms/image / mgpu ms/image (above 1: mgpu faster); memory = mgpu "
                      "peak RSS / rival peak RSS (below 1: mgpu smaller)")
-        lines += _table(["mgpu", "rival", "time", "memory"],
+        lines += table(["mgpu", "rival", "time", "memory"],
                         [[c["mgpu"], c[c["rival"]], f"{c['time_ratio']:.2f}",
                           f"{c['memory_ratio']:.2f}"] for c in r["comparisons"]], "llrr")
     if r.get("weak_scaling"):
@@ -978,7 +806,8 @@ def format_train_resnet18(r: Dict) -> str:
         lines.append("weak scaling: ms per image on k devices at batch k x b against 1 device at "
                      "b (issue 17's target: within 10 %, ratio <= 1.10)")
         for w in r["weak_scaling"]:
-            lines.append(f"  {w['impl']}, {_n(w['num_devices'], 'device')} at batch {w['batch']}: "
+            lines.append(f"  {w['impl']}, {plural(w['num_devices'], 'device')} at batch "
+                         f"{w['batch']}: "
                          f"{w['sec_per_image'] * 1e3:.3f} ms/image vs 1 device at batch "
                          f"{w['one_device_batch']}: {w['one_device_sec_per_image'] * 1e3:.3f} "
                          f"ms/image, ratio {w['ratio']:.3f}")
