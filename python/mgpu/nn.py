@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import sys
 import threading
 from collections import OrderedDict
 from typing import Callable, Iterable, Iterator, List, Mapping, NamedTuple, Optional, Tuple, Union
@@ -787,7 +788,10 @@ class SoftmaxCrossEntropyLoss(CrossEntropyLoss):
         super().__init__(reduction)
 
 
+from . import nn_utils as utils  # noqa: E402  (mgpu.nn.utils: clip_grad_norm_)
 from .data_parallel import DataParallel, SyncBatchNorm  # noqa: E402  (they build on Module)
+
+sys.modules[__name__ + ".utils"] = utils  # so that `from mgpu.nn.utils import ...` works
 
 __all__ = ["Module", "Parameter", "Sequential", "Conv2d", "Linear", "ReLU", "Flatten",
            "AvgPool2d", "AdaptiveAvgPool2d", "BatchNorm1d", "BatchNorm2d", "SyncBatchNorm",
