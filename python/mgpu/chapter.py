@@ -121,12 +121,64 @@ def train_batch_sharded(X, y, device_params, devices, lr, shards: int = 8):
 
 # --- sec. 12.6, the concise implementation ------------------------------------------------------
 
+OPTIMIZERS = ("sgd", "adam", "adamw")
+SCHEDULES = ("none", "step", "cosine", "onecycle")
+
+
+def make_optimizer(params, lr: float, optimizer: str = "sgd",
+                   weight_decay: Optional[float] = None):
+    """``optim.SGD`` (the book's, no momentum), ``optim.Adam`` or ``optim.AdamW`` over
+    ``params`` with ``lr``; ``weight_decay`` None keeps the optimizer's default (0, 0, 0.01)."""
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {optimizer!r}")
+    kw = {} if weight_decay is None else {"weight_decay": weight_decay}
+    cls = {"sgd": optim.SGD, "adam": optim.Adam, "adamw": optim.AdamW}[optimizer]
+    return cls(params, lr=lr, **kw)
+
+
+def make_schedule(trainer, schedule: str, num_epochs: int, steps_per_epoch: int,
+                  warmup_epochs: int = 0):
+    """A learning-rate schedule stepped after every batch, or None for a constant lr:
+    ``step`` divides the lr by 10 at half and at three quarters of the run, ``cosine`` anneals
+    it to 0 by the end, ``onecycle`` is ``OneCycleLR`` with the lr as its peak. ``warmup_epochs``
+    first raises the lr linearly from lr / W to lr over its W steps (for onecycle it is the
+    rising phase: pct_start = warmup_epochs / num_epochs)."""
+    from .optim import lr_scheduler as sched
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
+    if isinstance(warmup_epochs, bool) or not isinstance(warmup_epochs, int) \
+            or not 0 <= warmup_epochs < max(1, num_epochs):
+        raise ValueError(f"warmup_epochs must be an int in [0, num_epochs = {num_epochs}), got "
+                         f"{warmup_epochs!r}")
+    total, warm = num_epochs * steps_per_epoch, warmup_epochs * steps_per_epoch
+    if total < 1:
+        raise ValueError("a schedule needs at least one training batch")
+    if schedule == "onecycle":
+        lr = trainer.param_groups[0]["lr"]
+        pct = warmup_epochs / num_epochs if warmup_epochs else 0.3
+        return sched.OneCycleLR(trainer, max_lr=lr, total_steps=total, pct_start=pct)
+    main = None
+    if schedule == "step":
+        main = sched.MultiStepLR(trainer, [(total - warm) // 2, 3 * (total - warm) // 4])
+    elif schedule == "cosine":
+        main = sched.CosineAnnealingLR(trainer, T_max=max(1, total - warm))
+    if not warm:
+        return main
+    warmup = sched.LinearLR(trainer, start_factor=1.0 / warm, total_iters=warm)
+    if main is None:
+        return warmup
+    return sched.SequentialLR(trainer, [warmup, main], milestones=[warm])
+
+
 def train_concise(net, num_gpus: int, batch_size: int, lr: float, num_epochs: int = 10,
                   data=None, data_dir: Optional[str] = None,
                   limit_batches: Optional[int] = None, seed: int = 0,
                   progress: Optional[bool] = None, fused: bool = False,
                   deterministic=False, checkpoint: Optional[str] = None,
-                  checkpoint_every: Optional[int] = None, resume: bool = False) -> TrainResult:
+                  checkpoint_every: Optional[int] = None, resume: bool = False,
+                  optimizer: str = "sgd", weight_decay: Optional[float] = None,
+                  schedule: str = "none", warmup_epochs: int = 0,
+                  clip_grad_norm: Optional[float] = None) -> TrainResult:
     """The concise chapter's ``train(net, num_gpus, batch_size, lr)`` (sec. 12.6), as printed:
     ``normal_(std=0.01)`` init of Linear and Conv2d weights, ``nn.DataParallel``, SGD and the
     mean cross-entropy, the book's loop, test accuracy on all devices after every epoch, and
@@ -138,7 +190,14 @@ def train_concise(net, num_gpus: int, batch_size: int, lr: float, num_epochs: in
     step in one C++ call; ``deterministic=True`` (with ``fused``) makes that step's result the
     same bits on any number of devices (``DataParallel.train_step``). ``checkpoint``,
     ``checkpoint_every`` and ``resume`` save and resume the run as in ``mgpu.train``
-    (parameters, BatchNorm buffers, SGD's momentum, data order and position, RNG, step).
+    (parameters, BatchNorm buffers, the optimizer's state, the schedule's position, data order
+    and position, RNG, step).
+
+    Beyond the book: ``optimizer`` 'sgd' (the book's), 'adam' or 'adamw' with ``weight_decay``
+    (see :func:`make_optimizer`), ``schedule`` 'none', 'step', 'cosine' or 'onecycle' with
+    ``warmup_epochs`` (see :func:`make_schedule`, stepped after every batch), and
+    ``clip_grad_norm``: the gradients' global norm clipped to it before every update
+    (``nn.utils.clip_grad_norm_`` in the book's loop, inside the C++ step when fused).
     Returns the per-epoch accuracies and times.
     """
     if int(num_gpus) < 1:
@@ -162,7 +221,13 @@ def train_concise(net, num_gpus: int, batch_size: int, lr: float, num_epochs: in
     net.apply(init_weights)
     # Set the model on multiple GPUs
     net = nn.DataParallel(net, device_ids=devices)
-    trainer = optim.SGD(net.parameters(), lr)
+    trainer = make_optimizer(net.parameters(), lr, optimizer, weight_decay)
+    scheduler = make_schedule(trainer, schedule, int(num_epochs), len(train_iter),
+                              warmup_epochs)
+    if clip_grad_norm is not None and (isinstance(clip_grad_norm, bool) or not isinstance(
+            clip_grad_norm, (int, float)) or not 0 <= clip_grad_norm < float("inf")):
+        raise ValueError(f"train_concise: clip_grad_norm must be a finite number >= 0, got "
+                         f"{clip_grad_norm!r}")
     loss = nn.CrossEntropyLoss()
     timer = Timer()
     result = TrainResult(devices=devices)
@@ -172,9 +237,11 @@ def train_concise(net, num_gpus: int, batch_size: int, lr: float, num_epochs: in
         loaded = ckpts.start(resume)
         if loaded is not None:
             run = _resume_concise(*loaded, net.module, trainer, train_iter, result, batch_size,
-                                  len(devices), fused, shards)
+                                  len(devices), fused, shards, scheduler)
     config = {"batch_size": batch_size, "num_devices": len(devices), "world_size": 1,
-              "lr": lr, "seed": seed, "fused": bool(fused), "deterministic": shards}
+              "lr": lr, "seed": seed, "fused": bool(fused), "deterministic": shards,
+              "optimizer": optimizer, "schedule": schedule, "warmup_epochs": warmup_epochs,
+              "clip_grad_norm": clip_grad_norm}
 
     def save_state(epoch_next: int) -> None:
         waitall()
@@ -182,6 +249,7 @@ def train_concise(net, num_gpus: int, batch_size: int, lr: float, num_epochs: in
         state = {"kind": "mgpu.train_concise", "step": run.step, "epoch": epoch_next,
                  "config": config, "model": net.module.state_dict(),
                  "optimizer": trainer.state_dict(), "loader": train_iter.state_dict(),
+                 "scheduler": scheduler.state_dict() if scheduler is not None else None,
                  "rng": random.get_state(), "result": _result_state(result),
                  "epoch_losses": np.array(run.losses, dtype=np.float32),
                  "epoch_elapsed": run.elapsed + timer.stop()}
@@ -196,13 +264,18 @@ def train_concise(net, num_gpus: int, batch_size: int, lr: float, num_epochs: in
         losses = run.losses
         for X, y in train_iter:
             if fused:
-                l = net.train_step(X, y, loss, trainer, deterministic=deterministic)
+                l = net.train_step(X, y, loss, trainer, deterministic=deterministic,
+                                   clip_grad_norm=clip_grad_norm)
             else:
                 trainer.zero_grad()
                 X, y = X.to(devices[0]), y.to(devices[0])
                 l = loss(net(X), y)
                 l.backward()
+                if clip_grad_norm is not None:
+                    nn.utils.clip_grad_norm_(net.parameters(), clip_grad_norm)
                 trainer.step()
+            if scheduler is not None:
+                scheduler.step()
             losses.append(l.detach())
             run.step += 1
             if ckpts is not None:
@@ -228,9 +301,21 @@ def train_concise(net, num_gpus: int, batch_size: int, lr: float, num_epochs: in
 
 
 def _resume_concise(path: str, state, module, trainer, train_iter, result: TrainResult,
-                    batch_size: int, num_devices: int, fused: bool, shards: int) -> _Progress:
+                    batch_size: int, num_devices: int, fused: bool, shards: int,
+                    scheduler=None) -> _Progress:
     """Puts a checkpoint's state into the run: everything is checked before anything changes."""
     check_run(path, state, "mgpu.train_concise", batch_size, num_devices, 1, shards)
+    saved_opt = state.get("config", {}).get("optimizer", "sgd")
+    saved_sched = state.get("scheduler")
+    if saved_opt != type(trainer).__name__.lower():
+        raise CheckpointError(path, f"was written by a run with optimizer {saved_opt!r}, this "
+                              f"run has {type(trainer).__name__.lower()!r}; resume with the "
+                              "same optimizer")
+    if (saved_sched is None) != (scheduler is None):
+        raise CheckpointError(path, "was written by a run with " + (
+            "no learning-rate schedule" if saved_sched is None else "a learning-rate schedule")
+            + ", this run has " + ("none" if scheduler is None else "one")
+            + "; resume with the same --schedule and --warmup-epochs")
     saved, mine = state["model"], module.state_dict()
     if not isinstance(saved, dict) or list(saved) != list(mine):
         names = list(saved) if isinstance(saved, dict) else type(saved).__name__
@@ -241,21 +326,29 @@ def _resume_concise(path: str, state, module, trainer, train_iter, result: Train
         if tuple(saved[k].shape) != tuple(v.shape):
             raise CheckpointError(path, f"'{k}' has shape {tuple(saved[k].shape)}, this "
                                   f"network's has {tuple(v.shape)}: it belongs to another network")
-    if fused and trainer.momentum:
-        raise NotImplementedError("train_concise: resuming the fused step with momentum needs "
-                                  "its momentum buffers to be settable (issue 13)")
     opt = state["optimizer"]
     try:
         rng = random._generator(state["rng"])
         if len(opt["param_groups"][0]["params"]) != len(trainer.params):
             raise ValueError("its optimizer state is for another parameter count")
+        params = trainer.params
         for i, entry in opt["state"].items():
-            if tuple(entry["momentum_buffer"].shape) != tuple(trainer.params[int(i)].shape):
-                raise ValueError(f"momentum buffer {i} has another shape than parameter {i}")
+            for name, t in entry.items():
+                if hasattr(t, "shape") and np.ndim(t) and \
+                        tuple(t.shape) != tuple(params[int(i)].shape):
+                    raise ValueError(f"the {name} of parameter {i} has another shape than "
+                                     f"the parameter")
+        if scheduler is not None:
+            probe = type(scheduler).__new__(type(scheduler))
+            probe.__dict__ = dict(scheduler.__dict__)
+            probe.load_state_dict(saved_sched)  # checks before it changes anything
         train_iter.load_state_dict(state["loader"])  # checks before it changes anything
     except (ValueError, KeyError, IndexError, TypeError) as e:
         raise CheckpointError(path, str(e)) from None
+    # The fused step takes the restored state from the optimizer at its next step.
     trainer.load_state_dict(opt)
+    if scheduler is not None:
+        scheduler.load_state_dict(saved_sched)
     module.load_state_dict(saved)
     random._rng = rng
     _restore_result(result, state["result"])
