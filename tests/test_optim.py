@@ -434,3 +434,35 @@ def test_train_concise_resumes_optimizer_and_schedule_bitwise(tmp_path, monkeypa
         _concise(tmp_path, "c", fused=fused, **other)
     with pytest.raises(CheckpointError, match="schedule"):
         _concise(tmp_path, "c", fused=fused, **dict(kw, schedule="none", warmup_epochs=0))
+
+
+# --- under mpirun: the clip's norm is the reduced gradients', the same on every rank -------------
+
+@pytest.mark.parametrize("shards", [0, 8])
+def test_fused_adamw_with_clipping_under_mpirun_matches_one_process(tmp_path, shards):
+    """2 ranks x 1 device take the steps of 1 process x 2 devices (AdamW, cosine schedule, clip
+    0.05): the clip factor comes from the gradients summed over the ranks, so every rank updates
+    alike; deterministic (8 logical shards): bitwise the steps of 1 process x 1 device."""
+    import dist_worker
+    from test_distributed import HAVE_MPI, load, mpirun
+    if not HAVE_MPI:
+        pytest.skip("needs mpirun and an mgpu built with MPI")
+    rc, out, err, _ = mpirun(2, "adamw_clip", tmp_path, 1, shards, timeout=120, limit=300)
+    assert rc == 0, f"mpirun adamw_clip failed:\n{out}\n{err}"
+    ranks = [load(tmp_path, f"adamw_clip_L1_{shards}", r) for r in range(2)]
+    if shards:
+        expected = dist_worker.adamw_clip_steps([mgpu.cpu(0)], shards=shards)
+    else:
+        expected = dist_worker.adamw_clip_steps([mgpu.cpu(0), mgpu.cpu(1)])
+    for r, got in enumerate(ranks):
+        assert len(got.files) == len(expected)
+        for i, e in enumerate(expected):
+            if shards:
+                np.testing.assert_array_equal(got[f"arr_{i}"], e, err_msg=f"rank {r} state {i}")
+            else:
+                close(got[f"arr_{i}"], e, f"rank {r} state {i} vs 1 process x 2 devices")
+            np.testing.assert_array_equal(got[f"arr_{i}"], ranks[0][f"arr_{i}"])
+    # The clip binds at every step: without it (or with a looser one) the parameters differ.
+    for other in (None, 0.1):
+        free = dist_worker.adamw_clip_steps([mgpu.cpu(0)], shards=shards or False, clip=other)
+        assert not np.allclose(free[0], expected[0], rtol=1e-3), f"clip {other}"
