@@ -235,3 +235,63 @@ def test_bad_arguments_are_clear_errors():
     with pytest.raises(KeyError, match="initial_lr"):
         sched.StepLR(fresh, 2, last_epoch=3)
     assert [g["lr"] for g in fresh.param_groups] == list(BASES)
+
+
+# --- LeNet's train (sec. 12.5) with a schedule, and the CLI --------------------------------------
+
+def _lenet(tmp_path=None, crash_at=None, monkeypatch=None, **kw):
+    """mgpu.train on the checkpoint tests' synthetic data (3 epochs of 5 steps, 2 devices); the
+    lr of every step and the first replica's final parameters."""
+    import ckpt_worker
+    if crash_at is not None:
+        count = {"n": 0}
+
+        def fault(point):
+            if point == "step":
+                count["n"] += 1
+                if count["n"] == crash_at:
+                    raise KeyboardInterrupt("simulated crash")
+        monkeypatch.setattr(mgpu.checkpoint, "_fault", fault)
+    seen = {"lrs": []}
+
+    def step(X, y, device_params, devices, lr):
+        seen["lrs"].append(lr)
+        seen["params"] = device_params[0]
+        return mgpu.train_batch(X, y, device_params, devices, lr)
+    ck = {} if tmp_path is None else dict(checkpoint=str(tmp_path), checkpoint_every=2,
+                                          resume=True)
+    mgpu.train(2, ckpt_worker.BATCH, 0.5, 3, params=mgpu.lenet_params(scale=0.1, seed=4),
+               data=ckpt_worker.data(), progress=False, step=step, **ck, **kw)
+    return seen["lrs"], [p.numpy() for p in seen["params"]]
+
+
+def test_lenet_train_follows_warm_up_and_cosine_and_resumes_bitwise(tmp_path, monkeypatch):
+    lrs, ref = _lenet(schedule="cosine", warmup_epochs=1)
+    # 5 warm-up steps from lr / 5, then a cosine over the other 10 (PyTorch's LinearLR and
+    # CosineAnnealingLR in a SequentialLR).
+    want = [0.5 * (0.2 + 0.8 * t / 5) if t < 5 else 0.5 * (1 + math.cos(math.pi * (t - 5) / 10))
+            / 2 for t in range(15)]
+    np.testing.assert_allclose(lrs, want, rtol=1e-12)
+    _, constant = _lenet()
+    assert not np.allclose(constant[0], ref[0], rtol=1e-3)  # the schedule changed the run
+    with pytest.raises(KeyboardInterrupt):
+        _lenet(tmp_path, crash_at=8, monkeypatch=monkeypatch, schedule="cosine",
+               warmup_epochs=1)
+    monkeypatch.undo()
+    resumed_lrs, got = _lenet(tmp_path, schedule="cosine", warmup_epochs=1)
+    np.testing.assert_allclose(resumed_lrs, want[6:], rtol=1e-12)  # from the step-6 checkpoint
+    for i, (a, b) in enumerate(zip(got, ref)):
+        np.testing.assert_array_equal(a, b, err_msg=f"parameter {i}")
+    from mgpu.checkpoint import CheckpointError
+    with pytest.raises(CheckpointError, match="schedule"):
+        _lenet(tmp_path)
+
+
+def test_cli_schedule_options(capsys):
+    from mgpu.cli import main
+    assert main(["train", "--model", "lenet", "--optimizer", "adamw", "--epochs", "1"]) == 2
+    assert "--optimizer, --weight-decay and --clip-grad-norm need --model resnet18" in \
+        capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["train", "--schedule", "exponential"])
+    assert "invalid choice: 'exponential'" in capsys.readouterr().err

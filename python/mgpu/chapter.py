@@ -20,6 +20,7 @@ from .data import load_data_fashion_mnist
 from .device import try_gpu
 from .models import lenet
 from .nn import CrossEntropyLoss
+from .optim.lr_scheduler import make_schedule
 from .parallel import _shards, sgd, split_batch
 from .tensor import zeros_like
 from .train import (
@@ -122,7 +123,6 @@ def train_batch_sharded(X, y, device_params, devices, lr, shards: int = 8):
 # --- sec. 12.6, the concise implementation ------------------------------------------------------
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
-SCHEDULES = ("none", "step", "cosine", "onecycle")
 
 
 def make_optimizer(params, lr: float, optimizer: str = "sgd",
@@ -134,40 +134,6 @@ def make_optimizer(params, lr: float, optimizer: str = "sgd",
     kw = {} if weight_decay is None else {"weight_decay": weight_decay}
     cls = {"sgd": optim.SGD, "adam": optim.Adam, "adamw": optim.AdamW}[optimizer]
     return cls(params, lr=lr, **kw)
-
-
-def make_schedule(trainer, schedule: str, num_epochs: int, steps_per_epoch: int,
-                  warmup_epochs: int = 0):
-    """A learning-rate schedule stepped after every batch, or None for a constant lr:
-    ``step`` divides the lr by 10 at half and at three quarters of the run, ``cosine`` anneals
-    it to 0 by the end, ``onecycle`` is ``OneCycleLR`` with the lr as its peak. ``warmup_epochs``
-    first raises the lr linearly from lr / W to lr over its W steps (for onecycle it is the
-    rising phase: pct_start = warmup_epochs / num_epochs)."""
-    from .optim import lr_scheduler as sched
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
-    if isinstance(warmup_epochs, bool) or not isinstance(warmup_epochs, int) \
-            or not 0 <= warmup_epochs < max(1, num_epochs):
-        raise ValueError(f"warmup_epochs must be an int in [0, num_epochs = {num_epochs}), got "
-                         f"{warmup_epochs!r}")
-    total, warm = num_epochs * steps_per_epoch, warmup_epochs * steps_per_epoch
-    if total < 1:
-        raise ValueError("a schedule needs at least one training batch")
-    if schedule == "onecycle":
-        lr = trainer.param_groups[0]["lr"]
-        pct = warmup_epochs / num_epochs if warmup_epochs else 0.3
-        return sched.OneCycleLR(trainer, max_lr=lr, total_steps=total, pct_start=pct)
-    main = None
-    if schedule == "step":
-        main = sched.MultiStepLR(trainer, [(total - warm) // 2, 3 * (total - warm) // 4])
-    elif schedule == "cosine":
-        main = sched.CosineAnnealingLR(trainer, T_max=max(1, total - warm))
-    if not warm:
-        return main
-    warmup = sched.LinearLR(trainer, start_factor=1.0 / warm, total_iters=warm)
-    if main is None:
-        return warmup
-    return sched.SequentialLR(trainer, [warmup, main], milestones=[warm])
 
 
 def train_concise(net, num_gpus: int, batch_size: int, lr: float, num_epochs: int = 10,
@@ -195,7 +161,7 @@ def train_concise(net, num_gpus: int, batch_size: int, lr: float, num_epochs: in
 
     Beyond the book: ``optimizer`` 'sgd' (the book's), 'adam' or 'adamw' with ``weight_decay``
     (see :func:`make_optimizer`), ``schedule`` 'none', 'step', 'cosine' or 'onecycle' with
-    ``warmup_epochs`` (see :func:`make_schedule`, stepped after every batch), and
+    ``warmup_epochs`` (see ``optim.lr_scheduler.make_schedule``, stepped after every batch), and
     ``clip_grad_norm``: the gradients' global norm clipped to it before every update
     (``nn.utils.clip_grad_norm_`` in the book's loop, inside the C++ step when fused).
     Returns the per-epoch accuracies and times.
@@ -222,7 +188,8 @@ def train_concise(net, num_gpus: int, batch_size: int, lr: float, num_epochs: in
     # Set the model on multiple GPUs
     net = nn.DataParallel(net, device_ids=devices)
     trainer = make_optimizer(net.parameters(), lr, optimizer, weight_decay)
-    scheduler = make_schedule(trainer, schedule, int(num_epochs), len(train_iter),
+    scheduler = make_schedule(trainer, schedule, int(num_epochs),
+                              len(train_iter) if schedule != "none" or warmup_epochs else 0,
                               warmup_epochs)
     if clip_grad_norm is not None and (isinstance(clip_grad_norm, bool) or not isinstance(
             clip_grad_norm, (int, float)) or not 0 <= clip_grad_norm < float("inf")):

@@ -48,12 +48,12 @@ def _train_run(args) -> int:
     if args.sync_bn or args.fused:
         raise ValueError("--sync-bn and --fused need --model resnet18 (LeNet's step is fused "
                          "already and has no batch norm)")
-    if (args.optimizer, args.weight_decay, args.schedule, args.warmup_epochs,
-            args.clip_grad_norm) != ("sgd", None, "none", 0, None):
-        raise ValueError("--optimizer, --weight-decay, --schedule, --warmup-epochs and "
-                         "--clip-grad-norm need --model resnet18 (LeNet's step is the chapter's "
-                         "plain SGD, p -= lr / batch * g)")
-    kw["check_finite"] = args.check_finite
+    if (args.optimizer, args.weight_decay, args.clip_grad_norm) != ("sgd", None, None):
+        raise ValueError("--optimizer, --weight-decay and --clip-grad-norm need --model "
+                         "resnet18 (LeNet's step is the chapter's plain SGD, p -= lr / batch * g; "
+                         "--schedule and --warmup-epochs work with it)")
+    kw.update(check_finite=args.check_finite, schedule=args.schedule,
+              warmup_epochs=args.warmup_epochs)
     if args.deterministic:
         kw["deterministic"] = True
     if args.op_by_op:
@@ -409,11 +409,11 @@ def main(argv: Optional[List[str]] = None) -> int:
                    help="resnet18: the optimizer's weight decay (default: its own, 0 for sgd "
                         "and adam, 0.01 for adamw)")
     t.add_argument("--schedule", choices=["none", "step", "cosine", "onecycle"], default="none",
-                   help="resnet18: the learning-rate schedule, stepped per batch (step: / 10 at "
+                   help="the learning-rate schedule, stepped per batch (step: / 10 at "
                         "1/2 and 3/4 of the run; cosine: to 0 by the end; onecycle: up to --lr "
                         "and down)")
     t.add_argument("--warmup-epochs", type=int, default=0, metavar="N",
-                   help="resnet18: raise the lr linearly over the first N epochs (onecycle: its "
+                   help="raise the lr linearly over the first N epochs (onecycle: its "
                         "rising phase)")
     t.add_argument("--clip-grad-norm", type=float, default=None, metavar="X",
                    help="resnet18: clip the gradients' global norm to X before every update")

@@ -22,7 +22,7 @@ from collections import Counter
 from typing import Any, Dict, List, Optional, Sequence
 
 __all__ = ["LRScheduler", "StepLR", "MultiStepLR", "LinearLR", "CosineAnnealingLR", "OneCycleLR",
-           "SequentialLR"]
+           "SequentialLR", "SCHEDULES", "make_schedule"]
 
 
 def _int(v, name: str, where: str, minimum: int) -> int:
@@ -457,3 +457,43 @@ class SequentialLR(LRScheduler):
         for k, v in state_dict.items():
             if k in self.__dict__ and k not in ("optimizer", "_schedulers"):
                 self.__dict__[k] = list(v) if isinstance(v, tuple) else v
+
+
+# --- the recipes of train, train_concise and the CLI (--schedule, --warmup-epochs) -------------
+
+SCHEDULES = ("none", "step", "cosine", "onecycle")
+
+
+def make_schedule(trainer, schedule: str, num_epochs: int, steps_per_epoch: int,
+                  warmup_epochs: int = 0):
+    """A learning-rate schedule stepped after every batch, or None for a constant lr:
+    ``step`` divides the lr by 10 at half and at three quarters of the run, ``cosine`` anneals
+    it to 0 by the end, ``onecycle`` is ``OneCycleLR`` with the lr as its peak. ``warmup_epochs``
+    first raises the lr linearly from lr / W to lr over its W steps (for onecycle it is the
+    rising phase: pct_start = warmup_epochs / num_epochs)."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
+    if isinstance(warmup_epochs, bool) or not isinstance(warmup_epochs, int) \
+            or not 0 <= warmup_epochs < max(1, num_epochs):
+        raise ValueError(f"warmup_epochs must be an int in [0, num_epochs = {num_epochs}), got "
+                         f"{warmup_epochs!r}")
+    if schedule == "none" and not warmup_epochs:
+        return None
+    total, warm = num_epochs * steps_per_epoch, warmup_epochs * steps_per_epoch
+    if total < 1:
+        raise ValueError("a schedule needs at least one training batch")
+    if schedule == "onecycle":
+        lr = trainer.param_groups[0]["lr"]
+        pct = warmup_epochs / num_epochs if warmup_epochs else 0.3
+        return OneCycleLR(trainer, max_lr=lr, total_steps=total, pct_start=pct)
+    main = None
+    if schedule == "step":
+        main = MultiStepLR(trainer, [(total - warm) // 2, 3 * (total - warm) // 4])
+    elif schedule == "cosine":
+        main = CosineAnnealingLR(trainer, T_max=max(1, total - warm))
+    if not warm:
+        return main
+    warmup = LinearLR(trainer, start_factor=1.0 / warm, total_iters=warm)
+    if main is None:
+        return warmup
+    return SequentialLR(trainer, [warmup, main], milestones=[warm])
