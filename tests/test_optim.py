@@ -258,6 +258,28 @@ def test_fused_step_follows_a_schedule_and_parameter_groups(kind):
     assert [g["lr"] for g in opts[0].param_groups] == [g["lr"] for g in opts[1].param_groups]
 
 
+@pytest.mark.parametrize("order", ["book, fused, book, fused", "fused, book, fused, book"])
+def test_switching_between_the_books_loop_and_the_fused_step_keeps_adams_state(order):
+    nets = [tiny_net(), tiny_net()]
+    models = [nn.DataParallel(n, device_ids=[mgpu.cpu(0), mgpu.cpu(1)]) for n in nets]
+    opts = [_make("adamw", m.parameters()) for m in models]
+    loss = nn.CrossEntropyLoss()
+    for step, kind in enumerate(order.split(", ")):
+        X, y = batch(8, seed=step)
+        for i, m in enumerate(models):
+            if i == 1 and kind == "fused":
+                m.train_step(mgpu.array(X), mgpu.array(y), loss, opts[1])
+                continue
+            opts[i].zero_grad()
+            loss(m(mgpu.array(X)), mgpu.array(y)).backward()
+            opts[i].step()
+        assert_nets_close(nets[0], nets[1], f"after step {step} ({kind})")
+    a, b = opts[0].state_dict()["state"], opts[1].state_dict()["state"]
+    for i in a:
+        assert a[i]["step"] == b[i]["step"] == 4.0
+        close(b[i]["exp_avg"].numpy(), a[i]["exp_avg"].numpy(), f"exp_avg {i}")
+
+
 def test_fused_lr_is_read_at_every_step():
     # lr 0 after the first step: the fused step must then leave the parameters as they are
     # (Adam's update scales with lr; AdamW's decay too).

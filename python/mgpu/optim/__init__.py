@@ -447,9 +447,11 @@ class Adam(Optimizer):
                 if group["amsgrad"]:
                     self._amsgrad_step(p, g, entry, group, t)
                 else:
-                    _core.adam_step(p._t, g._t, entry["exp_avg"]._t, entry["exp_avg_sq"]._t,
-                                    group["lr"], group["betas"], group["eps"],
-                                    group["weight_decay"], self._decoupled, t)
+                    m, v = entry["exp_avg"], entry["exp_avg_sq"]
+                    _core.adam_step(p._t, g._t, m._t, v._t, group["lr"], group["betas"],
+                                    group["eps"], group["weight_decay"], self._decoupled, t)
+                    for changed in (p, m, v):  # written in place, as an in-place op writes
+                        changed._t.bump_version()
                 entry["step"] = float(t)
 
     def _amsgrad_step(self, p: Tensor, g: Tensor, entry, group, t: int) -> None:
