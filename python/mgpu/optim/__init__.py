@@ -283,10 +283,11 @@ class Optimizer:
         self.state = {i: e for i, e in state_copies.items() if e}
 
     def __repr__(self) -> str:
-        parts = []
-        for gi, g in enumerate(self.param_groups):
-            hyper = ", ".join(f"{k}={g[k]}" for k in self._hyper)
-            parts.append(f"group {gi} ({len(g['params'])} params): {hyper}")
+        hypers = [", ".join(f"{k}={g[k]}" for k in self._hyper) for g in self.param_groups]
+        if len(hypers) == 1:
+            return f"{type(self).__name__}({hypers[0]})"
+        parts = [f"group {i} ({len(g['params'])} params): {h}"
+                 for i, (g, h) in enumerate(zip(self.param_groups, hypers))]
         return f"{type(self).__name__}({'; '.join(parts)})"
 
 
@@ -318,6 +319,7 @@ class SGD(Optimizer):
             raise ValueError(f"{where}: nesterov momentum needs momentum > 0 and dampening = 0")
         return out
 
+    # The hyperparameters as attributes (the first group's; setting one sets every group's).
     @property
     def momentum(self) -> float:
         return self.param_groups[0]["momentum"]
@@ -330,9 +332,17 @@ class SGD(Optimizer):
     def dampening(self) -> float:
         return self.param_groups[0]["dampening"]
 
+    @dampening.setter
+    def dampening(self, value: float) -> None:
+        self._set_everywhere("dampening", value)
+
     @property
     def nesterov(self) -> bool:
         return self.param_groups[0]["nesterov"]
+
+    @nesterov.setter
+    def nesterov(self, value: bool) -> None:
+        self._set_everywhere("nesterov", value)
 
     @property
     def _buffers(self) -> Dict[int, Tensor]:
@@ -410,9 +420,17 @@ class Adam(Optimizer):
     def betas(self) -> Tuple[float, float]:
         return self.param_groups[0]["betas"]
 
+    @betas.setter
+    def betas(self, value: Tuple[float, float]) -> None:
+        self._set_everywhere("betas", value)
+
     @property
     def eps(self) -> float:
         return self.param_groups[0]["eps"]
+
+    @eps.setter
+    def eps(self, value: float) -> None:
+        self._set_everywhere("eps", value)
 
     def _check_state_entry(self, i, entry, p, where):
         out = super()._check_state_entry(i, entry, p, where)
