@@ -87,3 +87,22 @@ def test_bad_arguments_change_nothing(rng):
         clip_grad_norm_(ps, 1.0, error_if_nonfinite=True)
     for p, g in zip(ps[:2], grads[:2]):
         np.testing.assert_array_equal(p.grad.numpy(), g.astype(np.float32))
+
+
+@pytest.mark.gpu
+def test_global_norm_over_two_emulated_gpus(rng):
+    if mgpu.num_gpus() < 2:
+        pytest.skip(f"needs 2 GPUs (emulated build), this build has {mgpu.num_gpus()}")
+    shapes = [(300,), (7, 5)]
+    grads = [rng.normal(size=s) for s in shapes]
+    ps = []
+    for i, g in enumerate(grads):
+        p = nn.Parameter(mgpu.zeros(g.shape, device=mgpu.gpu(i)))
+        p.grad = mgpu.array(g.astype(np.float32), device=mgpu.gpu(i))
+        ps.append(p)
+    norm = np.sqrt(sum((g.astype(np.float32).astype(np.float64) ** 2).sum() for g in grads))
+    total = clip_grad_norm_(ps, 1.0)
+    assert float(total) == pytest.approx(norm, rel=1e-6) and total.device == mgpu.gpu(0)
+    for i, (p, g) in enumerate(zip(ps, grads)):
+        assert_close(p.grad.numpy(), g.astype(np.float32) / (norm + 1e-6), "elementwise",
+                     f"clipped grad {i}", p.device)
