@@ -327,6 +327,30 @@ def deterministic_bn(devices, steps=6, shards=True):
     return state + [p.numpy() for p in dp._fused.replica_params[-1]] + [np.array(losses)]
 
 
+def adamw_clip_steps(devices, shards=False, steps=4, clip=0.05):
+    """`steps` DataParallel.train_step calls with AdamW under a cosine schedule and the
+    gradients clipped to a global norm of `clip` (below theirs), on batches of 20; returns the
+    master's parameters and buffers."""
+    from mgpu import nn, optim
+    net = bn_net()
+    dp = nn.DataParallel(net, device_ids=devices)
+    trainer = optim.AdamW(net.parameters(), lr=0.01, eps=1e-4, weight_decay=0.1)
+    sched = optim.lr_scheduler.CosineAnnealingLR(trainer, T_max=steps)
+    loss = nn.CrossEntropyLoss()
+    rng = np.random.default_rng(7)
+    for _ in range(steps):
+        X = mgpu.array(rng.standard_normal((20, 1, 8, 8)).astype(np.float32))
+        y = mgpu.array(rng.integers(0, 10, size=20).astype(np.int32))
+        dp.train_step(X, y, loss, trainer, deterministic=shards, clip_grad_norm=clip)
+        sched.step()
+    return [p.numpy() for p in net.parameters()] + [b.numpy() for b in net.buffers()]
+
+
+def adamw_clip(out, local_devices, shards):
+    save(out, f"adamw_clip_L{local_devices}_{shards}",
+         adamw_clip_steps(_devices(local_devices), shards=int(shards) or False))
+
+
 def sync_bn_steps(devices, steps=4, n=20, sync=True):
     """`steps` DataParallel.train_step calls of bn_net with every batch norm synchronised
     (nn.SyncBatchNorm.convert_sync_batchnorm), SGD with momentum and weight decay, on batches of
@@ -360,7 +384,8 @@ def deterministic(out, kind, local_devices, steps=None):
 
 MODES = {"basics": basics, "train_steps": train_steps, "train_api": train_api,
          "mismatch": mismatch, "die": die, "bench": bench, "fused_model": fused_model,
-         "deterministic": deterministic, "sync_bn": sync_bn, "nccl_stall": nccl_stall}
+         "deterministic": deterministic, "sync_bn": sync_bn, "nccl_stall": nccl_stall,
+         "adamw_clip": adamw_clip}
 
 if __name__ == "__main__":
     mode, outdir, rest = sys.argv[1], sys.argv[2], sys.argv[3:]

@@ -43,6 +43,22 @@ void bind_ops(py::module_& m) {
     throw TypeError("astype: unknown dtype '" + name + "'; use float32, int32, int64 or uint8");
   }, nogil(), "Elementwise dtype conversion.");
   m.def("sgd_update", &ops::sgd_update, nogil(), "param -= scale * grad.");
+  m.def("adam_step", [](const Tensor& param, const Tensor& grad, const Tensor& exp_avg,
+                        const Tensor& exp_avg_sq, float lr, std::pair<float, float> betas, float eps,
+                        float weight_decay, bool decoupled, int64_t step) {
+    ops::AdamHyper h;
+    h.lr = lr;
+    h.beta1 = betas.first;
+    h.beta2 = betas.second;
+    h.eps = eps;
+    h.weight_decay = weight_decay;
+    h.decoupled = decoupled;
+    h.step = step;
+    ops::adam_step(param, grad, exp_avg, exp_avg_sq, 1.0f, h);
+  }, py::arg("param"), py::arg("grad"), py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("lr"),
+     py::arg("betas"), py::arg("eps"), py::arg("weight_decay"), py::arg("decoupled"),
+     py::arg("step"), nogil(),
+     "PyTorch's Adam (AdamW when decoupled) step t on param, exp_avg and exp_avg_sq in place.");
   m.def("relu_forward", &ops::relu_forward, nogil(), "max(x, 0).");
   m.def("relu_backward", &ops::relu_backward, nogil(), "dx = dy where x > 0.");
   m.def("conv2d_forward", [](const Tensor& x, const Tensor& w, const std::optional<Tensor>& b,

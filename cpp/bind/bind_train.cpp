@@ -94,7 +94,7 @@ std::unique_ptr<Replicated> make(const py::list& spec,
   auto r = std::make_unique<Replicated>();
   r->model = std::make_unique<train::Model>(layers, ps, bs);
   for (size_t d = 0; d < devices.size(); ++d)
-    r->replicas.push_back({devices[d], {params[d], buffers[d]}, Tensor(), Tensor()});
+    r->replicas.push_back({devices[d], {params[d], buffers[d]}, Tensor(), Tensor(), Tensor()});
   train::check_replicas("Model", *r->model, r->replicas);
   return r;
 }
@@ -136,7 +136,10 @@ void bind_train(py::module_& m) {
       .def(py::init(&make), py::arg("spec"), py::arg("params"), py::arg("buffers"),
            py::arg("devices"))
       .def("train_step", [](Replicated& r, const Tensor& X, const Tensor& y, float lr,
-                            float momentum, float weight_decay, int64_t shards) {
+                            float momentum, float weight_decay, int64_t shards,
+                            const std::string& optimizer, std::pair<float, float> betas, float eps,
+                            int64_t step, std::optional<float> max_norm,
+                            const std::vector<float>& lrs, const std::vector<float>& weight_decays) {
         // PyTorch's SGD accepts lr 0; NaN or infinity would train every replica into NaN.
         MGPU_CHECK_VALUE(std::isfinite(lr) && lr >= 0, "Model.train_step: the learning rate must "
                          "be a finite number >= 0, got ", lr);
@@ -144,6 +147,42 @@ void bind_train(py::module_& m) {
                          "must be a finite number >= 0, got ", momentum);
         MGPU_CHECK_VALUE(std::isfinite(weight_decay) && weight_decay >= 0, "Model.train_step: "
                          "weight_decay must be a finite number >= 0, got ", weight_decay);
+        train::Sgd sgd;
+        sgd.lr = lr;
+        sgd.momentum = momentum;
+        sgd.weight_decay = weight_decay;
+        if (optimizer == "adam") sgd.kind = train::Sgd::Kind::Adam;
+        else if (optimizer == "adamw") sgd.kind = train::Sgd::Kind::AdamW;
+        else MGPU_CHECK_VALUE(optimizer == "sgd", "Model.train_step: optimizer must be 'sgd', "
+                              "'adam' or 'adamw', got '", optimizer, "'");
+        MGPU_CHECK_VALUE(betas.first >= 0 && betas.first < 1 && betas.second >= 0 &&
+                         betas.second < 1, "Model.train_step: betas must lie in [0, 1), got (",
+                         betas.first, ", ", betas.second, ")");
+        MGPU_CHECK_VALUE(std::isfinite(eps) && eps >= 0, "Model.train_step: eps must be a finite "
+                         "number >= 0, got ", eps);
+        MGPU_CHECK_VALUE(step >= 1, "Model.train_step: Adam's step count starts at 1, got ",
+                         step);
+        sgd.beta1 = betas.first;
+        sgd.beta2 = betas.second;
+        sgd.eps = eps;
+        sgd.step = step;
+        if (max_norm) {
+          MGPU_CHECK_VALUE(std::isfinite(*max_norm) && *max_norm >= 0, "Model.train_step: "
+                           "max_norm must be a finite number >= 0, got ", *max_norm);
+          sgd.clip = true;
+          sgd.max_norm = *max_norm;
+        }
+        const size_t n = r.model->num_params();
+        for (const auto& [name, values] : {std::pair{"lrs", &lrs},
+                                           std::pair{"weight_decays", &weight_decays}}) {
+          MGPU_CHECK_VALUE(values->empty() || values->size() == n, "Model.train_step: ", name,
+                           " must hold one value per parameter (", n, "), got ", values->size());
+          for (float v : *values)
+            MGPU_CHECK_VALUE(std::isfinite(v) && v >= 0, "Model.train_step: ", name, " must be "
+                             "finite numbers >= 0, got ", v);
+        }
+        sgd.lrs = lrs;
+        sgd.weight_decays = weight_decays;
         py::gil_scoped_release nogil;
         // The previous step's tasks have all run (and released their tensors) before this one
         // allocates: each step then needs the same blocks at once, which the CPU allocator keeps
@@ -153,13 +192,15 @@ void bind_train(py::module_& m) {
         // The step joins each bucket's all-reduce as each device's backward reaches it: one
         // step at a time, so another host thread's collectives cannot interleave with its parts.
         std::lock_guard<std::recursive_mutex> order(collective_submission_mutex());
-        train::Sgd sgd;
-        sgd.lr = lr;
-        sgd.momentum = momentum;
-        sgd.weight_decay = weight_decay;
         return train::train_step(*r.model, X, y, r.replicas, sgd, shards);
       }, py::arg("X"), py::arg("y"), py::arg("lr"), py::arg("momentum") = 0.0f,
-         py::arg("weight_decay") = 0.0f, py::arg("shards") = 0)
+         py::arg("weight_decay") = 0.0f, py::arg("shards") = 0, py::arg("optimizer") = "sgd",
+         py::arg("betas") = std::pair<float, float>{0.9f, 0.999f}, py::arg("eps") = 1e-8f,
+         py::arg("step") = 1, py::arg("max_norm") = std::nullopt,
+         py::arg("lrs") = std::vector<float>{}, py::arg("weight_decays") = std::vector<float>{},
+         "One fused step: optimizer 'sgd' (lr, momentum, weight_decay), 'adam' or 'adamw' (lr, "
+         "betas, eps, weight_decay at `step`, counted from 1); max_norm: clip the mean loss's "
+         "gradient to that global norm first; lrs, weight_decays: per parameter.")
       .def("evaluate_batch", [](const Replicated& r, const Tensor& X, const Tensor& y) {
         py::gil_scoped_release nogil;
         return train::evaluate_step(*r.model, X, y, r.replicas);
@@ -177,23 +218,28 @@ void bind_train(py::module_& m) {
            py::arg("replica"))
       .def("buffers", [](const Replicated& r, int64_t d) { return replica(r, d).state.buffers; },
            py::arg("replica"))
-      .def("momentum_buffers", [](const Replicated& r, int64_t d) {
+      .def("momentum_buffers", [](const Replicated& r, int64_t d, int which) {
         const train::Replica& rep = replica(r, d);
+        const Tensor& flat = which == 0 ? rep.momentum : rep.second;
         std::vector<std::optional<Tensor>> out;
         for (size_t i = 0; i < rep.state.params.size(); ++i) {
-          if (!rep.momentum.defined()) {
+          if (!flat.defined()) {
             out.emplace_back();
             continue;
           }
           const Tensor& p = rep.state.params[i];
           const int64_t at = r.model->offset(i);
-          out.emplace_back(rep.momentum.slice_rows(at, at + p.numel()).reshape(p.shape()));
+          out.emplace_back(flat.slice_rows(at, at + p.numel()).reshape(p.shape()));
         }
         return out;
-      }, py::arg("replica"))
+      }, py::arg("replica"), py::arg("which") = 0,
+         "One replica's optimizer state per parameter, views (None before the first step that "
+         "makes it): which 0 SGD's momentum or Adam's first moment, 1 Adam's second moment.")
       .def("set_momentum_buffers", [](Replicated& r, int64_t d,
-                                      const std::vector<std::optional<Tensor>>& bufs) {
+                                      const std::vector<std::optional<Tensor>>& bufs, int which) {
         const train::Replica& rep = replica(r, d);
+        MGPU_CHECK_VALUE(which == 0 || which == 1, "Model.set_momentum_buffers: which must be 0 "
+                         "(momentum, first moment) or 1 (second moment), got ", which);
         const std::vector<Tensor>& ps = rep.state.params;
         MGPU_CHECK_VALUE(bufs.size() == ps.size(), "Model.set_momentum_buffers: the model has ",
                          ps.size(), " parameters, got ", bufs.size(), " buffers");
@@ -208,18 +254,19 @@ void bind_train(py::module_& m) {
         }
         py::gil_scoped_release nogil;
         train::Replica& mine = r.replicas[static_cast<size_t>(d)];
-        if (!mine.momentum.defined())
-          mine.momentum = Tensor::empty({r.model->flat_size()}, DType::F32, mine.device);
+        Tensor& flat = which == 0 ? mine.momentum : mine.second;
+        if (!flat.defined())
+          flat = Tensor::empty({r.model->flat_size()}, DType::F32, mine.device);
         // None is a zero buffer: the next step then starts it as PyTorch does (buf = g).
         for (size_t i = 0; i < bufs.size(); ++i) {
           const int64_t at = r.model->offset(i);
-          Tensor dst = mine.momentum.slice_rows(at, at + ps[i].numel()).reshape(ps[i].shape());
+          Tensor dst = flat.slice_rows(at, at + ps[i].numel()).reshape(ps[i].shape());
           if (!bufs[i]) ops::fill(dst, 0.0);
           else if (bufs[i]->raw() != dst.raw() || bufs[i]->device() != dst.device())
             ops::copy(dst, *bufs[i]);
         }
-      }, py::arg("replica"), py::arg("buffers"),
-         "Sets one replica's SGD momentum buffers (copies; None: zero).")
+      }, py::arg("replica"), py::arg("buffers"), py::arg("which") = 0,
+         "Sets one replica's optimizer state (copies; None: zero); which as momentum_buffers.")
       .def_property_readonly("num_replicas", [](const Replicated& r) { return r.replicas.size(); })
       .def_property_readonly("buckets", [](const Replicated& r) {
         std::vector<std::pair<int64_t, int64_t>> out;

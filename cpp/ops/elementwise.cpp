@@ -2,6 +2,7 @@
 #include "ops/elementwise.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 
 namespace mgpu::ops {
@@ -267,8 +268,22 @@ void sgd_update(const Tensor& param, const Tensor& grad, float scale) {
            grad);
 }
 
+namespace {
+
+// clip: a 0-d float32 factor on param's device, or undefined (no clipping).
+const float* clip_pointer(const char* op, const Tensor& param, const Tensor& clip) {
+  if (!clip.defined()) return nullptr;
+  require_dtype(op, "clip factor", clip, DType::F32);
+  require_same_device(op, {&param, &clip});
+  MGPU_CHECK_VALUE(clip.numel() == 1, op, ": the clip factor must hold one value, got shape ",
+                   clip.shape());
+  return clip.f32();
+}
+
+}  // namespace
+
 void sgd_step(const Tensor& param, const Tensor& grad, const Tensor& momentum_buf, float batch,
-              float lr, float momentum, float weight_decay) {
+              float lr, float momentum, float weight_decay, const Tensor& clip) {
   require_dtype("sgd", "param", param, DType::F32);
   require_dtype("sgd", "grad", grad, DType::F32);
   require_same_device("sgd", {&param, &grad});
@@ -282,9 +297,53 @@ void sgd_step(const Tensor& param, const Tensor& grad, const Tensor& momentum_bu
                      momentum_buf.shape(), " but the parameter has shape ", param.shape());
     buf = momentum_buf.f32();
   }
+  const float* factor = clip_pointer("sgd", param, clip);
   for_each_index("sgd", param.device(), param.numel(),
-                 SgdStep{param.f32(), grad.f32(), buf, batch, lr, momentum, weight_decay}, param,
-                 grad, momentum_buf);
+                 SgdStep{param.f32(), grad.f32(), buf, batch, lr, momentum, weight_decay, factor},
+                 param, grad, momentum_buf, clip);
+}
+
+void adam_step(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
+               float batch, const AdamHyper& h, const Tensor& clip) {
+  const char* op = h.decoupled ? "adamw" : "adam";
+  MGPU_CHECK_VALUE(std::isfinite(h.lr) && h.lr >= 0, op, ": lr must be a finite number >= 0, "
+                   "got ", h.lr);
+  MGPU_CHECK_VALUE(h.beta1 >= 0 && h.beta1 < 1 && h.beta2 >= 0 && h.beta2 < 1, op, ": betas "
+                   "must lie in [0, 1), got (", h.beta1, ", ", h.beta2, ")");
+  MGPU_CHECK_VALUE(std::isfinite(h.eps) && h.eps >= 0, op, ": eps must be >= 0, got ", h.eps);
+  MGPU_CHECK_VALUE(std::isfinite(h.weight_decay) && h.weight_decay >= 0, op, ": weight_decay "
+                   "must be >= 0, got ", h.weight_decay);
+  MGPU_CHECK_VALUE(h.step >= 1, op, ": the step count starts at 1, got ", h.step);
+  MGPU_CHECK_VALUE(batch > 0, op, ": the batch must be > 0, got ", batch);
+  for (const Tensor* t : {&param, &grad, &m, &v}) require_dtype(op, "tensor", *t, DType::F32);
+  require_same_device(op, {&param, &grad, &m, &v});
+  MGPU_CHECK_VALUE(grad.shape() == param.shape() && m.shape() == param.shape() &&
+                   v.shape() == param.shape(), op, ": param ", param.shape(), ", grad ",
+                   grad.shape(), " and the moments ", m.shape(), ", ", v.shape(),
+                   " must have one shape");
+  // As PyTorch: the bias corrections and the decay factor in double, rounded to float once.
+  const double t = static_cast<double>(h.step);
+  const double bc1 = 1.0 - std::pow(static_cast<double>(h.beta1), t);
+  const double bc2 = 1.0 - std::pow(static_cast<double>(h.beta2), t);
+  const double lr = h.lr, wd = h.weight_decay;
+  AdamStep body{param.f32(), grad.f32(), m.f32(), v.f32(), clip_pointer(op, param, clip), batch,
+                static_cast<float>(1.0 - static_cast<double>(h.beta1)), h.beta2,
+                static_cast<float>(1.0 - static_cast<double>(h.beta2)), h.eps,
+                h.decoupled ? 0.0f : h.weight_decay,
+                h.decoupled ? static_cast<float>(1.0 - lr * wd) : 1.0f,
+                static_cast<float>(lr / bc1), static_cast<float>(std::sqrt(bc2))};
+  for_each_index(op, param.device(), param.numel(), body, param, grad, m, v, clip);
+}
+
+Tensor clip_factor(const Tensor& grad, float grad_scale, float max_norm) {
+  require_dtype("clip_grad_norm", "grad", grad, DType::F32);
+  MGPU_CHECK_VALUE(std::isfinite(max_norm) && max_norm >= 0, "clip_grad_norm: max_norm must be "
+                   "a finite number >= 0, got ", max_norm);
+  const Tensor squares = sum(binary(BinaryOp::Mul, grad, grad));
+  Tensor factor = Tensor::empty({}, DType::F32, grad.device());
+  for_each_index("clip_grad_norm", grad.device(), 1,
+                 ClipFactor{squares.f32(), factor.f32(), grad_scale, max_norm}, squares, factor);
+  return factor;
 }
 
 }  // namespace mgpu::ops

@@ -1,6 +1,7 @@
 // cpp/ops/elementwise.cu -- elementwise.h's kernels: the per-element bodies (a op b for every
-// BinaryOp, fills, the SGD step) as grid-stride kernels, astype for every pair of float, int32,
-// int64 and uint8, the sum of all elements, and sum_to_shape's row sums. Executed on emulated GPUs
+// BinaryOp, fills, the SGD and Adam steps, the clip factor) as grid-stride kernels, astype for
+// every pair of float, int32, int64 and uint8, the sum of all elements, and sum_to_shape's row
+// sums. Executed on emulated GPUs
 // in tests (tests/cpp/emu_test_kernels_cuda.cpp); compiled by nvcc for real GPUs.
 #include "ops/elementwise.h"
 #include "ops/launch.cuh"
@@ -12,6 +13,8 @@ using detail::ceil_div;
 template void for_each_index<FillOut>(int64_t, const FillOut&, cudaStream_t);
 template void for_each_index<SgdUpdate>(int64_t, const SgdUpdate&, cudaStream_t);
 template void for_each_index<SgdStep>(int64_t, const SgdStep&, cudaStream_t);
+template void for_each_index<AdamStep>(int64_t, const AdamStep&, cudaStream_t);
+template void for_each_index<ClipFactor>(int64_t, const ClipFactor&, cudaStream_t);
 
 #define MGPU_INSTANTIATE_BINARY(op)                                                         \
   template void for_each_index<BinaryOut<op>>(int64_t, const BinaryOut<op>&, cudaStream_t); \

@@ -5,6 +5,7 @@
 // Kernels: the bodies below (for_each_index), elementwise_cpu.cpp, elementwise.cu.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 
 #include "core/tensor.h"
@@ -52,13 +53,16 @@ struct SgdUpdate {
 };
 
 // PyTorch's SGD on the mean loss in one pass, from the gradient of the summed loss over `batch`
-// examples: g = grad / batch + weight_decay * param; with a momentum buffer (buf non-null)
-// buf = momentum * buf + g and param -= lr * buf, else param -= lr * g. A zeroed buffer gives
-// PyTorch's first step (buf = g) exactly. grad is only read.
+// examples: g = grad / batch (times *clip when clip is non-null: clip_grad_norm_'s factor) +
+// weight_decay * param; with a momentum buffer (buf non-null) buf = momentum * buf + g and
+// param -= lr * buf, else param -= lr * g. A zeroed buffer gives PyTorch's first step (buf = g)
+// exactly. grad is only read.
 struct SgdStep {
   float* param; const float* grad; float* buf; float batch, lr, momentum, weight_decay;
+  const float* clip = nullptr;
   MGPU_HD void operator()(int64_t i) const {
     float g = grad[i] / batch;
+    if (clip) g = g * *clip;
     if (weight_decay != 0.0f) g = g + param[i] * weight_decay;
     if (buf) {
       buf[i] = buf[i] * momentum + g;
@@ -66,6 +70,48 @@ struct SgdStep {
     }
     param[i] -= lr * g;
   }
+};
+
+// PyTorch's Adam / AdamW at step t (t >= 1), from g = grad / batch (times *clip when clip is
+// non-null). Adam adds weight_decay * param to g (L2 in the gradient); AdamW multiplies param by
+// decay = 1 - lr * weight_decay first (decoupled weight decay). Then
+//   m = m + (1 - beta1) (g - m)      v = beta2 v + (1 - beta2) g g
+//   param -= step_size * m / (sqrt(v) / bc2_sqrt + eps)
+// with step_size = lr / (1 - beta1^t) and bc2_sqrt = sqrt(1 - beta2^t), the bias corrections
+// formed on the host in double as PyTorch forms them. Zeroed m and v give PyTorch's first step.
+struct AdamStep {
+  float* param; const float* grad; float* m; float* v; const float* clip;
+  float batch, one_minus_beta1, beta2, one_minus_beta2, eps, l2, decay, step_size, bc2_sqrt;
+  MGPU_HD void operator()(int64_t i) const {
+    float g = grad[i] / batch;
+    if (clip) g = g * *clip;
+    float p = param[i];
+    if (decay != 1.0f) p = p * decay;
+    if (l2 != 0.0f) g = g + p * l2;
+    const float mi = m[i] + one_minus_beta1 * (g - m[i]);
+    const float vi = v[i] * beta2 + one_minus_beta2 * g * g;
+    m[i] = mi;
+    v[i] = vi;
+    param[i] = p - step_size * (mi / (sqrtf(vi) / bc2_sqrt + eps));
+  }
+};
+
+// clip_grad_norm_'s factor min(1, max_norm / (norm + 1e-6)) with norm = sqrt(*sum_squares) *
+// grad_scale (the gradient of the summed loss scaled to the mean's). One element.
+struct ClipFactor {
+  const float* sum_squares; float* factor; float grad_scale, max_norm;
+  MGPU_HD void operator()(int64_t) const {
+    const float norm = sqrtf(*sum_squares) * grad_scale;
+    const float f = max_norm / (norm + 1e-6f);
+    *factor = f < 1.0f ? f : 1.0f;
+  }
+};
+
+// Adam's hyperparameters at one step (see AdamStep); decoupled: AdamW.
+struct AdamHyper {
+  float lr = 1e-3f, beta1 = 0.9f, beta2 = 0.999f, eps = 1e-8f, weight_decay = 0.0f;
+  bool decoupled = false;
+  int64_t step = 1;  // t, counted from 1
 };
 
 Tensor binary(BinaryOp op, const Tensor& a, const Tensor& b);
@@ -88,7 +134,15 @@ void sgd_update(const Tensor& param, const Tensor& grad, float scale);
 // SgdStep on param, grad and momentum_buf (all one shape on one device; momentum_buf undefined:
 // no momentum). Writes param and momentum_buf in place, allocates nothing.
 void sgd_step(const Tensor& param, const Tensor& grad, const Tensor& momentum_buf, float batch,
-              float lr, float momentum, float weight_decay);
+              float lr, float momentum, float weight_decay, const Tensor& clip = Tensor());
+// AdamStep on param, grad and the moments m, v (all one shape on one device), from grad / batch
+// times clip (a 0-d float32 tensor on that device, or undefined: 1). Writes param, m and v in
+// place, allocates nothing. Raises ValueError for hyperparameters PyTorch refuses.
+void adam_step(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
+               float batch, const AdamHyper& h, const Tensor& clip = Tensor());
+// clip_grad_norm_'s factor for a flat gradient: a 0-d tensor on grad's device holding
+// min(1, max_norm / (||grad|| * grad_scale + 1e-6)), the squares summed as ops::sum sums.
+Tensor clip_factor(const Tensor& grad, float grad_scale, float max_norm);
 
 namespace cpu {
 // sum_to_shape's row sums: db[j] = sum_i dy[i, j] over dy (n, m), added in i order (the

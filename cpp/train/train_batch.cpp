@@ -38,6 +38,26 @@ Tensor view(const Model& m, const Tensor& flat, const Tensor& p, size_t i) {
   return flat.slice_rows(m.offset(i), m.offset(i) + p.numel()).reshape(p.shape());
 }
 
+// A flat buffer like the gradients, zeroed: a zeroed momentum buffer makes the first step
+// PyTorch's buf = g, zeroed moments make Adam's first step PyTorch's.
+void make_zeroed(const Model& m, Tensor& t, Device device) {
+  if (t.defined()) return;
+  t = Tensor::empty({m.flat_size()}, DType::F32, device);
+  ops::fill(t, 0.0);
+}
+
+ops::AdamHyper adam_hyper(const Sgd& sgd, size_t i) {
+  ops::AdamHyper h;
+  h.lr = sgd.lr_of(i);
+  h.beta1 = sgd.beta1;
+  h.beta2 = sgd.beta2;
+  h.eps = sgd.eps;
+  h.weight_decay = sgd.weight_decay_of(i);
+  h.decoupled = sgd.kind == Sgd::Kind::AdamW;
+  h.step = sgd.step;
+  return h;
+}
+
 void update(const Model& m, Replica& r, const Tensor& grads, const Sgd& sgd, int64_t batch) {
   const std::vector<Tensor>& ps = r.state.params;
   if (sgd.sum_rule) {
@@ -45,17 +65,26 @@ void update(const Model& m, Replica& r, const Tensor& grads, const Sgd& sgd, int
     for (size_t i = 0; i < ps.size(); ++i) ops::sgd_update(ps[i], view(m, grads, ps[i], i), scale);
     return;
   }
-  // One pass per parameter, nothing allocated: the momentum buffer is made (zeroed, which makes
-  // the first step PyTorch's buf = g) at the first step with momentum and reused after.
-  if (sgd.momentum != 0.0f && !r.momentum.defined()) {
-    r.momentum = Tensor::empty({m.flat_size()}, DType::F32, r.device);
-    ops::fill(r.momentum, 0.0);
+  // Every replica holds the same summed gradients, so each forms the same clip factor itself.
+  const Tensor clip = sgd.clip ? ops::clip_factor(grads, 1.0f / static_cast<float>(batch),
+                                                  sgd.max_norm)
+                               : Tensor();
+  if (sgd.adam()) {
+    make_zeroed(m, r.momentum, r.device);
+    make_zeroed(m, r.second, r.device);
+    for (size_t i = 0; i < ps.size(); ++i)
+      ops::adam_step(ps[i], view(m, grads, ps[i], i), view(m, r.momentum, ps[i], i),
+                     view(m, r.second, ps[i], i), static_cast<float>(batch), adam_hyper(sgd, i),
+                     clip);
+    return;
   }
+  // One pass per parameter, nothing allocated but the clip factor.
   const bool with_buf = sgd.momentum != 0.0f;
+  if (with_buf) make_zeroed(m, r.momentum, r.device);
   for (size_t i = 0; i < ps.size(); ++i) {
     const Tensor buf = with_buf ? view(m, r.momentum, ps[i], i) : Tensor();
-    ops::sgd_step(ps[i], view(m, grads, ps[i], i), buf, static_cast<float>(batch), sgd.lr,
-                  sgd.momentum, sgd.weight_decay);
+    ops::sgd_step(ps[i], view(m, grads, ps[i], i), buf, static_cast<float>(batch), sgd.lr_of(i),
+                  sgd.momentum, sgd.weight_decay_of(i), clip);
   }
 }
 
@@ -113,8 +142,8 @@ struct SharedUpdate {
             continue;
           }
           float* buf = momentum[static_cast<size_t>(d)];
-          const ops::SgdStep step{p, sum, buf ? buf + f0 : nullptr, batch, sgd.lr, sgd.momentum,
-                                  sgd.weight_decay};
+          const ops::SgdStep step{p, sum, buf ? buf + f0 : nullptr, batch, sgd.lr_of(i),
+                                  sgd.momentum, sgd.weight_decay_of(i)};
           for (int64_t e = 0; e < n; ++e) step(e);
         }
       });
@@ -139,10 +168,7 @@ void shared_update(const Model& m, std::vector<Replica>& replicas, const std::ve
     Replica& r = replicas[d];
     // As update(): the momentum buffer is made, zeroed, at the first step with momentum.
     const bool with_buf = sgd.momentum != 0.0f && !sgd.sum_rule;
-    if (with_buf && !r.momentum.defined()) {
-      r.momentum = Tensor::empty({m.flat_size()}, DType::F32, r.device);
-      ops::fill(r.momentum, 0.0);
-    }
+    if (with_buf) make_zeroed(m, r.momentum, r.device);
     sh->grads.push_back(grads[d].f32());
     std::vector<float*> ps;
     for (const Tensor& p : r.state.params) ps.push_back(p.f32());
@@ -351,7 +377,9 @@ LabelGuard start_guard(const char* op, int64_t classes, const Tensor& y,
   for (const Replica& r : replicas) {
     g.labels.push_back(ops::to_device(y, r.device));
     g.flags.push_back(ops::find_bad_label(g.labels.back(), classes));
-    first_momentum = first_momentum || (sgd.momentum != 0.0f && !r.momentum.defined());
+    const bool needs_momentum = !sgd.sum_rule && (sgd.momentum != 0.0f || sgd.adam());
+    first_momentum = first_momentum || (needs_momentum && !r.momentum.defined()) ||
+                     (sgd.adam() && !r.second.defined());
   }
   // A first step with momentum creates the buffers, which a failed step must not leave behind:
   // this once, the host waits for the verdict.
@@ -365,6 +393,7 @@ LabelGuard start_guard(const char* op, int64_t classes, const Tensor& y,
     std::vector<Tensor> state = r.state.params, saved;
     state.insert(state.end(), r.state.buffers.begin(), r.state.buffers.end());
     if (r.momentum.defined()) state.push_back(r.momentum);
+    if (r.second.defined()) state.push_back(r.second);
     for (const Tensor& t : state) saved.push_back(ops::to_device(t, r.device, true));
     g.state.push_back(std::move(state));
     g.saved.push_back(std::move(saved));
@@ -439,7 +468,9 @@ std::vector<Tensor> train_step(const Model& m, const Tensor& X, const Tensor& y,
   // CPU devices of this process (and no other rank): one collective after backward sums the
   // gradients and updates every replica (shared_update); otherwise buckets are reduced as
   // backward produces them and every replica updates itself.
-  const bool shared = devices[0].is_cpu() && L > 1 && world == 1 && shared_update_enabled();
+  // (SGD without clipping: Adam and the clip factor take the summed gradients whole.)
+  const bool shared = devices[0].is_cpu() && L > 1 && world == 1 && shared_update_enabled() &&
+                      !sgd.adam() && !sgd.clip;
   std::optional<comm::BucketAllReduce> reduce;
   if (!shared) {
     std::vector<int64_t> sizes;
@@ -526,7 +557,7 @@ std::vector<Replica> lenet_replicas(const char* op, const std::vector<std::vecto
     check_lenet_params(op, params[d]);
     MGPU_CHECK_VALUE(params[d][0].device() == devices[d], op, ": replica ", d, " lives on ",
                      params[d][0].device(), " but devices[", d, "] is ", devices[d]);
-    out.push_back(Replica{devices[d], ReplicaState{params[d], {}}, Tensor(), Tensor()});
+    out.push_back(Replica{devices[d], ReplicaState{params[d], {}}, Tensor(), Tensor(), Tensor()});
   }
   return out;
 }

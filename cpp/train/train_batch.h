@@ -14,17 +14,35 @@ namespace mgpu::train {
 struct Replica {
   Device device;
   ReplicaState state;
-  Tensor grads;     // flat (Model::flat_size()), made at the first step
-  Tensor momentum;  // flat like grads; undefined until the first step with momentum (or a set)
+  Tensor grads;       // flat (Model::flat_size()), made at the first step
+  Tensor momentum;    // flat like grads: SGD's momentum, or Adam's first moment m; undefined
+                      // until the first step that needs it (or a set)
+  Tensor second;      // flat like grads: Adam's second moment v, undefined as momentum
 };
 
 // The update. sum_rule (the chapter's LeNet step): p -= lr / N * g with g the gradient of the
-// summed loss and N the global batch. Otherwise PyTorch's SGD on the mean loss over the global
-// batch: g = g_sum / N + weight_decay * p; buf = momentum * buf + g (buf = g at the first step);
-// p -= lr * buf (p -= lr * g when momentum is 0).
+// summed loss and N the global batch. Otherwise PyTorch's optimizers on the mean loss over the
+// global batch, g = g_sum / N: with clip first clip_grad_norm_(max_norm) over the whole
+// flat gradient (g *= min(1, max_norm / (||g|| + 1e-6)), the same factor on every replica as
+// their gradients are the same sum); then kind Sgd: g += weight_decay * p; buf = momentum * buf
+// + g (buf = g at the first step); p -= lr * buf (p -= lr * g when momentum is 0); kind Adam or
+// AdamW: ops::AdamStep at step `step` (counted from 1). lrs, weight_decays: per parameter (a
+// PyTorch parameter group's values for its parameters), empty for lr and weight_decay everywhere.
 struct Sgd {
   float lr = 0.1f, momentum = 0.0f, weight_decay = 0.0f;
   bool sum_rule = false;
+  enum class Kind : int8_t { Sgd, Adam, AdamW } kind = Kind::Sgd;
+  float beta1 = 0.9f, beta2 = 0.999f, eps = 1e-8f;
+  int64_t step = 1;
+  bool clip = false;
+  float max_norm = 0.0f;
+  std::vector<float> lrs, weight_decays;
+
+  float lr_of(size_t i) const { return lrs.empty() ? lr : lrs[i]; }
+  float weight_decay_of(size_t i) const {
+    return weight_decays.empty() ? weight_decay : weight_decays[i];
+  }
+  bool adam() const { return kind != Kind::Sgd; }
 };
 
 // Checks the replicas against the model and each other (distinct devices of one kind).

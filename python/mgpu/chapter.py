@@ -21,6 +21,7 @@ from .data import load_data_fashion_mnist
 from .device import try_gpu
 from .models import lenet
 from .nn import CrossEntropyLoss
+from .optim.lr_scheduler import make_schedule
 from .parallel import sgd, shard_count, split_batch
 from .tensor import zeros_like
 from .train import (
@@ -140,12 +141,29 @@ def train_op_by_op(num_gpus: int, batch_size: int, lr: float, num_epochs: int = 
 
 # --- sec. 12.6, the concise implementation ------------------------------------------------------
 
+OPTIMIZERS = ("sgd", "adam", "adamw")
+
+
+def make_optimizer(params, lr: float, optimizer: str = "sgd",
+                   weight_decay: Optional[float] = None):
+    """``optim.SGD`` (the book's, no momentum), ``optim.Adam`` or ``optim.AdamW`` over
+    ``params`` with ``lr``; ``weight_decay`` None keeps the optimizer's default (0, 0, 0.01)."""
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {optimizer!r}")
+    kw = {} if weight_decay is None else {"weight_decay": weight_decay}
+    cls = {"sgd": optim.SGD, "adam": optim.Adam, "adamw": optim.AdamW}[optimizer]
+    return cls(params, lr=lr, **kw)
+
+
 def train_concise(net, num_gpus: int, batch_size: int, lr: float, num_epochs: int = 10,
                   data=None, data_dir: Optional[str] = None,
                   limit_batches: Optional[int] = None, seed: int = 0,
                   progress: Optional[bool] = None, fused: bool = False,
                   deterministic=False, checkpoint: Optional[str] = None,
-                  checkpoint_every: Optional[int] = None, resume: bool = False) -> TrainResult:
+                  checkpoint_every: Optional[int] = None, resume: bool = False,
+                  optimizer: str = "sgd", weight_decay: Optional[float] = None,
+                  schedule: str = "none", warmup_epochs: int = 0,
+                  clip_grad_norm: Optional[float] = None) -> TrainResult:
     """The concise chapter's ``train(net, num_gpus, batch_size, lr)`` (sec. 12.6), as printed:
     ``normal_(std=0.01)`` init of Linear and Conv2d weights, ``nn.DataParallel``, SGD and the
     mean cross-entropy, the book's loop, test accuracy on all devices after every epoch, and
@@ -157,7 +175,14 @@ def train_concise(net, num_gpus: int, batch_size: int, lr: float, num_epochs: in
     step in one C++ call; ``deterministic=True`` (with ``fused``) makes that step's result the
     same bits on any number of devices (``DataParallel.train_step``). ``checkpoint``,
     ``checkpoint_every`` and ``resume`` save and resume the run as in ``mgpu.train``
-    (parameters, BatchNorm buffers, SGD's momentum, data order and position, RNG, step).
+    (parameters, BatchNorm buffers, the optimizer's state, the schedule's position, data order
+    and position, RNG, step).
+
+    Beyond the book: ``optimizer`` 'sgd' (the book's), 'adam' or 'adamw' with ``weight_decay``
+    (see :func:`make_optimizer`), ``schedule`` 'none', 'step', 'cosine' or 'onecycle' with
+    ``warmup_epochs`` (see ``optim.lr_scheduler.make_schedule``, stepped after every batch), and
+    ``clip_grad_norm``: the gradients' global norm clipped to it before every update
+    (``nn.utils.clip_grad_norm_`` in the book's loop, inside the C++ step when fused).
     Returns the per-epoch accuracies and times.
     """
     if int(num_gpus) < 1:
@@ -181,7 +206,14 @@ def train_concise(net, num_gpus: int, batch_size: int, lr: float, num_epochs: in
     net.apply(init_weights)
     # Set the model on multiple GPUs
     net = nn.DataParallel(net, device_ids=devices)
-    trainer = optim.SGD(net.parameters(), lr)
+    trainer = make_optimizer(net.parameters(), lr, optimizer, weight_decay)
+    scheduler = make_schedule(trainer, schedule, int(num_epochs),
+                              len(train_iter) if schedule != "none" or warmup_epochs else 0,
+                              warmup_epochs)
+    if clip_grad_norm is not None and (isinstance(clip_grad_norm, bool) or not isinstance(
+            clip_grad_norm, (int, float)) or not 0 <= clip_grad_norm < float("inf")):
+        raise ValueError(f"train_concise: clip_grad_norm must be a finite number >= 0, got "
+                         f"{clip_grad_norm!r}")
     loss = nn.CrossEntropyLoss()
     timer = Timer()
     result = TrainResult(devices=devices)
@@ -191,12 +223,14 @@ def train_concise(net, num_gpus: int, batch_size: int, lr: float, num_epochs: in
         loaded = ckpts.start(resume)
         if loaded is not None:
             run = _resume_concise(*loaded, net.module, trainer, train_iter, result, batch_size,
-                                  len(devices), fused, shards)
+                                  len(devices), fused, shards, scheduler)
             if run.epoch >= int(num_epochs):
                 print(f"the run in {checkpoint} has finished its {run.epoch} epochs: its "
                       "results, nothing trained")
     config = {"batch_size": batch_size, "num_devices": len(devices), "world_size": 1,
-              "lr": lr, "seed": seed, "fused": bool(fused), "deterministic": shards}
+              "lr": lr, "seed": seed, "fused": bool(fused), "deterministic": shards,
+              "optimizer": optimizer, "schedule": schedule, "warmup_epochs": warmup_epochs,
+              "clip_grad_norm": clip_grad_norm}
 
     def save_state(epoch_next: int) -> None:
         waitall()
@@ -204,6 +238,7 @@ def train_concise(net, num_gpus: int, batch_size: int, lr: float, num_epochs: in
         state = {"kind": "mgpu.train_concise", "step": run.step, "epoch": epoch_next,
                  "config": config, "model": net.module.state_dict(),
                  "optimizer": trainer.state_dict(), "loader": train_iter.state_dict(),
+                 "scheduler": scheduler.state_dict() if scheduler is not None else None,
                  "rng": random.get_state(), "result": result_state(result),
                  "epoch_losses": np.array(run.losses, dtype=np.float32),
                  "epoch_elapsed": run.elapsed + timer.stop()}
@@ -218,13 +253,18 @@ def train_concise(net, num_gpus: int, batch_size: int, lr: float, num_epochs: in
         losses = run.losses
         for X, y in train_iter:
             if fused:
-                l = net.train_step(X, y, loss, trainer, deterministic=deterministic)
+                l = net.train_step(X, y, loss, trainer, deterministic=deterministic,
+                                   clip_grad_norm=clip_grad_norm)
             else:
                 trainer.zero_grad()
                 X, y = X.to(devices[0]), y.to(devices[0])
                 l = loss(net(X), y)
                 l.backward()
+                if clip_grad_norm is not None:
+                    nn.utils.clip_grad_norm_(net.parameters(), clip_grad_norm)
                 trainer.step()
+            if scheduler is not None:
+                scheduler.step()
             losses.append(l.detach())
             run.step += 1
             if ckpts is not None:
@@ -251,9 +291,21 @@ def train_concise(net, num_gpus: int, batch_size: int, lr: float, num_epochs: in
 
 
 def _resume_concise(path: str, state, module, trainer, train_iter, result: TrainResult,
-                    batch_size: int, num_devices: int, fused: bool, shards: int) -> Progress:
+                    batch_size: int, num_devices: int, fused: bool, shards: int,
+                    scheduler=None) -> Progress:
     """Puts a checkpoint's state into the run: everything is checked before anything changes."""
     check_run(path, state, "mgpu.train_concise", batch_size, num_devices, 1, shards)
+    saved_opt = state.get("config", {}).get("optimizer", "sgd")
+    saved_sched = state.get("scheduler")
+    if saved_opt != type(trainer).__name__.lower():
+        raise CheckpointError(path, f"was written by a run with optimizer {saved_opt!r}, this "
+                              f"run has {type(trainer).__name__.lower()!r}; resume with the "
+                              "same optimizer")
+    if (saved_sched is None) != (scheduler is None):
+        raise CheckpointError(path, "was written by a run with " + (
+            "no learning-rate schedule" if saved_sched is None else "a learning-rate schedule")
+            + ", this run has " + ("none" if scheduler is None else "one")
+            + "; resume with the same --schedule and --warmup-epochs")
     saved, mine = state["model"], module.state_dict()
     if not isinstance(saved, dict) or list(saved) != list(mine):
         names = list(saved) if isinstance(saved, dict) else type(saved).__name__
@@ -264,21 +316,29 @@ def _resume_concise(path: str, state, module, trainer, train_iter, result: Train
         if tuple(saved[k].shape) != tuple(v.shape):
             raise CheckpointError(path, f"'{k}' has shape {tuple(saved[k].shape)}, this "
                                   f"network's has {tuple(v.shape)}: it belongs to another network")
-    if fused and trainer.momentum:
-        raise NotImplementedError("train_concise: resuming the fused step with momentum needs "
-                                  "its momentum buffers to be settable (issue 13)")
     opt = state["optimizer"]
     try:
         rng = random.generator_from_state(state["rng"])
         if len(opt["param_groups"][0]["params"]) != len(trainer.params):
             raise ValueError("its optimizer state is for another parameter count")
+        params = trainer.params
         for i, entry in opt["state"].items():
-            if tuple(entry["momentum_buffer"].shape) != tuple(trainer.params[int(i)].shape):
-                raise ValueError(f"momentum buffer {i} has another shape than parameter {i}")
+            for name, t in entry.items():
+                if hasattr(t, "shape") and np.ndim(t) and \
+                        tuple(t.shape) != tuple(params[int(i)].shape):
+                    raise ValueError(f"the {name} of parameter {i} has another shape than "
+                                     f"the parameter")
+        if scheduler is not None:
+            probe = type(scheduler).__new__(type(scheduler))
+            probe.__dict__ = dict(scheduler.__dict__)
+            probe.load_state_dict(saved_sched)  # checks before it changes anything
         train_iter.load_state_dict(state["loader"])  # checks before it changes anything
     except (ValueError, KeyError, IndexError, TypeError) as e:
         raise CheckpointError(path, str(e)) from None
+    # The fused step takes the restored state from the optimizer at its next step.
     trainer.load_state_dict(opt)
+    if scheduler is not None:
+        scheduler.load_state_dict(saved_sched)
     module.load_state_dict(saved)
     random.set_generator(rng)
     restore_result(result, state["result"])

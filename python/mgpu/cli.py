@@ -43,12 +43,20 @@ def _train_run(args) -> int:
         if args.sync_bn:
             net = nn.SyncBatchNorm.convert_sync_batchnorm(net)
         chapter.train_concise(net, args.num_gpus, args.batch_size, args.lr, args.epochs,
-                              fused=args.fused, deterministic=args.deterministic, **kw)
+                              fused=args.fused, deterministic=args.deterministic,
+                              optimizer=args.optimizer, weight_decay=args.weight_decay,
+                              schedule=args.schedule, warmup_epochs=args.warmup_epochs,
+                              clip_grad_norm=args.clip_grad_norm, **kw)
         return 0
     if args.sync_bn or args.fused:
         raise ValueError("--sync-bn and --fused need --model resnet18 (LeNet's step is fused "
                          "already and has no batch norm)")
-    kw["check_finite"] = args.check_finite
+    if (args.optimizer, args.weight_decay, args.clip_grad_norm) != ("sgd", None, None):
+        raise ValueError("--optimizer, --weight-decay and --clip-grad-norm need --model "
+                         "resnet18 (LeNet's step is the chapter's plain SGD, p -= lr / batch * g; "
+                         "--schedule and --warmup-epochs work with it)")
+    kw.update(check_finite=args.check_finite, schedule=args.schedule,
+              warmup_epochs=args.warmup_epochs)
     if args.deterministic:
         kw["deterministic"] = True
     if args.op_by_op:
@@ -422,6 +430,21 @@ def main(argv: Optional[List[str]] = None, prog: str = "mgpu") -> int:
                    help="save the run's state in DIR at each epoch's end (and every K steps)")
     t.add_argument("--checkpoint-every", metavar="K", type=int, default=None,
                    help="also save a checkpoint every K steps (needs --checkpoint)")
+    t.add_argument("--optimizer", choices=["sgd", "adam", "adamw"], default="sgd",
+                   help="resnet18: the optimizer (sgd: the book's, without momentum; adam and "
+                        "adamw: PyTorch's rules)")
+    t.add_argument("--weight-decay", type=float, default=None,
+                   help="resnet18: the optimizer's weight decay (default: its own, 0 for sgd "
+                        "and adam, 0.01 for adamw)")
+    t.add_argument("--schedule", choices=["none", "step", "cosine", "onecycle"], default="none",
+                   help="the learning-rate schedule, stepped per batch (step: / 10 at "
+                        "1/2 and 3/4 of the run; cosine: to 0 by the end; onecycle: up to --lr "
+                        "and down)")
+    t.add_argument("--warmup-epochs", type=int, default=0, metavar="N",
+                   help="raise the lr linearly over the first N epochs (onecycle: its "
+                        "rising phase)")
+    t.add_argument("--clip-grad-norm", type=float, default=None, metavar="X",
+                   help="resnet18: clip the gradients' global norm to X before every update")
     t.add_argument("--resume", action="store_true",
                    help="continue from the newest checkpoint in --checkpoint DIR (a fresh run "
                         "if there is none); ends with the parameters of an uninterrupted run")

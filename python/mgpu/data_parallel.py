@@ -33,6 +33,7 @@ from .nn import (
 )
 from .nn import CrossEntropyLoss as nn_CrossEntropyLoss
 from .optim import SGD as optim_SGD
+from .optim import Adam as optim_Adam
 from .parallel import FusedModel, SteadyAllocations
 from .tensor import Tensor, zeros_like
 
@@ -217,19 +218,27 @@ class DataParallel(Module):
         return out
 
     @_trace.span("DataParallel.train_step")
-    def train_step(self, X: Tensor, y: Tensor, loss, trainer, deterministic=False) -> Tensor:
+    def train_step(self, X: Tensor, y: Tensor, loss, trainer, deterministic=False,
+                   clip_grad_norm: Optional[float] = None) -> Tensor:
         """One fused data-parallel step: every replica's forward, loss, backward, bucketed
-        all-reduce and SGD update run in C++ from this one call (``mgpu._core.Model``, built
-        from the module tree on first use). Computes what the book's loop computes with
-        ``loss = nn.CrossEntropyLoss()`` and ``trainer = optim.SGD(net.parameters(), ...)``
-        and returns the mean loss (0-d, on device_ids[0]).
+        all-reduce and optimizer update run in C++ from this one call (``mgpu._core.Model``,
+        built from the module tree on first use). Computes what the book's loop computes with
+        ``loss = nn.CrossEntropyLoss()`` and ``trainer`` an ``optim.SGD`` (lr, momentum,
+        weight_decay), ``optim.Adam`` or ``optim.AdamW`` (without amsgrad) over
+        ``net.parameters()``, and returns the mean loss (0-d, on device_ids[0]).
+
+        ``clip_grad_norm=max_norm`` clips the summed gradients to that global norm before the
+        update, as ``nn.utils.clip_grad_norm_(net.parameters(), max_norm)`` does in the book's
+        loop. Each parameter group's current ``'lr'`` and ``'weight_decay'`` are read at every
+        step, so a learning-rate scheduler (``optim.lr_scheduler``) drives this step too.
 
         The master's parameters and running statistics are updated in place; other replicas
         are refreshed from the master before every step, so steps of both kinds can be mixed.
-        SGD's momentum buffers are shared with ``trainer``: after a fused step its buffers are
-        views of the fused model's (so ``trainer.state_dict()`` holds them), and a step finds
-        buffers that ``trainer.step()`` or ``trainer.load_state_dict()`` changed and continues
-        from those, so the book's loop and the fused step can alternate without losing momentum.
+        The optimizer's state (SGD's momentum buffers, Adam's moments and step) is shared with
+        ``trainer``: after a fused step its buffers are views of the fused model's (so
+        ``trainer.state_dict()`` holds them), and a step finds buffers that ``trainer.step()``
+        or ``trainer.load_state_dict()`` changed and continues from those, so the book's loop
+        and the fused step can alternate without losing state.
         ``num_batches_tracked`` is not counted. SyncBatchNorm layers (``nn.SyncBatchNorm.
         convert_sync_batchnorm(net)``) normalise with the statistics of the whole batch, over
         every replica (and every rank under mpirun), combined in a fixed order inside the C++
@@ -242,36 +251,80 @@ class DataParallel(Module):
         if not isinstance(loss, nn_CrossEntropyLoss) or loss.reduction != "mean":
             raise ValueError("train_step: the fused step computes nn.CrossEntropyLoss() (mean); "
                              f"got {loss!r}")
-        if not isinstance(trainer, optim_SGD):
-            raise TypeError(f"train_step: trainer must be mgpu.optim.SGD, got "
-                            f"{type(trainer).__name__}")
-        if trainer.dampening or trainer.nesterov:
-            raise ValueError("train_step: the fused step takes SGD's lr, momentum and "
-                             "weight_decay; dampening and nesterov need the book's loop")
+        opts = self._optimizer_options(trainer, clip_grad_norm)
         master = list(self.module.parameters())
         if [id(p) for p in trainer.params] != [id(p) for p in master]:
-            raise ValueError("train_step: trainer must hold exactly this network's parameters "
-                             "(optim.SGD(net.parameters(), ...))")
+            raise ValueError("train_step: trainer must hold exactly this network's parameters, "
+                             "in order (optim.SGD(net.parameters(), ...), or parameter groups "
+                             "that list them in net.parameters()' order)")
         X, y = check_input(X, "train_step"), check_input(y, "train_step")
         self._check_master()
         fused = self._fused_model()
         with fused.allocations:
-            return self._fused_step(fused, X, y, trainer, master, deterministic)
+            return self._fused_step(fused, X, y, trainer, master, deterministic, opts)
+
+    @staticmethod
+    def _optimizer_options(trainer, clip_grad_norm) -> dict:
+        """The fused step's optimizer arguments, read from ``trainer``'s parameter groups now;
+        raises for what the fused step does not do."""
+        if not isinstance(trainer, (optim_SGD, optim_Adam)):
+            raise TypeError(f"train_step: trainer must be mgpu.optim.SGD, Adam or AdamW, got "
+                            f"{type(trainer).__name__}")
+        groups = trainer.param_groups
+        opts: dict = {}
+        if clip_grad_norm is not None:
+            if isinstance(clip_grad_norm, bool) or not isinstance(clip_grad_norm, (int, float)) \
+                    or not clip_grad_norm >= 0 or clip_grad_norm == float("inf"):
+                raise ValueError(f"train_step: clip_grad_norm must be a finite number >= 0 (the "
+                                 f"largest global gradient norm), got {clip_grad_norm!r}")
+            opts["max_norm"] = float(clip_grad_norm)
+        if isinstance(trainer, optim_SGD):
+            if any(g["dampening"] or g["nesterov"] for g in groups):
+                raise ValueError("train_step: the fused step takes SGD's lr, momentum and "
+                                 "weight_decay; dampening and nesterov need the book's loop")
+            if len({g["momentum"] for g in groups}) > 1:
+                raise ValueError("train_step: the fused step takes one momentum for every "
+                                 "parameter group; groups with different momentum need the "
+                                 "book's loop")
+            opts.update(optimizer="sgd", momentum=groups[0]["momentum"])
+        else:
+            if any(g["amsgrad"] for g in groups):
+                raise ValueError("train_step: the fused step does not do amsgrad; use the "
+                                 "book's loop (trainer.step()) for it")
+            if len({(tuple(g["betas"]), g["eps"]) for g in groups}) > 1:
+                raise ValueError("train_step: the fused step takes one (betas, eps) for every "
+                                 "parameter group; groups with different ones need the book's "
+                                 "loop")
+            steps = set(trainer._steps())
+            if len(steps) > 1:
+                raise ValueError(f"train_step: the fused step needs every parameter at the same "
+                                 f"Adam step, got steps {sorted(steps)} (parameters that had no "
+                                 "gradient in the book's loop were not stepped)")
+            opts.update(optimizer="adamw" if trainer._decoupled else "adam",
+                        betas=tuple(groups[0]["betas"]), eps=groups[0]["eps"],
+                        step=steps.pop() + 1)
+        per = [(g["lr"], g["weight_decay"]) for g in groups for _ in g["params"]]
+        opts["lr"], opts["weight_decay"] = per[0]
+        if len(set(per)) > 1:
+            opts["lrs"] = [lr for lr, _ in per]
+            opts["weight_decays"] = [wd for _, wd in per]
+        return opts
 
     def _fused_step(self, fused: "_Fused", X: Tensor, y: Tensor, trainer, master,
-                    deterministic) -> Tensor:
+                    deterministic, opts: dict) -> Tensor:
         with autograd.no_grad():
             for r in range(1, len(self.device_ids)):  # replicas start from the master
                 for dst, src in zip(fused.replica_params[r], master):
                     _core.copy(dst._t, src._t)
                 for dst, src in zip(fused.replica_buffers[r], fused.replica_buffers[0]):
                     _core.copy(dst._t, src._t)
-            if trainer.momentum != 0:
-                fused.momentum_in(trainer)
-            losses = fused.model.train_step(X, y, trainer.lr, trainer.momentum,
-                                            trainer.weight_decay, deterministic)
-            if trainer.momentum != 0:
-                fused.momentum_out(trainer)
+            adam = opts["optimizer"] != "sgd"
+            stateful = adam or opts["momentum"] != 0
+            if stateful:
+                fused.state_in(trainer, adam)
+            losses = fused.model.train_step(X, y, deterministic=deterministic, **opts)
+            if stateful:
+                fused.state_out(trainer, adam, opts.get("step", 0))
             total = losses[0]
             for part in losses[1:]:
                 total = total + part.to(total.device)
@@ -303,26 +356,41 @@ class _Fused:
         self.replica_buffers = [bufs] + [[b.copyto(d) for b in bufs] for d in devices[1:]]
         self.model = FusedModel(self.spec, self.replica_params, self.replica_buffers, devices)
         self.allocations = SteadyAllocations()  # the CPU allocator's warm-up over the steps
-        # The trainer and its momentum buffers (with their storage versions) as the last step
+        # The trainer and its state buffers (with their storage versions) as the last step
         # left them: while they are unchanged, the replicas' own buffers are current.
         self._handed: Optional[Tuple[object, List[Optional[Tensor]], List[int]]] = None
 
-    def momentum_in(self, trainer) -> None:
-        """Copies ``trainer``'s momentum buffers into every replica unless they are the views
-        the last fused step handed out, unchanged since."""
-        current = trainer._momentum_list()
+    @staticmethod
+    def _trainer_state(trainer, adam: bool) -> List[Optional[Tensor]]:
+        if adam:
+            m, v = trainer._moment_lists()
+            return m + v
+        return trainer._momentum_list()
+
+    def state_in(self, trainer, adam: bool) -> None:
+        """Copies ``trainer``'s momentum buffers (SGD) or moments (Adam) into every replica
+        unless they are the views the last fused step handed out, unchanged since."""
+        current = self._trainer_state(trainer, adam)
         h = self._handed
-        if h is not None and h[0] is trainer and all(
+        if h is not None and h[0] is trainer and len(h[1]) == len(current) and all(
                 a is b and (a is None or a._t.version == v)
                 for a, b, v in zip(current, h[1], h[2])):
             return
+        n = len(self.replica_params[0])
         for r in range(len(self.replica_params)):
-            self.model.set_momentum_buffers(current, r)
+            self.model.set_momentum_buffers(current[:n], r)
+            if adam:
+                self.model.set_momentum_buffers(current[n:], r, 1)
 
-    def momentum_out(self, trainer) -> None:
-        """Hands replica 0's momentum buffers (views, updated by every fused step) to trainer."""
+    def state_out(self, trainer, adam: bool, step: int) -> None:
+        """Hands replica 0's buffers (views, updated by every fused step) to trainer."""
         views = self.model.momentum_buffers(0)
-        trainer._set_momentum_list(views)
+        if adam:
+            second = self.model.momentum_buffers(0, 1)
+            trainer._set_moments(views, second, step)
+            views = views + second
+        else:
+            trainer._set_momentum_list(views)
         self._handed = (trainer, views, [b._t.version for b in views])
 
     def _layer(self, kind: str, src: int, params=(), buffers=(), **opts) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import sys
 import threading
 from collections import OrderedDict
 from typing import Callable, Iterable, Iterator, List, Mapping, NamedTuple, Optional, Tuple, Union
@@ -611,16 +612,16 @@ class MaxPool2d(Module):
                  ceil_mode: bool = False):
         super().__init__()
         op = "MaxPool2d"
-        self.kernel_size = functional._int_pair(kernel_size, "kernel_size", op)
-        self.stride = functional._int_pair(stride, "stride", op) if stride is not None \
+        self.kernel_size = functional.int_pair(kernel_size, "kernel_size", op)
+        self.stride = functional.int_pair(stride, "stride", op) if stride is not None \
             else self.kernel_size
-        self.padding = functional._int_pair(padding, "padding", op)
+        self.padding = functional.int_pair(padding, "padding", op)
         (kh, kw), (sh, sw), (ph, pw) = self.kernel_size, self.stride, self.padding
         if min(kh, kw, sh, sw) < 1 or min(ph, pw) < 0 or 2 * ph > kh or 2 * pw > kw:
             raise ValueError(f"MaxPool2d: kernel_size and stride must be >= 1 and padding >= 0 "
                              f"and at most half the kernel, got kernel_size={kernel_size}, "
                              f"stride={stride}, padding={padding}")
-        if functional._int_pair(dilation, "dilation", op) != (1, 1) or return_indices \
+        if functional.int_pair(dilation, "dilation", op) != (1, 1) or return_indices \
                 or ceil_mode:
             raise ValueError("MaxPool2d: only dilation=1, return_indices=False and "
                              "ceil_mode=False are supported")
@@ -814,6 +815,10 @@ class SoftmaxCrossEntropyLoss(CrossEntropyLoss):
 
 
 # DataParallel and SyncBatchNorm build on Module: mgpu.data_parallel, a floor above, adds them here.
+from . import nn_utils as utils  # noqa: E402  (mgpu.nn.utils: clip_grad_norm_)
+
+sys.modules[__name__ + ".utils"] = utils  # so that `from mgpu.nn.utils import ...` works
+
 __all__ = ["Module", "Parameter", "Sequential", "Conv2d", "Linear", "ReLU", "Flatten",
            "AvgPool2d", "MaxPool2d", "Dropout", "AdaptiveAvgPool2d", "BatchNorm1d",
            "BatchNorm2d", "CrossEntropyLoss", "SoftmaxCrossEntropyLoss", "init", "functional"]

@@ -63,7 +63,7 @@ def avg_pool2d(x: Tensor, kernel_size: IntPair, stride: Optional[IntPair] = None
         Tensor(_core.avg_pool2d_backward(x._t, dy._t, kh, kw, sh, sw)),))
 
 
-def _int_pair(v, name: str, op: str) -> Tuple[int, int]:
+def int_pair(v, name: str, op: str) -> Tuple[int, int]:
     """An int or a pair of ints, as (h, w): a float, a bool or anything else is a TypeError."""
     pair = tuple(v) if isinstance(v, (tuple, list)) else (v, v)
     if len(pair) != 2 or any(isinstance(e, bool) or not isinstance(e, numbers.Integral)
@@ -82,10 +82,10 @@ def max_pool2d(x: Tensor, kernel_size: IntPair, stride: Optional[IntPair] = None
     the window holds NaNs (PyTorch's CPU rule). Only dilation 1, floor output size and no returned
     indices are supported (ValueError otherwise)."""
     check_tensors("max_pool2d", x=x)
-    kh, kw = _int_pair(kernel_size, "kernel_size", "max_pool2d")
-    sh, sw = _int_pair(stride, "stride", "max_pool2d") if stride is not None else (kh, kw)
-    ph, pw = _int_pair(padding, "padding", "max_pool2d")
-    if _int_pair(dilation, "dilation", "max_pool2d") != (1, 1):
+    kh, kw = int_pair(kernel_size, "kernel_size", "max_pool2d")
+    sh, sw = int_pair(stride, "stride", "max_pool2d") if stride is not None else (kh, kw)
+    ph, pw = int_pair(padding, "padding", "max_pool2d")
+    if int_pair(dilation, "dilation", "max_pool2d") != (1, 1):
         raise ValueError(f"max_pool2d: only dilation 1 is supported, got {dilation!r}")
     if ceil_mode or return_indices:
         raise ValueError("max_pool2d: ceil_mode=True and return_indices=True are not supported; "

@@ -287,10 +287,17 @@ class FusedModel:
                          for t in self._model.params(d) + self._model.buffers(d)]
 
     def train_step(self, X: Tensor, y: Tensor, lr: float, momentum: float = 0.0,
-                   weight_decay: float = 0.0, deterministic=False) -> List[Tensor]:
-        """One step of SGD on the mean loss over the whole batch (PyTorch's rule, with momentum
-        and weight decay); returns each replica's summed loss (0-d tensors). ``deterministic``
-        as for ``train_batch`` (batch norm then normalises per logical shard)."""
+                   weight_decay: float = 0.0, deterministic=False, optimizer: str = "sgd",
+                   betas: Tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, step: int = 1,
+                   max_norm: Optional[float] = None, lrs: Sequence[float] = (),
+                   weight_decays: Sequence[float] = ()) -> List[Tensor]:
+        """One optimizer step on the mean loss over the whole batch; returns each replica's
+        summed loss (0-d tensors). ``optimizer`` 'sgd' (PyTorch's rule, with momentum and weight
+        decay), 'adam' or 'adamw' (PyTorch's, at ``step`` counted from 1, with ``betas`` and
+        ``eps``); ``max_norm``: the gradient clipped to that global norm first (as
+        ``nn.utils.clip_grad_norm_``); ``lrs`` and ``weight_decays``: one value per parameter
+        instead of ``lr`` and ``weight_decay``. ``deterministic`` as for ``train_batch`` (batch
+        norm then normalises per logical shard)."""
         if not isinstance(X, Tensor) or not isinstance(y, Tensor):
             raise TypeError(f"train_step: X and y must be mgpu tensors, got "
                             f"{type(X).__name__} and {type(y).__name__}")
@@ -299,7 +306,9 @@ class FusedModel:
         shards = shard_count(deterministic, "train_step")
         _dist.auto_init()
         # A label out of range raises IndexError and changes nothing (the step checks them).
-        losses = self._model.train_step(X._t, y._t, lr, momentum, weight_decay, shards)
+        losses = self._model.train_step(X._t, y._t, lr, momentum, weight_decay, shards,
+                                        optimizer, tuple(betas), eps, step, max_norm,
+                                        list(lrs), list(weight_decays))
         for t in self._changed:  # updated in place
             t.bump_version()
         return [Tensor(t) for t in losses]
@@ -312,15 +321,19 @@ class FusedModel:
         """The logits of replica ``replica`` (evaluation mode) for X on its device."""
         return Tensor(self._model.forward(X._t, replica))
 
-    def momentum_buffers(self, replica: int = 0) -> List[Optional[Tensor]]:
-        """SGD's momentum buffers of one replica, one per parameter (None before the first step
-        with momentum); views of the replica's state, updated by every step."""
-        return [None if b is None else Tensor(b) for b in self._model.momentum_buffers(replica)]
+    def momentum_buffers(self, replica: int = 0, which: int = 0) -> List[Optional[Tensor]]:
+        """SGD's momentum buffers (which 0; Adam's first moments too) or Adam's second moments
+        (which 1) of one replica, one per parameter (None before the first step that makes
+        them); views of the replica's state, updated by every step."""
+        return [None if b is None else Tensor(b)
+                for b in self._model.momentum_buffers(replica, which)]
 
-    def set_momentum_buffers(self, buffers: Sequence[Optional[Tensor]], replica: int = 0) -> None:
+    def set_momentum_buffers(self, buffers: Sequence[Optional[Tensor]], replica: int = 0,
+                             which: int = 0) -> None:
         """Copies ``buffers`` (one per parameter, its shape, any device; None: a fresh buffer,
-        so the next step starts it with the gradient as PyTorch does) into one replica's SGD
-        momentum; the next step continues from them."""
+        so the next step starts it as PyTorch does) into one replica's SGD momentum or Adam's
+        first moments (which 0) or Adam's second moments (which 1); the next step continues
+        from them."""
         if not isinstance(buffers, (list, tuple)):
             raise TypeError(f"set_momentum_buffers: buffers must be a list with one tensor (or "
                             f"None) per parameter, got {type(buffers).__name__}")
@@ -330,4 +343,4 @@ class FusedModel:
                 raise TypeError(f"set_momentum_buffers: buffers[{i}] is {type(b).__name__}, "
                                 "expected an mgpu tensor or None")
             handles.append(None if b is None else b._t)
-        self._model.set_momentum_buffers(replica, handles)
+        self._model.set_momentum_buffers(replica, handles, which)

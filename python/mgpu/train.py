@@ -142,7 +142,8 @@ def train(num_gpus: int, batch_size: int, lr: float, num_epochs: int = 10,
           params: Optional[Sequence[Tensor]] = None, progress: Optional[bool] = None,
           plot: Optional[bool] = None, data=None, step: Optional[Callable] = None,
           check_finite: bool = True, deterministic=False, checkpoint: Optional[str] = None,
-          checkpoint_every: Optional[int] = None, resume: bool = False) -> TrainResult:
+          checkpoint_every: Optional[int] = None, resume: bool = False,
+          schedule: str = "none", warmup_epochs: int = 0) -> TrainResult:
     """Trains the chapter's LeNet data-parallel on ``num_gpus`` devices and prints its line.
 
     Devices are ``[try_gpu(i) for i in range(num_gpus)]``: GPUs where they exist, virtual CPU
@@ -162,7 +163,9 @@ def train(num_gpus: int, batch_size: int, lr: float, num_epochs: int = 10,
     and at each epoch's end (``mgpu.checkpoint``); with ``resume=True`` the run continues from
     the newest checkpoint there (or starts afresh if there is none) and ends with the very
     parameters an uninterrupted run would have, on the same devices. Under mpirun rank 0
-    writes and every rank reads.
+    writes and every rank reads. ``schedule`` ('none', 'step', 'cosine', 'onecycle') and
+    ``warmup_epochs`` change the lr after every batch (``optim.lr_scheduler.make_schedule``);
+    each step gets the lr of the moment, and checkpoints keep the schedule's position.
     Returns the per-epoch accuracies, losses and times.
     """
     lr = check_lr(lr, "train")
@@ -193,13 +196,21 @@ def train(num_gpus: int, batch_size: int, lr: float, num_epochs: int = 10,
         params = [p.copyto(p.device) for p in params]
         _dist.broadcast(params, root=0)
     device_params = [get_params(params, d) for d in devices]
+    # The schedule sets the lr of an optimizer over the first replica's parameters, which only
+    # holds it: the chapter's step updates every replica itself with the lr it is given.
+    from .optim import SGD
+    from .optim.lr_scheduler import make_schedule
+    lr_holder = SGD(device_params[0], lr)
+    scheduler = make_schedule(lr_holder, schedule, int(num_epochs),
+                              len(train_iter) if schedule != "none" or warmup_epochs else 0,
+                              warmup_epochs)
     result = TrainResult(devices=devices, world_size=world)
     run = Progress()
     if ckpts is not None:
         loaded = ckpts.start(resume)
         if loaded is not None:
             run = _resume_lenet(*loaded, device_params, train_iter, result, batch_size,
-                                len(devices), world, is_root, shards)
+                                len(devices), world, is_root, shards, scheduler)
     animator = None
     if is_root and (plot if plot is not None else _in_notebook()):
         from .plot import Animator
@@ -208,7 +219,8 @@ def train(num_gpus: int, batch_size: int, lr: float, num_epochs: int = 10,
                             else (sys.stderr.isatty() and animator is None))
     timer = Timer()
     config = {"batch_size": batch_size, "num_devices": len(devices), "world_size": world,
-              "lr": lr, "seed": seed, "deterministic": shards}
+              "lr": lr, "seed": seed, "deterministic": shards, "schedule": schedule,
+              "warmup_epochs": warmup_epochs}
 
     def save_state(epoch_next: int) -> None:
         # Collective under mpirun: every rank gathers its losses, rank 0 writes.
@@ -216,6 +228,7 @@ def train(num_gpus: int, batch_size: int, lr: float, num_epochs: int = 10,
         state = {"kind": "mgpu.train", "step": run.step, "epoch": epoch_next, "config": config,
                  "params": [p.numpy() for p in device_params[0]],
                  "loader": train_iter.state_dict(), "rng": _random.get_state(),
+                 "scheduler": scheduler.state_dict() if scheduler is not None else None,
                  "result": result_state(result),
                  "epoch_losses": _gather_losses(run.losses, world),  # (rows, counts)
                  "epoch_seen": run.seen, "epoch_elapsed": run.elapsed + timer.stop()}
@@ -227,7 +240,9 @@ def train(num_gpus: int, batch_size: int, lr: float, num_epochs: int = 10,
         bar = progress_bar(len(train_iter), title) if show_bar else None
         timer.start()
         for X, y in train_iter:
-            step_losses = step(X, y, device_params, devices, lr)
+            step_losses = step(X, y, device_params, devices, lr_holder.lr)
+            if scheduler is not None:
+                scheduler.step()
             if step_losses is not None:
                 run.losses.extend(step_losses)
             run.seen += X.shape[0]
@@ -334,13 +349,23 @@ def _gather_losses(losses: list, world: int) -> Tuple[np.ndarray, List[int]]:
 
 def _resume_lenet(path: str, state, device_params, train_iter, result: TrainResult,
                   batch_size: int, num_devices: int, world: int, is_root: bool,
-                  shards: int) -> Progress:
+                  shards: int, scheduler=None) -> Progress:
     """Puts a checkpoint's state into the run: everything is checked before anything changes."""
     _checkpoint.check_run(path, state, "mgpu.train", batch_size, num_devices, world, shards)
     _checkpoint.check_shapes(path, "parameters", state["params"], device_params[0])
+    saved_sched = state.get("scheduler")
+    if (saved_sched is None) != (scheduler is None):
+        raise _checkpoint.CheckpointError(path, "was written by a run with " + (
+            "no learning-rate schedule" if saved_sched is None else "a learning-rate schedule")
+            + ", this run has " + ("none" if scheduler is None else "one")
+            + "; resume with the same --schedule and --warmup-epochs")
     try:
         rng = _random.generator_from_state(state["rng"])
-    except ValueError as e:
+        if scheduler is not None:
+            probe = type(scheduler).__new__(type(scheduler))
+            probe.__dict__ = dict(scheduler.__dict__)
+            probe.load_state_dict(saved_sched)  # checks before it changes anything
+    except (ValueError, KeyError, TypeError) as e:
         raise _checkpoint.CheckpointError(path, str(e)) from None
     try:
         rows, counts = state["epoch_losses"]
@@ -357,6 +382,12 @@ def _resume_lenet(path: str, state, device_params, train_iter, result: TrainResu
     except ValueError as e:
         raise _checkpoint.CheckpointError(path, str(e)) from None
     _random.set_generator(rng)
+    if scheduler is not None:
+        # The lr lives in the optimizer that holds it (as in PyTorch, where the optimizer's state
+        # is restored too): it is the lr the schedule's last step set.
+        scheduler.load_state_dict(saved_sched)
+        for g, v in zip(scheduler.optimizer.param_groups, scheduler.get_last_lr()):
+            g["lr"] = v
     for ps in device_params:
         for p, v in zip(ps, state["params"]):
             _core.copy(p._t, array(v, device=p.device)._t)

@@ -655,6 +655,57 @@ TEST_F(CudaKernels, PerElementBodiesEqualTheHostLoopExactly) {
   check_binary<BinaryOp::Div>(stream_, "div");
 }
 
+// The optimizer bodies write several arrays (parameter, momentum, Adam's moments) and read the
+// clip factor through a pointer: each array must come back with the host loop's bits.
+TEST_F(CudaKernels, OptimizerBodiesEqualTheHostLoopExactly) {
+  using namespace mgpu::ops;
+  for (const int64_t n : {int64_t{1000}, int64_t{3}}) {
+    SCOPED_TRACE("n=" + std::to_string(n));
+    const Floats grad = random_floats(n, 5, -30.0f, 30.0f);
+    Floats p = random_floats(n, 6, -1.0f, 1.0f), m = random_floats(n, 7, -0.5f, 0.5f);
+    Floats v = random_floats(n, 8, 0.0f, 0.3f), buf = random_floats(n, 9, -1.0f, 1.0f);
+    const Floats clip = {0.625f};
+    DeviceVector<float> grad_(grad), p_(p), m_(m), v_(v), buf_(buf), clip_(clip);
+    DeviceVector<float> q_(p);  // the SGD step's parameter
+    Floats q = p;
+    // Adam with L2 (decay 1) and AdamW (decay < 1, no L2), at step 3 with bias corrections.
+    for (const bool decoupled : {false, true}) {
+      auto body = [&](float* pp, const float* g, float* mm, float* vv, const float* c) {
+        return AdamStep{pp, g, mm, vv, c, 32.0f, 0.1f, 0.999f, 0.001f, 1e-8f,
+                        decoupled ? 0.0f : 0.01f, decoupled ? 0.9995f : 1.0f,
+                        0.01f / 0.271f, 0.0547449f};
+      };
+      const auto host = body(p.data(), grad.data(), m.data(), v.data(), clip.data());
+      for (int64_t i = 0; i < n; ++i) host(i);
+      gpu::for_each_index(n, body(p_.get(), grad_.get(), m_.get(), v_.get(), clip_.get()),
+                          stream_);
+    }
+    const auto sgd = [&](float* pp, const float* g, float* b, const float* c) {
+      return SgdStep{pp, g, b, 32.0f, 0.1f, 0.9f, 1e-3f, c};
+    };
+    const auto host_sgd = sgd(q.data(), grad.data(), buf.data(), clip.data());
+    for (int64_t i = 0; i < n; ++i) host_sgd(i);
+    gpu::for_each_index(n, sgd(q_.get(), grad_.get(), buf_.get(), clip_.get()), stream_);
+    // The clip factor from a sum of squares: clipped (norm 8 > 2) and not (norm 0.5 < 2).
+    Floats sq = {4096.0f, 16.0f}, factor = {kNaN, kNaN};
+    DeviceVector<float> sq_(sq), factor_(factor);
+    for (int j = 0; j < 2; ++j) {
+      ClipFactor{sq.data() + j, factor.data() + j, 1.0f / 8.0f, 2.0f}(0);
+      gpu::for_each_index(1, ClipFactor{sq_.get() + j, factor_.get() + j, 1.0f / 8.0f, 2.0f},
+                          stream_);
+    }
+    sync();
+    EXPECT_TRUE(close("adam param", p_.download(), p, kExact));
+    EXPECT_TRUE(close("adam m", m_.download(), m, kExact));
+    EXPECT_TRUE(close("adam v", v_.download(), v, kExact));
+    EXPECT_TRUE(close("sgd param", q_.download(), q, kExact));
+    EXPECT_TRUE(close("sgd momentum", buf_.download(), buf, kExact));
+    EXPECT_TRUE(close("clip factor", factor_.download(), factor, kExact));
+    EXPECT_FLOAT_EQ(factor[0], 2.0f / (8.0f + 1e-6f));
+    EXPECT_EQ(factor[1], 1.0f);
+  }
+}
+
 TEST_F(CudaKernels, LaunchersRunOnTheGivenStreamAndDefaultStream) {
   // for_each_index with n == 0 launches nothing; the default stream (0) works like any other.
   DeviceVector<float> y(Floats(4, 0.0f));

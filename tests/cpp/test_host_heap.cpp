@@ -91,7 +91,7 @@ TEST(HostHeap, SteadyFusedStepsHoldNoMoreHostMemoryAsStepsGoOn) {
   const train::Model m(spec, params, buffers);
   std::vector<train::Replica> replicas;
   for (int d = 0; d < 2; ++d) {
-    train::Replica r{cpu(d), {}, {}, {}};
+    train::Replica r{cpu(d), {}, {}, {}, {}};
     float at = 0.01f;
     for (const Shape& s : params) r.state.params.push_back(filled(s, -at, at / 50, cpu(d)));
     for (size_t b = 0; b < buffers.size(); ++b) {
@@ -102,7 +102,10 @@ TEST(HostHeap, SteadyFusedStepsHoldNoMoreHostMemoryAsStepsGoOn) {
   Tensor X = filled({16, 1, 12, 12}, -1.0f, 0.02f, cpu(0));
   Tensor y = Tensor::empty({16}, DType::I64, cpu(0));
   for (int64_t i = 0; i < 16; ++i) y.data<int64_t>()[i] = i % 10;
-  const train::Sgd sgd{0.05f, 0.9f, 1e-4f, false};
+  train::Sgd sgd;
+  sgd.lr = 0.05f;
+  sgd.momentum = 0.9f;
+  sgd.weight_decay = 1e-4f;
   auto step = [&] {
     std::vector<Tensor> losses = train::train_step(m, X, y, replicas, sgd);
     for (int d = 0; d < 2; ++d) queue_of(cpu(d)).synchronize();

@@ -16,8 +16,12 @@ PACKAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "
 FLOORS = [
     ("engine", ["mgpu._core", "mgpu._startup"]),
     # Leaves on the engine: devices, the timeline's spans, the fault-injection hook, d2l's plots.
-    ("base", ["mgpu.device", "mgpu.trace", "mgpu.faults", "mgpu.plot"]),
+    # The table of environment variables and the safetensors format's reader and writer too.
+    ("base", ["mgpu.device", "mgpu.trace", "mgpu.faults", "mgpu.plot", "mgpu.environment",
+              "mgpu.tensorfile"]),
     ("tensor", ["mgpu.autograd", "mgpu.tensor", "mgpu.random"]),
+    # Weights from other frameworks (state dicts) and gradient clipping work on tensors alone.
+    ("tensor utilities", ["mgpu.weights", "mgpu.nn_utils"]),
     ("ops", ["mgpu.ops", "mgpu.distributed"]),
     ("modules", ["mgpu.nn", "mgpu.optim"]),
     # What the loops build on: networks, the data-parallel wrappers, data and checkpoints.

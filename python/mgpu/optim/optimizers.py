@@ -1,0 +1,510 @@
+"""SGD, Adam and AdamW on one Optimizer base with parameter groups (the rules: the package's
+docstring, ``help(mgpu.optim)``)."""
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any, Dict, Iterable, List, Optional, Tuple
+
+import numpy as np
+
+from .. import _core
+from ..autograd import no_grad
+from ..tensor import Tensor, array, zeros_like
+
+
+def _number(v, name: str, minimum: float = 0.0, where: str = "SGD") -> float:
+    if isinstance(v, bool) or not isinstance(v, numbers.Real):
+        raise TypeError(f"{where}: {name} must be a number, got {type(v).__name__}")
+    if not v >= minimum or not math.isfinite(v):
+        raise ValueError(f"{where}: {name} must be a finite number >= {minimum}, got {v}")
+    return float(v)
+
+
+def _betas(v, where: str) -> Tuple[float, float]:
+    if not isinstance(v, (tuple, list)) or len(v) != 2:
+        raise TypeError(f"{where}: betas must be a pair (beta1, beta2), got {v!r}")
+    b = tuple(_number(x, f"betas[{i}]", 0.0, where) for i, x in enumerate(v))
+    for i, x in enumerate(b):
+        if not x < 1.0:
+            raise ValueError(f"{where}: betas[{i}] must lie in [0, 1), got {x}")
+    return b  # type: ignore[return-value]
+
+
+class Optimizer:
+    """What every optimizer shares: parameter groups, ``zero_grad``, and PyTorch's
+    ``state_dict`` layout. ``state`` maps a parameter's position (over all groups, in order) to
+    its state dict (e.g. ``{'momentum_buffer': t}``)."""
+
+    #: Hyperparameters every group holds, in the order of the constructor's arguments.
+    _hyper: Tuple[str, ...] = ()
+
+    def __init__(self, params, defaults: Dict[str, Any]):
+        name = type(self).__name__
+        if isinstance(params, Tensor):
+            raise TypeError(f"{name}: params must be an iterable of tensors (e.g. "
+                            "net.parameters()), got a single tensor; wrap it in a list")
+        if isinstance(params, dict):
+            raise TypeError(f"{name}: params must be an iterable of tensors or of parameter "
+                            "groups (dicts); wrap a single group in a list")
+        self.defaults = dict(defaults)
+        self.param_groups: List[Dict[str, Any]] = []
+        self.state: Dict[int, Dict[str, Any]] = {}
+        items = list(params)
+        if not items:
+            raise ValueError(f"{name}: got an empty parameter list; pass net.parameters() of a "
+                             "network that has parameters")
+        groups = items if all(isinstance(g, dict) for g in items) else [{"params": items}]
+        if any(isinstance(g, dict) for g in items) and not all(isinstance(g, dict)
+                                                               for g in items):
+            raise TypeError(f"{name}: params mixes tensors and parameter groups (dicts); pass "
+                            "either only tensors or only groups")
+        for g in groups:
+            self.add_param_group(g)
+
+    # --- parameter groups -----------------------------------------------------------------
+
+    @property
+    def params(self) -> List[Tensor]:
+        """Every parameter, group after group (the positions ``state`` is keyed by)."""
+        return [p for g in self.param_groups for p in g["params"]]
+
+    def _check_group(self, group: Dict[str, Any], where: str) -> Dict[str, Any]:
+        """The group's hyperparameters checked (and converted); raises before anything changes."""
+        raise NotImplementedError
+
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        """Adds a group (a dict with ``'params'``; missing hyperparameters take the defaults)."""
+        name = type(self).__name__
+        if not isinstance(param_group, dict) or "params" not in param_group:
+            raise TypeError(f"{name}: a parameter group must be a dict with 'params', got "
+                            f"{type(param_group).__name__}")
+        ps = param_group["params"]
+        if isinstance(ps, Tensor):
+            ps = [ps]
+        ps = list(ps)
+        if not ps:
+            raise ValueError(f"{name}: got an empty parameter list; pass net.parameters() of a "
+                             "network that has parameters")
+        at = len(self.params)
+        for i, p in enumerate(ps):
+            if not isinstance(p, Tensor):
+                raise TypeError(f"{name}: params[{at + i}] is a {type(p).__name__}, expected an "
+                                "mgpu tensor (a module's parameter)")
+            if not p.requires_grad:
+                raise ValueError(f"{name}: params[{at + i}] (shape {p.shape}) does not require "
+                                 "grad; only trainable tensors can be optimized")
+        seen = {id(p) for p in self.params}
+        if len({id(p) for p in ps}) != len(ps) or any(id(p) in seen for p in ps):
+            raise ValueError(f"{name}: a parameter appears more than once in params (or in two "
+                             "parameter groups)")
+        group = dict(self.defaults)
+        group.update({k: v for k, v in param_group.items() if k != "params"})
+        group = self._check_group(group, name)
+        group["params"] = ps
+        self.param_groups.append(group)
+
+    def _set_everywhere(self, key: str, value) -> None:
+        checked = [self._check_group(dict(g, **{key: value}), type(self).__name__)
+                   for g in self.param_groups]
+        for g, c in zip(self.param_groups, checked):
+            g[key] = c[key]
+
+    @property
+    def lr(self) -> float:
+        """The first group's learning rate; setting it sets every group's."""
+        return self.param_groups[0]["lr"]
+
+    @lr.setter
+    def lr(self, value: float) -> None:
+        self._set_everywhere("lr", value)
+
+    @property
+    def weight_decay(self) -> float:
+        """The first group's weight decay; setting it sets every group's."""
+        return self.param_groups[0]["weight_decay"]
+
+    @weight_decay.setter
+    def weight_decay(self, value: float) -> None:
+        self._set_everywhere("weight_decay", value)
+
+    # --- gradients ------------------------------------------------------------------------
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clears the gradients (to None, PyTorch's default, or to zeros)."""
+        for p in self.params:
+            if p.grad is None:
+                continue
+            if set_to_none:
+                p.grad = None
+            else:
+                p.grad.zero_()
+
+    def _checked_grads(self) -> List[Optional[Tensor]]:
+        name = type(self).__name__
+        params = self.params
+        grads = [p.grad for p in params]
+        if all(g is None for g in grads):
+            raise ValueError(
+                f"{name}.step: none of the optimizer's {len(params)} parameters has a gradient. "
+                "Run loss.backward() first, through a network built from these parameters (an "
+                "optimizer made from another network's parameters, e.g. before re-creating the "
+                "network, sees no gradients)")
+        for i, (p, g) in enumerate(zip(params, grads)):
+            if g is None:
+                continue
+            if g.shape != p.shape or g.device != p.device:
+                raise ValueError(f"{name}.step: params[{i}] has shape {p.shape} on {p.device} "
+                                 f"but its gradient has shape {g.shape} on {g.device}")
+        return grads
+
+    def _positions(self):
+        """(position, group, parameter) for every parameter."""
+        i = 0
+        for g in self.param_groups:
+            for p in g["params"]:
+                yield i, g, p
+                i += 1
+
+    # --- state ----------------------------------------------------------------------------
+
+    #: The tensors a parameter's state may hold, and whether each must be there.
+    _state_tensors: Tuple[Tuple[str, bool], ...] = ()
+
+    def _state_entry(self, entry: Dict[str, Any]) -> Dict[str, Any]:
+        return {k: (v.detach() if isinstance(v, Tensor) else v) for k, v in entry.items()}
+
+    def state_dict(self) -> dict:
+        """Hyperparameters (one dict per group, ``'params'`` as positions) and per-parameter
+        state by position, as PyTorch's."""
+        groups, at = [], 0
+        for g in self.param_groups:
+            n = len(g["params"])
+            groups.append(dict({k: v for k, v in g.items() if k != "params"},
+                               params=list(range(at, at + n))))
+            at += n
+        return {"state": {i: self._state_entry(e) for i, e in sorted(self.state.items())},
+                "param_groups": groups}
+
+    def _check_state_entry(self, i: int, entry, p: Tensor, where: str) -> Dict[str, Any]:
+        """One parameter's saved state, checked and copied to its device."""
+        out: Dict[str, Any] = {}
+        for key, required in self._state_tensors:
+            if key not in entry or entry[key] is None:
+                if required:
+                    raise ValueError(f"{where}: state[{i}] must be a dict with a '{key}'")
+                continue
+            b = entry[key]
+            if isinstance(b, np.ndarray):
+                b = array(b.astype(np.float32, copy=False), device=p.device)
+            if not isinstance(b, Tensor):
+                raise TypeError(f"{where}: state[{i}]['{key}'] is {type(b).__name__}, expected "
+                                "an mgpu tensor or NumPy array")
+            if b.shape != p.shape:
+                raise ValueError(f"{where}: the {key} of parameter {i} has shape {b.shape}, the "
+                                 f"parameter has shape {p.shape}")
+            if b.dtype != p.dtype:
+                raise ValueError(f"{where}: the {key} of parameter {i} is {b.dtype}, the "
+                                 f"parameter is {p.dtype}")
+            out[key] = b
+        return out
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restores hyperparameters and state saved by :meth:`state_dict` (PyTorch's layout;
+        extra keys such as PyTorch's ``maximize`` or ``foreach`` are kept but unused, and a
+        scheduler's ``initial_lr`` comes back). State tensors are copied to their parameters'
+        devices. Everything is checked before anything changes: a missing or misshaped entry
+        raises and leaves the optimizer as it was."""
+        name = type(self).__name__
+        where = f"{name}.load_state_dict"
+        if not isinstance(state_dict, dict):
+            raise TypeError(f"{where}: expected a dict from {name}.state_dict(), got "
+                            f"{type(state_dict).__name__}")
+        for key in ("state", "param_groups"):
+            if key not in state_dict:
+                raise ValueError(f"{where}: the dict has no '{key}'; expected {name}.state_dict()"
+                                 "'s 'state' and 'param_groups'")
+        groups, state = state_dict["param_groups"], state_dict["state"]
+        mine = self.param_groups
+        if not isinstance(groups, (list, tuple)) or len(groups) != len(mine) \
+                or not all(isinstance(g, dict) for g in groups):
+            raise ValueError(f"{where}: 'param_groups' must be a list of {len(mine)} group(s) "
+                             "(dicts), as this optimizer has")
+        new_groups = []
+        for gi, (saved, g) in enumerate(zip(groups, mine)):
+            for key in self._hyper + ("params",):
+                if key not in saved:
+                    raise ValueError(f"{where}: the parameter group {gi} has no '{key}'")
+            n = len(g["params"])
+            sp = saved["params"]
+            if not isinstance(sp, (list, tuple)) or len(sp) != n:
+                got = len(sp) if isinstance(sp, (list, tuple)) else "?"
+                raise ValueError(f"{where}: the saved state of group {gi} is for {got} "
+                                 f"parameters, this optimizer's group has {n}")
+            checked = self._check_group({k: v for k, v in saved.items() if k != "params"},
+                                        where)
+            checked["params"] = g["params"]
+            new_groups.append(checked)
+        if not isinstance(state, dict):
+            raise TypeError(f"{where}: 'state' must be a dict {{position: {{name: tensor}}}}, "
+                            f"got {type(state).__name__}")
+        params = self.params
+        n = len(params)
+        checked_state: Dict[int, Dict[str, Any]] = {}
+        for i, entry in state.items():
+            if isinstance(i, bool) or not isinstance(i, numbers.Integral) or not 0 <= i < n:
+                raise ValueError(f"{where}: state key {i!r} is not a parameter position in "
+                                 f"[0, {n})")
+            if not isinstance(entry, dict):
+                raise ValueError(f"{where}: state[{i}] must be a dict")
+            checked_state[int(i)] = self._check_state_entry(int(i), entry, params[int(i)], where)
+        state_copies = {}
+        for i, entry in checked_state.items():
+            dev = params[i].device
+            state_copies[i] = {k: (v.copyto(dev) if isinstance(v, Tensor) else v)
+                               for k, v in entry.items()}
+        self.param_groups = new_groups
+        self.state = {i: e for i, e in state_copies.items() if e}
+
+    def __repr__(self) -> str:
+        hypers = [", ".join(f"{k}={g[k]}" for k in self._hyper) for g in self.param_groups]
+        if len(hypers) == 1:
+            return f"{type(self).__name__}({hypers[0]})"
+        parts = [f"group {i} ({len(g['params'])} params): {h}"
+                 for i, (g, h) in enumerate(zip(self.param_groups, hypers))]
+        return f"{type(self).__name__}({'; '.join(parts)})"
+
+
+class SGD(Optimizer):
+    """Stochastic gradient descent with optional momentum, dampening, weight decay, Nesterov.
+
+    ``params`` is an iterable of parameters (``net.parameters()``), every one requiring grad,
+    or of parameter groups (dicts with ``'params'`` and any of the hyperparameters below).
+    ``step()`` updates the parameters that have a gradient in place; ``zero_grad()`` clears them.
+    """
+
+    _hyper = ("lr", "momentum", "dampening", "weight_decay", "nesterov")
+    _state_tensors = (("momentum_buffer", True),)
+
+    def __init__(self, params: Iterable[Tensor], lr: float, momentum: float = 0.0,
+                 dampening: float = 0.0, weight_decay: float = 0.0, nesterov: bool = False):
+        super().__init__(params, {"lr": lr, "momentum": momentum, "dampening": dampening,
+                                  "weight_decay": weight_decay, "nesterov": nesterov})
+
+    def _check_group(self, group, where):
+        out = dict(group)
+        for name in ("lr", "momentum", "dampening", "weight_decay"):
+            out[name] = _number(group[name], name, 0.0, where)
+        nesterov = group["nesterov"]
+        if not isinstance(nesterov, (bool, int, np.bool_)):
+            raise TypeError(f"{where}: nesterov must be a bool, got {type(nesterov).__name__}")
+        out["nesterov"] = bool(nesterov)
+        if out["nesterov"] and (out["momentum"] <= 0 or out["dampening"] != 0):
+            raise ValueError(f"{where}: nesterov momentum needs momentum > 0 and dampening = 0")
+        return out
+
+    # The hyperparameters as attributes (the first group's; setting one sets every group's).
+    @property
+    def momentum(self) -> float:
+        return self.param_groups[0]["momentum"]
+
+    @momentum.setter
+    def momentum(self, value: float) -> None:
+        self._set_everywhere("momentum", value)
+
+    @property
+    def dampening(self) -> float:
+        return self.param_groups[0]["dampening"]
+
+    @dampening.setter
+    def dampening(self, value: float) -> None:
+        self._set_everywhere("dampening", value)
+
+    @property
+    def nesterov(self) -> bool:
+        return self.param_groups[0]["nesterov"]
+
+    @nesterov.setter
+    def nesterov(self, value: bool) -> None:
+        self._set_everywhere("nesterov", value)
+
+    @property
+    def _buffers(self) -> Dict[int, Tensor]:
+        """The momentum buffers by parameter position."""
+        return {i: e["momentum_buffer"] for i, e in self.state.items()
+                if e.get("momentum_buffer") is not None}
+
+    def step(self) -> None:
+        """Updates every parameter that has a gradient, in place (not recorded by autograd)."""
+        grads = self._checked_grads()
+        with no_grad():
+            for i, group, p in self._positions():
+                g = grads[i]
+                if g is None:
+                    continue
+                lr, mom, wd = group["lr"], group["momentum"], group["weight_decay"]
+                damp = group["dampening"]
+                if wd != 0:
+                    g = g + p.detach() * wd
+                if mom != 0:
+                    entry = self.state.setdefault(i, {})
+                    buf = entry.get("momentum_buffer")
+                    if buf is None or buf.device != p.device:
+                        buf = g.copyto(p.device)
+                        entry["momentum_buffer"] = buf
+                    else:
+                        buf *= mom
+                        buf += g * (1.0 - damp) if damp else g
+                    g = g + buf * mom if group["nesterov"] else buf
+                p -= g * lr
+
+    def _momentum_list(self) -> List[Optional[Tensor]]:
+        """The momentum buffer of every parameter, by position (None where there is none)."""
+        bufs = self._buffers
+        return [bufs.get(i) for i in range(len(self.params))]
+
+    def _set_momentum_list(self, buffers: List[Optional[Tensor]]) -> None:
+        for i, b in enumerate(buffers):
+            if b is None:
+                self.state.pop(i, None)
+            else:
+                self.state.setdefault(i, {})["momentum_buffer"] = b
+
+
+class Adam(Optimizer):
+    """Adam (Kingma and Ba) with PyTorch's update, defaults and state layout (per parameter
+    ``step``, ``exp_avg``, ``exp_avg_sq`` and with amsgrad ``max_exp_avg_sq``). weight_decay adds
+    weight_decay * p to the gradient (L2); :class:`AdamW` decouples it. Parameter groups as
+    :class:`SGD`'s. The update of one parameter is one fused op (``_core.adam_step``), the same
+    the fused data-parallel step applies."""
+
+    _hyper = ("lr", "betas", "eps", "weight_decay", "amsgrad")
+    _state_tensors = (("exp_avg", True), ("exp_avg_sq", True), ("max_exp_avg_sq", False))
+    _decoupled = False
+
+    def __init__(self, params: Iterable[Tensor], lr: float = 1e-3,
+                 betas: Tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0, amsgrad: bool = False):
+        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps,
+                                  "weight_decay": weight_decay, "amsgrad": amsgrad})
+
+    def _check_group(self, group, where):
+        out = dict(group)
+        out["lr"] = _number(group["lr"], "lr", 0.0, where)
+        out["betas"] = _betas(group["betas"], where)
+        out["eps"] = _number(group["eps"], "eps", 0.0, where)
+        out["weight_decay"] = _number(group["weight_decay"], "weight_decay", 0.0, where)
+        if not isinstance(group["amsgrad"], (bool, int, np.bool_)):
+            raise TypeError(f"{where}: amsgrad must be a bool, got "
+                            f"{type(group['amsgrad']).__name__}")
+        out["amsgrad"] = bool(group["amsgrad"])
+        return out
+
+    @property
+    def betas(self) -> Tuple[float, float]:
+        return self.param_groups[0]["betas"]
+
+    @betas.setter
+    def betas(self, value: Tuple[float, float]) -> None:
+        self._set_everywhere("betas", value)
+
+    @property
+    def eps(self) -> float:
+        return self.param_groups[0]["eps"]
+
+    @eps.setter
+    def eps(self, value: float) -> None:
+        self._set_everywhere("eps", value)
+
+    def _check_state_entry(self, i, entry, p, where):
+        out = super()._check_state_entry(i, entry, p, where)
+        if "step" not in entry:
+            raise ValueError(f"{where}: state[{i}] must be a dict with a 'step'")
+        try:
+            step = float(entry["step"])
+        except (TypeError, ValueError):
+            raise TypeError(f"{where}: state[{i}]['step'] must be a number, got "
+                            f"{type(entry['step']).__name__}") from None
+        if not (step >= 0 and step == int(step)):
+            raise ValueError(f"{where}: state[{i}]['step'] must be a whole number >= 0, got "
+                             f"{step}")
+        out["step"] = step
+        return out
+
+    def step(self) -> None:
+        """Updates every parameter that has a gradient, in place (not recorded by autograd)."""
+        grads = self._checked_grads()
+        with no_grad():
+            for i, group, p in self._positions():
+                g = grads[i]
+                if g is None:
+                    continue
+                entry = self.state.get(i)
+                if entry is None or entry["exp_avg"].device != p.device:
+                    entry = {"step": 0.0, "exp_avg": zeros_like(p), "exp_avg_sq": zeros_like(p)}
+                    if group["amsgrad"]:
+                        entry["max_exp_avg_sq"] = zeros_like(p)
+                    self.state[i] = entry
+                t = int(entry["step"]) + 1
+                if group["amsgrad"]:
+                    self._amsgrad_step(p, g, entry, group, t)
+                else:
+                    m, v = entry["exp_avg"], entry["exp_avg_sq"]
+                    _core.adam_step(p._t, g._t, m._t, v._t, group["lr"], group["betas"],
+                                    group["eps"], group["weight_decay"], self._decoupled, t)
+                    for changed in (p, m, v):  # written in place, as an in-place op writes
+                        changed._t.bump_version()
+                entry["step"] = float(t)
+
+    def _amsgrad_step(self, p: Tensor, g: Tensor, entry, group, t: int) -> None:
+        """AMSGrad in host float32 arithmetic (PyTorch's order of operations): it needs an
+        elementwise maximum and square root, which mgpu's tensors do not offer."""
+        lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+        f = np.float32
+        w, grad = p.numpy().astype(f), g.numpy().astype(f)
+        m, v = entry["exp_avg"].numpy().astype(f), entry["exp_avg_sq"].numpy().astype(f)
+        vmax = (entry.get("max_exp_avg_sq") if entry.get("max_exp_avg_sq") is not None
+                else zeros_like(p)).numpy().astype(f)
+        if self._decoupled:
+            w = w * f(1.0 - lr * wd)
+        elif wd != 0:
+            grad = grad + w * f(wd)
+        m = m + f(1.0 - b1) * (grad - m)
+        v = v * f(b2) + f(1.0 - b2) * grad * grad
+        vmax = np.maximum(vmax, v)
+        step_size = f(lr / (1.0 - b1 ** t))
+        denom = np.sqrt(vmax) / f(math.sqrt(1.0 - b2 ** t)) + f(eps)
+        w = w - step_size * (m / denom)
+        for name, host in (("exp_avg", m), ("exp_avg_sq", v), ("max_exp_avg_sq", vmax)):
+            entry[name] = array(host, device=p.device)
+        p[:] = array(w, device=p.device)
+
+    def _moment_lists(self) -> Tuple[List[Optional[Tensor]], List[Optional[Tensor]]]:
+        """exp_avg and exp_avg_sq of every parameter by position (None where there is none)."""
+        n = len(self.params)
+        return ([self.state[i]["exp_avg"] if i in self.state else None for i in range(n)],
+                [self.state[i]["exp_avg_sq"] if i in self.state else None for i in range(n)])
+
+    def _steps(self) -> List[int]:
+        """Every parameter's step count (0 before its first step)."""
+        return [int(self.state[i]["step"]) if i in self.state else 0
+                for i in range(len(self.params))]
+
+    def _set_moments(self, m: List[Tensor], v: List[Tensor], step: int) -> None:
+        for i, (a, b) in enumerate(zip(m, v)):
+            self.state[i] = {"step": float(step), "exp_avg": a, "exp_avg_sq": b}
+
+
+class AdamW(Adam):
+    """AdamW (Loshchilov and Hutter): Adam with decoupled weight decay, p *= 1 - lr *
+    weight_decay before the Adam step; PyTorch's defaults (weight_decay 0.01)."""
+
+    _decoupled = True
+
+    def __init__(self, params: Iterable[Tensor], lr: float = 1e-3,
+                 betas: Tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2, amsgrad: bool = False):
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad)
+
+
+__all__ = ["Optimizer", "SGD", "Adam", "AdamW"]
