@@ -251,7 +251,7 @@ def _lenet(tmp_path=None, crash_at=None, monkeypatch=None, **kw):
                 count["n"] += 1
                 if count["n"] == crash_at:
                     raise KeyboardInterrupt("simulated crash")
-        monkeypatch.setattr(mgpu.checkpoint, "_fault", fault)
+        monkeypatch.setattr(mgpu.faults, "fault", fault)
     seen = {"lrs": []}
 
     def step(X, y, device_params, devices, lr):

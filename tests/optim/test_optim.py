@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import mgpu
+import peers
 from conftest import assert_close
 from mgpu import nn
 from mgpu.optim import lr_scheduler as sched
@@ -352,24 +353,8 @@ def test_fused_adamw_and_clip_on_emulated_gpus_equal_the_books_loop_on_cpu(kind)
 
 # --- against PyTorch itself (optional) ---------------------------------------------------------
 
-def _torch_python():
-    import os
-
-    from mgpu.bench import train as bench_train
-    for py in bench_train.peer_python_candidates("torch"):
-        if os.path.exists(py):
-            r = subprocess.run([py, "-c", "import torch; print(torch.__version__)"],
-                               capture_output=True, text=True, timeout=120)
-            if r.returncode == 0:
-                return py
-    return None
-
-
 def test_against_pytorch_itself(rng):
-    py = _torch_python()
-    if py is None:
-        pytest.skip("no PyTorch peer interpreter ($MGPU_TORCH_PYTHON or build/peers/torch, as "
-                    "bash .ci/peers.sh torch makes it)")
+    py = peers.torch_python()  # skips without a supported PyTorch peer (fails if one is required)
     w0 = rng.normal(size=(3, 4)).astype(np.float32)
     grads = [rng.normal(size=(3, 4)).astype(np.float32) for _ in range(4)]
     script = f"""
@@ -423,7 +408,7 @@ def _concise(tmp_path, name, crash_at=None, monkeypatch=None, fused=False, **kw)
                 count["n"] += 1
                 if count["n"] == crash_at:
                     raise KeyboardInterrupt("simulated crash")
-        monkeypatch.setattr(mgpu.chapter, "_fault", fault)
+        monkeypatch.setattr(mgpu.faults, "fault", fault)
     mgpu.random.seed(0)
     net = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(),
                         nn.AvgPool2d(2), nn.Flatten(), nn.Linear(4 * 14 * 14, 10))
