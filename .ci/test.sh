@@ -124,7 +124,7 @@ for seed in $strict_seeds; do
   (cd tests && env -u MGPU_ALLREDUCE MGPU_EMU_STRICT=1 MGPU_EMU_SEED=$seed "${allreduce[@]}" \
     PYTHONPATH="$PWD/../build/cpp-tests/python" \
     ../.venv/bin/python -m pytest -q -p no:cacheprovider -m gpu "${select[@]}" \
-    test_gpu.py test_gpu_defects.py "${strict_more[@]}")
+    test_gpu.py test_gpu_defects.py test_emu_ordering.py "${strict_more[@]}")
 done
 
 stage "CPU op and training tests with MGPU_ISA=avx2 (the installed package)"
