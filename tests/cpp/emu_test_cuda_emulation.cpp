@@ -919,8 +919,11 @@ TEST_F(StrictEmu, SynchronizingOnAnEventRunsOnlyTheWorkBeforeItsRecord) {
   }
 }
 
-// A wait takes the event's most recent record at the time of the call: recording the event
-// again later (after x = 4) does not make the waiting stream wait for that write too.
+// A wait covers the event's record made before the call, never less (y is never x's value from
+// before that record's write), and the event recorded again later (after x = 4) does not make
+// every seed's copy wait for the later write too. (Whether the wait took the record at the call
+// or when it ran shows only statistically here: a wait that ran early took the first record
+// either way.)
 TEST_F(StrictEmu, AWaitCoversTheRecordBeforeItNotALaterOne) {
   constexpr int kN = 64;
   int before_later_write = 0;
