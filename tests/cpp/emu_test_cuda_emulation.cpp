@@ -922,8 +922,8 @@ TEST_F(StrictEmu, SynchronizingOnAnEventRunsOnlyTheWorkBeforeItsRecord) {
 // A wait covers the event's record made before the call, never less (y is never x's value from
 // before that record's write), and the event recorded again later (after x = 4) does not make
 // every seed's copy wait for the later write too. (Whether the wait took the record at the call
-// or when it ran shows only statistically here: a wait that ran early took the first record
-// either way.)
+// or when it ran does not show here, as a wait that ran early took the first record either way;
+// emu_test_nccl.cpp shows it by holding the streams back with a collective.)
 TEST_F(StrictEmu, AWaitCoversTheRecordBeforeItNotALaterOne) {
   constexpr int kN = 64;
   int before_later_write = 0;

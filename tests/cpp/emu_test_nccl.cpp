@@ -22,6 +22,10 @@
 #include "cuda/runtime.cuh"
 #include "emu_test_util.h"
 
+namespace mgpu_test {  // tests/cpp/emu_kernels.cu
+void saxpy(int n, float a, const float* x, float* y, int blocks, int threads, cudaStream_t stream);
+}  // namespace mgpu_test
+
 namespace {
 
 using mgpu::emu::last_error_detail;
@@ -59,6 +63,7 @@ class Nccl : public ::testing::Test {
     unsetenv("MGPU_EMU_STRICT");
     unsetenv("MGPU_EMU_NCCL_STALL");
     unsetenv("MGPU_EMU_NCCL_FAIL");
+    unsetenv("MGPU_EMU_SEED");
     cudaGetLastError();
     mgpu::emu::reset_from_env();
   }
@@ -199,6 +204,65 @@ TEST_F(Nccl, MismatchedCallsFailEveryRankAndFaultsAreInjected) {
   EXPECT_EQ(ncclAllReduce(data[1]->get(), data[1]->get(), 16, ncclFloat, ncclSum, comms[1], 0),
             ncclUnhandledCudaError);
   for (ncclComm_t c : comms) ncclCommDestroy(c);
+}
+
+// A wait takes the event's most recent record at the time of the call, not the one it has when
+// the wait runs. Streams a and b are held back by rank 0's part of an all-reduce (on b) whose
+// rank 1 is issued last (on c), so nothing of theirs runs before every call below is made: the
+// event is recorded after x = 2, b waits on it, then it is recorded again after x = 4. b's copy
+// must see 2 for every seed (the later write need not have run); a wait that took the record
+// current when it ran would see 4.
+TEST_F(Nccl, AWaitTakesTheRecordCurrentAtTheCallNotWhenItRuns) {
+  constexpr int kN = 64;
+  for (uint64_t seed = 1; seed <= 8; ++seed) {
+    setenv("MGPU_EMU_STRICT", "1", 1);
+    setenv("MGPU_EMU_SEED", std::to_string(seed).c_str(), 1);
+    mgpu::emu::reset_from_env();
+    std::vector<ncclComm_t> comms(2);
+    const int devices[2] = {1, 2};
+    ASSERT_EQ(ncclCommInitAll(comms.data(), 2, devices), ncclSuccess);
+    cudaStream_t a = nullptr, b = nullptr, c = nullptr;
+    cudaEvent_t reduced = nullptr, e = nullptr;
+    cudaSetDevice(2);
+    ASSERT_EQ(cudaStreamCreateWithFlags(&c, cudaStreamNonBlocking), cudaSuccess);
+    DeviceVector<float> on2(rank_values(1, 16));
+    cudaSetDevice(1);
+    ASSERT_EQ(cudaStreamCreateWithFlags(&b, cudaStreamNonBlocking), cudaSuccess);
+    ASSERT_EQ(cudaEventCreateWithFlags(&reduced, cudaEventDisableTiming), cudaSuccess);
+    ASSERT_EQ(cudaDeviceEnablePeerAccess(0, 0), cudaSuccess);  // b's copy reads device 0's x
+    DeviceVector<float> on1(rank_values(0, 16)), y(std::vector<float>(kN, 0.0f));
+    ASSERT_EQ(ncclAllReduce(on1.get(), on1.get(), 16, ncclFloat, ncclSum, comms[0], b),
+              ncclSuccess);
+    ASSERT_EQ(cudaEventRecord(reduced, b), cudaSuccess);
+    cudaSetDevice(0);
+    ASSERT_EQ(cudaStreamCreateWithFlags(&a, cudaStreamNonBlocking), cudaSuccess);
+    ASSERT_EQ(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), cudaSuccess);
+    DeviceVector<float> x(std::vector<float>(kN, 1.0f));
+    ASSERT_EQ(cudaStreamWaitEvent(a, reduced, 0), cudaSuccess);  // a waits for the all-reduce
+    mgpu_test::saxpy(kN, 1.0f, x.get(), x.get(), 1, 64, a);      // x = 2
+    ASSERT_EQ(cudaEventRecord(e, a), cudaSuccess);
+    ASSERT_EQ(cudaStreamWaitEvent(b, e, 0), cudaSuccess);
+    mgpu_test::saxpy(kN, 1.0f, x.get(), x.get(), 1, 64, a);  // x = 4
+    ASSERT_EQ(cudaEventRecord(e, a), cudaSuccess);
+    cudaSetDevice(1);
+    mgpu_test::saxpy(kN, 1.0f, x.get(), y.get(), 1, 64, b);  // y = x, after the wait
+    cudaSetDevice(2);
+    ASSERT_EQ(ncclAllReduce(on2.get(), on2.get(), 16, ncclFloat, ncclSum, comms[1], c),
+              ncclSuccess);
+    cudaSetDevice(1);
+    ASSERT_EQ(cudaStreamSynchronize(b), cudaSuccess) << last_error_detail();
+    EXPECT_EQ(y.download(), std::vector<float>(kN, 2.0f)) << "seed " << seed;
+    cudaSetDevice(0);
+    ASSERT_EQ(cudaStreamSynchronize(a), cudaSuccess);
+    EXPECT_EQ(x.download(), std::vector<float>(kN, 4.0f)) << "seed " << seed;
+    cudaSetDevice(2);
+    ASSERT_EQ(cudaStreamSynchronize(c), cudaSuccess);
+    for (cudaStream_t s : {a, b, c}) cudaStreamDestroy(s);
+    cudaEventDestroy(reduced);
+    cudaEventDestroy(e);
+    for (ncclComm_t comm : comms) ncclCommDestroy(comm);
+    cudaSetDevice(0);
+  }
 }
 
 // How the emulator names a stream in its reports.
