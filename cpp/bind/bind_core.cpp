@@ -2,6 +2,7 @@
 #include <pybind11/numpy.h>
 
 #include <cstring>
+#include <map>
 #include <string>
 #include <thread>
 
@@ -21,13 +22,36 @@
 #include "ops/conv2d.h"
 #endif
 #if defined(MGPU_CUDA_EMULATION)
-#include "cuda/emu/launch.h"
+#define MGPU_CUDA_ERROR_TYPE ::mgpu::DeviceError
+#include "cuda/runtime.cuh"
 #endif
 
 namespace py = pybind11;
 
 namespace mgpu::bind {
 namespace {
+
+#if defined(MGPU_CUDA_EMULATION)
+// The host buffers the test producers' queued copies read, by producer stream (tests only).
+std::map<uintptr_t, void*>& emu_staged() {
+  static auto* m = new std::map<uintptr_t, void*>;
+  return *m;
+}
+// Makes gpu(i) this thread's current device for a scope (tests only).
+class EmuDevice {
+ public:
+  explicit EmuDevice(int device) {
+    MGPU_CUDA_CHECK(cudaGetDevice(&previous_));
+    MGPU_CUDA_CHECK(cudaSetDevice(device));
+  }
+  ~EmuDevice() { cudaSetDevice(previous_); }
+  EmuDevice(const EmuDevice&) = delete;
+  EmuDevice& operator=(const EmuDevice&) = delete;
+
+ private:
+  int previous_ = 0;
+};
+#endif
 
 DType dtype_from_numpy(const py::dtype& dt) {
   if (dt.is(py::dtype::of<float>())) return DType::F32;
@@ -400,6 +424,54 @@ void bind_core(py::module_& m) {
 #endif
   }, "The emulated CUDA runtime's live streams, events, graphs and allocations (None in a build "
      "without the emulator), for leak checks.");
+#if defined(MGPU_CUDA_EMULATION)
+  // Tests only: a foreign DLPack producer on an emulated GPU (as PyTorch or CuPy would be), whose
+  // own stream still holds the work that writes the tensor when mgpu imports it.
+  m.def("_emu_producer_write", [](int gpu_index, uintptr_t dst,
+                                  py::array_t<float, py::array::c_style | py::array::forcecast>
+                                      values, int steps) -> uintptr_t {
+    check_device(Device{DeviceKind::CUDA, gpu_index});
+    MGPU_CHECK_VALUE(steps >= 1, "steps must be at least 1");
+    EmuDevice guard(gpu_index);
+    cudaStream_t s = nullptr;
+    MGPU_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    const size_t nbytes = static_cast<size_t>(values.size()) * sizeof(float);
+    void* staged = nullptr;  // freed by _emu_producer_finish (a free now would wait for s)
+    MGPU_CUDA_CHECK(cudaMallocHost(&staged, nbytes));
+    std::memcpy(staged, values.data(), nbytes);
+    auto* out = reinterpret_cast<void*>(dst);
+    for (int i = 1; i < steps; ++i)  // NaN until the last step writes the values
+      MGPU_CUDA_CHECK(cudaMemsetAsync(out, 0xff, nbytes, s));
+    MGPU_CUDA_CHECK(cudaMemcpyAsync(out, staged, nbytes, cudaMemcpyHostToDevice, s));
+    emu_staged()[reinterpret_cast<uintptr_t>(s)] = staged;
+    return reinterpret_cast<uintptr_t>(s);
+  }, py::arg("gpu_index"), py::arg("dst"), py::arg("values"), py::arg("steps"),
+  "Queues `steps` writes of `values` to device memory `dst` on a new stream of gpu(i) (the last "
+  "one writes them, the others NaN); returns the stream (tests only).");
+  m.def("_emu_producer_order_before", [](int gpu_index, uintptr_t producer, uintptr_t consumer) {
+    check_device(Device{DeviceKind::CUDA, gpu_index});
+    EmuDevice guard(gpu_index);
+    cudaEvent_t e = nullptr;
+    MGPU_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    MGPU_CUDA_CHECK(cudaEventRecord(e, reinterpret_cast<cudaStream_t>(producer)));
+    MGPU_CUDA_CHECK(cudaStreamWaitEvent(reinterpret_cast<cudaStream_t>(consumer), e, 0));
+    MGPU_CUDA_CHECK(cudaEventDestroy(e));
+  }, "What a DLPack producer does with the consumer's `stream`: its work so far comes before "
+     "that stream's next work (tests only).");
+  m.def("_emu_producer_finish", [](int gpu_index, uintptr_t producer) {
+    check_device(Device{DeviceKind::CUDA, gpu_index});
+    py::gil_scoped_release nogil;
+    EmuDevice guard(gpu_index);
+    auto s = reinterpret_cast<cudaStream_t>(producer);
+    MGPU_CUDA_CHECK(cudaStreamSynchronize(s));
+    MGPU_CUDA_CHECK(cudaStreamDestroy(s));
+    auto it = emu_staged().find(producer);
+    if (it != emu_staged().end()) {
+      MGPU_CUDA_CHECK(cudaFreeHost(it->second));
+      emu_staged().erase(it);
+    }
+  }, "Waits for a producer stream of _emu_producer_write and frees it (tests only).");
+#endif
   m.def("synchronize", [](Device d) {
     check_device(d);
     py::gil_scoped_release nogil;

@@ -847,6 +847,112 @@ TEST_F(StrictEmu, AMissingStreamWaitShowsAsAWrongResultForSomeSeed) {
   EXPECT_GT(wrong_without_wait, 0) << "no seed ran stream b ahead of stream a";
 }
 
+// An event covers exactly the work issued on its stream before its record. Stream a writes
+// x = 2 and stream b copies x to y after waiting on the event. Recorded after the write, every
+// seed gives y = 2; recorded before it (the write it should cover comes after the record), some
+// seed runs b's copy before a's write, as a GPU may: y keeps x's old value.
+TEST_F(StrictEmu, AnEventRecordedTooEarlyShowsAsWrongDataForSomeSeed) {
+  constexpr int kN = 1000;
+  auto run = [](uint64_t seed, bool early) {
+    strict(seed);
+    cudaStream_t a = nullptr, b = nullptr;
+    cudaEvent_t written = nullptr;
+    EXPECT_EQ(cudaStreamCreateWithFlags(&a, cudaStreamNonBlocking), cudaSuccess);
+    EXPECT_EQ(cudaStreamCreateWithFlags(&b, cudaStreamNonBlocking), cudaSuccess);
+    EXPECT_EQ(cudaEventCreateWithFlags(&written, cudaEventDisableTiming), cudaSuccess);
+    DeviceVector<float> x(std::vector<float>(kN, 1.0f)), y(std::vector<float>(kN, 0.0f));
+    if (early) {
+      EXPECT_EQ(cudaEventRecord(written, a), cudaSuccess);
+    }
+    mgpu_test::saxpy(kN, 1.0f, x.get(), x.get(), 4, 64, a);  // x = 2 on stream a
+    if (!early) {
+      EXPECT_EQ(cudaEventRecord(written, a), cudaSuccess);
+    }
+    EXPECT_EQ(cudaStreamWaitEvent(b, written, 0), cudaSuccess);
+    mgpu_test::saxpy(kN, 1.0f, x.get(), y.get(), 4, 64, b);  // y = x on stream b
+    EXPECT_EQ(cudaStreamSynchronize(b), cudaSuccess) << last_error_detail();
+    std::vector<float> got = y.download();
+    EXPECT_EQ(cudaStreamSynchronize(a), cudaSuccess);
+    EXPECT_EQ(x.download(), std::vector<float>(kN, 2.0f));
+    cudaEventDestroy(written);
+    cudaStreamDestroy(a);
+    cudaStreamDestroy(b);
+    for (float v : got) EXPECT_TRUE(v == 2.0f || v == 1.0f) << "y is x, before or after a's write";
+    return got == std::vector<float>(kN, 2.0f);
+  };
+  int wrong_when_early = 0;
+  for (uint64_t seed = 1; seed <= 8; ++seed) {
+    EXPECT_TRUE(run(seed, false)) << "seed " << seed << ", recorded after the write";
+    wrong_when_early += run(seed, true) ? 0 : 1;
+  }
+  EXPECT_GT(wrong_when_early, 0) << "no seed ran b's copy before a's write recorded after the event";
+}
+
+// cudaEventSynchronize and cudaEventQuery run the work before the record (never less), and no
+// work issued after it: x = 2 before the record, x = 4 after; the legacy stream's cudaMemcpy
+// (which waits for nothing) then sees 2, or 4 where the seed ran the later write anyway.
+TEST_F(StrictEmu, SynchronizingOnAnEventRunsOnlyTheWorkBeforeItsRecord) {
+  constexpr int kN = 64;
+  for (bool query : {false, true}) {
+    int only_before = 0;
+    for (uint64_t seed = 1; seed <= 8; ++seed) {
+      strict(seed);
+      cudaStream_t a = nullptr;
+      cudaEvent_t e = nullptr;
+      ASSERT_EQ(cudaStreamCreateWithFlags(&a, cudaStreamNonBlocking), cudaSuccess);
+      ASSERT_EQ(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), cudaSuccess);
+      DeviceVector<float> x(std::vector<float>(kN, 1.0f));
+      mgpu_test::saxpy(kN, 1.0f, x.get(), x.get(), 1, 64, a);  // x = 2
+      ASSERT_EQ(cudaEventRecord(e, a), cudaSuccess);
+      mgpu_test::saxpy(kN, 1.0f, x.get(), x.get(), 1, 64, a);  // x = 4, after the record
+      ASSERT_EQ(query ? cudaEventQuery(e) : cudaEventSynchronize(e), cudaSuccess);
+      const float seen = x.download()[0];
+      EXPECT_TRUE(seen == 2.0f || seen == 4.0f) << "seed " << seed << ": x = " << seen;
+      only_before += seen == 2.0f;
+      ASSERT_EQ(cudaStreamSynchronize(a), cudaSuccess);
+      EXPECT_EQ(x.download(), std::vector<float>(kN, 4.0f));
+      cudaEventDestroy(e);
+      cudaStreamDestroy(a);
+    }
+    EXPECT_GT(only_before, 0) << (query ? "cudaEventQuery" : "cudaEventSynchronize")
+                              << " ran the work issued after the record for every seed";
+  }
+}
+
+// A wait covers the event's record made before the call, never less (y is never x's value from
+// before that record's write), and the event recorded again later (after x = 4) does not make
+// every seed's copy wait for the later write too. (Whether the wait took the record at the call
+// or when it ran does not show here, as a wait that ran early took the first record either way;
+// emu_test_nccl.cpp shows it by holding the streams back with a collective.)
+TEST_F(StrictEmu, AWaitCoversTheRecordBeforeItNotALaterOne) {
+  constexpr int kN = 64;
+  int before_later_write = 0;
+  for (uint64_t seed = 1; seed <= 8; ++seed) {
+    strict(seed);
+    cudaStream_t a = nullptr, b = nullptr;
+    cudaEvent_t e = nullptr;
+    ASSERT_EQ(cudaStreamCreateWithFlags(&a, cudaStreamNonBlocking), cudaSuccess);
+    ASSERT_EQ(cudaStreamCreateWithFlags(&b, cudaStreamNonBlocking), cudaSuccess);
+    ASSERT_EQ(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), cudaSuccess);
+    DeviceVector<float> x(std::vector<float>(kN, 1.0f)), y(std::vector<float>(kN, 0.0f));
+    mgpu_test::saxpy(kN, 1.0f, x.get(), x.get(), 1, 64, a);  // x = 2
+    ASSERT_EQ(cudaEventRecord(e, a), cudaSuccess);
+    ASSERT_EQ(cudaStreamWaitEvent(b, e, 0), cudaSuccess);
+    mgpu_test::saxpy(kN, 1.0f, x.get(), x.get(), 1, 64, a);  // x = 4
+    ASSERT_EQ(cudaEventRecord(e, a), cudaSuccess);
+    mgpu_test::saxpy(kN, 1.0f, x.get(), y.get(), 1, 64, b);  // y = x
+    ASSERT_EQ(cudaStreamSynchronize(b), cudaSuccess);
+    const float seen = y.download()[0];
+    EXPECT_TRUE(seen == 2.0f || seen == 4.0f) << "seed " << seed << ": y = " << seen;
+    before_later_write += seen == 2.0f;
+    ASSERT_EQ(cudaStreamSynchronize(a), cudaSuccess);
+    cudaEventDestroy(e);
+    cudaStreamDestroy(a);
+    cudaStreamDestroy(b);
+  }
+  EXPECT_GT(before_later_write, 0) << "every seed's wait covered the later record too";
+}
+
 TEST_F(StrictEmu, WorkOnAStreamWaitsUntilTheHostSynchronises) {
   // Some seed leaves a launch pending after it returns (seed-dependent by design); sync runs it.
   bool seen_pending = false;

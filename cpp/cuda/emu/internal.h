@@ -40,18 +40,31 @@ struct CUstream_st {
   std::thread::id capture_thread;
   std::vector<Work> recorded;
   // Strict mode (MGPU_EMU_STRICT=1): work issued but not yet run, in stream order; it runs when
-  // something synchronises with the stream (or at a random earlier point), on that thread.
+  // something synchronises with the stream (or at a random earlier point), on that thread. Items
+  // are numbered 1, 2, ... in issue order: `issued` is the last number given, `completed` how
+  // many have finished (they finish in order), so item i has finished iff completed >= i.
   std::mutex pending_mu;
   std::deque<Work> pending;
+  uint64_t issued = 0;  // under pending_mu
+  std::atomic<uint64_t> completed{0};
   std::mutex exec_mu;  // one thread at a time runs a stream's pending work, in order
+};
+// When an event's record last ran. Shared with the record's work item (queued, or a node of a
+// graph), which may run after the event is destroyed: CUDA allows destroying an event whose
+// record has not completed yet.
+struct EventStamp {
+  std::atomic<bool> recorded{false};
+  std::atomic<std::chrono::steady_clock::rep> ticks{0};
 };
 struct CUevent_st {
   int device = 0;
   unsigned flags = 0;
-  bool recorded = false;
-  CUstream_st* stream = nullptr;  // where it was last recorded (strict mode runs it up to there)
-  bool captured = false;          // last recorded into a capture: a node, not a point in time
-  std::chrono::steady_clock::time_point time;
+  std::shared_ptr<EventStamp> stamp = std::make_shared<EventStamp>();
+  // Its last record (under rt().mu): the stream and, in strict mode, the number of the record's
+  // item on it; the event has completed once that item has (0: it completed when recorded).
+  CUstream_st* stream = nullptr;
+  uint64_t target = 0;
+  bool captured = false;  // last recorded into a capture: a node, not a point in time
 };
 struct CUgraph_st {
   std::vector<Work> nodes;
@@ -106,6 +119,9 @@ struct Runtime {
   std::vector<std::string> pending_detail;
   std::vector<std::unique_ptr<CUstream_st>> default_streams;
   std::set<CUstream_st*> streams;
+  // Destroyed streams stay allocated: strict mode's queued event waits may still read their
+  // progress (a wait on an event of a stream destroyed since; its work has finished by then).
+  std::vector<std::unique_ptr<CUstream_st>> retired;
   std::set<CUevent_st*> events;
   std::set<CUgraph_st*> graphs;
   std::set<CUgraphExec_st*> execs;
@@ -130,20 +146,55 @@ extern std::atomic<uint64_t> g_seed;
 extern std::atomic<bool> g_strict;
 // The next number of the strict mode's seeded sequence (shared by all threads).
 uint64_t strict_draw();
+// What a blocked strict-mode work item waits for: progress of another stream, described for a
+// deadlock report ("waits for <what> on <stream>").
+struct Need {
+  CUstream_st* stream;
+  std::string what;
+};
+// Queues work on s (strict mode); returns the item's number on s.
+uint64_t push_pending(CUstream_st* s, Work work);
 // Runs a stream's pending work (strict mode), on this thread; its errors go to the device's
 // next synchronisation, not to this thread's last error. A work item that cannot finish yet (a
-// collective whose other ranks have not arrived) calls block_stream() and returns: it stays at
-// the front of the stream, and the thread waits as block_stream() said *without* holding the
-// stream (so other threads can run it and every other stream meanwhile), then runs it again.
-// No thread ever waits while it holds a stream: a rank's wait can never hold back another's.
+// collective whose other ranks have not arrived, a wait for an event whose work has not run)
+// calls block_stream() and returns: it stays at the front of the stream, and the thread waits as
+// block_stream() said *without* holding the stream (so other threads can run it and every other
+// stream meanwhile), then runs it again. No thread ever waits while it holds a stream: a rank's
+// wait can never hold back another's.
 void flush_stream(CUstream_st* s);
+// As flush_stream, but only until s's item `target` has finished (what an event recorded there
+// covers); nothing queued after it runs.
+void drive(CUstream_st* s, uint64_t target);
+// Runs s's items up to `target` without waiting: not when another thread (or this one, further
+// out) runs s, and only until an item blocks. Returns whether item `target` has finished.
+bool advance(CUstream_st* s, uint64_t target);
 // Called by a strict-mode work item that must run again later: `wait` returns once the item may
-// make progress (it may help by running other streams; it holds none when called).
-void block_stream(std::function<void()> wait);
+// make progress (it may help by running other streams; it holds none when called). `needs` says
+// (when called, at any time) what the item still waits for: empty once nothing; a deadlock check
+// follows these edges. `on_deadlock` is called with the report when the item is part of one.
+void block_stream(std::function<void()> wait,
+                  std::function<std::vector<Need>()> needs = nullptr,
+                  std::function<void(const std::string&)> on_deadlock = nullptr);
 // Runs s's pending work until it is empty or an item blocks; returns the blocked item's wait (or
 // an empty function) without waiting, and whether any item ran. Never blocks on s's lock: when
 // another thread runs s, it returns at once (ran = false).
 std::function<void()> run_until_blocked(CUstream_st* s, bool* ran);
+// run_until_blocked on each of `roots`, then on every stream their blocked items wait for (and
+// so on): what a thread does while it waits for them. Returns whether any item ran.
+bool help_along(const std::vector<CUstream_st*>& roots);
+// A cycle of streams whose front items each wait for the next one's progress, reachable from s:
+// a deadlock (on a GPU, a hang). Call it while idle; it reports one only when it has seen the
+// same cycle, with no stream of it making progress, at two calls at least 100 ms apart (kept in
+// *state, one per waiting thread). Then every item of the cycle fails with the report (returned).
+struct DeadlockCheck {
+  std::string signature;
+  std::chrono::steady_clock::time_point seen;
+};
+std::string check_deadlock(CUstream_st* s, DeadlockCheck* state);
+// The deadlock report for s's front item, if the check found one (taken: reported once).
+std::string take_deadlock(CUstream_st* s);
+// "stream 0x... of device d" (or "the default stream of device d").
+std::string stream_name(const CUstream_st* s);
 // Every stream of `device` (-1: of every device).
 void flush_device(int device);
 extern std::atomic<size_t> g_stack_size;
@@ -167,8 +218,10 @@ cudaError_t check_owner(const char* api, const char* role, const void* p, int de
 // p lies inside a live device allocation (of any device).
 bool is_device_memory(const void* p);
 cudaError_t resolve_stream(const char* api, cudaStream_t handle, CUstream_st** out);
-// Issues work on a stream: runs it now, or records it if the stream is capturing.
-cudaError_t issue(const char* api, CUstream_st* s, bool legacy, Work work);
+// Issues work on a stream: runs it now, or records it if the stream is capturing. *position (if
+// given) is the item's number on s when strict mode queues it, else 0 (it has run, or is a node).
+cudaError_t issue(const char* api, CUstream_st* s, bool legacy, Work work,
+                  uint64_t* position = nullptr);
 
 // ---- One launch (launch.cpp) and the scheduler that runs it (fibers.cpp) ----------------------
 struct LaunchSpec {

@@ -33,8 +33,10 @@ void reset_from_env();
 // seeds a shuffle per block and barrier phase. Takes effect at the next launch.
 void set_seed(uint64_t seed);
 // Whether strict mode is on (MGPU_EMU_STRICT=1): streams run behind the host in a seeded random
-// interleaving, a grid's blocks in a random order, freed memory is poisoned, captured events
-// cannot be waited on. The caching allocator poisons the blocks it takes back when it is on.
+// interleaving, an event covers exactly the work issued on its stream before its record (a wait
+// on it runs that work and nothing after), streams waiting for each other in a cycle are a
+// reported deadlock, a grid's blocks run in a random order, freed memory is poisoned, captured
+// events cannot be waited on. The caching allocator poisons the blocks it takes back when it is on.
 bool strict();
 // What the runtime holds now, for leak checks: live streams (not the default ones), events,
 // graphs, executable graphs, and cudaMalloc / cudaMallocHost allocations with their bytes.

@@ -22,6 +22,14 @@ namespace {
 using mgpu::emu::cat;
 
 enum class Kind { AllReduce, Broadcast, AllGather };
+const char* api_name(Kind k) {
+  switch (k) {
+    case Kind::AllReduce: return "ncclAllReduce";
+    case Kind::Broadcast: return "ncclBroadcast";
+    case Kind::AllGather: return "ncclAllGather";
+  }
+  return "?";
+}
 const char* kind_name(Kind k) {
   switch (k) {
     case Kind::AllReduce: return "allreduce";
@@ -102,9 +110,57 @@ struct ncclComm {
   int device = 0;
   std::atomic<uint64_t> next_seq{0};  // this rank's collectives, in host call order
   uint64_t next_round = 1;            // a clique across processes: this rank's next round
+  // ncclCommAbort and ncclCommDestroy free the communicator, as NCCL does. The emulator keeps the
+  // handle allocated but poisoned (the call that freed it), so that a later call on it fails
+  // loudly instead of working; a call that another thread is inside while it is freed (in_call)
+  // is reported too: on a GPU either one reads freed memory.
+  std::atomic<const char*> freed_by{nullptr};
+  std::atomic<int> in_call{0};
 };
 
 namespace {
+
+// ---- Communicators used after they were freed -------------------------------------------------
+std::atomic<uint64_t> g_freed_uses{0};
+
+void report_freed_use(const std::string& what) {
+  g_freed_uses.fetch_add(1);
+  std::fprintf(stderr, "mgpu emulated NCCL: %s\n", what.c_str());
+}
+
+// Whether comm has been freed; a call on it is reported (and then fails with ncclInvalidUsage).
+bool used_after_free(const ncclComm* comm, const char* call) {
+  const char* by = comm->freed_by.load();
+  if (by == nullptr) return false;
+  report_freed_use(cat(call, " on a communicator that ", by,
+                       " has freed (a use after free: on a GPU it reads freed memory)"));
+  return true;
+}
+
+// A call's use of a communicator, from its first read of the handle to its last.
+class InCall {
+ public:
+  explicit InCall(ncclComm* comm) : comm_(comm) { comm_->in_call.fetch_add(1); }
+  ~InCall() { comm_->in_call.fetch_sub(1); }
+  InCall(const InCall&) = delete;
+  InCall& operator=(const InCall&) = delete;
+
+ private:
+  ncclComm* comm_;
+};
+
+ncclResult_t free_comm(ncclComm* comm, const char* by) {
+  const char* none = nullptr;
+  if (!comm->freed_by.compare_exchange_strong(none, by)) {
+    report_freed_use(cat(by, " on a communicator that ", none, " has freed already (a double free)"));
+    return ncclInvalidUsage;
+  }
+  if (int n = comm->in_call.load(); n > 0)
+    report_freed_use(cat(by, " freed a communicator while ", n, " other call(s) on it were still "
+                         "running (a use after free: on a GPU they read freed memory)"));
+  return ncclSuccess;
+}
+
 
 // ---- Fault injection --------------------------------------------------------------------------
 std::vector<std::string> fault_items() {
@@ -207,21 +263,54 @@ cudaError_t leave(Clique& c, Meet& m, uint64_t seq) {
   return cudaSuccess;
 }
 
+// What a rank's blocked collective waits for: the streams of the ranks that have not arrived
+// (those whose collective is queued already). Empty once the meet is done or the clique aborted.
+std::vector<mgpu::emu::Need> meet_needs(Clique& c, uint64_t seq) {
+  std::lock_guard<std::mutex> lock(c.mu);
+  auto it = c.meets.find(seq);
+  if (c.aborted || it == c.meets.end() || it->second.done) return {};
+  const Meet& m = it->second;
+  std::vector<mgpu::emu::Need> needs;
+  for (int r = 0; r < c.nranks; ++r)
+    if (!m.arrived[size_t(r)] && m.stream[size_t(r)] != nullptr)
+      needs.push_back({m.stream[size_t(r)],
+                       cat("rank ", r, "'s NCCL ", kind_name(m.kind), " #", seq, " queued")});
+  return needs;
+}
+
+// A deadlock found through meet `seq`: it can never complete, so every rank's collective fails
+// with the report (those that arrive later too).
+void break_meet(Clique& c, uint64_t seq, const std::string& report) {
+  std::lock_guard<std::mutex> lock(c.mu);
+  auto it = c.meets.find(seq);
+  if (it == c.meets.end() || it->second.done) return;
+  it->second.error = cat("NCCL ", kind_name(it->second.kind), " #", seq, ": ", report);
+  it->second.done = true;
+  c.cv.notify_all();
+}
+
 // Strict mode: waits until meet `seq` is done or the clique aborted (a stalled rank: until the
 // abort). Meanwhile it runs the queued work of the ranks that have not arrived, whose collective
 // may be waiting in a stream that nothing synchronises with yet (their host threads may be
-// waiting for this one). It holds no stream while it waits, and takes a stream only where no
-// other thread runs it (whoever runs it makes the same progress).
-void wait_meet(const std::shared_ptr<Clique>& cp, uint64_t seq, bool stalled) {
+// waiting for this one), and the work those streams wait for. It holds no stream while it waits,
+// and takes a stream only where no other thread runs it (whoever runs it makes the same
+// progress). While nothing moves it looks for a deadlock through this rank's stream (a cycle of
+// streams each waiting for the next, e.g. a rank's stream waiting on an event recorded after
+// another rank's collective): then the meet fails with the report instead of waiting for ever.
+void wait_meet(const std::shared_ptr<Clique>& cp, uint64_t seq, int rank, bool stalled) {
   Clique& c = *cp;
+  mgpu::emu::DeadlockCheck check;
+  auto idle_since = std::chrono::steady_clock::now();
   std::unique_lock<std::mutex> lock(c.mu);
   for (;;) {
     if (c.aborted) return;
     std::vector<CUstream_st*> behind;
+    CUstream_st* mine = nullptr;
     if (!stalled) {
       auto it = c.meets.find(seq);
       if (it == c.meets.end() || it->second.done) return;
       const Meet& m = it->second;
+      mine = m.stream[size_t(rank)];
       for (int r = 0; r < c.nranks; ++r)
         if (!m.arrived[size_t(r)] && m.stream[size_t(r)] != nullptr)
           behind.push_back(m.stream[size_t(r)]);
@@ -229,14 +318,22 @@ void wait_meet(const std::shared_ptr<Clique>& cp, uint64_t seq, bool stalled) {
     bool ran = false;
     if (!behind.empty()) {
       lock.unlock();
-      for (CUstream_st* s : behind) {
-        bool any = false;
-        mgpu::emu::run_until_blocked(s, &any);
-        ran = ran || any;
-      }
+      ran = mgpu::emu::help_along(behind);
       lock.lock();
     }
-    if (!ran) c.cv.wait_for(lock, std::chrono::milliseconds(1));
+    const auto now = std::chrono::steady_clock::now();
+    if (ran) {
+      idle_since = now;
+      continue;
+    }
+    if (mine != nullptr && now - idle_since > std::chrono::milliseconds(20)) {
+      idle_since = now;
+      lock.unlock();
+      const bool found = !mgpu::emu::check_deadlock(mine, &check).empty();
+      lock.lock();
+      if (found) continue;  // the meet has failed with the report
+    }
+    c.cv.wait_for(lock, std::chrono::milliseconds(1));
   }
 }
 
@@ -256,7 +353,7 @@ cudaError_t run_collective(const std::shared_ptr<Clique>& cp, int rank, uint64_t
   if (!m.done) {
     if (mgpu::emu::g_strict.load()) {
       lock.unlock();
-      wait_meet(cp, seq, false);
+      wait_meet(cp, seq, rank, false);
       lock.lock();
     } else {
       c.cv.wait(lock, [&] { return m.done || c.aborted; });
@@ -284,7 +381,8 @@ cudaError_t step_collective(Arrival& a) {
   std::unique_lock<std::mutex> lock(c.mu);
   if (a.stall) {
     if (c.aborted) return aborted_error(c, a.rank, a.seq, nullptr);
-    mgpu::emu::block_stream([cp = a.clique, seq = a.seq] { wait_meet(cp, seq, true); });
+    mgpu::emu::block_stream(
+        [cp = a.clique, seq = a.seq, rank = a.rank] { wait_meet(cp, seq, rank, true); });
     return cudaSuccess;
   }
   if (!a.arrived && c.aborted) return aborted_error(c, a.rank, a.seq, nullptr);
@@ -295,7 +393,10 @@ cudaError_t step_collective(Arrival& a) {
   }
   if (!m.done) {
     if (c.aborted) return aborted_error(c, a.rank, a.seq, &m);
-    mgpu::emu::block_stream([cp = a.clique, seq = a.seq] { wait_meet(cp, seq, false); });
+    mgpu::emu::block_stream(
+        [cp = a.clique, seq = a.seq, rank = a.rank] { wait_meet(cp, seq, rank, false); },
+        [cp = a.clique, seq = a.seq] { return meet_needs(*cp, seq); },
+        [cp = a.clique, seq = a.seq](const std::string& report) { break_meet(*cp, seq, report); });
     return cudaSuccess;
   }
   return leave(c, m, a.seq);
@@ -434,13 +535,25 @@ struct Op {
   CUstream_st* stream;
   bool stall, async_fault;
   std::shared_ptr<RemoteOp> remote = nullptr;  // set by issue_ops for a clique across processes
+  std::shared_ptr<Clique> clique = nullptr;     // comm's, read by issue_ops before it issues
+  int rank = 0;
 };
 
 // Issues ops in order: each takes its rank's next sequence number, then its work goes on its
 // stream. Ops on different streams are issued from threads of their own (a lenient stream runs
 // the work at once, and it waits there for the other ranks' ops of the same call).
-ncclResult_t issue_ops(std::vector<Op>& ops) {
+ncclResult_t issue_ops(std::vector<Op>& ops, const char* api) {
   std::vector<std::pair<CUstream_st*, std::vector<std::pair<Op, uint64_t>>>> by_stream;
+  // The communicators are read (and must be live) until each op has its sequence number; the
+  // work then issued holds their cliques, not them (a lenient stream runs it here, and it may
+  // wait there until an abort of the communicator ends it).
+  std::vector<std::unique_ptr<InCall>> using_comms;
+  for (Op& op : ops) {
+    if (used_after_free(op.comm, api)) return ncclInvalidUsage;
+    using_comms.push_back(std::make_unique<InCall>(op.comm));
+    op.clique = op.comm->clique;
+    op.rank = op.comm->rank;
+  }
   for (Op& op : ops) {
     uint64_t seq = op.comm->next_seq.fetch_add(1);
     Clique& c = *op.comm->clique;
@@ -490,6 +603,7 @@ ncclResult_t issue_ops(std::vector<Op>& ops) {
     }
     it->second.push_back({op, seq});
   }
+  using_comms.clear();
   std::vector<cudaError_t> results(by_stream.size(), cudaSuccess);
   auto issue_stream = [&](size_t i) {
     CUstream_st* s = by_stream[i].first;
@@ -498,8 +612,7 @@ ncclResult_t issue_ops(std::vector<Op>& ops) {
       cudaError_t e = cudaSuccess;
       if (op.remote) {
         if (mgpu::emu::g_strict.load() && !s->capturing && !s->is_default) {
-          std::lock_guard<std::mutex> lock(s->pending_mu);
-          s->pending.push_back(remote_work(op.remote));
+          mgpu::emu::push_pending(s, remote_work(op.remote));
         } else {
           e = mgpu::emu::issue(kind_name(op.kind), s, s->is_default, remote_work(op.remote));
         }
@@ -507,16 +620,15 @@ ncclResult_t issue_ops(std::vector<Op>& ops) {
         // Strict mode: queued like any work, never run here at random (issue() runs a stream
         // one time in four): the item is the non-waiting step_collective.
         auto a = std::make_shared<Arrival>();
-        a->clique = op.comm->clique;
-        a->rank = op.comm->rank;
+        a->clique = op.clique;
+        a->rank = op.rank;
         a->seq = seq;
         a->stall = op.stall;
         a->send = op.send;
         a->recv = op.recv;
-        std::lock_guard<std::mutex> lock(s->pending_mu);
-        s->pending.push_back([a] { return step_collective(*a); });
+        mgpu::emu::push_pending(s, [a] { return step_collective(*a); });
       } else {
-        Work work = [clique = op.comm->clique, rank = op.comm->rank, seq = seq, stall = op.stall,
+        Work work = [clique = op.clique, rank = op.rank, seq = seq, stall = op.stall,
                      send = op.send, recv = op.recv] {
           return run_collective(clique, rank, seq, stall, send, recv);
         };
@@ -545,28 +657,41 @@ ncclResult_t enqueue(Kind kind, const void* send, void* recv, size_t count, size
                      ncclComm_t comm, cudaStream_t stream) {
   ncclResult_t r = [&]() -> ncclResult_t {
     if (comm == nullptr || send == nullptr || recv == nullptr) return ncclInvalidArgument;
-    if (comm->clique->aborted) return ncclInvalidUsage;
-    if (call_fails(kind_name(kind), comm->rank)) return ncclUnhandledCudaError;
-    CUstream_st* s = nullptr;
-    if (mgpu::emu::resolve_stream(kind_name(kind), stream, &s) != cudaSuccess)
-      return ncclInvalidArgument;
-    if (s->device != comm->device) return ncclInvalidArgument;
-    const size_t in_bytes = count * elem;
-    const size_t out_bytes = kind == Kind::AllGather ? in_bytes * size_t(comm->clique->nranks)
-                                                     : in_bytes;
-    if (in_bytes > 0 && (mgpu::emu::check_side(kind_name(kind), "sendbuff", send, in_bytes,
-                                               "device", comm->device) != cudaSuccess ||
-                         mgpu::emu::check_side(kind_name(kind), "recvbuff", recv, out_bytes,
-                                               "device", comm->device) != cudaSuccess))
-      return ncclInvalidArgument;
-    Op op{comm, kind, send, recv, count, elem, root, s, stalled_rank() == comm->rank,
-          async_fault(), nullptr};
-    if (t_group_depth > 0) {
-      t_group_ops.push_back(op);
-      return ncclSuccess;
+    if (used_after_free(comm, api_name(kind))) return ncclInvalidUsage;
+    std::vector<Op> ops;
+    {
+      InCall in_call(comm);
+      if (comm->clique->aborted) return ncclInvalidUsage;
+      if (call_fails(kind_name(kind), comm->rank)) return ncclUnhandledCudaError;
+      CUstream_st* s = nullptr;
+      if (mgpu::emu::resolve_stream(kind_name(kind), stream, &s) != cudaSuccess)
+        return ncclInvalidArgument;
+      if (s->device != comm->device) return ncclInvalidArgument;
+      const size_t in_bytes = count * elem;
+      const size_t out_bytes =
+          kind == Kind::AllGather ? in_bytes * size_t(comm->clique->nranks) : in_bytes;
+      if (in_bytes > 0 && (mgpu::emu::check_side(kind_name(kind), "sendbuff", send, in_bytes,
+                                                 "device", comm->device) != cudaSuccess ||
+                           mgpu::emu::check_side(kind_name(kind), "recvbuff", recv, out_bytes,
+                                                 "device", comm->device) != cudaSuccess))
+        return ncclInvalidArgument;
+      Op op{comm, kind, send, recv, count, elem, root, s, stalled_rank() == comm->rank,
+            async_fault()};
+      // Strict mode: a launch takes a while (on a GPU, microseconds to milliseconds), so an
+      // abort from another thread can land inside it; here it then shows.
+      if (mgpu::emu::g_strict.load()) std::this_thread::sleep_for(std::chrono::microseconds(200));
+      if (const char* by = comm->freed_by.load(); by != nullptr) {
+        report_freed_use(cat(api_name(kind), " was still using a communicator when ", by,
+                             " freed it (a use after free: on a GPU it reads freed memory)"));
+        return ncclInvalidUsage;
+      }
+      if (t_group_depth > 0) {
+        t_group_ops.push_back(op);
+        return ncclSuccess;
+      }
+      ops.push_back(op);
     }
-    std::vector<Op> ops{op};
-    return issue_ops(ops);
+    return issue_ops(ops, api_name(kind));
   }();
   if (r != ncclSuccess && t_group_depth > 0 && t_group_error == ncclSuccess) t_group_error = r;
   return r;
@@ -594,6 +719,10 @@ std::map<std::string, std::shared_ptr<Clique>>& registry() {
 }
 
 }  // namespace
+
+namespace mgpu::emu {
+uint64_t nccl_freed_uses() { return g_freed_uses.load(); }
+}  // namespace mgpu::emu
 
 const char* ncclGetErrorString(ncclResult_t result) {
   switch (result) {
@@ -742,17 +871,19 @@ ncclResult_t ncclCommInitRankConfig(ncclComm_t* comm, int nranks, ncclUniqueId c
 }
 
 ncclResult_t ncclCommFinalize(ncclComm_t comm) {
-  return comm == nullptr ? ncclInvalidArgument : ncclSuccess;
+  if (comm == nullptr) return ncclInvalidArgument;
+  return used_after_free(comm, "ncclCommFinalize") ? ncclInvalidUsage : ncclSuccess;
 }
 
 ncclResult_t ncclCommDestroy(ncclComm_t comm) {
   if (comm == nullptr) return ncclInvalidArgument;
-  delete comm;  // work already on streams holds the clique, so it still completes
-  return ncclSuccess;
+  // Work already on streams holds the clique, so it still completes.
+  return free_comm(comm, "ncclCommDestroy");
 }
 
 ncclResult_t ncclCommAbort(ncclComm_t comm) {
   if (comm == nullptr) return ncclInvalidArgument;
+  if (used_after_free(comm, "ncclCommAbort")) return ncclInvalidUsage;
   {
     std::lock_guard<std::mutex> lock(comm->clique->mu);
     comm->clique->aborted = true;
@@ -760,25 +891,28 @@ ncclResult_t ncclCommAbort(ncclComm_t comm) {
   }
   // Across processes the other ranks' waits fail too (a real NCCL peer sees a remote error).
   if (comm->clique->link) comm->clique->link->header->aborted.store(1);
-  // The handle is not freed: another thread may still be inside a call on it (an abort is how a
-  // hung collective is ended), and an emulator can afford the few bytes.
-  return ncclSuccess;
+  // Freed, as NCCL frees it: a collective it ended fails on its stream; a call on the handle
+  // later, or one another thread is still inside, is a use after free (reported).
+  return free_comm(comm, "ncclCommAbort");
 }
 
 ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t* asyncError) {
   if (comm == nullptr || asyncError == nullptr) return ncclInvalidArgument;
+  if (used_after_free(comm, "ncclCommGetAsyncError")) return ncclInvalidUsage;
   *asyncError = static_cast<ncclResult_t>(comm->clique->async_error.load());
   return ncclSuccess;
 }
 
 ncclResult_t ncclCommCount(const ncclComm_t comm, int* count) {
   if (comm == nullptr || count == nullptr) return ncclInvalidArgument;
+  if (used_after_free(comm, "ncclCommCount")) return ncclInvalidUsage;
   *count = comm->clique->nranks;
   return ncclSuccess;
 }
 
 ncclResult_t ncclCommUserRank(const ncclComm_t comm, int* rank) {
   if (comm == nullptr || rank == nullptr) return ncclInvalidArgument;
+  if (used_after_free(comm, "ncclCommUserRank")) return ncclInvalidUsage;
   *rank = comm->rank;
   return ncclSuccess;
 }
@@ -796,7 +930,8 @@ ncclResult_t ncclGroupEnd(void) {
   ncclResult_t error = t_group_error;
   t_group_error = ncclSuccess;
   if (error != ncclSuccess) return error;  // a failed call in the group: nothing is launched
-  return issue_ops(ops);
+  // A communicator of the group freed since its call was made is a use after free.
+  return issue_ops(ops, "ncclGroupEnd");
 }
 
 ncclResult_t ncclAllReduce(const void* sendbuff, void* recvbuff, size_t count,
@@ -809,7 +944,9 @@ ncclResult_t ncclAllReduce(const void* sendbuff, void* recvbuff, size_t count,
 ncclResult_t ncclBroadcast(const void* sendbuff, void* recvbuff, size_t count,
                            ncclDataType_t datatype, int root, ncclComm_t comm,
                            cudaStream_t stream) {
-  if (comm == nullptr || root < 0 || root >= comm->clique->nranks || elem_size(datatype) == 0)
+  if (comm == nullptr) return ncclInvalidArgument;
+  if (used_after_free(comm, "ncclBroadcast")) return ncclInvalidUsage;
+  if (root < 0 || root >= comm->clique->nranks || elem_size(datatype) == 0)
     return ncclInvalidArgument;
   // Only the root's send buffer is read; the others may pass their receive buffer.
   return enqueue(Kind::Broadcast, comm->rank == root ? sendbuff : recvbuff, recvbuff, count,

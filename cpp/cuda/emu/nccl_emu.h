@@ -29,6 +29,15 @@
 //   once every rank has joined).
 // - ncclCommAbort wakes every rank waiting in a collective of the communicator's clique: those
 //   collectives fail (cudaErrorLaunchFailure on their stream) and the clique is unusable.
+// - ncclCommAbort and ncclCommDestroy free the communicator, as NCCL does: any later call on the
+//   handle, and a call another thread is still inside when it is freed, is a use after free. On
+//   a GPU it reads freed memory; here the handle stays allocated but poisoned, the call returns
+//   ncclInvalidUsage, and each such use is written to stderr and counted (nccl_freed_uses()). On
+//   the strict emulator a collective call lasts 0.2 ms, so an abort from another thread (a
+//   watchdog's) that races a launch lands inside it.
+// - Strict emulator: a cycle of streams that wait for each other through collectives and events
+//   (a rank's stream waits on an event recorded after another rank's part of the same collective,
+//   say) is a deadlock, on a GPU a hang: the collective fails with a report naming the streams.
 //
 // Fault injection, read when a call is made:
 //   MGPU_EMU_NCCL_FAIL=allreduce|broadcast|allgather|init (or NAME:RANK for one rank): the call
@@ -40,6 +49,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 
 #include "cuda/emu/runtime_api.h"
 
@@ -121,3 +131,9 @@ ncclResult_t ncclBroadcast(const void* sendbuff, void* recvbuff, size_t count,
                            ncclDataType_t datatype, int root, ncclComm_t comm, cudaStream_t stream);
 ncclResult_t ncclAllGather(const void* sendbuff, void* recvbuff, size_t sendcount,
                            ncclDataType_t datatype, ncclComm_t comm, cudaStream_t stream);
+
+namespace mgpu::emu {
+// How many calls so far used a communicator after (or while) ncclCommAbort or ncclCommDestroy
+// freed it; each is also written to stderr. Tests only.
+uint64_t nccl_freed_uses();
+}  // namespace mgpu::emu

@@ -416,7 +416,7 @@ cudaError_t cudaStreamDestroy(cudaStream_t stream) {
     return fail(cudaErrorInvalidResourceHandle,
                 cat("cudaStreamDestroy: ", mgpu::emu::ptr_str(stream), " is not a live stream"));
   }
-  delete stream;
+  r.retired.emplace_back(stream);  // a queued event wait may still read its progress
   return cudaSuccess;
 }
 cudaError_t cudaStreamSynchronize(cudaStream_t stream) {
@@ -440,6 +440,36 @@ cudaError_t cudaStreamQuery(cudaStream_t stream) {
   mgpu::emu::flush_stream(s);  // strict mode: its work is done by the time it says so
   return cudaSuccess;
 }
+namespace {
+// An event's last record: the stream and the number of its item there (strict mode), or
+// {nullptr, 0} when nothing is left to wait for.
+std::pair<CUstream_st*, uint64_t> last_record(cudaEvent_t event) {
+  std::lock_guard<std::mutex> lock(mgpu::emu::rt().mu);
+  if (event->stream == nullptr || event->target == 0 ||
+      event->stream->completed.load() >= event->target)
+    return {nullptr, 0};
+  return {event->stream, event->target};
+}
+
+// Strict mode: the item cudaStreamWaitEvent queues on stream x. It finishes once item t of
+// stream y (the event's record) has; until then it runs y's items up to t (nothing after them)
+// where no other thread runs y, or blocks x until they have run.
+Work event_wait(CUstream_st* x, CUstream_st* y, uint64_t t) {
+  return [x, y, t]() -> cudaError_t {
+    std::string deadlock = mgpu::emu::take_deadlock(x);
+    if (!deadlock.empty()) return fail(cudaErrorLaunchFailure, "cudaStreamWaitEvent: " + deadlock);
+    if (mgpu::emu::advance(y, t)) return cudaSuccess;
+    mgpu::emu::block_stream([y, t] { mgpu::emu::drive(y, t); },
+                            [y, t]() -> std::vector<mgpu::emu::Need> {
+                              if (y->completed.load() >= t) return {};
+                              return {mgpu::emu::Need{
+                                  y, cat("an event (cudaStreamWaitEvent) recorded as item ", t)}};
+                            });
+    return cudaSuccess;
+  };
+}
+}  // namespace
+
 cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event, unsigned int flags) {
   (void)flags;
   CUstream_st* s = nullptr;
@@ -447,22 +477,29 @@ cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event, unsigned
   if (!live(runtime().events, event)) {
     return fail(cudaErrorInvalidResourceHandle, "cudaStreamWaitEvent: not a live event");
   }
-  // Lenient: everything before the event's record has already run. Strict: it runs now, on this
-  // thread, so that what `stream` issues after this call comes after it. In a capture the order
-  // is the recording order, so the wait is a no-op.
-  if (!s->capturing) {
-    // On a GPU a stream outside the capture that waits on a captured event joins the capture
-    // (or fails once it has ended); the emulator does not join streams: refused in both modes.
-    if (event->captured) {
-      return fail(cudaErrorCapturedEvent,
-                  "cudaStreamWaitEvent outside the capture on an event last recorded in a "
-                  "capturing stream");
-    }
-    // A capturing stream's queue holds only work issued before the capture: run it.
-    if (mgpu::emu::g_strict.load() && event->stream != nullptr)
-      mgpu::emu::flush_stream(event->stream);
+  // In a capture the order is the recording order, so the wait is a no-op.
+  if (s->capturing) return cudaSuccess;
+  // On a GPU a stream outside the capture that waits on a captured event joins the capture (or
+  // fails once it has ended); the emulator does not join streams: refused in both modes.
+  if (event->captured) {
+    return fail(cudaErrorCapturedEvent,
+                "cudaStreamWaitEvent outside the capture on an event last recorded in a "
+                "capturing stream");
   }
-  return cudaSuccess;
+  // Lenient: everything before the event's record has already run. Strict: as on a GPU, the
+  // wait covers exactly the work issued on the event's stream before its most recent record at
+  // the time of this call (a later record does not change it); work issued on that stream after
+  // the record may run after what `stream` issues after this call. (A capturing stream's queue
+  // holds only work issued before the capture.)
+  if (!mgpu::emu::g_strict.load()) return cudaSuccess;
+  auto [y, t] = last_record(event);
+  if (y == nullptr || y == s) return cudaSuccess;
+  // The legacy default stream runs its work as it is issued: the work before the record runs now.
+  if (s->is_default && stream != cudaStreamPerThread) {
+    mgpu::emu::drive(y, t);
+    return cudaSuccess;
+  }
+  return mgpu::emu::issue("cudaStreamWaitEvent", s, false, event_wait(s, y, t));
 }
 
 cudaError_t cudaEventCreate(cudaEvent_t* event) { return cudaEventCreateWithFlags(event, 0); }
@@ -492,13 +529,18 @@ cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream) {
                     " but the stream to device ", s->device));
   }
   bool legacy = s->is_default && stream != cudaStreamPerThread;
-  event->stream = s;
-  event->captured = s->capturing;
-  return mgpu::emu::issue("cudaEventRecord", s, legacy, [event] {
-    event->recorded = true;
-    event->time = std::chrono::steady_clock::now();
+  uint64_t position = 0;
+  cudaError_t e = mgpu::emu::issue("cudaEventRecord", s, legacy, [stamp = event->stamp] {
+    stamp->ticks = std::chrono::steady_clock::now().time_since_epoch().count();
+    stamp->recorded = true;
     return cudaSuccess;
-  });
+  }, &position);
+  if (e != cudaSuccess) return e;
+  std::lock_guard<std::mutex> lock(mgpu::emu::rt().mu);
+  event->stream = s;
+  event->target = position;
+  event->captured = s->capturing;
+  return cudaSuccess;
 }
 cudaError_t cudaEventSynchronize(cudaEvent_t event) {
   if (!live(runtime().events, event)) {
@@ -511,9 +553,12 @@ cudaError_t cudaEventSynchronize(cudaEvent_t event) {
                 "cudaEventSynchronize on an event last recorded in a capturing stream (it is "
                 "a node of the graph, not a point in time); record it outside the capture");
   }
-  // Strict mode: a capturing stream's queue holds only work issued before the capture: run it.
-  if (mgpu::emu::g_strict.load() && event->stream != nullptr)
-    mgpu::emu::flush_stream(event->stream);
+  // Strict mode: the work issued before the record runs now, nothing after it. (A capturing
+  // stream's queue holds only work issued before the capture.)
+  if (mgpu::emu::g_strict.load()) {
+    auto [y, t] = last_record(event);
+    if (y != nullptr) mgpu::emu::drive(y, t);
+  }
   return mgpu::emu::take_pending(event->device);
 }
 cudaError_t cudaEventQuery(cudaEvent_t event) {
@@ -524,9 +569,12 @@ cudaError_t cudaEventQuery(cudaEvent_t event) {
     return fail(cudaErrorCapturedEvent,
                 "cudaEventQuery on an event last recorded in a capturing stream");
   }
-  // Strict mode: a capturing stream's queue holds only work issued before the capture: run it.
-  if (mgpu::emu::g_strict.load() && event->stream != nullptr)
-    mgpu::emu::flush_stream(event->stream);
+  // Strict mode: as cudaEventSynchronize, the work before the record runs first (so the event
+  // is complete when this says so); nothing after it.
+  if (mgpu::emu::g_strict.load()) {
+    auto [y, t] = last_record(event);
+    if (y != nullptr) mgpu::emu::drive(y, t);
+  }
   return cudaSuccess;
 }
 cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t start, cudaEvent_t end) {
@@ -538,11 +586,14 @@ cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t start, cudaEvent_t end) 
     return fail(cudaErrorInvalidResourceHandle,
                 "cudaEventElapsedTime: an event was created with cudaEventDisableTiming");
   }
-  if (!start->recorded || !end->recorded) {
+  if (!start->stamp->recorded || !end->stamp->recorded) {
     return fail(cudaErrorInvalidResourceHandle,
                 "cudaEventElapsedTime: an event was never recorded");
   }
-  *ms = std::chrono::duration<float, std::milli>(end->time - start->time).count();
+  using Ticks = std::chrono::steady_clock::duration;
+  *ms = std::chrono::duration<float, std::milli>(Ticks(end->stamp->ticks.load()) -
+                                                 Ticks(start->stamp->ticks.load()))
+            .count();
   return cudaSuccess;
 }
 cudaError_t cudaEventDestroy(cudaEvent_t event) {

@@ -1,6 +1,7 @@
 // cpp/cuda/emu/state.cpp -- the emulator's process-wide state (devices, allocations, streams,
 // events, graphs, pending kernel errors) and per-thread state (current device, last error), the
 // checks every runtime call shares, and the settings tests change.
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 
@@ -54,10 +55,44 @@ uint64_t mix(uint64_t z) {
 uint64_t strict_draw() { return mix(g_seed.load() ^ mix(g_draws.fetch_add(1))); }
 
 namespace {
-thread_local std::function<void()> t_blocked;  // set by a work item that must run again later
+// Strict mode: what the front item of each blocked stream waits for, and the deadlock reports
+// not yet taken by the items they name (both under graph_mu(), keyed by stream).
+struct Blocked {
+  std::function<std::vector<Need>()> needs;
+  std::function<void(const std::string&)> on_deadlock;
+};
+std::mutex& graph_mu() {
+  static auto* m = new std::mutex;
+  return *m;
+}
+std::map<const CUstream_st*, Blocked>& blocked_items() {
+  static auto* m = new std::map<const CUstream_st*, Blocked>;
+  return *m;
+}
+std::map<const CUstream_st*, std::string>& deadlocks() {
+  static auto* m = new std::map<const CUstream_st*, std::string>;
+  return *m;
+}
+
+// Set by a work item that must run again later (block_stream).
+thread_local std::function<void()> t_blocked;
+thread_local Blocked t_blocked_on;
+// The streams this thread runs now, outermost first: a wait item running another stream's work
+// runs it nested, and must not take (or try to take) a stream it already holds.
+thread_local std::vector<const CUstream_st*> t_held;
+struct Hold {
+  explicit Hold(const CUstream_st* s) { t_held.push_back(s); }
+  ~Hold() { t_held.pop_back(); }
+  Hold(const Hold&) = delete;
+  Hold& operator=(const Hold&) = delete;
+};
+bool holds(const CUstream_st* s) {
+  return std::find(t_held.begin(), t_held.end(), s) != t_held.end();
+}
 
 // Runs the item at s's front (caller holds s->exec_mu); false when the queue is empty. An item
-// that blocks goes back to the front and its wait is moved to *blocked.
+// that blocks goes back to the front, its wait is moved to *blocked and what it waits for is
+// registered for the deadlock check.
 bool run_front(CUstream_st* s, std::function<void()>* blocked) {
   Work w;
   {
@@ -66,15 +101,32 @@ bool run_front(CUstream_st* s, std::function<void()>* blocked) {
     w = std::move(s->pending.front());
     s->pending.pop_front();
   }
+  // A nested run (an event wait running another stream's items) keeps its caller's state.
+  std::function<void()> outer_blocked = std::move(t_blocked);
+  Blocked outer_on = std::move(t_blocked_on);
   t_blocked = nullptr;
+  t_blocked_on = Blocked{};
   cudaError_t e = w();
-  if (t_blocked) {
-    *blocked = std::move(t_blocked);
-    t_blocked = nullptr;
+  std::function<void()> mine = std::move(t_blocked);
+  Blocked mine_on = std::move(t_blocked_on);
+  t_blocked = std::move(outer_blocked);
+  t_blocked_on = std::move(outer_on);
+  if (mine) {
+    *blocked = std::move(mine);
+    {
+      std::lock_guard<std::mutex> lock(graph_mu());
+      blocked_items()[s] = std::move(mine_on);
+    }
     std::lock_guard<std::mutex> lock(s->pending_mu);
     s->pending.push_front(std::move(w));
     return true;
   }
+  {
+    std::lock_guard<std::mutex> lock(graph_mu());
+    blocked_items().erase(s);
+    deadlocks().erase(s);
+  }
+  s->completed.fetch_add(1);
   if (e != cudaSuccess) {
     Runtime& r = runtime();
     std::lock_guard<std::mutex> lock(r.mu);
@@ -85,17 +137,40 @@ bool run_front(CUstream_st* s, std::function<void()>* blocked) {
   }
   return true;
 }
+
+// What s's blocked front item waits for now (empty if s is not blocked).
+std::vector<Need> needs_of(const CUstream_st* s) {
+  std::function<std::vector<Need>()> needs;
+  {
+    std::lock_guard<std::mutex> lock(graph_mu());
+    auto it = blocked_items().find(s);
+    if (it == blocked_items().end() || !it->second.needs) return {};
+    needs = it->second.needs;
+  }
+  return needs();
+}
 }  // namespace
 
-void block_stream(std::function<void()> wait) { t_blocked = std::move(wait); }
+uint64_t push_pending(CUstream_st* s, Work work) {
+  std::lock_guard<std::mutex> lock(s->pending_mu);
+  s->pending.push_back(std::move(work));
+  return ++s->issued;
+}
 
-void flush_stream(CUstream_st* s) {
+void block_stream(std::function<void()> wait, std::function<std::vector<Need>()> needs,
+                  std::function<void(const std::string&)> on_deadlock) {
+  t_blocked = std::move(wait);
+  t_blocked_on = Blocked{std::move(needs), std::move(on_deadlock)};
+}
+
+void drive(CUstream_st* s, uint64_t target) {
   const ThreadState saved = tls;
   for (;;) {
     std::function<void()> blocked;
     {
       std::lock_guard<std::mutex> exec(s->exec_mu);
-      while (!blocked && run_front(s, &blocked)) {
+      Hold hold(s);
+      while (!blocked && s->completed.load() < target && run_front(s, &blocked)) {
       }
     }
     if (!blocked) break;
@@ -104,10 +179,26 @@ void flush_stream(CUstream_st* s) {
   tls = saved;
 }
 
+void flush_stream(CUstream_st* s) { drive(s, UINT64_MAX); }
+
+bool advance(CUstream_st* s, uint64_t target) {
+  if (s->completed.load() >= target) return true;
+  if (holds(s)) return false;
+  std::unique_lock<std::mutex> exec(s->exec_mu, std::try_to_lock);
+  if (!exec.owns_lock()) return false;
+  Hold hold(s);
+  std::function<void()> blocked;
+  while (!blocked && s->completed.load() < target && run_front(s, &blocked)) {
+  }
+  return s->completed.load() >= target;
+}
+
 std::function<void()> run_until_blocked(CUstream_st* s, bool* ran) {
   *ran = false;
+  if (holds(s)) return nullptr;
   std::unique_lock<std::mutex> exec(s->exec_mu, std::try_to_lock);
   if (!exec.owns_lock()) return nullptr;
+  Hold hold(s);
   const ThreadState saved = tls;
   std::function<void()> blocked;
   while (run_front(s, &blocked)) {
@@ -116,6 +207,89 @@ std::function<void()> run_until_blocked(CUstream_st* s, bool* ran) {
   }
   tls = saved;
   return blocked;
+}
+
+bool help_along(const std::vector<CUstream_st*>& roots) {
+  bool ran = false;
+  std::vector<CUstream_st*> todo;
+  std::set<CUstream_st*> seen;
+  for (CUstream_st* s : roots)
+    if (seen.insert(s).second) todo.push_back(s);
+  for (size_t i = 0; i < todo.size(); ++i) {
+    bool any = false;
+    run_until_blocked(todo[i], &any);
+    ran = ran || any;
+    for (const Need& n : needs_of(todo[i]))
+      if (seen.insert(n.stream).second) todo.push_back(n.stream);
+  }
+  return ran;
+}
+
+std::string stream_name(const CUstream_st* s) {
+  if (s->is_default) return cat("the default stream of device ", s->device);
+  return cat("stream ", ptr_str(s), " of device ", s->device);
+}
+
+std::string check_deadlock(CUstream_st* from, DeadlockCheck* state) {
+  // Depth-first along what blocked front items wait for; a stream met again on the path closes
+  // a cycle. Each path entry: a stream and what its front item waits for on the next one.
+  std::vector<std::pair<CUstream_st*, std::string>> path, cycle;
+  std::set<CUstream_st*> finished;
+  std::function<bool(CUstream_st*)> visit = [&](CUstream_st* s) {
+    auto on_path = std::find_if(path.begin(), path.end(), [s](const auto& p) { return p.first == s; });
+    if (on_path != path.end()) {
+      cycle.assign(on_path, path.end());
+      return true;
+    }
+    if (finished.count(s)) return false;
+    std::vector<Need> needs = needs_of(s);
+    for (const Need& n : needs) {
+      path.emplace_back(s, cat(n.what, " on ", stream_name(n.stream)));
+      if (visit(n.stream)) return true;
+      path.pop_back();
+    }
+    finished.insert(s);
+    return false;
+  };
+  visit(from);
+  std::string signature;
+  for (const auto& [s, what] : cycle) signature += cat(ptr_str(s), ":", s->completed.load(), ";");
+  const auto now = std::chrono::steady_clock::now();
+  if (signature.empty() || signature != state->signature) {
+    state->signature = signature;
+    state->seen = now;
+    return std::string();
+  }
+  if (now - state->seen < std::chrono::milliseconds(100)) return std::string();
+  // The same cycle twice, 100 ms apart, and none of its streams finished an item meanwhile: each
+  // front item waits for the next stream's progress, which waits for the next: none can move.
+  std::string report = "deadlock between streams (on a GPU they hang): ";
+  for (size_t i = 0; i < cycle.size(); ++i)
+    report += cat(i ? "; " : "", stream_name(cycle[i].first), " waits for ", cycle[i].second);
+  report += cat("; none of them can proceed [strict emulator: replay with MGPU_EMU_STRICT=1 "
+                "MGPU_EMU_SEED=", g_seed.load(), "]");
+  std::vector<std::function<void(const std::string&)>> breaks;
+  {
+    std::lock_guard<std::mutex> lock(graph_mu());
+    for (const auto& [s, what] : cycle) {
+      deadlocks()[s] = report;
+      auto it = blocked_items().find(s);
+      if (it != blocked_items().end() && it->second.on_deadlock)
+        breaks.push_back(it->second.on_deadlock);
+    }
+  }
+  for (auto& b : breaks) b(report);
+  state->signature.clear();
+  return report;
+}
+
+std::string take_deadlock(CUstream_st* s) {
+  std::lock_guard<std::mutex> lock(graph_mu());
+  auto it = deadlocks().find(s);
+  if (it == deadlocks().end()) return std::string();
+  std::string report = std::move(it->second);
+  deadlocks().erase(it);
+  return report;
 }
 
 void flush_device(int device) {
@@ -319,10 +493,13 @@ cudaError_t resolve_stream(const char* api, cudaStream_t handle, CUstream_st** o
 // Issues work on a stream: runs it now, or records it if the stream is capturing. In strict mode
 // work on a stream other than the legacy default stream waits in the stream's queue until
 // something synchronises with the stream, or one time in four runs (with what waits before it)
-// at once: host code runs ahead, and streams interleave in a seeded random order. The legacy
+// at once, as far as it can without waiting (a collective whose other ranks have not arrived,
+// or an event wait whose work another thread runs, stays queued): host code runs ahead, and
+// streams interleave in a seeded random order, but the host never waits for a stream here. The legacy
 // default stream's work (cudaMemcpy, cudaMemset) runs at once, as those calls are synchronous,
 // but it does not wait for the non-blocking streams: nothing in CUDA makes it.
-cudaError_t issue(const char* api, CUstream_st* s, bool legacy, Work work) {
+cudaError_t issue(const char* api, CUstream_st* s, bool legacy, Work work, uint64_t* position) {
+  if (position != nullptr) *position = 0;
   if (s->capturing) {
     // Strict mode: work another thread issues into a capture (not begun in relaxed mode) is
     // refused. CUDA records it into the capturing thread's graph: it does not run now, and runs
@@ -341,11 +518,12 @@ cudaError_t issue(const char* api, CUstream_st* s, bool legacy, Work work) {
     if (cudaError_t e = check_capture_safe(api, cudaErrorStreamCaptureImplicit)) return e;
   }
   if (!g_strict.load() || legacy) return work();
-  {
-    std::lock_guard<std::mutex> lock(s->pending_mu);
-    s->pending.push_back(std::move(work));
+  const uint64_t at = push_pending(s, std::move(work));
+  if (position != nullptr) *position = at;
+  if (strict_draw() % 4 == 0) {
+    bool ran = false;
+    run_until_blocked(s, &ran);
   }
-  if (strict_draw() % 4 == 0) flush_stream(s);
   return cudaSuccess;
 }
 
@@ -358,6 +536,12 @@ void reset_from_env() {
   for (auto& s : r.default_streams) s->pending.clear();  // strict mode's unrun work is dropped
   for (auto& [base, alloc] : r.allocations) std::free(reinterpret_cast<void*>(base));
   r.allocations.clear();
+  {
+    std::lock_guard<std::mutex> graph(graph_mu());
+    blocked_items().clear();
+    deadlocks().clear();
+  }
+  r.retired.clear();
   for (CUstream_st* s : r.streams) delete s;
   for (CUevent_st* e : r.events) delete e;
   for (CUgraph_st* g : r.graphs) delete g;
