@@ -46,6 +46,25 @@ bool use_nccl() {
   return !(v && std::string(v) == "peer");
 }
 
+// MGPU_NCCL_TIMEOUT_S: how long an in-process NCCL collective may take (default 300 s), and how
+// long a device's part of any in-process GPU all-reduce waits for the other devices' parts.
+double nccl_timeout_s() {
+  const char* v = std::getenv("MGPU_NCCL_TIMEOUT_S");
+  if (v == nullptr || *v == '\0') return 300.0;
+  char* end = nullptr;
+  double t = std::strtod(v, &end);
+  if (*end != '\0' || !(t > 0))
+    throw ValueError(std::string("MGPU_NCCL_TIMEOUT_S must be a positive number of seconds, got '") +
+                     v + "'");
+  return t;
+}
+
+std::string gpu_list(const std::vector<int>& gpus) {
+  std::string s;
+  for (int g : gpus) s += (s.empty() ? "gpu(" : ", gpu(") + std::to_string(g) + ")";
+  return s;
+}
+
 #if MGPU_ALLREDUCE_NCCL
 void nccl_check(ncclResult_t r, const char* call) {
   if (r != ncclSuccess) {
@@ -107,12 +126,6 @@ std::shared_ptr<Communicators> communicators(const std::vector<int>& gpus) {
   return c;
 }
 
-std::string gpu_list(const std::vector<int>& gpus) {
-  std::string s;
-  for (int g : gpus) s += (s.empty() ? "gpu(" : ", gpu(") + std::to_string(g) + ")";
-  return s;
-}
-
 // Aborts a failed set of communicators (once) and drops it from the cache: a communicator whose
 // collective failed or hangs cannot be trusted with the next one, and ncclCommAbort is what
 // ends a collective that never finishes.
@@ -140,18 +153,6 @@ ncclResult_t async_error(Communicators& c) {
     if (state != ncclSuccess && state != ncclInProgress) return state;
   }
   return ncclSuccess;
-}
-
-// MGPU_NCCL_TIMEOUT_S: how long an in-process NCCL collective may take (default 300 s).
-double nccl_timeout_s() {
-  const char* v = std::getenv("MGPU_NCCL_TIMEOUT_S");
-  if (v == nullptr || *v == '\0') return 300.0;
-  char* end = nullptr;
-  double t = std::strtod(v, &end);
-  if (*end != '\0' || !(t > 0))
-    throw ValueError(std::string("MGPU_NCCL_TIMEOUT_S must be a positive number of seconds, got '") +
-                     v + "'");
-  return t;
 }
 
 // A thread that aborts the communicators of a collective still armed past its deadline. The
@@ -436,6 +437,12 @@ GpuAllReduce::GpuAllReduce(const std::vector<Device>& devices, const std::vector
   for (const Device& d : devices) coll->gpu.push_back(d.index);
   for (const Shape& s : shapes) coll->total += numel(s);
   coll->nccl = use_nccl();
+  const double timeout_s = nccl_timeout_s();
+  coll->barrier.set_deadline(
+      timeout_s, "allreduce: a part of the all-reduce over " + gpu_list(coll->gpu) + " waited " +
+                     std::to_string(timeout_s) + " s (MGPU_NCCL_TIMEOUT_S) for the other "
+                     "devices' parts: one never joined (its queue is blocked, e.g. by a wait for "
+                     "another device, or the devices received collectives in different orders)");
   for (int d = 0; d < k; ++d) {
     coll->flat.push_back(Tensor::empty({coll->total}, DType::F32, devices[d]));
     if (!coll->nccl) {
@@ -445,7 +452,7 @@ GpuAllReduce::GpuAllReduce(const std::vector<Device>& devices, const std::vector
   }
 #if MGPU_ALLREDUCE_NCCL
   if (coll->nccl) {
-    coll->timeout_s = nccl_timeout_s();
+    coll->timeout_s = timeout_s;
     coll->comms = communicators(coll->gpu);
   }
 #endif
