@@ -130,6 +130,9 @@ void bind_train(py::module_& m) {
   }, "Correct predictions of the replicas on one batch, one 0-d count per device.");
   m.def("lenet_forward", &train::lenet_forward, py::call_guard<py::gil_scoped_release>(),
         "LeNet logits (N, 10) for X (N, 1, 28, 28).");
+  m.def("_fail_next_step_after_bucket", &train::fail_next_step_after_bucket, py::arg("bucket"),
+        "Tests only: the next bucketed step on several devices throws OutOfMemoryError once "
+        "every device has passed gradient bucket `bucket` to the all-reduce (-1: off).");
 
   py::class_<Replicated>(m, "Model", "A list of layers with one replica per device, trained by "
                          "one fused data-parallel step.")
@@ -267,6 +270,13 @@ void bind_train(py::module_& m) {
         }
       }, py::arg("replica"), py::arg("buffers"), py::arg("which") = 0,
          "Sets one replica's optimizer state (copies; None: zero); which as momentum_buffers.")
+      .def("grads", [](const Replicated& r, int64_t d) -> std::optional<Tensor> {
+        const train::Replica& rep = replica(r, d);
+        if (!rep.grads.defined()) return std::nullopt;
+        return rep.grads;
+      }, py::arg("replica"),
+         "The replica's flat gradient buffer (buckets summed over the replicas), written by the "
+         "steps without CUDA graphs; None before the first.")
       .def_property_readonly("num_replicas", [](const Replicated& r) { return r.replicas.size(); })
       .def_property_readonly("buckets", [](const Replicated& r) {
         std::vector<std::pair<int64_t, int64_t>> out;

@@ -46,6 +46,25 @@ bool use_nccl() {
   return !(v && std::string(v) == "peer");
 }
 
+// MGPU_NCCL_TIMEOUT_S: how long an in-process NCCL collective may take (default 300 s), and how
+// long a device's part of any in-process GPU all-reduce waits for the other devices' parts.
+double nccl_timeout_s() {
+  const char* v = std::getenv("MGPU_NCCL_TIMEOUT_S");
+  if (v == nullptr || *v == '\0') return 300.0;
+  char* end = nullptr;
+  double t = std::strtod(v, &end);
+  if (*end != '\0' || !(t > 0))
+    throw ValueError(std::string("MGPU_NCCL_TIMEOUT_S must be a positive number of seconds, got '") +
+                     v + "'");
+  return t;
+}
+
+std::string gpu_list(const std::vector<int>& gpus) {
+  std::string s;
+  for (int g : gpus) s += (s.empty() ? "gpu(" : ", gpu(") + std::to_string(g) + ")";
+  return s;
+}
+
 #if MGPU_ALLREDUCE_NCCL
 void nccl_check(ncclResult_t r, const char* call) {
   if (r != ncclSuccess) {
@@ -107,12 +126,6 @@ std::shared_ptr<Communicators> communicators(const std::vector<int>& gpus) {
   return c;
 }
 
-std::string gpu_list(const std::vector<int>& gpus) {
-  std::string s;
-  for (int g : gpus) s += (s.empty() ? "gpu(" : ", gpu(") + std::to_string(g) + ")";
-  return s;
-}
-
 // Aborts a failed set of communicators (once) and drops it from the cache: a communicator whose
 // collective failed or hangs cannot be trusted with the next one, and ncclCommAbort is what
 // ends a collective that never finishes.
@@ -140,18 +153,6 @@ ncclResult_t async_error(Communicators& c) {
     if (state != ncclSuccess && state != ncclInProgress) return state;
   }
   return ncclSuccess;
-}
-
-// MGPU_NCCL_TIMEOUT_S: how long an in-process NCCL collective may take (default 300 s).
-double nccl_timeout_s() {
-  const char* v = std::getenv("MGPU_NCCL_TIMEOUT_S");
-  if (v == nullptr || *v == '\0') return 300.0;
-  char* end = nullptr;
-  double t = std::strtod(v, &end);
-  if (*end != '\0' || !(t > 0))
-    throw ValueError(std::string("MGPU_NCCL_TIMEOUT_S must be a positive number of seconds, got '") +
-                     v + "'");
-  return t;
 }
 
 // A thread that aborts the communicators of a collective still armed past its deadline. The
@@ -243,9 +244,10 @@ struct GpuCollective {
   std::vector<Tensor> scratch;           // two chunks per device for the peer path
   int64_t total = 0;
   bool nccl = false;
-  // NCCL only: leave the result on the communication stream (unpacked there); a later
-  // collective's end, which makes the compute stream wait for that stream, covers it.
-  bool finish_on_comm = false;
+  // NCCL only: where the result is left (allreduce_gpu.h). kOnComm: unpacked on the
+  // communication stream; a later collective's end or join_compute(), which makes the compute
+  // stream wait for that stream, covers it.
+  Finish finish = Finish::kWait;
   std::shared_ptr<GpuCollective> earlier;  // kept alive until this one has made compute wait
   Barrier barrier;
   std::vector<std::vector<Tensor>> data;  // data[d]: set when device d joins (kept alive)
@@ -283,6 +285,13 @@ struct GpuCollective {
       unpack(me);
     } catch (...) {
       barrier.abort();  // release the devices waiting for this one
+      // A part that failed before its end (a failed pack, an aborted barrier) leaves earlier
+      // collectives' reductions on the communication stream: the compute stream waits for them
+      // before their buffers, which this one keeps, go back to the cache.
+      try {
+        join_compute(me);
+      } catch (...) {  // the first error is the one reported
+      }
       throw;
     }
   }
@@ -378,18 +387,19 @@ struct GpuCollective {
       }
       barrier.arrive_and_wait();  // the reduction is enqueued on every communication stream
       // Unpacked on the communication stream, so the compute stream need not wait here: with
-      // finish_on_comm it goes on (the conv layers' backward) while the reduction runs.
+      // kOnComm it goes on (the conv layers' backward) while the reduction runs.
       int64_t at = 0;
       for (const Tensor& t : data[me]) {
         MGPU_CUDA_CHECK(cudaMemcpyAsync(t.f32(), flat[me].f32() + at, t.nbytes(),
                                         cudaMemcpyDeviceToDevice, comm));
         at += t.numel();
       }
-      if (finish_on_comm) return;
+      if (finish == Finish::kOnComm) return;
       // Everything on the communication stream so far -- this reduction and any earlier one
       // left there -- happens before the compute stream's next work.
       MGPU_CUDA_CHECK(cudaEventRecord(reduced, comm));
       MGPU_CUDA_CHECK(cudaStreamWaitEvent(stream, reduced, 0));
+      if (finish == Finish::kJoin) return;
       // The step's last collective waits for the reduction here, under the watchdog's deadline,
       // and asks NCCL for asynchronous errors: a failed or aborted collective is an exception
       // of this step, not silently wrong gradients.
@@ -423,19 +433,37 @@ struct GpuCollective {
     }
   }
 #endif
+
+  // The compute stream of device `me` waits for everything on its communication stream so far.
+  void join_compute(int me) {
+#if MGPU_ALLREDUCE_NCCL
+    if (!nccl) return;  // the peer-copy path never leaves work there
+    cudaEvent_t reduced = handover_events(gpu[me]).second;
+    MGPU_CUDA_CHECK(cudaEventRecord(reduced, gpu::comm_stream(gpu[me])));
+    MGPU_CUDA_CHECK(cudaStreamWaitEvent(gpu::compute_stream(gpu[me]), reduced, 0));
+#else
+    (void)me;
+#endif
+  }
 };
 
 GpuAllReduce::GpuAllReduce(const std::vector<Device>& devices, const std::vector<Shape>& shapes,
-                           bool overlap, const GpuAllReduce* earlier)
+                           Finish finish, const GpuAllReduce* earlier)
     : shapes_(shapes) {
   const int k = static_cast<int>(devices.size());
   auto coll = std::make_shared<GpuCollective>(k);
   coll_ = coll;
-  coll->finish_on_comm = overlap;
+  coll->finish = finish;
   if (earlier) coll->earlier = earlier->coll_;
   for (const Device& d : devices) coll->gpu.push_back(d.index);
   for (const Shape& s : shapes) coll->total += numel(s);
   coll->nccl = use_nccl();
+  const double timeout_s = nccl_timeout_s();
+  coll->barrier.set_deadline(
+      timeout_s, "allreduce: a part of the all-reduce over " + gpu_list(coll->gpu) + " waited " +
+                     std::to_string(timeout_s) + " s (MGPU_NCCL_TIMEOUT_S) for the other "
+                     "devices' parts: one never joined (its queue is blocked, e.g. by a wait for "
+                     "another device, or the devices received collectives in different orders)");
   for (int d = 0; d < k; ++d) {
     coll->flat.push_back(Tensor::empty({coll->total}, DType::F32, devices[d]));
     if (!coll->nccl) {
@@ -445,13 +473,19 @@ GpuAllReduce::GpuAllReduce(const std::vector<Device>& devices, const std::vector
   }
 #if MGPU_ALLREDUCE_NCCL
   if (coll->nccl) {
-    coll->timeout_s = nccl_timeout_s();
+    coll->timeout_s = timeout_s;
     coll->comms = communicators(coll->gpu);
   }
 #endif
 }
 
 void GpuAllReduce::abort() { coll_->barrier.abort(); }
+
+void GpuAllReduce::join_compute(size_t d) const {
+  MGPU_ASSERT(d < coll_->gpu.size(), "device ", d, " of ", coll_->gpu.size());
+  enqueue_on(Device{DeviceKind::CUDA, coll_->gpu[d]}, "allreduce (join)",
+             [coll = coll_, me = static_cast<int>(d)] { coll->join_compute(me); });
+}
 
 void GpuAllReduce::join(size_t d, const std::vector<Tensor>& tensors) {
   MGPU_ASSERT(d < coll_->gpu.size() && coll_->data[d].empty(), "device ", d, " joins twice");

@@ -24,15 +24,31 @@ struct GpuCollective;
 // part on its queue. The parts meet on the devices; every device must join, in the same order
 // relative to other collectives on every queue (the host's program order gives that).
 //
-// overlap = true lets the compute stream go on while the reduction runs (NCCL on the
-// communication stream; our peer-copy path always finishes in place): a later GpuAllReduce made
-// with `earlier` pointing here must then follow on the same devices -- its end makes the compute
-// streams wait for both, and it keeps this one's buffers alive until then.
+// Where a device's part leaves the result (the NCCL path; the peer-copy path always finishes in
+// place on the compute stream):
+//   kWait   -- the compute stream waits for the reduction and for everything earlier on the
+//              communication stream, and the device's worker waits for it to finish under the
+//              watchdog, so a failed or hung collective is an error of this task: a step's last
+//              collective, and every stand-alone all-reduce;
+//   kJoin   -- the compute stream waits for it (an event, no host wait): the result is read on
+//              the compute stream next (a cross-rank sum of a bucket);
+//   kOnComm -- it stays on the communication stream, so the compute stream goes on (backward)
+//              while it runs: a later kWait or kJoin collective made with `earlier` pointing
+//              here makes the compute stream wait for both and keeps this one's buffers alive
+//              until then, or join_compute() does (a step that failed before that one).
+enum class Finish { kWait, kJoin, kOnComm };
+
 class GpuAllReduce {
  public:
   GpuAllReduce(const std::vector<Device>& devices, const std::vector<Shape>& shapes,
-               bool overlap = false, const GpuAllReduce* earlier = nullptr);
+               Finish finish = Finish::kWait, const GpuAllReduce* earlier = nullptr);
   void join(size_t d, const std::vector<Tensor>& tensors);
+  // Enqueues on device d's queue, after its part: the compute stream waits for everything on the
+  // communication stream so far (this collective's reduction and unpack included), and the
+  // collective's buffers stay alive until then. For a kOnComm collective no later collective
+  // will cover (its step failed): its late unpack then cannot overwrite the gradients of the
+  // next step, and its flat buffers go back to the cache only in the compute stream's order.
+  void join_compute(size_t d) const;
   // Releases the devices that joined with an error: a device that will never join (its step
   // failed while being enqueued) must not leave the others waiting at a barrier forever.
   void abort();

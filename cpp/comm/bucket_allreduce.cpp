@@ -5,7 +5,14 @@
 //   - CPU devices: comm::allreduce once the last device has joined (their queues are the worker
 //     threads backward also runs on, so starting earlier would gain nothing).
 //   - Across ranks (mpirun): device 0's sum is summed with the other ranks' (dist::allreduce, in
-//     rank order) and copied to this process's other devices.
+//     rank order) and copied to this process's other devices. With several GPUs per process
+//     that sum is read on device 0's compute stream and the copies write the others' compute
+//     streams, so every bucket's local part ends with a join of the compute stream (kJoin), not
+//     on the communication stream; and its parts are enqueued on every device together, once
+//     the last device is ready, right before the cross-rank sum and the copies: a copy between
+//     two GPUs makes one device's queue wait for the other's, so a part joined earlier (device 0
+//     joining bucket 1 before device 1 has joined bucket 0) would wait at its barrier for a
+//     device whose queue waits for it.
 // Every path adds in device order, then rank order, so bucketing never changes the bits.
 #include "comm/bucket_allreduce.h"
 
@@ -24,15 +31,17 @@ struct BucketPaths {
 
 BucketAllReduce::BucketAllReduce(const std::vector<Device>& devices,
                                  const std::vector<int64_t>& bucket_sizes, int64_t tag)
-    : devices_(devices), sizes_(bucket_sizes), tag_(tag),
+    : devices_(devices), sizes_(bucket_sizes), tag_(tag), cross_(dist::world_size() > 1),
       joined_(bucket_sizes.size(), std::vector<Tensor>(devices.size())),
-      count_(bucket_sizes.size(), 0), gpu_(std::make_unique<BucketPaths>()) {
+      count_(bucket_sizes.size(), 0), last_part_(devices.size(), -1),
+      gpu_(std::make_unique<BucketPaths>()) {
 #if MGPU_GPU_BUILD
   if (devices.size() > 1 && !devices[0].is_cpu()) {
     for (size_t b = 0; b < sizes_.size(); ++b) {
       const bool last = b + 1 == sizes_.size();
+      const Finish finish = last ? Finish::kWait : cross_ ? Finish::kJoin : Finish::kOnComm;
       gpu_->buckets.push_back(std::make_unique<GpuAllReduce>(
-          devices, std::vector<Shape>{{sizes_[b]}}, /*overlap=*/!last,
+          devices, std::vector<Shape>{{sizes_[b]}}, finish,
           b ? gpu_->buckets.back().get() : nullptr));
     }
   }
@@ -40,12 +49,31 @@ BucketAllReduce::BucketAllReduce(const std::vector<Device>& devices,
 }
 
 // A step that failed while being enqueued leaves buckets some devices joined: their GPU parts
-// would wait for the others forever, so they are released (with an error on those queues).
+// would wait for the others forever, so they are released (with an error on those queues). And
+// unless the last bucket ran (its end covers every earlier one), the reductions left on the
+// communication streams are joined: each device's compute stream waits for them before anything
+// it runs next (the next step's backward, which writes the same gradients) and before the
+// buckets' flat buffers go back to the cache.
 BucketAllReduce::~BucketAllReduce() {
 #if MGPU_GPU_BUILD
-  for (size_t b = 0; b < gpu_->buckets.size(); ++b)
-    if (count_[b] > 0 && count_[b] < devices_.size()) gpu_->buckets[b]->abort();
+  const size_t k = devices_.size(), n = gpu_->buckets.size();
+  if (n == 0) return;
+  try {
+    for (size_t b = 0; b < n; ++b)
+      if (parts(b) > 0 && parts(b) < k) gpu_->buckets[b]->abort();
+    if (parts(n - 1) == k) return;
+    for (size_t d = 0; d < k; ++d)
+      if (last_part_[d] >= 0) gpu_->buckets[static_cast<size_t>(last_part_[d])]->join_compute(d);
+  } catch (...) {  // a destructor never throws; nothing more can be enqueued (out of memory)
+  }
 #endif
+}
+
+size_t BucketAllReduce::parts(size_t b) const {
+  size_t joined = 0;
+  for (int p : last_part_)
+    if (p >= static_cast<int>(b)) ++joined;
+  return joined;
 }
 
 void BucketAllReduce::ready(size_t b, size_t d, const Tensor& bucket) {
@@ -55,15 +83,24 @@ void BucketAllReduce::ready(size_t b, size_t d, const Tensor& bucket) {
   joined_[b][d] = bucket;
   const size_t k = devices_.size();
 #if MGPU_GPU_BUILD
-  if (!gpu_->buckets.empty()) gpu_->buckets[b]->join(d, {bucket});
+  const bool gpus = !gpu_->buckets.empty();
+  auto part = [&](size_t i) {
+    gpu_->buckets[b]->join(i, {joined_[b][i]});
+    last_part_[i] = static_cast<int>(b);
+  };
+  if (gpus && !cross_) part(d);
 #endif
   if (++count_[b] < k) return;
+#if MGPU_GPU_BUILD
+  if (gpus && cross_)
+    for (size_t i = 0; i < k; ++i) part(i);
+#endif
   if (k > 1 && devices_[0].is_cpu()) {
     std::vector<std::vector<Tensor>> data;
     for (const Tensor& t : joined_[b]) data.push_back({t});
     allreduce(data);
   }
-  if (dist::world_size() > 1) {
+  if (cross_) {
     dist::allreduce({joined_[b][0]}, dist::Op::TrainStep, tag_);
     for (size_t i = 1; i < k; ++i) ops::copy(joined_[b][i], joined_[b][0]);
   }

@@ -19,7 +19,9 @@ class BucketAllReduce {
   // the floats in each bucket; tag: labels the collectives across ranks (the batch geometry).
   BucketAllReduce(const std::vector<Device>& devices, const std::vector<int64_t>& bucket_sizes,
                   int64_t tag);
-  ~BucketAllReduce();  // releases the devices of buckets not every device joined
+  // Releases the devices of buckets not every device joined and, after a step that failed
+  // before its last bucket, joins the reductions it started (see the .cpp).
+  ~BucketAllReduce();
   // Device d's bucket b (1-D float32 view on devices[d], written by work already enqueued) is
   // ready. Every device calls this for every bucket in bucket order; the sum is enqueued on the
   // devices' queues once every device has called it, so later work on a queue sees the sum.
@@ -29,8 +31,11 @@ class BucketAllReduce {
   std::vector<Device> devices_;
   std::vector<int64_t> sizes_;
   int64_t tag_;
+  bool cross_;                               // other ranks take part (mpirun)
   std::vector<std::vector<Tensor>> joined_;  // joined_[b][d]
-  std::vector<size_t> count_;                // devices that have joined bucket b
+  std::vector<size_t> count_;                // devices that have called ready() for bucket b
+  std::vector<int> last_part_;               // [d]: the last bucket whose GPU part d enqueued
+  size_t parts(size_t b) const;              // devices that enqueued their part of bucket b
   std::unique_ptr<BucketPaths> gpu_;         // the GPU collectives, one per bucket
 };
 

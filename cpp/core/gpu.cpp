@@ -211,7 +211,14 @@ void synchronize(int device) {
   cudaError_t e;
   {
     std::lock_guard<std::mutex> lock(s.capture_mutex);
-    e = s.capturing ? cudaEventSynchronize(s.before_capture) : cudaStreamSynchronize(s.compute);
+    if (s.capturing) {
+      e = cudaEventSynchronize(s.before_capture);
+    } else {
+      // Both streams mgpu's work runs on: a reduction left on the communication stream (a bucket
+      // of a step that failed) still writes gradients, so "done" must include it.
+      e = cudaStreamSynchronize(s.compute);
+      if (e == cudaSuccess) e = cudaStreamSynchronize(s.comm);
+    }
   }
   if (e != cudaSuccess) {
     std::string message = cuda_detail::error_message(e, "cudaStreamSynchronize", __FILE__, __LINE__);

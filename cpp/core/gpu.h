@@ -50,10 +50,11 @@ cudaStream_t import_stream(int device);
 struct ImportFence;
 std::shared_ptr<ImportFence> import_fence(int device);
 void wait_import_fence(int device, const ImportFence& fence);
-// Blocks until the compute stream has finished everything issued so far; a failed kernel (an
-// asynchronous error on a real GPU) is thrown as DeviceError naming the device. While the stream
-// is capturing a graph (below) it waits for the work issued before the capture began instead:
-// captured work does not run, and a capturing stream must not be synchronised.
+// Blocks until the compute and the communication stream have finished everything issued so far
+// (waitall() means every stream mgpu's work runs on); a failed kernel (an asynchronous error on a
+// real GPU) is thrown as DeviceError naming the device. While the compute stream is capturing a
+// graph (below) it waits for the work issued on it before the capture began instead: captured
+// work does not run, and a capturing stream must not be synchronised.
 void synchronize(int device);
 
 // The caching device allocator: blocks rounded to a size class and kept on per-device free lists,

@@ -142,26 +142,40 @@ std::shared_ptr<CapturedStep> load_captured_step(const Model& m, const Tensor& x
 
 const Tensor& captured_grads(const CapturedStep& g) { return g.grads; }
 
-Tensor replay_captured_step(const std::shared_ptr<CapturedStep>& g, Device dev,
-                            const std::function<void(size_t)>& bucket_done) {
+namespace {
+
+void replay_graph(const std::shared_ptr<CapturedStep>& g, Device dev, size_t b) {
   Queue& q = queue_of(dev);
-  for (size_t b = 0; b < g->graphs.size(); ++b) {
-    q.enqueue("train step (CUDA graph)", [g, dev, &q, b] {
-      if (g->failed || !g->graphs[b]) capture_failed();
-      gpu::launch(*g->graphs[b], dev.index);
-      if (b != 0) return;
-      // Every replay writes the same flag and label buffers: check copies of this replay's, so
-      // a later replay cannot overwrite its verdict before the host waits.
-      std::vector<Queue::DeferredCheck> mine;
-      for (const Queue::DeferredCheck& c : g->checks) {
-        const auto* labels = c.fn.target<ops::LabelCheck>();
-        mine.push_back(labels ? Queue::DeferredCheck{c.name, c.seq, labels->snapshot()} : c);
-      }
-      q.defer_checks(mine);
-    });
-    bucket_done(b);
+  q.enqueue("train step (CUDA graph)", [g, dev, &q, b] {
+    if (g->failed || !g->graphs[b]) capture_failed();
+    gpu::launch(*g->graphs[b], dev.index);
+    if (b != 0) return;
+    // Every replay writes the same flag and label buffers: check copies of this replay's, so
+    // a later replay cannot overwrite its verdict before the host waits.
+    std::vector<Queue::DeferredCheck> mine;
+    for (const Queue::DeferredCheck& c : g->checks) {
+      const auto* labels = c.fn.target<ops::LabelCheck>();
+      mine.push_back(labels ? Queue::DeferredCheck{c.name, c.seq, labels->snapshot()} : c);
+    }
+    q.defer_checks(mine);
+  });
+}
+
+}  // namespace
+
+std::vector<Tensor> replay_captured_steps(const std::vector<std::shared_ptr<CapturedStep>>& steps,
+                                          const std::vector<Device>& devs,
+                                          const std::function<void(size_t, size_t)>& bucket_done) {
+  MGPU_ASSERT(steps.size() == devs.size() && !steps.empty(), "one captured step per device");
+  const size_t n = steps[0]->graphs.size();
+  for (size_t b = 0; b < n; ++b) {
+    for (size_t d = 0; d < devs.size(); ++d) replay_graph(steps[d], devs[d], b);
+    for (size_t d = 0; d < devs.size(); ++d) bucket_done(b, d);
   }
-  return ops::to_device(g->loss_sum, dev, /*force_copy=*/true);
+  std::vector<Tensor> losses;
+  for (size_t d = 0; d < devs.size(); ++d)
+    losses.push_back(ops::to_device(steps[d]->loss_sum, devs[d], /*force_copy=*/true));
+  return losses;
 }
 
 }  // namespace mgpu::train

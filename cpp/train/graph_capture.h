@@ -25,8 +25,12 @@ std::shared_ptr<CapturedStep> load_captured_step(const Model& m, const Tensor& x
                                                  const ReplicaState& r, Device dev);
 // The flat gradient buffer the graphs write (model_loss_and_grads' `grads`).
 const Tensor& captured_grads(const CapturedStep& g);
-// Replays the graphs, calling bucket_done(b) after graph b; returns a copy of the summed loss.
-Tensor replay_captured_step(const std::shared_ptr<CapturedStep>& g, Device dev,
-                            const std::function<void(size_t)>& bucket_done);
+// Replays every replica's graphs (steps[d] on devs[d]) bucket by bucket: graph b on every
+// device, then bucket_done(b, d) for every device, then graph b + 1, as the plain step calls it,
+// so each device joins a bucket's all-reduce in the same host order relative to the others'
+// work. Returns copies of each replica's summed loss.
+std::vector<Tensor> replay_captured_steps(const std::vector<std::shared_ptr<CapturedStep>>& steps,
+                                          const std::vector<Device>& devs,
+                                          const std::function<void(size_t, size_t)>& bucket_done);
 
 }  // namespace mgpu::train

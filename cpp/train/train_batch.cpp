@@ -2,6 +2,7 @@
 #include "train/train_batch.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <map>
@@ -427,6 +428,27 @@ void check_replicas(const char* op, const Model& m, const std::vector<Replica>& 
   }
 }
 
+namespace {
+
+std::atomic<int64_t> g_fail_after_bucket{-1};
+
+void injected_failure(size_t bucket) {
+  int64_t armed = static_cast<int64_t>(bucket);
+  if (g_fail_after_bucket.load(std::memory_order_relaxed) != armed ||
+      !g_fail_after_bucket.compare_exchange_strong(armed, -1))
+    return;
+  throw OutOfMemoryError(detail::cat("train_step: out of memory after bucket ", bucket,
+                                     " of the all-reduce (injected for testing)"));
+}
+
+}  // namespace
+
+void fail_next_step_after_bucket(int64_t bucket) {
+  MGPU_CHECK_VALUE(bucket >= -1, "fail_next_step_after_bucket: bucket must be >= 0, or -1 for "
+                   "none, got ", bucket);
+  g_fail_after_bucket.store(bucket);
+}
+
 std::vector<Tensor> train_step(const Model& m, const Tensor& X, const Tensor& y,
                                std::vector<Replica>& replicas, const Sgd& sgd,
                                int64_t num_shards, const char* op) {
@@ -479,16 +501,16 @@ std::vector<Tensor> train_step(const Model& m, const Tensor& X, const Tensor& y,
   }
   std::vector<Tensor> losses, grads;
   auto bucket_done = [&](size_t b, size_t d) {
-    if (reduce) reduce->ready(b, d, grads[d].slice_rows(m.buckets()[b].begin, m.buckets()[b].end));
+    if (!reduce) return;
+    reduce->ready(b, d, grads[d].slice_rows(m.buckets()[b].begin, m.buckets()[b].end));
+    if (d + 1 == L) injected_failure(b);
   };
   if (graphs) {
     std::vector<std::shared_ptr<CapturedStep>> loaded;
     for (size_t d = 0; d < L; ++d)
       loaded.push_back(load_captured_step(m, xs[d], ys[d], replicas[d].state, devices[d]));
     for (size_t d = 0; d < L; ++d) grads.push_back(captured_grads(*loaded[d]));
-    for (size_t d = 0; d < L; ++d)
-      losses.push_back(replay_captured_step(loaded[d], devices[d],
-                                            [&, d](size_t b) { bucket_done(b, d); }));
+    losses = replay_captured_steps(loaded, devices, bucket_done);
   } else {
     std::vector<const ReplicaState*> states;
     for (Replica& r : replicas) {

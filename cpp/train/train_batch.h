@@ -81,4 +81,10 @@ std::vector<Tensor> evaluate_batch(const Tensor& X, const Tensor& y,
                                    const std::vector<std::vector<Tensor>>& params,
                                    const std::vector<Device>& devices);
 
+// Fault injection for tests: the next bucketed step (num_shards 0) on several devices or ranks
+// throws OutOfMemoryError on the host right after every device has passed bucket `bucket` to
+// the all-reduce, as an allocation in the next layer's backward would; -1 (the default) turns it
+// off. Once only: the step after the failing one runs as usual.
+void fail_next_step_after_bucket(int64_t bucket);
+
 }  // namespace mgpu::train

@@ -134,6 +134,9 @@ def train_batch(X: Tensor, y: Tensor, params: List[List[Tensor]], devices: Seque
 def evaluate_batch(X: Tensor, y: Tensor, params: List[List[Tensor]],
                    devices: Sequence[Device]) -> List[Tensor]: ...
 def lenet_forward(X: Tensor, params: List[Tensor]) -> Tensor: ...
+# Tests only: the next bucketed step on several devices throws OutOfMemoryError on the host once
+# every device has passed gradient bucket `bucket` to the all-reduce (-1: off).
+def _fail_next_step_after_bucket(bucket: int) -> None: ...
 
 # The fused step of any list of layers. A spec is a list of (kind, options) tuples, one per layer;
 # layer i reads its input slots and writes slot i + 1 (slot 0 is X; the last slot is the logits).
@@ -191,6 +194,9 @@ class Model:
     # replica's momentum; the next step continues from them.
     def set_momentum_buffers(self, replica: int, buffers: List[Optional[Tensor]],
                              which: int = 0) -> None: ...
+    # The replica's flat gradient buffer (bucket b is buckets[b]; after a step, each holds the
+    # sum over the replicas), written by the steps that run without CUDA graphs; None before one.
+    def grads(self, replica: int) -> Optional[Tensor]: ...
     num_replicas: int
     # The gradient buckets as [begin, end) ranges of the flat buffer (reverse layer order).
     buckets: List[Tuple[int, int]]

@@ -151,7 +151,7 @@ def test_nccl_path_on_the_strict_emulator(seed):
     (cpp/cuda/emu/state.cpp, block_stream)."""
     env = dict(os.environ, MGPU_EMULATED_GPUS="3", MGPU_EMU_STRICT="1", MGPU_EMU_SEED=str(seed))
     env.pop("MGPU_ALLREDUCE", None)
-    select = "allreduce_on_gpus_is_bitwise or nccl_matches_the_peer"
+    select = "allreduce_on_gpus_matches or nccl_matches_the_peer"
     if seed == 3:
         select += " or fused_step_on_every_gpu"
     run = _run_with_limit(

@@ -2,8 +2,12 @@
 // spec, the bucketed all-reduce across CPU devices, one replica's gradients against the op path.
 #include <gtest/gtest.h>
 
+#include <chrono>
+#include <string>
+#include <thread>
 #include <vector>
 
+#include "comm/barrier.h"
 #include "comm/bucket_allreduce.h"
 #include "core/queue.h"
 #include "ops/elementwise.h"
@@ -123,6 +127,38 @@ TEST(BucketAllReduce, SumsEveryBucketOnEveryDeviceWhateverOrderDevicesJoinIn) {
   for (int d = 0; d < 3; ++d) {
     std::vector<float> v = values(flat[d]);
     for (int i = 0; i < 10; ++i) EXPECT_EQ(v[i], 3.0f * static_cast<float>(i) + 3.0f) << d << i;
+  }
+}
+
+TEST(Barrier, APartThatNeverArrivesEndsEveryWaitAtTheDeadlineWithItsReason) {
+  comm::Barrier b(3);
+  b.set_deadline(0.2, "allreduce: gpu(2) never joined");
+  const auto t0 = std::chrono::steady_clock::now();
+  std::string early;
+  std::thread other([&] {
+    try {
+      b.arrive_and_wait();
+    } catch (const DeviceError& e) {
+      early = e.what();
+    }
+  });
+  try {
+    b.arrive_and_wait();
+    ADD_FAILURE() << "the barrier passed with 2 of 3 parts";
+  } catch (const DeviceError& e) {
+    EXPECT_STREQ(e.what(), "allreduce: gpu(2) never joined");
+  }
+  other.join();
+  const std::chrono::duration<double> waited = std::chrono::steady_clock::now() - t0;
+  EXPECT_GE(waited.count(), 0.2);
+  EXPECT_LT(waited.count(), 10.0);
+  // The other waiter is released too, and so is a part arriving late, each with the reason.
+  EXPECT_EQ(early, "allreduce: gpu(2) never joined");
+  try {
+    b.arrive_and_wait();
+    ADD_FAILURE() << "a late part passed an expired barrier";
+  } catch (const DeviceError& e) {
+    EXPECT_STREQ(e.what(), "allreduce: gpu(2) never joined");
   }
 }
 

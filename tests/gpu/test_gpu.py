@@ -128,9 +128,32 @@ def test_large_host_to_device_copy_crosses_staging_chunks(rng):
     np.testing.assert_array_equal(mgpu.array(src, device=G0).numpy(), src)
 
 
+def _allreduce_order_is_mgpus(k):
+    """True where the GPUs' all-reduce adds in device order 0..k-1, as cpu(0..k-1) do: mgpu's
+    peer-copy path (MGPU_ALLREDUCE=peer, or a build without NCCL) and the emulator's NCCL, which
+    sums in rank order. Real NCCL adds in its own ring's or tree's order, chosen by its
+    algorithm: with 3 or more GPUs its sums may differ from the CPU's in the last bits (with 2,
+    a + b == b + a exactly)."""
+    info = mgpu.build_info()
+    nccl = info.get("nccl") == "built" and os.environ.get("MGPU_ALLREDUCE") != "peer"
+    return EMULATED or not nccl or k <= 2
+
+
+def assert_sum_of_k(got, expected, terms, k, what):
+    """got and expected are float32 sums of the same k terms added in different orders: each is
+    within (k - 1) * 2^-24 * sum|terms| of the exact sum (one rounding per addition, of a partial
+    sum no larger than sum|terms|), so they differ by at most (k - 1) * 2^-23 * sum|terms|."""
+    bound = (k - 1) * 2.0 ** -23 * sum(np.abs(t.astype(np.float64)) for t in terms)
+    err = np.abs(got.astype(np.float64) - expected.astype(np.float64))
+    assert (err <= bound).all(), (f"{what}: differs by {err.max():.3g}, more than a sum of {k} "
+                                  f"float32 terms in another order can ({bound.max():.3g})")
+
+
 @needs_gpus(2)
 @pytest.mark.parametrize("shapes", [[(7,)], [(3, 5), (1,), (129,), (2, 2, 2)], [(1,)]])
-def test_allreduce_on_gpus_is_bitwise_the_cpu_devices(rng, shapes):
+def test_allreduce_on_gpus_matches_the_cpu_devices(rng, shapes):
+    """Bitwise the CPU devices' sums where mgpu decides the order (_allreduce_order_is_mgpus);
+    with real NCCL on 3 or more GPUs, within what another order of the k additions can give."""
     k = NUM_GPUS  # every GPU: test_gpu_defects.py runs this on 3 and 4 emulated GPUs too
     values = [[rng.normal(size=s).astype(np.float32) for s in shapes] for _ in range(k)]
     on_gpus = [[mgpu.array(v, device=mgpu.gpu(d)) for v in values[d]] for d in range(k)]
@@ -142,7 +165,11 @@ def test_allreduce_on_gpus_is_bitwise_the_cpu_devices(rng, shapes):
         for d in range(k):
             got = on_gpus[d][j].numpy()
             assert_close(got, expected, "elementwise", what=f"tensor {j}", device=mgpu.gpu(d))
-            np.testing.assert_array_equal(got, on_cpus[d][j].numpy())
+            if _allreduce_order_is_mgpus(k):
+                np.testing.assert_array_equal(got, on_cpus[d][j].numpy())
+            else:
+                assert_sum_of_k(got, on_cpus[d][j].numpy(), [v[j] for v in values], k,
+                                f"tensor {j} on gpu({d})")
 
 
 @needs_gpus(2)
@@ -488,7 +515,8 @@ def test_cudnn_conv_matches_our_kernels(monkeypatch, rng):
 @needs_gpus(2)
 def test_nccl_matches_the_peer_copy_allreduce(monkeypatch, rng):
     """Every GPU of the process (test_gpu_defects.py runs it on 3 and 4 emulated GPUs). The
-    emulated NCCL sums in rank order as the peer-copy path does: bitwise equal there."""
+    emulated NCCL sums in rank order as the peer-copy path does: bitwise equal there (and with 2
+    GPUs anywhere); real NCCL within what another order of the k additions can give."""
     k = NUM_GPUS
     values = [rng.normal(size=(1000, 3)).astype(np.float32) for _ in range(k)]
     out = {}
@@ -503,7 +531,7 @@ def test_nccl_matches_the_peer_copy_allreduce(monkeypatch, rng):
     expected = sum(v.astype(np.float64) for v in values)
     for d, (a, b) in enumerate(zip(out["peer"], out["nccl"])):
         assert_close(b, expected, what="nccl", device=mgpu.gpu(d))  # a sum of k float32 terms
-        if EMULATED:
+        if EMULATED or k <= 2:
             np.testing.assert_array_equal(a, b, err_msg=f"gpu({d}): nccl differs from peer")
-        else:
-            assert_close(a, b, "elementwise")
+        else:  # real NCCL's ring or tree order against the peer path's device order
+            assert_sum_of_k(b, a, values, k, f"gpu({d}): nccl against peer")
