@@ -102,8 +102,13 @@ std::string mib(size_t bytes) {
 
 void free_cached_locked(DeviceState& s) {
   std::lock_guard<std::mutex> lock(device_wide_mutex());
-  for (auto& [cap, list] : s.free_lists)
-    for (void* p : list) cudaFree(p);  // a failure here leaves the block to the driver at exit
+  for (auto& [cap, list] : s.free_lists) {
+    for (void* p : list) {
+      // A failure leaves the block to the driver at exit; its error is cleared here, or the
+      // next launch check would report it as that kernel's failure.
+      if (cudaFree(p) != cudaSuccess) cudaGetLastError();
+    }
+  }
   s.free_lists.clear();
   s.stats.cached = 0;
 }
@@ -389,9 +394,11 @@ void memset_async(int device, void* dst, int value, size_t nbytes) {
 class Graph {
  public:
   Graph(cudaGraph_t g, cudaGraphExec_t e) : graph(g), exec(e) {}
+  // Destructors never throw: a failure is cleared where it happens, so the next launch check
+  // does not blame its own kernel for it.
   ~Graph() {
-    if (exec) cudaGraphExecDestroy(exec);
-    if (graph) cudaGraphDestroy(graph);
+    if (exec && cudaGraphExecDestroy(exec) != cudaSuccess) cudaGetLastError();
+    if (graph && cudaGraphDestroy(graph) != cudaSuccess) cudaGetLastError();
   }
   Graph(const Graph&) = delete;
   Graph& operator=(const Graph&) = delete;
