@@ -8,6 +8,7 @@
 #if MGPU_GPU_BUILD
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <mutex>
 #include <new>
@@ -211,7 +212,18 @@ void wait_import_fence(int device, const ImportFence& fence) {
 }
 cudaStream_t comm_stream(int device) { return with_streams(device).comm; }
 
+namespace {
+std::atomic<uint64_t>& host_wait_count() {
+  static std::atomic<uint64_t> n{0};
+  return n;
+}
+}  // namespace
+
+void count_host_wait() { host_wait_count().fetch_add(1, std::memory_order_relaxed); }
+uint64_t host_waits() { return host_wait_count().load(std::memory_order_relaxed); }
+
 void synchronize(int device) {
+  count_host_wait();
   DeviceState& s = with_streams(device);
   cudaError_t e;
   {
@@ -356,6 +368,7 @@ void copy_from_host(int device, void* dst, const void* src, size_t nbytes) {
     // This buffer's previous DMA must have left it before it is refilled. It was issued two
     // copies ago, so the wait no longer drains everything queued since the last copy (x then y
     // of one step used to wait for the whole previous step on the stream).
+    count_host_wait();
     MGPU_CUDA_CHECK(cudaEventSynchronize(s.staging_done[b]));
     std::memcpy(s.staging[b], from + done, n);
     MGPU_CUDA_CHECK(
@@ -498,6 +511,8 @@ struct ImportFence {};
 std::shared_ptr<ImportFence> import_fence(int) { not_built(); }
 void wait_import_fence(int, const ImportFence&) { not_built(); }
 void synchronize(int) { not_built(); }
+void count_host_wait() {}
+uint64_t host_waits() { return 0; }
 void* allocate(int, size_t, size_t*) { not_built(); }
 void release(int, void*, size_t) { not_built(); }
 MemoryStats memory_stats(int) { return {}; }
