@@ -113,7 +113,7 @@ stage "Python GPU tests on the strict emulator (MGPU_EMU_STRICT=1)"
 # test_gpu_stress.py stay on the lenient stage.
 strict_more=(test_ops.py test_fused_bn_relu.py test_robust.py test_tensor.py test_nn.py
              test_fused_step.py test_data_parallel.py test_chapter.py test_train.py test_errors.py
-             test_concise_step.py)
+             test_concise_step.py test_sync_bn_gpu.py test_gpu_lifecycle.py)
 strict_seeds=${MGPU_CI_STRICT_SEEDS:-"2 4"}
 first=1
 for seed in $strict_seeds; do
