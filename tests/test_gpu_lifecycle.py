@@ -56,9 +56,10 @@ def allreduce_on(gpus):
 
 _RACE = _COMMON + r"""
 allreduce_on([0, 1])  # the communicators exist before the race
-# The launch sleeps 1.5 s with the set claimed; the watchdog fires 1.0 s after the collective
-# starts, inside that sleep, and must wait for the launch (up to the timeout again) to abort.
-_core._nccl_pause_launches(1.5)
+# The launch sleeps 3 s with the set claimed; the watchdog fires 2 s after the collective starts,
+# inside that sleep, and must wait for the launch (up to the timeout again) before it aborts:
+# 1 s of slack on either side for a loaded machine.
+_core._nccl_pause_launches(3.0)
 start = time.monotonic()
 try:
     allreduce_on([0, 1])
@@ -84,8 +85,8 @@ def test_the_watchdog_waits_for_a_launch_in_progress_before_it_aborts():
     real GPU: freed) communicator -- it refuses none -- and the all-reduce still fails with the
     timeout, after which new communicators work. Unguarded, the abort lands between the check
     and the launch, and the emulated NCCL refuses the launch on the aborted communicator."""
-    out = _child(_RACE, 2, MGPU_NCCL_TIMEOUT_S="1")
-    assert "ERROR after" in out and "did not finish within 1" in out, out
+    out = _child(_RACE, 2, MGPU_NCCL_TIMEOUT_S="2")
+    assert "ERROR after" in out and "did not finish within 2" in out, out
     assert "REFUSED 0" in out, out
     assert "RECOVERED" in out, out
 
