@@ -8,6 +8,7 @@
 
 #include "bind/bind.h"
 #include "bind/dlpack.h"
+#include "comm/allreduce_gpu.h"
 #include "comm/allreduce_mpi.h"
 #include "core/gpu.h"
 #include "core/parallel.h"
@@ -424,6 +425,29 @@ void bind_core(py::module_& m) {
 #endif
   }, "The emulated CUDA runtime's live streams, events, graphs and allocations (None in a build "
      "without the emulator), for leak checks.");
+  m.def("_nccl_stats", []() -> py::dict {
+    py::dict out;
+#if MGPU_GPU_BUILD
+    const comm::NcclStats s = comm::nccl_stats();
+    out["live_sets"] = s.live_sets;
+    out["cached_sets"] = s.cached_sets;
+    out["refused_launches"] = s.refused_launches;
+#else
+    out["live_sets"] = 0;
+    out["cached_sets"] = 0;
+    out["refused_launches"] = 0;
+#endif
+    return out;
+  }, "The in-process NCCL communicator sets: live, cached, and launches NCCL refused (tests).");
+  m.def("_nccl_pause_launches", [](double seconds) {
+#if MGPU_GPU_BUILD
+    comm::set_nccl_launch_pause(seconds);
+#else
+    (void)seconds;
+#endif
+  }, py::arg("seconds"), "Tests only: every in-process NCCL launch first sleeps this long.");
+  m.def("_gpu_host_waits", [] { return gpu::host_waits(); },
+        "How many times a host thread has waited for GPU work to finish (tests, measurements).");
 #if defined(MGPU_CUDA_EMULATION)
   // Tests only: a foreign DLPack producer on an emulated GPU (as PyTorch or CuPy would be), whose
   // own stream still holds the work that writes the tensor when mgpu imports it.
@@ -545,8 +569,12 @@ void bind_core(py::module_& m) {
     py::gil_scoped_release nogil;
     waitall();
     cpu_empty_cache();
+#if MGPU_GPU_BUILD
+    comm::empty_communicators();
+#endif
     for (int i = 0; i < num_gpus(); ++i) gpu::empty_cache(i);
-  }, "Waits for all devices, then returns cached CPU and GPU memory to the system.");
+  }, "Waits for all devices, then returns cached CPU and GPU memory (and idle NCCL "
+     "communicators) to the system.");
   m.def("build_info", &build_info, "What this build of mgpu contains.");
   m.def("conv_autotune_report", &ops::cpu::conv_autotune_report,
         "What MGPU_CONV_ALGO=auto measured in this process: one line per conv shape and "

@@ -4,6 +4,7 @@
 
 #include "bind/bind.h"
 #include "comm/allreduce.h"
+#include "comm/stream_sum.h"
 #include "ops/argmax.h"
 #include "ops/avg_pool2d.h"
 #include "ops/batch_norm.h"
@@ -156,6 +157,21 @@ void bind_ops(py::module_& m) {
   m.def("allreduce", [](const std::vector<std::vector<Tensor>>& data) {
     comm::allreduce(data);
   }, nogil(), "In-place sum across devices; data[d] is device d's list of tensors.");
+  m.def("_stream_sum", [](const std::vector<Tensor>& parts) {
+    MGPU_CHECK_VALUE(parts.size() >= 2, "_stream_sum: needs 2 or more tensors, got ", parts.size());
+    std::vector<Device> devices;
+    for (const Tensor& t : parts) {
+      MGPU_CHECK_VALUE(!t.device().is_cpu() && t.dtype() == DType::F32 && t.dim() == 1 &&
+                       t.numel() == parts[0].numel(), "_stream_sum: expects 1-D float32 tensors "
+                       "of one size, one per GPU, got ", t.shape(), " on ", t.device());
+      devices.push_back(t.device());
+    }
+    for (size_t i = 0; i < devices.size(); ++i)
+      for (size_t j = 0; j < i; ++j)
+        MGPU_CHECK_VALUE(devices[i] != devices[j], "_stream_sum: ", devices[i], " appears twice");
+    comm::stream_sum_gpu(parts, devices);
+  }, nogil(), "In-place sum of one 1-D float32 tensor per GPU, on the GPUs' streams (the "
+     "exchange of synchronised batch norm; tests).");
   m.def("split_rows", &train::split_rows, nogil(), "Shards along axis 0, one per device, copied there.");
 }
 

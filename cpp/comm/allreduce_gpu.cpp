@@ -15,6 +15,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdlib>
+#include <list>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -92,54 +93,129 @@ class NcclGroup {
   bool open_ = true;
 };
 
-// One communicator per GPU for a set of devices, made by ncclCommInitAll and kept in a cache
-// until it fails: then it is aborted and dropped, and the next all-reduce makes a new set.
+// One communicator per GPU for a set of devices, made by ncclCommInitAll. A set lives while the
+// cache or a collective holds it: the cache keeps the kMaxCachedSets most recently used sets
+// (each holds GPU memory outside mgpu's allocator statistics), empty_communicators() drops the
+// idle ones, and a set that fails is aborted and dropped at once; the next all-reduce on its
+// devices makes a new set. A set nobody holds is destroyed (ncclCommDestroy) unless it was
+// aborted, which already freed it.
+//
+// Launch and abort never overlap: real NCCL frees a communicator in ncclCommAbort, so a launch
+// racing the watchdog's abort would use freed memory. A launch starts only on a set not yet
+// retired, and a retire waits for the launch in progress to return before it aborts.
 struct Communicators {
   std::vector<int> gpus;
   std::vector<ncclComm_t> comms;
-  std::mutex calls;  // ncclCommAbort and ncclCommGetAsyncError never race each other
+  std::mutex calls;  // ncclCommAbort, ncclCommGetAsyncError and launches never race each other
+  std::condition_variable launch_done;
+  bool launching = false;  // a launch is in progress (guarded by `calls`)
   std::atomic<bool> broken{false};
   std::atomic<bool> timed_out{false};
   std::string why;   // the first failure, set once under `calls` before `broken`
+  Communicators() { live_sets().fetch_add(1); }
+  ~Communicators();
+  Communicators(const Communicators&) = delete;
+  Communicators& operator=(const Communicators&) = delete;
+  static std::atomic<int>& live_sets() {
+    static std::atomic<int> n{0};
+    return n;
+  }
 };
+
+Communicators::~Communicators() {
+  live_sets().fetch_sub(1);
+  if (broken.load()) return;  // ncclCommAbort freed them
+  // Several communicators of one thread are destroyed in a group: each one's finalisation waits
+  // for the others' (intra-node teardown is collective). Not alongside a cudaFree or a grouped
+  // launch on the same devices (gpu::device_wide_mutex).
+  std::lock_guard<std::mutex> lock(gpu::device_wide_mutex());
+  if (ncclGroupStart() != ncclSuccess) return;
+  for (ncclComm_t comm : comms)
+    if (comm) ncclCommDestroy(comm);  // a failure leaves the communicator to the driver at exit
+  ncclGroupEnd();
+}
+
+// How many sets of communicators the cache keeps: a training run uses one device set, a sweep
+// over subsets (benchmarks, tests) a few at a time.
+constexpr size_t kMaxCachedSets = 4;
 
 std::mutex& cache_mutex() {
   static std::mutex m;
   return m;
 }
-std::map<std::vector<int>, std::shared_ptr<Communicators>>& cache() {
-  static auto* c = new std::map<std::vector<int>, std::shared_ptr<Communicators>>;
+// Most recently used first.
+std::list<std::shared_ptr<Communicators>>& cache() {
+  static auto* c = new std::list<std::shared_ptr<Communicators>>;
   return *c;
 }
 
 std::shared_ptr<Communicators> communicators(const std::vector<int>& gpus) {
+  std::shared_ptr<Communicators> evicted;  // destroyed after the lock is released
   std::lock_guard<std::mutex> lock(cache_mutex());
-  auto& c = cache()[gpus];
-  if (!c) {
-    auto made = std::make_shared<Communicators>();
-    made->gpus = gpus;
-    made->comms.resize(gpus.size());
-    nccl_check(ncclCommInitAll(made->comms.data(), static_cast<int>(gpus.size()), gpus.data()),
-               "ncclCommInitAll");
-    c = made;
+  auto& c = cache();
+  for (auto it = c.begin(); it != c.end(); ++it) {
+    if ((*it)->gpus == gpus) {
+      c.splice(c.begin(), c, it);
+      return c.front();
+    }
   }
-  return c;
+  auto made = std::make_shared<Communicators>();
+  made->gpus = gpus;
+  made->comms.resize(gpus.size());
+  nccl_check(ncclCommInitAll(made->comms.data(), static_cast<int>(gpus.size()), gpus.data()),
+             "ncclCommInitAll");
+  c.push_front(made);
+  if (c.size() > kMaxCachedSets) {
+    evicted = std::move(c.back());
+    c.pop_back();
+  }
+  return made;
 }
 
 // Aborts a failed set of communicators (once) and drops it from the cache: a communicator whose
 // collective failed or hangs cannot be trusted with the next one, and ncclCommAbort is what
-// ends a collective that never finishes.
-void retire(Communicators& c, const std::string& why) {
+// ends a collective that never finishes. A launch in progress on the set is waited for first
+// (no new one starts once `broken` is set); only a launch that itself hangs past the collective
+// timeout is aborted under it, as the last way out (a host call that never returns).
+void retire(Communicators& c, const std::string& why, double launch_grace_s) {
   {
     std::lock_guard<std::mutex> lock(cache_mutex());
-    auto it = cache().find(c.gpus);
-    if (it != cache().end() && it->second.get() == &c) cache().erase(it);
+    auto& list = cache();
+    for (auto it = list.begin(); it != list.end(); ++it) {
+      if (it->get() == &c) {
+        list.erase(it);  // the caller holds the set, so it is not destroyed here
+        break;
+      }
+    }
   }
-  std::lock_guard<std::mutex> lock(c.calls);
+  std::unique_lock<std::mutex> lock(c.calls);
   if (c.broken.load()) return;
   c.why = why;
   c.broken.store(true);
+  c.launch_done.wait_for(lock, std::chrono::duration<double>(launch_grace_s),
+                         [&] { return !c.launching; });
   for (ncclComm_t comm : c.comms) ncclCommAbort(comm);
+}
+
+// Runs `launch` (NCCL calls on the set) unless the set is retired; returns whether it ran. A
+// retire meanwhile waits for it to return (see retire).
+template <typename Fn>
+bool launch_unless_retired(Communicators& c, Fn&& launch) {
+  {
+    std::lock_guard<std::mutex> lock(c.calls);
+    if (c.broken.load()) return false;
+    c.launching = true;
+  }
+  struct Done {
+    Communicators& c;
+    ~Done() {
+      std::lock_guard<std::mutex> lock(c.calls);
+      c.launching = false;
+      c.launch_done.notify_all();
+    }
+  } done{c};
+  launch();
+  return true;
 }
 
 // The first asynchronous error of the set's communicators, or ncclSuccess.
@@ -153,6 +229,17 @@ ncclResult_t async_error(Communicators& c) {
     if (state != ncclSuccess && state != ncclInProgress) return state;
   }
   return ncclSuccess;
+}
+
+// For tests: NCCL launches that failed (a launch on an aborted communicator is one), and a
+// pause before every launch (0: none) that lets a test land the watchdog's abort inside it.
+std::atomic<int64_t>& refused_launches() {
+  static std::atomic<int64_t> n{0};
+  return n;
+}
+std::atomic<double>& launch_pause_s() {
+  static std::atomic<double> s{0.0};
+  return s;
 }
 
 // A thread that aborts the communicators of a collective still armed past its deadline. The
@@ -210,7 +297,7 @@ class Watchdog {
         c->timed_out.store(true);
         retire(*c, "an NCCL collective on " + gpu_list(c->gpus) + " did not finish within " +
                        std::to_string(e.seconds) + " s (MGPU_NCCL_TIMEOUT_S): a device never "
-                       "joined it, or hangs");
+                       "joined it, or hangs", e.seconds);
       }
       lock.lock();
     }
@@ -353,6 +440,24 @@ struct GpuCollective {
     return {packed[device], reduced[device]};
   }
 
+  // The grouped ncclAllReduce of every device (device 0's worker calls it for all).
+  void launch() {
+    try {
+      const double pause = launch_pause_s().load();
+      if (pause > 0) std::this_thread::sleep_for(std::chrono::duration<double>(pause));
+      NcclGroup group;
+      for (int d = 0; d < k(); ++d) {
+        nccl_check(ncclAllReduce(flat[d].f32(), flat[d].f32(), static_cast<size_t>(total),
+                                 ncclFloat, ncclSum, comms->comms[d], gpu::comm_stream(gpu[d])),
+                   "ncclAllReduce");
+      }
+      group.end();
+    } catch (...) {
+      refused_launches().fetch_add(1);
+      throw;
+    }
+  }
+
   [[noreturn]] void fail_broken() const {
     throw DeviceError("allreduce: " + comms->why + "; the communicators were aborted, the next "
                       "all-reduce makes new ones");
@@ -373,17 +478,12 @@ struct GpuCollective {
       if (comms->broken.load()) fail_broken();  // an earlier bucket of this step failed
       if (me == 0) {
         // One grouped call launches the reduction on all devices' communication streams (no
-        // cudaFree meanwhile: see gpu::device_wide_mutex).
+        // cudaFree meanwhile: see gpu::device_wide_mutex), never on a retired (aborted) set.
         std::lock_guard<std::mutex> lock(gpu::device_wide_mutex());
-        NcclGroup group;
-        for (int d = 0; d < k(); ++d) {
-          nccl_check(ncclAllReduce(flat[d].f32(), flat[d].f32(), static_cast<size_t>(total),
-                                   ncclFloat, ncclSum, comms->comms[d], gpu::comm_stream(gpu[d])),
-                     "ncclAllReduce");
-        }
-        group.end();
+        const bool launched = launch_unless_retired(*comms, [&] { launch(); });
         // NCCL switched devices to launch on the others: make this worker's GPU current again.
         gpu::set_device(gpu[me]);
+        if (!launched) fail_broken();
       }
       barrier.arrive_and_wait();  // the reduction is enqueued on every communication stream
       // Unpacked on the communication stream, so the compute stream need not wait here: with
@@ -403,12 +503,13 @@ struct GpuCollective {
       // The step's last collective waits for the reduction here, under the watchdog's deadline,
       // and asks NCCL for asynchronous errors: a failed or aborted collective is an exception
       // of this step, not silently wrong gradients.
+      gpu::count_host_wait();
       for (;;) {
         cudaError_t q = cudaEventQuery(reduced);
         if (comms->broken.load()) fail_broken();
         if (ncclResult_t e = async_error(*comms); e != ncclSuccess) {
           retire(*comms, std::string("an NCCL collective on ") + gpu_list(gpu) +
-                             " failed asynchronously: " + ncclGetErrorString(e));
+                             " failed asynchronously: " + ncclGetErrorString(e), timeout_s);
           fail_broken();
         }
         if (q == cudaSuccess) break;
@@ -419,7 +520,7 @@ struct GpuCollective {
       // Error path: the communicators go (aborted, so nothing of theirs still runs), and the
       // compute stream waits for everything on the communication stream before the buffers it
       // reads or writes are reused.
-      if (!comms->broken.load()) retire(*comms, e.what());
+      if (!comms->broken.load()) retire(*comms, e.what(), timeout_s);
       cudaEventRecord(reduced, comm);
       cudaStreamWaitEvent(stream, reduced, 0);
       // The aborted collective's failure is reported here, not by the device's next wait.
@@ -505,6 +606,40 @@ void allreduce_gpu(const std::vector<std::vector<Tensor>>& data,
   // Every queue gets its part in the same host order, so the barriers cannot deadlock.
   std::lock_guard<std::recursive_mutex> order(collective_submission_mutex());
   for (size_t d = 0; d < devices.size(); ++d) all.join(d, data[d]);
+}
+
+NcclStats nccl_stats() {
+  NcclStats out;
+#if MGPU_ALLREDUCE_NCCL
+  out.live_sets = Communicators::live_sets().load();
+  {
+    std::lock_guard<std::mutex> lock(cache_mutex());
+    out.cached_sets = static_cast<int>(cache().size());
+  }
+  out.refused_launches = refused_launches().load();
+#endif
+  return out;
+}
+
+void set_nccl_launch_pause(double seconds) {
+#if MGPU_ALLREDUCE_NCCL
+  launch_pause_s().store(seconds);
+#else
+  (void)seconds;
+#endif
+}
+
+void empty_communicators() {
+#if MGPU_ALLREDUCE_NCCL
+  std::list<std::shared_ptr<Communicators>> idle;  // destroyed after the lock is released
+  std::lock_guard<std::mutex> lock(cache_mutex());
+  auto& c = cache();
+  for (auto it = c.begin(); it != c.end();) {
+    auto next = std::next(it);
+    if (it->use_count() == 1) idle.splice(idle.end(), c, it);
+    it = next;
+  }
+#endif
 }
 
 }  // namespace mgpu::comm

@@ -58,4 +58,18 @@ class GpuAllReduce {
   std::vector<Shape> shapes_;
 };
 
+// The in-process NCCL communicator sets: live (made, not yet freed), kept by the cache (at most
+// a few, most recently used), and launches NCCL refused (one on an aborted set would be one).
+struct NcclStats {
+  int live_sets = 0;
+  int cached_sets = 0;
+  int64_t refused_launches = 0;
+};
+NcclStats nccl_stats();
+// Frees the cached communicator sets no collective holds now (mgpu.empty_cache() calls it after
+// waiting for the devices): each holds GPU memory outside the allocator's statistics.
+void empty_communicators();
+// Tests only: every NCCL launch first sleeps this long (0: not at all).
+void set_nccl_launch_pause(double seconds);
+
 }  // namespace mgpu::comm

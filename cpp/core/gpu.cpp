@@ -8,6 +8,7 @@
 #if MGPU_GPU_BUILD
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <mutex>
 #include <new>
@@ -102,8 +103,13 @@ std::string mib(size_t bytes) {
 
 void free_cached_locked(DeviceState& s) {
   std::lock_guard<std::mutex> lock(device_wide_mutex());
-  for (auto& [cap, list] : s.free_lists)
-    for (void* p : list) cudaFree(p);  // a failure here leaves the block to the driver at exit
+  for (auto& [cap, list] : s.free_lists) {
+    for (void* p : list) {
+      // A failure leaves the block to the driver at exit; its error is cleared here, or the
+      // next launch check would report it as that kernel's failure.
+      if (cudaFree(p) != cudaSuccess) cudaGetLastError();
+    }
+  }
   s.free_lists.clear();
   s.stats.cached = 0;
 }
@@ -206,7 +212,18 @@ void wait_import_fence(int device, const ImportFence& fence) {
 }
 cudaStream_t comm_stream(int device) { return with_streams(device).comm; }
 
+namespace {
+std::atomic<uint64_t>& host_wait_count() {
+  static std::atomic<uint64_t> n{0};
+  return n;
+}
+}  // namespace
+
+void count_host_wait() { host_wait_count().fetch_add(1, std::memory_order_relaxed); }
+uint64_t host_waits() { return host_wait_count().load(std::memory_order_relaxed); }
+
 void synchronize(int device) {
+  count_host_wait();
   DeviceState& s = with_streams(device);
   cudaError_t e;
   {
@@ -358,6 +375,7 @@ void copy_from_host(int device, void* dst, const void* src, size_t nbytes) {
     // This buffer's previous DMA must have left it before it is refilled. It was issued two
     // copies ago, so the wait no longer drains everything queued since the last copy (x then y
     // of one step used to wait for the whole previous step on the stream).
+    count_host_wait();
     MGPU_CUDA_CHECK(cudaEventSynchronize(s.staging_done[b]));
     std::memcpy(s.staging[b], from + done, n);
     MGPU_CUDA_CHECK(
@@ -396,9 +414,11 @@ void memset_async(int device, void* dst, int value, size_t nbytes) {
 class Graph {
  public:
   Graph(cudaGraph_t g, cudaGraphExec_t e) : graph(g), exec(e) {}
+  // Destructors never throw: a failure is cleared where it happens, so the next launch check
+  // does not blame its own kernel for it.
   ~Graph() {
-    if (exec) cudaGraphExecDestroy(exec);
-    if (graph) cudaGraphDestroy(graph);
+    if (exec && cudaGraphExecDestroy(exec) != cudaSuccess) cudaGetLastError();
+    if (graph && cudaGraphDestroy(graph) != cudaSuccess) cudaGetLastError();
   }
   Graph(const Graph&) = delete;
   Graph& operator=(const Graph&) = delete;
@@ -498,6 +518,8 @@ struct ImportFence {};
 std::shared_ptr<ImportFence> import_fence(int) { not_built(); }
 void wait_import_fence(int, const ImportFence&) { not_built(); }
 void synchronize(int) { not_built(); }
+void count_host_wait() {}
+uint64_t host_waits() { return 0; }
 void* allocate(int, size_t, size_t*) { not_built(); }
 void release(int, void*, size_t) { not_built(); }
 MemoryStats memory_stats(int) { return {}; }

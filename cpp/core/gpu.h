@@ -57,6 +57,12 @@ void wait_import_fence(int device, const ImportFence& fence);
 // work does not run, and a capturing stream must not be synchronised.
 void synchronize(int device);
 
+// How many times a host thread has blocked until GPU work finished (synchronize(), a staging
+// buffer's reuse, a collective's completion): a measure of the stalls a step puts on the
+// devices' queues, each one a GPU idle while its worker waits.
+void count_host_wait();
+uint64_t host_waits();
+
 // The caching device allocator: blocks rounded to a size class and kept on per-device free lists,
 // so a training loop's steady state calls no cudaMalloc. When cudaMalloc fails the cache is
 // emptied and the call retried; if it still fails, OutOfMemoryError names the device, the size

@@ -31,10 +31,10 @@ __device__ inline bool beats(float v, int j, float w, int i) {
 __device__ int row_argmax(const float* __restrict__ xr, int m, int lane) {
   float best = 0.0f;
   int top = -1;
-  for (int j = lane; j < m; j += kWarp) {
-    if (beats(xr[j], j, best, top)) {
+  for (int64_t j = lane; j < m; j += kWarp) {  // 64 bits: j + kWarp passes 2^31 for m near it
+    if (beats(xr[j], static_cast<int>(j), best, top)) {
       best = xr[j];
-      top = j;
+      top = static_cast<int>(j);
     }
   }
   for (int offset = kWarp / 2; offset > 0; offset /= 2) {
@@ -51,7 +51,7 @@ __device__ int row_argmax(const float* __restrict__ xr, int m, int lane) {
 __global__ void argmax_rows_kernel(int n, int m, const float* __restrict__ x,
                                    int64_t* __restrict__ out) {
   const int lane = threadIdx.x % kWarp;
-  const int row = blockIdx.x * kRowsPerBlock + threadIdx.x / kWarp;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + threadIdx.x / kWarp;
   if (row >= n) return;  // the whole warp leaves together: the shuffles see full warps
   const int top = row_argmax(x + row * m, m, lane);
   if (lane == 0) out[row] = top;
@@ -70,7 +70,7 @@ __global__ void correct_count_kernel(int n, int m, const float* __restrict__ log
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
   int count = 0;
   // Every lane of a warp runs the same rows, so the shuffles in row_argmax see full warps.
-  for (int row = warp; row < n; row += kCountWarps) {
+  for (int64_t row = warp; row < n; row += kCountWarps) {
     const int top = row_argmax(logits + row * m, m, lane);
     // Compared as int64: a label of 2^32 + top must not match after truncation.
     count += static_cast<int64_t>(labels[row]) == top ? 1 : 0;
@@ -105,7 +105,8 @@ void argmax_rows(int64_t n, int64_t m, const float* x, int64_t* out, cudaStream_
   if (n <= 0) return;
   const int ni = detail::as_int(op, "n", n), mi = detail::as_int(op, "m", m);
   detail::as_int(op, "n*m", n * m);
-  MGPU_LAUNCH(argmax_rows_kernel, ceil_div(ni, kRowsPerBlock), kRowsPerBlock * kWarp, 0, stream)
+  MGPU_LAUNCH(argmax_rows_kernel, detail::grid_blocks(op, ni, kRowsPerBlock), kRowsPerBlock * kWarp,
+              0, stream)
   (ni, mi, x, out);
   MGPU_CUDA_CHECK_LAUNCH();
 }

@@ -74,8 +74,8 @@ PoolDims pool_dims(const char* op, int64_t N, int64_t C, int64_t H, int64_t W, i
                   as_int(op, "Q", (W - kw) / sw + 1)};
 }
 
-int grid_for(int total) {
-  const int wanted = detail::ceil_div(total, kThreads);
+unsigned grid_for(const char* op, int total) {
+  const unsigned wanted = detail::grid_blocks(op, total, kThreads);
   return wanted < 4096 ? wanted : 4096;
 }
 
@@ -86,7 +86,8 @@ void avg_pool2d_forward(int64_t N, int64_t C, int64_t H, int64_t W, int64_t kh, 
   const PoolDims d = pool_dims("cuda::avg_pool2d_forward", N, C, H, W, kh, kw, sh, sw);
   const int total = static_cast<int>(N * C) * d.P * d.Q;
   if (total == 0) return;
-  MGPU_LAUNCH(avg_pool2d_forward_kernel, grid_for(total), kThreads, 0, stream)(total, d, x, y);
+  MGPU_LAUNCH(avg_pool2d_forward_kernel, grid_for("cuda::avg_pool2d_forward", total), kThreads, 0,
+              stream)(total, d, x, y);
   MGPU_CUDA_CHECK_LAUNCH();
 }
 
@@ -95,7 +96,8 @@ void avg_pool2d_backward(int64_t N, int64_t C, int64_t H, int64_t W, int64_t kh,
   const PoolDims d = pool_dims("cuda::avg_pool2d_backward", N, C, H, W, kh, kw, sh, sw);
   const int total = static_cast<int>(N * C * H * W);
   if (total == 0) return;
-  MGPU_LAUNCH(avg_pool2d_backward_kernel, grid_for(total), kThreads, 0, stream)(total, d, dy, dx);
+  MGPU_LAUNCH(avg_pool2d_backward_kernel, grid_for("cuda::avg_pool2d_backward", total), kThreads,
+              0, stream)(total, d, dy, dx);
   MGPU_CUDA_CHECK_LAUNCH();
 }
 

@@ -47,7 +47,7 @@ __global__ void sum_all_kernel(int n, const float* __restrict__ x, float* __rest
   __shared__ double part[kSumThreads];
   const int t = threadIdx.x;
   double acc = 0.0;
-  for (int i = t; i < n; i += kSumThreads) acc += x[i];  // consecutive threads, consecutive floats
+  for (int64_t i = t; i < n; i += kSumThreads) acc += x[i];  // consecutive threads, consecutive floats
   part[t] = acc;
   __syncthreads();  // every partial sum is in place
   for (int half = kSumThreads / 2; half > 0; half /= 2) {
@@ -66,10 +66,10 @@ constexpr int kBiasSlices = 8;
 __global__ void bias_grad_kernel(int n, int m, const float* __restrict__ dy,
                                  float* __restrict__ db) {
   __shared__ float part[kBiasSlices][kBiasCols];
-  const int j = blockIdx.x * kBiasCols + threadIdx.x;
+  const int64_t j = static_cast<int64_t>(blockIdx.x) * kBiasCols + threadIdx.x;
   float sum = 0.0f;
   if (j < m) {
-    for (int i = threadIdx.y; i < n; i += kBiasSlices) sum += dy[i * m + j];
+    for (int64_t i = threadIdx.y; i < n; i += kBiasSlices) sum += dy[i * m + j];
   }
   part[threadIdx.y][threadIdx.x] = sum;
   __syncthreads();  // every slice's partial sum is in place
@@ -94,7 +94,8 @@ void bias_grad_rows(int64_t n, int64_t m, const float* dy, float* db, cudaStream
   if (m <= 0) return;
   const int ni = detail::as_int(op, "n", n), mi = detail::as_int(op, "m", m);
   detail::as_int(op, "n*m", n * m);
-  MGPU_LAUNCH(bias_grad_kernel, ceil_div(mi, kBiasCols), dim3(kBiasCols, kBiasSlices), 0, stream)
+  MGPU_LAUNCH(bias_grad_kernel, detail::grid_blocks(op, mi, kBiasCols), dim3(kBiasCols, kBiasSlices),
+              0, stream)
   (ni, mi, dy, db);
   MGPU_CUDA_CHECK_LAUNCH();
 }

@@ -31,7 +31,24 @@ inline void require(bool ok, const char* op, const std::string& what) {
   if (!ok) throw std::invalid_argument(std::string(op) + ": " + what);
 }
 
-__host__ __device__ inline int ceil_div(int a, int b) { return (a + b - 1) / b; }
+// a / b rounded up, for a >= 0 and b > 0, without forming a + b - 1 (which overflows an int once
+// a is within b of 2^31).
+__host__ __device__ inline int ceil_div(int a, int b) { return a / b + (a % b != 0 ? 1 : 0); }
+
+// The blocks of `per_block` items each that cover `count` items (a grid's x extent), computed in
+// 64 bits; refuses, naming the op, a count past int indexing or a grid past CUDA's 2^31 - 1
+// blocks. Kernels launched with it compute blockIdx.x * per_block + t in 64 bits before they
+// compare it with the count: in int that index passes 2^31 in the last block of a count near it.
+inline unsigned grid_blocks(const char* op, int64_t count, int64_t per_block) {
+  as_int(op, "the item count", count);
+  const int64_t blocks = count / per_block + (count % per_block != 0 ? 1 : 0);
+  if (per_block < 1 || blocks > INT_MAX) {
+    throw std::invalid_argument(std::string(op) + ": " + std::to_string(count) + " items in "
+                                "blocks of " + std::to_string(per_block) + " need more than "
+                                "2^31 - 1 blocks, CUDA's grid limit");
+  }
+  return static_cast<unsigned>(blocks);
+}
 
 // Grid-stride loops: a bounded grid covers any n, each thread taking i, i + grid size, ... Every
 // such loop counts in 64 bits (`for (int64_t i = grid_index(); i < n; i += grid_stride())`): with

@@ -23,28 +23,30 @@ __global__ void sgemm_kernel(bool trans_a, bool trans_b, int m, int n, int k, fl
   __shared__ float a_tile[kTile][kTile + 1];  // [row of op(A)][l]
   __shared__ float b_tile[kTile][kTile + 1];  // [l][column of op(B)]
   const int tx = threadIdx.x, ty = threadIdx.y;
-  const int row0 = blockIdx.y * kTile, col0 = blockIdx.x * kTile;
+  // 64 bits: the last tile's col0 + tx (and l0 + kTile) pass 2^31 for n (k) near it.
+  const int64_t row0 = static_cast<int64_t>(blockIdx.y) * kTile;
+  const int64_t col0 = static_cast<int64_t>(blockIdx.x) * kTile;
   float acc = 0.0f;
-  for (int l0 = 0; l0 < k; l0 += kTile) {
+  for (int64_t l0 = 0; l0 < k; l0 += kTile) {
     if (trans_a) {  // A stored (k, m): op(A)[i][l] = a[l * lda + i]
-      const int i = row0 + tx, l = l0 + ty;
+      const int64_t i = row0 + tx, l = l0 + ty;
       a_tile[tx][ty] = i < m && l < k ? a[l * lda + i] : 0.0f;
     } else {
-      const int i = row0 + ty, l = l0 + tx;
+      const int64_t i = row0 + ty, l = l0 + tx;
       a_tile[ty][tx] = i < m && l < k ? a[i * lda + l] : 0.0f;
     }
     if (trans_b) {  // B stored (n, k): op(B)[l][j] = b[j * ldb + l]
-      const int l = l0 + tx, j = col0 + ty;
+      const int64_t l = l0 + tx, j = col0 + ty;
       b_tile[tx][ty] = l < k && j < n ? b[j * ldb + l] : 0.0f;
     } else {
-      const int l = l0 + ty, j = col0 + tx;
+      const int64_t l = l0 + ty, j = col0 + tx;
       b_tile[ty][tx] = l < k && j < n ? b[l * ldb + j] : 0.0f;
     }
     __syncthreads();  // the tiles are complete
     for (int l = 0; l < kTile; ++l) acc += a_tile[ty][l] * b_tile[l][tx];
     __syncthreads();  // everyone is done with the tiles before they are overwritten
   }
-  const int i = row0 + ty, j = col0 + tx;
+  const int64_t i = row0 + ty, j = col0 + tx;
   if (i < m && j < n) {
     float* out = c + i * ldc + j;
     // beta == 0 must not read C: it may hold garbage or NaN (BLAS semantics).
@@ -73,7 +75,7 @@ void sgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float al
   as_int(op, "B's extent", (trans_b ? n : k) * ldb);
   as_int(op, "C's extent", m * ldc);
   detail::require(m <= int64_t{65535} * kTile, op, "m must be at most 1048560 (a grid's y limit)");
-  const dim3 grid(ceil_div(ni, kTile), ceil_div(mi, kTile));
+  const dim3 grid(detail::grid_blocks(op, ni, kTile), detail::grid_blocks(op, mi, kTile));
   MGPU_LAUNCH(sgemm_kernel, grid, dim3(kTile, kTile), 0, stream)
   (trans_a, trans_b, mi, ni, ki, alpha, a, static_cast<int>(lda), b, static_cast<int>(ldb), beta, c,
    static_cast<int>(ldc));

@@ -29,10 +29,10 @@ struct RowStats {
 __device__ RowStats row_stats(const float* __restrict__ z, int m, int lane) {
   float best = 0.0f;
   int top = -1;
-  for (int j = lane; j < m; j += kWarp) {
+  for (int64_t j = lane; j < m; j += kWarp) {  // 64 bits: j + kWarp passes 2^31 for m near it
     if (top < 0 || z[j] > best) {
       best = z[j];
-      top = j;
+      top = static_cast<int>(j);
     }
   }
   for (int offset = kWarp / 2; offset > 0; offset /= 2) {
@@ -44,7 +44,7 @@ __device__ RowStats row_stats(const float* __restrict__ z, int m, int lane) {
     }
   }
   float rest = 0.0f;
-  for (int j = lane; j < m; j += kWarp) {
+  for (int64_t j = lane; j < m; j += kWarp) {
     if (j != top) rest += expf(z[j] - best);
   }
   for (int offset = kWarp / 2; offset > 0; offset /= 2) {
@@ -66,8 +66,9 @@ __global__ void softmax_ce_forward_kernel(int n, int m, const float* __restrict_
                                           const Label* __restrict__ labels,
                                           float* __restrict__ loss, int* bad_row) {
   const int lane = threadIdx.x % kWarp;
-  const int row = blockIdx.x * kRowsPerBlock + threadIdx.x / kWarp;
-  if (row >= n) return;  // the whole warp leaves together: the shuffles see full warps
+  const int64_t row64 = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + threadIdx.x / kWarp;
+  if (row64 >= n) return;
+  const int row = static_cast<int>(row64);  // < n, an int  // the whole warp leaves together: the shuffles see full warps
   const float* z = logits + row * m;
   const RowStats st = row_stats(z, m, lane);
   const int64_t label = static_cast<int64_t>(labels[row]);
@@ -81,8 +82,9 @@ __global__ void softmax_ce_backward_kernel(int n, int m, const float* __restrict
                                            const float* __restrict__ dloss,
                                            float* __restrict__ dlogits, int* bad_row) {
   const int lane = threadIdx.x % kWarp;
-  const int row = blockIdx.x * kRowsPerBlock + threadIdx.x / kWarp;
-  if (row >= n) return;
+  const int64_t row64 = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + threadIdx.x / kWarp;
+  if (row64 >= n) return;
+  const int row = static_cast<int>(row64);  // < n, an int
   const float* z = logits + row * m;
   float* dz = dlogits + row * m;
   const RowStats st = row_stats(z, m, lane);
@@ -90,7 +92,7 @@ __global__ void softmax_ce_backward_kernel(int n, int m, const float* __restrict
   const bool ok = label_ok(label, m, row, bad_row, lane);
   const float inv_sum = 1.0f / (1.0f + st.rest);
   const float g = dloss[row];
-  for (int j = lane; j < m; j += kWarp) {
+  for (int64_t j = lane; j < m; j += kWarp) {
     const float p = expf(z[j] - st.top_value) * inv_sum;
     dz[j] = ok ? (p - (j == label ? 1.0f : 0.0f)) * g : NAN;
   }
@@ -106,7 +108,7 @@ void forward(int64_t n, int64_t m, const float* logits, const Label* labels, flo
   const int ni = detail::as_int(op, "n", n), mi = detail::as_int(op, "m", m);
   detail::as_int(op, "n*m", n * m);
   auto* kernel = softmax_ce_forward_kernel<Label>;
-  MGPU_LAUNCH(kernel, detail::ceil_div(ni, kRowsPerBlock), kRowsPerBlock * kWarp, 0, stream)
+  MGPU_LAUNCH(kernel, detail::grid_blocks(op, ni, kRowsPerBlock), kRowsPerBlock * kWarp, 0, stream)
   (ni, mi, logits, labels, loss, bad_row);
   MGPU_CUDA_CHECK_LAUNCH();
 }
@@ -121,7 +123,7 @@ void backward(int64_t n, int64_t m, const float* logits, const Label* labels, co
   const int ni = detail::as_int(op, "n", n), mi = detail::as_int(op, "m", m);
   detail::as_int(op, "n*m", n * m);
   auto* kernel = softmax_ce_backward_kernel<Label>;
-  MGPU_LAUNCH(kernel, detail::ceil_div(ni, kRowsPerBlock), kRowsPerBlock * kWarp, 0, stream)
+  MGPU_LAUNCH(kernel, detail::grid_blocks(op, ni, kRowsPerBlock), kRowsPerBlock * kWarp, 0, stream)
   (ni, mi, logits, labels, dloss, dlogits, bad_row);
   MGPU_CUDA_CHECK_LAUNCH();
 }

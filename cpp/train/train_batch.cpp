@@ -12,6 +12,7 @@
 #include "comm/allreduce_mpi.h"
 #include "comm/barrier.h"
 #include "comm/bucket_allreduce.h"
+#include "comm/stream_sum.h"
 #include "core/gpu.h"
 #include "core/parallel.h"
 #include "core/queue.h"
@@ -525,7 +526,12 @@ std::vector<Tensor> train_step(const Model& m, const Tensor& X, const Tensor& y,
       sync.rows = X.size(0);
       for (size_t d = 0; d < L; ++d)
         sync.slot.push_back(static_cast<size_t>(comm::dist::rank()) * L + d);
-      sync.sum = [&devices](const std::vector<Tensor>& parts, int64_t tag) {
+      sync.sum = [&devices, world](const std::vector<Tensor>& parts, int64_t tag) {
+        // GPUs of one process: summed on their streams, with no host wait per layer.
+        if (world == 1 && !devices[0].is_cpu()) {
+          comm::stream_sum_gpu(parts, devices);
+          return;
+        }
         comm::BucketAllReduce exchange(devices, {parts[0].numel()}, -1 - tag);
         for (size_t d = 0; d < parts.size(); ++d) exchange.ready(0, d, parts[d]);
       };
