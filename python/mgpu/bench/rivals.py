@@ -170,12 +170,12 @@ def run_rival(name: str, py: str, data_dir: Optional[str], synthetic: int,
 def rival_command(py: str, script: str) -> List[str]:
     """The command that runs a rival script with ``py``: by path, from the caller's (empty)
     directory, so the package's own modules (random.py, data.py) cannot shadow the standard
-    library's in that interpreter and mgpu is never imported; _rival_common.py, next to the
+    library's in that interpreter and mgpu is never imported; rival_common.py, next to the
     script, is loaded first as the top-level module the script imports."""
     boot = ("import importlib.util, os, runpy, sys; p = sys.argv[1]; sys.argv = sys.argv[1:]; "
-            "s = importlib.util.spec_from_file_location('_rival_common', "
-            "os.path.join(os.path.dirname(p), '_rival_common.py')); "
-            "m = sys.modules['_rival_common'] = importlib.util.module_from_spec(s); "
+            "s = importlib.util.spec_from_file_location('rival_common', "
+            "os.path.join(os.path.dirname(p), 'rival_common.py')); "
+            "m = sys.modules['rival_common'] = importlib.util.module_from_spec(s); "
             "s.loader.exec_module(m); runpy.run_path(p, run_name='__main__')")
     return [py, "-c", boot, script]
 
