@@ -31,6 +31,14 @@ def _betas(v, where: str) -> Tuple[float, float]:
     return b  # type: ignore[return-value]
 
 
+def _group_hyperparameter(key: str) -> property:
+    """An optimizer attribute for hyperparameter ``key``: reads the first group's value, and a
+    value set is checked and set in every group (as ``trainer.lr = 0.1`` is used)."""
+    return property(lambda self: self.param_groups[0][key],
+                    lambda self, value: self._set_everywhere(key, value),
+                    doc=f"The first group's {key}; setting it sets every group's.")
+
+
 class Optimizer:
     """What every optimizer shares: parameter groups, ``zero_grad``, and PyTorch's
     ``state_dict`` layout. ``state`` maps a parameter's position (over all groups, in order) to
@@ -110,23 +118,8 @@ class Optimizer:
         for g, c in zip(self.param_groups, checked):
             g[key] = c[key]
 
-    @property
-    def lr(self) -> float:
-        """The first group's learning rate; setting it sets every group's."""
-        return self.param_groups[0]["lr"]
-
-    @lr.setter
-    def lr(self, value: float) -> None:
-        self._set_everywhere("lr", value)
-
-    @property
-    def weight_decay(self) -> float:
-        """The first group's weight decay; setting it sets every group's."""
-        return self.param_groups[0]["weight_decay"]
-
-    @weight_decay.setter
-    def weight_decay(self, value: float) -> None:
-        self._set_everywhere("weight_decay", value)
+    lr = _group_hyperparameter("lr")
+    weight_decay = _group_hyperparameter("weight_decay")
 
     # --- gradients ------------------------------------------------------------------------
 
@@ -304,29 +297,9 @@ class SGD(Optimizer):
         return out
 
     # The hyperparameters as attributes (the first group's; setting one sets every group's).
-    @property
-    def momentum(self) -> float:
-        return self.param_groups[0]["momentum"]
-
-    @momentum.setter
-    def momentum(self, value: float) -> None:
-        self._set_everywhere("momentum", value)
-
-    @property
-    def dampening(self) -> float:
-        return self.param_groups[0]["dampening"]
-
-    @dampening.setter
-    def dampening(self, value: float) -> None:
-        self._set_everywhere("dampening", value)
-
-    @property
-    def nesterov(self) -> bool:
-        return self.param_groups[0]["nesterov"]
-
-    @nesterov.setter
-    def nesterov(self, value: bool) -> None:
-        self._set_everywhere("nesterov", value)
+    momentum = _group_hyperparameter("momentum")
+    dampening = _group_hyperparameter("dampening")
+    nesterov = _group_hyperparameter("nesterov")
 
     @property
     def _buffers(self) -> Dict[int, Tensor]:
@@ -400,21 +373,8 @@ class Adam(Optimizer):
         out["amsgrad"] = bool(group["amsgrad"])
         return out
 
-    @property
-    def betas(self) -> Tuple[float, float]:
-        return self.param_groups[0]["betas"]
-
-    @betas.setter
-    def betas(self, value: Tuple[float, float]) -> None:
-        self._set_everywhere("betas", value)
-
-    @property
-    def eps(self) -> float:
-        return self.param_groups[0]["eps"]
-
-    @eps.setter
-    def eps(self, value: float) -> None:
-        self._set_everywhere("eps", value)
+    betas = _group_hyperparameter("betas")
+    eps = _group_hyperparameter("eps")
 
     def _check_state_entry(self, i, entry, p, where):
         out = super()._check_state_entry(i, entry, p, where)
