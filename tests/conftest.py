@@ -105,3 +105,16 @@ def fashion_mnist_available() -> bool:
 requires_fashion_mnist = pytest.mark.skipif(
     not fashion_mnist_available() and not os.environ.get("CI"),
     reason="Fashion-MNIST not installed (apt-get install dataset-fashion-mnist)")
+
+
+def crash_at_step(monkeypatch, n: int) -> None:
+    """Makes the training loops' step hook (mgpu.faults.fault) raise KeyboardInterrupt at the
+    n-th step, as a kill would end the run there (the checkpoint tests' simulated crash)."""
+    count = {"n": 0}
+
+    def fault(point):
+        if point == "step":
+            count["n"] += 1
+            if count["n"] == n:
+                raise KeyboardInterrupt("simulated crash")
+    monkeypatch.setattr(mgpu.faults, "fault", fault)

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import mgpu
+from conftest import crash_at_step
 from mgpu import nn
 from mgpu.optim import lr_scheduler as sched
 
@@ -244,14 +245,7 @@ def _lenet(tmp_path=None, crash_at=None, monkeypatch=None, **kw):
     lr of every step and the first replica's final parameters."""
     import ckpt_worker
     if crash_at is not None:
-        count = {"n": 0}
-
-        def fault(point):
-            if point == "step":
-                count["n"] += 1
-                if count["n"] == crash_at:
-                    raise KeyboardInterrupt("simulated crash")
-        monkeypatch.setattr(mgpu.faults, "fault", fault)
+        crash_at_step(monkeypatch, crash_at)
     seen = {"lrs": []}
 
     def step(X, y, device_params, devices, lr):

@@ -11,7 +11,7 @@ import pytest
 
 import mgpu
 import peers
-from conftest import assert_close
+from conftest import assert_close, crash_at_step
 from mgpu import nn
 from mgpu.optim import lr_scheduler as sched
 from test_data_parallel import batch, close, tiny_net
@@ -401,14 +401,7 @@ def _concise(tmp_path, name, crash_at=None, monkeypatch=None, fused=False, **kw)
     KeyboardInterrupt from the step hook) at step ``crash_at``."""
     import ckpt_worker
     if crash_at is not None:
-        count = {"n": 0}
-
-        def fault(point):
-            if point == "step":
-                count["n"] += 1
-                if count["n"] == crash_at:
-                    raise KeyboardInterrupt("simulated crash")
-        monkeypatch.setattr(mgpu.faults, "fault", fault)
+        crash_at_step(monkeypatch, crash_at)
     mgpu.random.seed(0)
     net = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(),
                         nn.AvgPool2d(2), nn.Flatten(), nn.Linear(4 * 14 * 14, 10))

@@ -17,7 +17,7 @@ import pytest
 
 import ckpt_worker
 import mgpu
-from conftest import requires_fashion_mnist
+from conftest import crash_at_step, requires_fashion_mnist
 from mgpu import checkpoint as ck
 from mgpu.data import array_loader
 
@@ -388,14 +388,7 @@ def _small_net():
 
 def _concise(tmp_path, name, epochs, crash_at=None, devices=1, monkeypatch=None, net=None):
     if crash_at is not None:
-        count = {"n": 0}
-
-        def fault(point):
-            if point == "step":
-                count["n"] += 1
-                if count["n"] == crash_at:
-                    raise KeyboardInterrupt("simulated crash")
-        monkeypatch.setattr(mgpu.faults, "fault", fault)
+        crash_at_step(monkeypatch, crash_at)
     mgpu.random.seed(0)  # the default init of the biases (train_concise re-draws the weights)
     net = net or _small_net()
     kw = {} if name is None else dict(checkpoint=str(tmp_path / name), checkpoint_every=2,
