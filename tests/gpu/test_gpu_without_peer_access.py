@@ -17,8 +17,7 @@ import numpy as np
 import pytest
 
 import mgpu
-from mgpu import nn
-from test_data_parallel import LR, batch, tiny_net
+from test_sync_bn_gpu import two_gpu_steps
 
 pytestmark = pytest.mark.gpu
 
@@ -26,18 +25,12 @@ EMULATED = bool(mgpu.build_info()["cuda_emulation"])
 TESTS = Path(__file__).resolve().parents[1]
 
 
-
 def five_sync_steps():
     """Five fused steps of the tiny residual net with SyncBatchNorm on gpu(0) and gpu(1); returns
     its state dict on the host."""
-    devices = [mgpu.gpu(0), mgpu.gpu(1)]
-    net = tiny_net(sync=True)
-    model = nn.DataParallel(net, device_ids=devices)
-    trainer = mgpu.optim.SGD(model.parameters(), lr=LR)
-    X, y = batch(8)
-    Xt, yt = mgpu.array(X, device=devices[0]), mgpu.array(y, device=devices[0])
+    net, step = two_gpu_steps(sync=True)
     for _ in range(5):
-        model.train_step(Xt, yt, nn.CrossEntropyLoss(), trainer)
+        step()
     mgpu.waitall()
     return {k: v.numpy() for k, v in net.state_dict().items()}
 
