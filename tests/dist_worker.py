@@ -376,6 +376,39 @@ def sync_bn(out, local_devices):
     save(out, f"sync_bn_L{local_devices}", sync_bn_steps(_devices(local_devices)))
 
 
+def accumulated_steps(devices, accumulate, shards=False, steps=3):
+    """bn_net trained by DataParallel.train_step with `accumulate` micro-batches per step (SGD
+    with momentum and weight decay, batches of 24, the last of 13). Returns the master's
+    parameters and buffers, the losses, and the (reductions, bytes) its steps started."""
+    from mgpu import nn, optim
+    net = bn_net()
+    dp = nn.DataParallel(net, device_ids=devices)
+    trainer = optim.SGD(net.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3)
+    loss = nn.CrossEntropyLoss()
+    rng = np.random.default_rng(5)
+    losses = []
+    mgpu.waitall()
+    before = mgpu._core._collective_counts()
+    for s in range(steps):
+        n = 13 if s == steps - 1 else 24
+        X = mgpu.array(rng.standard_normal((n, 1, 8, 8)).astype(np.float32))
+        y = mgpu.array(rng.integers(0, 10, size=n).astype(np.int32))
+        losses.append(dp.train_step(X, y, loss, trainer, deterministic=shards,
+                                    accumulate=accumulate).item())
+    mgpu.waitall()
+    after = mgpu._core._collective_counts()
+    return ([p.numpy() for p in net.parameters()] + [b.numpy() for b in net.buffers()]
+            + [np.array(losses), np.array([after[0] - before[0], after[1] - before[1]])])
+
+
+def accumulated(out, local_devices, *configs):
+    """accumulated_steps for each "shards:accumulate" of configs."""
+    for c in configs:
+        shards, k = (int(v) for v in c.split(":"))
+        save(out, f"acc_L{local_devices}_{shards}_{k}",
+             accumulated_steps(_devices(local_devices), k, shards=shards or False))
+
+
 def deterministic(out, kind, local_devices, steps=None):
     run = deterministic_lenet if kind == "lenet" else deterministic_bn
     kw = {} if steps is None else {"steps": int(steps)}
@@ -385,7 +418,7 @@ def deterministic(out, kind, local_devices, steps=None):
 MODES = {"basics": basics, "train_steps": train_steps, "train_api": train_api,
          "mismatch": mismatch, "die": die, "bench": bench, "fused_model": fused_model,
          "deterministic": deterministic, "sync_bn": sync_bn, "nccl_stall": nccl_stall,
-         "adamw_clip": adamw_clip}
+         "adamw_clip": adamw_clip, "accumulated": accumulated}
 
 if __name__ == "__main__":
     mode, outdir, rest = sys.argv[1], sys.argv[2], sys.argv[3:]
