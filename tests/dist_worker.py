@@ -307,10 +307,10 @@ def bn_net():
                          nn.Flatten(), nn.Linear(6, 10))
 
 
-def deterministic_bn(devices, steps=6, shards=True):
+def deterministic_bn(devices, steps=6, shards=True, accumulate=1):
     """`steps` DataParallel.train_step calls (SGD with momentum and weight decay) on batches of
-    20, the last one of 13; returns the master's parameters and buffers, the last replica's
-    parameters, and the losses."""
+    20, the last one of 13, each in `accumulate` micro-batches; returns the master's parameters
+    and buffers, the last replica's parameters, and the losses."""
     from mgpu import nn, optim
     net = bn_net()
     dp = nn.DataParallel(net, device_ids=devices)
@@ -322,7 +322,8 @@ def deterministic_bn(devices, steps=6, shards=True):
         n = 13 if s == steps - 1 else 20
         X = mgpu.array(rng.standard_normal((n, 1, 8, 8)).astype(np.float32))
         y = mgpu.array(rng.integers(0, 10, size=n).astype(np.int32))
-        losses.append(dp.train_step(X, y, loss, trainer, deterministic=shards).item())
+        losses.append(dp.train_step(X, y, loss, trainer, deterministic=shards,
+                                    accumulate=accumulate).item())
     state = [p.numpy() for p in net.parameters()] + [b.numpy() for b in net.buffers()]
     return state + [p.numpy() for p in dp._fused.replica_params[-1]] + [np.array(losses)]
 
@@ -377,28 +378,14 @@ def sync_bn(out, local_devices):
 
 
 def accumulated_steps(devices, accumulate, shards=False, steps=3):
-    """bn_net trained by DataParallel.train_step with `accumulate` micro-batches per step (SGD
-    with momentum and weight decay, batches of 24, the last of 13). Returns the master's
-    parameters and buffers, the losses, and the (reductions, bytes) its steps started."""
-    from mgpu import nn, optim
-    net = bn_net()
-    dp = nn.DataParallel(net, device_ids=devices)
-    trainer = optim.SGD(net.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3)
-    loss = nn.CrossEntropyLoss()
-    rng = np.random.default_rng(5)
-    losses = []
+    """deterministic_bn's steps with `accumulate` micro-batches each; its arrays and the
+    (reductions, bytes) the steps started."""
     mgpu.waitall()
     before = mgpu._core._collective_counts()
-    for s in range(steps):
-        n = 13 if s == steps - 1 else 24
-        X = mgpu.array(rng.standard_normal((n, 1, 8, 8)).astype(np.float32))
-        y = mgpu.array(rng.integers(0, 10, size=n).astype(np.int32))
-        losses.append(dp.train_step(X, y, loss, trainer, deterministic=shards,
-                                    accumulate=accumulate).item())
+    arrays = deterministic_bn(devices, steps, shards, accumulate)
     mgpu.waitall()
     after = mgpu._core._collective_counts()
-    return ([p.numpy() for p in net.parameters()] + [b.numpy() for b in net.buffers()]
-            + [np.array(losses), np.array([after[0] - before[0], after[1] - before[1]])])
+    return arrays + [np.array([after[0] - before[0], after[1] - before[1]])]
 
 
 def accumulated(out, local_devices, *configs):

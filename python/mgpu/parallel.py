@@ -148,10 +148,7 @@ def check_accumulate(accumulate, shards: int, op: str) -> int:
     """``accumulate`` (micro-batches per step) as an int; TypeError unless it is an integer,
     ValueError unless it is >= 1 and, in deterministic mode (``shards`` logical shards > 0),
     divides ``shards`` (each micro-batch is a run of whole shards). Changes nothing."""
-    if isinstance(accumulate, bool) or not isinstance(accumulate, (numbers.Integral, np.integer)):
-        raise TypeError(f"{op}: accumulate must be an int (the number of micro-batches per "
-                        f"step), got {type(accumulate).__name__}")
-    k = int(accumulate)
+    k = check_int(accumulate, op, "accumulate (the number of micro-batches per step)")
     if k < 1:
         raise ValueError(f"{op}: accumulate must be >= 1 (the number of micro-batches per step; "
                          f"1 takes the batch at once), got {k}")

@@ -10,9 +10,11 @@ import pytest
 
 import dist_worker
 import mgpu
-from conftest import assert_close, crash_at_step
+from conftest import assert_close
 from mgpu import nn, optim
 from mgpu.chapter import accumulated_backward
+from test_deterministic import assert_bitwise
+from test_optim import concise_run
 
 CPUS = [mgpu.cpu(i) for i in range(3)]
 
@@ -64,14 +66,6 @@ def book_run(make_net, devices, accumulate, steps=4, last=13):
         accumulated_backward(dp, loss, mgpu.array(Xn), mgpu.array(yn), accumulate)
         trainer.step()
     return [p.numpy() for p in net.parameters()], [b.numpy() for b in net.buffers()]
-
-
-def assert_bitwise(got, expected, what):
-    assert len(got) == len(expected), what
-    for i, (g, e) in enumerate(zip(got, expected)):
-        if not np.array_equal(g, e):
-            diff = float(np.max(np.abs(g.astype(np.float64) - e)))
-            pytest.fail(f"{what}: array {i} differs (max abs difference {diff:.3g})")
 
 
 # --- deterministic: bitwise the parameters of one batch ----------------------------------------
@@ -294,37 +288,24 @@ def test_fused_micro_batches_start_no_reduction(monkeypatch, shared, optimizer):
 
 # --- plumbing: train_concise, checkpoints, LeNet's train ---------------------------------------
 
-def concise(tmp_path, name, accumulate, fused=False, crash_at=None, monkeypatch=None, **kw):
-    import ckpt_worker
-    if crash_at is not None:
-        crash_at_step(monkeypatch, crash_at)
-    mgpu.random.seed(0)
-    net = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(),
-                        nn.AvgPool2d(2), nn.Flatten(), nn.Linear(4 * 14 * 14, 10))
-    ck = {} if name is None else dict(checkpoint=str(tmp_path / name), checkpoint_every=2,
-                                      resume=True)
-    mgpu.chapter.train_concise(net, 2, ckpt_worker.BATCH, 0.05, 2, data=ckpt_worker.data(),
-                               progress=False, fused=fused, accumulate=accumulate, **ck, **kw)
-    return {k: v.numpy() for k, v in net.state_dict().items()}
-
-
 @pytest.mark.parametrize("fused,kw", [(False, {}), (True, {}), (True, dict(deterministic=4))])
 def test_train_concise_with_accumulation_resumes_bitwise(tmp_path, monkeypatch, fused, kw):
-    ref = concise(tmp_path, None, 2, fused=fused, **kw)
+    ref = concise_run(tmp_path, None, fused=fused, accumulate=2, **kw)
     with pytest.raises(KeyboardInterrupt):
-        concise(tmp_path, "c", 2, fused=fused, crash_at=7, monkeypatch=monkeypatch, **kw)
+        concise_run(tmp_path, "c", crash_at=7, monkeypatch=monkeypatch, fused=fused, accumulate=2,
+                    **kw)
     monkeypatch.undo()
-    got = concise(tmp_path, "c", 2, fused=fused, **kw)
+    got = concise_run(tmp_path, "c", fused=fused, accumulate=2, **kw)
     for k in ref:
         np.testing.assert_array_equal(got[k], ref[k], err_msg=k)
     from mgpu.checkpoint import CheckpointError
     with pytest.raises(CheckpointError, match="accumulate=2"):
-        concise(tmp_path, "c", 1, fused=fused, **kw)
+        concise_run(tmp_path, "c", fused=fused, accumulate=1, **kw)
 
 
 def test_train_concise_book_loop_and_fused_accumulate_alike(tmp_path):
-    book = concise(tmp_path, None, 3)
-    fused = concise(tmp_path, None, 3, fused=True)
+    book = concise_run(tmp_path, None, accumulate=3)
+    fused = concise_run(tmp_path, None, fused=True, accumulate=3)
     for k in book:
         if not k.endswith("num_batches_tracked"):  # the fused step does not count it
             assert_close(fused[k], book[k], "sum", k)
@@ -346,8 +327,8 @@ def test_lenet_train_accumulates_in_the_fused_step():
 
 @pytest.mark.parametrize("value,error,match", [
     (0, ValueError, "accumulate must be >= 1"), (-2, ValueError, "accumulate must be >= 1"),
-    (1.5, TypeError, "accumulate must be an int"), (True, TypeError, "must be an int"),
-    ("2", TypeError, "must be an int"),
+    (1.5, TypeError, "accumulate .* must be an integer"), (True, TypeError, "must be an integer"),
+    ("2", TypeError, "must be an integer"),
 ])
 def test_bad_accumulate_is_refused_and_changes_nothing(value, error, match):
     net = dist_worker.bn_net()
