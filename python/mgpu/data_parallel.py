@@ -198,6 +198,11 @@ class DataParallel(Module):
     [--sync-bn]``. The fused step takes the modules ``mgpu.models.resnet18`` is made of
     (``mgpu.nn``'s Sequential, Conv2d, BatchNorm2d, SyncBatchNorm, ReLU, AvgPool2d,
     AdaptiveAvgPool2d((1, 1)), Flatten, Linear and ``mgpu.models.Residual``).
+
+    Gradient accumulation: backward passes under ``with net.no_sync():`` keep each replica's
+    gradients on its device until the first backward outside it (see ``no_sync``);
+    ``net.train_step(X, y, loss, trainer, accumulate=K)`` runs the batch as K micro-batches in
+    one call, with one reduction and one update.
     """
 
     def __init__(self, module: Module, device_ids: Optional[Sequence] = None,
