@@ -378,3 +378,22 @@ def test_engine_refuses_bad_accumulate_itself():
     with pytest.raises(ValueError, match="must divide the number of logical shards"):
         fused.model._model.train_step(mgpu.array(Xn)._t, mgpu.array(yn)._t, 0.1, shards=8,
                                       accumulate=3)
+
+
+def test_cli_accumulate_reaches_both_loops(monkeypatch, capsys):
+    import sys
+
+    from mgpu.cli import main
+    seen = {}
+    monkeypatch.setattr(mgpu.chapter, "train_concise",
+                        lambda *a, **kw: seen.setdefault("concise", kw))
+    monkeypatch.setattr(sys.modules["mgpu.train"], "train",
+                        lambda *a, **kw: seen.setdefault("lenet", kw))
+    assert main(["train", "--model", "resnet18", "--accumulate", "4", "--epochs", "1"]) == 0
+    assert main(["train", "--accumulate", "2", "--epochs", "1"]) == 0
+    assert seen["concise"]["accumulate"] == 4 and seen["lenet"]["accumulate"] == 2
+    monkeypatch.undo()
+    assert main(["train", "--accumulate", "2", "--op-by-op", "--epochs", "1"]) == 2
+    assert "op-by-op step takes the whole batch" in capsys.readouterr().err
+    assert main(["train", "--accumulate", "0", "--epochs", "1"]) == 2
+    assert "accumulate must be >= 1" in capsys.readouterr().err
