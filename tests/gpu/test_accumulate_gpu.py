@@ -49,3 +49,36 @@ def test_accumulation_on_one_two_and_three_emulated_gpus(tmp_path):
     assert two["0:1"][-1][0] > 0
     assert np.array_equal(two["0:4"][-1], two["0:1"][-1]), \
         f"accumulate=4 started {two['0:4'][-1]} reductions, one batch {two['0:1'][-1]}"
+
+
+@pytest.mark.skipif(mgpu.num_gpus() < 2, reason="needs 2 GPUs (the emulated build)")
+def test_no_sync_on_two_emulated_gpus_sends_the_sum_once(tmp_path):
+    """The book's loop on gpu(0), gpu(1): three micro-batches, two under no_sync, give the whole
+    batch's gradients, and only the last backward copies gradients between the GPUs."""
+    import json
+
+    from mgpu import nn
+    from mgpu.chapter import accumulated_backward
+    gpus = [mgpu.gpu(0), mgpu.gpu(1)]
+    rng = np.random.default_rng(4)
+    X = mgpu.array(rng.standard_normal((18, 1, 8, 8)).astype(np.float32), device=gpus[0])
+    y = mgpu.array(rng.integers(0, 10, size=18).astype(np.int32), device=gpus[0])
+    loss = nn.CrossEntropyLoss()
+
+    def net():
+        mgpu.random.seed(3)
+        return nn.Sequential(nn.Conv2d(1, 4, kernel_size=3, padding=1), nn.ReLU(),
+                             nn.Flatten(), nn.Linear(4 * 8 * 8, 10))
+
+    whole = net()
+    loss(nn.DataParallel(whole, device_ids=gpus)(X), y).backward()
+    acc = net()
+    dp = nn.DataParallel(acc, device_ids=gpus)
+    path = tmp_path / "trace.json"
+    with mgpu.profile(str(path)):
+        accumulated_backward(dp, loss, X, y, 3)
+    copies = sum(1 for e in json.loads(path.read_text())["traceEvents"]
+                 if e.get("name") == "to backward")
+    assert copies == len(list(acc.parameters())), "one gradient copy per parameter"
+    for i, (a, w) in enumerate(zip(acc.parameters(), whole.parameters())):
+        assert_close(a.grad.numpy(), w.grad.numpy(), "sum", f"param {i}")
