@@ -40,3 +40,20 @@ def test_accumulation_under_mpirun(tmp_path):
         assert one[0] > 0
         assert np.array_equal(ranks[-1], one), \
             f"rank {r}: accumulate=4 started {ranks[-1]} reductions, one batch {one}"
+
+
+@needs_mpi
+def test_two_ranks_of_two_devices_accumulate_to_the_bits_of_one_device(tmp_path):
+    """2 ranks x 2 devices, accumulate=4 over 8 shards (each micro-batch's 2 shards on 2 of the
+    4 devices): parameters, running statistics and losses bitwise those of 1 device with the
+    same accumulate; parameters those of one batch."""
+    rc, out, err, _ = mpirun(2, "accumulated", tmp_path, 2, "8:4", timeout=120, limit=300)
+    assert rc == 0, f"mpirun accumulated failed:\n{out}\n{err}"
+    one = dist_worker.accumulated_steps(CPUS[:1], 4, shards=8)
+    whole = dist_worker.accumulated_steps(CPUS[:1], 1, shards=8)
+    nparams = len(list(dist_worker.bn_net().parameters()))
+    got = arrays(load(tmp_path, "acc_L2_8_4", 0))
+    for i, (g, e) in enumerate(zip(got[:-1], one[:-1])):
+        assert np.array_equal(g, e), f"array {i} differs from 1 device with accumulate=4"
+    for i in range(nparams):
+        assert np.array_equal(got[i], whole[i]), f"parameter {i} differs from one batch"
