@@ -91,6 +91,18 @@ def test_deterministic_accumulation_gives_the_bits_of_one_batch(devices, accumul
     assert not np.array_equal(buffers[0], bn_whole_batch[1][0])
 
 
+def test_fewer_rows_than_shards_or_micro_batches():
+    """A last batch of 5 rows over 8 shards in 8 micro-batches (3 of them empty) keeps the bits
+    of one batch; without shards, 3 rows in 5 micro-batches (2 empty) the step of one batch."""
+    ref = fused_run(dist_worker.bn_net, CPUS[:1], 1, deterministic=8, steps=2, last=5)
+    got = fused_run(dist_worker.bn_net, CPUS[:3], 8, deterministic=8, steps=2, last=5)
+    assert_bitwise(got[0], ref[0], "3 devices, accumulate=8, a batch of 5")
+    one = fused_run(plain_net, CPUS[:1], 1, steps=2, last=3)
+    five = fused_run(plain_net, CPUS[:2], 5, steps=2, last=3)
+    for i, (g, e) in enumerate(zip(five[0], one[0])):
+        assert_close(g, e, "sum", f"param {i}, a batch of 3 in 5 micro-batches")
+
+
 def test_deterministic_running_statistics_do_not_depend_on_devices():
     """With one accumulate, 1, 2 and 3 devices give the same running statistics too: each
     micro-batch's first shard moves them, in order."""
