@@ -148,6 +148,19 @@ def test_fused_accumulation_is_the_book_loop_with_no_sync_batch_norm_per_micro_b
         "running variance should move per micro-batch, not per batch"
 
 
+def test_sync_batch_norm_accumulates_alike_in_both_loops():
+    """SyncBatchNorm: statistics over every replica of each micro-batch, in the fused step and
+    in the book's loop under no_sync alike (parameters and running statistics)."""
+    def net():
+        return nn.SyncBatchNorm.convert_sync_batchnorm(dist_worker.bn_net())
+    fused = fused_run(net, CPUS[:2], 2, steps=2)
+    book = book_run(net, CPUS[:2], 2, steps=2)
+    floats = ([b for b in fused[1] if b.dtype.kind == "f"],
+              [b for b in book[1] if b.dtype.kind == "f"])
+    for i, (g, e) in enumerate(zip(fused[0] + floats[0], book[0] + floats[1])):
+        assert_close(g, e, "sum", f"array {i}")
+
+
 def numpy_step(W, b, X, y, parts):
     """Float64: the mean cross-entropy's gradient of a linear model summed over micro-batches
     `parts` (row ranges), each scaled by its share, as accumulation computes it."""
