@@ -7,6 +7,7 @@ step; the tests run both and compare). Sec. 12.6's ``train`` is ``train_concise`
 """
 from __future__ import annotations
 
+import contextlib
 import sys
 from typing import Optional
 
@@ -22,7 +23,7 @@ from .device import try_gpu
 from .models import lenet
 from .nn import CrossEntropyLoss
 from .optim.lr_scheduler import make_schedule
-from .parallel import sgd, shard_count, split_batch
+from .parallel import check_accumulate, sgd, shard_count, split_batch
 from .tensor import zeros_like
 from .train import (
     Progress,
@@ -163,7 +164,7 @@ def train_concise(net, num_gpus: int, batch_size: int, lr: float, num_epochs: in
                   checkpoint_every: Optional[int] = None, resume: bool = False,
                   optimizer: str = "sgd", weight_decay: Optional[float] = None,
                   schedule: str = "none", warmup_epochs: int = 0,
-                  clip_grad_norm: Optional[float] = None) -> TrainResult:
+                  clip_grad_norm: Optional[float] = None, accumulate: int = 1) -> TrainResult:
     """The concise chapter's ``train(net, num_gpus, batch_size, lr)`` (sec. 12.6), as printed:
     ``normal_(std=0.01)`` init of Linear and Conv2d weights, ``nn.DataParallel``, SGD and the
     mean cross-entropy, the book's loop, test accuracy on all devices after every epoch, and
@@ -183,6 +184,11 @@ def train_concise(net, num_gpus: int, batch_size: int, lr: float, num_epochs: in
     ``warmup_epochs`` (see ``optim.lr_scheduler.make_schedule``, stepped after every batch), and
     ``clip_grad_norm``: the gradients' global norm clipped to it before every update
     (``nn.utils.clip_grad_norm_`` in the book's loop, inside the C++ step when fused).
+    ``accumulate=K``: gradient accumulation, one optimizer update per batch from K
+    micro-batches of batch_size / K run one after another (the book's loop: K forward and
+    backward passes, all but the last under ``net.no_sync()``, each loss scaled by its share of
+    the batch; fused: ``train_step(..., accumulate=K)``); a step is still one batch and one
+    update, so schedules and checkpoints count as without it.
     Returns the per-epoch accuracies and times.
     """
     if int(num_gpus) < 1:
@@ -192,6 +198,7 @@ def train_concise(net, num_gpus: int, batch_size: int, lr: float, num_epochs: in
                          "autograd sums gradients in device order)")
     ckpts = open_checkpoints(checkpoint, checkpoint_every, resume, "train_concise")
     shards = shard_count(deterministic, "train_concise")
+    accumulate = check_accumulate(accumulate, shards, "train_concise")
     random.seed(seed)
     train_iter, test_iter = data if data is not None else load_data_fashion_mnist(
         batch_size, data_dir=data_dir, seed=seed, limit_batches=limit_batches)
@@ -223,14 +230,14 @@ def train_concise(net, num_gpus: int, batch_size: int, lr: float, num_epochs: in
         loaded = ckpts.start(resume)
         if loaded is not None:
             run = _resume_concise(*loaded, net.module, trainer, train_iter, result, batch_size,
-                                  len(devices), fused, shards, scheduler)
+                                  len(devices), fused, shards, scheduler, accumulate)
             if run.epoch >= int(num_epochs):
                 print(f"the run in {checkpoint} has finished its {run.epoch} epochs: its "
                       "results, nothing trained")
     config = {"batch_size": batch_size, "num_devices": len(devices), "world_size": 1,
               "lr": lr, "seed": seed, "fused": bool(fused), "deterministic": shards,
               "optimizer": optimizer, "schedule": schedule, "warmup_epochs": warmup_epochs,
-              "clip_grad_norm": clip_grad_norm}
+              "clip_grad_norm": clip_grad_norm, "accumulate": accumulate}
 
     def save_state(epoch_next: int) -> None:
         waitall()
@@ -254,12 +261,15 @@ def train_concise(net, num_gpus: int, batch_size: int, lr: float, num_epochs: in
         for X, y in train_iter:
             if fused:
                 l = net.train_step(X, y, loss, trainer, deterministic=deterministic,
-                                   clip_grad_norm=clip_grad_norm)
+                                   clip_grad_norm=clip_grad_norm, accumulate=accumulate)
             else:
                 trainer.zero_grad()
                 X, y = X.to(devices[0]), y.to(devices[0])
-                l = loss(net(X), y)
-                l.backward()
+                if accumulate == 1:
+                    l = loss(net(X), y)
+                    l.backward()
+                else:
+                    l = accumulated_backward(net, loss, X, y, accumulate)
                 if clip_grad_norm is not None:
                     nn.utils.clip_grad_norm_(net.parameters(), clip_grad_norm)
                 trainer.step()
@@ -290,11 +300,35 @@ def train_concise(net, num_gpus: int, batch_size: int, lr: float, num_epochs: in
     return result
 
 
+def accumulated_backward(net, loss, X, y, accumulate: int):
+    """The book's loop with gradient accumulation: X, y split into ``accumulate`` micro-batches
+    (sizes differ by at most one; empty ones skipped), each one's forward and backward in turn,
+    all but the last under ``net.no_sync()`` (DataParallel's), each mean loss scaled by its
+    share of the batch, so the gradients add up to those of the mean loss over X. Returns that
+    loss (0-d, detached)."""
+    n = X.shape[0]
+    parts = [(a, b) for a, b in _ranges(n, accumulate) if b > a]
+    total = None
+    for i, (a, b) in enumerate(parts):
+        quiet = net.no_sync() if i + 1 < len(parts) else contextlib.nullcontext()
+        with quiet:
+            share = loss(net(X[a:b]), y[a:b]) * ((b - a) / n)
+            share.backward()
+        total = share.detach() if total is None else total + share.detach()
+    return total
+
+
 def _resume_concise(path: str, state, module, trainer, train_iter, result: TrainResult,
                     batch_size: int, num_devices: int, fused: bool, shards: int,
-                    scheduler=None) -> Progress:
+                    scheduler=None, accumulate: int = 1) -> Progress:
     """Puts a checkpoint's state into the run: everything is checked before anything changes."""
     check_run(path, state, "mgpu.train_concise", batch_size, num_devices, 1, shards)
+    saved_accumulate = state.get("config", {}).get("accumulate", 1)
+    if saved_accumulate != accumulate:
+        raise CheckpointError(path, f"was written by a run with accumulate={saved_accumulate}, "
+                              f"this run has accumulate={accumulate} (batch norm's running "
+                              "statistics move once per micro-batch); resume with the same "
+                              "--accumulate")
     saved_opt = state.get("config", {}).get("optimizer", "sgd")
     saved_sched = state.get("scheduler")
     if saved_opt != type(trainer).__name__.lower():

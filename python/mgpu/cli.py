@@ -46,7 +46,8 @@ def _train_run(args) -> int:
                               fused=args.fused, deterministic=args.deterministic,
                               optimizer=args.optimizer, weight_decay=args.weight_decay,
                               schedule=args.schedule, warmup_epochs=args.warmup_epochs,
-                              clip_grad_norm=args.clip_grad_norm, **kw)
+                              clip_grad_norm=args.clip_grad_norm,
+                              accumulate=args.accumulate, **kw)
         return 0
     if args.sync_bn or args.fused:
         raise ValueError("--sync-bn and --fused need --model resnet18 (LeNet's step is fused "
@@ -57,6 +58,8 @@ def _train_run(args) -> int:
                          "--schedule and --warmup-epochs work with it)")
     kw.update(check_finite=args.check_finite, schedule=args.schedule,
               warmup_epochs=args.warmup_epochs)
+    if args.accumulate != 1:
+        kw["accumulate"] = args.accumulate
     if args.deterministic:
         kw["deterministic"] = True
     if args.op_by_op:
@@ -445,6 +448,10 @@ def main(argv: Optional[List[str]] = None, prog: str = "mgpu") -> int:
                         "rising phase)")
     t.add_argument("--clip-grad-norm", type=float, default=None, metavar="X",
                    help="resnet18: clip the gradients' global norm to X before every update")
+    t.add_argument("--accumulate", type=int, default=1, metavar="K",
+                   help="gradient accumulation: each batch as K micro-batches run one after "
+                        "another (K times less activation memory), one reduction and one "
+                        "update per batch; with --deterministic K must divide 8")
     t.add_argument("--resume", action="store_true",
                    help="continue from the newest checkpoint in --checkpoint DIR (a fresh run "
                         "if there is none); ends with the parameters of an uninterrupted run")

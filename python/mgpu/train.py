@@ -26,6 +26,7 @@ from .device import Device, as_device, try_gpu
 from .models import lenet_params
 from .nn import Module
 from .parallel import (
+    check_accumulate,
     check_batch_size,
     check_lr,
     evaluate_counts,
@@ -143,7 +144,7 @@ def train(num_gpus: int, batch_size: int, lr: float, num_epochs: int = 10,
           plot: Optional[bool] = None, data=None, step: Optional[Callable] = None,
           check_finite: bool = True, deterministic=False, checkpoint: Optional[str] = None,
           checkpoint_every: Optional[int] = None, resume: bool = False,
-          schedule: str = "none", warmup_epochs: int = 0) -> TrainResult:
+          schedule: str = "none", warmup_epochs: int = 0, accumulate: int = 1) -> TrainResult:
     """Trains the chapter's LeNet data-parallel on ``num_gpus`` devices and prints its line.
 
     Devices are ``[try_gpu(i) for i in range(num_gpus)]``: GPUs where they exist, virtual CPU
@@ -166,6 +167,8 @@ def train(num_gpus: int, batch_size: int, lr: float, num_epochs: int = 10,
     writes and every rank reads. ``schedule`` ('none', 'step', 'cosine', 'onecycle') and
     ``warmup_epochs`` change the lr after every batch (``optim.lr_scheduler.make_schedule``);
     each step gets the lr of the moment, and checkpoints keep the schedule's position.
+    ``accumulate=K`` runs each batch as K micro-batches in the fused step, their gradients
+    summed before one reduction and one update (``parallel.train_batch``); not with ``step``.
     Returns the per-epoch accuracies, losses and times.
     """
     lr = check_lr(lr, "train")
@@ -179,9 +182,14 @@ def train(num_gpus: int, batch_size: int, lr: float, num_epochs: int = 10,
     if shards and step is not None:
         raise ValueError("train: deterministic is a mode of the fused train_batch; pass either "
                          "deterministic or step, not both")
+    accumulate = check_accumulate(accumulate, shards, "train")
+    if accumulate != 1 and step is not None:
+        raise ValueError("train: accumulate is a mode of the fused train_batch; the chapter's "
+                         "op-by-op step takes the whole batch (drop accumulate or step)")
     if step is None:
         def step(X, y, device_params, devices, lr):
-            return train_batch(X, y, device_params, devices, lr, deterministic=shards or False)
+            return train_batch(X, y, device_params, devices, lr, deterministic=shards or False,
+                               accumulate=accumulate)
     train_iter, test_iter = data if data is not None else load_data_fashion_mnist(
         batch_size, data_dir=data_dir, seed=seed, limit_batches=limit_batches)
     if ckpts is not None:
