@@ -12,21 +12,13 @@ from typing import Optional
 import numpy as np
 
 from . import distributed as _dist
+from . import loop as _scaffold
 from . import nn, optim, random
 from .autograd import no_grad
 from .checkpoint import CheckpointError, check_run
 from .data import load_data_fashion_mnist
 from .device import try_gpu
-from .loop import (
-    Loop,
-    Progress,
-    Timer,
-    TrainResult,
-    check_resumable_loader,
-    host_value,
-    open_checkpoints,
-    restore_result,
-)
+from .loop import Timer, TrainResult
 from .models import lenet
 from .nn import CrossEntropyLoss
 from .optim.lr_scheduler import make_schedule
@@ -190,13 +182,13 @@ def train_concise(net, num_gpus: int, batch_size: int, lr: float, num_epochs: in
     if deterministic and not fused:
         raise ValueError("train_concise: deterministic needs fused=True (the book's loop through "
                          "autograd sums gradients in device order)")
-    ckpts = open_checkpoints(checkpoint, checkpoint_every, resume, "train_concise")
+    ckpts = _scaffold.open_checkpoints(checkpoint, checkpoint_every, resume, "train_concise")
     shards = shard_count(deterministic, "train_concise")
     random.seed(seed)
     train_iter, test_iter = data if data is not None else load_data_fashion_mnist(
         batch_size, data_dir=data_dir, seed=seed, limit_batches=limit_batches)
     if ckpts is not None:
-        check_resumable_loader(train_iter, "train_concise")
+        _scaffold.check_resumable_loader(train_iter, "train_concise")
     devices = [try_gpu(i) for i in range(num_gpus)]
 
     def init_weights(module):
@@ -225,9 +217,9 @@ def train_concise(net, num_gpus: int, batch_size: int, lr: float, num_epochs: in
         return {"model": net.module.state_dict(), "optimizer": trainer.state_dict(),
                 "epoch_losses": np.array(loop.run.losses, dtype=np.float32)}
 
-    loop = Loop("train_concise", "mgpu.train_concise", num_epochs, train_iter, result, ckpts,
-                Timer(), config, scheduler, state, log=log, tensorboard=tensorboard,
-                progress=progress)
+    loop = _scaffold.Loop("train_concise", "mgpu.train_concise", num_epochs, train_iter, result,
+                          ckpts, Timer(), config, scheduler, state, log=log,
+                          tensorboard=tensorboard, progress=progress)
     with loop:  # SIGTERM and SIGUSR1 handled from here (mgpu.loop)
         run = loop.start(resume, lambda path, saved: _resume_concise(
             path, saved, net.module, trainer, train_iter, result, batch_size, len(devices), fused,
@@ -253,8 +245,8 @@ def train_concise(net, num_gpus: int, batch_size: int, lr: float, num_epochs: in
                 losses.append(l.detach())
                 loop.step_done(epoch, step_lr, X.shape[0], [losses[-1]], 1)
             loop.end_epoch()
-            result.train_loss.append(float(np.mean([host_value(v) for v in losses])) if losses
-                                     else float("nan"))
+            result.train_loss.append(float(np.mean([_scaffold.host_value(v) for v in losses]))
+                                     if losses else float("nan"))
             result.test_acc.append(evaluate_accuracy_gpu(net, test_iter))
             loop.epoch_done(epoch)
     # Every epoch's time, those before a resume included (the timer holds this session's).
@@ -264,7 +256,7 @@ def train_concise(net, num_gpus: int, batch_size: int, lr: float, num_epochs: in
 
 def _resume_concise(path: str, state, module, trainer, train_iter, result: TrainResult,
                     batch_size: int, num_devices: int, fused: bool, shards: int,
-                    scheduler=None) -> Progress:
+                    scheduler=None) -> "_scaffold.Progress":
     """Puts a checkpoint's state into the run: everything is checked before anything changes."""
     check_run(path, state, "mgpu.train_concise", batch_size, num_devices, 1, shards)
     saved_opt = state.get("config", {}).get("optimizer", "sgd")
@@ -313,8 +305,8 @@ def _resume_concise(path: str, state, module, trainer, train_iter, result: Train
         scheduler.load_state_dict(saved_sched)
     module.load_state_dict(saved)
     random.set_generator(rng)
-    restore_result(result, state["result"])
+    _scaffold.restore_result(result, state["result"])
     print(f"resuming from {path} (epoch {state['epoch'] + 1}, step {state['step']})")
-    return Progress(epoch=int(state["epoch"]), step=int(state["step"]),
+    return _scaffold.Progress(epoch=int(state["epoch"]), step=int(state["step"]),
                     losses=[float(v) for v in state["epoch_losses"]],
                     elapsed=float(state["epoch_elapsed"]))
