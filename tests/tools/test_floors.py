@@ -27,7 +27,8 @@ FLOORS = [
     # What the loops build on: networks, the data-parallel wrappers, data and checkpoints.
     ("parallel", ["mgpu.models", "mgpu.parallel", "mgpu.data_parallel", "mgpu.data",
                   "mgpu.checkpoint"]),
-    ("loops", ["mgpu.train", "mgpu.chapter"]),
+    # The loops and the scaffolding they share (epochs, checkpoints, metrics log, preemption).
+    ("loops", ["mgpu.loop", "mgpu.train", "mgpu.chapter"]),
     ("tools", ["mgpu.cli", "mgpu.bench", "mgpu.advisor"]),
     # The package itself (mgpu/__init__.py imports every floor) and python -m mgpu.
     ("package", ["mgpu", "mgpu.__main__"]),
