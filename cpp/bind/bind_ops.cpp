@@ -64,11 +64,13 @@ void bind_ops(py::module_& m) {
   m.def("relu_backward", &ops::relu_backward, nogil(), "dx = dy where x > 0.");
   m.def("conv2d_forward", [](const Tensor& x, const Tensor& w, const std::optional<Tensor>& b,
                              int64_t stride, int64_t pad) {
-    return ops::conv2d_forward(x, w, b.value_or(Tensor()), stride, pad);
+    return ops::conv2d_forward(x, w, b.value_or(Tensor()), stride, pad,
+                               ops::conv_algo_for(x.device()));
   }, nogil(), "2-D cross-correlation with stride and padding (b may be None).");
   m.def("conv2d_backward", [](const Tensor& x, const Tensor& w, const Tensor& dy, int64_t stride,
                               int64_t pad, bool need_dx, bool has_bias) {
-    ops::Conv2dGrads g = ops::conv2d_backward(x, w, dy, stride, pad, need_dx, has_bias);
+    ops::Conv2dGrads g = ops::conv2d_backward(x, w, dy, stride, pad, need_dx, has_bias,
+                                              ops::conv_algo_for(x.device()));
     auto opt = [](const Tensor& t) {
       return t.defined() ? std::optional<Tensor>(t) : std::nullopt;
     };

@@ -197,6 +197,9 @@ class Model:
     def momentum_buffers(self, replica: int, which: int = 0) -> List[Optional[Tensor]]: ...
     # (batch_norm+relu, batch_norm+add+relu) layers the fusion made.
     def fused_layers(self) -> Tuple[int, int]: ...
+    # (layer, algorithm) per conv layer: MGPU_CONV_ALGO's value (auto, tune, direct, im2col,
+    # winograd) as the Model was built, which that layer's CPU conv runs from then on.
+    def conv_algorithms(self) -> List[Tuple[str, str]]: ...
     # Copies buffers (one per parameter, float32 of its shape, any device; None: zero) into one
     # replica's momentum; the next step continues from them.
     def set_momentum_buffers(self, replica: int, buffers: List[Optional[Tensor]],
