@@ -92,6 +92,9 @@ void bind_ops(py::module_& m) {
   auto opt_ptr = [](const std::optional<Tensor>& t) { return t ? &*t : nullptr; };
   m.def("batch_norm_stats", &ops::batch_norm_stats, py::arg("x"), nogil(),
         "(mean, biased var) per channel of x (N, C, H, W) or (N, C).");
+  m.def("batch_norm_update_running", &ops::batch_norm_update_running, py::arg("running"),
+        py::arg("batch"), py::arg("keep"), py::arg("step"), nogil(),
+        "running = running * keep + batch * step in place (the running statistics' update).");
   m.def("batch_norm_forward", [opt_ptr](const Tensor& x, const Tensor& mean, const Tensor& var,
                                         const std::optional<Tensor>& gamma,
                                         const std::optional<Tensor>& beta, float eps) {

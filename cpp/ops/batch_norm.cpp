@@ -320,6 +320,12 @@ BatchNormGrads batch_norm_backward_full(const Tensor& x, const Tensor* y, const 
   return g;
 }
 
+void batch_norm_update_running(const Tensor& running, const Tensor& batch, float keep,
+                               float step) {
+  binary_scalar_inplace(BinaryOp::Mul, running, keep);
+  binary_inplace(BinaryOp::Add, running, binary_scalar(BinaryOp::Mul, batch, step, false));
+}
+
 std::pair<Tensor, Tensor> batch_norm_combine_stats(const Tensor& parts) {
   const char* op = "batch_norm_combine_stats";
   require_dtype(op, "parts", parts, DType::F32);

@@ -65,13 +65,9 @@ void update_running_stats(const Layer& l, const ReplicaState& r, const Saved& s)
   const Tensor& running_mean = r.buffers[static_cast<size_t>(l.buffers[0])];
   const Tensor& running_var = r.buffers[static_cast<size_t>(l.buffers[1])];
   const auto m = static_cast<float>(l.momentum);
-  ops::binary_scalar_inplace(ops::BinaryOp::Mul, running_mean, 1.0f - m);
-  ops::binary_inplace(ops::BinaryOp::Add, running_mean,
-                      ops::binary_scalar(ops::BinaryOp::Mul, s.a, m, false));
-  ops::binary_scalar_inplace(ops::BinaryOp::Mul, running_var, 1.0f - m);
-  ops::binary_inplace(ops::BinaryOp::Add, running_var,
-                      ops::binary_scalar(ops::BinaryOp::Mul, s.b,
-                                         static_cast<float>(m * s.count / (s.count - 1)), false));
+  ops::batch_norm_update_running(running_mean, s.a, 1.0f - m, m);
+  ops::batch_norm_update_running(running_var, s.b, 1.0f - m,
+                                 static_cast<float>(m * s.count / (s.count - 1)));
 }
 
 Tensor forward(const Layer& l, const std::vector<Tensor>& in, const ReplicaState& r,

@@ -269,9 +269,8 @@ def _update_running(running: Optional[Tensor], batch: "_core.Tensor", momentum: 
     """running <- (1 - momentum) * running + momentum * scale * batch, in place (not recorded)."""
     if running is None:
         return
-    _core.binary_scalar_inplace(_Op.Mul, running._t, float(1.0 - momentum))
-    step = _core.binary_scalar(_Op.Mul, batch, float(momentum * scale), False)
-    _core.binary_inplace(_Op.Add, running._t, step)
+    _core.batch_norm_update_running(running._t, batch, float(1.0 - momentum),
+                                    float(momentum * scale))
 
 
 # Each public op is a host span on the timeline (mgpu.profile); one flag check while it is off.
