@@ -508,6 +508,17 @@ def check_input(x, what: str) -> Tensor:
     return x
 
 
+def _check_width(module: "Module", name: str, x, ndim: int, width: int) -> Tensor:
+    """Linear's and Conv2d's input check: an mgpu tensor of ``ndim`` dims whose axis 1 holds
+    ``width`` features or channels (ValueError naming the module and the shape it expects)."""
+    x = check_input(x, name)
+    if x.ndim != ndim or x.shape[1] != width:
+        rest = ", H, W" if ndim == 4 else ""
+        raise ValueError(f"{name}({module.extra_repr()}): expected input (N, {width}{rest}), got "
+                         f"shape {x.shape}")
+    return x
+
+
 def _positive_int(v, name: str, what: str) -> int:
     if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
         raise ValueError(f"{what}: {name} must be a positive int, got {v!r}")
@@ -536,10 +547,7 @@ class Conv2d(Module):
                 f"stride={self.stride}, padding={self.padding}, bias={self.bias is not None}")
 
     def forward(self, x: Tensor) -> Tensor:
-        x = check_input(x, "Conv2d")
-        if x.ndim != 4 or x.shape[1] != self.in_channels:
-            raise ValueError(f"Conv2d({self.extra_repr()}): expected input (N, {self.in_channels},"
-                             f" H, W), got shape {x.shape}")
+        x = _check_width(self, "Conv2d", x, 4, self.in_channels)
         h, w = x.shape[2] + 2 * self.padding, x.shape[3] + 2 * self.padding
         if h < self.kernel_size[0] or w < self.kernel_size[1]:
             raise ValueError(f"Conv2d({self.extra_repr()}): input {x.shape[2]}x{x.shape[3]} "
@@ -562,10 +570,7 @@ class Linear(Module):
                 f"bias={self.bias is not None}")
 
     def forward(self, x: Tensor) -> Tensor:
-        x = check_input(x, "Linear")
-        if x.ndim != 2 or x.shape[1] != self.in_features:
-            raise ValueError(f"Linear({self.extra_repr()}): expected input (N, "
-                             f"{self.in_features}), got shape {x.shape}")
+        x = _check_width(self, "Linear", x, 2, self.in_features)
         return functional.linear(x, self.weight, self.bias)
 
 
