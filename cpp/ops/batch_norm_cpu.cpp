@@ -164,6 +164,20 @@ void for_plane_blocks(int64_t planes, int64_t HW, F&& fn) {
 
 float invstd_of(float var, float eps) { return 1.0f / std::sqrt(var + eps); }
 
+// Every channel's (sum dz, sum dz * xhat), dz = dy or dy masked by relu's output y (kGrad): the
+// backward's reduce with or without the fused relu.
+template <Grad kGrad>
+void grad_sums(int64_t N, int64_t C, int64_t HW, const float* x, const float* y, const float* dy,
+               const float* mean, const float* var, float eps, float* sum_dz,
+               float* sum_dz_xhat) {
+  channel_sums<kGrad>(
+      N, C, HW, x, dy, y, [&](int64_t c) { return static_cast<double>(mean[c]); },
+      [&](int64_t c, double s1, double s2) {
+        sum_dz[c] = static_cast<float>(s1);
+        sum_dz_xhat[c] = static_cast<float>(s2 * invstd_of(var[c], eps));
+      });
+}
+
 // Training-mode dx of channel c as k * (dz - mean_dz - (x - mean) * coef): xhat * sum_dz_xhat /
 // count with invstd folded into coef. sum_dz, sum_dz_xhat are the rounded float sums.
 struct DxCoefs {
@@ -235,12 +249,7 @@ void batch_norm_forward(int64_t N, int64_t C, int64_t HW, const float* x, const 
 void batch_norm_backward_reduce(int64_t N, int64_t C, int64_t HW, const float* x, const float* dy,
                                 const float* mean, const float* var, float eps, float* sum_dy,
                                 float* sum_dy_xhat) {
-  channel_sums<Grad::kDy>(
-      N, C, HW, x, dy, nullptr, [&](int64_t c) { return static_cast<double>(mean[c]); },
-      [&](int64_t c, double s1, double s2) {
-        sum_dy[c] = static_cast<float>(s1);
-        sum_dy_xhat[c] = static_cast<float>(s2 * invstd_of(var[c], eps));
-      });
+  grad_sums<Grad::kDy>(N, C, HW, x, nullptr, dy, mean, var, eps, sum_dy, sum_dy_xhat);
 }
 
 void batch_norm_backward(int64_t N, int64_t C, int64_t HW, const float* x, const float* dy,
@@ -299,12 +308,7 @@ void batch_norm_act_backward_reduce(int64_t N, int64_t C, int64_t HW, const floa
                                     const float* y, const float* dy, const float* mean,
                                     const float* var, float eps, float* sum_dz,
                                     float* sum_dz_xhat) {
-  channel_sums<Grad::kMaskedDy>(
-      N, C, HW, x, dy, y, [&](int64_t c) { return static_cast<double>(mean[c]); },
-      [&](int64_t c, double s1, double s2) {
-        sum_dz[c] = static_cast<float>(s1);
-        sum_dz_xhat[c] = static_cast<float>(s2 * invstd_of(var[c], eps));
-      });
+  grad_sums<Grad::kMaskedDy>(N, C, HW, x, y, dy, mean, var, eps, sum_dz, sum_dz_xhat);
 }
 
 void batch_norm_act_backward(int64_t N, int64_t C, int64_t HW, const float* x, const float* y,
