@@ -12,13 +12,14 @@ import numbers
 import sys
 import threading
 from collections import OrderedDict
-from typing import Callable, Iterable, Iterator, List, Mapping, NamedTuple, Optional, Tuple, Union
+from typing import Callable, Iterator, List, Mapping, NamedTuple, Optional, Tuple, Union
 
 import numpy as np
 
 from . import _core, weights
 from . import ops as functional
 from . import random as _random
+from .autograd import zero_grads
 from .device import Device, as_device
 from .ops import IntPair, cross_entropy
 from .tensor import Tensor, array, ones, zeros
@@ -279,7 +280,7 @@ class Module:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clears every parameter's gradient (to None, or to zeros with set_to_none=False)."""
-        _zero_grads(self.parameters(), set_to_none)
+        zero_grads(self.parameters(), set_to_none)
 
     # --- state -----------------------------------------------------------------------------
     def state_dict(self, prefix: str = "") -> "OrderedDict[str, Tensor]":
@@ -355,16 +356,6 @@ def _move_tensor(t: Tensor, device: Device) -> None:
         t._t = _core.to_device(t._t, device)
     if t.grad is not None and t.grad.device != device:
         t.grad = Tensor(_core.to_device(t.grad._t, device))
-
-
-def _zero_grads(params: Iterable[Tensor], set_to_none: bool) -> None:
-    for p in params:
-        if p.grad is None:
-            continue
-        if set_to_none:
-            p.grad = None
-        else:
-            p.grad.zero_()
 
 
 class Sequential(Module):
