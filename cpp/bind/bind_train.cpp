@@ -93,7 +93,7 @@ std::unique_ptr<Replicated> make(const py::list& spec,
     bs.push_back(b.shape());
   }
   auto r = std::make_unique<Replicated>();
-  r->model = std::make_unique<train::Model>(layers, ps, bs);
+  r->model = std::make_unique<train::Model>(layers, ps, bs, ops::conv_algo_for(devices[0]));
   for (size_t d = 0; d < devices.size(); ++d)
     r->replicas.push_back({devices[d], {params[d], buffers[d]}, Tensor(), Tensor(), Tensor()});
   train::check_replicas("Model", *r->model, r->replicas);
@@ -228,6 +228,15 @@ void bind_train(py::module_& m) {
       .def("fused_layers", [](const Replicated& r) { return r.model->fused_counts(); },
            "(batch_norm+relu, batch_norm+add+relu) layers the fusion made; (0, 0) when "
            "MGPU_FUSE_LAYERS=0 was set as the Model was built.")
+      .def("conv_algorithms", [](const Replicated& r) {
+        std::vector<std::pair<std::string, std::string>> out;
+        for (const train::Layer& l : r.model->layers()) {
+          if (l.kind == train::LayerKind::Conv2d || l.kind == train::LayerKind::Conv2dReluPool)
+            out.emplace_back(l.name, ops::conv_algo_name(l.conv_algo));
+        }
+        return out;
+      }, "(layer, algorithm) for each conv layer: the CPU conv algorithm (MGPU_CONV_ALGO's "
+         "names) fixed as the Model was built.")
       .def("params", [](const Replicated& r, int64_t d) { return replica(r, d).state.params; },
            py::arg("replica"))
       .def("buffers", [](const Replicated& r, int64_t d) { return replica(r, d).state.buffers; },

@@ -733,11 +733,10 @@ def _sync_batch_norm(items, master: "SyncBatchNorm", momentum: float) -> List[Te
             term = (v + d * d) * (c / n)
             var = term if var is None else var + term
         if master.training and master.track_running_stats:
-            rm, rv = master.running_mean, master.running_var
-            rm *= 1.0 - momentum
-            rm += mean * momentum
-            rv *= 1.0 - momentum
-            rv += var * (momentum * n / (n - 1))
+            for running, batch, step in ((master.running_mean, mean, momentum),
+                                         (master.running_var, var, momentum * n / (n - 1))):
+                _core.batch_norm_update_running(running._t, batch._t, 1.0 - momentum, step)
+                running._t.bump_version()
         means = [mean.to(x.device) for x in xs]
         variances = [var.to(x.device) for x in xs]
     ys = [Tensor(_core.batch_norm_forward(x._t, m._t, v._t, _h(w), _h(b), eps))
