@@ -3,9 +3,10 @@ d2l's initialisation (conv and linear weights normal with std 0.01) and at He's 
 sqrt(2 / fan_in), the scale of trained weights): every weight gradient of the default conv path
 (MGPU_CONV_ALGO=auto: Winograd F(4x4, 3x3) for the 3x3 stride-1 layers) within 10x the error of
 the direct path's, and each Winograd pass on the inputs it sees inside the step within a multiple
-of the direct pass's error: forward and dx 10x (measured 2.6-5.8x and 3.0-11.6x, the latter
-inside the bound by its floor below), dw 6x (measured 2.6-7.6x; 6.5-10.3x at the 28x28 layers
-before winograd_dw.cpp summed its tiles in runs, which this bound guards).
+of the direct pass's error: forward, dx and dw 10x (measured 2.6-5.8x, 3.0-11.6x, 2.6-7.6x; dx
+inside its bound by the floor below), and dw 6x at the layers whose batch has more than 32 tiles
+(the 28x28 and 14x14 ones: measured 2.6-5.1x; 6.5-10.3x at the 28x28 layers before
+winograd_dw.cpp summed its tiles in runs of 32, which this bound guards).
 
 The float64 reference (resnet18_reference.py) takes the ReLU masks of mgpu's own forward. With
 its own masks a float32 step is percent-level off whatever the algorithm: at these
@@ -136,9 +137,11 @@ def test_winograd_passes_within_10x_of_direct(monkeypatch, step, name):
         got[algo] = _passes(x, w, dy)
     n, c, h, wd = x.shape
     length = {"y": c * 9, "dx": w.shape[0] * 9, "dw": n * h * wd}
+    tiles = n * -(-h // 4) * -(-wd // 4)  # 4x4 output tiles (pad 1: P, Q = H, W)
     for p in ("y", "dx", "dw"):
         e_w, e_d = _normwise(got["winograd"][p], want[p]), _normwise(got["direct"][p], want[p])
-        bound = (6 if p == "dw" else 10) * e_d + U * math.log2(length[p])
+        factor = 6 if p == "dw" and tiles > 32 else 10
+        bound = factor * e_d + U * math.log2(length[p])
         assert e_w <= bound, f"{name} {p}: Winograd {e_w:.2e}, direct {e_d:.2e}, bound {bound:.2e}"
 
 
