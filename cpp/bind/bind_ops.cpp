@@ -1,4 +1,6 @@
 // cpp/bind/bind_ops.cpp -- the ops, forward and backward, plus all-reduce and split.
+#include <pybind11/numpy.h>
+
 #include <optional>
 #include <tuple>
 
@@ -66,6 +68,15 @@ void bind_ops(py::module_& m) {
   m.def("sum_squares", &ops::sum_squares, py::arg("x"), nogil(),
         "The sum of x * x (float products added in double) as a 0-d float32 tensor, in the order "
         "of the fused step's clipping norm.");
+  m.def("_sum_squares_blocks",
+        [](py::array_t<float, py::array::c_style | py::array::forcecast> x) {
+          const float* data = x.data();
+          const int64_t n = x.size();
+          py::gil_scoped_release released;
+          return ops::cpu::sum_squares_blocks(n, data);
+        }, py::arg("x"),
+        "Tests only: cpu::sum_squares_blocks of a float32 array on this thread's share of "
+        "cores, the double before sum_squares rounds it to float32.");
   m.def("relu_forward", &ops::relu_forward, nogil(), "max(x, 0).");
   m.def("relu_backward", &ops::relu_backward, nogil(), "dx = dy where x > 0.");
   m.def("conv2d_forward", [](const Tensor& x, const Tensor& w, const std::optional<Tensor>& b,

@@ -32,7 +32,7 @@ def blocked_sum_of_squares(x):
         for half in (8, 4, 2, 1):
             lanes[:half] = lanes[:half] + lanes[half:2 * half]
         total = total + lanes[0]
-    return np.float32(total)
+    return total
 
 
 @pytest.mark.parametrize("n", [1, 17, BLOCK, BLOCK + 1, 5 * BLOCK + 3, 100003])
@@ -40,26 +40,29 @@ def test_sum_of_squares_is_its_documented_order_and_the_float64_norm(n):
     rng = np.random.default_rng(n)
     # Scales spread over six decades, so the order of the additions matters to the bits.
     x = (rng.standard_normal(n) * 10.0 ** rng.uniform(-3, 3, n)).astype(np.float32)
-    got = _core.sum_squares(mgpu.array(x)._t)
-    got = np.float32(mgpu.Tensor(got).item())
-    assert got == blocked_sum_of_squares(x), n
+    # The double the blocks add up to, then the op's float32 rounding of it.
+    double = _core._sum_squares_blocks(x)
+    assert double == blocked_sum_of_squares(x), n
+    got = mgpu.Tensor(_core.sum_squares(mgpu.array(x)._t)).item()
+    assert np.float32(got) == np.float32(double)
     exact = np.sum(x.astype(np.float64) ** 2)
     # Each float32 square is off by at most 2^-24 of itself, the float32 result by 2^-24 more.
-    assert abs(float(got) - exact) <= 2.5 * 2.0 ** -24 * exact, (got, exact)
+    assert abs(got - exact) <= 2.5 * 2.0 ** -24 * exact, (got, exact)
 
 
 def test_sum_of_squares_same_bits_for_any_thread_count():
-    x = np.random.default_rng(3).standard_normal(7 * BLOCK + 11).astype(np.float32) * 100
-    t = mgpu.array(x)
+    rng = np.random.default_rng(3)
+    x = (rng.standard_normal(7 * BLOCK + 11) * 10.0 ** rng.uniform(-3, 3, 7 * BLOCK + 11))
+    x = x.astype(np.float32)
     before = mgpu.num_threads()
     try:
         got = []
         for threads in (1, 2, 3):
             mgpu.set_num_threads(threads)
-            got.append(mgpu.Tensor(_core.sum_squares(t._t)).item())
+            got.append(_core._sum_squares_blocks(x))
     finally:
         mgpu.set_num_threads(before)
-    assert got[0] == got[1] == got[2] == float(blocked_sum_of_squares(x))
+    assert got[0] == got[1] == got[2] == blocked_sum_of_squares(x)
 
 
 # --- a network of several blocks through nn.DataParallel ------------------------------------
