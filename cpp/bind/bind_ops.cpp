@@ -81,11 +81,13 @@ void bind_ops(py::module_& m) {
   m.def("relu_backward", &ops::relu_backward, nogil(), "dx = dy where x > 0.");
   m.def("conv2d_forward", [](const Tensor& x, const Tensor& w, const std::optional<Tensor>& b,
                              int64_t stride, int64_t pad) {
-    return ops::conv2d_forward(x, w, b.value_or(Tensor()), stride, pad);
+    return ops::conv2d_forward(x, w, b.value_or(Tensor()), stride, pad,
+                               ops::conv_algo_for(x.device()));
   }, nogil(), "2-D cross-correlation with stride and padding (b may be None).");
   m.def("conv2d_backward", [](const Tensor& x, const Tensor& w, const Tensor& dy, int64_t stride,
                               int64_t pad, bool need_dx, bool has_bias) {
-    ops::Conv2dGrads g = ops::conv2d_backward(x, w, dy, stride, pad, need_dx, has_bias);
+    ops::Conv2dGrads g = ops::conv2d_backward(x, w, dy, stride, pad, need_dx, has_bias,
+                                              ops::conv_algo_for(x.device()));
     auto opt = [](const Tensor& t) {
       return t.defined() ? std::optional<Tensor>(t) : std::nullopt;
     };
@@ -107,6 +109,9 @@ void bind_ops(py::module_& m) {
   auto opt_ptr = [](const std::optional<Tensor>& t) { return t ? &*t : nullptr; };
   m.def("batch_norm_stats", &ops::batch_norm_stats, py::arg("x"), nogil(),
         "(mean, biased var) per channel of x (N, C, H, W) or (N, C).");
+  m.def("batch_norm_update_running", &ops::batch_norm_update_running, py::arg("running"),
+        py::arg("batch"), py::arg("keep"), py::arg("step"), nogil(),
+        "running = running * keep + batch * step in place (the running statistics' update).");
   m.def("batch_norm_forward", [opt_ptr](const Tensor& x, const Tensor& mean, const Tensor& var,
                                         const std::optional<Tensor>& gamma,
                                         const std::optional<Tensor>& beta, float eps) {
