@@ -83,6 +83,8 @@ VARIABLES: Tuple[Variable, ...] = tuple(
          "prune, step)"),
         ("MGPU_TEST_CHECKPOINT_FAULT_RANK", "unset", "limits MGPU_TEST_CHECKPOINT_FAULT to "
          "this MPI rank"),
+        ("MGPU_TEST_STEP_DELAY_S", "unset", "test pacing: a checkpointed loop sleeps this many "
+         "seconds after every step, so a test's signal lands inside the loop on a fast machine"),
         ("MGPU_TORCH_PYTHON", "build/peers/torch/bin/python", "the interpreter with PyTorch "
          "that bench --compare torch and the peer tests use (bash .ci/peers.sh torch makes the "
          "default)"),

@@ -160,7 +160,8 @@ ARGS = ["--batch-size", "64", "--limit-batches", "12", "--epochs", "2"]
 
 
 def _cli(tmp_path, name, *extra, launcher=(), ranks=None):
-    env = dict(os.environ, MGPU_EMULATED_GPUS="0")
+    # Each step takes at least 0.1 s, so 24 steps outlast the test's random wait on any machine.
+    env = dict(os.environ, MGPU_EMULATED_GPUS="0", MGPU_TEST_STEP_DELAY_S="0.1")
     if launcher:
         env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
                    MGPU_DIST_TIMEOUT="10", MGPU_DIST_CHECK="1")
