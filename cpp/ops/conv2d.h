@@ -10,6 +10,7 @@
 
 #include "core/tensor.h"
 #include "cuda/stream.h"
+#include "ops/precision.h"
 
 struct cudnnContext;  // cudnnHandle_t
 
@@ -19,10 +20,13 @@ struct Conv2dGrads {
   Tensor dx, dw, db;  // db undefined when the conv has no bias; dx when not asked for
 };
 
+// precision BF16 runs every product with bfloat16 operands and float32 sums (ops/bf16.h), on
+// CPU devices only.
 Tensor conv2d_forward(const Tensor& x, const Tensor& w, const Tensor& b, int64_t stride,
-                      int64_t pad);
+                      int64_t pad, Precision precision = Precision::F32);
 Conv2dGrads conv2d_backward(const Tensor& x, const Tensor& w, const Tensor& dy, int64_t stride,
-                            int64_t pad, bool need_dx, bool has_bias);
+                            int64_t pad, bool need_dx, bool has_bias,
+                            Precision precision = Precision::F32);
 
 // The kernels' view of a conv: the same stride and zero padding on both axes.
 // Preconditions of every kernel: stride >= 1, pad >= 0, P() >= 1, Q() >= 1.
