@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "core/tensor.h"
+#include "ops/precision.h"
 
 namespace mgpu::train {
 
@@ -47,6 +48,8 @@ struct Layer {
   bool bias = true, transpose = false;     // conv2d / linear: has a bias; linear: W is (out, in)
   double eps = 1e-5, momentum = 0.1;       // batch_norm
   bool sync = false;                       // batch_norm: statistics over every replica of a step
+  ops::Precision precision = ops::Precision::F32;  // conv2d, conv2d_relu_pool, linear: option
+                                                   // bf16 = 1 runs their products in bfloat16
   std::vector<int> params, buffers;        // weight first, then bias (batch_norm: gamma, beta;
                                            // buffers running_mean, running_var)
 };

@@ -12,8 +12,8 @@ from typing import Optional
 
 import numpy as np
 
+from . import amp, faults, nn, optim, random
 from . import distributed as _dist
-from . import faults, nn, optim, random
 from ._core import waitall
 from .autograd import no_grad
 from .checkpoint import CheckpointError, check_run
@@ -163,7 +163,8 @@ def train_concise(net, num_gpus: int, batch_size: int, lr: float, num_epochs: in
                   checkpoint_every: Optional[int] = None, resume: bool = False,
                   optimizer: str = "sgd", weight_decay: Optional[float] = None,
                   schedule: str = "none", warmup_epochs: int = 0,
-                  clip_grad_norm: Optional[float] = None) -> TrainResult:
+                  clip_grad_norm: Optional[float] = None,
+                  precision: str = "float32") -> TrainResult:
     """The concise chapter's ``train(net, num_gpus, batch_size, lr)`` (sec. 12.6), as printed:
     ``normal_(std=0.01)`` init of Linear and Conv2d weights, ``nn.DataParallel``, SGD and the
     mean cross-entropy, the book's loop, test accuracy on all devices after every epoch, and
@@ -183,10 +184,14 @@ def train_concise(net, num_gpus: int, batch_size: int, lr: float, num_epochs: in
     ``warmup_epochs`` (see ``optim.lr_scheduler.make_schedule``, stepped after every batch), and
     ``clip_grad_norm``: the gradients' global norm clipped to it before every update
     (``nn.utils.clip_grad_norm_`` in the book's loop, inside the C++ step when fused).
+    ``precision="bf16"``: the convolutions and linear layers train with bfloat16 products and
+    float32 sums (the loop's forward under ``mgpu.autocast("bf16")``, or the fused step's
+    ``precision``); the evaluation stays float32.
     Returns the per-epoch accuracies and times.
     """
     if int(num_gpus) < 1:
         raise ValueError(f"train_concise: num_gpus must be >= 1, got {num_gpus}")
+    precision = amp.check_precision(precision, "train_concise: precision")
     if deterministic and not fused:
         raise ValueError("train_concise: deterministic needs fused=True (the book's loop through "
                          "autograd sums gradients in device order)")
@@ -230,7 +235,7 @@ def train_concise(net, num_gpus: int, batch_size: int, lr: float, num_epochs: in
     config = {"batch_size": batch_size, "num_devices": len(devices), "world_size": 1,
               "lr": lr, "seed": seed, "fused": bool(fused), "deterministic": shards,
               "optimizer": optimizer, "schedule": schedule, "warmup_epochs": warmup_epochs,
-              "clip_grad_norm": clip_grad_norm}
+              "clip_grad_norm": clip_grad_norm, "precision": precision}
 
     def save_state(epoch_next: int) -> None:
         waitall()
@@ -254,11 +259,12 @@ def train_concise(net, num_gpus: int, batch_size: int, lr: float, num_epochs: in
         for X, y in train_iter:
             if fused:
                 l = net.train_step(X, y, loss, trainer, deterministic=deterministic,
-                                   clip_grad_norm=clip_grad_norm)
+                                   clip_grad_norm=clip_grad_norm, precision=precision)
             else:
                 trainer.zero_grad()
                 X, y = X.to(devices[0]), y.to(devices[0])
-                l = loss(net(X), y)
+                with amp.autocast(precision):
+                    l = loss(net(X), y)
                 l.backward()
                 if clip_grad_norm is not None:
                     nn.utils.clip_grad_norm_(net.parameters(), clip_grad_norm)

@@ -13,6 +13,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from . import _core, autograd, nn
 from . import ops as functional
 from . import trace as _trace
+from .amp import check_precision
 from .device import Device, as_device, try_all_gpus, try_gpu
 from .models import Residual
 from .nn import (
@@ -219,7 +220,7 @@ class DataParallel(Module):
 
     @_trace.span("DataParallel.train_step")
     def train_step(self, X: Tensor, y: Tensor, loss, trainer, deterministic=False,
-                   clip_grad_norm: Optional[float] = None) -> Tensor:
+                   clip_grad_norm: Optional[float] = None, precision: str = "float32") -> Tensor:
         """One fused data-parallel step: every replica's forward, loss, backward, bucketed
         all-reduce and optimizer update run in C++ from this one call (``mgpu._core.Model``,
         built from the module tree on first use). Computes what the book's loop computes with
@@ -247,7 +248,14 @@ class DataParallel(Module):
         ``deterministic=True`` (or a number of logical shards) gives bitwise the same parameters
         on any number of devices (``parallel.train_batch`` says how); batch norm then normalises
         per logical shard and takes its running statistics from the first shard.
+
+        ``precision="bf16"`` runs the convolutions' and linear layers' products with bfloat16
+        operands and float32 sums, as the book's loop does under ``mgpu.autocast("bf16")``
+        (``mgpu.amp``); batch norm, the loss and the update stay float32, as do the
+        parameters and the all-reduced gradients. The bf16 kernels give the same bits on every
+        CPU path, so ``deterministic`` keeps its promise. CPU devices only.
         """
+        precision = check_precision(precision, "train_step: precision")
         if not isinstance(loss, nn_CrossEntropyLoss) or loss.reduction != "mean":
             raise ValueError("train_step: the fused step computes nn.CrossEntropyLoss() (mean); "
                              f"got {loss!r}")
@@ -259,7 +267,7 @@ class DataParallel(Module):
                              "that list them in net.parameters()' order)")
         X, y = check_input(X, "train_step"), check_input(y, "train_step")
         self._check_master()
-        fused = self._fused_model()
+        fused = self._fused_model(precision)
         with fused.allocations:
             return self._fused_step(fused, X, y, trainer, master, deterministic, opts)
 
@@ -330,13 +338,13 @@ class DataParallel(Module):
                 total = total + part.to(total.device)
             return total / X.shape[0]
 
-    def _fused_model(self) -> "_Fused":
-        key = (self._tree, tuple(id(p) for p in self.module.parameters()))
+    def _fused_model(self, precision: str = "float32") -> "_Fused":
+        key = (self._tree, tuple(id(p) for p in self.module.parameters()), precision)
         fused = self.__dict__.get("_fused")
         if fused is None or fused.key != key:
             self._replica_roots(1)  # refreshes self._tree
-            key = (self._tree, tuple(id(p) for p in self.module.parameters()))
-            fused = _Fused(self.module, self.device_ids, key)
+            key = (self._tree, tuple(id(p) for p in self.module.parameters()), precision)
+            fused = _Fused(self.module, self.device_ids, key, precision)
             object.__setattr__(self, "_fused", fused)
         return fused
 
@@ -344,8 +352,9 @@ class DataParallel(Module):
 class _Fused:
     """The module tree as a layer list for ``mgpu._core.Model`` (via ``parallel.FusedModel``)."""
 
-    def __init__(self, module: Module, devices: List[Device], key):
+    def __init__(self, module: Module, devices: List[Device], key, precision: str = "float32"):
         self.key = key
+        self._bf16 = precision == "bf16"
         params = list(module.parameters())
         self._pindex = {id(p): i for i, p in enumerate(params)}
         bufs: List[Tensor] = []
@@ -396,6 +405,8 @@ class _Fused:
     def _layer(self, kind: str, src: int, params=(), buffers=(), **opts) -> int:
         opts["in"] = src
         opts["params"] = [self._pindex[id(p)] for p in params]
+        if self._bf16 and kind in ("conv2d", "conv2d_relu_pool", "linear"):
+            opts["bf16"] = True
         if buffers:
             opts["buffers"] = []
             for b in buffers:

@@ -14,6 +14,7 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 
 from .. import _core
+from ..amp import autocast, check_precision
 from ..data import DataLoader, find_data_dir
 from ..device import cpu, try_gpu
 from ..models import lenet_params
@@ -100,9 +101,10 @@ def bench_train(devices: Sequence[int] = (1, 2), batch_size: int = 256, lr: floa
                 torch_threads: int = 2, parts: Sequence[str] = TRAIN_PARTS,
                 gemm_size: int = 1024, log: Log = None, model: str = "lenet",
                 weak_scaling: bool = False, jax_python: Optional[str] = None,
-                jax_threads: int = 2) -> Dict:
+                jax_threads: int = 2, precisions: Sequence[str] = ("float32",)) -> Dict:
     """Times LeNet training on Fashion-MNIST (or ``synthetic`` random images); returns a dict.
-    ``model='resnet18'``: bench_train_resnet18 instead (``repeat`` and ``gemm_size`` unused).
+    ``model='resnet18'``: bench_train_resnet18 instead (``repeat`` and ``gemm_size`` unused;
+    ``precisions`` is its).
 
     Each training configuration runs ``warmup`` untimed batches, then ``epochs`` timed epochs
     cut at ``limit_batches`` (0 or None: whole epochs); sec/epoch is the median sec/step times
@@ -130,7 +132,11 @@ def bench_train(devices: Sequence[int] = (1, 2), batch_size: int = 256, lr: floa
         return bench_train_resnet18(devices, batch_size, lr, epochs, limit_batches, warmup,
                                     data_dir, synthetic, seed, compare, torch_python,
                                     torch_threads, parts, log, weak_scaling=weak_scaling,
-                                    jax_python=jax_python, jax_threads=jax_threads)
+                                    jax_python=jax_python, jax_threads=jax_threads,
+                                    precisions=precisions)
+    if list(precisions) != ["float32"]:
+        raise ValueError("bench train: --precision bf16 is for --model resnet18 for now (LeNet's "
+                         "fused step is float32 only)")
     if weak_scaling:
         raise ValueError("bench train: --weak-scaling is for --model resnet18 (LeNet's scaling "
                          "part times batch 2b on 2 devices against b on 1 already)")
@@ -561,25 +567,29 @@ def _resnet18_side(cfg: Dict) -> Dict:
     model = nn.DataParallel(net, device_ids=devices)
     trainer = optim.SGD(model.parameters(), lr=cfg["lr"])
     loss = nn.CrossEntropyLoss()
+    precision = cfg.get("precision", "float32")
+    tag = "" if precision == "float32" else f", {precision}"
     if cfg["impl"] == "fused":
         def step(X, y):
-            return model.train_step(X, y, loss, trainer).item() * X.shape[0]
-        name = f"mgpu ResNet-18 fused train_step, {plural(k, 'device')}"
+            return model.train_step(X, y, loss, trainer, precision=precision).item() * X.shape[0]
+        name = f"mgpu ResNet-18 fused train_step, {plural(k, 'device')}{tag}"
     else:
         def step(X, y):
             trainer.zero_grad()
-            out = loss(model(X), y)
+            with autocast(precision):
+                out = loss(model(X), y)
             out.backward()
             trainer.step()
             return out.item() * X.shape[0]
-        name = f"mgpu ResNet-18 book's loop (autograd), {plural(k, 'device')}"
+        name = f"mgpu ResNet-18 book's loop (autograd), {plural(k, 'device')}{tag}"
     # The allocator's counters from the end of the warm-up: the first steps fill its cache (the
     # first step's blocks, then the reserve made before the second), the timed ones should not.
     before = {}
     r = rival_common.run_config(name, step, batches, cfg["epochs"], cfg["warmup"],
                          on_timed=lambda: before.update(_core.cpu_memory_stats()))
     after = _core.cpu_memory_stats()
-    r.update(impl=f"mgpu {cfg['impl']}", num_devices=k, global_batch=cfg["batch_size"],
+    r.update(impl=f"mgpu {cfg['impl']}{' ' + precision if tag else ''}", num_devices=k,
+             precision=precision, global_batch=cfg["batch_size"],
              threads=_core.num_threads(), devices=[str(d) for d in devices],
              peak_rss_bytes=rival_common.peak_rss_bytes(),
              allocator_peak_bytes=after["peak_allocated"],
@@ -636,7 +646,7 @@ def bench_train_resnet18(devices: Sequence[int] = (1, 2), batch_size: int = 256,
                          parts: Sequence[str] = RESNET_PARTS, log: Log = None,
                          torch_variants: Sequence[str] = ("resnet18", "resnet18-compile"),
                          weak_scaling: bool = False, jax_python: Optional[str] = None,
-                         jax_threads: int = 2) -> Dict:
+                         jax_threads: int = 2, precisions: Sequence[str] = ("float32",)) -> Dict:
     """Times a ResNet-18 training step (sec. 12.6) on the same batches: the fused step
     (``DataParallel.train_step``) and the book's loop through autograd on each k in ``devices``,
     and with ``compare='torch'`` d2l's PyTorch ResNet-18 eager and through torch.compile
@@ -648,7 +658,13 @@ def bench_train_resnet18(devices: Sequence[int] = (1, 2), batch_size: int = 256,
     and the ratios against the rivals.
     ``weak_scaling``: k devices train on batches of k x ``batch_size`` (the issue's "2 devices at
     batch 512 against 1 at 256"), and ``weak_scaling`` in the result compares each k's time per
-    image with 1 device's (PyTorch keeps ``batch_size``)."""
+    image with 1 device's (PyTorch keeps ``batch_size``).
+    ``precisions``: each mgpu configuration once per precision ('float32', 'bf16': the fused
+    step's ``precision``, the loop under ``mgpu.autocast``); with 'bf16' among them, PyTorch runs
+    its eager step under ``torch.autocast("cpu", torch.bfloat16)`` too."""
+    precisions = [check_precision(p, "bench train: precision") for p in precisions]
+    if "bf16" in precisions and "resnet18-autocast" not in torch_variants:
+        torch_variants = tuple(torch_variants) + ("resnet18-autocast",)
     devices = [int(k) for k in devices]
     if not devices or min(devices) < 1:
         raise ValueError(f"bench train: devices must be numbers of devices >= 1, got {devices}")
@@ -674,7 +690,8 @@ def bench_train_resnet18(devices: Sequence[int] = (1, 2), batch_size: int = 256,
     settings = dict(model="resnet18", devices=devices, batch_size=batch_size, lr=lr,
                     epochs=epochs, limit_batches=limit, warmup=warmup, seed=seed,
                     compare=compare, torch_threads=torch_threads, jax_threads=jax_threads,
-                    parts=sides, data=data, weak_scaling=bool(weak_scaling))
+                    parts=sides, data=data, weak_scaling=bool(weak_scaling),
+                    precisions=precisions)
     out = header("train", settings)
     flops = resnet18_step_flops(batch_size)
     out["flops"] = {"per_step": flops, "per_image": flops // int(batch_size)}
@@ -685,12 +702,13 @@ def bench_train_resnet18(devices: Sequence[int] = (1, 2), batch_size: int = 256,
                 data_dir=data.get("dir"))
     for side in sides:
         for k in devices:
-            batch = int(batch_size) * (k if weak_scaling else 1)
-            say(log, f"bench train: ResNet-18 {side} on {plural(k, 'device')}, batch {batch} "
-                      "(own process) ...")
-            results.append(_entry(_run_side(dict(base, impl=side, num_devices=k,
-                                                 batch_size=batch)),
-                                  flops * batch // int(batch_size)))
+            for precision in precisions:
+                batch = int(batch_size) * (k if weak_scaling else 1)
+                say(log, f"bench train: ResNet-18 {side} {precision} on {plural(k, 'device')}, "
+                          f"batch {batch} (own process) ...")
+                results.append(_entry(_run_side(dict(base, impl=side, num_devices=k,
+                                                     batch_size=batch, precision=precision)),
+                                      flops * batch // int(batch_size)))
     run = dict(data_dir=data.get("dir"), synthetic=int(synthetic), lr=lr, epochs=epochs,
                limit=limit, warmup=warmup, seed=seed)
     for name, (py, info) in rivals.items():
@@ -712,7 +730,9 @@ def bench_train_resnet18(devices: Sequence[int] = (1, 2), batch_size: int = 256,
                 if key != "results" and key not in out[name]:
                     out[name][key] = v
             for r in rival["results"]:
-                r["impl"] = ("torch " + ("compile" if variant.endswith("compile") else "eager")
+                r["impl"] = ("torch " + ("compile" if variant.endswith("compile") else
+                                         "eager bf16" if variant.endswith("autocast") else
+                                         "eager")
                              if name == "torch" else "jax flax")
                 r["threads"] = rival["threads"]
                 results.append(_entry(r, flops * batch // int(batch_size)))
