@@ -201,6 +201,43 @@ TEST(Bf16CpuIsa, AccumulatingProductStartsFromC) {
   }
 }
 
+// Products whose results fall below float32's normal range (operands near 2^-66, products near
+// 2^-132) are flushed to zero, and a denormal starting value of c is read as zero, as
+// vdpbf16ps does: the emulation must run with MXCSR.FTZ|DAZ.
+TEST(Bf16CpuIsa, DenormalResultsAreFlushedOnEveryPath) {
+  const int64_t m = 9, n = 33, k = 6;
+  Floats a = random_floats(m * k, 8), b = random_floats(k * n, 9);
+  for (float& v : a) v = std::ldexp(std::fabs(v) / (1.0f + std::fabs(v)), -66);
+  for (float& v : b) v = std::ldexp(std::fabs(v) / (1.0f + std::fabs(v)), -66);
+  std::vector<uint32_t> pa(bf16_packed_a_words(m, k)), pb(bf16_packed_b_words(k, n));
+  avx2::bf16_pack_a(false, m, k, a.data(), k, pa.data());
+  avx2::bf16_pack_b(false, k, n, b.data(), n, pb.data());
+  const Floats c0(static_cast<size_t>(m * n), std::ldexp(1.0f, -130));  // denormal
+  Floats want(c0.size());
+  for (int64_t i = 0; i < m; ++i) {
+    for (int64_t j = 0; j < n; ++j) {
+      float acc = flush(c0[i * n + j]);
+      for (int64_t kk = 0; kk < k; kk += 2) {
+        acc = flush(std::fma(bf16_value(a[i * k + kk + 1]), bf16_value(b[(kk + 1) * n + j]), acc));
+        acc = flush(std::fma(bf16_value(a[i * k + kk]), bf16_value(b[kk * n + j]), acc));
+      }
+      want[i * n + j] = acc;
+    }
+  }
+  int64_t flushed = 0;
+  for (float v : want) flushed += v == 0.0f;
+  ASSERT_GT(flushed, 0) << "the data must produce results below the normal range";
+  std::vector<std::pair<int, bool>> paths = {{2, false}};
+  if (avx512_runs()) paths.push_back({5, false});
+  if (cpu_has_avx512_bf16()) paths.push_back({5, true});
+  for (auto [isa, hw] : paths) {
+    Floats c = c0;
+    const Bf16Product q{m, n, k, pa.data(), pb.data(), c.data(), n, true, hw};
+    isa == 2 ? avx2::bf16_product(q) : avx512::bf16_product(q);
+    EXPECT_TRUE(same_bits(std::string(isa == 2 ? "avx2" : hw ? "avx512_bf16" : "avx512"), want, c));
+  }
+}
+
 // conv2d's three passes in bf16: the same bits on every path (padding, stride 2, odd P*Q, chunks
 // of several images, a tail chunk).
 TEST(Bf16CpuIsa, ConvPassesGiveTheSameBitsOnEveryPath) {
