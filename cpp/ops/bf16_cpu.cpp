@@ -221,28 +221,29 @@ void product_parallel(const Bf16Product& q) {
   });
 }
 
-void pack_a_parallel(bool trans, int64_t m, int64_t k, const float* a, int64_t lda,
-                     uint32_t* out) {
-  const int64_t stride = kMr * bf16_pairs(k);
-  parallel_for(panels(m, kMr), [&](int64_t ip) {
-    if (trans) {
-      pack_rows<kMr>(a, lda, k, ip * kMr, m, out + ip * stride);
+// Packs `width` rows (A, kW = kMr) or columns (B, kW = kNr) of a (width, k) or (k, width)
+// operand in panels of kW, one panel per task; `pairs_along_rows` picks pack_rows' layout.
+template <int64_t kW>
+void pack_parallel(bool pairs_along_rows, int64_t width, int64_t k, const float* src, int64_t ld,
+                   uint32_t* out) {
+  const int64_t stride = kW * bf16_pairs(k);
+  parallel_for(panels(width, kW), [&](int64_t p) {
+    if (pairs_along_rows) {
+      pack_rows<kW>(src, ld, k, p * kW, width, out + p * stride);
     } else {
-      pack_cols<kMr>(a, lda, k, ip * kMr, m, out + ip * stride);
+      pack_cols<kW>(src, ld, k, p * kW, width, out + p * stride);
     }
   });
 }
 
+// op(A) (m, k): A^T has its k pairs in two rows of a; op(B) (k, n): B untransposed does.
+void pack_a_parallel(bool trans, int64_t m, int64_t k, const float* a, int64_t lda,
+                     uint32_t* out) {
+  pack_parallel<kMr>(trans, m, k, a, lda, out);
+}
 void pack_b_parallel(bool trans, int64_t k, int64_t n, const float* b, int64_t ldb,
                      uint32_t* out) {
-  const int64_t stride = kNr * bf16_pairs(k);
-  parallel_for(panels(n, kNr), [&](int64_t jp) {
-    if (trans) {
-      pack_cols<kNr>(b, ldb, k, jp * kNr, n, out + jp * stride);
-    } else {
-      pack_rows<kNr>(b, ldb, k, jp * kNr, n, out + jp * stride);
-    }
-  });
+  pack_parallel<kNr>(!trans, n, k, b, ldb, out);
 }
 
 // The calling thread's buffers, grown to the largest shape seen and reused.

@@ -162,3 +162,25 @@ def test_bf16_kernel_is_named_and_precision_is_checked():
     a = cpu_tensor(np.ones((2, 2)))
     with pytest.raises(ValueError, match="precision 'half' is not known"):
         _core.mm(a, a, precision="half")
+
+
+def test_bf16_passes_give_the_same_bits_on_one_and_two_threads():
+    rng = np.random.default_rng(4)
+    # 50 images of 9x9: several chunks of images in dw's sum, with an odd number of columns.
+    x = rng.standard_normal((50, 4, 9, 9)).astype(np.float32)
+    w = rng.standard_normal((8, 4, 3, 3)).astype(np.float32)
+    dy = rng.standard_normal((50, 8, 9, 9)).astype(np.float32)
+    a = rng.standard_normal((70, 90)).astype(np.float32)
+    before = mgpu.num_threads()
+    runs = []
+    try:
+        for threads in (1, 2):
+            mgpu.set_num_threads(threads)
+            y = _core.conv2d_forward(cpu_tensor(x), cpu_tensor(w), None, 1, 1, precision="bf16")
+            g = _core.conv2d_backward(cpu_tensor(x), cpu_tensor(w), cpu_tensor(dy), 1, 1, True,
+                                      False, precision="bf16")
+            p = _core.mm(cpu_tensor(a), cpu_tensor(a), False, True, precision="bf16")
+            runs.append([numpy_of(t).tobytes() for t in (y, g[0], g[1], p)])
+    finally:
+        mgpu.set_num_threads(before)
+    assert runs[0] == runs[1]
