@@ -20,10 +20,13 @@
 //   (Intel's pseudo-code, confirmed on Zen 4). A bfloat16 x bfloat16 product is exact in float32,
 //   so the AVX-512F and AVX2 paths, which run float32 FMAs on the rounded values under
 //   MXCSR.FTZ|DAZ in that order, give the AVX512_BF16 path's bits, and so does every thread count.
-// - Error: each operand carries a relative error of at most u = 2^-8 (bfloat16 keeps 8
-//   significant bits), a product 2u + u^2, and the float32 sum over k adds at most
-//   k * 2^-24 / (1 - k * 2^-24) of the sum of |products|: |y - y_exact| <= (2u + u^2 + g_k) *
-//   sum_k |a_ik| |b_kj|. Tests hold every op to that bound against float64.
+//   (A NaN result is a NaN on every path; which input's payload it carries may differ, since
+//   vdpbf16ps ranks NaN operands in its own order.)
+// - Error, for operands and partial sums in the normal range: each operand carries a relative
+//   error of at most u = 2^-8 (bfloat16 keeps 8 significant bits), a product 2u + u^2, and the
+//   float32 sum over k adds at most g_k = k * 2^-24 / (1 - k * 2^-24) of the sum of |products|:
+//   |y - y_exact| <= ((2u + u^2)(1 + g_k) + g_k) * sum_k |a_ik| |b_kj|. Tests hold every op to
+//   that bound against float64 (tests/ops/test_bf16.py).
 //
 // Paths (MGPU_ISA, cpu_isa.h): avx512_bf16 (vdpbf16ps; chosen by auto where the CPU has
 // AVX512_BF16), avx512 and avx2 (the float32-FMA emulation). The ops take precision=bf16

@@ -1,12 +1,12 @@
 """bfloat16 products (cpp/ops/bf16.h): rounding, mm and conv2d's three passes with
 precision="bf16", against NumPy float64.
 
-Bounds from bfloat16's 8-bit significand. Rounding an operand to bfloat16 changes it by a
-relative error of at most u = 2^-8, so a product a*b picks up at most 2u + u^2; the float32 sum
-of k products adds at most g_k = k 2^-24 / (1 - k 2^-24) of the sum of |products|. So for every
-output element
+Bounds from bfloat16's 8-bit significand, for data in the normal range. Rounding an operand to
+bfloat16 changes it by a relative error of at most u = 2^-8, so a product a*b picks up at most
+2u + u^2; the float32 sum of k products adds at most g_k = k 2^-24 / (1 - k 2^-24) of the sum
+of |products|. So for every output element
 
-    |y - y_exact| <= (2u + u^2 + g_k) * sum |a| |b|,
+    |y - y_exact| <= ((2u + u^2)(1 + g_k) + g_k) * sum |a| |b|,
 
 with sum |a| |b| the same product of the absolute values (for a conv, the conv of |x| and |w|),
 in float64. Two sharper checks guard what the bound alone would not: against the float64 product
@@ -59,7 +59,7 @@ def numpy_of(t):
 def check_bounds(got, exact, exact_rounded, abs_product, abs_product_rounded, k, what):
     """The three checks of the module docstring, elementwise."""
     err = np.abs(got.astype(np.float64) - exact)
-    bound = (2 * U + U * U + gamma(k)) * abs_product
+    bound = ((2 * U + U * U) * (1 + gamma(k)) + gamma(k)) * abs_product
     assert np.all(err <= bound), (
         f"{what}: error {err.max():.3g} above the bfloat16 bound at {np.argmax(err - bound)}")
     err_r = np.abs(got.astype(np.float64) - exact_rounded)
