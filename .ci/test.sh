@@ -140,7 +140,8 @@ stage "Python GPU tests on the strict emulator (MGPU_EMU_STRICT=1)"
 strict_more=(ops/test_ops.py ops/test_batch_norm_relu_fused.py robust/test_robust.py
              tensor/test_tensor.py nn/test_nn.py step/test_fused_step.py nn/test_data_parallel.py
              step/test_chapter.py step/test_train.py robust/test_errors.py
-             step/test_concise_step.py gpu/test_sync_bn_gpu.py gpu/test_gpu_lifecycle.py)
+             step/test_concise_step.py gpu/test_sync_bn_gpu.py gpu/test_gpu_lifecycle.py
+             gpu/test_gpu_without_peer_access.py)
 strict_seeds=${MGPU_CI_STRICT_SEEDS:-"2 4"}
 first=1
 for seed in $strict_seeds; do

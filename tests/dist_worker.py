@@ -307,10 +307,10 @@ def bn_net():
                          nn.Flatten(), nn.Linear(6, 10))
 
 
-def deterministic_bn(devices, steps=6, shards=True):
+def deterministic_bn(devices, steps=6, shards=True, accumulate=1):
     """`steps` DataParallel.train_step calls (SGD with momentum and weight decay) on batches of
-    20, the last one of 13; returns the master's parameters and buffers, the last replica's
-    parameters, and the losses."""
+    20, the last one of 13, each in `accumulate` micro-batches; returns the master's parameters
+    and buffers, the last replica's parameters, and the losses."""
     from mgpu import nn, optim
     net = bn_net()
     dp = nn.DataParallel(net, device_ids=devices)
@@ -322,7 +322,8 @@ def deterministic_bn(devices, steps=6, shards=True):
         n = 13 if s == steps - 1 else 20
         X = mgpu.array(rng.standard_normal((n, 1, 8, 8)).astype(np.float32))
         y = mgpu.array(rng.integers(0, 10, size=n).astype(np.int32))
-        losses.append(dp.train_step(X, y, loss, trainer, deterministic=shards).item())
+        losses.append(dp.train_step(X, y, loss, trainer, deterministic=shards,
+                                    accumulate=accumulate).item())
     state = [p.numpy() for p in net.parameters()] + [b.numpy() for b in net.buffers()]
     return state + [p.numpy() for p in dp._fused.replica_params[-1]] + [np.array(losses)]
 
@@ -376,6 +377,25 @@ def sync_bn(out, local_devices):
     save(out, f"sync_bn_L{local_devices}", sync_bn_steps(_devices(local_devices)))
 
 
+def accumulated_steps(devices, accumulate, shards=False, steps=3):
+    """deterministic_bn's steps with `accumulate` micro-batches each; its arrays and the
+    (reductions, bytes) the steps started."""
+    mgpu.waitall()
+    before = mgpu._core._collective_counts()
+    arrays = deterministic_bn(devices, steps, shards, accumulate)
+    mgpu.waitall()
+    after = mgpu._core._collective_counts()
+    return arrays + [np.array([after[0] - before[0], after[1] - before[1]])]
+
+
+def accumulated(out, local_devices, *configs):
+    """accumulated_steps for each "shards:accumulate" of configs."""
+    for c in configs:
+        shards, k = (int(v) for v in c.split(":"))
+        save(out, f"acc_L{local_devices}_{shards}_{k}",
+             accumulated_steps(_devices(local_devices), k, shards=shards or False))
+
+
 def deterministic(out, kind, local_devices, steps=None):
     run = deterministic_lenet if kind == "lenet" else deterministic_bn
     kw = {} if steps is None else {"steps": int(steps)}
@@ -385,7 +405,7 @@ def deterministic(out, kind, local_devices, steps=None):
 MODES = {"basics": basics, "train_steps": train_steps, "train_api": train_api,
          "mismatch": mismatch, "die": die, "bench": bench, "fused_model": fused_model,
          "deterministic": deterministic, "sync_bn": sync_bn, "nccl_stall": nccl_stall,
-         "adamw_clip": adamw_clip}
+         "adamw_clip": adamw_clip, "accumulated": accumulated}
 
 if __name__ == "__main__":
     mode, outdir, rest = sys.argv[1], sys.argv[2], sys.argv[3:]

@@ -66,7 +66,7 @@ void bind_ops(py::module_& m) {
   m.def("conv2d_forward", [](const Tensor& x, const Tensor& w, const std::optional<Tensor>& b,
                              int64_t stride, int64_t pad, const std::string& precision) {
     return ops::conv2d_forward(x, w, b.value_or(Tensor()), stride, pad,
-                               ops::parse_precision(precision));
+                               ops::conv_algo_for(x.device()), ops::parse_precision(precision));
   }, py::arg("x"), py::arg("w"), py::arg("b"), py::arg("stride"), py::arg("pad"),
      py::arg("precision") = "float32", nogil(),
      "2-D cross-correlation with stride and padding (b may be None); precision 'float32' or "
@@ -75,6 +75,7 @@ void bind_ops(py::module_& m) {
                               int64_t pad, bool need_dx, bool has_bias,
                               const std::string& precision) {
     ops::Conv2dGrads g = ops::conv2d_backward(x, w, dy, stride, pad, need_dx, has_bias,
+                                              ops::conv_algo_for(x.device()),
                                               ops::parse_precision(precision));
     auto opt = [](const Tensor& t) {
       return t.defined() ? std::optional<Tensor>(t) : std::nullopt;
@@ -99,6 +100,9 @@ void bind_ops(py::module_& m) {
   auto opt_ptr = [](const std::optional<Tensor>& t) { return t ? &*t : nullptr; };
   m.def("batch_norm_stats", &ops::batch_norm_stats, py::arg("x"), nogil(),
         "(mean, biased var) per channel of x (N, C, H, W) or (N, C).");
+  m.def("batch_norm_update_running", &ops::batch_norm_update_running, py::arg("running"),
+        py::arg("batch"), py::arg("keep"), py::arg("step"), nogil(),
+        "running = running * keep + batch * step in place (the running statistics' update).");
   m.def("batch_norm_forward", [opt_ptr](const Tensor& x, const Tensor& mean, const Tensor& var,
                                         const std::optional<Tensor>& gamma,
                                         const std::optional<Tensor>& beta, float eps) {

@@ -7,6 +7,7 @@
 #include <string>
 
 #include "bind/bind.h"
+#include "comm/collective_counts.h"
 #include "core/queue.h"
 #include "ops/elementwise.h"
 #include "train/lenet.h"
@@ -92,7 +93,7 @@ std::unique_ptr<Replicated> make(const py::list& spec,
     bs.push_back(b.shape());
   }
   auto r = std::make_unique<Replicated>();
-  r->model = std::make_unique<train::Model>(layers, ps, bs);
+  r->model = std::make_unique<train::Model>(layers, ps, bs, ops::conv_algo_for(devices[0]));
   for (size_t d = 0; d < devices.size(); ++d)
     r->replicas.push_back({devices[d], {params[d], buffers[d]}, Tensor(), Tensor(), Tensor()});
   train::check_replicas("Model", *r->model, r->replicas);
@@ -110,18 +111,19 @@ const train::Replica& replica(const Replicated& r, int64_t d) {
 void bind_train(py::module_& m) {
   m.def("train_batch", [](const Tensor& X, const Tensor& y,
                           const std::vector<std::vector<Tensor>>& params,
-                          const std::vector<Device>& devices, float lr, int64_t shards) {
+                          const std::vector<Device>& devices, float lr, int64_t shards,
+                          int64_t accumulate) {
     MGPU_CHECK_VALUE(std::isfinite(lr) && lr > 0, "train_batch: the learning rate must be a "
                      "finite number > 0, got ", lr);
     py::gil_scoped_release nogil;
     // The step enqueues all-reduce parts on every device (on GPUs interleaved with each
     // device's backward): one step at a time, so concurrent threads' collectives cannot cross.
     std::lock_guard<std::recursive_mutex> order(collective_submission_mutex());
-    return train::train_batch(X, y, params, devices, lr, shards);
+    return train::train_batch(X, y, params, devices, lr, shards, accumulate);
   }, py::arg("X"), py::arg("y"), py::arg("params"), py::arg("devices"), py::arg("lr"),
-     py::arg("shards") = 0,
+     py::arg("shards") = 0, py::arg("accumulate") = 1,
      "Fused LeNet step on every device; returns each device's summed loss (0-d). shards > 0: "
-     "the deterministic step over that many logical shards.");
+     "the deterministic step over that many logical shards; accumulate: micro-batches.");
   m.def("evaluate_batch", [](const Tensor& X, const Tensor& y,
                              const std::vector<std::vector<Tensor>>& params,
                              const std::vector<Device>& devices) {
@@ -130,6 +132,11 @@ void bind_train(py::module_& m) {
   }, "Correct predictions of the replicas on one batch, one 0-d count per device.");
   m.def("lenet_forward", &train::lenet_forward, py::call_guard<py::gil_scoped_release>(),
         "LeNet logits (N, 10) for X (N, 1, 28, 28).");
+  m.def("_collective_counts", [] {
+    const comm::CollectiveCounts c = comm::collective_counts();
+    return std::pair<int64_t, int64_t>{c.calls, c.bytes};
+  }, "Gradient reductions this process has started and their bytes (comm/collective_counts.h): "
+     "bucket all-reduces, shared CPU updates, partial-sum transfers, broadcasts across ranks.");
   m.def("_fail_next_step_after_bucket", &train::fail_next_step_after_bucket, py::arg("bucket"),
         "Tests only: the next bucketed step on several devices throws OutOfMemoryError once "
         "every device has passed gradient bucket `bucket` to the all-reduce (-1: off).");
@@ -142,7 +149,8 @@ void bind_train(py::module_& m) {
                             float momentum, float weight_decay, int64_t shards,
                             const std::string& optimizer, std::pair<float, float> betas, float eps,
                             int64_t step, std::optional<float> max_norm,
-                            const std::vector<float>& lrs, const std::vector<float>& weight_decays) {
+                            const std::vector<float>& lrs, const std::vector<float>& weight_decays,
+                            int64_t accumulate) {
         // PyTorch's SGD accepts lr 0; NaN or infinity would train every replica into NaN.
         MGPU_CHECK_VALUE(std::isfinite(lr) && lr >= 0, "Model.train_step: the learning rate must "
                          "be a finite number >= 0, got ", lr);
@@ -195,15 +203,18 @@ void bind_train(py::module_& m) {
         // The step joins each bucket's all-reduce as each device's backward reaches it: one
         // step at a time, so another host thread's collectives cannot interleave with its parts.
         std::lock_guard<std::recursive_mutex> order(collective_submission_mutex());
-        return train::train_step(*r.model, X, y, r.replicas, sgd, shards);
+        return train::train_step(*r.model, X, y, r.replicas, sgd, shards, "train_step",
+                                 accumulate);
       }, py::arg("X"), py::arg("y"), py::arg("lr"), py::arg("momentum") = 0.0f,
          py::arg("weight_decay") = 0.0f, py::arg("shards") = 0, py::arg("optimizer") = "sgd",
          py::arg("betas") = std::pair<float, float>{0.9f, 0.999f}, py::arg("eps") = 1e-8f,
          py::arg("step") = 1, py::arg("max_norm") = std::nullopt,
          py::arg("lrs") = std::vector<float>{}, py::arg("weight_decays") = std::vector<float>{},
+         py::arg("accumulate") = 1,
          "One fused step: optimizer 'sgd' (lr, momentum, weight_decay), 'adam' or 'adamw' (lr, "
          "betas, eps, weight_decay at `step`, counted from 1); max_norm: clip the mean loss's "
-         "gradient to that global norm first; lrs, weight_decays: per parameter.")
+         "gradient to that global norm first; lrs, weight_decays: per parameter; accumulate: "
+         "micro-batches run one after another, their gradients summed before one update.")
       .def("evaluate_batch", [](const Replicated& r, const Tensor& X, const Tensor& y) {
         py::gil_scoped_release nogil;
         return train::evaluate_step(*r.model, X, y, r.replicas);
@@ -217,6 +228,15 @@ void bind_train(py::module_& m) {
       .def("fused_layers", [](const Replicated& r) { return r.model->fused_counts(); },
            "(batch_norm+relu, batch_norm+add+relu) layers the fusion made; (0, 0) when "
            "MGPU_FUSE_LAYERS=0 was set as the Model was built.")
+      .def("conv_algorithms", [](const Replicated& r) {
+        std::vector<std::pair<std::string, std::string>> out;
+        for (const train::Layer& l : r.model->layers()) {
+          if (l.kind == train::LayerKind::Conv2d || l.kind == train::LayerKind::Conv2dReluPool)
+            out.emplace_back(l.name, ops::conv_algo_name(l.conv_algo));
+        }
+        return out;
+      }, "(layer, algorithm) for each conv layer: the CPU conv algorithm (MGPU_CONV_ALGO's "
+         "names) fixed as the Model was built.")
       .def("params", [](const Replicated& r, int64_t d) { return replica(r, d).state.params; },
            py::arg("replica"))
       .def("buffers", [](const Replicated& r, int64_t d) { return replica(r, d).state.buffers; },

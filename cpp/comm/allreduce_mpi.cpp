@@ -20,6 +20,7 @@
 #include <sstream>
 #include <thread>
 
+#include "comm/collective_counts.h"
 #include "core/parallel.h"
 #include "core/queue.h"
 #include "ops/elementwise.h"
@@ -763,7 +764,10 @@ void broadcast(const std::vector<Tensor>& tensors, int root) {
                    "world has ", size, " process", size == 1 ? "" : "es");
   if (size == 1) return;
   if (staged_through_host(tensors, [&](const std::vector<Tensor>& h) { broadcast(h, root); }))
-    return;
+    return;  // counted by the call on the host copies
+  int64_t bytes = 0;
+  for (const Tensor& t : tensors) bytes += static_cast<int64_t>(t.nbytes());
+  count_collective(bytes);
 #if MGPU_BUILT_MPI
   Call call;
   call.op = static_cast<int64_t>(Op::Broadcast);

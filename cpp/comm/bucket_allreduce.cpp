@@ -19,6 +19,7 @@
 #include "comm/allreduce.h"
 #include "comm/allreduce_gpu.h"
 #include "comm/allreduce_mpi.h"
+#include "comm/collective_counts.h"
 #include "ops/elementwise.h"
 
 namespace mgpu::comm {
@@ -91,6 +92,7 @@ void BucketAllReduce::ready(size_t b, size_t d, const Tensor& bucket) {
   if (gpus && !cross_) part(d);
 #endif
   if (++count_[b] < k) return;
+  count_collective(sizes_[b] * static_cast<int64_t>(sizeof(float)));
 #if MGPU_GPU_BUILD
   if (gpus && cross_)
     for (size_t i = 0; i < k; ++i) part(i);

@@ -37,6 +37,36 @@ void check_eps(const char* op, float eps) {
                    eps);
 }
 
+// What normalising x reads: mean and var, gamma and beta where given (one value per channel of x,
+// on x's device), and eps.
+void check_stats(const char* op, const Tensor& x, const Tensor& mean, const Tensor& var,
+                 const Tensor* gamma, const Tensor* beta, float eps) {
+  check_channel(op, "mean", mean, x);
+  check_channel(op, "var", var, x);
+  if (gamma) check_channel(op, "weight (gamma)", *gamma, x);
+  if (beta) check_channel(op, "bias (beta)", *beta, x);
+  check_eps(op, eps);
+}
+
+// What a backward's dx reads beyond check_stats: the two per-channel sums (named as the op names
+// them) and the count of elements per channel behind the statistics.
+void check_sums(const char* op, const Tensor& x, const char* name, const Tensor& sum,
+                const char* name_xhat, const Tensor& sum_xhat, double count) {
+  check_channel(op, name, sum, x);
+  check_channel(op, name_xhat, sum_xhat, x);
+  MGPU_CHECK_VALUE(count > 0.0 && std::isfinite(count), op,
+                   ": count (elements per channel behind the statistics) must be > 0, got ",
+                   count);
+}
+
+// x and another tensor of x's shape on x's device (dy, y, the shortcut).
+void check_like_x(const char* op, const char* name, const Tensor& t, const Tensor& x) {
+  require_dtype(op, name, t, DType::F32);
+  require_same_device(op, {&x, &t});
+  MGPU_CHECK_VALUE(t.shape() == x.shape(), op, ": ", name, " has shape ", t.shape(),
+                   " but x has shape ", x.shape(), "; they must match");
+}
+
 void check_count(const char* op, const BnShape& s) {
   MGPU_CHECK_VALUE(s.N * s.HW >= 1, op, ": x has no elements per channel (N*H*W = 0), so it has "
                    "no statistics; pass a non-empty batch");
@@ -79,11 +109,7 @@ Tensor batch_norm_forward(const Tensor& x, const Tensor& mean, const Tensor& var
                           const Tensor* gamma, const Tensor* beta, float eps) {
   const char* op = "batch_norm_forward";
   const BnShape s = check_x(op, x);
-  check_channel(op, "mean", mean, x);
-  check_channel(op, "var", var, x);
-  if (gamma) check_channel(op, "weight (gamma)", *gamma, x);
-  if (beta) check_channel(op, "bias (beta)", *beta, x);
-  check_eps(op, eps);
+  check_stats(op, x, mean, var, gamma, beta, eps);
   Tensor y = Tensor::empty_like(x);
   const Tensor none;
   const Tensor& g = gamma ? *gamma : none;
@@ -107,13 +133,8 @@ std::pair<Tensor, Tensor> batch_norm_backward_reduce(const Tensor& x, const Tens
                                                      float eps) {
   const char* op = "batch_norm_backward_reduce";
   const BnShape s = check_x(op, x);
-  require_dtype(op, "dy", dy, DType::F32);
-  require_same_device(op, {&x, &dy});
-  MGPU_CHECK_VALUE(dy.shape() == x.shape(), op, ": dy has shape ", dy.shape(), " but x has shape ",
-                   x.shape(), "; they must match");
-  check_channel(op, "mean", mean, x);
-  check_channel(op, "var", var, x);
-  check_eps(op, eps);
+  check_like_x(op, "dy", dy, x);
+  check_stats(op, x, mean, var, nullptr, nullptr, eps);
   check_count(op, s);
   Tensor sum_dy = Tensor::empty({s.C}, DType::F32, x.device());
   Tensor sum_dy_xhat = Tensor::empty({s.C}, DType::F32, x.device());
@@ -134,19 +155,9 @@ Tensor batch_norm_backward(const Tensor& x, const Tensor& dy, const Tensor& mean
                            const Tensor& sum_dy_xhat, double count, float eps, bool training) {
   const char* op = "batch_norm_backward";
   const BnShape s = check_x(op, x);
-  require_dtype(op, "dy", dy, DType::F32);
-  require_same_device(op, {&x, &dy});
-  MGPU_CHECK_VALUE(dy.shape() == x.shape(), op, ": dy has shape ", dy.shape(), " but x has shape ",
-                   x.shape(), "; they must match");
-  check_channel(op, "mean", mean, x);
-  check_channel(op, "var", var, x);
-  if (gamma) check_channel(op, "weight (gamma)", *gamma, x);
-  check_channel(op, "sum_dy", sum_dy, x);
-  check_channel(op, "sum_dy_xhat", sum_dy_xhat, x);
-  check_eps(op, eps);
-  MGPU_CHECK_VALUE(count > 0.0 && std::isfinite(count), op,
-                   ": count (elements per channel behind the statistics) must be > 0, got ",
-                   count);
+  check_like_x(op, "dy", dy, x);
+  check_stats(op, x, mean, var, gamma, nullptr, eps);
+  check_sums(op, x, "sum_dy", sum_dy, "sum_dy_xhat", sum_dy_xhat, count);
   Tensor dx = Tensor::empty_like(x);
   const Tensor none;
   const Tensor& g = gamma ? *gamma : none;
@@ -166,18 +177,6 @@ Tensor batch_norm_backward(const Tensor& x, const Tensor& dy, const Tensor& mean
   return dx;
 }
 
-namespace {
-
-// x and another tensor of x's shape on x's device (dy, y, the shortcut).
-void check_like_x(const char* op, const char* name, const Tensor& t, const Tensor& x) {
-  require_dtype(op, name, t, DType::F32);
-  require_same_device(op, {&x, &t});
-  MGPU_CHECK_VALUE(t.shape() == x.shape(), op, ": ", name, " has shape ", t.shape(),
-                   " but x has shape ", x.shape(), "; they must match");
-}
-
-}  // namespace
-
 Tensor batch_norm_act_forward(const Tensor& x, const Tensor& mean, const Tensor& var,
                               const Tensor* gamma, const Tensor* beta, const Tensor* shortcut,
                               float eps) {
@@ -190,11 +189,7 @@ Tensor batch_norm_act_forward(const Tensor& x, const Tensor& mean, const Tensor&
     if (shortcut) z = binary(BinaryOp::Add, z, *shortcut);
     return relu_forward(z);
   }
-  check_channel(op, "mean", mean, x);
-  check_channel(op, "var", var, x);
-  if (gamma) check_channel(op, "weight (gamma)", *gamma, x);
-  if (beta) check_channel(op, "bias (beta)", *beta, x);
-  check_eps(op, eps);
+  check_stats(op, x, mean, var, gamma, beta, eps);
   Tensor y = Tensor::empty_like(x);
   const Tensor none;
   dispatch(x.device(), op,
@@ -216,9 +211,7 @@ std::pair<Tensor, Tensor> batch_norm_act_backward_reduce(const Tensor& x, const 
   check_like_x(op, "dy", dy, x);
   if (!x.device().is_cpu()) return batch_norm_backward_reduce(x, relu_backward(y, dy), mean, var,
                                                               eps);
-  check_channel(op, "mean", mean, x);
-  check_channel(op, "var", var, x);
-  check_eps(op, eps);
+  check_stats(op, x, mean, var, nullptr, nullptr, eps);
   check_count(op, s);
   Tensor sum_dz = Tensor::empty({s.C}, DType::F32, x.device());
   Tensor sum_dz_xhat = Tensor::empty({s.C}, DType::F32, x.device());
@@ -247,15 +240,8 @@ std::pair<Tensor, Tensor> batch_norm_act_backward(const Tensor& x, const Tensor&
                                     true);
     return {dx, want_dshortcut ? dz : Tensor()};
   }
-  check_channel(op, "mean", mean, x);
-  check_channel(op, "var", var, x);
-  if (gamma) check_channel(op, "weight (gamma)", *gamma, x);
-  check_channel(op, "sum_dz", sum_dz, x);
-  check_channel(op, "sum_dz_xhat", sum_dz_xhat, x);
-  check_eps(op, eps);
-  MGPU_CHECK_VALUE(count > 0.0 && std::isfinite(count), op,
-                   ": count (elements per channel behind the statistics) must be > 0, got ",
-                   count);
+  check_stats(op, x, mean, var, gamma, nullptr, eps);
+  check_sums(op, x, "sum_dz", sum_dz, "sum_dz_xhat", sum_dz_xhat, count);
   Tensor dx = Tensor::empty_like(x);
   Tensor dsc = want_dshortcut ? Tensor::empty_like(x) : Tensor();
   const Tensor none;
@@ -294,10 +280,7 @@ BatchNormGrads batch_norm_backward_full(const Tensor& x, const Tensor* y, const 
     if (want_dshortcut) g.dshortcut = dz;
     return g;
   }
-  check_channel(op, "mean", mean, x);
-  check_channel(op, "var", var, x);
-  if (gamma) check_channel(op, "weight (gamma)", *gamma, x);
-  check_eps(op, eps);
+  check_stats(op, x, mean, var, gamma, nullptr, eps);
   BatchNormGrads g;
   g.sum_dy = Tensor::empty({s.C}, DType::F32, x.device());
   g.sum_dy_xhat = Tensor::empty({s.C}, DType::F32, x.device());
@@ -318,6 +301,12 @@ BatchNormGrads batch_norm_backward_full(const Tensor& x, const Tensor* y, const 
            y ? *y : none, dy, mean, var, gamma ? *gamma : none, g.sum_dy, g.sum_dy_xhat, dx_buf,
            g.dshortcut);
   return g;
+}
+
+void batch_norm_update_running(const Tensor& running, const Tensor& batch, float keep,
+                               float step) {
+  binary_scalar_inplace(BinaryOp::Mul, running, keep);
+  binary_inplace(BinaryOp::Add, running, binary_scalar(BinaryOp::Mul, batch, step, false));
 }
 
 std::pair<Tensor, Tensor> batch_norm_combine_stats(const Tensor& parts) {

@@ -112,6 +112,13 @@ struct BatchNormCombineSums {
   }
 };
 
+// ---- running statistics ----
+// running = running * keep + batch * step in place (three elementwise ops, on running's device):
+// PyTorch's update with keep = 1 - momentum and step = momentum for the mean, momentum times the
+// unbiasing factor n / (n - 1) for the variance. The factors are the callers' (the fused step's
+// layers, ops.batch_norm, nn.SyncBatchNorm), each rounded as that caller computes it.
+void batch_norm_update_running(const Tensor& running, const Tensor& batch, float keep, float step);
+
 // (mean, var) (C,) each of the union from parts (K, 1 + 2C) as above; the total count must be > 0.
 std::pair<Tensor, Tensor> batch_norm_combine_stats(const Tensor& parts);
 // (sum_dy, sum_dy_xhat) (C,) each from parts (K, 2C): the sums over every replica.

@@ -164,6 +164,39 @@ void for_plane_blocks(int64_t planes, int64_t HW, F&& fn) {
 
 float invstd_of(float var, float eps) { return 1.0f / std::sqrt(var + eps); }
 
+// The backward's reduce: group_sums' shift (the mean) and finish (sum dz, and sum dz * xhat with
+// invstd applied), for every backward kernel alike.
+auto grad_shift(const float* mean) {
+  return [mean](int64_t c) { return static_cast<double>(mean[c]); };
+}
+auto grad_finish(const float* var, float eps, float* sum_dz, float* sum_dz_xhat) {
+  return [=](int64_t c, double s1, double s2) {
+    sum_dz[c] = static_cast<float>(s1);
+    sum_dz_xhat[c] = static_cast<float>(s2 * invstd_of(var[c], eps));
+  };
+}
+
+// Every channel's (sum dz, sum dz * xhat), dz = dy or dy masked by relu's output y (kGrad): the
+// backward's reduce with or without the fused relu.
+template <Grad kGrad>
+void grad_sums(int64_t N, int64_t C, int64_t HW, const float* x, const float* y, const float* dy,
+               const float* mean, const float* var, float eps, float* sum_dz,
+               float* sum_dz_xhat) {
+  channel_sums<kGrad>(N, C, HW, x, dy, y, grad_shift(mean),
+                      grad_finish(var, eps, sum_dz, sum_dz_xhat));
+}
+
+// Normalising channel c as y = (x - m) * a + b: a = gamma * invstd (invstd without gamma),
+// b = beta (0 without beta), m = the mean.
+struct NormCoefs {
+  float a, b, m;
+};
+NormCoefs norm_coefs(int64_t c, const float* mean, const float* var, const float* gamma,
+                     const float* beta, float eps) {
+  const float invstd = invstd_of(var[c], eps);
+  return {gamma ? gamma[c] * invstd : invstd, beta ? beta[c] : 0.0f, mean[c]};
+}
+
 // Training-mode dx of channel c as k * (dz - mean_dz - (x - mean) * coef): xhat * sum_dz_xhat /
 // count with invstd folded into coef. sum_dz, sum_dz_xhat are the rounded float sums.
 struct DxCoefs {
@@ -220,10 +253,8 @@ void batch_norm_forward(int64_t N, int64_t C, int64_t HW, const float* x, const 
                         float* y) {
   for_plane_blocks(N * C, HW, [&](int64_t first, int64_t last) {
     for (int64_t p = first; p < last; ++p) {
-      const int64_t c = p % C;
-      const float invstd = invstd_of(var[c], eps);
-      const float a = gamma ? gamma[c] * invstd : invstd, b = beta ? beta[c] : 0.0f;
-      const float m = mean[c];
+      const NormCoefs q = norm_coefs(p % C, mean, var, gamma, beta, eps);
+      const float a = q.a, b = q.b, m = q.m;
       const float* __restrict xp = x + p * HW;
       float* __restrict yp = y + p * HW;
       // x - mean first: with mean >> std, x * a + (b - mean * a) would cancel two large terms.
@@ -235,12 +266,7 @@ void batch_norm_forward(int64_t N, int64_t C, int64_t HW, const float* x, const 
 void batch_norm_backward_reduce(int64_t N, int64_t C, int64_t HW, const float* x, const float* dy,
                                 const float* mean, const float* var, float eps, float* sum_dy,
                                 float* sum_dy_xhat) {
-  channel_sums<Grad::kDy>(
-      N, C, HW, x, dy, nullptr, [&](int64_t c) { return static_cast<double>(mean[c]); },
-      [&](int64_t c, double s1, double s2) {
-        sum_dy[c] = static_cast<float>(s1);
-        sum_dy_xhat[c] = static_cast<float>(s2 * invstd_of(var[c], eps));
-      });
+  grad_sums<Grad::kDy>(N, C, HW, x, nullptr, dy, mean, var, eps, sum_dy, sum_dy_xhat);
 }
 
 void batch_norm_backward(int64_t N, int64_t C, int64_t HW, const float* x, const float* dy,
@@ -271,10 +297,8 @@ void batch_norm_act_forward(int64_t N, int64_t C, int64_t HW, const float* x, co
                             const float* shortcut, float eps, float* y) {
   for_plane_blocks(N * C, HW, [&](int64_t first, int64_t last) {
     for (int64_t p = first; p < last; ++p) {
-      const int64_t c = p % C;
-      const float invstd = invstd_of(var[c], eps);
-      const float a = gamma ? gamma[c] * invstd : invstd, b = beta ? beta[c] : 0.0f;
-      const float m = mean[c];
+      const NormCoefs q = norm_coefs(p % C, mean, var, gamma, beta, eps);
+      const float a = q.a, b = q.b, m = q.m;
       const float* __restrict xp = x + p * HW;
       float* __restrict yp = y + p * HW;
       // batch_norm_forward's z, then the add, then relu's !(z <= 0) (NaN passes): the unfused
@@ -299,12 +323,7 @@ void batch_norm_act_backward_reduce(int64_t N, int64_t C, int64_t HW, const floa
                                     const float* y, const float* dy, const float* mean,
                                     const float* var, float eps, float* sum_dz,
                                     float* sum_dz_xhat) {
-  channel_sums<Grad::kMaskedDy>(
-      N, C, HW, x, dy, y, [&](int64_t c) { return static_cast<double>(mean[c]); },
-      [&](int64_t c, double s1, double s2) {
-        sum_dz[c] = static_cast<float>(s1);
-        sum_dz_xhat[c] = static_cast<float>(s2 * invstd_of(var[c], eps));
-      });
+  grad_sums<Grad::kMaskedDy>(N, C, HW, x, y, dy, mean, var, eps, sum_dz, sum_dz_xhat);
 }
 
 void batch_norm_act_backward(int64_t N, int64_t C, int64_t HW, const float* x, const float* y,
@@ -335,11 +354,8 @@ void batch_norm_backward_full(int64_t N, int64_t C, int64_t HW, const float* x, 
                                                std::max<int64_t>(1, C / 8));
   parallel_for((C + per_task - 1) / per_task, [&](int64_t task) {
     const int64_t c0 = task * per_task, c1 = std::min(C, c0 + per_task);
-    auto finish = [&](int64_t c, double s1, double s2) {
-      sum_dz[c] = static_cast<float>(s1);
-      sum_dz_xhat[c] = static_cast<float>(s2 * invstd_of(var[c], eps));
-    };
-    auto shift = [&](int64_t c) { return static_cast<double>(mean[c]); };
+    const auto shift = grad_shift(mean);
+    const auto finish = grad_finish(var, eps, sum_dz, sum_dz_xhat);
     if (y) {
       group_sums<Grad::kMaskedDy>(N, C, HW, c0, c1, x, dy, y, shift, finish);
     } else {

@@ -3,6 +3,7 @@
 #include "ops/conv2d.h"
 
 #include <cstdlib>
+#include <cstring>
 #include <string>
 
 #include "core/gpu.h"
@@ -54,26 +55,40 @@ struct Workspace {
 
 }  // namespace
 
+const char* conv_algo_name(ConvAlgo algo) {
+  static const char* const kNames[] = {"auto", "tune", "direct", "im2col", "winograd"};
+  return kNames[static_cast<int>(algo)];
+}
+
 namespace cpu {
 ConvAlgo conv_algo() {
+  // The last value seen and its parse, per thread (no lock on the conv's path).
+  thread_local std::string last;
+  thread_local ConvAlgo parsed = ConvAlgo::Auto;
   const char* env = std::getenv("MGPU_CONV_ALGO");
-  const std::string v = env ? env : "";
-  if (v.empty() || v == "auto") return ConvAlgo::Auto;
-  if (v == "tune") return ConvAlgo::Tune;
-  if (v == "direct") return ConvAlgo::Direct;
-  if (v == "im2col") return ConvAlgo::Im2col;
-  MGPU_CHECK_VALUE(v == "winograd", "MGPU_CONV_ALGO=", v, " is not understood; use auto "
-                   "(by the shape), tune (measure once per shape), direct, im2col or winograd");
-  return ConvAlgo::Winograd;
+  const char* v = env ? env : "";
+  if (v == last) return parsed;
+  ConvAlgo algo = ConvAlgo::Auto;
+  for (ConvAlgo a : {ConvAlgo::Auto, ConvAlgo::Tune, ConvAlgo::Direct, ConvAlgo::Im2col,
+                     ConvAlgo::Winograd}) {
+    if (std::strcmp(v, conv_algo_name(a)) == 0) algo = a;
+  }
+  MGPU_CHECK_VALUE(*v == '\0' || std::strcmp(v, conv_algo_name(algo)) == 0, "MGPU_CONV_ALGO=",
+                   v, " is not understood; use auto (by the shape), tune (measure once per "
+                   "shape), direct, im2col or winograd");
+  parsed = algo;
+  last = v;
+  return parsed;
 }
 }  // namespace cpu
 
+ConvAlgo conv_algo_for(Device d) { return d.is_cpu() ? cpu::conv_algo() : ConvAlgo::Auto; }
+
 Tensor conv2d_forward(const Tensor& x, const Tensor& w, const Tensor& b, int64_t stride,
-                      int64_t pad, Precision precision) {
+                      int64_t pad, ConvAlgo algo, Precision precision) {
   const char* op = "conv2d_forward";
   Conv2dShape s = check_conv(op, x, w, stride, pad);
   require_cpu_for_bf16(op, x, precision);
-  if (x.device().is_cpu()) cpu::conv_algo();  // a bad MGPU_CONV_ALGO raises here
   if (b.defined()) {
     require_dtype(op, "b", b, DType::F32);
     require_same_device(op, {&x, &b});
@@ -90,7 +105,7 @@ Tensor conv2d_forward(const Tensor& x, const Tensor& w, const Tensor& b, int64_t
              if (bf16) {
                cpu::bf16_conv2d_forward(s, xp, wp, bp, yp, dot);
              } else {
-               cpu::conv2d_forward(s, xp, wp, bp, yp);
+               cpu::conv2d_forward_algo(s, xp, wp, bp, yp, algo);
              }
            },
            [=, index = x.device().index](cudaStream_t stream) {
@@ -109,11 +124,11 @@ Tensor conv2d_forward(const Tensor& x, const Tensor& w, const Tensor& b, int64_t
 }
 
 Conv2dGrads conv2d_backward(const Tensor& x, const Tensor& w, const Tensor& dy, int64_t stride,
-                            int64_t pad, bool need_dx, bool has_bias, Precision precision) {
+                            int64_t pad, bool need_dx, bool has_bias, ConvAlgo algo,
+                            Precision precision) {
   const char* op = "conv2d_backward";
   Conv2dShape s = check_conv(op, x, w, stride, pad);
   require_cpu_for_bf16(op, x, precision);
-  if (x.device().is_cpu()) cpu::conv_algo();  // a bad MGPU_CONV_ALGO raises here
   require_dtype(op, "dy", dy, DType::F32);
   require_same_device(op, {&x, &dy});
   Shape want{s.N, s.K, s.P(), s.Q()};
@@ -134,7 +149,7 @@ Conv2dGrads conv2d_backward(const Tensor& x, const Tensor& w, const Tensor& dy, 
              if (bf16) {
                cpu::bf16_conv2d_backward(s, xp, wp, dyp, dxp, dwp, dbp, dot);
              } else {
-               cpu::conv2d_backward(s, xp, wp, dyp, dxp, dwp, dbp);
+               cpu::conv2d_backward_algo(s, xp, wp, dyp, dxp, dwp, dbp, algo);
              }
            },
            [=, index = x.device().index](cudaStream_t stream) {

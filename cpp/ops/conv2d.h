@@ -16,16 +16,26 @@ struct cudnnContext;  // cudnnHandle_t
 
 namespace mgpu::ops {
 
+// The CPU conv's algorithms, as MGPU_CONV_ALGO names them (see cpu::conv_algo below).
+enum class ConvAlgo { Auto, Tune, Direct, Im2col, Winograd };
+// "auto", "tune", "direct", "im2col" or "winograd".
+const char* conv_algo_name(ConvAlgo algo);
+// The algorithm a conv on device d runs by MGPU_CONV_ALGO: cpu::conv_algo() on a CPU (a bad
+// value raises), Auto (ignored) on a GPU.
+ConvAlgo conv_algo_for(Device d);
+
 struct Conv2dGrads {
   Tensor dx, dw, db;  // db undefined when the conv has no bias; dx when not asked for
 };
 
-// precision BF16 runs every product with bfloat16 operands and float32 sums (ops/bf16.h), on
-// CPU devices only.
+// algo: the CPU conv's algorithm (ConvAlgo below), decided by the caller once: the fused step's
+// Model when it is built (per conv layer), the book's ops at each call (conv_algo_for). GPUs
+// ignore it. precision BF16 runs every product with bfloat16 operands and float32 sums
+// (ops/bf16.h), on CPU devices only; it has its own kernels and does not read algo.
 Tensor conv2d_forward(const Tensor& x, const Tensor& w, const Tensor& b, int64_t stride,
-                      int64_t pad, Precision precision = Precision::F32);
+                      int64_t pad, ConvAlgo algo, Precision precision = Precision::F32);
 Conv2dGrads conv2d_backward(const Tensor& x, const Tensor& w, const Tensor& dy, int64_t stride,
-                            int64_t pad, bool need_dx, bool has_bias,
+                            int64_t pad, bool need_dx, bool has_bias, ConvAlgo algo,
                             Precision precision = Precision::F32);
 
 // The kernels' view of a conv: the same stride and zero padding on both axes.
@@ -50,8 +60,7 @@ void conv2d_forward(const Conv2dShape& s, const float* x, const float* w, const 
 void conv2d_backward(const Conv2dShape& s, const float* x, const float* w, const float* dy,
                      float* dx, float* dw, float* db);
 
-// Which algorithm the CPU conv2d_forward / conv2d_backward run, from MGPU_CONV_ALGO (read at
-// every call, so a test or a benchmark may switch it between calls):
+// Which algorithm the CPU conv2d_forward / conv2d_backward run, from MGPU_CONV_ALGO:
 // - auto (or unset): Winograd F(4x4, 3x3) for 3x3 stride-1 convs with pad <= 2, >= 16 channels
 //   in and out and outputs of at least 6x6 (ResNet-18's 28x28, 14x14 and 7x7 layers, where it
 //   measured faster), or outputs in whole 4x4 tiles with >= 512 channels in and out (ResNet-18's
@@ -65,8 +74,14 @@ void conv2d_backward(const Conv2dShape& s, const float* x, const float* w, const
 // - im2col: im2col + sgemm for every shape.
 // - winograd: Winograd for every 3x3 stride-1 conv with pad <= 2, direct for the rest.
 // conv2d_relu_pool (LeNet's fused blocks) always runs the shape's rule.
-enum class ConvAlgo { Auto, Tune, Direct, Im2col, Winograd };
-// Throws ValueError for a value it does not know.
+// conv2d_forward_algo / conv2d_backward_algo run the algorithm they are given; conv2d_forward /
+// conv2d_backward (the kernels' tests and benchmarks) read MGPU_CONV_ALGO at every call.
+void conv2d_forward_algo(const Conv2dShape& s, const float* x, const float* w, const float* b,
+                         float* y, ConvAlgo algo);
+void conv2d_backward_algo(const Conv2dShape& s, const float* x, const float* w, const float* dy,
+                          float* dx, float* dw, float* db, ConvAlgo algo);
+// MGPU_CONV_ALGO now: the variable is looked up at every call (a test or a benchmark may switch
+// it between calls) but a value is parsed once. Throws ValueError for a value it does not know.
 ConvAlgo conv_algo();
 // One line per shape tune has measured in this process (direction, shape, pick, both times).
 std::string conv_autotune_report();

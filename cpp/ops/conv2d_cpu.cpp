@@ -316,9 +316,8 @@ std::map<TuneKey, Tuned>& tune_cache() {
   return cache;
 }
 
-// True where MGPU_CONV_ALGO leaves shape s to the shape's rule (no Winograd, no forced im2col).
-bool rule_only(const Conv2dShape& s) {
-  const ConvAlgo want = conv_algo();
+// True where algorithm `want` leaves shape s to the shape's rule (no Winograd, no forced im2col).
+bool rule_only(const Conv2dShape& s, ConvAlgo want) {
   if (want == ConvAlgo::Im2col) return false;
   const bool fits = winograd_fits(s);
   if (want == ConvAlgo::Winograd) return !fits;
@@ -327,15 +326,14 @@ bool rule_only(const Conv2dShape& s) {
          (want == ConvAlgo::Auto && !winograd_pays(s));
 }
 
-// Runs the algorithm MGPU_CONV_ALGO asks for on a shape s it does not leave to the rule
-// (rule_only(s) is false: im2col forced, or a Winograd-eligible shape): run(algo) must write the
-// whole output. direction tells apart forward (0) and backward with (1) or without (2) dx. Under
-// tune the first call for a shape times Rule and Winograd twice each, interleaved, keeps the
-// faster (its output is the one left), and later calls look it up; the lock makes concurrent
-// devices wait for the measurement instead of disturbing it.
+// Runs algorithm `want` on a shape s it does not leave to the rule (rule_only(s, want) is false:
+// im2col forced, or a Winograd-eligible shape): run(algo) must write the whole output. direction
+// tells apart forward (0) and backward with (1) or without (2) dx. Under tune the first call for a
+// shape times Rule and Winograd twice each, interleaved, keeps the faster (its output is the one
+// left), and later calls look it up; the lock makes concurrent devices wait for the measurement
+// instead of disturbing it.
 template <class Run>
-void run_chosen(const Conv2dShape& s, int64_t direction, const Run& run) {
-  const ConvAlgo want = conv_algo();
+void run_chosen(const Conv2dShape& s, ConvAlgo want, int64_t direction, const Run& run) {
   if (want == ConvAlgo::Im2col) return run(Algo::Im2col);
   if (want != ConvAlgo::Tune) return run(Algo::Winograd);  // winograd, or auto on its shapes
   const TuneKey key{s.C, s.H, s.W, s.K, s.R, s.S, s.stride, s.pad, direction};
@@ -379,6 +377,16 @@ std::string conv_autotune_report() {
 
 void conv2d_forward(const Conv2dShape& s, const float* x, const float* w, const float* b,
                     float* y) {
+  conv2d_forward_algo(s, x, w, b, y, conv_algo());
+}
+
+void conv2d_backward(const Conv2dShape& s, const float* x, const float* w, const float* dy,
+                     float* dx, float* dw, float* db) {
+  conv2d_backward_algo(s, x, w, dy, dx, dw, db, conv_algo());
+}
+
+void conv2d_forward_algo(const Conv2dShape& s, const float* x, const float* w, const float* b,
+                         float* y, ConvAlgo algo) {
   const int64_t PQ = s.P() * s.Q(), KPQ = s.K * PQ;
   const auto emit = [&](const float* out, int64_t ld, int64_t n0, int64_t B) {
     for (int64_t i = 0; i < B; ++i) {
@@ -392,15 +400,15 @@ void conv2d_forward(const Conv2dShape& s, const float* x, const float* w, const 
   };
   // The shape's rule is called directly, not through run_chosen's closure: LeNet's conv2 ran
   // ~20% slower when its block loops were instantiated inside that lambda.
-  if (rule_only(s)) return forward_blocks(s, x, w, emit);
-  run_chosen(s, 0, [&](Algo algo) {
-    if (algo == Algo::Winograd) return winograd_forward(s, x, w, b, y);
-    forward_blocks(s, x, w, emit, algo == Algo::Im2col);
+  if (rule_only(s, algo)) return forward_blocks(s, x, w, emit);
+  run_chosen(s, algo, 0, [&](Algo a) {
+    if (a == Algo::Winograd) return winograd_forward(s, x, w, b, y);
+    forward_blocks(s, x, w, emit, a == Algo::Im2col);
   });
 }
 
-void conv2d_backward(const Conv2dShape& s, const float* x, const float* w, const float* dy,
-                     float* dx, float* dw, float* db) {
+void conv2d_backward_algo(const Conv2dShape& s, const float* x, const float* w, const float* dy,
+                          float* dx, float* dw, float* db, ConvAlgo algo) {
   const int64_t PQ = s.P() * s.Q(), KPQ = s.K * PQ;
   auto load = [&](float* dyb, int64_t ld, int64_t n0, int64_t B) {
     for (int64_t i = 0; i < B; ++i) {
@@ -409,10 +417,10 @@ void conv2d_backward(const Conv2dShape& s, const float* x, const float* w, const
       }
     }
   };
-  if (rule_only(s)) return backward_blocks(s, x, w, load, dx, dw, db);
-  run_chosen(s, dx ? 1 : 2, [&](Algo algo) {
-    if (algo == Algo::Winograd) return winograd_backward(s, x, w, dy, dx, dw, db);
-    backward_blocks(s, x, w, load, dx, dw, db, nullptr, algo == Algo::Im2col);
+  if (rule_only(s, algo)) return backward_blocks(s, x, w, load, dx, dw, db);
+  run_chosen(s, algo, dx ? 1 : 2, [&](Algo a) {
+    if (a == Algo::Winograd) return winograd_backward(s, x, w, dy, dx, dw, db);
+    backward_blocks(s, x, w, load, dx, dw, db, nullptr, a == Algo::Im2col);
   });
 }
 

@@ -56,6 +56,14 @@ std::string cpu_model();
     (const Conv2dShape& s, const float* x, const float* w, const float* dy, float* dx, float* dw,  \
      float* db),                                                                                  \
     (s, x, w, dy, dx, dw, db))                                                                    \
+  X(void, conv2d_forward_algo,                                                                    \
+    (const Conv2dShape& s, const float* x, const float* w, const float* b, float* y,              \
+     ConvAlgo algo),                                                                              \
+    (s, x, w, b, y, algo))                                                                        \
+  X(void, conv2d_backward_algo,                                                                   \
+    (const Conv2dShape& s, const float* x, const float* w, const float* dy, float* dx, float* dw,  \
+     float* db, ConvAlgo algo),                                                                   \
+    (s, x, w, dy, dx, dw, db, algo))                                                              \
   X(std::string, conv_autotune_report, (), ())                                                   \
   X(void, conv2d_relu_pool_forward,                                                               \
     (const Conv2dShape& s, int64_t pool, const float* x, const float* w, const float* b,          \

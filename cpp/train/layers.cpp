@@ -65,13 +65,9 @@ void update_running_stats(const Layer& l, const ReplicaState& r, const Saved& s)
   const Tensor& running_mean = r.buffers[static_cast<size_t>(l.buffers[0])];
   const Tensor& running_var = r.buffers[static_cast<size_t>(l.buffers[1])];
   const auto m = static_cast<float>(l.momentum);
-  ops::binary_scalar_inplace(ops::BinaryOp::Mul, running_mean, 1.0f - m);
-  ops::binary_inplace(ops::BinaryOp::Add, running_mean,
-                      ops::binary_scalar(ops::BinaryOp::Mul, s.a, m, false));
-  ops::binary_scalar_inplace(ops::BinaryOp::Mul, running_var, 1.0f - m);
-  ops::binary_inplace(ops::BinaryOp::Add, running_var,
-                      ops::binary_scalar(ops::BinaryOp::Mul, s.b,
-                                         static_cast<float>(m * s.count / (s.count - 1)), false));
+  ops::batch_norm_update_running(running_mean, s.a, 1.0f - m, m);
+  ops::batch_norm_update_running(running_var, s.b, 1.0f - m,
+                                 static_cast<float>(m * s.count / (s.count - 1)));
 }
 
 Tensor forward(const Layer& l, const std::vector<Tensor>& in, const ReplicaState& r,
@@ -81,7 +77,7 @@ Tensor forward(const Layer& l, const std::vector<Tensor>& in, const ReplicaState
   switch (l.kind) {
     case LayerKind::Conv2d:
       return ops::conv2d_forward(x, p(0), l.bias ? p(1) : Tensor(), l.stride, l.padding,
-                                 l.precision);
+                                 l.conv_algo, l.precision);
     case LayerKind::Conv2dReluPool: {
       // The fused kernel is float32; in bf16 the conv runs alone, then relu and the pool.
       if (l.precision == ops::Precision::F32 && fused_fits(x, p(0), l.kh)) {
@@ -90,7 +86,7 @@ Tensor forward(const Layer& l, const std::vector<Tensor>& in, const ReplicaState
         s->a = f.mask;
         return f.pooled;
       }
-      s->a = ops::conv2d_forward(x, p(0), p(1), 1, 0, l.precision);
+      s->a = ops::conv2d_forward(x, p(0), p(1), 1, 0, l.conv_algo, l.precision);
       s->b = ops::relu_forward(s->a);
       return ops::avg_pool2d_forward(s->b, l.kh, l.kh, l.kh, l.kh);
     }
@@ -173,7 +169,8 @@ void backward(const Layer& l, const std::vector<Tensor>& in, const Tensor& out, 
   switch (l.kind) {
     case LayerKind::Conv2d: {
       ops::Conv2dGrads g =
-          ops::conv2d_backward(x, p(0), dy, l.stride, l.padding, need_dx[0], l.bias, l.precision);
+          ops::conv2d_backward(x, p(0), dy, l.stride, l.padding, need_dx[0], l.bias, l.conv_algo,
+                               l.precision);
       dx0 = g.dx;
       *dp = l.bias ? std::vector<Tensor>{g.dw, g.db} : std::vector<Tensor>{g.dw};
       return;
@@ -185,7 +182,7 @@ void backward(const Layer& l, const std::vector<Tensor>& in, const Tensor& out, 
       } else {
         Tensor da = ops::avg_pool2d_backward(s.b, dy, l.kh, l.kh, l.kh, l.kh);
         Tensor dc = ops::relu_backward(s.a, da);
-        g = ops::conv2d_backward(x, p(0), dc, 1, 0, need_dx[0], true, l.precision);
+        g = ops::conv2d_backward(x, p(0), dc, 1, 0, need_dx[0], true, l.conv_algo, l.precision);
       }
       dx0 = g.dx;
       *dp = {g.dw, g.db};

@@ -104,7 +104,7 @@ void check_shapes(const Layer& l, const std::vector<Shape>& ps, const std::vecto
 }  // namespace
 
 Model::Model(const std::vector<LayerSpec>& spec, const std::vector<Shape>& param_shapes,
-             const std::vector<Shape>& buffer_shapes)
+             const std::vector<Shape>& buffer_shapes, ops::ConvAlgo conv_algo)
     : param_shapes_(param_shapes), buffer_shapes_(buffer_shapes) {
   static std::atomic<uint64_t> next_id{1};
   id_ = next_id++;
@@ -137,6 +137,7 @@ Model::Model(const std::vector<LayerSpec>& spec, const std::vector<Shape>& param
     l.transpose = flag(o, "transpose", false);
     l.sync = flag(o, "sync", false);
     l.precision = flag(o, "bf16", false) ? ops::Precision::BF16 : ops::Precision::F32;
+    if (l.kind == LayerKind::Conv2d || l.kind == LayerKind::Conv2dReluPool) l.conv_algo = conv_algo;
     has_sync_ = has_sync_ || l.sync;
     l.stride = positive_int(l, o, "stride", 1, 1);
     l.padding = positive_int(l, o, "padding", 0, 0);

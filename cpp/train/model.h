@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "core/tensor.h"
+#include "ops/conv2d.h"
 #include "ops/precision.h"
 
 namespace mgpu::train {
@@ -48,6 +49,9 @@ struct Layer {
   bool bias = true, transpose = false;     // conv2d / linear: has a bias; linear: W is (out, in)
   double eps = 1e-5, momentum = 0.1;       // batch_norm
   bool sync = false;                       // batch_norm: statistics over every replica of a step
+  ops::ConvAlgo conv_algo = ops::ConvAlgo::Auto;  // conv2d (and conv2d_relu_pool's unfused
+                                           // path): the CPU conv's algorithm, fixed as the Model
+                                           // is built
   ops::Precision precision = ops::Precision::F32;  // conv2d, conv2d_relu_pool, linear: option
                                                    // bf16 = 1 runs their products in bfloat16
   std::vector<int> params, buffers;        // weight first, then bias (batch_norm: gamma, beta;
@@ -64,8 +68,10 @@ struct Bucket {
 class Model {
  public:
   // Checks the spec against the parameter and buffer shapes (ValueError naming the layer).
+  // conv_algo: what every conv layer runs on a CPU (ops::conv_algo_for(device) as the Model is
+  // built: MGPU_CONV_ALGO is read once here, not at every conv call).
   Model(const std::vector<LayerSpec>& spec, const std::vector<Shape>& param_shapes,
-        const std::vector<Shape>& buffer_shapes);
+        const std::vector<Shape>& buffer_shapes, ops::ConvAlgo conv_algo = ops::ConvAlgo::Auto);
 
   // A number no other Model of this process has (keys the captured CUDA graphs).
   uint64_t id() const { return id_; }

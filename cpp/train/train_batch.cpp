@@ -12,6 +12,7 @@
 #include "comm/allreduce_mpi.h"
 #include "comm/barrier.h"
 #include "comm/bucket_allreduce.h"
+#include "comm/collective_counts.h"
 #include "comm/stream_sum.h"
 #include "core/gpu.h"
 #include "core/parallel.h"
@@ -220,6 +221,8 @@ struct Partial {
 // addition, left child plus right child, so the bits depend on the tree alone.
 void add_into(Partial& a, const Partial& b) {
   MGPU_ASSERT(a.span.second == b.span.first, "adding shard sums out of tree order");
+  if (b.grads.device() != a.grads.device())
+    comm::count_collective(static_cast<int64_t>(b.grads.nbytes()));
   ops::binary_inplace(ops::BinaryOp::Add, a.grads, ops::to_device(b.grads, a.grads.device()));
   ops::binary_inplace(ops::BinaryOp::Add, a.loss, ops::to_device(b.loss, a.loss.device()));
   a.span.second = b.span.second;
@@ -238,62 +241,89 @@ Partial combine(int64_t lo, int64_t hi, std::map<int64_t, Partial>& have) {
 }
 
 // One device's work: shards [lo, hi) (a tree node), each computed whole on the replica from its
-// rows in `inputs` (already on the replica's device) and summed pairwise in tree order. Only the
-// batch's first shard moves batch norm's running statistics (the replica's own buffers); other
-// shards write a scratch copy that nobody reads.
+// rows in `inputs` (already on the replica's device) and summed pairwise in tree order. Only
+// shard `stats` (a micro-batch's first) moves batch norm's running statistics (the replica's own
+// buffers); other shards write a scratch copy that nobody reads.
 Partial local_sum(const Model& m, const std::vector<std::pair<Tensor, Tensor>>& inputs,
-                  int64_t lo, int64_t hi, const Replica& r, const ReplicaState& scratch) {
+                  int64_t lo, int64_t hi, const Replica& r, const ReplicaState& scratch,
+                  int64_t stats) {
   if (hi - lo == 1) {
     const auto& [Xs, ys] = inputs[static_cast<size_t>(lo)];
     Partial p{{lo, hi}, Tensor::empty({m.flat_size()}, DType::F32, r.device), Tensor()};
-    p.loss = model_loss_and_grads(m, Xs, ys, lo == 0 ? r.state : scratch, p.grads,
+    p.loss = model_loss_and_grads(m, Xs, ys, lo == stats ? r.state : scratch, p.grads,
                                   [](size_t) {});
     return p;
   }
   const int64_t mid = tree_split(lo, hi);
-  Partial a = local_sum(m, inputs, lo, mid, r, scratch);
-  add_into(a, local_sum(m, inputs, mid, hi, r, scratch));
+  Partial a = local_sum(m, inputs, lo, mid, r, scratch, stats);
+  add_into(a, local_sum(m, inputs, mid, hi, r, scratch, stats));
   return a;
 }
 
-// The step with `num_shards` logical shards (see train_step): the shards go to the devices of
-// all ranks in contiguous runs; each device sums its runs' tree nodes, this process joins its
+// The step with `num_shards` logical shards (see train_step), in `accumulate` micro-batches of
+// num_shards / accumulate shards run one after another: micro-batch k is shards [k S/K,
+// (k + 1) S/K), which go to the devices of all ranks in contiguous runs; each device sums its
+// runs' tree nodes and keeps them. Once every micro-batch has run, this process joins its
 // devices' nodes up the tree, the ranks exchange their top nodes (broadcasts from each rank, a
-// list every rank can compute) and every rank forms the root identically.
+// list every rank can compute) and every rank forms the root identically: the tree and its
+// additions are those of one batch, so the bits do not depend on `accumulate` either.
 std::vector<Tensor> sharded_sums(const Model& m, const Tensor& X, const Tensor& y,
-                                 std::vector<Replica>& replicas, int64_t num_shards) {
+                                 std::vector<Replica>& replicas, int64_t num_shards,
+                                 int64_t accumulate) {
   const size_t L = replicas.size();
   const int world = comm::dist::world_size(), me = comm::dist::rank();
   const std::vector<ShardSpan> rows = shard_ranges(X.size(0), static_cast<size_t>(num_shards));
-  const std::vector<ShardSpan> owned = shard_ranges(num_shards, L * static_cast<size_t>(world));
+  const int64_t per = num_shards / accumulate;
+  const std::vector<ShardSpan> runs = shard_ranges(per, L * static_cast<size_t>(world));
+  // Global device g's shards in micro-batch k (device 0 of rank 0 always has the first).
+  auto owned = [&](int64_t k, size_t g) {
+    return ShardSpan{k * per + runs[g].first, k * per + runs[g].second};
+  };
   // Every shard's rows go to the device that computes it before any shard's work is enqueued: a
   // copy between two devices waits for the source device's earlier work, so a device's rows
   // copied after another device's shards were enqueued would hold it until those had run.
   std::vector<std::pair<Tensor, Tensor>> inputs(static_cast<size_t>(num_shards));
-  for (size_t d = 0; d < L; ++d) {
-    const auto [first, last] = owned[static_cast<size_t>(me) * L + d];
-    const Device to = replicas[d].device;
-    for (int64_t i = first; i < last; ++i) {
-      const auto [begin, end] = rows[static_cast<size_t>(i)];
-      inputs[static_cast<size_t>(i)] = {ops::to_device(X.slice_rows(begin, end), to),
-                                        ops::to_device(y.slice_rows(begin, end), to)};
+  for (int64_t k = 0; k < accumulate; ++k) {
+    for (size_t d = 0; d < L; ++d) {
+      const auto [first, last] = owned(k, static_cast<size_t>(me) * L + d);
+      const Device to = replicas[d].device;
+      for (int64_t i = first; i < last; ++i) {
+        const auto [begin, end] = rows[static_cast<size_t>(i)];
+        inputs[static_cast<size_t>(i)] = {ops::to_device(X.slice_rows(begin, end), to),
+                                          ops::to_device(y.slice_rows(begin, end), to)};
+      }
     }
   }
+  std::vector<ReplicaState> scratch;
+  for (const Replica& r : replicas) {
+    scratch.push_back(ReplicaState{r.state.params, {}});
+    for (const Tensor& b : r.state.buffers) scratch.back().buffers.push_back(Tensor::empty_like(b));
+  }
   std::map<int64_t, Partial> have;
-  for (size_t d = 0; d < L; ++d) {
-    const Replica& r = replicas[d];
-    ReplicaState scratch{r.state.params, {}};
-    for (const Tensor& b : r.state.buffers) scratch.buffers.push_back(Tensor::empty_like(b));
-    const auto [first, last] = owned[static_cast<size_t>(me) * L + d];
-    for (const ShardSpan& n : maximal_nodes(num_shards, first, last))
-      have.emplace(n.first, local_sum(m, inputs, n.first, n.second, r, scratch));
+  for (int64_t k = 0; k < accumulate; ++k) {
+    for (size_t d = 0; d < L; ++d) {
+      const auto [first, last] = owned(k, static_cast<size_t>(me) * L + d);
+      for (const ShardSpan& n : maximal_nodes(num_shards, first, last))
+        have.emplace(n.first, local_sum(m, inputs, n.first, n.second, replicas[d], scratch[d],
+                                        k * per));
+      for (int64_t i = first; i < last; ++i) inputs[static_cast<size_t>(i)] = {};
+    }
   }
   const Device home = replicas[0].device;
   std::map<int64_t, Partial> top;
   for (int k = 0; k < world; ++k) {
-    const int64_t first = owned[static_cast<size_t>(k) * L].first;
-    const int64_t last = owned[static_cast<size_t>(k) * L + L - 1].second;
-    for (const ShardSpan& n : maximal_nodes(num_shards, first, last)) {
+    // Rank k's shards: a run per micro-batch, runs that touch joined.
+    std::vector<ShardSpan> spans;
+    for (int64_t j = 0; j < accumulate; ++j) {
+      const ShardSpan run{owned(j, static_cast<size_t>(k) * L).first,
+                          owned(j, static_cast<size_t>(k) * L + L - 1).second};
+      if (!spans.empty() && spans.back().second == run.first) spans.back().second = run.second;
+      else spans.push_back(run);
+    }
+    std::vector<ShardSpan> nodes;
+    for (const ShardSpan& sp : spans)
+      for (const ShardSpan& n : maximal_nodes(num_shards, sp.first, sp.second)) nodes.push_back(n);
+    for (const ShardSpan& n : nodes) {
       Partial p;
       if (k == me) {
         p = combine(n.first, n.second, have);
@@ -452,7 +482,7 @@ void fail_next_step_after_bucket(int64_t bucket) {
 
 std::vector<Tensor> train_step(const Model& m, const Tensor& X, const Tensor& y,
                                std::vector<Replica>& replicas, const Sgd& sgd,
-                               int64_t num_shards, const char* op) {
+                               int64_t num_shards, const char* op, int64_t accumulate) {
   trace::Span span("train_step");
   check_replicas(op, m, replicas);
   MGPU_CHECK_VALUE(X.dim() >= 1 && y.dim() == 1 && X.size(0) == y.size(0), op, ": X and "
@@ -463,12 +493,18 @@ std::vector<Tensor> train_step(const Model& m, const Tensor& X, const Tensor& y,
                   "int32 or int64 class indices, got ", dtype_name(y.dtype()));
   MGPU_CHECK_VALUE(num_shards >= 0, op, ": the number of logical shards must be >= 1 "
                    "(or 0: one shard per device), got ", num_shards);
+  MGPU_CHECK_VALUE(accumulate >= 1, op, ": accumulate must be >= 1 (the number of micro-batches "
+                   "whose gradients one update sums), got ", accumulate);
+  MGPU_CHECK_VALUE(num_shards == 0 || num_shards % accumulate == 0, op, ": accumulate=",
+                   accumulate, " must divide the number of logical shards (", num_shards,
+                   "): each micro-batch is a run of whole shards; use an accumulate that divides ",
+                   num_shards, ", or a shard count that is a multiple of ", accumulate);
   const int64_t classes = m.classes();
   const bool guarded = classes > 0 && !labels_checked_on_host(op, y, classes);
   LabelGuard guard;
   if (guarded) guard = start_guard(op, classes, y, replicas, sgd);
   if (num_shards > 0) {
-    std::vector<Tensor> losses = sharded_sums(m, X, y, replicas, num_shards);
+    std::vector<Tensor> losses = sharded_sums(m, X, y, replicas, num_shards, accumulate);
     for (Replica& r : replicas) update(m, r, r.grads, sgd, X.size(0));
     share_buffers(replicas);
     if (guarded) finish_guard(op, guard, classes, losses);
@@ -479,15 +515,10 @@ std::vector<Tensor> train_step(const Model& m, const Tensor& X, const Tensor& y,
   // Synchronised batch norm meets the other replicas inside forward and backward, which a
   // replica's captured graphs cannot: such steps run without graphs.
   const bool synced = m.has_sync() && L * world > 1;
-  // Graphs want every shard non-empty (an empty one takes the plain path's zero gradients).
-  const bool graphs = !synced && graphs_enabled(devices) &&
+  // Graphs want every shard non-empty (an empty one takes the plain path's zero gradients); an
+  // accumulated step runs its micro-batches without them.
+  const bool graphs = !synced && accumulate == 1 && graphs_enabled(devices) &&
                       X.size(0) >= static_cast<int64_t>(L * world);
-  std::vector<Tensor> xs, ys;
-  {
-    trace::Label label([] { return std::string("split and copy batch"); });
-    xs = rank_shards(X, devices, !graphs);
-    ys = rank_shards(y, devices, !graphs);
-  }
   // CPU devices of this process (and no other rank): one collective after backward sums the
   // gradients and updates every replica (shared_update); otherwise buckets are reduced as
   // backward produces them and every replica updates itself.
@@ -500,13 +531,29 @@ std::vector<Tensor> train_step(const Model& m, const Tensor& X, const Tensor& y,
     for (const Bucket& b : m.buckets()) sizes.push_back(b.end - b.begin);
     reduce.emplace(devices, sizes, X.size(0) * 256 + static_cast<int64_t>(L));
   }
-  std::vector<Tensor> losses, grads;
+  // Micro-batch k of `accumulate` is rows micro[k] of X, split over the devices as a batch is;
+  // its gradients land in `grads` (the replicas' own buffers) for the first micro-batch, in
+  // `fresh` for the others, added into `grads` bucket by bucket. Only the last micro-batch's
+  // buckets go to the all-reduce, so the micro-batches before it reduce nothing.
+  const std::vector<ShardSpan> micro = shard_ranges(X.size(0), static_cast<size_t>(accumulate));
+  std::vector<Tensor> losses, grads, fresh;
+  int64_t k = 0;
   auto bucket_done = [&](size_t b, size_t d) {
-    if (!reduce) return;
-    reduce->ready(b, d, grads[d].slice_rows(m.buckets()[b].begin, m.buckets()[b].end));
+    const Bucket& bucket = m.buckets()[b];
+    if (k > 0)
+      ops::binary_inplace(ops::BinaryOp::Add, grads[d].slice_rows(bucket.begin, bucket.end),
+                          fresh[d].slice_rows(bucket.begin, bucket.end));
+    if (!reduce || k + 1 < accumulate) return;
+    reduce->ready(b, d, grads[d].slice_rows(bucket.begin, bucket.end));
     if (d + 1 == L) injected_failure(b);
   };
   if (graphs) {
+    std::vector<Tensor> xs, ys;
+    {
+      trace::Label label([] { return std::string("split and copy batch"); });
+      xs = rank_shards(X, devices, false);
+      ys = rank_shards(y, devices, false);
+    }
     std::vector<std::shared_ptr<CapturedStep>> loaded;
     for (size_t d = 0; d < L; ++d)
       loaded.push_back(load_captured_step(m, xs[d], ys[d], replicas[d].state, devices[d]));
@@ -517,30 +564,52 @@ std::vector<Tensor> train_step(const Model& m, const Tensor& X, const Tensor& y,
     for (Replica& r : replicas) {
       if (!r.grads.defined()) r.grads = Tensor::empty({m.flat_size()}, DType::F32, r.device);
       grads.push_back(r.grads);
+      if (accumulate > 1) fresh.push_back(Tensor::empty({m.flat_size()}, DType::F32, r.device));
       states.push_back(&r.state);
     }
-    SyncReplicas sync;
-    if (synced) {
-      // Replica d of rank k is slot k * L + d: the shard order of rank_shards.
-      sync.slots = L * world;
-      sync.rows = X.size(0);
-      for (size_t d = 0; d < L; ++d)
-        sync.slot.push_back(static_cast<size_t>(comm::dist::rank()) * L + d);
-      sync.sum = [&devices, world](const std::vector<Tensor>& parts, int64_t tag) {
-        // GPUs of one process: summed on their streams, with no host wait per layer.
-        if (world == 1 && !devices[0].is_cpu()) {
-          comm::stream_sum_gpu(parts, devices);
-          return;
-        }
-        comm::BucketAllReduce exchange(devices, {parts[0].numel()}, -1 - tag);
-        for (size_t d = 0; d < parts.size(); ++d) exchange.ready(0, d, parts[d]);
-      };
+    for (k = 0; k < accumulate; ++k) {
+      const Tensor Xk = accumulate == 1 ? X : X.slice_rows(micro[static_cast<size_t>(k)].first,
+                                                             micro[static_cast<size_t>(k)].second);
+      const Tensor yk = accumulate == 1 ? y : y.slice_rows(micro[static_cast<size_t>(k)].first,
+                                                             micro[static_cast<size_t>(k)].second);
+      std::vector<Tensor> xs, ys;
+      {
+        trace::Label label([] { return std::string("split and copy batch"); });
+        xs = rank_shards(Xk, devices, true);
+        ys = rank_shards(yk, devices, true);
+      }
+      SyncReplicas sync;
+      if (synced) {
+        // Replica d of rank k is slot k * L + d: the shard order of rank_shards.
+        sync.slots = L * world;
+        sync.rows = Xk.size(0);
+        for (size_t d = 0; d < L; ++d)
+          sync.slot.push_back(static_cast<size_t>(comm::dist::rank()) * L + d);
+        sync.sum = [&devices, world](const std::vector<Tensor>& parts, int64_t tag) {
+          // GPUs of one process: summed on their streams, with no host wait per layer.
+          if (world == 1 && !devices[0].is_cpu()) {
+            comm::stream_sum_gpu(parts, devices);
+            return;
+          }
+          comm::BucketAllReduce exchange(devices, {parts[0].numel()}, -1 - tag);
+          for (size_t d = 0; d < parts.size(); ++d) exchange.ready(0, d, parts[d]);
+        };
+      }
+      std::vector<Tensor> part = replicas_loss_and_grads(m, xs, ys, states,
+                                                         k == 0 ? grads : fresh, bucket_done,
+                                                         sync);
+      if (k == 0) {
+        losses = part;
+      } else {
+        for (size_t d = 0; d < L; ++d)
+          ops::binary_inplace(ops::BinaryOp::Add, losses[d], part[d]);
+      }
     }
-    losses = replicas_loss_and_grads(m, xs, ys, states, grads, bucket_done, sync);
   }
   {
     trace::Label label([] { return std::string("sgd update"); });
     if (shared) {
+      comm::count_collective(m.flat_size() * static_cast<int64_t>(sizeof(float)));
       shared_update(m, replicas, grads, sgd, X.size(0));
     } else {
       for (size_t d = 0; d < L; ++d) update(m, replicas[d], grads[d], sgd, X.size(0));
@@ -595,7 +664,7 @@ std::vector<Replica> lenet_replicas(const char* op, const std::vector<std::vecto
 std::vector<Tensor> train_batch(const Tensor& X, const Tensor& y,
                                 const std::vector<std::vector<Tensor>>& params,
                                 const std::vector<Device>& devices, float lr,
-                                int64_t num_shards) {
+                                int64_t num_shards, int64_t accumulate) {
   std::vector<Replica> replicas = lenet_replicas("train_batch", params, devices);
   require_dtype("train_batch", "X", X, DType::F32);
   MGPU_CHECK_VALUE(X.dim() == 4, "train_batch: X must have 4 dims (N, 1, 28, 28), got shape ",
@@ -603,7 +672,8 @@ std::vector<Tensor> train_batch(const Tensor& X, const Tensor& y,
   Sgd sgd;
   sgd.lr = lr;
   sgd.sum_rule = true;
-  return train_step(lenet_model(params[0]), X, y, replicas, sgd, num_shards, "train_batch");
+  return train_step(lenet_model(params[0]), X, y, replicas, sgd, num_shards, "train_batch",
+                    accumulate);
 }
 
 std::vector<Tensor> evaluate_batch(const Tensor& X, const Tensor& y,

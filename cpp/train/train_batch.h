@@ -59,24 +59,34 @@ void check_replicas(const char* op, const Model& m, const std::vector<Replica>& 
 // and shard gradients and losses are added in the fixed tree of shard_tree.h. So any number of
 // devices and ranks of one kind gives bitwise the same parameters; the whole loss is reported by
 // rank 0's first replica, every other replica reports 0.
+// accumulate K > 1: gradient accumulation in one call, for K times less activation memory. The
+// batch runs as K micro-batches one after another (forward and backward each), their gradients
+// summed on every device, and only then reduced across devices and ranks and applied in one
+// update with the scale of the whole batch (the mean loss over X), so K micro-batches compute the
+// step of one batch. Batch norm normalises per micro-batch (per replica, or per shard) and its
+// running statistics move once per micro-batch, as PyTorch's do when a loop accumulates. With
+// num_shards 0 micro-batch k is rows shard_ranges(N, K)[k]; with num_shards S (K must divide S,
+// else ValueError) it is shards [k S/K, (k + 1) S/K), spread over every device, and the shard
+// gradients are added in the same tree as with K = 1: the parameters are bitwise those of K = 1.
 // Atomic for labels outside the logits' classes (a model whose last layer is linear): labels the
 // host can read raise IndexError before anything changes; labels on a device leave parameters,
 // momentum and batch-norm statistics as they were, and the IndexError comes at the next wait (the
 // returned losses keep it). Errors name `op`.
 std::vector<Tensor> train_step(const Model& m, const Tensor& X, const Tensor& y,
                                std::vector<Replica>& replicas, const Sgd& sgd,
-                               int64_t num_shards = 0, const char* op = "train_step");
+                               int64_t num_shards = 0, const char* op = "train_step",
+                               int64_t accumulate = 1);
 // Correct predictions (batch norm in evaluation mode), one 0-d float32 count per replica; across
 // processes each rank counts its rows only.
 std::vector<Tensor> evaluate_step(const Model& m, const Tensor& X, const Tensor& y,
                                   const std::vector<Replica>& replicas);
 
 // The chapter's LeNet step: params[d] is device d's replica (W1, b1, ..., W4, b4 on devices[d]),
-// updated in place with p -= lr / N * g. num_shards as for train_step.
+// updated in place with p -= lr / N * g. num_shards and accumulate as for train_step.
 std::vector<Tensor> train_batch(const Tensor& X, const Tensor& y,
                                 const std::vector<std::vector<Tensor>>& params,
                                 const std::vector<Device>& devices, float lr,
-                                int64_t num_shards = 0);
+                                int64_t num_shards = 0, int64_t accumulate = 1);
 std::vector<Tensor> evaluate_batch(const Tensor& X, const Tensor& y,
                                    const std::vector<std::vector<Tensor>>& params,
                                    const std::vector<Device>& devices);

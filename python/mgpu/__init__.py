@@ -46,6 +46,7 @@ from .chapter import train_op_by_op
 from .checkpoint import CheckpointError, load, save
 from .data import DataLoader, get_fashion_mnist_labels, load_data_fashion_mnist
 from .device import Device, cpu, gpu, num_gpus, try_all_gpus, try_gpu
+from .loop import Preempted
 from .models import lenet, lenet_params
 from .nn import CrossEntropyLoss, SoftmaxCrossEntropyLoss
 from .ops import (
@@ -151,7 +152,7 @@ __all__ = [
     "array", "tensor", "zeros", "ones", "full", "zeros_like", "ones_like", "arange", "randn",
     "from_dlpack", "random", "autograd", "chapter", "checkpoint", "data_parallel", "distributed",
     "plot", "no_grad", "amp", "autocast",
-    "save", "load", "CheckpointError",
+    "save", "load", "CheckpointError", "Preempted",
     "models", "nn", "ops", "optim", "profile", "trace",
     "conv2d", "avg_pool2d", "max_pool2d", "dropout", "relu", "batch_norm", "mm", "dot",
     "cross_entropy", "argmax",

@@ -138,6 +138,18 @@ def backward(root, grad) -> None:
             _accumulate_leaf(root, grads.pop(id(root)))
 
 
+def zero_grads(params, set_to_none: bool) -> None:
+    """Clears the gradients of ``params`` (Module.zero_grad, Optimizer.zero_grad): to None
+    (PyTorch's default), or to zeros in place."""
+    for p in params:
+        if p.grad is None:
+            continue
+        if set_to_none:
+            p.grad = None
+        else:
+            p.grad.zero_()
+
+
 def _accumulate_leaf(x, g) -> None:
     if x.grad is None:
         # A copy: g may be shared with another input's gradient (an add passes dy to both).

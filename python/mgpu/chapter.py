@@ -7,36 +7,25 @@ step; the tests run both and compare). Sec. 12.6's ``train`` is ``train_concise`
 """
 from __future__ import annotations
 
-import sys
+import contextlib
 from typing import Optional
 
 import numpy as np
 
-from . import amp, faults, nn, optim, random
+from . import amp, nn, optim, random
 from . import distributed as _dist
-from ._core import waitall
+from . import loop as _scaffold
 from .autograd import no_grad
 from .checkpoint import CheckpointError, check_run
 from .data import load_data_fashion_mnist
 from .device import try_gpu
+from .loop import Timer, TrainResult
 from .models import lenet
 from .nn import CrossEntropyLoss
 from .optim.lr_scheduler import make_schedule
-from .parallel import sgd, shard_count, split_batch
+from .parallel import check_accumulate, sgd, shard_count, split_batch
 from .tensor import zeros_like
-from .train import (
-    Progress,
-    Timer,
-    TrainResult,
-    check_resumable_loader,
-    evaluate_accuracy_gpu,
-    host_value,
-    open_checkpoints,
-    progress_bar,
-    restore_result,
-    result_state,
-    train,
-)
+from .train import evaluate_accuracy_gpu, train
 
 loss = CrossEntropyLoss(reduction="none")
 
@@ -163,7 +152,8 @@ def train_concise(net, num_gpus: int, batch_size: int, lr: float, num_epochs: in
                   checkpoint_every: Optional[int] = None, resume: bool = False,
                   optimizer: str = "sgd", weight_decay: Optional[float] = None,
                   schedule: str = "none", warmup_epochs: int = 0,
-                  clip_grad_norm: Optional[float] = None,
+                  clip_grad_norm: Optional[float] = None, accumulate: int = 1,
+                  log: Optional[str] = None, tensorboard: Optional[str] = None,
                   precision: str = "float32") -> TrainResult:
     """The concise chapter's ``train(net, num_gpus, batch_size, lr)`` (sec. 12.6), as printed:
     ``normal_(std=0.01)`` init of Linear and Conv2d weights, ``nn.DataParallel``, SGD and the
@@ -184,9 +174,20 @@ def train_concise(net, num_gpus: int, batch_size: int, lr: float, num_epochs: in
     ``warmup_epochs`` (see ``optim.lr_scheduler.make_schedule``, stepped after every batch), and
     ``clip_grad_norm``: the gradients' global norm clipped to it before every update
     (``nn.utils.clip_grad_norm_`` in the book's loop, inside the C++ step when fused).
+    ``accumulate=K``: gradient accumulation, one optimizer update per batch from K
+    micro-batches of batch_size / K run one after another (the book's loop: K forward and
+    backward passes, all but the last under ``net.no_sync()``, each loss scaled by its share of
+    the batch; fused: ``train_step(..., accumulate=K)``); a step is still one batch and one
+    update, so schedules and checkpoints count as without it.
+    ``log`` (JSON lines) and ``tensorboard`` (event files) record every step's loss, lr and
+    images/s and every epoch's accuracy, as in ``mgpu.train``; SIGTERM or SIGUSR1 stops the run
+    after the current step with a checkpoint and ``mgpu.Preempted`` (see ``mgpu.loop``).
     ``precision="bf16"``: the convolutions and linear layers train with bfloat16 products and
     float32 sums (the loop's forward under ``mgpu.autocast("bf16")``, or the fused step's
-    ``precision``); the evaluation stays float32.
+    ``precision``), with or without ``accumulate``; the evaluation stays float32. On CPUs bf16
+    is currently slower than float32 for ResNet-18 (its 3x3 convolutions run im2col in bf16
+    where float32 runs Winograd); it is there for its numerics and as the base for faster
+    kernels.
     Returns the per-epoch accuracies and times.
     """
     if int(num_gpus) < 1:
@@ -195,13 +196,14 @@ def train_concise(net, num_gpus: int, batch_size: int, lr: float, num_epochs: in
     if deterministic and not fused:
         raise ValueError("train_concise: deterministic needs fused=True (the book's loop through "
                          "autograd sums gradients in device order)")
-    ckpts = open_checkpoints(checkpoint, checkpoint_every, resume, "train_concise")
+    ckpts = _scaffold.open_checkpoints(checkpoint, checkpoint_every, resume, "train_concise")
     shards = shard_count(deterministic, "train_concise")
+    accumulate = check_accumulate(accumulate, shards, "train_concise")
     random.seed(seed)
     train_iter, test_iter = data if data is not None else load_data_fashion_mnist(
         batch_size, data_dir=data_dir, seed=seed, limit_batches=limit_batches)
     if ckpts is not None:
-        check_resumable_loader(train_iter, "train_concise")
+        _scaffold.check_resumable_loader(train_iter, "train_concise")
     devices = [try_gpu(i) for i in range(num_gpus)]
 
     def init_weights(module):
@@ -220,87 +222,88 @@ def train_concise(net, num_gpus: int, batch_size: int, lr: float, num_epochs: in
         raise ValueError(f"train_concise: clip_grad_norm must be a finite number >= 0, got "
                          f"{clip_grad_norm!r}")
     loss = nn.CrossEntropyLoss()
-    timer = Timer()
     result = TrainResult(devices=devices)
-    show_bar = progress if progress is not None else sys.stderr.isatty()
-    run = Progress()
-    if ckpts is not None:
-        loaded = ckpts.start(resume)
-        if loaded is not None:
-            run = _resume_concise(*loaded, net.module, trainer, train_iter, result, batch_size,
-                                  len(devices), fused, shards, scheduler)
-            if run.epoch >= int(num_epochs):
-                print(f"the run in {checkpoint} has finished its {run.epoch} epochs: its "
-                      "results, nothing trained")
     config = {"batch_size": batch_size, "num_devices": len(devices), "world_size": 1,
               "lr": lr, "seed": seed, "fused": bool(fused), "deterministic": shards,
               "optimizer": optimizer, "schedule": schedule, "warmup_epochs": warmup_epochs,
-              "clip_grad_norm": clip_grad_norm, "precision": precision}
+              "clip_grad_norm": clip_grad_norm, "accumulate": accumulate,
+              "precision": precision}
 
-    def save_state(epoch_next: int) -> None:
-        waitall()
-        run.losses[:] = [host_value(v) for v in run.losses]
-        state = {"kind": "mgpu.train_concise", "step": run.step, "epoch": epoch_next,
-                 "config": config, "model": net.module.state_dict(),
-                 "optimizer": trainer.state_dict(), "loader": train_iter.state_dict(),
-                 "scheduler": scheduler.state_dict() if scheduler is not None else None,
-                 "rng": random.get_state(), "result": result_state(result),
-                 "epoch_losses": np.array(run.losses, dtype=np.float32),
-                 "epoch_elapsed": run.elapsed + timer.stop()}
-        timer.times.pop()  # the timer keeps running for the epoch
-        ckpts.write(state, run.step)
+    def state():
+        return {"model": net.module.state_dict(), "optimizer": trainer.state_dict(),
+                "epoch_losses": np.array(loop.run.losses, dtype=np.float32)}
 
-    for epoch in range(run.epoch, int(num_epochs)):
-        bar = progress_bar(len(train_iter), f"epoch {epoch + 1}/{num_epochs}") \
-            if show_bar else None
-        net.train()
-        timer.start()
-        losses = run.losses
-        for X, y in train_iter:
-            if fused:
-                l = net.train_step(X, y, loss, trainer, deterministic=deterministic,
-                                   clip_grad_norm=clip_grad_norm, precision=precision)
-            else:
-                trainer.zero_grad()
-                X, y = X.to(devices[0]), y.to(devices[0])
-                with amp.autocast(precision):
-                    l = loss(net(X), y)
-                l.backward()
-                if clip_grad_norm is not None:
-                    nn.utils.clip_grad_norm_(net.parameters(), clip_grad_norm)
-                trainer.step()
-            if scheduler is not None:
-                scheduler.step()
-            losses.append(l.detach())
-            run.step += 1
-            if ckpts is not None:
-                faults.fault("step")
-                if ckpts.due(run.step):
-                    save_state(epoch)
-            if bar is not None:
-                bar.update(1)
-        waitall()
-        result.epoch_times.append(run.elapsed + timer.stop())
-        result.train_loss.append(float(np.mean([host_value(v) for v in losses])) if losses
-                                 else float("nan"))
-        result.test_acc.append(evaluate_accuracy_gpu(net, test_iter))
-        if bar is not None:
-            bar.close()
-        run.losses, run.elapsed = [], 0.0
-        if ckpts is not None:
-            timer.start()
-            save_state(epoch + 1)
+    loop = _scaffold.Loop("train_concise", "mgpu.train_concise", num_epochs, train_iter, result,
+                          ckpts, Timer(), config, scheduler, state, log=log,
+                          tensorboard=tensorboard, progress=progress)
+    with loop:  # SIGTERM and SIGUSR1 handled from here (mgpu.loop)
+        run = loop.start(resume, lambda path, saved: _resume_concise(
+            path, saved, net.module, trainer, train_iter, result, batch_size, len(devices), fused,
+            shards, scheduler, accumulate))
+        for epoch in loop.epochs():
+            net.train()
+            losses = run.losses
+            for X, y in train_iter:
+                step_lr = trainer.param_groups[0]["lr"]
+                if fused:
+                    l = net.train_step(X, y, loss, trainer, deterministic=deterministic,
+                                       clip_grad_norm=clip_grad_norm, accumulate=accumulate,
+                                       precision=precision)
+                else:
+                    trainer.zero_grad()
+                    X, y = X.to(devices[0]), y.to(devices[0])
+                    with amp.autocast(precision):  # each backward runs with its forward's
+                        if accumulate == 1:
+                            l = loss(net(X), y)
+                            l.backward()
+                        else:
+                            l = accumulated_backward(net, loss, X, y, accumulate)
+                    if clip_grad_norm is not None:
+                        nn.utils.clip_grad_norm_(net.parameters(), clip_grad_norm)
+                    trainer.step()
+                if scheduler is not None:
+                    scheduler.step()
+                losses.append(l.detach())
+                loop.step_done(epoch, step_lr, X.shape[0], [losses[-1]], 1)
+            loop.end_epoch()
+            result.train_loss.append(float(np.mean([_scaffold.host_value(v) for v in losses]))
+                                     if losses else float("nan"))
+            result.test_acc.append(evaluate_accuracy_gpu(net, test_iter))
+            loop.epoch_done(epoch)
     # Every epoch's time, those before a resume included (the timer holds this session's).
-    print(f'test acc: {result.test_acc[-1]:.2f}, {result.sec_per_epoch:.1f} sec/epoch '
-          f'on {str(devices)}')
+    loop.finish()
     return result
+
+
+def accumulated_backward(net, loss, X, y, accumulate: int):
+    """The book's loop with gradient accumulation: X, y split into ``accumulate`` micro-batches
+    (sizes differ by at most one; empty ones skipped), each one's forward and backward in turn,
+    all but the last under ``net.no_sync()`` (DataParallel's), each mean loss scaled by its
+    share of the batch, so the gradients add up to those of the mean loss over X. Returns that
+    loss (0-d, detached)."""
+    n = X.shape[0]
+    parts = [(a, b) for a, b in _ranges(n, accumulate) if b > a]
+    total = None
+    for i, (a, b) in enumerate(parts):
+        quiet = net.no_sync() if i + 1 < len(parts) else contextlib.nullcontext()
+        with quiet:
+            share = loss(net(X[a:b]), y[a:b]) * ((b - a) / n)
+            share.backward()
+        total = share.detach() if total is None else total + share.detach()
+    return total
 
 
 def _resume_concise(path: str, state, module, trainer, train_iter, result: TrainResult,
                     batch_size: int, num_devices: int, fused: bool, shards: int,
-                    scheduler=None) -> Progress:
+                    scheduler=None, accumulate: int = 1) -> "_scaffold.Progress":
     """Puts a checkpoint's state into the run: everything is checked before anything changes."""
     check_run(path, state, "mgpu.train_concise", batch_size, num_devices, 1, shards)
+    saved_accumulate = state.get("config", {}).get("accumulate", 1)
+    if saved_accumulate != accumulate:
+        raise CheckpointError(path, f"was written by a run with accumulate={saved_accumulate}, "
+                              f"this run has accumulate={accumulate} (batch norm's running "
+                              "statistics move once per micro-batch); resume with the same "
+                              "--accumulate")
     saved_opt = state.get("config", {}).get("optimizer", "sgd")
     saved_sched = state.get("scheduler")
     if saved_opt != type(trainer).__name__.lower():
@@ -347,8 +350,8 @@ def _resume_concise(path: str, state, module, trainer, train_iter, result: Train
         scheduler.load_state_dict(saved_sched)
     module.load_state_dict(saved)
     random.set_generator(rng)
-    restore_result(result, state["result"])
+    _scaffold.restore_result(result, state["result"])
     print(f"resuming from {path} (epoch {state['epoch'] + 1}, step {state['step']})")
-    return Progress(epoch=int(state["epoch"]), step=int(state["step"]),
+    return _scaffold.Progress(epoch=int(state["epoch"]), step=int(state["step"]),
                     losses=[float(v) for v in state["epoch_losses"]],
                     elapsed=float(state["epoch_elapsed"]))

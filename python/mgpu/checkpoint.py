@@ -18,6 +18,8 @@ the parameters the uninterrupted run would have had: on the same devices, or on 
 with ``deterministic=True``. A checkpoint of another network, batch size, data order or device
 count is refused before anything changes. Resuming a run that has finished its epochs trains
 nothing and returns (and prints) its results. Under ``mpirun`` rank 0 writes and every rank reads.
+SIGTERM or SIGUSR1 during a loop writes the checkpoint of the step it finishes, then stops the run
+(``mgpu.loop``: ``mgpu.Preempted``, the CLI's exit status 128 + the signal).
 """
 from __future__ import annotations
 

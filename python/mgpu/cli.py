@@ -1,7 +1,8 @@
 """The ``mgpu`` command (also ``python -m mgpu``): train the chapters' LeNet or ResNet-18 from a
 shell, show what this build contains (``mgpu info``, ``mgpu info --env``), benchmark, and predict
 scaling. ``main(argv)`` returns the exit status: 0, 2 for a user error (one line on stderr, no
-traceback), 130 after Ctrl-C."""
+traceback), 130 after Ctrl-C, and 128 + the signal after SIGTERM or SIGUSR1 stopped ``train``
+(143, 138: the run's line says where its checkpoint is; see ``mgpu.loop``)."""
 from __future__ import annotations
 
 import argparse
@@ -25,7 +26,7 @@ def _train_run(args) -> int:
     from .train import train
     kw = dict(data_dir=args.data_dir, limit_batches=args.limit_batches, seed=args.seed,
               checkpoint=args.checkpoint, checkpoint_every=args.checkpoint_every,
-              resume=args.resume)
+              resume=args.resume, log=args.log, tensorboard=args.tensorboard)
     if args.model == "resnet18":
         # Sec. 12.6: modules, nn.DataParallel and the book's loop through autograd.
         from . import chapter, models, nn
@@ -47,7 +48,7 @@ def _train_run(args) -> int:
                               optimizer=args.optimizer, weight_decay=args.weight_decay,
                               schedule=args.schedule, warmup_epochs=args.warmup_epochs,
                               clip_grad_norm=args.clip_grad_norm, precision=args.precision,
-                              **kw)
+                              accumulate=args.accumulate, **kw)
         return 0
     if args.precision != "float32":
         raise ValueError("--precision bf16 needs --model resnet18 for now (LeNet's fused step "
@@ -61,6 +62,8 @@ def _train_run(args) -> int:
                          "--schedule and --warmup-epochs work with it)")
     kw.update(check_finite=args.check_finite, schedule=args.schedule,
               warmup_epochs=args.warmup_epochs)
+    if args.accumulate != 1:
+        kw["accumulate"] = args.accumulate
     if args.deterministic:
         kw["deterministic"] = True
     if args.op_by_op:
@@ -456,10 +459,23 @@ def main(argv: Optional[List[str]] = None, prog: str = "mgpu") -> int:
                    help="resnet18: clip the gradients' global norm to X before every update")
     t.add_argument("--precision", choices=["float32", "bf16"], default="float32",
                    help="resnet18: bf16 trains the convolutions and linear layers with bfloat16 "
-                        "products and float32 sums (mgpu.autocast; the fused step's precision)")
+                        "products and float32 sums (mgpu.autocast; the fused step's precision). "
+                        "On CPUs bf16 is currently slower than float32 for ResNet-18 (its 3x3 "
+                        "convolutions run im2col in bf16 where float32 runs Winograd); it is "
+                        "there for its numerics and as the base for faster kernels")
+    t.add_argument("--accumulate", type=int, default=1, metavar="K",
+                   help="gradient accumulation: each batch as K micro-batches run one after "
+                        "another (K times less activation memory), one reduction and one "
+                        "update per batch; with --deterministic K must divide 8")
     t.add_argument("--resume", action="store_true",
                    help="continue from the newest checkpoint in --checkpoint DIR (a fresh run "
                         "if there is none); ends with the parameters of an uninterrupted run")
+    t.add_argument("--log", metavar="PATH", default=None,
+                   help="write JSON lines: per step loss, lr, images/s; per epoch test accuracy "
+                        "and sec/epoch (pandas.read_json(PATH, lines=True))")
+    t.add_argument("--tensorboard", metavar="DIR", default=None,
+                   help="write the same values as TensorBoard event files in DIR (needs "
+                        "pip install tensorboard)")
     t.set_defaults(run=_train)
     m = sub.add_parser("trace-merge", help="join per-rank timelines into one (ranks as processes)")
     m.add_argument("out", help="the merged trace to write")
@@ -473,14 +489,18 @@ def main(argv: Optional[List[str]] = None, prog: str = "mgpu") -> int:
     i.set_defaults(run=_info)
     _bench_parser(sub)
     args = parser.parse_args(argv)
+    from .loop import Preempted
     try:
         return args.run(args)
+    except Preempted as e:
+        # SIGTERM / SIGUSR1: the loop has printed its line (rank 0); the shell's status for it.
+        return e.exit_status
     except KeyboardInterrupt:
         # Ctrl-C: one line, and the shell's status for SIGINT (128 + 2), no traceback.
         print("mgpu: interrupted", file=sys.stderr)
         return 130
     except (ValueError, TypeError, IndexError, OSError, RuntimeError, MemoryError,
-            ArithmeticError) as e:
+            ArithmeticError, ImportError) as e:  # ImportError: an optional package, named
         from . import distributed
         where = f" (rank {distributed.rank()})" if distributed.world_size() > 1 else ""
         print(f"mgpu: error{where}: {e}", file=sys.stderr)

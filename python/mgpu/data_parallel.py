@@ -6,6 +6,7 @@ replicas' gradients into the master's ``.grad``) and gathers the outputs on ``de
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import OrderedDict
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -35,7 +36,7 @@ from .nn import (
 from .nn import CrossEntropyLoss as nn_CrossEntropyLoss
 from .optim import SGD as optim_SGD
 from .optim import Adam as optim_Adam
-from .parallel import FusedModel, SteadyAllocations
+from .parallel import FusedModel, SteadyAllocations, check_accumulate, shard_count
 from .tensor import Tensor, zeros_like
 
 # Replica modules are shallow copies of the master's modules: these entries of a module's
@@ -80,6 +81,10 @@ class _Replica:
         self.device = device
         self.pairs: List[Tuple[Module, Module]] = []
         self.root = self._copy(master, {})
+        # Under DataParallel.no_sync(): per (pair index, name), a leaf copy of the master's
+        # parameter on this device whose .grad holds this replica's gradients not yet sent to
+        # the master, with the master tensor and version it was copied from.
+        self.local: Dict[Tuple[int, str], Tuple[Tensor, Tensor, int]] = {}
 
     def _copy(self, m: Module, memo: Dict[int, Module]) -> Module:
         if id(m) in memo:
@@ -95,14 +100,23 @@ class _Replica:
             r._modules[name] = None if child is None else self._copy(child, memo)
         return r
 
-    def refresh(self) -> Module:
+    def refresh(self, sync: bool = True) -> Module:
         """Copies the master's state in: parameters recorded (gradients flow back to the
-        master), buffers into this replica's own tensors, other attributes by reference."""
+        master), buffers into this replica's own tensors, other attributes by reference.
+        ``sync=False`` (no_sync): parameters are this device's own leaves instead, whose
+        gradients stay here until the next recorded copy's backward takes them along."""
         dev = self.device
-        for r, m in self.pairs:
+        for i, (r, m) in enumerate(self.pairs):
             r.__dict__.update({k: v for k, v in m.__dict__.items() if k not in _OWN})
             for name, p in m._parameters.items():
-                r._parameters[name] = None if p is None else p.to(dev)
+                if p is None:
+                    r._parameters[name] = None
+                elif sync:
+                    entry = self.local.get((i, name))
+                    r._parameters[name] = p.to(dev) if entry is None or entry[0].grad is None \
+                        else _to_with_pending(p, dev, entry[0])
+                else:
+                    r._parameters[name] = self._local_leaf(i, name, p)
             for name, b in m._buffers.items():
                 if b is None:
                     r._buffers[name] = None
@@ -113,6 +127,45 @@ class _Replica:
                     r._buffers[name] = rb
                 _core.copy(rb._t, b._t)
         return self.root
+
+    def _local_leaf(self, i: int, name: str, p: Tensor) -> Tensor:
+        """The leaf copy of master parameter ``p`` on this device, copied again only when the
+        master changed since (so graphs that saved it stay valid between micro-batches)."""
+        entry = self.local.get((i, name))
+        if entry is not None and entry[0].shape == p.shape and entry[1] is p \
+                and entry[2] == p._t.version:
+            return entry[0]
+        if entry is None or entry[0].shape != p.shape:
+            leaf = p.copyto(self.device)
+        else:
+            leaf = p.copyto(entry[0])  # keeps the gradients accumulated here
+        leaf.requires_grad = p.requires_grad
+        self.local[(i, name)] = (leaf, p, p._t.version)
+        return leaf
+
+    def pending(self) -> List[Tuple[Tensor, Tensor]]:
+        """(local leaf, master parameter) pairs whose leaf holds gradients not yet sent."""
+        return [(e[0], e[1]) for e in self.local.values() if e[0].grad is not None]
+
+    def drop_pending(self) -> None:
+        for leaf, _ in self.pending():
+            leaf.grad = None
+
+
+def _to_with_pending(p: Tensor, device: Device, leaf: Tensor) -> Tensor:
+    """``p.to(device)`` whose backward also sends ``leaf``'s gradients (accumulated on
+    ``device`` under no_sync) to ``p``: one copy carries the sum, and the leaf is emptied."""
+    out = Tensor(_core.to_device(p._t, device))
+    src = p.device
+
+    def backward(dy):
+        g = leaf.grad
+        if g is not None:
+            leaf.grad = None
+            dy = dy + g
+        return (dy.to(src),)
+
+    return autograd.attach(out, [p], backward, saved=(), op="to")
 
 
 class DataParallel(Module):
@@ -146,6 +199,11 @@ class DataParallel(Module):
     [--sync-bn]``. The fused step takes the modules ``mgpu.models.resnet18`` is made of
     (``mgpu.nn``'s Sequential, Conv2d, BatchNorm2d, SyncBatchNorm, ReLU, AvgPool2d,
     AdaptiveAvgPool2d((1, 1)), Flatten, Linear and ``mgpu.models.Residual``).
+
+    Gradient accumulation: backward passes under ``with net.no_sync():`` keep each replica's
+    gradients on its device until the first backward outside it (see ``no_sync``);
+    ``net.train_step(X, y, loss, trainer, accumulate=K)`` runs the batch as K micro-batches in
+    one call, with one reduction and one update.
     """
 
     def __init__(self, module: Module, device_ids: Optional[Sequence] = None,
@@ -163,6 +221,7 @@ class DataParallel(Module):
         object.__setattr__(self, "device_ids", devices)
         object.__setattr__(self, "_replicas", {})
         object.__setattr__(self, "_tree", None)
+        object.__setattr__(self, "_sync", True)
 
     def extra_repr(self) -> str:
         return f"device_ids={self.device_ids}"
@@ -175,18 +234,77 @@ class DataParallel(Module):
                                  f"must stay on device_ids[0] = {src}; move it back with "
                                  f"net.module.to({src})")
 
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Context manager for gradient accumulation in the book's loop, as PyTorch DDP's: the
+        backward passes of forwards run inside it send nothing between devices, each replica
+        adds its gradients into its own copy on its device (device_ids[0]'s into the
+        parameters' ``.grad``), and the backward of the first forward outside it sends each
+        replica's accumulated sum to the master with that step's gradients (one copy per
+        parameter and device, as a step without accumulation sends)::
+
+            with net.no_sync():
+                for Xk, yk in micro_batches[:-1]:
+                    loss(net(Xk), yk).backward()
+            loss(net(Xl), yl).backward()  # the reduction of every micro-batch's gradients
+            trainer.step()
+
+        Gradients not sent yet are dropped by ``net.zero_grad()``, and by a forward that finds
+        every parameter's ``.grad`` None (``trainer.zero_grad()`` has run). Replicas are
+        refreshed from the master inside too, by a copy only when the master has changed.
+        One process: under mpirun the book's loop does not reduce across ranks; the fused step
+        accumulates with ``train_step(..., accumulate=K)``."""
+        old = self._sync
+        object.__setattr__(self, "_sync", False)
+        try:
+            yield
+        finally:
+            object.__setattr__(self, "_sync", old)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clears the parameters' gradients and the replicas' not yet sent (no_sync)."""
+        super().zero_grad(set_to_none)
+        for rep in self._replicas.values():
+            rep.drop_pending()
+
+    def _settle_pending(self, used: int) -> None:
+        """Before a forward: drops the replicas' unsent gradients if the master's were cleared;
+        outside no_sync, adds those of replicas this forward leaves out into the master's."""
+        reps = [self._replicas.get(str(d)) for d in self.device_ids[1:]]
+        reps = [r for r in reps if r is not None and r.pending()]
+        if not reps:
+            return
+        if all(p.grad is None for p in self.module.parameters()):
+            for rep in reps:
+                rep.drop_pending()
+            return
+        if not self._sync:
+            return
+        with autograd.no_grad():
+            for rep in reps:
+                if rep.device in self.device_ids[1:used]:
+                    continue
+                for leaf, p in rep.pending():
+                    g = leaf.grad.to(p.device)
+                    leaf.grad = None
+                    if p.grad is None:
+                        p.grad = g
+                    else:
+                        p.grad += g
+
     def _replica_roots(self, n: int) -> List[Module]:
         tree = tuple(id(m) for m in self.module.modules()) + tuple(
             id(t) for t in self.module.parameters())
         if tree != self._tree:  # the module tree changed since the replicas were built
             self._replicas.clear()
             object.__setattr__(self, "_tree", tree)
+        sync = self._sync or not autograd.is_recording()
         roots = [self.module]
         for d in self.device_ids[1:n]:
             rep = self._replicas.get(str(d))
             if rep is None:
                 rep = self._replicas[str(d)] = _Replica(self.module, d)
-            roots.append(rep.refresh())
+            roots.append(rep.refresh(sync))
         return roots
 
     def forward(self, X: Tensor) -> Tensor:
@@ -199,9 +317,11 @@ class DataParallel(Module):
         self._check_master()
         devices = self.device_ids
         if len(devices) == 1 or X.shape[0] <= 1:
+            self._settle_pending(1)
             return self._single(self.module(X.to(devices[0])))
         shards = [Tensor(t) for t in _core.split_rows(X._t, devices)]
         shards = [s for s in shards if s.shape[0] > 0]
+        self._settle_pending(len(shards))
         roots = self._replica_roots(len(shards))
         if self.training and any(isinstance(m, SyncBatchNorm) for m in self.module.modules()):
             outs = _run_synced(roots, shards)
@@ -220,7 +340,8 @@ class DataParallel(Module):
 
     @_trace.span("DataParallel.train_step")
     def train_step(self, X: Tensor, y: Tensor, loss, trainer, deterministic=False,
-                   clip_grad_norm: Optional[float] = None, precision: str = "float32") -> Tensor:
+                   clip_grad_norm: Optional[float] = None, accumulate: int = 1,
+                   precision: str = "float32") -> Tensor:
         """One fused data-parallel step: every replica's forward, loss, backward, bucketed
         all-reduce and optimizer update run in C++ from this one call (``mgpu._core.Model``,
         built from the module tree on first use). Computes what the book's loop computes with
@@ -249,12 +370,34 @@ class DataParallel(Module):
         on any number of devices (``parallel.train_batch`` says how); batch norm then normalises
         per logical shard and takes its running statistics from the first shard.
 
+        ``accumulate=K`` is gradient accumulation in this one call: X, y (the whole batch B)
+        run as K micro-batches one after another (K times less activation memory), their
+        gradients are summed on each device and reduced across devices and ranks once, after
+        the last, and one optimizer update follows with the mean over all B examples, the step
+        the book's loop takes with K backward() calls under ``no_sync()`` and scaled losses.
+        Micro-batches are B's rows split in K parts (sizes differ by at most one) and batch
+        norm normalises per micro-batch (and replica), its running statistics moving once per
+        micro-batch, as PyTorch's do. Within float tolerance of K = 1 without batch norm; with
+        ``deterministic`` (S logical shards, K must divide S) micro-batch k is shards
+        [kS/K, (k+1)S/K), their gradients are added in the same tree, and the parameters are
+        bitwise those of K = 1 on any device count (batch norm's running statistics are those
+        of each micro-batch's first shard, moved K times).
+
         ``precision="bf16"`` runs the convolutions' and linear layers' products with bfloat16
         operands and float32 sums, as the book's loop does under ``mgpu.autocast("bf16")``
         (``mgpu.amp``); batch norm, the loss and the update stay float32, as do the
-        parameters and the all-reduced gradients. The bf16 kernels give the same bits on every
-        CPU path, so ``deterministic`` keeps its promise. CPU devices only.
+        parameters and the all-reduced (and accumulated) gradients. The bf16 kernels give the
+        same bits on every CPU path, so ``deterministic`` keeps its promise, with
+        ``accumulate`` too. CPU devices only. On CPUs bf16 is currently slower than float32
+        for ResNet-18 (its 3x3 convolutions run im2col in bf16 where float32 runs Winograd);
+        it is there for its numerics and as the base for faster kernels.
         """
+        if not self._sync:
+            raise ValueError("train_step: called inside no_sync(); the fused step accumulates "
+                             "within one call: net.train_step(X, y, loss, trainer, "
+                             "accumulate=K) with the whole batch")
+        accumulate = check_accumulate(accumulate, shard_count(deterministic, "train_step"),
+                                      "train_step")
         precision = check_precision(precision, "train_step: precision")
         if not isinstance(loss, nn_CrossEntropyLoss) or loss.reduction != "mean":
             raise ValueError("train_step: the fused step computes nn.CrossEntropyLoss() (mean); "
@@ -269,7 +412,8 @@ class DataParallel(Module):
         self._check_master()
         fused = self._fused_model(precision)
         with fused.allocations:
-            return self._fused_step(fused, X, y, trainer, master, deterministic, opts)
+            return self._fused_step(fused, X, y, trainer, master, deterministic, opts,
+                                    accumulate)
 
     @staticmethod
     def _optimizer_options(trainer, clip_grad_norm) -> dict:
@@ -319,7 +463,7 @@ class DataParallel(Module):
         return opts
 
     def _fused_step(self, fused: "_Fused", X: Tensor, y: Tensor, trainer, master,
-                    deterministic, opts: dict) -> Tensor:
+                    deterministic, opts: dict, accumulate: int = 1) -> Tensor:
         with autograd.no_grad():
             for r in range(1, len(self.device_ids)):  # replicas start from the master
                 for dst, src in zip(fused.replica_params[r], master):
@@ -330,7 +474,8 @@ class DataParallel(Module):
             stateful = adam or opts["momentum"] != 0
             if stateful:
                 fused.state_in(trainer, adam)
-            losses = fused.model.train_step(X, y, deterministic=deterministic, **opts)
+            losses = fused.model.train_step(X, y, deterministic=deterministic,
+                                            accumulate=accumulate, **opts)
             if stateful:
                 fused.state_out(trainer, adam, opts.get("step", 0))
             total = losses[0]
@@ -603,11 +748,10 @@ def _sync_batch_norm(items, master: "SyncBatchNorm", momentum: float) -> List[Te
             term = (v + d * d) * (c / n)
             var = term if var is None else var + term
         if master.training and master.track_running_stats:
-            rm, rv = master.running_mean, master.running_var
-            rm *= 1.0 - momentum
-            rm += mean * momentum
-            rv *= 1.0 - momentum
-            rv += var * (momentum * n / (n - 1))
+            for running, batch, step in ((master.running_mean, mean, momentum),
+                                         (master.running_var, var, momentum * n / (n - 1))):
+                _core.batch_norm_update_running(running._t, batch._t, 1.0 - momentum, step)
+                running._t.bump_version()
         means = [mean.to(x.device) for x in xs]
         variances = [var.to(x.device) for x in xs]
     ys = [Tensor(_core.batch_norm_forward(x._t, m._t, v._t, _h(w), _h(b), eps))

@@ -12,13 +12,14 @@ import numbers
 import sys
 import threading
 from collections import OrderedDict
-from typing import Callable, Iterable, Iterator, List, Mapping, NamedTuple, Optional, Tuple, Union
+from typing import Callable, Iterator, List, Mapping, NamedTuple, Optional, Tuple, Union
 
 import numpy as np
 
 from . import _core, weights
 from . import ops as functional
 from . import random as _random
+from .autograd import zero_grads
 from .device import Device, as_device
 from .ops import IntPair, cross_entropy
 from .tensor import Tensor, array, ones, zeros
@@ -279,7 +280,7 @@ class Module:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clears every parameter's gradient (to None, or to zeros with set_to_none=False)."""
-        _zero_grads(self.parameters(), set_to_none)
+        zero_grads(self.parameters(), set_to_none)
 
     # --- state -----------------------------------------------------------------------------
     def state_dict(self, prefix: str = "") -> "OrderedDict[str, Tensor]":
@@ -357,16 +358,6 @@ def _move_tensor(t: Tensor, device: Device) -> None:
         t.grad = Tensor(_core.to_device(t.grad._t, device))
 
 
-def _zero_grads(params: Iterable[Tensor], set_to_none: bool) -> None:
-    for p in params:
-        if p.grad is None:
-            continue
-        if set_to_none:
-            p.grad = None
-        else:
-            p.grad.zero_()
-
-
 class Sequential(Module):
     """Modules applied in order: ``Sequential(m1, m2, ...)`` or ``Sequential(OrderedDict)``."""
 
@@ -439,12 +430,12 @@ class _Init:
     def normal_(self, tensor: Tensor, mean: float = 0.0, std: float = 1.0) -> Tensor:
         """Fills ``tensor`` with N(mean, std^2) samples."""
         self._check(tensor, "normal_")
-        return self._fill_from(tensor, _random._rng.normal(mean, std, size=tensor.shape))
+        return self._fill_from(tensor, _random.generator().normal(mean, std, size=tensor.shape))
 
     def uniform_(self, tensor: Tensor, a: float = 0.0, b: float = 1.0) -> Tensor:
         """Fills ``tensor`` with U[a, b) samples."""
         self._check(tensor, "uniform_")
-        return self._fill_from(tensor, _random._rng.uniform(a, b, size=tensor.shape))
+        return self._fill_from(tensor, _random.generator().uniform(a, b, size=tensor.shape))
 
     def constant_(self, tensor: Tensor, val: float) -> Tensor:
         self._check(tensor, "constant_")
@@ -488,12 +479,34 @@ def _empty_param(shape, device) -> Parameter:
     return Parameter(zeros(shape, device=as_device(device) if device is not None else None))
 
 
+def _add_weight_and_bias(module: Module, weight_shape: tuple, bias: bool, device) -> None:
+    """Linear's and Conv2d's parameters: ``weight`` of ``weight_shape``, ``bias`` of one value per
+    output (its first axis) or None, both drawn by PyTorch's default initialisation."""
+    module.weight = _empty_param(weight_shape, device)
+    if bias:
+        module.bias = _empty_param(weight_shape[:1], device)
+    else:
+        module.register_parameter("bias", None)
+    _default_init(module.weight, module.bias)
+
+
 def check_input(x, what: str) -> Tensor:
     if isinstance(x, np.ndarray):
         raise TypeError(f"{what}: got a NumPy array; convert it with mgpu.array(x, device=...) on "
                         "the module's device first")
     if not isinstance(x, Tensor):
         raise TypeError(f"{what}: expected an mgpu tensor, got {type(x).__name__}")
+    return x
+
+
+def _check_width(module: "Module", name: str, x, ndim: int, width: int) -> Tensor:
+    """Linear's and Conv2d's input check: an mgpu tensor of ``ndim`` dims whose axis 1 holds
+    ``width`` features or channels (ValueError naming the module and the shape it expects)."""
+    x = check_input(x, name)
+    if x.ndim != ndim or x.shape[1] != width:
+        rest = ", H, W" if ndim == 4 else ""
+        raise ValueError(f"{name}({module.extra_repr()}): expected input (N, {width}{rest}), got "
+                         f"shape {x.shape}")
     return x
 
 
@@ -511,28 +524,21 @@ class Conv2d(Module):
         super().__init__()
         self.in_channels = _positive_int(in_channels, "in_channels", "Conv2d")
         self.out_channels = _positive_int(out_channels, "out_channels", "Conv2d")
-        self.kernel_size = functional._pair(kernel_size, "kernel_size")
-        self.stride = functional._square(stride, "stride", "Conv2d")
-        self.padding = functional._square(padding, "padding", "Conv2d")
+        self.kernel_size = functional.as_pair(kernel_size, "kernel_size")
+        self.stride = functional.as_square(stride, "stride", "Conv2d")
+        self.padding = functional.as_square(padding, "padding", "Conv2d")
         if min(self.kernel_size) < 1 or self.stride < 1 or self.padding < 0:
             raise ValueError(f"Conv2d: kernel_size and stride must be >= 1 and padding >= 0, got "
                              f"kernel_size={kernel_size}, stride={stride}, padding={padding}")
-        self.weight = _empty_param((self.out_channels, self.in_channels) + self.kernel_size, device)
-        if bias:
-            self.bias = _empty_param((self.out_channels,), device)
-        else:
-            self.register_parameter("bias", None)
-        _default_init(self.weight, self.bias)
+        _add_weight_and_bias(self, (self.out_channels, self.in_channels) + self.kernel_size, bias,
+                             device)
 
     def extra_repr(self) -> str:
         return (f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, "
                 f"stride={self.stride}, padding={self.padding}, bias={self.bias is not None}")
 
     def forward(self, x: Tensor) -> Tensor:
-        x = check_input(x, "Conv2d")
-        if x.ndim != 4 or x.shape[1] != self.in_channels:
-            raise ValueError(f"Conv2d({self.extra_repr()}): expected input (N, {self.in_channels},"
-                             f" H, W), got shape {x.shape}")
+        x = _check_width(self, "Conv2d", x, 4, self.in_channels)
         h, w = x.shape[2] + 2 * self.padding, x.shape[3] + 2 * self.padding
         if h < self.kernel_size[0] or w < self.kernel_size[1]:
             raise ValueError(f"Conv2d({self.extra_repr()}): input {x.shape[2]}x{x.shape[3]} "
@@ -548,22 +554,14 @@ class Linear(Module):
         super().__init__()
         self.in_features = _positive_int(in_features, "in_features", "Linear")
         self.out_features = _positive_int(out_features, "out_features", "Linear")
-        self.weight = _empty_param((self.out_features, self.in_features), device)
-        if bias:
-            self.bias = _empty_param((self.out_features,), device)
-        else:
-            self.register_parameter("bias", None)
-        _default_init(self.weight, self.bias)
+        _add_weight_and_bias(self, (self.out_features, self.in_features), bias, device)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}")
 
     def forward(self, x: Tensor) -> Tensor:
-        x = check_input(x, "Linear")
-        if x.ndim != 2 or x.shape[1] != self.in_features:
-            raise ValueError(f"Linear({self.extra_repr()}): expected input (N, "
-                             f"{self.in_features}), got shape {x.shape}")
+        x = _check_width(self, "Linear", x, 2, self.in_features)
         return functional.linear(x, self.weight, self.bias)
 
 
@@ -589,8 +587,9 @@ class AvgPool2d(Module):
 
     def __init__(self, kernel_size: IntPair, stride: Optional[IntPair] = None):
         super().__init__()
-        self.kernel_size = functional._pair(kernel_size, "kernel_size")
-        self.stride = functional._pair(stride, "stride") if stride is not None else self.kernel_size
+        self.kernel_size = functional.as_pair(kernel_size, "kernel_size")
+        self.stride = functional.as_pair(stride, "stride") if stride is not None \
+            else self.kernel_size
 
     def extra_repr(self) -> str:
         return f"kernel_size={self.kernel_size}, stride={self.stride}"
@@ -669,7 +668,7 @@ class AdaptiveAvgPool2d(Module):
 
     def __init__(self, output_size: IntPair):
         super().__init__()
-        size = functional._pair(output_size, "output_size")
+        size = functional.as_pair(output_size, "output_size")
         if size != (1, 1):
             raise ValueError(f"AdaptiveAvgPool2d: only output_size (1, 1) (global average "
                              f"pooling) is supported, got {output_size!r}")

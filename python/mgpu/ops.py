@@ -23,7 +23,8 @@ from .tensor import (
 IntPair = Union[int, Tuple[int, int]]
 
 
-def _pair(v: IntPair, name: str) -> Tuple[int, int]:
+def as_pair(v: IntPair, name: str) -> Tuple[int, int]:
+    """An int or a pair as (h, w), each converted with int() (ValueError for a longer sequence)."""
     if isinstance(v, (tuple, list)):
         if len(v) != 2:
             raise ValueError(f"{name} must be an int or a pair of ints, got {v!r}")
@@ -31,8 +32,9 @@ def _pair(v: IntPair, name: str) -> Tuple[int, int]:
     return int(v), int(v)
 
 
-def _square(v: IntPair, name: str, op: str) -> int:
-    a, b = _pair(v, name)
+def as_square(v: IntPair, name: str, op: str) -> int:
+    """An int or a pair that is the same on both axes, as one int (ValueError otherwise)."""
+    a, b = as_pair(v, name)
     if a != b:
         raise ValueError(f"{op}: {name} must be the same on both axes, got {v!r}")
     return a
@@ -42,7 +44,7 @@ def conv2d(x: Tensor, w: Tensor, b: Optional[Tensor] = None, stride: IntPair = 1
            padding: IntPair = 0) -> Tensor:
     """Convolution (cross-correlation): x (N, C, H, W), w (K, C, R, S), b (K,) -> (N, K, P, Q)."""
     check_tensors("conv2d", x=x, w=w, b=b)
-    s, p = _square(stride, "stride", "conv2d"), _square(padding, "padding", "conv2d")
+    s, p = as_square(stride, "stride", "conv2d"), as_square(padding, "padding", "conv2d")
     prec = amp.get_precision()  # mgpu.autocast's; backward runs with the forward's
     out = Tensor(_core.conv2d_forward(x._t, w._t, b._t if b is not None else None, s, p, prec))
 
@@ -58,8 +60,8 @@ def conv2d(x: Tensor, w: Tensor, b: Optional[Tensor] = None, stride: IntPair = 1
 def avg_pool2d(x: Tensor, kernel_size: IntPair, stride: Optional[IntPair] = None) -> Tensor:
     """Average pooling without padding: x (N, C, H, W) -> (N, C, P, Q), floor output size."""
     check_tensors("avg_pool2d", x=x)
-    kh, kw = _pair(kernel_size, "kernel_size")
-    sh, sw = _pair(stride, "stride") if stride is not None else (kh, kw)
+    kh, kw = as_pair(kernel_size, "kernel_size")
+    sh, sw = as_pair(stride, "stride") if stride is not None else (kh, kw)
     out = Tensor(_core.avg_pool2d_forward(x._t, kh, kw, sh, sw))
     return autograd.attach(out, [x], lambda dy: (
         Tensor(_core.avg_pool2d_backward(x._t, dy._t, kh, kw, sh, sw)),))
@@ -270,9 +272,8 @@ def _update_running(running: Optional[Tensor], batch: "_core.Tensor", momentum: 
     """running <- (1 - momentum) * running + momentum * scale * batch, in place (not recorded)."""
     if running is None:
         return
-    _core.binary_scalar_inplace(_Op.Mul, running._t, float(1.0 - momentum))
-    step = _core.binary_scalar(_Op.Mul, batch, float(momentum * scale), False)
-    _core.binary_inplace(_Op.Add, running._t, step)
+    _core.batch_norm_update_running(running._t, batch, float(1.0 - momentum),
+                                    float(momentum * scale))
 
 
 # Each public op is a host span on the timeline (mgpu.profile); one flag check while it is off.

@@ -144,6 +144,22 @@ def shard_count(deterministic, op: str) -> int:
     return n
 
 
+def check_accumulate(accumulate, shards: int, op: str) -> int:
+    """``accumulate`` (micro-batches per step) as an int; TypeError unless it is an integer,
+    ValueError unless it is >= 1 and, in deterministic mode (``shards`` logical shards > 0),
+    divides ``shards`` (each micro-batch is a run of whole shards). Changes nothing."""
+    k = check_int(accumulate, op, "accumulate (the number of micro-batches per step)")
+    if k < 1:
+        raise ValueError(f"{op}: accumulate must be >= 1 (the number of micro-batches per step; "
+                         f"1 takes the batch at once), got {k}")
+    if shards and shards % k:
+        works = [d for d in range(1, shards + 1) if shards % d == 0]
+        raise ValueError(f"{op}: accumulate={k} does not divide the {shards} logical shards of "
+                         f"deterministic mode (each micro-batch is a run of whole shards); use "
+                         f"accumulate in {works}, or deterministic=<a multiple of {k}>")
+    return k
+
+
 def _scale(lr: float, batch_size: int) -> float:
     # float32 arithmetic, exactly as the fused step computes lr / N in C++.
     return float(np.float32(lr) / np.float32(batch_size))
@@ -177,7 +193,7 @@ def _replicas(device_params, devices) -> Tuple[list, list]:
 
 @_trace.span("train_batch")
 def train_batch(X: Tensor, y: Tensor, device_params, devices: Sequence[Device],
-                lr: float, deterministic=False) -> List[Tensor]:
+                lr: float, deterministic=False, accumulate: int = 1) -> List[Tensor]:
     """One fused data-parallel LeNet step (GIL released, every device at once).
 
     Splits the minibatch over ``devices``, computes each shard's loss and gradients on its
@@ -191,13 +207,20 @@ def train_batch(X: Tensor, y: Tensor, device_params, devices: Sequence[Device],
     and adds the shard gradients in one fixed tree: 1, 2, 3, 4 devices, and k processes x m
     devices under mpirun, give bitwise the same parameters. The whole loss is then returned by
     the first device (of rank 0) and the others return 0.
+
+    ``accumulate=K`` runs the batch as K micro-batches one after another (for K times less
+    activation memory), sums their gradients on each device and only then across devices and
+    ranks, and takes one update with the whole batch's scale: the step of the whole batch (to
+    float tolerance; bitwise with ``deterministic``, where K must divide the shard count).
     """
     lr = check_lr(lr, "train_batch")
     shards = shard_count(deterministic, "train_batch")
+    accumulate = check_accumulate(accumulate, shards, "train_batch")
     Xh, yh = engine_handle(X, "train_batch", "X"), engine_handle(y, "train_batch", "y")
     _dist.auto_init()
     handles, devices = _replicas(device_params, devices)
-    losses = [Tensor(t) for t in _core.train_batch(Xh, yh, handles, devices, lr, shards)]
+    losses = [Tensor(t) for t in _core.train_batch(Xh, yh, handles, devices, lr, shards,
+                                                    accumulate)]
     for ps in device_params:  # updated in place
         for p in ps:
             p._t.bump_version()
@@ -290,25 +313,27 @@ class FusedModel:
                    weight_decay: float = 0.0, deterministic=False, optimizer: str = "sgd",
                    betas: Tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, step: int = 1,
                    max_norm: Optional[float] = None, lrs: Sequence[float] = (),
-                   weight_decays: Sequence[float] = ()) -> List[Tensor]:
+                   weight_decays: Sequence[float] = (), accumulate: int = 1) -> List[Tensor]:
         """One optimizer step on the mean loss over the whole batch; returns each replica's
         summed loss (0-d tensors). ``optimizer`` 'sgd' (PyTorch's rule, with momentum and weight
         decay), 'adam' or 'adamw' (PyTorch's, at ``step`` counted from 1, with ``betas`` and
         ``eps``); ``max_norm``: the gradient clipped to that global norm first (as
         ``nn.utils.clip_grad_norm_``); ``lrs`` and ``weight_decays``: one value per parameter
-        instead of ``lr`` and ``weight_decay``. ``deterministic`` as for ``train_batch`` (batch
-        norm then normalises per logical shard)."""
+        instead of ``lr`` and ``weight_decay``. ``deterministic`` and ``accumulate`` as for
+        ``train_batch`` (batch norm then normalises per logical shard, or per micro-batch and
+        replica, and its running statistics move once per micro-batch)."""
         if not isinstance(X, Tensor) or not isinstance(y, Tensor):
             raise TypeError(f"train_step: X and y must be mgpu tensors, got "
                             f"{type(X).__name__} and {type(y).__name__}")
         lr, momentum, weight_decay = (_check_nonnegative(v, name, "train_step") for v, name in (
             (lr, "lr"), (momentum, "momentum"), (weight_decay, "weight_decay")))
         shards = shard_count(deterministic, "train_step")
+        accumulate = check_accumulate(accumulate, shards, "train_step")
         _dist.auto_init()
         # A label out of range raises IndexError and changes nothing (the step checks them).
         losses = self._model.train_step(X._t, y._t, lr, momentum, weight_decay, shards,
                                         optimizer, tuple(betas), eps, step, max_norm,
-                                        list(lrs), list(weight_decays))
+                                        list(lrs), list(weight_decays), accumulate)
         for t in self._changed:  # updated in place
             t.bump_version()
         return [Tensor(t) for t in losses]

@@ -36,6 +36,11 @@ def set_state(state: dict) -> None:
     _rng = generator_from_state(state)
 
 
+def generator() -> np.random.Generator:
+    """The generator every draw takes its numbers from now (``nn.init`` draws from it too)."""
+    return _rng
+
+
 def set_generator(g: np.random.Generator) -> None:
     """Makes ``g`` the generator of every following draw (a resumed run's, checked beforehand
     with :func:`generator_from_state`)."""

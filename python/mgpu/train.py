@@ -8,14 +8,12 @@ process per device (see ``mgpu.distributed``): same global batches, same step, r
 """
 from __future__ import annotations
 
-import sys
 import time
-from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from . import _core, faults
+from . import _core
 from . import checkpoint as _checkpoint
 from . import distributed as _dist
 from . import random as _random
@@ -23,9 +21,21 @@ from . import trace as _trace
 from .autograd import no_grad
 from .data import DataLoader, load_data_fashion_mnist
 from .device import Device, as_device, try_gpu
+from .loop import (
+    Loop,
+    Progress,
+    Timer,
+    TrainResult,
+    check_resumable_loader,
+    host_value,
+    in_notebook,
+    open_checkpoints,
+    restore_result,
+)
 from .models import lenet_params
 from .nn import Module
 from .parallel import (
+    check_accumulate,
     check_batch_size,
     check_lr,
     evaluate_counts,
@@ -34,27 +44,6 @@ from .parallel import (
     train_batch,
 )
 from .tensor import Tensor, array
-
-
-class Timer:
-    """Records elapsed times (d2l's Timer)."""
-
-    def __init__(self):
-        self.times: List[float] = []
-        self._start = time.perf_counter()
-
-    def start(self) -> None:
-        self._start = time.perf_counter()
-
-    def stop(self) -> float:
-        self.times.append(time.perf_counter() - self._start)
-        return self.times[-1]
-
-    def avg(self) -> float:
-        return sum(self.times) / len(self.times) if self.times else 0.0
-
-    def sum(self) -> float:
-        return sum(self.times)
 
 
 @_trace.span("evaluate_accuracy")
@@ -108,42 +97,14 @@ def evaluate_accuracy_gpu(net: Callable, data_iter, device: Optional[Device] = N
     return evaluate_accuracy(net, data_iter, [device] if device is not None else None)
 
 
-@dataclass
-class TrainResult:
-    """What ``train`` measured: one entry per epoch."""
-    devices: List[Device]
-    world_size: int = 1  # processes that trained together (mgpu.distributed)
-    test_acc: List[float] = field(default_factory=list)
-    train_loss: List[float] = field(default_factory=list)
-    epoch_times: List[float] = field(default_factory=list)
-    eval_times: List[float] = field(default_factory=list)
-
-    @property
-    def sec_per_epoch(self) -> float:
-        return float(np.mean(self.epoch_times)) if self.epoch_times else 0.0
-
-    def summary(self) -> str:
-        """The chapter's closing line."""
-        procs = f" x {self.world_size} processes" if self.world_size > 1 else ""
-        return (f"test acc: {self.test_acc[-1]:.2f}, {self.sec_per_epoch:.1f} sec/epoch "
-                f"on {self.devices}{procs}")
-
-
-def _in_notebook() -> bool:
-    shell = sys.modules.get("IPython")
-    if shell is None or "ipykernel" not in sys.modules:
-        return False
-    ip = shell.get_ipython()
-    return ip is not None and type(ip).__name__ == "ZMQInteractiveShell"
-
-
 def train(num_gpus: int, batch_size: int, lr: float, num_epochs: int = 10,
           data_dir: Optional[str] = None, limit_batches: Optional[int] = None, seed: int = 0,
           params: Optional[Sequence[Tensor]] = None, progress: Optional[bool] = None,
           plot: Optional[bool] = None, data=None, step: Optional[Callable] = None,
           check_finite: bool = True, deterministic=False, checkpoint: Optional[str] = None,
           checkpoint_every: Optional[int] = None, resume: bool = False,
-          schedule: str = "none", warmup_epochs: int = 0) -> TrainResult:
+          schedule: str = "none", warmup_epochs: int = 0, accumulate: int = 1,
+          log: Optional[str] = None, tensorboard: Optional[str] = None) -> TrainResult:
     """Trains the chapter's LeNet data-parallel on ``num_gpus`` devices and prints its line.
 
     Devices are ``[try_gpu(i) for i in range(num_gpus)]``: GPUs where they exist, virtual CPU
@@ -166,6 +127,13 @@ def train(num_gpus: int, batch_size: int, lr: float, num_epochs: int = 10,
     writes and every rank reads. ``schedule`` ('none', 'step', 'cosine', 'onecycle') and
     ``warmup_epochs`` change the lr after every batch (``optim.lr_scheduler.make_schedule``);
     each step gets the lr of the moment, and checkpoints keep the schedule's position.
+    ``accumulate=K`` runs each batch as K micro-batches in the fused step, their gradients
+    summed before one reduction and one update (``parallel.train_batch``); not with ``step``.
+    ``log`` is a file of JSON lines (a record per step: loss, lr, images/s; one per epoch: test
+    accuracy, loss, sec/epoch), ``tensorboard`` a directory of TensorBoard event files with the
+    same values; see ``mgpu.loop`` for the format and for when the step losses are read.
+    SIGTERM or SIGUSR1 ends the run after the current step, with a checkpoint when ``checkpoint``
+    is set, by raising ``mgpu.Preempted`` (``mgpu.loop``); ``resume=True`` continues it.
     Returns the per-epoch accuracies, losses and times.
     """
     lr = check_lr(lr, "train")
@@ -179,9 +147,14 @@ def train(num_gpus: int, batch_size: int, lr: float, num_epochs: int = 10,
     if shards and step is not None:
         raise ValueError("train: deterministic is a mode of the fused train_batch; pass either "
                          "deterministic or step, not both")
+    accumulate = check_accumulate(accumulate, shards, "train")
+    if accumulate != 1 and step is not None:
+        raise ValueError("train: accumulate is a mode of the fused train_batch; the chapter's "
+                         "op-by-op step takes the whole batch (drop accumulate or step)")
     if step is None:
         def step(X, y, device_params, devices, lr):
-            return train_batch(X, y, device_params, devices, lr, deterministic=shards or False)
+            return train_batch(X, y, device_params, devices, lr, deterministic=shards or False,
+                               accumulate=accumulate)
     train_iter, test_iter = data if data is not None else load_data_fashion_mnist(
         batch_size, data_dir=data_dir, seed=seed, limit_batches=limit_batches)
     if ckpts is not None:
@@ -205,126 +178,51 @@ def train(num_gpus: int, batch_size: int, lr: float, num_epochs: int = 10,
                               len(train_iter) if schedule != "none" or warmup_epochs else 0,
                               warmup_epochs)
     result = TrainResult(devices=devices, world_size=world)
-    run = Progress()
-    if ckpts is not None:
-        loaded = ckpts.start(resume)
-        if loaded is not None:
-            run = _resume_lenet(*loaded, device_params, train_iter, result, batch_size,
-                                len(devices), world, is_root, shards, scheduler)
-    animator = None
-    if is_root and (plot if plot is not None else _in_notebook()):
-        from .plot import Animator
-        animator = Animator(xlabel="epoch", ylabel="test acc", xlim=[1, num_epochs])
-    show_bar = is_root and (progress if progress is not None
-                            else (sys.stderr.isatty() and animator is None))
-    timer = Timer()
     config = {"batch_size": batch_size, "num_devices": len(devices), "world_size": world,
               "lr": lr, "seed": seed, "deterministic": shards, "schedule": schedule,
               "warmup_epochs": warmup_epochs}
 
-    def save_state(epoch_next: int) -> None:
-        # Collective under mpirun: every rank gathers its losses, rank 0 writes.
-        _core.waitall()
-        state = {"kind": "mgpu.train", "step": run.step, "epoch": epoch_next, "config": config,
-                 "params": [p.numpy() for p in device_params[0]],
-                 "loader": train_iter.state_dict(), "rng": _random.get_state(),
-                 "scheduler": scheduler.state_dict() if scheduler is not None else None,
-                 "result": result_state(result),
-                 "epoch_losses": _gather_losses(run.losses, world),  # (rows, counts)
-                 "epoch_seen": run.seen, "epoch_elapsed": run.elapsed + timer.stop()}
-        timer.times.pop()  # the timer keeps running for the epoch
-        ckpts.write(state, run.step)
+    def state():  # collective under mpirun: every rank gathers its losses, rank 0 writes
+        return {"params": [p.numpy() for p in device_params[0]],
+                "epoch_losses": _gather_losses(loop.run.losses, world),  # (rows, counts)
+                "epoch_seen": loop.run.seen}
 
-    for epoch in range(run.epoch, int(num_epochs)):
-        title = f"epoch {epoch + 1}/{num_epochs}"
-        bar = progress_bar(len(train_iter), title) if show_bar else None
-        timer.start()
-        for X, y in train_iter:
-            step_losses = step(X, y, device_params, devices, lr_holder.lr)
-            if scheduler is not None:
-                scheduler.step()
-            if step_losses is not None:
-                run.losses.extend(step_losses)
-            run.seen += X.shape[0]
-            run.step += 1
-            if ckpts is not None:
-                faults.fault("step")
-                if ckpts.due(run.step):
-                    run.losses[:] = [host_value(v) for v in run.losses]
-                    save_state(epoch)
-            if bar is not None:
-                bar.update(1)
-        _core.waitall()
-        result.epoch_times.append(run.elapsed + timer.stop())
-        t0 = time.perf_counter()
-        result.test_acc.append(evaluate_accuracy(device_params, test_iter, devices))
-        result.eval_times.append(time.perf_counter() - t0)
-        losses, seen = run.losses, run.seen
-        step_losses_host = [host_value(v) for v in losses]
-        if check_finite:
-            _check_finite_losses(step_losses_host, max(1, len(devices)), epoch, lr)
-        loss_sum = sum(step_losses_host)
-        if world > 1:
-            loss_sum = _sum_over_ranks(loss_sum)
-        # A step that reports no losses (the chapter's) leaves the training loss unknown.
-        result.train_loss.append(loss_sum / max(1, seen) if losses else float("nan"))
-        if bar is not None:
-            bar.set_postfix(loss=f"{result.train_loss[-1]:.3f}",
-                            test_acc=f"{result.test_acc[-1]:.3f}")
-            bar.close()
-        if animator is not None:
-            animator.add(epoch + 1, (result.test_acc[-1],))
-        run.losses, run.seen, run.elapsed = [], 0, 0.0
-        if ckpts is not None:
-            timer.start()
-            save_state(epoch + 1)
-    if is_root:
-        print(result.summary())
+    loop = Loop("train", "mgpu.train", num_epochs, train_iter, result, ckpts, Timer(), config,
+                scheduler, state, log=log, tensorboard=tensorboard, progress=progress,
+                plot=plot if plot is not None else in_notebook())
+    with loop:  # SIGTERM and SIGUSR1 handled from here (mgpu.loop)
+        run = loop.start(resume, lambda path, saved: _resume_lenet(
+            path, saved, device_params, train_iter, result, batch_size, len(devices), world,
+            is_root, shards, scheduler))
+        for epoch in loop.epochs():
+            for X, y in train_iter:
+                step_lr = lr_holder.lr
+                step_losses = step(X, y, device_params, devices, step_lr)
+                if scheduler is not None:
+                    scheduler.step()
+                if step_losses is not None:
+                    run.losses.extend(step_losses)
+                run.seen += X.shape[0]
+                loop.step_done(epoch, step_lr, X.shape[0], step_losses, X.shape[0])
+            loop.end_epoch()
+            t0 = time.perf_counter()
+            result.test_acc.append(evaluate_accuracy(device_params, test_iter, devices))
+            result.eval_times.append(time.perf_counter() - t0)
+            losses, seen = run.losses, run.seen
+            step_losses_host = [host_value(v) for v in losses]
+            if check_finite:
+                _check_finite_losses(step_losses_host, max(1, len(devices)), epoch, lr)
+            loss_sum = sum(step_losses_host)
+            if world > 1:
+                loss_sum = _sum_over_ranks(loss_sum)
+            # A step that reports no losses (the chapter's) leaves the training loss unknown.
+            result.train_loss.append(loss_sum / max(1, seen) if losses else float("nan"))
+            loop.epoch_done(epoch)
+    loop.finish()
     return result
 
 
 # --- checkpoints (mgpu.checkpoint) ------------------------------------------------------------
-
-@dataclass
-class Progress:
-    """Where a run is: the epoch under way, steps taken, and the epoch's partial results."""
-    epoch: int = 0
-    step: int = 0
-    losses: list = field(default_factory=list)  # the epoch's step losses (tensors or floats)
-    seen: int = 0
-    elapsed: float = 0.0  # seconds of the epoch spent before the run was resumed
-
-
-def host_value(v) -> float:
-    return v if isinstance(v, float) else v.item()
-
-
-def open_checkpoints(checkpoint, every, resume, op: str):
-    """The run's checkpoint directory, or None; ValueError for options that need one."""
-    if checkpoint is None:
-        if resume or every is not None:
-            raise ValueError(f"{op}: resume and checkpoint_every need checkpoint=DIR (the "
-                             "directory of the run's checkpoints)")
-        return None
-    return _checkpoint.TrainCheckpoints(checkpoint, every, op)
-
-
-def check_resumable_loader(train_iter, op: str) -> None:
-    if not (hasattr(train_iter, "state_dict") and hasattr(train_iter, "load_state_dict")):
-        raise TypeError(f"{op}: checkpoints save the training data's order and position, so the "
-                        "training iterator must be an mgpu DataLoader (load_data_fashion_mnist, "
-                        f"mgpu.data.array_loader), got {type(train_iter).__name__}")
-
-
-def result_state(result: TrainResult) -> dict:
-    return {"test_acc": list(result.test_acc), "train_loss": list(result.train_loss),
-            "epoch_times": list(result.epoch_times), "eval_times": list(result.eval_times)}
-
-
-def restore_result(result: TrainResult, saved: dict) -> None:
-    for name in ("test_acc", "train_loss", "epoch_times", "eval_times"):
-        getattr(result, name)[:] = [float(v) for v in saved[name]]
-
 
 def _gather_losses(losses: list, world: int) -> Tuple[np.ndarray, List[int]]:
     """Every rank's step losses of the epoch so far: one zero-padded row per rank and each
@@ -416,11 +314,6 @@ def _local_devices(n: int) -> List[Device]:
     a machine's GPUs (CPU devices are per process, so every process counts from cpu(0))."""
     base = _dist.local_rank() * n if _dist.world_size() > 1 and _core.num_gpus() > 0 else 0
     return [try_gpu(base + i) for i in range(n)]
-
-
-def progress_bar(total: int, desc: str):
-    from tqdm.auto import tqdm
-    return tqdm(total=total, desc=desc, unit="batch", leave=False, file=sys.stderr)
 
 
 __all__ = ["Timer", "TrainResult", "evaluate_accuracy", "evaluate_accuracy_gpu", "train",

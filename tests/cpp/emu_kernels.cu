@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "cuda/runtime.cuh"
+#include "emu_test_util.h"
 
 namespace mgpu_test {
 
@@ -158,6 +159,16 @@ __global__ void copy_span_kernel(CopySpan s) {
 
 void copy_span(const float* x, float* y, int n, cudaStream_t stream) {
   MGPU_LAUNCH(copy_span_kernel, (n + 63) / 64, 64, 0, stream)(CopySpan{x, y, n});
+}
+
+// ---- y = s * x (or x) through a struct argument with padding -----------------------------------
+__global__ void scale_if_kernel(int n, ScaleIf f) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) f.y[i] = f.scale ? f.s * f.x[i] : f.x[i];
+}
+
+void scale_if(int n, const ScaleIf& f, cudaStream_t stream) {
+  MGPU_LAUNCH(scale_if_kernel, (n + 63) / 64, 64, 0, stream)(n, f);
 }
 
 // ---- out = in with every blockDim.x-long chunk reversed, through dynamic shared memory ----------

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdlib>
+#include <cstring>
 #include <random>
 #include <stdexcept>
 #include <string>
@@ -27,6 +28,7 @@ void histogram(const int* values, int n, unsigned* bins, int num_bins, float* su
                cudaStream_t stream);
 void saxpy(int n, float a, const float* x, float* y, int blocks, int threads, cudaStream_t stream);
 void copy_span(const float* x, float* y, int n, cudaStream_t stream);
+void scale_if(int n, const ScaleIf& f, cudaStream_t stream);
 void reverse_chunks(const float* in, float* out, int n, int threads, cudaStream_t stream);
 void divergent_barrier(float* out, cudaStream_t stream);
 void barrier_shuffle_deadlock(float* out, cudaStream_t stream);
@@ -771,6 +773,26 @@ TEST_F(Emu, PeerAccessCanBeSwitchedOffAndLiveHandlesAreCounted) {
   EXPECT_EQ(end.streams, base.streams);
   EXPECT_EQ(end.events, base.events);
   EXPECT_EQ(end.device_bytes, base.device_bytes);
+}
+
+// A struct argument's padding bytes hold whatever the caller's memory held there, here device 1's
+// address (as a stale pointer on a host thread's stack does): they are no pointer of the kernel,
+// so a launch on device 0 without peer access to device 1 runs and is not an illegal address.
+TEST_F(Emu, PaddingOfAStructArgumentIsNoPointer) {
+  DeviceVector<float> x(std::vector<float>{1, 2, 3, 4}), y(4);
+  ASSERT_EQ(cudaSetDevice(1), cudaSuccess);
+  DeviceVector<float> on1(4);
+  ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
+  mgpu_test::ScaleIf f;
+  void* words[4] = {x.get(), on1.get(), y.get(), on1.get()};
+  static_assert(sizeof f == sizeof words, "ScaleIf is four words with padding");
+  std::memcpy(&f, words, sizeof f);
+  // The fields' own bytes; the padding keeps device 1's address but for its lowest bytes.
+  f.s = -2.0f;
+  f.scale = true;
+  mgpu_test::scale_if(4, f, nullptr);
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess) << last_error_detail();
+  EXPECT_EQ(y.download(), (std::vector<float>{-2, -4, -6, -8}));
 }
 
 // ---- Strict mode (MGPU_EMU_STRICT=1) --------------------------------------------------------------

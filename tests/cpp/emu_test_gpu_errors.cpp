@@ -2,16 +2,20 @@
 // (checked as plain arithmetic: a tensor that size does not fit the test machine), and failures
 // of CUDA calls mgpu makes without throwing (a cudaFree while emptying the cache, a graph's
 // destruction), which must not stay behind as the thread's last error for the next launch check
-// to report as its own kernel's failure. Built into mgpu_cuda_kernel_tests.
+// to report as its own kernel's failure; and waitall() waiting for every stream of a device, not
+// only its compute stream. Built into mgpu_cuda_kernel_tests.
 #include <gtest/gtest.h>
 
 #include <climits>
 #include <cstdint>
+#include <cstring>
 #include <set>
 #include <stdexcept>
 #include <string>
 
 #include "core/gpu.h"
+#include "core/queue.h"
+#include "core/tensor.h"
 #include "cuda/emu/internal.h"
 #include "ops/elementwise.h"
 #include "ops/launch.cuh"
@@ -107,6 +111,32 @@ TEST(StaleErrors, AFailedGraphDestructionIsNotBlamedOnTheNextKernel) {
   EXPECT_EQ(cudaGetLastError(), cudaSuccess);
   mgpu::gpu::release(0, p, cap);
   mgpu::gpu::synchronize(0);
+}
+
+// A reduction that a failed step leaves on the communication stream, which no compute-stream work
+// waits for: waitall() must wait for it too. On the strict emulator a stream's work runs only when
+// something waits for that stream (or at a random earlier point), so each round's fill stays
+// queued until a wait covers the communication stream (3 rounds in 4 at least, by the seed).
+TEST(WaitAll, WaitsForWorkLeftOnTheCommunicationStream) {
+  if (!mgpu::emu::strict()) GTEST_SKIP() << "needs the strict emulator (streams behind the host)";
+  constexpr int64_t n = 64;
+  // waitall() waits for the devices that have a queue: gpu(0)'s, made by the fill.
+  const mgpu::Device gpu0{mgpu::DeviceKind::CUDA, 0};
+  mgpu::Tensor t = mgpu::Tensor::empty({n}, mgpu::DType::F32, gpu0);
+  mgpu::ops::fill(t, 0.0);
+  mgpu::waitall();
+  mgpu::gpu::set_device(0);
+  cudaStream_t comm = mgpu::gpu::comm_stream(0);
+  for (int round = 1; round <= 16; ++round) {
+    const auto value = static_cast<float>(round);
+    mgpu::ops::cuda::for_each_index(n, mgpu::ops::FillOut{t.f32(), value}, comm);
+    mgpu::waitall();
+    // Emulated device memory is host memory: the host reads what the streams have written.
+    float got[n];
+    std::memcpy(got, t.f32(), sizeof got);
+    for (int64_t i = 0; i < n; ++i)
+      ASSERT_EQ(got[i], value) << "round " << round << ", element " << i;
+  }
 }
 
 }  // namespace

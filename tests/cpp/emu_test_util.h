@@ -35,4 +35,14 @@ class DeviceVector {
   T* p_ = nullptr;
 };
 
+// A kernel argument (tests/cpp/emu_kernels.cu's scale_if) laid out as mgpu's scalar ops' functors:
+// 4 bytes of padding after `s`, 7 after `scale`; what the caller's memory held there travels
+// with the struct.
+struct ScaleIf {
+  const float* x;
+  float s;
+  float* y;
+  bool scale;
+};
+
 }  // namespace mgpu_test

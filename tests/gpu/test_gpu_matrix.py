@@ -24,6 +24,9 @@ configuration / its tests                                                       
   test_gpu.py::test_chapter_op_by_op_step_on_gpus_equals_the_fused_step
 2 GPUs, SyncBatchNorm in the fused step against float64                                2, 4
   test_concise_step.py::test_fused_sync_batch_norm_on_emulated_gpus[2]
+2 GPUs without peer access, five SyncBatchNorm steps against them with it (bitwise)    2, 4
+  test_gpu_without_peer_access.py::
+  test_sync_batch_norm_steps_without_peer_access_equal_those_with_it
 3 and 4 GPUs in one process, all-reduce and fused step (emulated NCCL, peer copies)    2
   test_gpu_defects.py::test_collectives_and_the_fused_step_on_more_gpus
   [3-gpus-nccl, 3-gpus-peer, 4-gpus-nccl, 4-gpus-peer]

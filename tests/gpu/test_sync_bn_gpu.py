@@ -73,19 +73,26 @@ def test_stream_sum_refuses_what_it_cannot_sum():
         _core._stream_sum([a._t, mgpu.array(np.ones(4, np.float32), device=mgpu.gpu(1))._t])
 
 
-def _host_waits_per_step(sync, steps=3):
+def two_gpu_steps(sync):
+    """The tiny residual net on gpu(0) and gpu(1), and a function that runs one fused step of it
+    on a batch of 8."""
     devices = [mgpu.gpu(0), mgpu.gpu(1)]
     net = tiny_net(sync=sync)
     model = nn.DataParallel(net, device_ids=devices)
     trainer = mgpu.optim.SGD(model.parameters(), lr=LR)
     X, y = batch(8)
     Xt, yt = mgpu.array(X, device=devices[0]), mgpu.array(y, device=devices[0])
+    return net, lambda: model.train_step(Xt, yt, nn.CrossEntropyLoss(), trainer)
+
+
+def _host_waits_per_step(sync, steps=3):
+    _, step = two_gpu_steps(sync)
     for _ in range(2):  # the first steps build the fused model and reserve memory
-        model.train_step(Xt, yt, nn.CrossEntropyLoss(), trainer)
+        step()
     mgpu.waitall()
     before = _core._gpu_host_waits()
     for _ in range(steps):
-        model.train_step(Xt, yt, nn.CrossEntropyLoss(), trainer)
+        step()
     mgpu.waitall()
     return (_core._gpu_host_waits() - before) / steps
 

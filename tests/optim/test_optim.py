@@ -395,7 +395,7 @@ print(json.dumps(out))
 
 # --- checkpoints: optimizer and schedule state resume bitwise ----------------------------------
 
-def _concise(tmp_path, name, crash_at=None, monkeypatch=None, fused=False, **kw):
+def concise_run(tmp_path, name, crash_at=None, monkeypatch=None, fused=False, **kw):
     """train_concise on the checkpoint tests' synthetic data, 2 epochs of 5 steps on 2 devices,
     checkpointing every 2 steps into tmp_path/name (None: no checkpoints), crashing (a
     KeyboardInterrupt from the step hook) at step ``crash_at``."""
@@ -418,22 +418,22 @@ def _concise(tmp_path, name, crash_at=None, monkeypatch=None, fused=False, **kw)
     (True, dict(optimizer="sgd", schedule="onecycle")),  # OneCycleLR turns SGD's momentum on
 ])
 def test_train_concise_resumes_optimizer_and_schedule_bitwise(tmp_path, monkeypatch, fused, kw):
-    ref = _concise(tmp_path, None, fused=fused, **kw)
+    ref = concise_run(tmp_path, None, fused=fused, **kw)
     with pytest.raises(KeyboardInterrupt):
-        _concise(tmp_path, "c", crash_at=7, monkeypatch=monkeypatch, fused=fused, **kw)
+        concise_run(tmp_path, "c", crash_at=7, monkeypatch=monkeypatch, fused=fused, **kw)
     monkeypatch.undo()
     state = mgpu.load(sorted((tmp_path / "c").glob("*.mgpu"))[-1])
     assert state["scheduler"]["last_epoch"] == 6 and state["step"] == 6
-    got = _concise(tmp_path, "c", fused=fused, **kw)
+    got = concise_run(tmp_path, "c", fused=fused, **kw)
     for k in ref:
         np.testing.assert_array_equal(got[k], ref[k], err_msg=k)
     # Another optimizer, or no schedule, cannot continue this run.
     from mgpu.checkpoint import CheckpointError
     other = dict(kw, optimizer="adamw" if kw["optimizer"] != "adamw" else "sgd")
     with pytest.raises(CheckpointError, match="optimizer"):
-        _concise(tmp_path, "c", fused=fused, **other)
+        concise_run(tmp_path, "c", fused=fused, **other)
     with pytest.raises(CheckpointError, match="schedule"):
-        _concise(tmp_path, "c", fused=fused, **dict(kw, schedule="none", warmup_epochs=0))
+        concise_run(tmp_path, "c", fused=fused, **dict(kw, schedule="none", warmup_epochs=0))
 
 
 # --- under mpirun: the clip's norm is the reduced gradients', the same on every rank -------------

@@ -86,6 +86,7 @@ class Launcher {
     static_assert(sizeof...(Args) == sizeof...(Params),
                   "MGPU_LAUNCH: wrong number of arguments for this kernel");
     std::tuple<std::decay_t<Params>...> params(std::forward<Args>(args)...);
+    clear_padding(params, std::index_sequence_for<Params...>{});
     std::vector<PointerArg> pointers;
     collect_pointers(params, pointers, std::index_sequence_for<Params...>{});
     auto kernel = kernel_;
@@ -95,6 +96,29 @@ class Launcher {
   }
 
  private:
+  // A struct argument's padding bytes hold whatever the caller's memory held there (often a
+  // stale pointer of a host thread's stack, with a field's bytes over its lowest ones), and its
+  // copies may carry them along. They are no pointer of the kernel, so they are zeroed before
+  // the words are checked: else such a word, lying in another device's allocation, fails a
+  // correct launch on GPUs without peer access. (A compiler without __builtin_clear_padding,
+  // GCC before 11 or an older Clang, keeps the padding and with it that false alarm.)
+  template <typename Tuple, size_t... I>
+  static void clear_padding([[maybe_unused]] Tuple& params, std::index_sequence<I...>) {
+#if defined(__has_builtin)
+#if __has_builtin(__builtin_clear_padding)
+    (clear_padding_of(std::get<I>(params)), ...);
+#endif
+#endif
+  }
+  template <typename T>
+  static void clear_padding_of([[maybe_unused]] T& value) {
+#if defined(__has_builtin)
+#if __has_builtin(__builtin_clear_padding)
+    if constexpr (std::is_class_v<T> && std::is_trivially_copyable_v<T>)
+      __builtin_clear_padding(&value);
+#endif
+#endif
+  }
   template <typename Tuple, size_t... I>
   static void collect_pointers(const Tuple& params, std::vector<PointerArg>& out,
                                std::index_sequence<I...>) {

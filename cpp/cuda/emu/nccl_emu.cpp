@@ -1,10 +1,9 @@
 // cpp/cuda/emu/nccl_emu.cpp -- the emulated NCCL of nccl_emu.h: cliques of ranks in this process,
 // collectives as stream work that meet the other ranks' calls, group calls, abort, asynchronous
-// errors and the fault injection the header lists.
+// errors and the fault injection the header lists. A clique across processes meets through shared
+// memory instead (nccl_shm.cpp); the cliques' types are in nccl_clique.h.
 #include "cuda/emu/nccl_emu.h"
 
-#include <fcntl.h>
-#include <sys/mman.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -16,12 +15,14 @@
 #include <thread>
 
 #include "cuda/emu/internal.h"
+#include "cuda/emu/nccl_clique.h"
+
+using namespace mgpu::emu::nccl;
 
 namespace {
 
 using mgpu::emu::cat;
 
-enum class Kind { AllReduce, Broadcast, AllGather };
 const char* api_name(Kind k) {
   switch (k) {
     case Kind::AllReduce: return "ncclAllReduce";
@@ -30,77 +31,6 @@ const char* api_name(Kind k) {
   }
   return "?";
 }
-const char* kind_name(Kind k) {
-  switch (k) {
-    case Kind::AllReduce: return "allreduce";
-    case Kind::Broadcast: return "broadcast";
-    case Kind::AllGather: return "allgather";
-  }
-  return "?";
-}
-
-// One collective as every rank sees it: the n-th call of each rank of a clique.
-struct Meet {
-  Kind kind = Kind::AllReduce;
-  size_t count = 0;  // elements per rank (all-gather: sent per rank)
-  size_t elem = 0;   // bytes per element
-  int root = 0;
-  bool async_fault = false;           // some rank was issued under MGPU_EMU_NCCL_FAIL=async
-  std::vector<const void*> send;
-  std::vector<void*> recv;
-  std::vector<CUstream_st*> stream;   // each rank's stream, known once that rank has issued
-  std::vector<char> arrived;
-  int n_arrived = 0, n_left = 0;
-  bool done = false;
-  std::string error;                  // a mismatched call: every rank fails with it
-};
-
-// ---- Ranks in several processes: the shared-memory segment of a clique -----------------------
-constexpr int kMaxShmRanks = 64;
-constexpr size_t kSlotBytes = size_t(1) << 20;  // one rank's part of a round
-
-// A rank's row of the segment. A round r of the clique (every rank's collectives cut into rounds
-// of at most kSlotBytes, numbered alike on every rank) goes: wait until every rank has consumed
-// round r-1 (read every slot), write this rank's part and the call's description into its slot,
-// posted = r; wait until every rank has posted r, compute this rank's result, consumed = r.
-struct ShmRank {
-  std::atomic<uint64_t> posted;
-  std::atomic<uint64_t> consumed;
-  int64_t kind, count, elem, root;  // the call of the round last posted, compared by every rank
-  int32_t pid;
-  int32_t pad;
-};
-struct ShmHeader {
-  std::atomic<int> joined;   // ranks registered (ncclCommInitRank)
-  std::atomic<int> checked;  // ranks that have seen everyone's pid; the last one unlinks the name
-  std::atomic<int> aborted;  // some rank called ncclCommAbort: every wait fails
-  int32_t nranks;
-  ShmRank rank[kMaxShmRanks];
-};
-static_assert(std::atomic<uint64_t>::is_always_lock_free && std::atomic<int>::is_always_lock_free,
-              "the segment's atomics must work across processes");
-
-struct ShmLink {
-  ShmHeader* header = nullptr;
-  char* slots = nullptr;  // nranks slots of kSlotBytes after the header
-  size_t bytes = 0;
-  ~ShmLink() {
-    if (header != nullptr) munmap(header, bytes);
-  }
-  char* slot(int r) const { return slots + size_t(r) * kSlotBytes; }
-};
-
-struct Clique {
-  explicit Clique(int n) : nranks(n) {}
-  const int nranks;
-  std::mutex mu;
-  std::condition_variable cv;
-  bool aborted = false;
-  int joined = 0;  // ncclCommInitRank: ranks that have joined so far
-  std::map<uint64_t, Meet> meets;
-  std::atomic<int> async_error{ncclSuccess};
-  std::unique_ptr<ShmLink> link;  // set when the ranks run in several processes
-};
 
 }  // namespace
 
@@ -402,128 +332,6 @@ cudaError_t step_collective(Arrival& a) {
   return leave(c, m, a.seq);
 }
 
-// ---- A collective of a clique across processes ------------------------------------------------
-// One rank's collective, cut into the clique's rounds (reserved when it is issued, so the rounds
-// follow each rank's host call order, as the collectives must on every rank).
-struct RemoteOp {
-  std::shared_ptr<Clique> clique;
-  int rank = 0;
-  Kind kind = Kind::AllReduce;
-  const void* send = nullptr;
-  void* recv = nullptr;
-  size_t count = 0, elem = 0;
-  int root = 0;
-  bool stall = false, async_fault = false;
-  uint64_t first_round = 0, rounds = 1, done_rounds = 0;
-  bool posted = false;  // this rank's part of the current round is in its slot
-};
-
-// This rank's result for bytes [off, off + len) of every rank's input, from all slots.
-void compute_round(const RemoteOp& op, size_t off, size_t len) {
-  const ShmLink& link = *op.clique->link;
-  const int n = op.clique->nranks;
-  char* recv = static_cast<char*>(op.recv);
-  switch (op.kind) {
-    case Kind::AllReduce: {
-      // Rank order 0..n-1, element by element: the in-process clique's sums, bit for bit.
-      float* out = reinterpret_cast<float*>(recv + off);
-      const size_t m = len / sizeof(float);
-      for (size_t i = 0; i < m; ++i) {
-        float acc = reinterpret_cast<const float*>(link.slot(0))[i];
-        for (int r = 1; r < n; ++r) acc += reinterpret_cast<const float*>(link.slot(r))[i];
-        out[i] = acc;
-      }
-      break;
-    }
-    case Kind::Broadcast:
-      std::memcpy(recv + off, link.slot(op.root), len);
-      break;
-    case Kind::AllGather:
-      for (int r = 0; r < n; ++r)
-        std::memcpy(recv + op.count * op.elem * size_t(r) + off, link.slot(r), len);
-      break;
-  }
-}
-
-// Advances op as far as it can without waiting: cudaSuccess once it has finished,
-// cudaErrorNotReady while it waits for another rank (nothing recorded), else the error.
-cudaError_t advance_remote(RemoteOp& op) {
-  Clique& c = *op.clique;
-  ShmHeader& h = *c.link->header;
-  const int n = c.nranks;
-  const size_t in_bytes = op.count * op.elem;
-  while (op.done_rounds < op.rounds) {
-    bool aborted = false;
-    {
-      std::lock_guard<std::mutex> lock(c.mu);
-      aborted = c.aborted;
-    }
-    if (aborted || h.aborted.load(std::memory_order_acquire) != 0) {
-      op.done_rounds = op.rounds;
-      return mgpu::emu::fail(
-          cudaErrorLaunchFailure,
-          cat("NCCL ", kind_name(op.kind), " of rank ", op.rank, " ended by ncclCommAbort",
-              aborted ? "" : " of another rank (another process)"));
-    }
-    if (op.stall) return cudaErrorNotReady;  // this rank never arrives
-    const uint64_t round = op.first_round + op.done_rounds;
-    const size_t off = size_t(op.done_rounds) * kSlotBytes;
-    const size_t len = in_bytes > off ? std::min(kSlotBytes, in_bytes - off) : 0;
-    ShmRank& me = h.rank[op.rank];
-    if (!op.posted) {
-      for (int r = 0; r < n; ++r)  // every rank has read the slots of the round before
-        if (h.rank[r].consumed.load(std::memory_order_acquire) + 1 < round)
-          return cudaErrorNotReady;
-      me.kind = int64_t(op.kind);
-      me.count = int64_t(op.count);
-      me.elem = int64_t(op.elem);
-      me.root = op.root;
-      if (len > 0) std::memcpy(c.link->slot(op.rank), static_cast<const char*>(op.send) + off, len);
-      me.posted.store(round, std::memory_order_release);
-      op.posted = true;
-    }
-    for (int r = 0; r < n; ++r)
-      if (h.rank[r].posted.load(std::memory_order_acquire) < round) return cudaErrorNotReady;
-    std::string error;
-    for (int r = 0; r < n && error.empty(); ++r) {
-      const ShmRank& o = h.rank[r];
-      if (o.kind != me.kind || o.count != me.count || o.elem != me.elem || o.root != me.root)
-        error = cat("NCCL round ", round, ": rank ", op.rank, " called ", kind_name(op.kind),
-                    " of ", op.count, " elements where rank ", r, " called ",
-                    kind_name(Kind(o.kind)), " of ", o.count);
-    }
-    if (!error.empty()) {
-      me.consumed.store(round, std::memory_order_release);
-      op.done_rounds = op.rounds;
-      return mgpu::emu::fail(cudaErrorLaunchFailure, error);
-    }
-    if (op.async_fault) c.async_error = ncclRemoteError;
-    else compute_round(op, off, len);
-    me.consumed.store(round, std::memory_order_release);
-    op.posted = false;
-    ++op.done_rounds;
-  }
-  return cudaSuccess;
-}
-
-// The work a rank's collective across processes puts on its stream. Strict mode: a run that
-// must wait for another process blocks the stream (block_stream) and polls; lenient mode: it
-// waits where it runs, as a kernel spinning on a flag in host memory would.
-Work remote_work(const std::shared_ptr<RemoteOp>& op) {
-  return [op] {
-    for (;;) {
-      cudaError_t e = advance_remote(*op);
-      if (e != cudaErrorNotReady) return e;
-      if (mgpu::emu::g_strict.load()) {
-        mgpu::emu::block_stream(
-            [] { std::this_thread::sleep_for(std::chrono::microseconds(100)); });
-        return cudaSuccess;
-      }
-      std::this_thread::sleep_for(std::chrono::microseconds(50));
-    }
-  };
-}
-
 // A collective checked and ready to issue on its stream.
 struct Op {
   ncclComm* comm;
@@ -775,50 +583,6 @@ ncclResult_t ncclCommInitAll(ncclComm_t* comms, int ndev, const int* devlist) {
   return ncclSuccess;
 }
 
-namespace {
-// Registers `rank` in the segment named by the id and waits until every rank has. Returns the
-// mapping with *local = whether every rank runs in this process (then it is unmapped: the ranks
-// meet in this process's registry) or an error.
-ncclResult_t join_segment(const std::string& key, int nranks, int rank,
-                          std::unique_ptr<ShmLink>* out, bool* local) {
-  std::string name = "/" + key;  // a name of POSIX shared memory has one '/', at its start
-  std::replace(name.begin() + 1, name.end(), '/', '-');
-  const int fd = shm_open(name.c_str(), O_CREAT | O_RDWR, 0600);
-  if (fd < 0) return ncclSystemError;
-  auto link = std::make_unique<ShmLink>();
-  link->bytes = sizeof(ShmHeader) + size_t(nranks) * kSlotBytes;
-  void* p = MAP_FAILED;
-  if (ftruncate(fd, off_t(link->bytes)) == 0)
-    p = mmap(nullptr, link->bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  close(fd);
-  if (p == MAP_FAILED) {
-    shm_unlink(name.c_str());
-    return ncclSystemError;
-  }
-  link->header = static_cast<ShmHeader*>(p);
-  link->slots = static_cast<char*>(p) + sizeof(ShmHeader);
-  ShmHeader& h = *link->header;
-  h.rank[rank].pid = int32_t(getpid());
-  h.joined.fetch_add(1);
-  // As NCCL's blocking init: every rank waits until all have joined (10 minutes at most).
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::minutes(10);
-  while (h.joined.load() < nranks) {
-    if (std::chrono::steady_clock::now() > deadline) {
-      shm_unlink(name.c_str());
-      return ncclSystemError;
-    }
-    std::this_thread::sleep_for(std::chrono::microseconds(200));
-  }
-  int here = 0;
-  for (int r = 0; r < nranks; ++r) here += h.rank[r].pid == int32_t(getpid());
-  if (h.checked.fetch_add(1) + 1 == nranks) shm_unlink(name.c_str());  // mappings stay valid
-  *local = here == nranks;
-  // Ranks in several processes: one per process (no rank could run another's queued work).
-  if (!*local && here != 1) return ncclInvalidUsage;
-  if (!*local) *out = std::move(link);
-  return ncclSuccess;
-}
-}  // namespace
 
 ncclResult_t ncclCommInitRank(ncclComm_t* comm, int nranks, ncclUniqueId commId, int rank) {
   if (comm == nullptr || nranks < 1 || rank < 0 || rank >= nranks) return ncclInvalidArgument;

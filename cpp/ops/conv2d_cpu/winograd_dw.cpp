@@ -18,11 +18,16 @@
 // 2. each point xi and block of output columns c (64 on AVX-512, 16 on AVX2) is multiplied out
 //    by register-tiled FMA kernels: up to 6 rows k (6, 6 and 4 per 16-channel chunk of dM) x 64
 //    (or 16) columns c of accumulators, each tile t a row of V loaded and the rows' values of dM
-//    broadcast. A kernel starts its accumulators at 0, runs over the block's tiles in order,
-//    then adds them to dU (the first block stores).
-// So every dU entry is the same chain of FMAs over a block's tiles in order, then the blocks
-// added in order, whichever thread runs which job and whatever the register tile: the AVX2 and
-// AVX-512 paths and every thread count give the same bits. (Explicit FMA intrinsics: this file
+//    broadcast. A kernel sums the block's tiles in runs of kRunTiles: each run is a chain of
+//    FMAs from 0 in tile order, the runs are added in order into a partial sum of the block, and
+//    that is added to dU (the first block stores).
+// So every dU entry is the same sum over a block's tiles, then the blocks added in order,
+// whichever thread runs which job and whatever the register tile: the AVX2 and AVX-512 paths and
+// every thread count give the same bits. The runs are what keeps dw within a few times the
+// direct sum's error: one chain of FMAs over the block's 256 tiles gave dw about 10x the error
+// of im2col's sgemm against float64 (ResNet-18's 28x28 layers inside a real step at d2l's
+// initialisation, normwise 3.1e-6 against 3.3e-7); in runs of 32 about half of that. The
+// products' error, not the transforms' (whose rounding adds ~5% to it), is what the runs cut. (Explicit FMA intrinsics: this file
 // is compiled with -ffp-contract=off so that the transforms' adds and multiplies round one by
 // one, alike on both paths.)
 // dw = G^T dU G runs in double per (k, c); db adds the per-plane sums in image order.
@@ -46,6 +51,12 @@ constexpr int kLanes = 16;  // channels per transform chunk (one F16)
 // they live in L3 or memory; what stays in L2 is one point's slice (tiles x (Cp + Kp), at most
 // 1 MB), which the products of that point read Cp / 64 times.
 constexpr int64_t kBlockTiles = 256;
+// Tiles per run of FMAs inside a block (see the header): each dU entry of a block is the sum, in
+// order, of runs of this many products, each a chain from 0. Shorter runs round less along the
+// chain but add more partial sums; 16 and 32 gave the same error (1.2e-6 and 1.3e-6 at the
+// 28x28 layer above, NumPy model of this summation), and at 32 the partial sums' loads and
+// stores (L1) cost ~1/32 of the FMAs.
+constexpr int64_t kRunTiles = 32;
 
 constexpr auto& kG = kWinogradG;  // G (6x3), conv2d_cpu.h
 
@@ -204,28 +215,41 @@ constexpr int kNC = kNV * kW;    // columns c of a full register tile
 
 // du (MR, NV * kW; rows ldc apart) = (add ? du : 0) + sum over t < T of a[t][i] * b[t][j],
 // a and b in panel chunks (T, 16): a's rows i < MR <= 16 in one chunk, b's columns j in
-// NV * kW / 16 chunks chunk_step floats apart; the sum per entry is a chain of FMAs from 0 in t
-// order.
+// NV * kW / 16 chunks chunk_step floats apart. The sum per entry: runs of kRunTiles tiles, each a
+// chain of FMAs from 0 in t order, added in order into part (on the stack: the accumulators
+// take the registers), then part into du.
 template <int MR, int NV>
 void product(const float* __restrict a, const float* __restrict b, int64_t chunk_step, int64_t T,
              float* __restrict du, int64_t ldc, bool add) {
-  R acc[MR][NV];
+  alignas(64) float part[MR][NV * kW] = {};
+  for (int64_t t0 = 0; t0 < T; t0 += kRunTiles) {
+    const int64_t t1 = std::min(T, t0 + kRunTiles);
+    R acc[MR][NV];
 #pragma GCC unroll 8
-  for (int i = 0; i < MR; ++i) {
+    for (int i = 0; i < MR; ++i) {
 #pragma GCC unroll 8
-    for (int j = 0; j < NV; ++j) acc[i][j] = rzero();
-  }
-  for (int64_t t = 0; t < T; ++t) {
-    R bv[NV];
+      for (int j = 0; j < NV; ++j) acc[i][j] = rzero();
+    }
+    for (int64_t t = t0; t < t1; ++t) {
+      R bv[NV];
 #pragma GCC unroll 8
-    for (int j = 0; j < NV; ++j) {
-      bv[j] = rload(b + (j * kW / kLanes) * chunk_step + t * kLanes + j * kW % kLanes);
+      for (int j = 0; j < NV; ++j) {
+        bv[j] = rload(b + (j * kW / kLanes) * chunk_step + t * kLanes + j * kW % kLanes);
+      }
+#pragma GCC unroll 8
+      for (int i = 0; i < MR; ++i) {
+        const R av = rbroadcast(a + t * kLanes + i);
+#pragma GCC unroll 8
+        for (int j = 0; j < NV; ++j) acc[i][j] = rfma(av, bv[j], acc[i][j]);
+      }
     }
 #pragma GCC unroll 8
     for (int i = 0; i < MR; ++i) {
-      const R av = rbroadcast(a + t * kLanes + i);
 #pragma GCC unroll 8
-      for (int j = 0; j < NV; ++j) acc[i][j] = rfma(av, bv[j], acc[i][j]);
+      for (int j = 0; j < NV; ++j) {
+        float* p = part[i] + j * kW;
+        rstore(p, t0 == 0 ? acc[i][j] : radd(rload(p), acc[i][j]));
+      }
     }
   }
 #pragma GCC unroll 8
@@ -233,7 +257,8 @@ void product(const float* __restrict a, const float* __restrict b, int64_t chunk
 #pragma GCC unroll 8
     for (int j = 0; j < NV; ++j) {
       float* p = du + i * ldc + j * kW;
-      rstore(p, add ? radd(rload(p), acc[i][j]) : acc[i][j]);
+      const R v = rload(part[i] + j * kW);
+      rstore(p, add ? radd(rload(p), v) : v);
     }
   }
 }

@@ -9,7 +9,7 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 import numpy as np
 
 from .. import _core
-from ..autograd import no_grad
+from ..autograd import no_grad, zero_grads
 from ..tensor import Tensor, array, zeros_like
 
 
@@ -125,13 +125,7 @@ class Optimizer:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clears the gradients (to None, PyTorch's default, or to zeros)."""
-        for p in self.params:
-            if p.grad is None:
-                continue
-            if set_to_none:
-                p.grad = None
-            else:
-                p.grad.zero_()
+        zero_grads(self.params, set_to_none)
 
     def _checked_grads(self) -> List[Optional[Tensor]]:
         name = type(self).__name__
