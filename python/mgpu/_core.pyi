@@ -209,7 +209,8 @@ class Model:
     # (batch_norm+relu, batch_norm+add+relu) layers the fusion made.
     def fused_layers(self) -> Tuple[int, int]: ...
     # (layer, algorithm) per conv layer: MGPU_CONV_ALGO's value (auto, tune, direct, im2col,
-    # winograd) as the Model was built, which that layer's CPU conv runs from then on.
+    # winograd) as the Model was built, which that layer's CPU conv runs from then on; "bf16"
+    # for a layer built with precision bf16 (its own kernels, which read no algorithm).
     def conv_algorithms(self) -> List[Tuple[str, str]]: ...
     # Copies buffers (one per parameter, float32 of its shape, any device; None: zero) into one
     # replica's momentum; the next step continues from them.
