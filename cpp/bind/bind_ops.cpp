@@ -1,4 +1,6 @@
 // cpp/bind/bind_ops.cpp -- the ops, forward and backward, plus all-reduce and split.
+#include <pybind11/numpy.h>
+
 #include <optional>
 #include <tuple>
 
@@ -47,7 +49,8 @@ void bind_ops(py::module_& m) {
   m.def("sgd_update", &ops::sgd_update, nogil(), "param -= scale * grad.");
   m.def("adam_step", [](const Tensor& param, const Tensor& grad, const Tensor& exp_avg,
                         const Tensor& exp_avg_sq, float lr, std::pair<float, float> betas, float eps,
-                        float weight_decay, bool decoupled, int64_t step) {
+                        float weight_decay, bool decoupled, int64_t step,
+                        const std::optional<Tensor>& max_exp_avg_sq) {
     ops::AdamHyper h;
     h.lr = lr;
     h.beta1 = betas.first;
@@ -56,11 +59,25 @@ void bind_ops(py::module_& m) {
     h.weight_decay = weight_decay;
     h.decoupled = decoupled;
     h.step = step;
-    ops::adam_step(param, grad, exp_avg, exp_avg_sq, 1.0f, h);
+    ops::adam_step(param, grad, exp_avg, exp_avg_sq, 1.0f, h, Tensor(),
+                   max_exp_avg_sq.value_or(Tensor()));
   }, py::arg("param"), py::arg("grad"), py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("lr"),
      py::arg("betas"), py::arg("eps"), py::arg("weight_decay"), py::arg("decoupled"),
-     py::arg("step"), nogil(),
-     "PyTorch's Adam (AdamW when decoupled) step t on param, exp_avg and exp_avg_sq in place.");
+     py::arg("step"), py::arg("max_exp_avg_sq") = std::nullopt, nogil(),
+     "PyTorch's Adam (AdamW when decoupled) step t on param, exp_avg and exp_avg_sq in place; "
+     "with max_exp_avg_sq amsgrad (that tensor too).");
+  m.def("sum_squares", &ops::sum_squares, py::arg("x"), nogil(),
+        "The sum of x * x (float products added in double) as a 0-d float32 tensor, in the order "
+        "of the fused step's clipping norm.");
+  m.def("_sum_squares_blocks",
+        [](py::array_t<float, py::array::c_style | py::array::forcecast> x) {
+          const float* data = x.data();
+          const int64_t n = x.size();
+          py::gil_scoped_release released;
+          return ops::cpu::sum_squares_blocks(n, data);
+        }, py::arg("x"),
+        "Tests only: cpu::sum_squares_blocks of a float32 array on this thread's share of "
+        "cores, the double before sum_squares rounds it to float32.");
   m.def("relu_forward", &ops::relu_forward, nogil(), "max(x, 0).");
   m.def("relu_backward", &ops::relu_backward, nogil(), "dx = dy where x > 0.");
   m.def("conv2d_forward", [](const Tensor& x, const Tensor& w, const std::optional<Tensor>& b,

@@ -95,7 +95,8 @@ std::unique_ptr<Replicated> make(const py::list& spec,
   auto r = std::make_unique<Replicated>();
   r->model = std::make_unique<train::Model>(layers, ps, bs, ops::conv_algo_for(devices[0]));
   for (size_t d = 0; d < devices.size(); ++d)
-    r->replicas.push_back({devices[d], {params[d], buffers[d]}, Tensor(), Tensor(), Tensor()});
+    r->replicas.push_back(
+        {devices[d], {params[d], buffers[d]}, Tensor(), Tensor(), Tensor(), Tensor()});
   train::check_replicas("Model", *r->model, r->replicas);
   return r;
 }
@@ -104,6 +105,12 @@ const train::Replica& replica(const Replicated& r, int64_t d) {
   MGPU_CHECK_INDEX(d >= 0 && d < static_cast<int64_t>(r.replicas.size()), "Model: replica ", d,
                    " does not exist; there are ", r.replicas.size());
   return r.replicas[static_cast<size_t>(d)];
+}
+
+// The optimizer state `which` (0 momentum or Adam's m, 1 Adam's v, 2 amsgrad's maximum of v).
+template <class R>
+auto& state_of(R& rep, int which) {
+  return which == 0 ? rep.momentum : which == 1 ? rep.second : rep.max_second;
 }
 
 }  // namespace
@@ -150,7 +157,7 @@ void bind_train(py::module_& m) {
                             const std::string& optimizer, std::pair<float, float> betas, float eps,
                             int64_t step, std::optional<float> max_norm,
                             const std::vector<float>& lrs, const std::vector<float>& weight_decays,
-                            int64_t accumulate) {
+                            int64_t accumulate, bool amsgrad) {
         // PyTorch's SGD accepts lr 0; NaN or infinity would train every replica into NaN.
         MGPU_CHECK_VALUE(std::isfinite(lr) && lr >= 0, "Model.train_step: the learning rate must "
                          "be a finite number >= 0, got ", lr);
@@ -177,6 +184,9 @@ void bind_train(py::module_& m) {
         sgd.beta2 = betas.second;
         sgd.eps = eps;
         sgd.step = step;
+        MGPU_CHECK_VALUE(!amsgrad || sgd.adam(), "Model.train_step: amsgrad is a variant of "
+                         "'adam' and 'adamw', not of '", optimizer, "'");
+        sgd.amsgrad = amsgrad;
         if (max_norm) {
           MGPU_CHECK_VALUE(std::isfinite(*max_norm) && *max_norm >= 0, "Model.train_step: "
                            "max_norm must be a finite number >= 0, got ", *max_norm);
@@ -210,11 +220,12 @@ void bind_train(py::module_& m) {
          py::arg("betas") = std::pair<float, float>{0.9f, 0.999f}, py::arg("eps") = 1e-8f,
          py::arg("step") = 1, py::arg("max_norm") = std::nullopt,
          py::arg("lrs") = std::vector<float>{}, py::arg("weight_decays") = std::vector<float>{},
-         py::arg("accumulate") = 1,
+         py::arg("accumulate") = 1, py::arg("amsgrad") = false,
          "One fused step: optimizer 'sgd' (lr, momentum, weight_decay), 'adam' or 'adamw' (lr, "
-         "betas, eps, weight_decay at `step`, counted from 1); max_norm: clip the mean loss's "
-         "gradient to that global norm first; lrs, weight_decays: per parameter; accumulate: "
-         "micro-batches run one after another, their gradients summed before one update.")
+         "betas, eps, weight_decay at `step`, counted from 1; amsgrad: that variant); max_norm: "
+         "clip the mean loss's gradient to that global norm first; lrs, weight_decays: per "
+         "parameter; accumulate: micro-batches run one after another, their gradients summed "
+         "before one update.")
       .def("evaluate_batch", [](const Replicated& r, const Tensor& X, const Tensor& y) {
         py::gil_scoped_release nogil;
         return train::evaluate_step(*r.model, X, y, r.replicas);
@@ -245,7 +256,10 @@ void bind_train(py::module_& m) {
            py::arg("replica"))
       .def("momentum_buffers", [](const Replicated& r, int64_t d, int which) {
         const train::Replica& rep = replica(r, d);
-        const Tensor& flat = which == 0 ? rep.momentum : rep.second;
+        MGPU_CHECK_VALUE(which >= 0 && which <= 2, "Model.momentum_buffers: which must be 0 "
+                         "(momentum, first moment), 1 (second moment) or 2 (amsgrad's maximum of "
+                         "the second moment), got ", which);
+        const Tensor& flat = state_of(rep, which);
         std::vector<std::optional<Tensor>> out;
         for (size_t i = 0; i < rep.state.params.size(); ++i) {
           if (!flat.defined()) {
@@ -259,12 +273,14 @@ void bind_train(py::module_& m) {
         return out;
       }, py::arg("replica"), py::arg("which") = 0,
          "One replica's optimizer state per parameter, views (None before the first step that "
-         "makes it): which 0 SGD's momentum or Adam's first moment, 1 Adam's second moment.")
+         "makes it): which 0 SGD's momentum or Adam's first moment, 1 Adam's second moment, 2 "
+         "amsgrad's maximum of the second moment.")
       .def("set_momentum_buffers", [](Replicated& r, int64_t d,
                                       const std::vector<std::optional<Tensor>>& bufs, int which) {
         const train::Replica& rep = replica(r, d);
-        MGPU_CHECK_VALUE(which == 0 || which == 1, "Model.set_momentum_buffers: which must be 0 "
-                         "(momentum, first moment) or 1 (second moment), got ", which);
+        MGPU_CHECK_VALUE(which >= 0 && which <= 2, "Model.set_momentum_buffers: which must be 0 "
+                         "(momentum, first moment), 1 (second moment) or 2 (amsgrad's maximum of "
+                         "the second moment), got ", which);
         const std::vector<Tensor>& ps = rep.state.params;
         MGPU_CHECK_VALUE(bufs.size() == ps.size(), "Model.set_momentum_buffers: the model has ",
                          ps.size(), " parameters, got ", bufs.size(), " buffers");
@@ -279,7 +295,7 @@ void bind_train(py::module_& m) {
         }
         py::gil_scoped_release nogil;
         train::Replica& mine = r.replicas[static_cast<size_t>(d)];
-        Tensor& flat = which == 0 ? mine.momentum : mine.second;
+        Tensor& flat = state_of(mine, which);
         if (!flat.defined())
           flat = Tensor::empty({r.model->flat_size()}, DType::F32, mine.device);
         // None is a zero buffer: the next step then starts it as PyTorch does (buf = g).

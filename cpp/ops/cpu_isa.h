@@ -124,6 +124,8 @@ std::string cpu_model();
   X(void, add_elements, (int64_t n, const float* a, const float* b, float* out), (n, a, b, out))  \
   X(void, sgd_step, (int64_t n, float* param, const float* grad, float scale),                    \
     (n, param, grad, scale))                                                                      \
+  X(void, adam_step, (int64_t begin, int64_t end, const AdamStep& body), (begin, end, body))       \
+  X(double, sum_squares, (int64_t n, const float* x), (n, x))                                     \
   X(void, softmax_ce_forward,                                                                     \
     (int64_t n, int64_t m, const float* logits, const int64_t* labels, float* loss),              \
     (n, m, logits, labels, loss))                                                                 \

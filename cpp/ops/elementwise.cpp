@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <vector>
 
 namespace mgpu::ops {
 namespace {
@@ -303,9 +304,7 @@ void sgd_step(const Tensor& param, const Tensor& grad, const Tensor& momentum_bu
                  param, grad, momentum_buf, clip);
 }
 
-void adam_step(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
-               float batch, const AdamHyper& h, const Tensor& clip) {
-  const char* op = h.decoupled ? "adamw" : "adam";
+AdamStep adam_body(const char* op, const AdamHyper& h, float batch) {
   MGPU_CHECK_VALUE(std::isfinite(h.lr) && h.lr >= 0, op, ": lr must be a finite number >= 0, "
                    "got ", h.lr);
   MGPU_CHECK_VALUE(h.beta1 >= 0 && h.beta1 < 1 && h.beta2 >= 0 && h.beta2 < 1, op, ": betas "
@@ -315,31 +314,94 @@ void adam_step(const Tensor& param, const Tensor& grad, const Tensor& m, const T
                    "must be >= 0, got ", h.weight_decay);
   MGPU_CHECK_VALUE(h.step >= 1, op, ": the step count starts at 1, got ", h.step);
   MGPU_CHECK_VALUE(batch > 0, op, ": the batch must be > 0, got ", batch);
+  // As PyTorch: the bias corrections and the decay factor in double, rounded to float once.
+  const double t = static_cast<double>(h.step);
+  const double bc1 = 1.0 - std::pow(static_cast<double>(h.beta1), t);
+  const double bc2 = 1.0 - std::pow(static_cast<double>(h.beta2), t);
+  const double lr = h.lr, wd = h.weight_decay;
+  return AdamStep{nullptr, nullptr, nullptr, nullptr, nullptr, batch,
+                  static_cast<float>(1.0 - static_cast<double>(h.beta1)), h.beta2,
+                  static_cast<float>(1.0 - static_cast<double>(h.beta2)), h.eps,
+                  h.decoupled ? 0.0f : h.weight_decay,
+                  h.decoupled ? static_cast<float>(1.0 - lr * wd) : 1.0f,
+                  static_cast<float>(lr / bc1), static_cast<float>(std::sqrt(bc2))};
+}
+
+void adam_step(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
+               float batch, const AdamHyper& h, const Tensor& clip, const Tensor& vmax) {
+  const char* op = h.decoupled ? "adamw" : "adam";
+  AdamStep body = adam_body(op, h, batch);
   for (const Tensor* t : {&param, &grad, &m, &v}) require_dtype(op, "tensor", *t, DType::F32);
   require_same_device(op, {&param, &grad, &m, &v});
   MGPU_CHECK_VALUE(grad.shape() == param.shape() && m.shape() == param.shape() &&
                    v.shape() == param.shape(), op, ": param ", param.shape(), ", grad ",
                    grad.shape(), " and the moments ", m.shape(), ", ", v.shape(),
                    " must have one shape");
-  // As PyTorch: the bias corrections and the decay factor in double, rounded to float once.
-  const double t = static_cast<double>(h.step);
-  const double bc1 = 1.0 - std::pow(static_cast<double>(h.beta1), t);
-  const double bc2 = 1.0 - std::pow(static_cast<double>(h.beta2), t);
-  const double lr = h.lr, wd = h.weight_decay;
-  AdamStep body{param.f32(), grad.f32(), m.f32(), v.f32(), clip_pointer(op, param, clip), batch,
-                static_cast<float>(1.0 - static_cast<double>(h.beta1)), h.beta2,
-                static_cast<float>(1.0 - static_cast<double>(h.beta2)), h.eps,
-                h.decoupled ? 0.0f : h.weight_decay,
-                h.decoupled ? static_cast<float>(1.0 - lr * wd) : 1.0f,
-                static_cast<float>(lr / bc1), static_cast<float>(std::sqrt(bc2))};
-  for_each_index(op, param.device(), param.numel(), body, param, grad, m, v, clip);
+  if (vmax.defined()) {
+    require_dtype(op, "max_exp_avg_sq", vmax, DType::F32);
+    require_same_device(op, {&param, &vmax});
+    MGPU_CHECK_VALUE(vmax.shape() == param.shape(), op, ": amsgrad's max_exp_avg_sq has shape ",
+                     vmax.shape(), " but the parameter has shape ", param.shape());
+    body.vmax = vmax.f32();
+  }
+  body.param = param.f32();
+  body.grad = grad.f32();
+  body.m = m.f32();
+  body.v = v.f32();
+  body.clip = clip_pointer(op, param, clip);
+  const int64_t n = param.numel();
+  if (n == 0) return;
+  // On a CPU device the kernel of the instruction-set path (cpu_isa.h), in fixed blocks.
+  dispatch(param.device(), op,
+           [n, body] {
+             const int64_t blocks = (n + kElementBlock - 1) / kElementBlock;
+             if (blocks <= 1) {
+               cpu::adam_step(0, n, body);
+               return;
+             }
+             parallel_for(blocks, [&](int64_t b) {
+               cpu::adam_step(b * kElementBlock, std::min(n, (b + 1) * kElementBlock), body);
+             });
+           },
+           [n, body](cudaStream_t s) { cuda::for_each_index(n, body, s); }, param, grad, m, v,
+           clip, vmax);
+}
+
+namespace cpu {
+
+double sum_squares_blocks(int64_t n, const float* x) {
+  const int64_t blocks = (n + kElementBlock - 1) / kElementBlock;
+  if (blocks <= 1) return sum_squares(n, x);
+  std::vector<double> partial(static_cast<size_t>(blocks));
+  parallel_for(blocks, [&](int64_t b) {
+    const int64_t at = b * kElementBlock;
+    partial[static_cast<size_t>(b)] = sum_squares(std::min(n - at, kElementBlock), x + at);
+  });
+  double total = 0.0;
+  for (double p : partial) total += p;
+  return total;
+}
+
+}  // namespace cpu
+
+Tensor sum_squares(const Tensor& x) {
+  require_dtype("sum_squares", "x", x, DType::F32);
+  if (!x.device().is_cpu()) return sum(binary(BinaryOp::Mul, x, x));
+  // One task, nothing allocated: the squares summed in parallel blocks, in a fixed order.
+  Tensor out = Tensor::empty({}, DType::F32, x.device());
+  const float* src = x.f32();
+  float* dst = out.f32();
+  enqueue_on(x.device(), "sum_squares", [src, dst, n = x.numel()] {
+    *dst = static_cast<float>(cpu::sum_squares_blocks(n, src));
+  }, x, out);
+  return out;
 }
 
 Tensor clip_factor(const Tensor& grad, float grad_scale, float max_norm) {
   require_dtype("clip_grad_norm", "grad", grad, DType::F32);
   MGPU_CHECK_VALUE(std::isfinite(max_norm) && max_norm >= 0, "clip_grad_norm: max_norm must be "
                    "a finite number >= 0, got ", max_norm);
-  const Tensor squares = sum(binary(BinaryOp::Mul, grad, grad));
+  const Tensor squares = sum_squares(grad);
   Tensor factor = Tensor::empty({}, DType::F32, grad.device());
   for_each_index("clip_grad_norm", grad.device(), 1,
                  ClipFactor{squares.f32(), factor.f32(), grad_scale, max_norm}, squares, factor);

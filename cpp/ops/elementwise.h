@@ -76,34 +76,58 @@ struct SgdStep {
 // non-null). Adam adds weight_decay * param to g (L2 in the gradient); AdamW multiplies param by
 // decay = 1 - lr * weight_decay first (decoupled weight decay). Then
 //   m = m + (1 - beta1) (g - m)      v = beta2 v + (1 - beta2) g g
+//   amsgrad (vmax non-null): vmax = max(vmax, v), and vmax stands for v in the next line
 //   param -= step_size * m / (sqrt(v) / bc2_sqrt + eps)
 // with step_size = lr / (1 - beta1^t) and bc2_sqrt = sqrt(1 - beta2^t), the bias corrections
-// formed on the host in double as PyTorch forms them. Zeroed m and v give PyTorch's first step.
+// formed on the host in double as PyTorch forms them. Zeroed m, v (and vmax) give PyTorch's first
+// step. Each multiply-add is an explicit fmaf, and every other product also feeds a product or a
+// call, which no compiler fuses into an add: the scalar loop, the AVX2 and AVX-512 kernels
+// (cpu::adam_step) and the CUDA grid compute the same operations.
+struct AdamParts {
+  bool clip, decay, l2, amsgrad;
+};
 struct AdamStep {
   float* param; const float* grad; float* m; float* v; const float* clip;
   float batch, one_minus_beta1, beta2, one_minus_beta2, eps, l2, decay, step_size, bc2_sqrt;
-  MGPU_HD void operator()(int64_t i) const {
+  float* vmax = nullptr;
+  // Element i with the optional parts `has` names: parts() here, constants in the CPU kernels
+  // (where each combination is a loop of its own, which the compiler vectorises).
+  template <class Parts>
+  MGPU_HD void update(int64_t i, Parts has) const {
     float g = grad[i] / batch;
-    if (clip) g = g * *clip;
+    if (has.clip) g = g * *clip;
     float p = param[i];
-    if (decay != 1.0f) p = p * decay;
-    if (l2 != 0.0f) g = g + p * l2;
-    const float mi = m[i] + one_minus_beta1 * (g - m[i]);
-    const float vi = v[i] * beta2 + one_minus_beta2 * g * g;
+    if (has.decay) p = p * decay;
+    if (has.l2) g = fmaf(p, l2, g);
+    const float mi = fmaf(one_minus_beta1, g - m[i], m[i]);
+    const float vi = fmaf(v[i], beta2, one_minus_beta2 * g * g);
     m[i] = mi;
     v[i] = vi;
-    param[i] = p - step_size * (mi / (sqrtf(vi) / bc2_sqrt + eps));
+    float vd = vi;
+    if (has.amsgrad) {
+      const float old = vmax[i];
+      vd = old > vi ? old : vi;  // a NaN v stays NaN, as torch.maximum keeps it
+      vmax[i] = vd;
+    }
+    param[i] = fmaf(-step_size, mi / (sqrtf(vd) / bc2_sqrt + eps), p);
   }
+  MGPU_HD AdamParts parts() const {
+    return AdamParts{clip != nullptr, decay != 1.0f, l2 != 0.0f, vmax != nullptr};
+  }
+  MGPU_HD void operator()(int64_t i) const { update(i, parts()); }
 };
 
-// clip_grad_norm_'s factor min(1, max_norm / (norm + 1e-6)) with norm = sqrt(*sum_squares) *
-// grad_scale (the gradient of the summed loss scaled to the mean's). One element.
+// clip_grad_norm_'s factor min(1, max_norm / (norm + 1e-6)) with norm = sqrt(sum_squares) *
+// grad_scale (the gradient of the summed loss scaled to the mean's), the add fused explicitly.
+MGPU_HD inline float clip_coefficient(float sum_squares, float grad_scale, float max_norm) {
+  const float f = max_norm / fmaf(sqrtf(sum_squares), grad_scale, 1e-6f);
+  return f < 1.0f ? f : 1.0f;
+}
+// clip_coefficient of *sum_squares into *factor. One element.
 struct ClipFactor {
   const float* sum_squares; float* factor; float grad_scale, max_norm;
   MGPU_HD void operator()(int64_t) const {
-    const float norm = sqrtf(*sum_squares) * grad_scale;
-    const float f = max_norm / (norm + 1e-6f);
-    *factor = f < 1.0f ? f : 1.0f;
+    *factor = clip_coefficient(*sum_squares, grad_scale, max_norm);
   }
 };
 
@@ -113,6 +137,9 @@ struct AdamHyper {
   bool decoupled = false;
   int64_t step = 1;  // t, counted from 1
 };
+// The AdamStep of hyperparameters h for gradients of a sum over `batch` examples: its scalars
+// set, its pointers null. Raises ValueError (naming `op`) for hyperparameters PyTorch refuses.
+AdamStep adam_body(const char* op, const AdamHyper& h, float batch);
 
 Tensor binary(BinaryOp op, const Tensor& a, const Tensor& b);
 Tensor binary_scalar(BinaryOp op, const Tensor& a, float s, bool scalar_first);
@@ -136,12 +163,18 @@ void sgd_update(const Tensor& param, const Tensor& grad, float scale);
 void sgd_step(const Tensor& param, const Tensor& grad, const Tensor& momentum_buf, float batch,
               float lr, float momentum, float weight_decay, const Tensor& clip = Tensor());
 // AdamStep on param, grad and the moments m, v (all one shape on one device), from grad / batch
-// times clip (a 0-d float32 tensor on that device, or undefined: 1). Writes param, m and v in
-// place, allocates nothing. Raises ValueError for hyperparameters PyTorch refuses.
+// times clip (a 0-d float32 tensor on that device, or undefined: 1); with vmax defined (that
+// shape too) amsgrad. Writes param, m, v (and vmax) in place, allocates nothing. Raises
+// ValueError for hyperparameters PyTorch refuses.
 void adam_step(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
-               float batch, const AdamHyper& h, const Tensor& clip = Tensor());
+               float batch, const AdamHyper& h, const Tensor& clip = Tensor(),
+               const Tensor& vmax = Tensor());
+// The sum of x * x over every element, float products added in double, as a 0-d float32 tensor:
+// on a CPU device in cpu::sum_squares_blocks' order (the same bits for any thread count), on a
+// GPU as ops::sum adds.
+Tensor sum_squares(const Tensor& x);
 // clip_grad_norm_'s factor for a flat gradient: a 0-d tensor on grad's device holding
-// min(1, max_norm / (||grad|| * grad_scale + 1e-6)), the squares summed as ops::sum sums.
+// min(1, max_norm / (||grad|| * grad_scale + 1e-6)), ||grad||^2 from sum_squares.
 Tensor clip_factor(const Tensor& grad, float grad_scale, float max_norm);
 
 namespace cpu {
@@ -152,6 +185,18 @@ void bias_grad_rows(int64_t n, int64_t m, const float* dy, float* db);
 void add_elements(int64_t n, const float* a, const float* b, float* out);
 // param[i] -= scale * grad[i] for i in [0, n) (SgdUpdate).
 void sgd_step(int64_t n, float* param, const float* grad, float scale);
+// body(i) for i in [begin, end): one vectorised loop per combination of body.parts(), each
+// element with the operations of AdamStep::update, so with the bits of the scalar body.
+void adam_step(int64_t begin, int64_t end, const AdamStep& body);
+// The sum of x[i] * x[i] (float products) over i in [0, n), added in double in a fixed order: 16
+// lanes, lane l taking the i = l (mod 16) in i order, then the lanes in a fixed tree. The same
+// bits on every instruction-set path.
+double sum_squares(int64_t n, const float* x);
+// The sum of squares of a whole flat buffer on the calling thread's share of cores: blocks of
+// kElementBlock elements (block b starts at b * kElementBlock), each block's sum_squares, and the
+// block sums added in block order, in double. The bits depend on n and x alone: not on the
+// threads, nor on which device sums which block (the shared update sums blocks the same way).
+double sum_squares_blocks(int64_t n, const float* x);
 }  // namespace cpu
 
 namespace cuda {

@@ -1,7 +1,11 @@
 // cpp/ops/elementwise_cpu.cpp -- elementwise CPU kernels compiled per instruction-set path:
 // sum_to_shape's row sums of dy (n, m) into db (m), the same-shape add (ResNet's residual
-// connections, gradient accumulation) and the SGD step.
+// connections, gradient accumulation), the SGD and Adam steps, and one block's sum of squares
+// (the gradient norm of clipping). Compiled with -fno-math-errno (CMakeLists.txt), so the square
+// roots of the Adam step vectorise.
 #include <algorithm>
+#include <array>
+#include <utility>
 
 #include "ops/cpu_isa.h"
 #include "ops/dispatch.h"
@@ -27,6 +31,64 @@ void add_elements(int64_t n, const float* a, const float* b, float* out) {
 
 void sgd_step(int64_t n, float* param, const float* grad, float scale) {
   run_elements(n, [=](int64_t i) { param[i] -= scale * grad[i]; });
+}
+
+namespace {
+
+// The optional parts of the Adam step as constants, bit f of F set for each part present.
+template <int F>
+struct FixedParts {
+  static constexpr bool clip = F & 1, decay = F & 2, l2 = F & 4, amsgrad = F & 8;
+};
+
+template <int F>
+void adam_loop(int64_t begin, int64_t end, const AdamStep& body) {
+  // The clip factor read once into a local: the loop's stores cannot alias it, so it vectorises.
+  AdamStep s = body;
+  float clip = 1.0f;
+  if (FixedParts<F>::clip) {
+    clip = *body.clip;
+    s.clip = &clip;
+  }
+  for (int64_t i = begin; i < end; ++i) s.update(i, FixedParts<F>{});
+}
+
+using AdamLoop = void (*)(int64_t, int64_t, const AdamStep&);
+
+template <int... F>
+constexpr std::array<AdamLoop, sizeof...(F)> adam_loops(std::integer_sequence<int, F...>) {
+  return {&adam_loop<F>...};
+}
+
+}  // namespace
+
+void adam_step(int64_t begin, int64_t end, const AdamStep& body) {
+  static constexpr std::array<AdamLoop, 16> loops =
+      adam_loops(std::make_integer_sequence<int, 16>{});
+  const AdamParts has = body.parts();
+  const int f = (has.clip ? 1 : 0) | (has.decay ? 2 : 0) | (has.l2 ? 4 : 0) | (has.amsgrad ? 8 : 0);
+  loops[static_cast<size_t>(f)](begin, end, body);
+}
+
+double sum_squares(int64_t n, const float* x) {
+  // Lane l adds the squares of x[l], x[l + 16], ... in order (a float product, then a double
+  // add: nothing to contract into an FMA), so each ISA's vectors hold the same 16 partial sums.
+  constexpr int kLanes = 16;
+  double acc[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    for (int l = 0; l < kLanes; ++l) {
+      const float sq = x[i + l] * x[i + l];
+      acc[l] += static_cast<double>(sq);
+    }
+  }
+  for (int l = 0; i + l < n; ++l) {
+    const float sq = x[i + l] * x[i + l];
+    acc[l] += static_cast<double>(sq);
+  }
+  for (int half = kLanes / 2; half > 0; half /= 2)
+    for (int l = 0; l < half; ++l) acc[l] += acc[l + half];
+  return acc[0];
 }
 
 }  // namespace mgpu::ops::cpu::MGPU_CPU_ISA

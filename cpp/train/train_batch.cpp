@@ -75,10 +75,11 @@ void update(const Model& m, Replica& r, const Tensor& grads, const Sgd& sgd, int
   if (sgd.adam()) {
     make_zeroed(m, r.momentum, r.device);
     make_zeroed(m, r.second, r.device);
+    if (sgd.amsgrad) make_zeroed(m, r.max_second, r.device);
     for (size_t i = 0; i < ps.size(); ++i)
       ops::adam_step(ps[i], view(m, grads, ps[i], i), view(m, r.momentum, ps[i], i),
                      view(m, r.second, ps[i], i), static_cast<float>(batch), adam_hyper(sgd, i),
-                     clip);
+                     clip, sgd.amsgrad ? view(m, r.max_second, ps[i], i) : Tensor());
     return;
   }
   // One pass per parameter, nothing allocated but the clip factor.
@@ -94,14 +95,19 @@ void update(const Model& m, Replica& r, const Tensor& grads, const Sgd& sgd, int
 // --- the shared update of CPU replicas ---------------------------------------------------------
 // CPU devices of one process share memory, so their gradient sum and their updates run as one
 // collective after backward instead of a bucketed all-reduce (reduce-scatter, all-gather) followed
-// by every replica updating all of its parameters: device j sums chunk j of the flat gradients
-// over the replicas, in device order as comm::allreduce adds, and applies SGD to chunk j of every
-// replica's parameters (and momentum) with that sum. Each element gets the same operations on the
-// same values as before, so every replica's parameters keep their bits; the replicas' gradient
-// buffers are left unsummed (nothing reads them after the step). It saves the all-gather, each
-// device's writes of the summed gradients, and all but one of the collectives' meetings (one
-// device waiting for the other at each bucket). MGPU_CPU_SHARED_UPDATE=0 (read at every step)
-// keeps the bucketed all-reduce and the per-replica updates, for tests and benchmarks.
+// by every replica updating all of its parameters: the flat gradients are cut into blocks of
+// ops::kElementBlock elements, device j of k takes the j-th of k runs of blocks, sums its blocks
+// over the replicas, in device order as comm::allreduce adds, and applies the optimizer (SGD or
+// Adam) to those elements of every replica's parameters and state with that sum. With clipping
+// it first writes the sums into replica 0's gradients and each block's sum of squares
+// (cpu::sum_squares, the blocks of cpu::sum_squares_blocks), meets the others, and adds the
+// block sums in block order: the norm of ops::clip_factor, bit for bit. Each element gets the
+// same operations on the same values as in the per-replica update, so every replica's parameters
+// keep their bits; the other replicas' gradient buffers are left unsummed (nothing reads them
+// after the step). It saves the all-gather, each device's writes of the summed gradients, and
+// all but one or two of the collectives' meetings (one device waiting for the other at each
+// bucket). MGPU_CPU_SHARED_UPDATE=0 (read at every step) keeps the bucketed all-reduce and the
+// per-replica updates, for tests and benchmarks.
 bool shared_update_enabled() {
   const char* env = std::getenv("MGPU_CPU_SHARED_UPDATE");
   return !env || std::strcmp(env, "0") != 0;
@@ -109,49 +115,98 @@ bool shared_update_enabled() {
 
 struct SharedUpdate {
   explicit SharedUpdate(int k) : barrier(k) {}
-  std::vector<const float*> grads;            // grads[d]: replica d's flat gradients
+  std::vector<float*> grads;                  // grads[d]: replica d's flat gradients
   std::vector<std::vector<float*>> params;    // params[d][i]: replica d's parameter i
-  std::vector<float*> momentum;               // momentum[d]: flat, or null without momentum
-  std::vector<int64_t> offsets, sizes;        // parameter i: flat [offsets[i], + sizes[i])
+  // Per replica, flat, or null where the optimizer keeps none: SGD's momentum or Adam's m; v;
+  // amsgrad's running maximum of v.
+  std::vector<float*> momentum, second, max_second;
+  // Parameter order[j] lies at flat [offsets[j], ends[j]), in flat order (the layout puts the
+  // last layer's first, for the buckets).
+  std::vector<size_t> order;
+  std::vector<int64_t> offsets, ends;
+  std::vector<ops::AdamStep> adam;            // per parameter: its Adam scalars (pointers null)
+  std::vector<double> block_squares;          // with clipping: per block, its sum of squares
   int64_t total = 0;
   Sgd sgd;
   float batch = 1.0f;
   comm::Barrier barrier;
 
-  // Device `me` of k: chunk me of the flat range, in blocks of kElementBlock summed gradients.
+  // Flat elements [f0, f0 + n), one block: the optimizer on every replica, with the summed
+  // gradients sum[0, n) and the clip factor (null: none).
+  void update_block(int64_t f0, int64_t n, const float* sum, const float* clip) const {
+    const int64_t f1 = f0 + n;
+    const size_t first =
+        static_cast<size_t>(std::upper_bound(ends.begin(), ends.end(), f0) - ends.begin());
+    for (size_t j = first; j < offsets.size() && offsets[j] < f1; ++j) {
+      const int64_t a = std::max(f0, offsets[j]), b = std::min(f1, ends[j]);
+      if (a >= b) continue;  // a parameter without elements
+      const size_t i = order[j];
+      const float* g = sum + (a - f0);
+      for (size_t d = 0; d < grads.size(); ++d) {
+        float* p = params[d][i] + (a - offsets[j]);
+        if (sgd.sum_rule) {
+          const float scale = sgd.lr / batch;
+          for (int64_t e = 0; e < b - a; ++e) p[e] -= scale * g[e];
+        } else if (sgd.adam()) {
+          ops::AdamStep step = adam[i];
+          step.param = p;
+          step.grad = g;
+          step.m = momentum[d] + a;
+          step.v = second[d] + a;
+          step.vmax = max_second[d] ? max_second[d] + a : nullptr;
+          step.clip = clip;
+          ops::cpu::adam_step(0, b - a, step);
+        } else {
+          float* buf = momentum[d];
+          ops::SgdStep step{p, g, buf ? buf + a : nullptr, batch, sgd.lr_of(i), sgd.momentum,
+                            sgd.weight_decay_of(i), clip};
+          for (int64_t e = 0; e < b - a; ++e) step(e);
+        }
+      }
+    }
+  }
+
+  // sum[e] = the replicas' gradients at flat element f0 + e, added in device order.
+  void sum_block(int64_t f0, int64_t n, float* sum) const {
+    const int k = static_cast<int>(grads.size());
+    for (int64_t e = 0; e < n; ++e) {
+      float acc = grads[0][f0 + e];
+      for (int d = 1; d < k; ++d) acc += grads[static_cast<size_t>(d)][f0 + e];
+      sum[e] = acc;
+    }
+  }
+
+  // Device `me` of k: blocks [lo, hi) of the flat range.
   void run(int me) {
     const int k = static_cast<int>(grads.size());
+    constexpr int64_t B = ops::kElementBlock;
     barrier.arrive_and_wait();  // every replica's backward has written its gradients
-    const int64_t lo = total * me / k, hi = total * (me + 1) / k;
-    for (size_t i = 0; i < offsets.size(); ++i) {
-      const int64_t a = std::max(lo, offsets[i]), b = std::min(hi, offsets[i] + sizes[i]);
-      if (a >= b) continue;
-      const int64_t blocks = (b - a + ops::kElementBlock - 1) / ops::kElementBlock;
-      parallel_for(blocks, [&](int64_t blk) {
-        const int64_t f0 = a + blk * ops::kElementBlock;
-        const int64_t n = std::min(b, f0 + ops::kElementBlock) - f0;
-        float sum[ops::kElementBlock];
-        for (int64_t e = 0; e < n; ++e) {
-          float acc = grads[0][f0 + e];
-          for (int d = 1; d < k; ++d) acc += grads[static_cast<size_t>(d)][f0 + e];
-          sum[e] = acc;
-        }
-        const int64_t at = f0 - offsets[i];  // the block's first element in parameter i
-        for (int d = 0; d < k; ++d) {
-          float* p = params[static_cast<size_t>(d)][i] + at;
-          if (sgd.sum_rule) {
-            const float scale = sgd.lr / batch;
-            for (int64_t e = 0; e < n; ++e) p[e] -= scale * sum[e];
-            continue;
-          }
-          float* buf = momentum[static_cast<size_t>(d)];
-          const ops::SgdStep step{p, sum, buf ? buf + f0 : nullptr, batch, sgd.lr_of(i),
-                                  sgd.momentum, sgd.weight_decay_of(i)};
-          for (int64_t e = 0; e < n; ++e) step(e);
-        }
+    const int64_t blocks = (total + B - 1) / B;
+    const int64_t lo = blocks * me / k, hi = blocks * (me + 1) / k;
+    const bool clipped = sgd.clip && !sgd.sum_rule;
+    float factor = 1.0f;
+    if (clipped) {
+      parallel_for(hi - lo, [&](int64_t j) {
+        const int64_t f0 = (lo + j) * B, n = std::min(total, f0 + B) - f0;
+        sum_block(f0, n, grads[0] + f0);  // element by element, in place: each read first
+        block_squares[static_cast<size_t>(lo + j)] = ops::cpu::sum_squares(n, grads[0] + f0);
       });
+      barrier.arrive_and_wait();  // every block's sum and square sum are written
+      double squares = 0.0;
+      for (double s : block_squares) squares += s;
+      factor = ops::clip_coefficient(static_cast<float>(squares), 1.0f / batch, sgd.max_norm);
     }
-    barrier.arrive_and_wait();  // every chunk of every replica is written before anyone reads
+    parallel_for(hi - lo, [&](int64_t j) {
+      const int64_t f0 = (lo + j) * B, n = std::min(total, f0 + B) - f0;
+      if (clipped) {
+        update_block(f0, n, grads[0] + f0, &factor);
+        return;
+      }
+      float sum[B];
+      sum_block(f0, n, sum);
+      update_block(f0, n, sum, nullptr);
+    });
+    barrier.arrive_and_wait();  // every block of every replica is written before anyone reads
   }
 };
 
@@ -163,20 +218,37 @@ void shared_update(const Model& m, std::vector<Replica>& replicas, const std::ve
   sh->sgd = sgd;
   sh->batch = static_cast<float>(batch);
   for (size_t i = 0; i < m.num_params(); ++i) {
+    sh->order.push_back(i);
+    // Checked here, before anything is enqueued, as adam_step checks.
+    if (sgd.adam() && !sgd.sum_rule)
+      sh->adam.push_back(ops::adam_body(sgd.kind == Sgd::Kind::AdamW ? "adamw" : "adam",
+                                        adam_hyper(sgd, i), sh->batch));
+  }
+  std::sort(sh->order.begin(), sh->order.end(),
+            [&m](size_t a, size_t b) { return m.offset(a) < m.offset(b); });
+  for (size_t i : sh->order) {
     sh->offsets.push_back(m.offset(i));
-    sh->sizes.push_back(replicas[0].state.params[i].numel());
+    sh->ends.push_back(m.offset(i) + replicas[0].state.params[i].numel());
   }
   sh->total = m.flat_size();
+  if (sgd.clip && !sgd.sum_rule)
+    sh->block_squares.assign(
+        static_cast<size_t>((sh->total + ops::kElementBlock - 1) / ops::kElementBlock), 0.0);
   for (size_t d = 0; d < k; ++d) {
     Replica& r = replicas[d];
-    // As update(): the momentum buffer is made, zeroed, at the first step with momentum.
-    const bool with_buf = sgd.momentum != 0.0f && !sgd.sum_rule;
+    // As update(): the optimizer's state is made, zeroed, at the first step that needs it.
+    const bool adam = sgd.adam() && !sgd.sum_rule;
+    const bool with_buf = adam || (sgd.momentum != 0.0f && !sgd.sum_rule);
     if (with_buf) make_zeroed(m, r.momentum, r.device);
+    if (adam) make_zeroed(m, r.second, r.device);
+    if (adam && sgd.amsgrad) make_zeroed(m, r.max_second, r.device);
     sh->grads.push_back(grads[d].f32());
     std::vector<float*> ps;
     for (const Tensor& p : r.state.params) ps.push_back(p.f32());
     sh->params.push_back(std::move(ps));
     sh->momentum.push_back(with_buf ? r.momentum.f32() : nullptr);
+    sh->second.push_back(adam ? r.second.f32() : nullptr);
+    sh->max_second.push_back(adam && sgd.amsgrad ? r.max_second.f32() : nullptr);
   }
   // Every queue gets its part in the same host order (see comm::allreduce), and each task keeps
   // its own replica's tensors alive: the others' are kept by their tasks, which all leave the
@@ -186,8 +258,10 @@ void shared_update(const Model& m, std::vector<Replica>& replicas, const std::ve
     Replica& r = replicas[d];
     std::vector<Tensor> keep = r.state.params;
     keep.push_back(grads[d]);
-    if (r.momentum.defined()) keep.push_back(r.momentum);
-    enqueue_on(r.device, "allreduce and sgd", [sh, me = static_cast<int>(d)] {
+    for (const Tensor* t : {&r.momentum, &r.second, &r.max_second})
+      if (t->defined()) keep.push_back(*t);
+    enqueue_on(r.device, sgd.adam() ? "allreduce and adam" : "allreduce and sgd",
+               [sh, me = static_cast<int>(d)] {
       try {
         sh->run(me);
       } catch (...) {
@@ -411,7 +485,8 @@ LabelGuard start_guard(const char* op, int64_t classes, const Tensor& y,
     g.flags.push_back(ops::find_bad_label(g.labels.back(), classes));
     const bool needs_momentum = !sgd.sum_rule && (sgd.momentum != 0.0f || sgd.adam());
     first_momentum = first_momentum || (needs_momentum && !r.momentum.defined()) ||
-                     (sgd.adam() && !r.second.defined());
+                     (sgd.adam() && !r.second.defined()) ||
+                     (sgd.adam() && sgd.amsgrad && !r.max_second.defined());
   }
   // A first step with momentum creates the buffers, which a failed step must not leave behind:
   // this once, the host waits for the verdict.
@@ -426,6 +501,7 @@ LabelGuard start_guard(const char* op, int64_t classes, const Tensor& y,
     state.insert(state.end(), r.state.buffers.begin(), r.state.buffers.end());
     if (r.momentum.defined()) state.push_back(r.momentum);
     if (r.second.defined()) state.push_back(r.second);
+    if (r.max_second.defined()) state.push_back(r.max_second);
     for (const Tensor& t : state) saved.push_back(ops::to_device(t, r.device, true));
     g.state.push_back(std::move(state));
     g.saved.push_back(std::move(saved));
@@ -522,9 +598,7 @@ std::vector<Tensor> train_step(const Model& m, const Tensor& X, const Tensor& y,
   // CPU devices of this process (and no other rank): one collective after backward sums the
   // gradients and updates every replica (shared_update); otherwise buckets are reduced as
   // backward produces them and every replica updates itself.
-  // (SGD without clipping: Adam and the clip factor take the summed gradients whole.)
-  const bool shared = devices[0].is_cpu() && L > 1 && world == 1 && shared_update_enabled() &&
-                      !sgd.adam() && !sgd.clip;
+  const bool shared = devices[0].is_cpu() && L > 1 && world == 1 && shared_update_enabled();
   std::optional<comm::BucketAllReduce> reduce;
   if (!shared) {
     std::vector<int64_t> sizes;
@@ -654,7 +728,8 @@ std::vector<Replica> lenet_replicas(const char* op, const std::vector<std::vecto
     check_lenet_params(op, params[d]);
     MGPU_CHECK_VALUE(params[d][0].device() == devices[d], op, ": replica ", d, " lives on ",
                      params[d][0].device(), " but devices[", d, "] is ", devices[d]);
-    out.push_back(Replica{devices[d], ReplicaState{params[d], {}}, Tensor(), Tensor(), Tensor()});
+    out.push_back(Replica{devices[d], ReplicaState{params[d], {}}, Tensor(), Tensor(), Tensor(),
+                          Tensor()});
   }
   return out;
 }

@@ -18,6 +18,7 @@ struct Replica {
   Tensor momentum;    // flat like grads: SGD's momentum, or Adam's first moment m; undefined
                       // until the first step that needs it (or a set)
   Tensor second;      // flat like grads: Adam's second moment v, undefined as momentum
+  Tensor max_second;  // flat like grads: amsgrad's running maximum of v, undefined as momentum
 };
 
 // The update. sum_rule (the chapter's LeNet step): p -= lr / N * g with g the gradient of the
@@ -26,13 +27,18 @@ struct Replica {
 // flat gradient (g *= min(1, max_norm / (||g|| + 1e-6)), the same factor on every replica as
 // their gradients are the same sum); then kind Sgd: g += weight_decay * p; buf = momentum * buf
 // + g (buf = g at the first step); p -= lr * buf (p -= lr * g when momentum is 0); kind Adam or
-// AdamW: ops::AdamStep at step `step` (counted from 1). lrs, weight_decays: per parameter (a
-// PyTorch parameter group's values for its parameters), empty for lr and weight_decay everywhere.
+// AdamW: ops::AdamStep at step `step` (counted from 1), with amsgrad PyTorch's variant (the
+// denominator from the running maximum of v). lrs, weight_decays: per parameter (a PyTorch
+// parameter group's values for its parameters), empty for lr and weight_decay everywhere.
+// The global norm's squares are summed as ops::clip_factor sums them on each device kind (on CPU
+// devices in fixed blocks, so the same bits whether one replica sums all or the shared update
+// splits the blocks over the devices).
 struct Sgd {
   float lr = 0.1f, momentum = 0.0f, weight_decay = 0.0f;
   bool sum_rule = false;
   enum class Kind : int8_t { Sgd, Adam, AdamW } kind = Kind::Sgd;
   float beta1 = 0.9f, beta2 = 0.999f, eps = 1e-8f;
+  bool amsgrad = false;
   int64_t step = 1;
   bool clip = false;
   float max_norm = 0.0f;

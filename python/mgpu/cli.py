@@ -222,7 +222,9 @@ def _bench(args) -> int:
             seed=args.seed, compare=args.compare, torch_python=args.torch_python,
             torch_threads=args.torch_threads, parts=parts, gemm_size=args.gemm_size, log=log,
             model=args.model, weak_scaling=args.weak_scaling, jax_python=args.jax_python,
-            jax_threads=args.jax_threads, precisions=args.precision.split(","))
+            jax_threads=args.jax_threads, optimizer=args.optimizer,
+            weight_decay=args.weight_decay, clip_grad_norm=args.clip_grad_norm,
+            precisions=args.precision.split(","))
     elif args.bench == "ops":
         result = bench.bench_ops(batch_sizes=args.batch_sizes, warmup=args.warmup,
                                  repeat=args.repeat, log=log, device=args.device)
@@ -322,6 +324,12 @@ def _bench_parser(sub) -> None:
                         "model: each layer's ms, GFLOP/s and %% of this CPU's measured FMA peak, "
                         "--limit-batches traced steps)")
     t.add_argument("--gemm-size", type=int, default=1024, help="n of the n x n sgemm reference")
+    t.add_argument("--optimizer", choices=["sgd", "adam", "adamw"], default="sgd",
+                   help="resnet18: mgpu's optimizer, as mgpu train's (the rivals keep SGD)")
+    t.add_argument("--weight-decay", type=float, default=None,
+                   help="resnet18: the optimizer's weight decay (default: its own)")
+    t.add_argument("--clip-grad-norm", type=float, default=None, metavar="X",
+                   help="resnet18: clip the gradients' global norm to X before every update")
     t.add_argument("--compare", default=None, metavar="torch|jax|torch,jax",
                    help="also time the chapters' PyTorch and/or JAX code (each in another "
                         "interpreter)")

@@ -346,7 +346,7 @@ class DataParallel(Module):
         all-reduce and optimizer update run in C++ from this one call (``mgpu._core.Model``,
         built from the module tree on first use). Computes what the book's loop computes with
         ``loss = nn.CrossEntropyLoss()`` and ``trainer`` an ``optim.SGD`` (lr, momentum,
-        weight_decay), ``optim.Adam`` or ``optim.AdamW`` (without amsgrad) over
+        weight_decay), ``optim.Adam`` or ``optim.AdamW`` (amsgrad too) over
         ``net.parameters()``, and returns the mean loss (0-d, on device_ids[0]).
 
         ``clip_grad_norm=max_norm`` clips the summed gradients to that global norm before the
@@ -356,7 +356,8 @@ class DataParallel(Module):
 
         The master's parameters and running statistics are updated in place; other replicas
         are refreshed from the master before every step, so steps of both kinds can be mixed.
-        The optimizer's state (SGD's momentum buffers, Adam's moments and step) is shared with
+        The optimizer's state (SGD's momentum buffers, Adam's moments, amsgrad's maxima and the
+        step) is shared with
         ``trainer``: after a fused step its buffers are views of the fused model's (so
         ``trainer.state_dict()`` holds them), and a step finds buffers that ``trainer.step()``
         or ``trainer.load_state_dict()`` changed and continues from those, so the book's loop
@@ -440,13 +441,10 @@ class DataParallel(Module):
                                  "book's loop")
             opts.update(optimizer="sgd", momentum=groups[0]["momentum"])
         else:
-            if any(g["amsgrad"] for g in groups):
-                raise ValueError("train_step: the fused step does not do amsgrad; use the "
-                                 "book's loop (trainer.step()) for it")
-            if len({(tuple(g["betas"]), g["eps"]) for g in groups}) > 1:
-                raise ValueError("train_step: the fused step takes one (betas, eps) for every "
-                                 "parameter group; groups with different ones need the book's "
-                                 "loop")
+            if len({(tuple(g["betas"]), g["eps"], g["amsgrad"]) for g in groups}) > 1:
+                raise ValueError("train_step: the fused step takes one (betas, eps, amsgrad) for "
+                                 "every parameter group; groups with different ones need the "
+                                 "book's loop")
             steps = set(trainer._steps())
             if len(steps) > 1:
                 raise ValueError(f"train_step: the fused step needs every parameter at the same "
@@ -454,7 +452,7 @@ class DataParallel(Module):
                                  "gradient in the book's loop were not stepped)")
             opts.update(optimizer="adamw" if trainer._decoupled else "adam",
                         betas=tuple(groups[0]["betas"]), eps=groups[0]["eps"],
-                        step=steps.pop() + 1)
+                        amsgrad=groups[0]["amsgrad"], step=steps.pop() + 1)
         per = [(g["lr"], g["weight_decay"]) for g in groups for _ in g["params"]]
         opts["lr"], opts["weight_decay"] = per[0]
         if len(set(per)) > 1:
@@ -470,14 +468,15 @@ class DataParallel(Module):
                     _core.copy(dst._t, src._t)
                 for dst, src in zip(fused.replica_buffers[r], fused.replica_buffers[0]):
                     _core.copy(dst._t, src._t)
-            adam = opts["optimizer"] != "sgd"
-            stateful = adam or opts["momentum"] != 0
-            if stateful:
-                fused.state_in(trainer, adam)
+            # The optimizer's state lists: 1 (SGD's momentum), 2 (Adam's m, v), 3 (amsgrad's too).
+            kinds = (1 if opts["momentum"] != 0 else 0) if opts["optimizer"] == "sgd" else (
+                3 if opts["amsgrad"] else 2)
+            if kinds:
+                fused.state_in(trainer, kinds)
             losses = fused.model.train_step(X, y, deterministic=deterministic,
                                             accumulate=accumulate, **opts)
-            if stateful:
-                fused.state_out(trainer, adam, opts.get("step", 0))
+            if kinds:
+                fused.state_out(trainer, kinds, opts.get("step", 0))
             total = losses[0]
             for part in losses[1:]:
                 total = total + part.to(total.device)
@@ -515,16 +514,18 @@ class _Fused:
         self._handed: Optional[Tuple[object, List[Optional[Tensor]], List[int]]] = None
 
     @staticmethod
-    def _trainer_state(trainer, adam: bool) -> List[Optional[Tensor]]:
-        if adam:
-            m, v = trainer._moment_lists()
-            return m + v
-        return trainer._momentum_list()
+    def _trainer_state(trainer, kinds: int) -> List[Optional[Tensor]]:
+        """The trainer's state lists, ``kinds`` of them (1: SGD's momentum; 2: Adam's m, v; 3:
+        and amsgrad's maxima), concatenated."""
+        if kinds == 1:
+            return trainer._momentum_list()
+        return [b for which in trainer._moment_lists(kinds == 3) for b in which]
 
-    def state_in(self, trainer, adam: bool) -> None:
-        """Copies ``trainer``'s momentum buffers (SGD) or moments (Adam) into every replica
-        unless they are the views the last fused step handed out, unchanged since."""
-        current = self._trainer_state(trainer, adam)
+    def state_in(self, trainer, kinds: int) -> None:
+        """Copies ``trainer``'s momentum buffers (SGD) or moments (Adam; ``kinds`` as
+        ``_trainer_state``) into every replica unless they are the views the last fused step
+        handed out, unchanged since."""
+        current = self._trainer_state(trainer, kinds)
         h = self._handed
         if h is not None and h[0] is trainer and len(h[1]) == len(current) and all(
                 a is b and (a is None or a._t.version == v)
@@ -532,19 +533,17 @@ class _Fused:
             return
         n = len(self.replica_params[0])
         for r in range(len(self.replica_params)):
-            self.model.set_momentum_buffers(current[:n], r)
-            if adam:
-                self.model.set_momentum_buffers(current[n:], r, 1)
+            for which in range(kinds):
+                self.model.set_momentum_buffers(current[which * n:(which + 1) * n], r, which)
 
-    def state_out(self, trainer, adam: bool, step: int) -> None:
+    def state_out(self, trainer, kinds: int, step: int) -> None:
         """Hands replica 0's buffers (views, updated by every fused step) to trainer."""
-        views = self.model.momentum_buffers(0)
-        if adam:
-            second = self.model.momentum_buffers(0, 1)
-            trainer._set_moments(views, second, step)
-            views = views + second
+        lists = [self.model.momentum_buffers(0, which) for which in range(kinds)]
+        if kinds == 1:
+            trainer._set_momentum_list(lists[0])
         else:
-            trainer._set_momentum_list(views)
+            trainer._set_moments(*lists[:2], step, lists[2] if kinds == 3 else None)
+        views = [b for which in lists for b in which]
         self._handed = (trainer, views, [b._t.version for b in views])
 
     def _layer(self, kind: str, src: int, params=(), buffers=(), **opts) -> int:

@@ -313,11 +313,13 @@ class FusedModel:
                    weight_decay: float = 0.0, deterministic=False, optimizer: str = "sgd",
                    betas: Tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, step: int = 1,
                    max_norm: Optional[float] = None, lrs: Sequence[float] = (),
-                   weight_decays: Sequence[float] = (), accumulate: int = 1) -> List[Tensor]:
+                   weight_decays: Sequence[float] = (), accumulate: int = 1,
+                   amsgrad: bool = False) -> List[Tensor]:
         """One optimizer step on the mean loss over the whole batch; returns each replica's
         summed loss (0-d tensors). ``optimizer`` 'sgd' (PyTorch's rule, with momentum and weight
         decay), 'adam' or 'adamw' (PyTorch's, at ``step`` counted from 1, with ``betas`` and
-        ``eps``); ``max_norm``: the gradient clipped to that global norm first (as
+        ``eps``; ``amsgrad``: its variant, the denominator from the running maximum of the second
+        moment); ``max_norm``: the gradient clipped to that global norm first (as
         ``nn.utils.clip_grad_norm_``); ``lrs`` and ``weight_decays``: one value per parameter
         instead of ``lr`` and ``weight_decay``. ``deterministic`` and ``accumulate`` as for
         ``train_batch`` (batch norm then normalises per logical shard, or per micro-batch and
@@ -333,7 +335,8 @@ class FusedModel:
         # A label out of range raises IndexError and changes nothing (the step checks them).
         losses = self._model.train_step(X._t, y._t, lr, momentum, weight_decay, shards,
                                         optimizer, tuple(betas), eps, step, max_norm,
-                                        list(lrs), list(weight_decays), accumulate)
+                                        list(lrs), list(weight_decays), accumulate,
+                                        bool(amsgrad))
         for t in self._changed:  # updated in place
             t.bump_version()
         return [Tensor(t) for t in losses]
@@ -347,9 +350,10 @@ class FusedModel:
         return Tensor(self._model.forward(X._t, replica))
 
     def momentum_buffers(self, replica: int = 0, which: int = 0) -> List[Optional[Tensor]]:
-        """SGD's momentum buffers (which 0; Adam's first moments too) or Adam's second moments
-        (which 1) of one replica, one per parameter (None before the first step that makes
-        them); views of the replica's state, updated by every step."""
+        """SGD's momentum buffers (which 0; Adam's first moments too), Adam's second moments
+        (which 1) or amsgrad's running maxima of them (which 2) of one replica, one per
+        parameter (None before the first step that makes them); views of the replica's state,
+        updated by every step."""
         return [None if b is None else Tensor(b)
                 for b in self._model.momentum_buffers(replica, which)]
 
@@ -357,8 +361,8 @@ class FusedModel:
                              which: int = 0) -> None:
         """Copies ``buffers`` (one per parameter, its shape, any device; None: a fresh buffer,
         so the next step starts it as PyTorch does) into one replica's SGD momentum or Adam's
-        first moments (which 0) or Adam's second moments (which 1); the next step continues
-        from them."""
+        first moments (which 0), Adam's second moments (which 1) or amsgrad's maxima of them
+        (which 2); the next step continues from them."""
         if not isinstance(buffers, (list, tuple)):
             raise TypeError(f"set_momentum_buffers: buffers must be a list with one tensor (or "
                             f"None) per parameter, got {type(buffers).__name__}")

@@ -655,8 +655,9 @@ TEST_F(CudaKernels, PerElementBodiesEqualTheHostLoopExactly) {
   check_binary<BinaryOp::Div>(stream_, "div");
 }
 
-// The optimizer bodies write several arrays (parameter, momentum, Adam's moments) and read the
-// clip factor through a pointer: each array must come back with the host loop's bits.
+// The optimizer bodies write several arrays (parameter, momentum, Adam's moments, amsgrad's
+// maximum) and read the clip factor through a pointer: each array must come back with the host
+// loop's bits.
 TEST_F(CudaKernels, OptimizerBodiesEqualTheHostLoopExactly) {
   using namespace mgpu::ops;
   for (const int64_t n : {int64_t{1000}, int64_t{3}}) {
@@ -664,20 +665,26 @@ TEST_F(CudaKernels, OptimizerBodiesEqualTheHostLoopExactly) {
     const Floats grad = random_floats(n, 5, -30.0f, 30.0f);
     Floats p = random_floats(n, 6, -1.0f, 1.0f), m = random_floats(n, 7, -0.5f, 0.5f);
     Floats v = random_floats(n, 8, 0.0f, 0.3f), buf = random_floats(n, 9, -1.0f, 1.0f);
+    Floats vmax = random_floats(n, 10, 0.0f, 0.3f);
     const Floats clip = {0.625f};
-    DeviceVector<float> grad_(grad), p_(p), m_(m), v_(v), buf_(buf), clip_(clip);
+    DeviceVector<float> grad_(grad), p_(p), m_(m), v_(v), buf_(buf), clip_(clip), vmax_(vmax);
     DeviceVector<float> q_(p);  // the SGD step's parameter
     Floats q = p;
-    // Adam with L2 (decay 1) and AdamW (decay < 1, no L2), at step 3 with bias corrections.
-    for (const bool decoupled : {false, true}) {
-      auto body = [&](float* pp, const float* g, float* mm, float* vv, const float* c) {
+    // Adam with L2 (decay 1) and AdamW (decay < 1, no L2), at step 3 with bias corrections;
+    // then AdamW with amsgrad (the running maximum vmax, about half of it above v).
+    for (const int form : {0, 1, 2}) {
+      const bool decoupled = form > 0;
+      auto body = [&](float* pp, const float* g, float* mm, float* vv, const float* c,
+                      float* vm) {
         return AdamStep{pp, g, mm, vv, c, 32.0f, 0.1f, 0.999f, 0.001f, 1e-8f,
                         decoupled ? 0.0f : 0.01f, decoupled ? 0.9995f : 1.0f,
-                        0.01f / 0.271f, 0.0547449f};
+                        0.01f / 0.271f, 0.0547449f, form == 2 ? vm : nullptr};
       };
-      const auto host = body(p.data(), grad.data(), m.data(), v.data(), clip.data());
+      const auto host = body(p.data(), grad.data(), m.data(), v.data(), clip.data(),
+                             vmax.data());
       for (int64_t i = 0; i < n; ++i) host(i);
-      gpu::for_each_index(n, body(p_.get(), grad_.get(), m_.get(), v_.get(), clip_.get()),
+      gpu::for_each_index(n, body(p_.get(), grad_.get(), m_.get(), v_.get(), clip_.get(),
+                                  vmax_.get()),
                           stream_);
     }
     const auto sgd = [&](float* pp, const float* g, float* b, const float* c) {
@@ -698,6 +705,7 @@ TEST_F(CudaKernels, OptimizerBodiesEqualTheHostLoopExactly) {
     EXPECT_TRUE(close("adam param", p_.download(), p, kExact));
     EXPECT_TRUE(close("adam m", m_.download(), m, kExact));
     EXPECT_TRUE(close("adam v", v_.download(), v, kExact));
+    EXPECT_TRUE(close("amsgrad vmax", vmax_.download(), vmax, kExact));
     EXPECT_TRUE(close("sgd param", q_.download(), q, kExact));
     EXPECT_TRUE(close("sgd momentum", buf_.download(), buf, kExact));
     EXPECT_TRUE(close("clip factor", factor_.download(), factor, kExact));

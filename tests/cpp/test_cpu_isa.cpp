@@ -368,6 +368,63 @@ TEST(CpuIsa, AddAndSgdSameBits) {
   EXPECT_FLOAT_EQ(param[0][n - 1], b[n - 1] - 0.37f * a[n - 1]);
 }
 
+// The Adam step in each of its 16 forms (clip, AdamW's decay, Adam's L2, amsgrad): both paths
+// and the scalar body (compiled here, unvectorised) give the same bits, over a vector tail.
+TEST(CpuIsa, AdamStepSameBitsAsTheScalarBody) {
+  if (!avx512_runs()) GTEST_SKIP() << "this CPU has no AVX-512: one path only";
+  const int64_t n = 1000 + 13;
+  const Floats grad = random_floats(n, 21), p0 = random_floats(n, 22), m0 = random_floats(n, 23);
+  Floats v0 = random_floats(n, 24), vmax0 = random_floats(n, 25);
+  for (int64_t i = 0; i < n; ++i) {
+    v0[i] = v0[i] * v0[i] * 0.01f;  // a second moment is >= 0
+    vmax0[i] = vmax0[i] * vmax0[i] * 0.01f;
+  }
+  const float clip = 0.61f;
+  for (int form = 0; form < 16; ++form) {
+    Floats p[3] = {p0, p0, p0}, m[3] = {m0, m0, m0}, v[3] = {v0, v0, v0},
+           vmax[3] = {vmax0, vmax0, vmax0};
+    for (int path = 0; path < 3; ++path) {
+      mgpu::ops::AdamStep body{p[path].data(), grad.data(), m[path].data(), v[path].data(),
+                               form & 1 ? &clip : nullptr, 8.0f, 0.1f, 0.999f, 0.001f, 1e-8f,
+                               form & 4 ? 0.05f : 0.0f, form & 2 ? 0.99f : 1.0f, 0.013f, 0.03f,
+                               form & 8 ? vmax[path].data() : nullptr};
+      if (path == 0) avx2::adam_step(0, n, body);
+      if (path == 1) avx512::adam_step(0, n, body);
+      if (path == 2)
+        for (int64_t i = 0; i < n; ++i) body(i);
+    }
+    const std::string f = "form " + std::to_string(form);
+    for (int path = 1; path < 3; ++path) {
+      EXPECT_TRUE(same_bits((f + " param").c_str(), p[0], p[path]));
+      EXPECT_TRUE(same_bits((f + " m").c_str(), m[0], m[path]));
+      EXPECT_TRUE(same_bits((f + " v").c_str(), v[0], v[path]));
+      EXPECT_TRUE(same_bits((f + " vmax").c_str(), vmax[0], vmax[path]));
+    }
+    EXPECT_NE(p[0][7], p0[7]) << f;
+  }
+}
+
+// One block's sum of squares: both paths give the sum in the documented order exactly (16 lanes,
+// lane l adding x[l], x[l + 16], ... as float squares in double, then a fixed tree), for lengths
+// with and without a tail.
+TEST(CpuIsa, SumOfSquaresSameBitsInTheDocumentedOrder) {
+  for (int64_t n : {int64_t{0}, int64_t{1}, int64_t{15}, int64_t{16}, int64_t{17}, int64_t{1000},
+                    int64_t{1} << 14}) {
+    const Floats x = random_floats(static_cast<size_t>(n), 30 + static_cast<uint64_t>(n));
+    double lanes[16] = {};
+    for (int64_t i = 0; i < n; ++i) {
+      const float sq = x[i] * x[i];
+      lanes[i % 16] += static_cast<double>(sq);
+    }
+    for (int half = 8; half > 0; half /= 2)
+      for (int l = 0; l < half; ++l) lanes[l] += lanes[l + half];
+    EXPECT_EQ(avx2::sum_squares(n, x.data()), lanes[0]) << "n " << n;
+    if (avx512_runs()) {
+      EXPECT_EQ(avx512::sum_squares(n, x.data()), lanes[0]) << "n " << n;
+    }
+  }
+}
+
 // The path in use is the one isa_choice() names, and a name this CPU supports.
 TEST(CpuIsa, ChoiceIsSupported) {
   const IsaChoice& c = isa_choice();

@@ -91,7 +91,7 @@ TEST(HostHeap, SteadyFusedStepsHoldNoMoreHostMemoryAsStepsGoOn) {
   const train::Model m(spec, params, buffers);
   std::vector<train::Replica> replicas;
   for (int d = 0; d < 2; ++d) {
-    train::Replica r{cpu(d), {}, {}, {}, {}};
+    train::Replica r{cpu(d), {}, {}, {}, {}, {}};
     float at = 0.01f;
     for (const Shape& s : params) r.state.params.push_back(filled(s, -at, at / 50, cpu(d)));
     for (size_t b = 0; b < buffers.size(); ++b) {

@@ -139,8 +139,8 @@ def test_tensorboard_without_the_package_says_how_to_install_it(tmp_path, monkey
 
 
 def test_tensorboard_event_files_hold_the_logged_values(tmp_path, monkeypatch):
-    pytest.importorskip("tensorboard", reason="tensorboard is not installed (an optional "
-                        "package of ~80 MB with its dependencies, so CI does not install it)")
+    pytest.importorskip("tensorboard", reason="tensorboard is not installed (optional; "
+                        ".ci/setup.sh installs it for the tests)")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     _train(tmp_path, epochs=3, log="ref.jsonl")
     ref = _records(tmp_path / "ref.jsonl")

@@ -101,10 +101,14 @@ def bench_train(devices: Sequence[int] = (1, 2), batch_size: int = 256, lr: floa
                 torch_threads: int = 2, parts: Sequence[str] = TRAIN_PARTS,
                 gemm_size: int = 1024, log: Log = None, model: str = "lenet",
                 weak_scaling: bool = False, jax_python: Optional[str] = None,
-                jax_threads: int = 2, precisions: Sequence[str] = ("float32",)) -> Dict:
+                jax_threads: int = 2, optimizer: str = "sgd",
+                weight_decay: Optional[float] = None,
+                clip_grad_norm: Optional[float] = None,
+                precisions: Sequence[str] = ("float32",)) -> Dict:
     """Times LeNet training on Fashion-MNIST (or ``synthetic`` random images); returns a dict.
     ``model='resnet18'``: bench_train_resnet18 instead (``repeat`` and ``gemm_size`` unused;
-    ``precisions`` is its).
+    ``optimizer``, ``weight_decay`` and ``clip_grad_norm`` are its, as ``mgpu train``'s, and
+    so is ``precisions``).
 
     Each training configuration runs ``warmup`` untimed batches, then ``epochs`` timed epochs
     cut at ``limit_batches`` (0 or None: whole epochs); sec/epoch is the median sec/step times
@@ -133,7 +137,11 @@ def bench_train(devices: Sequence[int] = (1, 2), batch_size: int = 256, lr: floa
                                     data_dir, synthetic, seed, compare, torch_python,
                                     torch_threads, parts, log, weak_scaling=weak_scaling,
                                     jax_python=jax_python, jax_threads=jax_threads,
-                                    precisions=precisions)
+                                    optimizer=optimizer, weight_decay=weight_decay,
+                                    clip_grad_norm=clip_grad_norm, precisions=precisions)
+    if (optimizer, weight_decay, clip_grad_norm) != ("sgd", None, None):
+        raise ValueError("bench train: --optimizer, --weight-decay and --clip-grad-norm need "
+                         "--model resnet18 (LeNet's step is the chapter's plain SGD)")
     if list(precisions) != ["float32"]:
         raise ValueError("bench train: --precision bf16 is for --model resnet18 for now (LeNet's "
                          "fused step is float32 only)")
@@ -549,7 +557,8 @@ def _resnet18_side(cfg: Dict) -> Dict:
     """One mgpu configuration (``cfg['impl']`` 'fused' or 'op-by-op' on ``cfg['num_devices']``
     devices), timed by ``rival_common.run_config`` as the rivals are; run in its own process
     so its peak RSS is its own."""
-    from .. import nn, optim
+    from .. import nn
+    from ..chapter import make_optimizer
     from ..models import resnet18
     from ..random import seed as mgpu_seed
     k = int(cfg["num_devices"])
@@ -565,13 +574,16 @@ def _resnet18_side(cfg: Dict) -> Dict:
     mgpu_seed(cfg["seed"])
     net = resnet18(10, 1)
     model = nn.DataParallel(net, device_ids=devices)
-    trainer = optim.SGD(model.parameters(), lr=cfg["lr"])
+    trainer = make_optimizer(model.parameters(), cfg["lr"], cfg.get("optimizer", "sgd"),
+                             cfg.get("weight_decay"))
+    clip = cfg.get("clip_grad_norm")
     loss = nn.CrossEntropyLoss()
     precision = cfg.get("precision", "float32")
     tag = "" if precision == "float32" else f", {precision}"
     if cfg["impl"] == "fused":
         def step(X, y):
-            return model.train_step(X, y, loss, trainer, precision=precision).item() * X.shape[0]
+            return model.train_step(X, y, loss, trainer, clip_grad_norm=clip,
+                                    precision=precision).item() * X.shape[0]
         name = f"mgpu ResNet-18 fused train_step, {plural(k, 'device')}{tag}"
     else:
         def step(X, y):
@@ -579,9 +591,13 @@ def _resnet18_side(cfg: Dict) -> Dict:
             with autocast(precision):
                 out = loss(model(X), y)
             out.backward()
+            if clip is not None:
+                nn.utils.clip_grad_norm_(model.parameters(), clip)
             trainer.step()
             return out.item() * X.shape[0]
         name = f"mgpu ResNet-18 book's loop (autograd), {plural(k, 'device')}{tag}"
+    if cfg.get("optimizer", "sgd") != "sgd" or clip is not None:
+        name += f", {cfg.get('optimizer', 'sgd')}" + ("" if clip is None else f" + clip {clip}")
     # The allocator's counters from the end of the warm-up: the first steps fill its cache (the
     # first step's blocks, then the reserve made before the second), the timed ones should not.
     before = {}
@@ -646,7 +662,10 @@ def bench_train_resnet18(devices: Sequence[int] = (1, 2), batch_size: int = 256,
                          parts: Sequence[str] = RESNET_PARTS, log: Log = None,
                          torch_variants: Sequence[str] = ("resnet18", "resnet18-compile"),
                          weak_scaling: bool = False, jax_python: Optional[str] = None,
-                         jax_threads: int = 2, precisions: Sequence[str] = ("float32",)) -> Dict:
+                         jax_threads: int = 2, optimizer: str = "sgd",
+                         weight_decay: Optional[float] = None,
+                         clip_grad_norm: Optional[float] = None,
+                         precisions: Sequence[str] = ("float32",)) -> Dict:
     """Times a ResNet-18 training step (sec. 12.6) on the same batches: the fused step
     (``DataParallel.train_step``) and the book's loop through autograd on each k in ``devices``,
     and with ``compare='torch'`` d2l's PyTorch ResNet-18 eager and through torch.compile
@@ -659,6 +678,9 @@ def bench_train_resnet18(devices: Sequence[int] = (1, 2), batch_size: int = 256,
     ``weak_scaling``: k devices train on batches of k x ``batch_size`` (the issue's "2 devices at
     batch 512 against 1 at 256"), and ``weak_scaling`` in the result compares each k's time per
     image with 1 device's (PyTorch keeps ``batch_size``).
+    ``optimizer`` ('sgd', 'adam' or 'adamw'), ``weight_decay`` (None: the optimizer's default)
+    and ``clip_grad_norm`` (the gradients' global norm clipped to it before every update) set
+    mgpu's sides as ``mgpu train --model resnet18`` sets its run; the rivals keep their SGD.
     ``precisions``: each mgpu configuration once per precision ('float32', 'bf16': the fused
     step's ``precision``, the loop under ``mgpu.autocast``); with 'bf16' among them, PyTorch runs
     its eager step under ``torch.autocast("cpu", torch.bfloat16)`` too."""
@@ -687,7 +709,16 @@ def bench_train_resnet18(devices: Sequence[int] = (1, 2), batch_size: int = 256,
         raise ValueError(f"bench train: the training set has {data['train_examples']} examples, "
                          f"fewer than one batch of {largest}; use --synthetic >= "
                          "the largest batch or a smaller --batch-size")
+    from ..chapter import OPTIMIZERS
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"bench train: optimizer must be one of {', '.join(OPTIMIZERS)}, got "
+                         f"{optimizer!r}")
+    if clip_grad_norm is not None and not 0 <= clip_grad_norm < float("inf"):
+        raise ValueError(f"bench train: clip_grad_norm must be a finite number >= 0, got "
+                         f"{clip_grad_norm!r}")
     settings = dict(model="resnet18", devices=devices, batch_size=batch_size, lr=lr,
+                    optimizer=optimizer, weight_decay=weight_decay,
+                    clip_grad_norm=clip_grad_norm,
                     epochs=epochs, limit_batches=limit, warmup=warmup, seed=seed,
                     compare=compare, torch_threads=torch_threads, jax_threads=jax_threads,
                     parts=sides, data=data, weak_scaling=bool(weak_scaling),
@@ -699,7 +730,8 @@ def bench_train_resnet18(devices: Sequence[int] = (1, 2), batch_size: int = 256,
     out["results"] = results
     base = dict(batch_size=int(batch_size), lr=float(lr), epochs=int(epochs), limit=limit,
                 warmup=warmup, seed=int(seed), synthetic=int(synthetic),
-                data_dir=data.get("dir"))
+                data_dir=data.get("dir"), optimizer=optimizer, weight_decay=weight_decay,
+                clip_grad_norm=clip_grad_norm)
     for side in sides:
         for k in devices:
             for precision in precisions:
@@ -788,6 +820,11 @@ def format_train_resnet18(r: Dict) -> str:
     s = r["settings"]
     lines = [f"mgpu bench train: ResNet-18 (d2l resnet18(10, 1)) on {s['data']['source']}, "
              f"batch {s['batch_size']}, lr {s['lr']}; every configuration in its own process"]
+    if s.get("optimizer", "sgd") != "sgd" or s.get("clip_grad_norm") is not None:
+        wd = "" if s.get("weight_decay") is None else f", weight decay {s['weight_decay']}"
+        clip = ("" if s.get("clip_grad_norm") is None
+                else f", gradients clipped to global norm {s['clip_grad_norm']}")
+        lines.append(f"mgpu's optimizer: {s['optimizer']}{wd}{clip} (the rivals keep SGD)")
     lines += machine_lines(r)
     cut = f"cut at {s['limit_batches']} batches" if s["limit_batches"] else "whole"
     lines.append(f"each configuration: {s['warmup']} warm-up batches, then {s['epochs']} timed "

@@ -14,7 +14,7 @@ Adam and AdamW follow PyTorch's at step t (counted from 1): Adam adds weight_dec
 in the gradient), AdamW multiplies p by 1 - lr * weight_decay first (decoupled weight decay); then
 m = beta1 m + (1 - beta1) g, v = beta2 v + (1 - beta2) g^2, and
 p = p - lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps). amsgrad keeps the largest
-v seen and divides by it instead (the book's loop only; the fused step refuses it).
+v seen and divides by it instead (in the book's loop and the fused step alike).
 """
 from . import lr_scheduler
 from .optimizers import SGD, Adam, AdamW, Optimizer

@@ -342,8 +342,8 @@ class Adam(Optimizer):
     """Adam (Kingma and Ba) with PyTorch's update, defaults and state layout (per parameter
     ``step``, ``exp_avg``, ``exp_avg_sq`` and with amsgrad ``max_exp_avg_sq``). weight_decay adds
     weight_decay * p to the gradient (L2); :class:`AdamW` decouples it. Parameter groups as
-    :class:`SGD`'s. The update of one parameter is one fused op (``_core.adam_step``), the same
-    the fused data-parallel step applies."""
+    :class:`SGD`'s. The update of one parameter is one fused op (``_core.adam_step``, amsgrad
+    included), the same the fused data-parallel step applies."""
 
     _hyper = ("lr", "betas", "eps", "weight_decay", "amsgrad")
     _state_tensors = (("exp_avg", True), ("exp_avg_sq", True), ("max_exp_avg_sq", False))
@@ -396,57 +396,43 @@ class Adam(Optimizer):
                 entry = self.state.get(i)
                 if entry is None or entry["exp_avg"].device != p.device:
                     entry = {"step": 0.0, "exp_avg": zeros_like(p), "exp_avg_sq": zeros_like(p)}
-                    if group["amsgrad"]:
-                        entry["max_exp_avg_sq"] = zeros_like(p)
                     self.state[i] = entry
-                t = int(entry["step"]) + 1
+                vmax = None
                 if group["amsgrad"]:
-                    self._amsgrad_step(p, g, entry, group, t)
-                else:
-                    m, v = entry["exp_avg"], entry["exp_avg_sq"]
-                    _core.adam_step(p._t, g._t, m._t, v._t, group["lr"], group["betas"],
-                                    group["eps"], group["weight_decay"], self._decoupled, t)
-                    for changed in (p, m, v):  # written in place, as an in-place op writes
+                    # A zero maximum where the state has none (amsgrad turned on later): the
+                    # first step's maximum is then v itself.
+                    vmax = entry.get("max_exp_avg_sq")
+                    if vmax is None or vmax.device != p.device:
+                        vmax = entry["max_exp_avg_sq"] = zeros_like(p)
+                t = int(entry["step"]) + 1
+                m, v = entry["exp_avg"], entry["exp_avg_sq"]
+                _core.adam_step(p._t, g._t, m._t, v._t, group["lr"], group["betas"],
+                                group["eps"], group["weight_decay"], self._decoupled, t,
+                                None if vmax is None else vmax._t)
+                for changed in (p, m, v, vmax):  # written in place, as an in-place op writes
+                    if changed is not None:
                         changed._t.bump_version()
                 entry["step"] = float(t)
 
-    def _amsgrad_step(self, p: Tensor, g: Tensor, entry, group, t: int) -> None:
-        """AMSGrad in host float32 arithmetic (PyTorch's order of operations): it needs an
-        elementwise maximum and square root, which mgpu's tensors do not offer."""
-        lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
-        f = np.float32
-        w, grad = p.numpy().astype(f), g.numpy().astype(f)
-        m, v = entry["exp_avg"].numpy().astype(f), entry["exp_avg_sq"].numpy().astype(f)
-        vmax = (entry.get("max_exp_avg_sq") if entry.get("max_exp_avg_sq") is not None
-                else zeros_like(p)).numpy().astype(f)
-        if self._decoupled:
-            w = w * f(1.0 - lr * wd)
-        elif wd != 0:
-            grad = grad + w * f(wd)
-        m = m + f(1.0 - b1) * (grad - m)
-        v = v * f(b2) + f(1.0 - b2) * grad * grad
-        vmax = np.maximum(vmax, v)
-        step_size = f(lr / (1.0 - b1 ** t))
-        denom = np.sqrt(vmax) / f(math.sqrt(1.0 - b2 ** t)) + f(eps)
-        w = w - step_size * (m / denom)
-        for name, host in (("exp_avg", m), ("exp_avg_sq", v), ("max_exp_avg_sq", vmax)):
-            entry[name] = array(host, device=p.device)
-        p[:] = array(w, device=p.device)
-
-    def _moment_lists(self) -> Tuple[List[Optional[Tensor]], List[Optional[Tensor]]]:
-        """exp_avg and exp_avg_sq of every parameter by position (None where there is none)."""
+    def _moment_lists(self, amsgrad: bool = False) -> Tuple[List[Optional[Tensor]], ...]:
+        """exp_avg and exp_avg_sq (and with ``amsgrad`` max_exp_avg_sq) of every parameter by
+        position (None where there is none)."""
         n = len(self.params)
-        return ([self.state[i]["exp_avg"] if i in self.state else None for i in range(n)],
-                [self.state[i]["exp_avg_sq"] if i in self.state else None for i in range(n)])
+        keys = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if amsgrad else ())
+        return tuple([self.state[i].get(k) if i in self.state else None for i in range(n)]
+                     for k in keys)
 
     def _steps(self) -> List[int]:
         """Every parameter's step count (0 before its first step)."""
         return [int(self.state[i]["step"]) if i in self.state else 0
                 for i in range(len(self.params))]
 
-    def _set_moments(self, m: List[Tensor], v: List[Tensor], step: int) -> None:
+    def _set_moments(self, m: List[Tensor], v: List[Tensor], step: int,
+                     vmax: Optional[List[Tensor]] = None) -> None:
         for i, (a, b) in enumerate(zip(m, v)):
             self.state[i] = {"step": float(step), "exp_avg": a, "exp_avg_sq": b}
+            if vmax is not None:
+                self.state[i]["max_exp_avg_sq"] = vmax[i]
 
 
 class AdamW(Adam):
