@@ -16,6 +16,7 @@
 #include "core/tensor.h"
 #include "core/trace.h"
 #include "ops/cpu_isa.h"
+#include "ops/precision.h"
 #include "ops/gemm.h"
 #include "ops/elementwise.h"
 #include "ops/fma_peak.h"
@@ -284,6 +285,7 @@ py::dict build_info() {
   info["cpu_model"] = ops::cpu::cpu_model();
   info["cpu_isa"] = isa.name;
   info["cpu_isa_reason"] = isa.reason;
+  info["cpu_bf16"] = ops::bf16_kernel();  // the bf16 products' kernel (ops/precision.h)
   info["cpu_isas_built"] = std::vector<std::string>{"avx2 (x86-64-v3)", "avx512 (x86-64-v4)"};
   info["cpu_baseline"] = MGPU_BASELINE_ARCH_NAME;
   // A part that is not built says whether it was switched off or not found, and how to get it.

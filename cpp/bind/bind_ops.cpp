@@ -14,6 +14,7 @@
 #include "ops/elementwise.h"
 #include "ops/linear.h"
 #include "ops/max_pool2d.h"
+#include "ops/precision.h"
 #include "ops/relu.h"
 #include "ops/softmax_ce.h"
 #include "train/split_batch.h"
@@ -80,19 +81,26 @@ void bind_ops(py::module_& m) {
   m.def("relu_forward", &ops::relu_forward, nogil(), "max(x, 0).");
   m.def("relu_backward", &ops::relu_backward, nogil(), "dx = dy where x > 0.");
   m.def("conv2d_forward", [](const Tensor& x, const Tensor& w, const std::optional<Tensor>& b,
-                             int64_t stride, int64_t pad) {
+                             int64_t stride, int64_t pad, const std::string& precision) {
     return ops::conv2d_forward(x, w, b.value_or(Tensor()), stride, pad,
-                               ops::conv_algo_for(x.device()));
-  }, nogil(), "2-D cross-correlation with stride and padding (b may be None).");
+                               ops::conv_algo_for(x.device()), ops::parse_precision(precision));
+  }, py::arg("x"), py::arg("w"), py::arg("b"), py::arg("stride"), py::arg("pad"),
+     py::arg("precision") = "float32", nogil(),
+     "2-D cross-correlation with stride and padding (b may be None); precision 'float32' or "
+     "'bf16' (bfloat16 products, float32 sums).");
   m.def("conv2d_backward", [](const Tensor& x, const Tensor& w, const Tensor& dy, int64_t stride,
-                              int64_t pad, bool need_dx, bool has_bias) {
+                              int64_t pad, bool need_dx, bool has_bias,
+                              const std::string& precision) {
     ops::Conv2dGrads g = ops::conv2d_backward(x, w, dy, stride, pad, need_dx, has_bias,
-                                              ops::conv_algo_for(x.device()));
+                                              ops::conv_algo_for(x.device()),
+                                              ops::parse_precision(precision));
     auto opt = [](const Tensor& t) {
       return t.defined() ? std::optional<Tensor>(t) : std::nullopt;
     };
     return std::make_tuple(opt(g.dx), g.dw, opt(g.db));
-  }, nogil(), "(dx or None, dw, db or None).");
+  }, py::arg("x"), py::arg("w"), py::arg("dy"), py::arg("stride"), py::arg("pad"),
+     py::arg("need_dx"), py::arg("has_bias"), py::arg("precision") = "float32", nogil(),
+     "(dx or None, dw, db or None).");
   m.def("avg_pool2d_forward", &ops::avg_pool2d_forward, nogil(), "Average pooling, floor output size.");
   m.def("avg_pool2d_backward", &ops::avg_pool2d_backward, nogil(), "dx of average pooling.");
   m.def("max_pool2d_forward", [](const Tensor& x, int64_t kh, int64_t kw, int64_t sh, int64_t sw,
@@ -170,8 +178,18 @@ void bind_ops(py::module_& m) {
         py::arg("eps"), py::arg("want_dx"), py::arg("want_dshortcut"), nogil(),
         "(sum_dz, sum_dz_xhat, dx or None, dshortcut or None) of batch norm (+ relu if y is the "
         "saved relu output) in training mode with the batch's own statistics, in one op.");
-  m.def("mm", &ops::mm, py::arg("a"), py::arg("b"), py::arg("trans_a") = false,
-        py::arg("trans_b") = false, nogil(), "Matrix product op(a) @ op(b).");
+  m.def("mm", [](const Tensor& a, const Tensor& b, bool trans_a, bool trans_b,
+                 const std::string& precision) {
+    return ops::mm(a, b, trans_a, trans_b, ops::parse_precision(precision));
+  }, py::arg("a"), py::arg("b"), py::arg("trans_a") = false, py::arg("trans_b") = false,
+     py::arg("precision") = "float32", nogil(),
+     "Matrix product op(a) @ op(b); precision 'float32' or 'bf16' (bfloat16 operands, float32 "
+     "sums).");
+  m.def("bf16_round", &ops::bf16_round, py::arg("x"), nogil(),
+        "x rounded to bfloat16 (nearest even, as the bf16 products round), as float32.");
+  m.def("bf16_kernel", &ops::bf16_kernel,
+        "The bf16 products' CPU kernel: 'avx512_bf16' (vdpbf16ps), 'avx512' or 'avx2' (float32 "
+        "FMAs on bfloat16-rounded values; the same bits).");
   m.def("softmax_ce_forward", &ops::softmax_ce_forward, nogil(), "Per-example softmax cross-entropy.");
   m.def("softmax_ce_backward", &ops::softmax_ce_backward, nogil(), "(softmax - onehot) * dloss.");
   m.def("argmax", &ops::argmax, nogil(), "Index of the maximum along the last axis.");

@@ -7,6 +7,7 @@
 #include <string>
 
 #include "core/gpu.h"
+#include "ops/bf16.h"
 #include "ops/dispatch.h"
 #include "ops/vendor_gpu.h"
 
@@ -84,9 +85,10 @@ ConvAlgo conv_algo() {
 ConvAlgo conv_algo_for(Device d) { return d.is_cpu() ? cpu::conv_algo() : ConvAlgo::Auto; }
 
 Tensor conv2d_forward(const Tensor& x, const Tensor& w, const Tensor& b, int64_t stride,
-                      int64_t pad, ConvAlgo algo) {
+                      int64_t pad, ConvAlgo algo, Precision precision) {
   const char* op = "conv2d_forward";
   Conv2dShape s = check_conv(op, x, w, stride, pad);
+  require_cpu_for_bf16(op, x, precision);
   if (b.defined()) {
     require_dtype(op, "b", b, DType::F32);
     require_same_device(op, {&x, &b});
@@ -97,7 +99,15 @@ Tensor conv2d_forward(const Tensor& x, const Tensor& w, const Tensor& b, int64_t
   const float *xp = x.f32(), *wp = w.f32(), *bp = b.defined() ? b.f32() : nullptr;
   float* yp = y.f32();
   const bool cudnn = !x.device().is_cpu() && conv_path() == ConvPath::Cudnn;
-  dispatch(x.device(), op, [=] { cpu::conv2d_forward_algo(s, xp, wp, bp, yp, algo); },
+  const bool bf16 = precision == Precision::BF16, dot = bf16 && cpu::bf16_hardware_dot();
+  dispatch(x.device(), op,
+           [=] {
+             if (bf16) {
+               cpu::bf16_conv2d_forward(s, xp, wp, bp, yp, dot);
+             } else {
+               cpu::conv2d_forward_algo(s, xp, wp, bp, yp, algo);
+             }
+           },
            [=, index = x.device().index](cudaStream_t stream) {
              if constexpr (kCudnn) {
                if (cudnn) {
@@ -114,9 +124,11 @@ Tensor conv2d_forward(const Tensor& x, const Tensor& w, const Tensor& b, int64_t
 }
 
 Conv2dGrads conv2d_backward(const Tensor& x, const Tensor& w, const Tensor& dy, int64_t stride,
-                            int64_t pad, bool need_dx, bool has_bias, ConvAlgo algo) {
+                            int64_t pad, bool need_dx, bool has_bias, ConvAlgo algo,
+                            Precision precision) {
   const char* op = "conv2d_backward";
   Conv2dShape s = check_conv(op, x, w, stride, pad);
+  require_cpu_for_bf16(op, x, precision);
   require_dtype(op, "dy", dy, DType::F32);
   require_same_device(op, {&x, &dy});
   Shape want{s.N, s.K, s.P(), s.Q()};
@@ -131,7 +143,15 @@ Conv2dGrads conv2d_backward(const Tensor& x, const Tensor& w, const Tensor& dy, 
   float* dwp = g.dw.f32();
   float* dbp = has_bias ? g.db.f32() : nullptr;
   const bool cudnn = !x.device().is_cpu() && conv_path() == ConvPath::Cudnn;
-  dispatch(x.device(), op, [=] { cpu::conv2d_backward_algo(s, xp, wp, dyp, dxp, dwp, dbp, algo); },
+  const bool bf16 = precision == Precision::BF16, dot = bf16 && cpu::bf16_hardware_dot();
+  dispatch(x.device(), op,
+           [=] {
+             if (bf16) {
+               cpu::bf16_conv2d_backward(s, xp, wp, dyp, dxp, dwp, dbp, dot);
+             } else {
+               cpu::conv2d_backward_algo(s, xp, wp, dyp, dxp, dwp, dbp, algo);
+             }
+           },
            [=, index = x.device().index](cudaStream_t stream) {
              if constexpr (kCudnn) {
                if (cudnn) {

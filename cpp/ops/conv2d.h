@@ -10,6 +10,7 @@
 
 #include "core/tensor.h"
 #include "cuda/stream.h"
+#include "ops/precision.h"
 
 struct cudnnContext;  // cudnnHandle_t
 
@@ -29,11 +30,13 @@ struct Conv2dGrads {
 
 // algo: the CPU conv's algorithm (ConvAlgo below), decided by the caller once: the fused step's
 // Model when it is built (per conv layer), the book's ops at each call (conv_algo_for). GPUs
-// ignore it.
+// ignore it. precision BF16 runs every product with bfloat16 operands and float32 sums
+// (ops/bf16.h), on CPU devices only; it has its own kernels and does not read algo.
 Tensor conv2d_forward(const Tensor& x, const Tensor& w, const Tensor& b, int64_t stride,
-                      int64_t pad, ConvAlgo algo);
+                      int64_t pad, ConvAlgo algo, Precision precision = Precision::F32);
 Conv2dGrads conv2d_backward(const Tensor& x, const Tensor& w, const Tensor& dy, int64_t stride,
-                            int64_t pad, bool need_dx, bool has_bias, ConvAlgo algo);
+                            int64_t pad, bool need_dx, bool has_bias, ConvAlgo algo,
+                            Precision precision = Precision::F32);
 
 // The kernels' view of a conv: the same stride and zero padding on both axes.
 // Preconditions of every kernel: stride >= 1, pad >= 0, P() >= 1, Q() >= 1.

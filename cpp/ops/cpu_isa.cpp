@@ -32,10 +32,23 @@ IsaChoice choose() {
   const std::string want = env ? trim(env) : std::string();
   if (want.empty() || want == "auto") {
     const std::string how = want.empty() ? "auto (MGPU_ISA unset)" : "auto (MGPU_ISA=auto)";
+    if (v4 && cpu_has_avx512_bf16()) {
+      return {Isa::AVX512, "avx512",
+              how + ": the CPU has AVX-512 F/BW/DQ/VL, and AVX512_BF16 for the bf16 products",
+              true};
+    }
     if (v4) return {Isa::AVX512, "avx512", how + ": the CPU has AVX-512 F/BW/DQ/VL"};
     return {Isa::AVX2, "avx2", how + ": the CPU has AVX2 + FMA but not AVX-512 F/BW/DQ/VL"};
   }
   if (want == "avx2") return {Isa::AVX2, "avx2", "forced by MGPU_ISA=avx2"};
+  if (want == "avx512_bf16") {
+    if (!cpu_has_avx512_bf16()) {
+      throw std::invalid_argument("MGPU_ISA=avx512_bf16, but " + cpu +
+                                  " lacks AVX-512 F/BW/DQ/VL with AVX512_BF16 (or the OS does not "
+                                  "enable it); unset MGPU_ISA or set MGPU_ISA=avx512 or avx2");
+    }
+    return {Isa::AVX512, "avx512", "forced by MGPU_ISA=avx512_bf16", true};
+  }
   if (want == "avx512") {
 #if defined(MGPU_AVX512_EMULATED)
     // A test build's kernels (tests/cpp/avx512_emulated.h): the AVX-512 path compiled for AVX2.
@@ -50,7 +63,7 @@ IsaChoice choose() {
     return {Isa::AVX512, "avx512", "forced by MGPU_ISA=avx512"};
   }
   throw std::invalid_argument("MGPU_ISA='" + want +
-                              "' is not a CPU kernel path; use auto, avx2 or avx512");
+                              "' is not a CPU kernel path; use auto, avx2, avx512 or avx512_bf16");
 }
 
 }  // namespace
@@ -67,6 +80,13 @@ bool cpu_has_avx512() {
          __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") &&
          __builtin_cpu_supports("avx512vl");
 }
+
+bool cpu_has_avx512_bf16() {
+  __builtin_cpu_init();
+  return cpu_has_avx512() && __builtin_cpu_supports("avx512bf16");
+}
+
+bool bf16_hardware_dot() { return isa_choice().bf16_dot; }
 
 std::string cpu_model() {
   unsigned regs[12] = {};

@@ -11,6 +11,7 @@
 #include "ops/argmax.h"
 #include "ops/avg_pool2d.h"
 #include "ops/batch_norm.h"
+#include "ops/bf16.h"
 #include "ops/conv2d.h"
 #include "ops/conv2d_relu_pool.h"
 #include "ops/elementwise.h"
@@ -25,6 +26,9 @@ struct IsaChoice {
   Isa isa;
   std::string name;    // "avx2" or "avx512"
   std::string reason;  // why: "auto: ..." or "MGPU_ISA=avx2"
+  // The bfloat16 products (ops/bf16.h) run vdpbf16ps: auto or MGPU_ISA=avx512_bf16 on a CPU with
+  // AVX512_BF16. MGPU_ISA=avx512 keeps the AVX-512 path with the float32-FMA emulation.
+  bool bf16_dot = false;
 };
 
 // The path the kernels run, chosen at the first call (mgpu._core's import makes that call).
@@ -37,6 +41,7 @@ inline Isa active_isa() { return isa_choice().isa; }
 // OS saving zmm state (x86-64-v4). cpu_model() is the brand string ("" where unknown).
 bool cpu_has_avx2();
 bool cpu_has_avx512();
+bool cpu_has_avx512_bf16();  // AVX-512 as above plus AVX512_BF16 (vdpbf16ps, vcvtne2ps2bf16)
 std::string cpu_model();
 
 // The kernels behind each path: return type, name, parameters, arguments. cpu_isa.cpp defines
@@ -135,7 +140,27 @@ std::string cpu_model();
     (int64_t n, int64_t m, const float* logits, const int32_t* labels, const float* dloss,        \
      float* dlogits),                                                                             \
     (n, m, logits, labels, dloss, dlogits))                                                       \
-  X(void, argmax_rows, (int64_t n, int64_t m, const float* x, int64_t* out), (n, m, x, out))
+  X(void, argmax_rows, (int64_t n, int64_t m, const float* x, int64_t* out), (n, m, x, out))     \
+  X(void, bf16_round, (int64_t n, const float* x, uint16_t* y), (n, x, y))                       \
+  X(void, bf16_pack_a,                                                                            \
+    (bool trans, int64_t m, int64_t k, const float* a, int64_t lda, uint32_t* out),              \
+    (trans, m, k, a, lda, out))                                                                   \
+  X(void, bf16_pack_b,                                                                            \
+    (bool trans, int64_t k, int64_t n, const float* b, int64_t ldb, uint32_t* out),              \
+    (trans, k, n, b, ldb, out))                                                                   \
+  X(void, bf16_product, (const Bf16Product& p), (p))                                              \
+  X(void, bf16_mm,                                                                                \
+    (bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda,    \
+     const float* b, int64_t ldb, float* c, bool hardware_dot),                                   \
+    (trans_a, trans_b, m, n, k, a, lda, b, ldb, c, hardware_dot))                                 \
+  X(void, bf16_conv2d_forward,                                                                    \
+    (const Conv2dShape& s, const float* x, const float* w, const float* b, float* y,              \
+     bool hardware_dot),                                                                          \
+    (s, x, w, b, y, hardware_dot))                                                                \
+  X(void, bf16_conv2d_backward,                                                                   \
+    (const Conv2dShape& s, const float* x, const float* w, const float* dy, float* dx, float* dw,  \
+     float* db, bool hardware_dot),                                                               \
+    (s, x, w, dy, dx, dw, db, hardware_dot))
 
 #define MGPU_CPU_ISA_DECLARE(ret, name, params, args) ret name params;
 namespace avx2 {

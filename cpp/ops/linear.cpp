@@ -6,14 +6,16 @@
 
 #include "core/gpu.h"
 #include "core/parallel.h"
+#include "ops/bf16.h"
 #include "ops/dispatch.h"
 #include "ops/gemm.h"
 #include "ops/vendor_gpu.h"
 
 namespace mgpu::ops {
 
-Tensor mm(const Tensor& a, const Tensor& b, bool trans_a, bool trans_b) {
+Tensor mm(const Tensor& a, const Tensor& b, bool trans_a, bool trans_b, Precision precision) {
   const char* op = "mm";
+  require_cpu_for_bf16(op, a, precision);
   require_dtype(op, "a", a, DType::F32);
   require_dtype(op, "b", b, DType::F32);
   require_same_device(op, {&a, &b});
@@ -29,8 +31,13 @@ Tensor mm(const Tensor& a, const Tensor& b, bool trans_a, bool trans_b) {
   float* yp = y.f32();
   const int64_t lda = a.size(1), ldb = b.size(1);
   const bool cublas = !a.device().is_cpu() && gemm_path() == GemmPath::Cublas;
+  const bool bf16 = precision == Precision::BF16, dot = bf16 && cpu::bf16_hardware_dot();
   dispatch(a.device(), op,
            [=] {
+             if (bf16) {
+               cpu::bf16_mm(trans_a, trans_b, m, n, k, ap, lda, bp, ldb, yp, dot);
+               return;
+             }
              if (k == 0) {
                std::fill(yp, yp + m * n, 0.0f);
                return;

@@ -8,12 +8,15 @@
 
 #include "core/tensor.h"
 #include "cuda/stream.h"
+#include "ops/precision.h"
 
 struct cublasContext;  // cublasHandle_t
 
 namespace mgpu::ops {
 
-Tensor mm(const Tensor& a, const Tensor& b, bool trans_a = false, bool trans_b = false);
+// precision BF16: bfloat16 operands, float32 sums (ops/bf16.h), on CPU devices only.
+Tensor mm(const Tensor& a, const Tensor& b, bool trans_a = false, bool trans_b = false,
+          Precision precision = Precision::F32);
 
 namespace cuda {
 // Row-major C = alpha op(A) op(B) + beta C, exactly cpu::sgemm's contract (gemm.h): op(A) (m, k),

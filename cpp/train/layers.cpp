@@ -77,15 +77,16 @@ Tensor forward(const Layer& l, const std::vector<Tensor>& in, const ReplicaState
   switch (l.kind) {
     case LayerKind::Conv2d:
       return ops::conv2d_forward(x, p(0), l.bias ? p(1) : Tensor(), l.stride, l.padding,
-                                 l.conv_algo);
+                                 l.conv_algo, l.precision);
     case LayerKind::Conv2dReluPool: {
-      if (fused_fits(x, p(0), l.kh)) {
+      // The fused kernel is float32; in bf16 the conv runs alone, then relu and the pool.
+      if (l.precision == ops::Precision::F32 && fused_fits(x, p(0), l.kh)) {
         ops::Conv2dReluPool f = ops::conv2d_relu_pool_forward(x, p(0), p(1), 1, 0, l.kh,
                                                               for_backward);
         s->a = f.mask;
         return f.pooled;
       }
-      s->a = ops::conv2d_forward(x, p(0), p(1), 1, 0, l.conv_algo);
+      s->a = ops::conv2d_forward(x, p(0), p(1), 1, 0, l.conv_algo, l.precision);
       s->b = ops::relu_forward(s->a);
       return ops::avg_pool2d_forward(s->b, l.kh, l.kh, l.kh, l.kh);
     }
@@ -144,7 +145,7 @@ Tensor forward(const Layer& l, const std::vector<Tensor>& in, const ReplicaState
       const int64_t fan_in = p(0).size(l.transpose ? 1 : 0);
       MGPU_CHECK_VALUE(x.size(1) == fan_in, l.name, ": the input has ", x.size(1),
                        " features but the weight ", p(0).shape(), " expects ", fan_in);
-      Tensor z = ops::mm(x, p(0), false, l.transpose);
+      Tensor z = ops::mm(x, p(0), false, l.transpose, l.precision);
       return l.bias ? ops::binary(ops::BinaryOp::Add, z, p(1)) : z;
     }
     case LayerKind::Add:
@@ -168,7 +169,8 @@ void backward(const Layer& l, const std::vector<Tensor>& in, const Tensor& out, 
   switch (l.kind) {
     case LayerKind::Conv2d: {
       ops::Conv2dGrads g =
-          ops::conv2d_backward(x, p(0), dy, l.stride, l.padding, need_dx[0], l.bias, l.conv_algo);
+          ops::conv2d_backward(x, p(0), dy, l.stride, l.padding, need_dx[0], l.bias, l.conv_algo,
+                               l.precision);
       dx0 = g.dx;
       *dp = l.bias ? std::vector<Tensor>{g.dw, g.db} : std::vector<Tensor>{g.dw};
       return;
@@ -180,7 +182,7 @@ void backward(const Layer& l, const std::vector<Tensor>& in, const Tensor& out, 
       } else {
         Tensor da = ops::avg_pool2d_backward(s.b, dy, l.kh, l.kh, l.kh, l.kh);
         Tensor dc = ops::relu_backward(s.a, da);
-        g = ops::conv2d_backward(x, p(0), dc, 1, 0, need_dx[0], true, l.conv_algo);
+        g = ops::conv2d_backward(x, p(0), dc, 1, 0, need_dx[0], true, l.conv_algo, l.precision);
       }
       dx0 = g.dx;
       *dp = {g.dw, g.db};
@@ -247,8 +249,9 @@ void backward(const Layer& l, const std::vector<Tensor>& in, const Tensor& out, 
     case LayerKind::Flatten: dx0 = dy.reshape(x.shape()); return;
     case LayerKind::Linear: {
       // y = x W (+ b) with W (in, out), or y = x W^T (+ b) with W (out, in) when transposed.
-      Tensor dW = l.transpose ? ops::mm(dy, x, true, false) : ops::mm(x, dy, true, false);
-      if (need_dx[0]) dx0 = ops::mm(dy, p(0), false, !l.transpose);
+      const ops::Precision pr = l.precision;
+      Tensor dW = l.transpose ? ops::mm(dy, x, true, false, pr) : ops::mm(x, dy, true, false, pr);
+      if (need_dx[0]) dx0 = ops::mm(dy, p(0), false, !l.transpose, pr);
       *dp = {dW};
       if (l.bias) dp->insert(dp->begin() + 1, ops::sum_to_shape(dy, p(1).shape()));
       return;

@@ -24,15 +24,15 @@ struct KindInfo {
 
 const std::map<std::string, KindInfo>& kinds() {
   static const auto* table = new std::map<std::string, KindInfo>{
-      {"conv2d", {LayerKind::Conv2d, 1, {"stride", "padding", "bias"}}},
-      {"conv2d_relu_pool", {LayerKind::Conv2dReluPool, 1, {"pool"}}},
+      {"conv2d", {LayerKind::Conv2d, 1, {"stride", "padding", "bias", "bf16"}}},
+      {"conv2d_relu_pool", {LayerKind::Conv2dReluPool, 1, {"pool", "bf16"}}},
       {"batch_norm", {LayerKind::BatchNorm, 1, {"eps", "momentum", "affine", "sync"}}},
       {"relu", {LayerKind::Relu, 1, {}}},
       {"avg_pool2d", {LayerKind::AvgPool2d, 1, {"kernel", "stride"}}},
       {"max_pool2d", {LayerKind::MaxPool2d, 1, {"kernel", "stride", "padding"}}},
       {"global_avg_pool", {LayerKind::GlobalAvgPool, 1, {}}},
       {"flatten", {LayerKind::Flatten, 1, {}}},
-      {"linear", {LayerKind::Linear, 1, {"bias", "transpose"}}},
+      {"linear", {LayerKind::Linear, 1, {"bias", "transpose", "bf16"}}},
       {"add", {LayerKind::Add, 2, {}}},
   };
   return *table;
@@ -136,6 +136,7 @@ Model::Model(const std::vector<LayerSpec>& spec, const std::vector<Shape>& param
     l.bias = flag(o, l.kind == LayerKind::BatchNorm ? "affine" : "bias", true);
     l.transpose = flag(o, "transpose", false);
     l.sync = flag(o, "sync", false);
+    l.precision = flag(o, "bf16", false) ? ops::Precision::BF16 : ops::Precision::F32;
     if (l.kind == LayerKind::Conv2d || l.kind == LayerKind::Conv2dReluPool) l.conv_algo = conv_algo;
     has_sync_ = has_sync_ || l.sync;
     l.stride = positive_int(l, o, "stride", 1, 1);

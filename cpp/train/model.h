@@ -9,6 +9,7 @@
 
 #include "core/tensor.h"
 #include "ops/conv2d.h"
+#include "ops/precision.h"
 
 namespace mgpu::train {
 
@@ -51,6 +52,8 @@ struct Layer {
   ops::ConvAlgo conv_algo = ops::ConvAlgo::Auto;  // conv2d (and conv2d_relu_pool's unfused
                                            // path): the CPU conv's algorithm, fixed as the Model
                                            // is built
+  ops::Precision precision = ops::Precision::F32;  // conv2d, conv2d_relu_pool, linear: option
+                                                   // bf16 = 1 runs their products in bfloat16
   std::vector<int> params, buffers;        // weight first, then bias (batch_norm: gamma, beta;
                                            // buffers running_mean, running_var)
 };

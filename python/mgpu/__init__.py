@@ -25,6 +25,7 @@ _startup.preload_cuda_wheels()
 
 from . import (  # after the checks above (pyproject.toml: E402 is off for this file)
     _core,
+    amp,
     autograd,
     chapter,
     checkpoint,
@@ -39,6 +40,7 @@ from . import (  # after the checks above (pyproject.toml: E402 is off for this 
     trace,
 )
 from ._core import DeviceError, OutOfMemoryError
+from .amp import autocast
 from .autograd import no_grad
 from .chapter import train_op_by_op
 from .checkpoint import CheckpointError, load, save
@@ -149,7 +151,7 @@ __all__ = [
     "cpu", "gpu", "try_gpu", "try_all_gpus", "num_gpus",
     "array", "tensor", "zeros", "ones", "full", "zeros_like", "ones_like", "arange", "randn",
     "from_dlpack", "random", "autograd", "chapter", "checkpoint", "data_parallel", "distributed",
-    "plot", "no_grad",
+    "plot", "no_grad", "amp", "autocast",
     "save", "load", "CheckpointError", "Preempted",
     "models", "nn", "ops", "optim", "profile", "trace",
     "conv2d", "avg_pool2d", "max_pool2d", "dropout", "relu", "batch_norm", "mm", "dot",

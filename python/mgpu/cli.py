@@ -47,9 +47,12 @@ def _train_run(args) -> int:
                               fused=args.fused, deterministic=args.deterministic,
                               optimizer=args.optimizer, weight_decay=args.weight_decay,
                               schedule=args.schedule, warmup_epochs=args.warmup_epochs,
-                              clip_grad_norm=args.clip_grad_norm,
+                              clip_grad_norm=args.clip_grad_norm, precision=args.precision,
                               accumulate=args.accumulate, **kw)
         return 0
+    if args.precision != "float32":
+        raise ValueError("--precision bf16 needs --model resnet18 for now (LeNet's fused step "
+                         "is float32 only)")
     if args.sync_bn or args.fused:
         raise ValueError("--sync-bn and --fused need --model resnet18 (LeNet's step is fused "
                          "already and has no batch norm)")
@@ -136,7 +139,8 @@ def info_lines() -> List[str]:
              f"CPU: {model or b['cpu_model'] or 'unknown'}; {os.cpu_count()} logical cores, mgpu "
              f"uses {b['cpu_threads']} threads",
              f"CPU kernels: {b['cpu_isa']}, {b['cpu_isa_reason']}; compiled for "
-             f"{', '.join(b['cpu_isas_built'])}; set MGPU_ISA=auto|avx2|avx512 to choose",
+             f"{', '.join(b['cpu_isas_built'])}; set MGPU_ISA=auto|avx2|avx512|avx512_bf16 to "
+             f"choose; bf16 products: {b['cpu_bf16']}",
              f"engine compiled for: {b['cpu_baseline']}",
              f"BLAS: {b['blas']}",
              f"CUDA: {b['cuda']}",
@@ -219,7 +223,8 @@ def _bench(args) -> int:
             torch_threads=args.torch_threads, parts=parts, gemm_size=args.gemm_size, log=log,
             model=args.model, weak_scaling=args.weak_scaling, jax_python=args.jax_python,
             jax_threads=args.jax_threads, optimizer=args.optimizer,
-            weight_decay=args.weight_decay, clip_grad_norm=args.clip_grad_norm)
+            weight_decay=args.weight_decay, clip_grad_norm=args.clip_grad_norm,
+            precisions=args.precision.split(","))
     elif args.bench == "ops":
         result = bench.bench_ops(batch_sizes=args.batch_sizes, warmup=args.warmup,
                                  repeat=args.repeat, log=log, device=args.device)
@@ -301,6 +306,10 @@ def _bench_parser(sub) -> None:
                    help="batches per timed epoch; sec/epoch is then extrapolated (0: whole "
                         "epochs; default 20, resnet18: 5)")
     t.add_argument("--devices", type=_ints, default=[1, 2], help="device counts, e.g. 1,2")
+    t.add_argument("--precision", default="float32", metavar="P[,P]",
+                   help="resnet18: the mgpu steps' precision(s), float32 and/or bf16 (e.g. "
+                        "float32,bf16); with bf16, --compare torch adds PyTorch eager under "
+                        "torch.autocast(bfloat16)")
     t.add_argument("--batch-size", type=int, default=256, help="global minibatch size")
     t.add_argument("--weak-scaling", action="store_true",
                    help="resnet18: k devices train on batches of k x --batch-size, and the "
@@ -456,6 +465,12 @@ def main(argv: Optional[List[str]] = None, prog: str = "mgpu") -> int:
                         "rising phase)")
     t.add_argument("--clip-grad-norm", type=float, default=None, metavar="X",
                    help="resnet18: clip the gradients' global norm to X before every update")
+    t.add_argument("--precision", choices=["float32", "bf16"], default="float32",
+                   help="resnet18: bf16 trains the convolutions and linear layers with bfloat16 "
+                        "products and float32 sums (mgpu.autocast; the fused step's precision). "
+                        "On CPUs bf16 is currently slower than float32 for ResNet-18 (its 3x3 "
+                        "convolutions run im2col in bf16 where float32 runs Winograd); it is "
+                        "there for its numerics and as the base for faster kernels")
     t.add_argument("--accumulate", type=int, default=1, metavar="K",
                    help="gradient accumulation: each batch as K micro-batches run one after "
                         "another (K times less activation memory), one reduction and one "

@@ -14,6 +14,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from . import _core, autograd, nn
 from . import ops as functional
 from . import trace as _trace
+from .amp import check_precision
 from .device import Device, as_device, try_all_gpus, try_gpu
 from .models import Residual
 from .nn import (
@@ -339,7 +340,8 @@ class DataParallel(Module):
 
     @_trace.span("DataParallel.train_step")
     def train_step(self, X: Tensor, y: Tensor, loss, trainer, deterministic=False,
-                   clip_grad_norm: Optional[float] = None, accumulate: int = 1) -> Tensor:
+                   clip_grad_norm: Optional[float] = None, accumulate: int = 1,
+                   precision: str = "float32") -> Tensor:
         """One fused data-parallel step: every replica's forward, loss, backward, bucketed
         all-reduce and optimizer update run in C++ from this one call (``mgpu._core.Model``,
         built from the module tree on first use). Computes what the book's loop computes with
@@ -381,6 +383,15 @@ class DataParallel(Module):
         [kS/K, (k+1)S/K), their gradients are added in the same tree, and the parameters are
         bitwise those of K = 1 on any device count (batch norm's running statistics are those
         of each micro-batch's first shard, moved K times).
+
+        ``precision="bf16"`` runs the convolutions' and linear layers' products with bfloat16
+        operands and float32 sums, as the book's loop does under ``mgpu.autocast("bf16")``
+        (``mgpu.amp``); batch norm, the loss and the update stay float32, as do the
+        parameters and the all-reduced (and accumulated) gradients. The bf16 kernels give the
+        same bits on every CPU path, so ``deterministic`` keeps its promise, with
+        ``accumulate`` too. CPU devices only. On CPUs bf16 is currently slower than float32
+        for ResNet-18 (its 3x3 convolutions run im2col in bf16 where float32 runs Winograd);
+        it is there for its numerics and as the base for faster kernels.
         """
         if not self._sync:
             raise ValueError("train_step: called inside no_sync(); the fused step accumulates "
@@ -388,6 +399,7 @@ class DataParallel(Module):
                              "accumulate=K) with the whole batch")
         accumulate = check_accumulate(accumulate, shard_count(deterministic, "train_step"),
                                       "train_step")
+        precision = check_precision(precision, "train_step: precision")
         if not isinstance(loss, nn_CrossEntropyLoss) or loss.reduction != "mean":
             raise ValueError("train_step: the fused step computes nn.CrossEntropyLoss() (mean); "
                              f"got {loss!r}")
@@ -399,7 +411,7 @@ class DataParallel(Module):
                              "that list them in net.parameters()' order)")
         X, y = check_input(X, "train_step"), check_input(y, "train_step")
         self._check_master()
-        fused = self._fused_model()
+        fused = self._fused_model(precision)
         with fused.allocations:
             return self._fused_step(fused, X, y, trainer, master, deterministic, opts,
                                     accumulate)
@@ -470,13 +482,13 @@ class DataParallel(Module):
                 total = total + part.to(total.device)
             return total / X.shape[0]
 
-    def _fused_model(self) -> "_Fused":
-        key = (self._tree, tuple(id(p) for p in self.module.parameters()))
+    def _fused_model(self, precision: str = "float32") -> "_Fused":
+        key = (self._tree, tuple(id(p) for p in self.module.parameters()), precision)
         fused = self.__dict__.get("_fused")
         if fused is None or fused.key != key:
             self._replica_roots(1)  # refreshes self._tree
-            key = (self._tree, tuple(id(p) for p in self.module.parameters()))
-            fused = _Fused(self.module, self.device_ids, key)
+            key = (self._tree, tuple(id(p) for p in self.module.parameters()), precision)
+            fused = _Fused(self.module, self.device_ids, key, precision)
             object.__setattr__(self, "_fused", fused)
         return fused
 
@@ -484,8 +496,9 @@ class DataParallel(Module):
 class _Fused:
     """The module tree as a layer list for ``mgpu._core.Model`` (via ``parallel.FusedModel``)."""
 
-    def __init__(self, module: Module, devices: List[Device], key):
+    def __init__(self, module: Module, devices: List[Device], key, precision: str = "float32"):
         self.key = key
+        self._bf16 = precision == "bf16"
         params = list(module.parameters())
         self._pindex = {id(p): i for i, p in enumerate(params)}
         bufs: List[Tensor] = []
@@ -536,6 +549,8 @@ class _Fused:
     def _layer(self, kind: str, src: int, params=(), buffers=(), **opts) -> int:
         opts["in"] = src
         opts["params"] = [self._pindex[id(p)] for p in params]
+        if self._bf16 and kind in ("conv2d", "conv2d_relu_pool", "linear"):
+            opts["bf16"] = True
         if buffers:
             opts["buffers"] = []
             for b in buffers:

@@ -25,8 +25,9 @@ VARIABLES: Tuple[Variable, ...] = tuple(
     _group("data and CPU", [
         ("MGPU_DATA", "unset", "a folder with Fashion-MNIST's four IDX files, searched after an "
          "explicit data_dir and before ~/.mgpu/data and /usr/share/datasets/fashion-mnist"),
-        ("MGPU_ISA", "auto", "the CPU kernel path: auto (the widest this CPU runs), avx2 or "
-         "avx512; read at import"),
+        ("MGPU_ISA", "auto", "the CPU kernel path: auto (the widest this CPU runs), avx2, "
+         "avx512 or avx512_bf16 (AVX-512 with vdpbf16ps for the bf16 products; avx512 emulates "
+         "them with float32 FMAs, the same bits); read at import"),
         ("MGPU_CONV_ALGO", "auto", "CPU convolutions: auto (by the shape alone: Winograd "
          "F(4x4,3x3) for 3x3 stride-1 layers with 16+ channels in and out and outputs of 6x6 or "
          "more, or whole 4x4 tiles with 512+ channels), tune (time once per shape, keep the "

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numbers
 from typing import Optional, Sequence, Tuple, Union
 
-from . import _core, autograd
+from . import _core, amp, autograd
 from . import random as _random
 from . import trace as _trace
 from .tensor import (
@@ -45,10 +45,12 @@ def conv2d(x: Tensor, w: Tensor, b: Optional[Tensor] = None, stride: IntPair = 1
     """Convolution (cross-correlation): x (N, C, H, W), w (K, C, R, S), b (K,) -> (N, K, P, Q)."""
     check_tensors("conv2d", x=x, w=w, b=b)
     s, p = as_square(stride, "stride", "conv2d"), as_square(padding, "padding", "conv2d")
-    out = Tensor(_core.conv2d_forward(x._t, w._t, b._t if b is not None else None, s, p))
+    prec = amp.get_precision()  # mgpu.autocast's; backward runs with the forward's
+    out = Tensor(_core.conv2d_forward(x._t, w._t, b._t if b is not None else None, s, p, prec))
 
     def backward(dy):
-        dx, dw, db = _core.conv2d_backward(x._t, w._t, dy._t, s, p, needs_grad(x), b is not None)
+        dx, dw, db = _core.conv2d_backward(x._t, w._t, dy._t, s, p, needs_grad(x), b is not None,
+                                           prec)
         wrap = lambda h: Tensor(h) if h is not None else None  # noqa: E731
         return wrap(dx), wrap(dw), wrap(db)
 
@@ -140,13 +142,14 @@ def cross_entropy(y_hat: Tensor, y: Tensor) -> Tensor:
 def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
     """x W^T + b (PyTorch's layout): x (N, I), weight (O, I), bias (O,) -> (N, O)."""
     check_tensors("linear", x=x, weight=weight, bias=bias)
-    out = Tensor(_core.mm(x._t, weight._t, False, True))
+    prec = amp.get_precision()  # mgpu.autocast's; backward runs with the forward's
+    out = Tensor(_core.mm(x._t, weight._t, False, True, prec))
     if bias is not None:
         out = Tensor(_core.binary(_core.BinaryOp.Add, out._t, bias._t))
 
     def backward(dy):
-        dx = Tensor(_core.mm(dy._t, weight._t)) if needs_grad(x) else None
-        dw = Tensor(_core.mm(dy._t, x._t, True, False)) if needs_grad(weight) else None
+        dx = Tensor(_core.mm(dy._t, weight._t, False, False, prec)) if needs_grad(x) else None
+        dw = Tensor(_core.mm(dy._t, x._t, True, False, prec)) if needs_grad(weight) else None
         db = Tensor(_core.sum_to_shape(dy._t, list(bias.shape))) if needs_grad(bias) else None
         return dx, dw, db
 

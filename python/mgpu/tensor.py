@@ -13,7 +13,7 @@ from typing import Optional, Tuple, Union
 
 import numpy as np
 
-from . import _core, autograd
+from . import _core, amp, autograd
 from .device import Device, as_device, cpu
 
 Shape = Tuple[int, ...]
@@ -413,11 +413,12 @@ def check_tensors(op: str, **named) -> None:
 def mm(a: Tensor, b: Tensor) -> Tensor:
     """Matrix product: a (M, K) @ b (K, N) -> (M, N)."""
     check_tensors("mm", a=a, b=b)
-    out = Tensor(_core.mm(a._t, b._t))
+    prec = amp.get_precision()  # mgpu.autocast's; backward runs with the forward's
+    out = Tensor(_core.mm(a._t, b._t, False, False, prec))
 
     def backward(dy):
-        da = Tensor(_core.mm(dy._t, b._t, False, True)) if needs_grad(a) else None
-        db = Tensor(_core.mm(a._t, dy._t, True, False)) if needs_grad(b) else None
+        da = Tensor(_core.mm(dy._t, b._t, False, True, prec)) if needs_grad(a) else None
+        db = Tensor(_core.mm(a._t, dy._t, True, False, prec)) if needs_grad(b) else None
         return da, db
 
     return autograd.attach(out, [a, b], backward)

@@ -19,7 +19,7 @@ FLOORS = [
     # The table of environment variables and the safetensors format's reader and writer too.
     ("base", ["mgpu.device", "mgpu.trace", "mgpu.faults", "mgpu.plot", "mgpu.environment",
               "mgpu.tensorfile"]),
-    ("tensor", ["mgpu.autograd", "mgpu.tensor", "mgpu.random"]),
+    ("tensor", ["mgpu.amp", "mgpu.autograd", "mgpu.tensor", "mgpu.random"]),
     # Weights from other frameworks (state dicts) and gradient clipping work on tensors alone.
     ("tensor utilities", ["mgpu.weights", "mgpu.nn_utils"]),
     ("ops", ["mgpu.ops", "mgpu.distributed"]),

@@ -48,7 +48,23 @@ def test_unknown_path_fails_the_import_naming_it():
     r = _run("import mgpu", "avx1024")
     assert r.returncode != 0
     assert "ImportError" in r.stderr and "MGPU_ISA='avx1024'" in r.stderr
-    assert "auto, avx2 or avx512" in r.stderr
+    assert "auto, avx2, avx512 or avx512_bf16" in r.stderr
+
+
+@pytest.mark.parametrize("isa", ["avx2", "avx512", "avx512_bf16", "auto"])
+def test_bf16_products_kernel_follows_the_path(isa):
+    """avx512_bf16 (vdpbf16ps) where asked for or auto finds AVX512_BF16; the emulation on
+    avx512 and avx2; a CPU without AVX512_BF16 refuses MGPU_ISA=avx512_bf16 at import."""
+    with open("/proc/cpuinfo") as f:
+        flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    has_bf16 = _has_avx512() and "avx512_bf16" in flags
+    r = _run("import mgpu; print(mgpu.build_info()['cpu_bf16'])", isa)
+    if isa.startswith("avx512") and not (has_bf16 if isa == "avx512_bf16" else _has_avx512()):
+        assert r.returncode != 0 and "ImportError" in r.stderr and "lacks AVX-512" in r.stderr
+        return
+    assert r.returncode == 0, r.stderr
+    want = {"auto": "avx512_bf16" if has_bf16 else "avx512" if _has_avx512() else "avx2"}
+    assert r.stdout.strip() == want.get(isa, isa)
 
 
 def test_info_prints_every_part_without_traceback():

@@ -8,13 +8,14 @@ stdout. Two variants:
 k "devices" that are all the CPU, so the shards run one after the other; ``idiomatic`` is
 nn.Sequential + optim.SGD on one device; ``resnet18`` and ``resnet18-compile`` are the concise
 chapter's network (sec. 12.6: d2l's Residual and resnet18(10, 1), no max-pool, normal_(std=0.01)
-init, CrossEntropyLoss() and optim.SGD) on one device, eager and through torch.compile. All see
-batches (B, 1, 28, 28) float32 in [0, 1], gathered with NumPy from arrays already in memory, so
-they time the training step alone. ``loader`` is the chapter's code on one device fed as the
-chapter feeds it: d2l.load_data_fashion_mnist's DataLoader (shuffled, 4 worker processes, each
-image converted to a float tensor one at a time as ToTensor does; torchvision itself is not
-needed), timed in its steady state (workers kept alive across epochs, so their start-up is not
-counted).
+init, CrossEntropyLoss() and optim.SGD) on one device, eager and through torch.compile
+(``resnet18-autocast``: eager, the forward under ``torch.autocast("cpu", torch.bfloat16)``).
+All see batches (B, 1, 28, 28) float32 in [0, 1], gathered with NumPy from arrays already in
+memory, so they time the training step alone. ``loader`` is the chapter's code on one device
+fed as the chapter feeds it: d2l.load_data_fashion_mnist's DataLoader (shuffled, 4 worker
+processes, each image converted to a float tensor one at a time as ToTensor does; torchvision
+itself is not needed), timed in its steady state (workers kept alive across epochs, so their
+start-up is not counted).
 """
 import sys
 
@@ -265,7 +266,7 @@ def main(argv=None):
                               args.warmup)
         r.update(variant="idiomatic", num_devices=1, global_batch=args.batch_size)
         results.append(r)
-    for variant in ("resnet18", "resnet18-compile"):
+    for variant in ("resnet18", "resnet18-compile", "resnet18-autocast"):
         if variant not in variants:
             continue
         net = d2l_resnet18(torch, nn, F, args.seed)
@@ -273,15 +274,19 @@ def main(argv=None):
         mean_loss = nn.CrossEntropyLoss()
         model = torch.compile(net) if variant == "resnet18-compile" else net
 
-        def step(X, y, model=model, opt=opt, mean_loss=mean_loss):
+        # resnet18-autocast: eager under CPU autocast in bfloat16 (conv and linear in bf16).
+        bf16 = variant == "resnet18-autocast"
+
+        def step(X, y, model=model, opt=opt, mean_loss=mean_loss, bf16=bf16):
             opt.zero_grad()
-            l = mean_loss(model(X), y)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                l = mean_loss(model(X), y)
             l.backward()
             opt.step()
             return l.item() * X.shape[0]
 
         name = "torch ResNet-18" + (", torch.compile" if variant == "resnet18-compile" else
-                                    ", eager")
+                                    ", eager autocast bf16" if bf16 else ", eager")
         r = common.run_config(name, step, batches, args.epochs, args.warmup)
         r.update(variant=variant, num_devices=1, global_batch=args.batch_size,
                  peak_rss_bytes=common.peak_rss_bytes())

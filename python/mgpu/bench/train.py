@@ -14,6 +14,7 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 
 from .. import _core
+from ..amp import autocast, check_precision
 from ..data import DataLoader, find_data_dir
 from ..device import cpu, try_gpu
 from ..models import lenet_params
@@ -102,10 +103,12 @@ def bench_train(devices: Sequence[int] = (1, 2), batch_size: int = 256, lr: floa
                 weak_scaling: bool = False, jax_python: Optional[str] = None,
                 jax_threads: int = 2, optimizer: str = "sgd",
                 weight_decay: Optional[float] = None,
-                clip_grad_norm: Optional[float] = None) -> Dict:
+                clip_grad_norm: Optional[float] = None,
+                precisions: Sequence[str] = ("float32",)) -> Dict:
     """Times LeNet training on Fashion-MNIST (or ``synthetic`` random images); returns a dict.
     ``model='resnet18'``: bench_train_resnet18 instead (``repeat`` and ``gemm_size`` unused;
-    ``optimizer``, ``weight_decay`` and ``clip_grad_norm`` are its, as ``mgpu train``'s).
+    ``optimizer``, ``weight_decay`` and ``clip_grad_norm`` are its, as ``mgpu train``'s, and
+    so is ``precisions``).
 
     Each training configuration runs ``warmup`` untimed batches, then ``epochs`` timed epochs
     cut at ``limit_batches`` (0 or None: whole epochs); sec/epoch is the median sec/step times
@@ -135,10 +138,13 @@ def bench_train(devices: Sequence[int] = (1, 2), batch_size: int = 256, lr: floa
                                     torch_threads, parts, log, weak_scaling=weak_scaling,
                                     jax_python=jax_python, jax_threads=jax_threads,
                                     optimizer=optimizer, weight_decay=weight_decay,
-                                    clip_grad_norm=clip_grad_norm)
+                                    clip_grad_norm=clip_grad_norm, precisions=precisions)
     if (optimizer, weight_decay, clip_grad_norm) != ("sgd", None, None):
         raise ValueError("bench train: --optimizer, --weight-decay and --clip-grad-norm need "
                          "--model resnet18 (LeNet's step is the chapter's plain SGD)")
+    if list(precisions) != ["float32"]:
+        raise ValueError("bench train: --precision bf16 is for --model resnet18 for now (LeNet's "
+                         "fused step is float32 only)")
     if weak_scaling:
         raise ValueError("bench train: --weak-scaling is for --model resnet18 (LeNet's scaling "
                          "part times batch 2b on 2 devices against b on 1 already)")
@@ -572,21 +578,24 @@ def _resnet18_side(cfg: Dict) -> Dict:
                              cfg.get("weight_decay"))
     clip = cfg.get("clip_grad_norm")
     loss = nn.CrossEntropyLoss()
+    precision = cfg.get("precision", "float32")
+    tag = "" if precision == "float32" else f", {precision}"
     if cfg["impl"] == "fused":
         def step(X, y):
-            return model.train_step(X, y, loss, trainer,
-                                    clip_grad_norm=clip).item() * X.shape[0]
-        name = f"mgpu ResNet-18 fused train_step, {plural(k, 'device')}"
+            return model.train_step(X, y, loss, trainer, clip_grad_norm=clip,
+                                    precision=precision).item() * X.shape[0]
+        name = f"mgpu ResNet-18 fused train_step, {plural(k, 'device')}{tag}"
     else:
         def step(X, y):
             trainer.zero_grad()
-            out = loss(model(X), y)
+            with autocast(precision):
+                out = loss(model(X), y)
             out.backward()
             if clip is not None:
                 nn.utils.clip_grad_norm_(model.parameters(), clip)
             trainer.step()
             return out.item() * X.shape[0]
-        name = f"mgpu ResNet-18 book's loop (autograd), {plural(k, 'device')}"
+        name = f"mgpu ResNet-18 book's loop (autograd), {plural(k, 'device')}{tag}"
     if cfg.get("optimizer", "sgd") != "sgd" or clip is not None:
         name += f", {cfg.get('optimizer', 'sgd')}" + ("" if clip is None else f" + clip {clip}")
     # The allocator's counters from the end of the warm-up: the first steps fill its cache (the
@@ -595,7 +604,8 @@ def _resnet18_side(cfg: Dict) -> Dict:
     r = rival_common.run_config(name, step, batches, cfg["epochs"], cfg["warmup"],
                          on_timed=lambda: before.update(_core.cpu_memory_stats()))
     after = _core.cpu_memory_stats()
-    r.update(impl=f"mgpu {cfg['impl']}", num_devices=k, global_batch=cfg["batch_size"],
+    r.update(impl=f"mgpu {cfg['impl']}{' ' + precision if tag else ''}", num_devices=k,
+             precision=precision, global_batch=cfg["batch_size"],
              threads=_core.num_threads(), devices=[str(d) for d in devices],
              peak_rss_bytes=rival_common.peak_rss_bytes(),
              allocator_peak_bytes=after["peak_allocated"],
@@ -654,7 +664,8 @@ def bench_train_resnet18(devices: Sequence[int] = (1, 2), batch_size: int = 256,
                          weak_scaling: bool = False, jax_python: Optional[str] = None,
                          jax_threads: int = 2, optimizer: str = "sgd",
                          weight_decay: Optional[float] = None,
-                         clip_grad_norm: Optional[float] = None) -> Dict:
+                         clip_grad_norm: Optional[float] = None,
+                         precisions: Sequence[str] = ("float32",)) -> Dict:
     """Times a ResNet-18 training step (sec. 12.6) on the same batches: the fused step
     (``DataParallel.train_step``) and the book's loop through autograd on each k in ``devices``,
     and with ``compare='torch'`` d2l's PyTorch ResNet-18 eager and through torch.compile
@@ -669,7 +680,13 @@ def bench_train_resnet18(devices: Sequence[int] = (1, 2), batch_size: int = 256,
     image with 1 device's (PyTorch keeps ``batch_size``).
     ``optimizer`` ('sgd', 'adam' or 'adamw'), ``weight_decay`` (None: the optimizer's default)
     and ``clip_grad_norm`` (the gradients' global norm clipped to it before every update) set
-    mgpu's sides as ``mgpu train --model resnet18`` sets its run; the rivals keep their SGD."""
+    mgpu's sides as ``mgpu train --model resnet18`` sets its run; the rivals keep their SGD.
+    ``precisions``: each mgpu configuration once per precision ('float32', 'bf16': the fused
+    step's ``precision``, the loop under ``mgpu.autocast``); with 'bf16' among them, PyTorch runs
+    its eager step under ``torch.autocast("cpu", torch.bfloat16)`` too."""
+    precisions = [check_precision(p, "bench train: precision") for p in precisions]
+    if "bf16" in precisions and "resnet18-autocast" not in torch_variants:
+        torch_variants = tuple(torch_variants) + ("resnet18-autocast",)
     devices = [int(k) for k in devices]
     if not devices or min(devices) < 1:
         raise ValueError(f"bench train: devices must be numbers of devices >= 1, got {devices}")
@@ -704,7 +721,8 @@ def bench_train_resnet18(devices: Sequence[int] = (1, 2), batch_size: int = 256,
                     clip_grad_norm=clip_grad_norm,
                     epochs=epochs, limit_batches=limit, warmup=warmup, seed=seed,
                     compare=compare, torch_threads=torch_threads, jax_threads=jax_threads,
-                    parts=sides, data=data, weak_scaling=bool(weak_scaling))
+                    parts=sides, data=data, weak_scaling=bool(weak_scaling),
+                    precisions=precisions)
     out = header("train", settings)
     flops = resnet18_step_flops(batch_size)
     out["flops"] = {"per_step": flops, "per_image": flops // int(batch_size)}
@@ -716,12 +734,13 @@ def bench_train_resnet18(devices: Sequence[int] = (1, 2), batch_size: int = 256,
                 clip_grad_norm=clip_grad_norm)
     for side in sides:
         for k in devices:
-            batch = int(batch_size) * (k if weak_scaling else 1)
-            say(log, f"bench train: ResNet-18 {side} on {plural(k, 'device')}, batch {batch} "
-                      "(own process) ...")
-            results.append(_entry(_run_side(dict(base, impl=side, num_devices=k,
-                                                 batch_size=batch)),
-                                  flops * batch // int(batch_size)))
+            for precision in precisions:
+                batch = int(batch_size) * (k if weak_scaling else 1)
+                say(log, f"bench train: ResNet-18 {side} {precision} on {plural(k, 'device')}, "
+                          f"batch {batch} (own process) ...")
+                results.append(_entry(_run_side(dict(base, impl=side, num_devices=k,
+                                                     batch_size=batch, precision=precision)),
+                                      flops * batch // int(batch_size)))
     run = dict(data_dir=data.get("dir"), synthetic=int(synthetic), lr=lr, epochs=epochs,
                limit=limit, warmup=warmup, seed=seed)
     for name, (py, info) in rivals.items():
@@ -743,7 +762,9 @@ def bench_train_resnet18(devices: Sequence[int] = (1, 2), batch_size: int = 256,
                 if key != "results" and key not in out[name]:
                     out[name][key] = v
             for r in rival["results"]:
-                r["impl"] = ("torch " + ("compile" if variant.endswith("compile") else "eager")
+                r["impl"] = ("torch " + ("compile" if variant.endswith("compile") else
+                                         "eager bf16" if variant.endswith("autocast") else
+                                         "eager")
                              if name == "torch" else "jax flax")
                 r["threads"] = rival["threads"]
                 results.append(_entry(r, flops * batch // int(batch_size)))

@@ -1,0 +1,98 @@
+// cpp/ops/bf16.h -- bfloat16 mixed precision for the matrix products: linear's mm and conv2d's
+// forward, data gradient and weight gradient, with float32 inputs and float32 outputs.
+//
+// Where bfloat16 enters. Tensors stay float32: the master weights, the activations, the
+// gradients and everything batch norm, the loss, softmax and the optimizer touch. Only the
+// operands of a matrix product are rounded to bfloat16, while they are packed into the panels the
+// product's register tiles read (as oneDNN's reorders do), and every product accumulates in
+// float32. The speed comes from AVX512_BF16's vdpbf16ps, two multiply-adds per float32 lane per
+// instruction, and from packed operands half the bytes of float32 ones; a bfloat16 tensor dtype
+// (storage, NumPy / DLPack interop) is a later stage and changes nothing here.
+//
+// The numbers, on every CPU path alike:
+// - float -> bfloat16 rounds to nearest, ties to even; a NaN stays a NaN with its sign and top
+//   mantissa bits, the quiet bit set; +-inf stays; zeros and float32 denormals become a zero of
+//   their sign (what vcvtneps2bf16 does; the bits of x + 0x7fff + lsb, top half).
+// - A product's k dimension is cut into pairs (k, k+1), the last one padded with zeros when k is
+//   odd. Each output adds its pairs in order of k; within a pair it adds the odd element's
+//   product first, then the even one's, each a fused multiply-add rounded to nearest even, with
+//   denormal inputs read as zero and denormal results flushed to zero. That is vdpbf16ps's order
+//   (Intel's pseudo-code, confirmed on Zen 4). A bfloat16 x bfloat16 product is exact in float32,
+//   so the AVX-512F and AVX2 paths, which run float32 FMAs on the rounded values under
+//   MXCSR.FTZ|DAZ in that order, give the AVX512_BF16 path's bits, and so does every thread count.
+//   (A NaN result is a NaN on every path; which input's payload it carries may differ, since
+//   vdpbf16ps ranks NaN operands in its own order.)
+// - Error, for operands and partial sums in the normal range: each operand carries a relative
+//   error of at most u = 2^-8 (bfloat16 keeps 8 significant bits), a product 2u + u^2, and the
+//   float32 sum over k adds at most g_k = k * 2^-24 / (1 - k * 2^-24) of the sum of |products|:
+//   |y - y_exact| <= ((2u + u^2)(1 + g_k) + g_k) * sum_k |a_ik| |b_kj|. Tests hold every op to
+//   that bound against float64 (tests/ops/test_bf16.py).
+//
+// Paths (MGPU_ISA, cpu_isa.h): avx512_bf16 (vdpbf16ps; chosen by auto where the CPU has
+// AVX512_BF16), avx512 and avx2 (the float32-FMA emulation). The ops take precision=bf16
+// (ops/precision.h) on CPU devices only: a GPU tensor in a bf16 op raises ValueError.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "ops/conv2d.h"
+
+namespace mgpu::ops::cpu {
+
+// The packed layouts every path shares. op(A) (m, k) is packed in panels of kBf16Mr rows: for
+// each k pair p, kBf16Mr 32-bit words, row r's word holding bf16(A[r, 2p + 1]) in its high half
+// and bf16(A[r, 2p]) in its low half. op(B) (k, n) likewise in panels of kBf16Nr columns. Rows,
+// columns and the odd k past the end are zeros.
+constexpr int64_t kBf16Mr = 8;
+constexpr int64_t kBf16Nr = 32;
+inline int64_t bf16_pairs(int64_t k) { return (k + 1) / 2; }
+inline int64_t bf16_packed_a_words(int64_t m, int64_t k) {
+  return (m + kBf16Mr - 1) / kBf16Mr * kBf16Mr * bf16_pairs(k);
+}
+inline int64_t bf16_packed_b_words(int64_t k, int64_t n) {
+  return (n + kBf16Nr - 1) / kBf16Nr * kBf16Nr * bf16_pairs(k);
+}
+
+// True where the products run vdpbf16ps: the AVX-512 path on a CPU with AVX512_BF16, unless
+// MGPU_ISA=avx512 asks for the float32-FMA emulation (cpu_isa.h's IsaChoice::bf16_dot).
+bool bf16_hardware_dot();
+
+// One product for the per-path kernels (cpu_isa.h's MGPU_CPU_ISA_KERNELS): c (m, n, row stride
+// ldc) = pa @ pb from packed operands; with accumulate, each output's sum starts from c's old
+// value instead of zero.
+// hardware_dot selects vdpbf16ps; only the avx512 path has it (the avx2 kernel ignores it).
+struct Bf16Product {
+  int64_t m, n, k;
+  const uint32_t* pa;
+  const uint32_t* pb;
+  float* c;
+  int64_t ldc;
+  bool accumulate;
+  bool hardware_dot;
+};
+
+// The kernels, one per path (cpu_isa.h's MGPU_CPU_ISA_KERNELS); cpu::NAME runs the active path's.
+// The caller checks shapes and allocates; results never depend on the thread count.
+// y[i] = the bfloat16 bits of x[i] (the rounding above).
+void bf16_round(int64_t n, const float* x, uint16_t* y);
+// Pack op(A) (m, k; A^T when trans, a's rows lda floats apart) into bf16_packed_a_words(m, k)
+// words, and op(B) (k, n) into bf16_packed_b_words(k, n) words.
+void bf16_pack_a(bool trans, int64_t m, int64_t k, const float* a, int64_t lda, uint32_t* out);
+void bf16_pack_b(bool trans, int64_t k, int64_t n, const float* b, int64_t ldb, uint32_t* out);
+// One product on the calling thread.
+void bf16_product(const Bf16Product& p);
+// c (m, n, contiguous) = op(a) @ op(b), on the device's cores.
+void bf16_mm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const float* a,
+             int64_t lda, const float* b, int64_t ldb, float* c, bool hardware_dot);
+// conv2d's forward and backward (conv2d.h's cpu:: contract: b, dx and db may be null) through
+// im2col onto the products above, in chunks of images whose size depends on the shape alone:
+// y = W @ col + b; dcol = W^T @ dy, dx = col2im(dcol); dw = sum over chunks, in order, of
+// dy @ col^T (each chunk's sums start from the previous chunks' dw); db sums dy in float32 per
+// image and in double over images.
+void bf16_conv2d_forward(const Conv2dShape& s, const float* x, const float* w, const float* b,
+                         float* y, bool hardware_dot);
+void bf16_conv2d_backward(const Conv2dShape& s, const float* x, const float* w, const float* dy,
+                          float* dx, float* dw, float* db, bool hardware_dot);
+
+}  // namespace mgpu::ops::cpu
