@@ -20,6 +20,7 @@
 #include "train/graph_capture.h"
 #include "train/label_guard.h"
 #include "train/optimizer_step.h"
+#include "train/shard_tree.h"
 #include "train/sharded_sums.h"
 #include "train/split_batch.h"
 
