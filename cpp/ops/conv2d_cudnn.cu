@@ -95,6 +95,23 @@ void require_workspace(size_t have, size_t need) {
                       std::to_string(need) + "; size it with conv2d_cudnn_workspace_bytes");
 }
 
+// The workspace the forward (by `forward`), the data gradient and the filter gradient need, the
+// largest of the three.
+size_t largest_workspace(cudnnContext* handle, const Descriptors& d,
+                         cudnnConvolutionFwdAlgo_t forward) {
+  size_t fwd = 0, data = 0, filter = 0;
+  check(cudnnGetConvolutionForwardWorkspaceSize(handle, d.x.get(), d.w.get(), d.conv.get(),
+                                                d.y.get(), forward, &fwd),
+        "cudnnGetConvolutionForwardWorkspaceSize");
+  check(cudnnGetConvolutionBackwardDataWorkspaceSize(handle, d.w.get(), d.y.get(), d.conv.get(),
+                                                     d.x.get(), kDataAlgo, &data),
+        "cudnnGetConvolutionBackwardDataWorkspaceSize");
+  check(cudnnGetConvolutionBackwardFilterWorkspaceSize(handle, d.x.get(), d.y.get(), d.conv.get(),
+                                                       d.w.get(), kFilterAlgo, &filter),
+        "cudnnGetConvolutionBackwardFilterWorkspaceSize");
+  return std::max(fwd, std::max(data, filter));
+}
+
 }  // namespace
 
 cudnnContext* cudnn_handle(int device) {
@@ -115,18 +132,7 @@ size_t conv2d_cudnn_workspace_bytes(cudnnContext* handle, const Conv2dShape& s) 
   // An empty batch or filter bank needs no workspace, and cuDNN refuses descriptors with a zero
   // dimension (CUDNN_STATUS_BAD_PARAM): forward and backward handle those shapes without cuDNN.
   if (s.N == 0 || s.K == 0) return 0;
-  const Descriptors d(s);
-  size_t fwd = 0, data = 0, filter = 0;
-  check(cudnnGetConvolutionForwardWorkspaceSize(handle, d.x.get(), d.w.get(), d.conv.get(),
-                                                d.y.get(), kForwardAlgo, &fwd),
-        "cudnnGetConvolutionForwardWorkspaceSize");
-  check(cudnnGetConvolutionBackwardDataWorkspaceSize(handle, d.w.get(), d.y.get(), d.conv.get(),
-                                                     d.x.get(), kDataAlgo, &data),
-        "cudnnGetConvolutionBackwardDataWorkspaceSize");
-  check(cudnnGetConvolutionBackwardFilterWorkspaceSize(handle, d.x.get(), d.y.get(), d.conv.get(),
-                                                       d.w.get(), kFilterAlgo, &filter),
-        "cudnnGetConvolutionBackwardFilterWorkspaceSize");
-  return std::max(fwd, std::max(data, filter));
+  return largest_workspace(handle, Descriptors(s), kForwardAlgo);
 }
 
 void conv2d_cudnn_forward(cudnnContext* handle, const Conv2dShape& s, const float* x,
@@ -200,34 +206,24 @@ namespace {
 constexpr size_t kAlign = 256;
 size_t aligned(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 
-// The bfloat16 forms' workspace: cuDNN's own, then bfloat16 copies of x, w, dy (or y), dx, dw.
+// The bfloat16 forms' workspace: cuDNN's own, then bfloat16 copies of x, w, dy (or y), dx, dw
+// (byte offsets); nx, nw, ny count the elements of x, w and y.
 struct Bf16Layout {
+  int64_t nx, nw, ny;
   size_t cudnn = 0, x = 0, w = 0, y = 0, dx = 0, dw = 0, total = 0;
-  Bf16Layout(cudnnContext* handle, const Conv2dShape& s) {
+  Bf16Layout(cudnnContext* handle, const Conv2dShape& s)
+      : nx(s.N * s.C * s.H * s.W), nw(s.K * s.C * s.R * s.S), ny(s.N * s.K * s.P() * s.Q()) {
     if (s.N == 0 || s.K == 0) return;
-    const Descriptors d(s, CUDNN_DATA_BFLOAT16);
-    size_t fwd = 0, data = 0, filter = 0;
-    check(cudnnGetConvolutionForwardWorkspaceSize(handle, d.x.get(), d.w.get(), d.conv.get(),
-                                                  d.y.get(), kForwardAlgoBf16, &fwd),
-          "cudnnGetConvolutionForwardWorkspaceSize");
-    check(cudnnGetConvolutionBackwardDataWorkspaceSize(handle, d.w.get(), d.y.get(), d.conv.get(),
-                                                       d.x.get(), kDataAlgo, &data),
-          "cudnnGetConvolutionBackwardDataWorkspaceSize");
-    check(cudnnGetConvolutionBackwardFilterWorkspaceSize(handle, d.x.get(), d.y.get(),
-                                                         d.conv.get(), d.w.get(), kFilterAlgo,
-                                                         &filter),
-          "cudnnGetConvolutionBackwardFilterWorkspaceSize");
-    const size_t nx = static_cast<size_t>(s.N * s.C * s.H * s.W) * sizeof(uint16_t);
-    const size_t nw = static_cast<size_t>(s.K * s.C * s.R * s.S) * sizeof(uint16_t);
-    const size_t ny = static_cast<size_t>(s.N * s.K * s.P() * s.Q()) * sizeof(uint16_t);
-    cudnn = aligned(std::max(fwd, std::max(data, filter)));
+    cudnn = aligned(largest_workspace(handle, Descriptors(s, CUDNN_DATA_BFLOAT16),
+                                      kForwardAlgoBf16));
     x = cudnn;
-    w = x + aligned(nx);
-    y = w + aligned(nw);
-    dx = y + aligned(ny);
-    dw = dx + aligned(nx);
-    total = dw + aligned(nw);
+    w = x + aligned(bytes(nx));
+    y = w + aligned(bytes(nw));
+    dx = y + aligned(bytes(ny));
+    dw = dx + aligned(bytes(nx));
+    total = dw + aligned(bytes(nw));
   }
+  static size_t bytes(int64_t n) { return static_cast<size_t>(n) * sizeof(uint16_t); }
   uint16_t* at(void* workspace, size_t offset) const {
     return reinterpret_cast<uint16_t*>(static_cast<unsigned char*>(workspace) + offset);
   }
@@ -253,16 +249,14 @@ void conv2d_cudnn_bf16_forward(cudnnContext* handle, const Conv2dShape& s, const
   require_workspace(workspace_bytes, l.total);
   const Descriptors d(s, CUDNN_DATA_BFLOAT16), f(s);
   cudaStream_t stream = stream_of(handle);
-  const int64_t nx = s.N * s.C * s.H * s.W, nw = s.K * s.C * s.R * s.S;
-  const int64_t ny = s.N * s.K * s.P() * s.Q();
   uint16_t *x16 = l.at(workspace, l.x), *w16 = l.at(workspace, l.w), *y16 = l.at(workspace, l.y);
-  bf16_round_operands(nx, x, x16, stream);
-  bf16_round_operands(nw, w, w16, stream);
+  bf16_round_operands(l.nx, x, x16, stream);
+  bf16_round_operands(l.nw, w, w16, stream);
   const float one = 1.0f, zero = 0.0f;
   check(cudnnConvolutionForward(handle, &one, d.x.get(), x16, d.w.get(), w16, d.conv.get(),
                                 kForwardAlgoBf16, workspace, l.cudnn, &zero, d.y.get(), y16),
         "cudnnConvolutionForward(bfloat16)");
-  bf16_widen(ny, y16, y, stream);
+  bf16_widen(l.ny, y16, y, stream);
   if (b != nullptr) {
     check(cudnnAddTensor(handle, &one, f.bias.get(), b, &one, f.y.get(), y), "cudnnAddTensor");
   }
@@ -280,27 +274,25 @@ void conv2d_cudnn_bf16_backward(cudnnContext* handle, const Conv2dShape& s, cons
   require_workspace(workspace_bytes, l.total);
   const Descriptors d(s, CUDNN_DATA_BFLOAT16), f(s);
   cudaStream_t stream = stream_of(handle);
-  const int64_t nx = s.N * s.C * s.H * s.W, nw = s.K * s.C * s.R * s.S;
-  const int64_t ny = s.N * s.K * s.P() * s.Q();
   uint16_t *x16 = l.at(workspace, l.x), *w16 = l.at(workspace, l.w);
   uint16_t *dy16 = l.at(workspace, l.y), *dx16 = l.at(workspace, l.dx);
   uint16_t* dw16 = l.at(workspace, l.dw);
-  bf16_round_operands(ny, dy, dy16, stream);
+  bf16_round_operands(l.ny, dy, dy16, stream);
   const float one = 1.0f, zero = 0.0f;
   if (dx != nullptr) {
-    bf16_round_operands(nw, w, w16, stream);
+    bf16_round_operands(l.nw, w, w16, stream);
     check(cudnnConvolutionBackwardData(handle, &one, d.w.get(), w16, d.y.get(), dy16,
                                        d.conv.get(), kDataAlgo, workspace, l.cudnn, &zero,
                                        d.x.get(), dx16),
           "cudnnConvolutionBackwardData(bfloat16)");
-    bf16_widen(nx, dx16, dx, stream);
+    bf16_widen(l.nx, dx16, dx, stream);
   }
-  bf16_round_operands(nx, x, x16, stream);
+  bf16_round_operands(l.nx, x, x16, stream);
   check(cudnnConvolutionBackwardFilter(handle, &one, d.x.get(), x16, d.y.get(), dy16,
                                        d.conv.get(), kFilterAlgo, workspace, l.cudnn, &zero,
                                        d.w.get(), dw16),
         "cudnnConvolutionBackwardFilter(bfloat16)");
-  bf16_widen(nw, dw16, dw, stream);
+  bf16_widen(l.nw, dw16, dw, stream);
   if (db != nullptr) {
     check(cudnnConvolutionBackwardBias(handle, &one, f.y.get(), dy, &zero, f.bias.get(), db),
           "cudnnConvolutionBackwardBias");

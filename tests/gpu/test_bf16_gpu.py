@@ -12,6 +12,7 @@ import mgpu
 import reference as ref
 from mgpu import _core, nn
 from test_bf16 import U, bf16_numpy, check_bounds, gamma
+from test_bf16_step import deterministic_steps
 from test_data_parallel import LR, batch, close, tiny_net
 
 pytestmark = [pytest.mark.gpu,
@@ -172,27 +173,12 @@ def test_books_loop_and_fused_step_in_bf16_on_gpus_agree_with_cpu_devices():
 
 @pytest.mark.skipif(mgpu.num_gpus() < 2, reason="needs 2 GPUs")
 def test_fused_bf16_deterministic_step_has_the_same_bits_on_one_and_two_gpus():
-    states = []
-    for k in (1, 2):
-        net = tiny_net()
-        model = nn.DataParallel(net, device_ids=[mgpu.gpu(i) for i in range(k)])
-        trainer = mgpu.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
-        for step in range(2):
-            X, y = batch(8, seed=step)
-            model.train_step(mgpu.array(X), mgpu.array(y), nn.CrossEntropyLoss(), trainer,
-                             deterministic=2, precision="bf16")
-        states.append({n: t.numpy() for n, t in net.state_dict().items()})
-    for name in states[0]:
-        same(states[1][name], states[0][name], f"{name}: 1 vs 2 gpus")
-    # ... and bf16 took effect on the GPUs: float32's step lands elsewhere.
-    net = tiny_net()
-    model = nn.DataParallel(net, device_ids=[mgpu.gpu(0)])
-    trainer = mgpu.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
-    for step in range(2):
-        X, y = batch(8, seed=step)
-        model.train_step(mgpu.array(X), mgpu.array(y), nn.CrossEntropyLoss(), trainer,
-                         deterministic=2)
-    assert not np.array_equal(net.state_dict()["0.weight"].numpy(), states[0]["0.weight"])
+    one, two = (deterministic_steps([mgpu.gpu(i) for i in range(k)]) for k in (1, 2))
+    for name in one:
+        same(two[name], one[name], f"{name}: 1 vs 2 gpus")
+    # ... and bf16 took effect on the GPUs: float32's steps land elsewhere.
+    f32 = deterministic_steps([mgpu.gpu(0)], "float32")
+    assert not np.array_equal(f32["0.weight"], one["0.weight"])
 
 
 @pytest.mark.skipif(mgpu.num_gpus() < 2, reason="needs 2 GPUs")
