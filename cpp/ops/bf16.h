@@ -30,7 +30,8 @@
 //
 // Paths (MGPU_ISA, cpu_isa.h): avx512_bf16 (vdpbf16ps; chosen by auto where the CPU has
 // AVX512_BF16), avx512 and avx2 (the float32-FMA emulation). The ops take precision=bf16
-// (ops/precision.h) on CPU devices only: a GPU tensor in a bf16 op raises ValueError.
+// (ops/precision.h) on CPU devices and GPUs; GPUs run ops/bf16_gpu.h's kernels, which follow the
+// order above (and the chunks and sums of the conv passes below) and so give these bits.
 #pragma once
 
 #include <cstdint>

@@ -8,6 +8,7 @@
 
 #include "core/gpu.h"
 #include "ops/bf16.h"
+#include "ops/bf16_gpu.h"
 #include "ops/dispatch.h"
 #include "ops/vendor_gpu.h"
 
@@ -36,22 +37,6 @@ Conv2dShape check_conv(const char* op, const Tensor& x, const Tensor& w, int64_t
                    x.size(2) + 2 * pad, "x", x.size(3) + 2 * pad, " image");
   return s;
 }
-
-// A cuDNN workspace from the caching allocator, handed back once the call is enqueued (a later
-// user of the block is ordered after it on the same stream).
-struct Workspace {
-  int device;
-  size_t bytes, capacity = 0;
-  void* ptr = nullptr;
-  Workspace(int d, size_t n) : device(d), bytes(n) {
-    if (n) ptr = gpu::allocate(d, n, &capacity);
-  }
-  ~Workspace() {
-    if (ptr) gpu::release(device, ptr, capacity);
-  }
-  Workspace(const Workspace&) = delete;
-  Workspace& operator=(const Workspace&) = delete;
-};
 
 }  // namespace
 
@@ -88,7 +73,6 @@ Tensor conv2d_forward(const Tensor& x, const Tensor& w, const Tensor& b, int64_t
                       int64_t pad, ConvAlgo algo, Precision precision) {
   const char* op = "conv2d_forward";
   Conv2dShape s = check_conv(op, x, w, stride, pad);
-  require_cpu_for_bf16(op, x, precision);
   if (b.defined()) {
     require_dtype(op, "b", b, DType::F32);
     require_same_device(op, {&x, &b});
@@ -112,10 +96,19 @@ Tensor conv2d_forward(const Tensor& x, const Tensor& w, const Tensor& b, int64_t
              if constexpr (kCudnn) {
                if (cudnn) {
                  cudnnContext* h = cuda::cudnn_handle(index);
-                 Workspace ws(index, cuda::conv2d_cudnn_workspace_bytes(h, s));
+                 if (bf16) {
+                   GpuScratch ws(index, cuda::conv2d_cudnn_bf16_workspace_bytes(h, s));
+                   cuda::conv2d_cudnn_bf16_forward(h, s, xp, wp, bp, yp, ws.ptr, ws.bytes);
+                   return;
+                 }
+                 GpuScratch ws(index, cuda::conv2d_cudnn_workspace_bytes(h, s));
                  cuda::conv2d_cudnn_forward(h, s, xp, wp, bp, yp, ws.ptr, ws.bytes);
                  return;
                }
+             }
+             if (bf16) {
+               cuda::bf16_conv2d_forward(s, xp, wp, bp, yp, stream);
+               return;
              }
              cuda::conv2d_forward(s, xp, wp, bp, yp, stream);
            },
@@ -128,7 +121,6 @@ Conv2dGrads conv2d_backward(const Tensor& x, const Tensor& w, const Tensor& dy, 
                             Precision precision) {
   const char* op = "conv2d_backward";
   Conv2dShape s = check_conv(op, x, w, stride, pad);
-  require_cpu_for_bf16(op, x, precision);
   require_dtype(op, "dy", dy, DType::F32);
   require_same_device(op, {&x, &dy});
   Shape want{s.N, s.K, s.P(), s.Q()};
@@ -156,10 +148,20 @@ Conv2dGrads conv2d_backward(const Tensor& x, const Tensor& w, const Tensor& dy, 
              if constexpr (kCudnn) {
                if (cudnn) {
                  cudnnContext* h = cuda::cudnn_handle(index);
-                 Workspace ws(index, cuda::conv2d_cudnn_workspace_bytes(h, s));
+                 if (bf16) {
+                   GpuScratch ws(index, cuda::conv2d_cudnn_bf16_workspace_bytes(h, s));
+                   cuda::conv2d_cudnn_bf16_backward(h, s, xp, wp, dyp, dxp, dwp, dbp, ws.ptr,
+                                                    ws.bytes);
+                   return;
+                 }
+                 GpuScratch ws(index, cuda::conv2d_cudnn_workspace_bytes(h, s));
                  cuda::conv2d_cudnn_backward(h, s, xp, wp, dyp, dxp, dwp, dbp, ws.ptr, ws.bytes);
                  return;
                }
+             }
+             if (bf16) {
+               cuda::bf16_conv2d_backward(s, xp, wp, dyp, dxp, dwp, dbp, stream);
+               return;
              }
              cuda::conv2d_backward(s, xp, wp, dyp, dxp, dwp, dbp, stream);
            },

@@ -1,5 +1,6 @@
 // cpp/ops/linear.cpp -- validate, allocate, dispatch to sgemm: OpenBLAS on CPU devices; on GPUs
-// cuBLAS in real CUDA builds, or our tiled kernel (emulated builds, MGPU_GEMM=native).
+// cuBLAS in real CUDA builds, or our tiled kernel (emulated builds, MGPU_GEMM=native). bf16: the
+// bf16 products (ops/bf16.h on CPUs, ops/bf16_gpu.h on GPUs, cuBLAS's bf16 GEMM where it runs).
 #include "ops/linear.h"
 
 #include <algorithm>
@@ -7,6 +8,7 @@
 #include "core/gpu.h"
 #include "core/parallel.h"
 #include "ops/bf16.h"
+#include "ops/bf16_gpu.h"
 #include "ops/dispatch.h"
 #include "ops/gemm.h"
 #include "ops/vendor_gpu.h"
@@ -15,7 +17,6 @@ namespace mgpu::ops {
 
 Tensor mm(const Tensor& a, const Tensor& b, bool trans_a, bool trans_b, Precision precision) {
   const char* op = "mm";
-  require_cpu_for_bf16(op, a, precision);
   require_dtype(op, "a", a, DType::F32);
   require_dtype(op, "b", b, DType::F32);
   require_same_device(op, {&a, &b});
@@ -29,7 +30,7 @@ Tensor mm(const Tensor& a, const Tensor& b, bool trans_a, bool trans_b, Precisio
   Tensor y = Tensor::empty({m, n}, DType::F32, a.device());
   const float *ap = a.f32(), *bp = b.f32();
   float* yp = y.f32();
-  const int64_t lda = a.size(1), ldb = b.size(1);
+  const int64_t lda = a.size(1), ldb = b.size(1), a_rows = a.size(0), b_rows = b.size(0);
   const bool cublas = !a.device().is_cpu() && gemm_path() == GemmPath::Cublas;
   const bool bf16 = precision == Precision::BF16, dot = bf16 && cpu::bf16_hardware_dot();
   dispatch(a.device(), op,
@@ -59,11 +60,27 @@ Tensor mm(const Tensor& a, const Tensor& b, bool trans_a, bool trans_b, Precisio
                return;
              }
              if constexpr (kCublas) {
+               if (cublas && bf16) {
+                 // cuBLAS reads bfloat16 operands from memory: a and b rounded into scratch.
+                 GpuScratch sa(index, static_cast<size_t>(a_rows * lda) * sizeof(uint16_t));
+                 GpuScratch sb(index, static_cast<size_t>(b_rows * ldb) * sizeof(uint16_t));
+                 auto* ra = static_cast<uint16_t*>(sa.ptr);
+                 auto* rb = static_cast<uint16_t*>(sb.ptr);
+                 cuda::bf16_round_operands(a_rows * lda, ap, ra, stream);
+                 cuda::bf16_round_operands(b_rows * ldb, bp, rb, stream);
+                 cuda::bf16_mm_cublas(cuda::cublas_handle(index), trans_a, trans_b, m, n, k, ra,
+                                      lda, rb, ldb, yp, n);
+                 return;
+               }
                if (cublas) {
                  cuda::sgemm_cublas(cuda::cublas_handle(index), trans_a, trans_b, m, n, k, 1.0f,
                                     ap, lda, bp, ldb, 0.0f, yp, n);
                  return;
                }
+             }
+             if (bf16) {
+               cuda::bf16_mm(trans_a, trans_b, m, n, k, ap, lda, bp, ldb, yp, stream);
+               return;
              }
              cuda::sgemm(trans_a, trans_b, m, n, k, 1.0f, ap, lda, bp, ldb, 0.0f, yp, n, stream);
            },

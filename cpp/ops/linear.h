@@ -14,7 +14,7 @@ struct cublasContext;  // cublasHandle_t
 
 namespace mgpu::ops {
 
-// precision BF16: bfloat16 operands, float32 sums (ops/bf16.h), on CPU devices only.
+// precision BF16: bfloat16 operands, float32 sums (ops/bf16.h; on GPUs ops/bf16_gpu.h).
 Tensor mm(const Tensor& a, const Tensor& b, bool trans_a = false, bool trans_b = false,
           Precision precision = Precision::F32);
 

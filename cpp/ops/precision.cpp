@@ -6,6 +6,7 @@
 
 #include "core/error.h"
 #include "core/tensor.h"
+#include "ops/bf16_gpu.h"
 #include "ops/cpu_isa.h"
 #include "ops/dispatch.h"
 
@@ -21,12 +22,6 @@ Precision parse_precision(const std::string& name) {
 
 const char* precision_name(Precision p) { return p == Precision::BF16 ? "bf16" : "float32"; }
 
-void require_cpu_for_bf16(const char* op, const Tensor& x, Precision precision) {
-  MGPU_CHECK_VALUE(precision != Precision::BF16 || x.device().is_cpu(), op,
-                   ": precision='bf16' runs on CPU devices only so far, but the operands are on ",
-                   x.device().str(), "; use precision='float32' on GPUs");
-}
-
 }  // namespace mgpu::ops
 
 namespace mgpu::ops {
@@ -34,7 +29,6 @@ namespace mgpu::ops {
 Tensor bf16_round(const Tensor& x) {
   const char* op = "bf16_round";
   require_dtype(op, "x", x, DType::F32);
-  require_cpu_for_bf16(op, x, Precision::BF16);
   Tensor y = Tensor::empty_like(x);
   const float* xp = x.f32();
   float* yp = y.f32();
@@ -48,7 +42,7 @@ Tensor bf16_round(const Tensor& x) {
                std::memcpy(yp + i, &u, sizeof u);
              }
            },
-           [](cudaStream_t) {}, x, y);
+           [=](cudaStream_t stream) { cuda::bf16_round_to_float(n, xp, yp, stream); }, x, y);
   return y;
 }
 

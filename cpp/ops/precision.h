@@ -18,12 +18,8 @@ enum class Precision { F32, BF16 };
 Precision parse_precision(const std::string& name);
 const char* precision_name(Precision p);
 
-// Raises ValueError when precision is BF16 and x is not on a CPU device (the bf16 products have
-// CPU kernels only so far).
-void require_cpu_for_bf16(const char* op, const Tensor& x, Precision precision);
-
 // A float32 tensor holding x rounded to bfloat16 exactly as the bf16 products round their
-// operands (ops/bf16.h). CPU devices only.
+// operands (ops/bf16.h, ops/bf16_gpu.h).
 Tensor bf16_round(const Tensor& x);
 
 // The kernel the bf16 products run on this CPU: "avx512_bf16", "avx512" or "avx2".

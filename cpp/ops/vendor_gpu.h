@@ -4,6 +4,10 @@
 // build has no vendor library: our kernels always run there, as build_info() says.
 #pragma once
 
+#include <cstddef>
+
+#include "core/gpu.h"
+
 struct cublasContext;
 struct cudnnContext;
 
@@ -28,6 +32,23 @@ enum class ConvPath { Native, Cudnn };
 // ValueError with the accepted values.
 GemmPath gemm_path();
 ConvPath conv_path();
+
+// Scratch memory on a GPU from the caching allocator (a vendor library's workspace, bfloat16
+// copies of its operands), handed back once the calls that use it are enqueued: a later user of
+// the block is ordered after them on the same stream. ptr is null for 0 bytes.
+struct GpuScratch {
+  int device;
+  size_t bytes, capacity = 0;
+  void* ptr = nullptr;
+  GpuScratch(int d, size_t n) : device(d), bytes(n) {
+    if (n) ptr = gpu::allocate(d, n, &capacity);
+  }
+  ~GpuScratch() {
+    if (ptr) gpu::release(device, ptr, capacity);
+  }
+  GpuScratch(const GpuScratch&) = delete;
+  GpuScratch& operator=(const GpuScratch&) = delete;
+};
 
 namespace cuda {
 // The calling thread's current device's handles (a GPU worker's), created on first use, bound to

@@ -14,8 +14,9 @@ PyTorch's does, whether ``backward()`` is called inside the block or after it::
     loss.sum().backward()          # conv and linear gradients in bf16 too
 
 The state is per thread (each thread starts in float32) and blocks nest:
-``autocast(enabled=False)`` inside a bf16 block runs float32. bf16 runs on CPU devices; an op on
-a GPU under ``autocast("bf16")`` raises ValueError.
+``autocast(enabled=False)`` inside a bf16 block runs float32. bf16 runs on CPU devices and GPUs
+alike: mgpu's CUDA kernels sum in the CPU kernels' order and give their bits
+(cpp/ops/bf16_gpu.h, which also states the bounds of cuBLAS and cuDNN where they run).
 """
 from __future__ import annotations
 

@@ -388,8 +388,8 @@ class DataParallel(Module):
         operands and float32 sums, as the book's loop does under ``mgpu.autocast("bf16")``
         (``mgpu.amp``); batch norm, the loss and the update stay float32, as do the
         parameters and the all-reduced (and accumulated) gradients. The bf16 kernels give the
-        same bits on every CPU path, so ``deterministic`` keeps its promise, with
-        ``accumulate`` too. CPU devices only. On CPUs bf16 is currently slower than float32
+        same bits on every CPU path and on GPUs (mgpu's CUDA kernels), so ``deterministic``
+        keeps its promise, with ``accumulate`` too. On CPUs bf16 is currently slower than float32
         for ResNet-18 (its 3x3 convolutions run im2col in bf16 where float32 runs Winograd);
         it is there for its numerics and as the base for faster kernels.
         """

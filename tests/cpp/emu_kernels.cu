@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "cuda/runtime.cuh"
+#include "cuda/bf16.cuh"
 #include "emu_test_util.h"
 
 namespace mgpu_test {
@@ -144,6 +145,27 @@ __global__ void saxpy_kernel(int n, float a, const float* __restrict__ x, float*
 
 void saxpy(int n, float a, const float* x, float* y, int blocks, int threads, cudaStream_t stream) {
   MGPU_LAUNCH(saxpy_kernel, blocks, threads, 0, stream)(n, a, x, y);
+}
+
+// ---- bfloat16 round trips: bits[i] = bf16(x[i]) (nearest even), back[i] = float(bits[i]); pairs
+// [i] = (x[2i], x[2i+1]) as one __nv_bfloat162, widened back to both floats ------------------------
+__global__ void bf16_kernel(const float* __restrict__ x, unsigned short* __restrict__ bits,
+                            float* __restrict__ back, float* __restrict__ pairs, int n) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  const __nv_bfloat16 h = __float2bfloat16_rn(x[i]);
+  bits[i] = __bfloat16_as_ushort(h);
+  back[i] = __bfloat162float(h);
+  if (i % 2 == 0 && i + 1 < n) {
+    const __nv_bfloat162 p = __floats2bfloat162_rn(x[i], x[i + 1]);
+    pairs[i] = __low2float(p);
+    pairs[i + 1] = __high2float(p);
+  }
+}
+
+void bf16_round_trip(const float* x, unsigned short* bits, float* back, float* pairs, int n,
+                     cudaStream_t stream) {
+  MGPU_LAUNCH(bf16_kernel, (n + 127) / 128, 128, 0, stream)(x, bits, back, pairs, n);
 }
 
 // ---- y = x through a struct argument (a functor holding its arrays, as mgpu's op kernels) ------

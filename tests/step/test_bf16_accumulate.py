@@ -73,7 +73,7 @@ def test_train_concise_passes_precision_and_accumulate_to_its_loop(monkeypatch, 
     """The fused loop's train_step gets both; the book's loop runs accumulated_backward under
     autocast(precision)."""
     import ckpt_worker
-    # bf16 runs on CPU devices: the run's device is a CPU even where gpu(0) exists.
+    # The run's device is a CPU even where gpu(0) exists (an emulated GPU is slower).
     monkeypatch.setattr(mgpu.chapter, "try_gpu", mgpu.cpu)
     seen = []
     if fused:
