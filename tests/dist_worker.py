@@ -396,6 +396,42 @@ def accumulated(out, local_devices, *configs):
              accumulated_steps(_devices(local_devices), k, shards=shards or False))
 
 
+def dropout_net():
+    """bn_net with dropout after the stem and before the classifier."""
+    from mgpu import nn
+    from mgpu.models import Residual
+    mgpu.random.seed(12)
+    return nn.Sequential(nn.Conv2d(1, 4, kernel_size=3, padding=1), nn.BatchNorm2d(4), nn.ReLU(),
+                         nn.Dropout(0.3), Residual(4, 6, use_1x1conv=True, strides=2),
+                         nn.AdaptiveAvgPool2d((1, 1)), nn.Flatten(), nn.Dropout(0.5),
+                         nn.Linear(6, 10))
+
+
+def dropout_steps(devices, shards=True, accumulate=1, steps=3):
+    """`steps` DataParallel.train_step calls of dropout_net (SGD with momentum) on batches of
+    20, the last one of 13; returns the master's parameters and buffers and the losses."""
+    from mgpu import nn, optim
+    net = dropout_net()
+    dp = nn.DataParallel(net, device_ids=devices)
+    trainer = optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    loss = nn.CrossEntropyLoss()
+    rng = np.random.default_rng(6)
+    losses = []
+    for s in range(steps):
+        n = 13 if s == steps - 1 else 20
+        X = mgpu.array(rng.standard_normal((n, 1, 8, 8)).astype(np.float32))
+        y = mgpu.array(rng.integers(0, 10, size=n).astype(np.int32))
+        losses.append(dp.train_step(X, y, loss, trainer, deterministic=shards,
+                                    accumulate=accumulate).item())
+    state = [p.numpy() for p in net.parameters()] + [b.numpy() for b in net.buffers()]
+    return state + [np.array(losses)]
+
+
+def dropout(out, local_devices, shards, accumulate):
+    save(out, f"dropout_L{local_devices}_{shards}_{accumulate}",
+         dropout_steps(_devices(local_devices), int(shards) or False, int(accumulate)))
+
+
 def deterministic(out, kind, local_devices, steps=None):
     run = deterministic_lenet if kind == "lenet" else deterministic_bn
     kw = {} if steps is None else {"steps": int(steps)}
@@ -405,7 +441,7 @@ def deterministic(out, kind, local_devices, steps=None):
 MODES = {"basics": basics, "train_steps": train_steps, "train_api": train_api,
          "mismatch": mismatch, "die": die, "bench": bench, "fused_model": fused_model,
          "deterministic": deterministic, "sync_bn": sync_bn, "nccl_stall": nccl_stall,
-         "adamw_clip": adamw_clip, "accumulated": accumulated}
+         "adamw_clip": adamw_clip, "accumulated": accumulated, "dropout": dropout}
 
 if __name__ == "__main__":
     mode, outdir, rest = sys.argv[1], sys.argv[2], sys.argv[3:]

@@ -317,20 +317,21 @@ Partial combine(int64_t lo, int64_t hi, std::map<int64_t, Partial>& have) {
 // One device's work: shards [lo, hi) (a tree node), each computed whole on the replica from its
 // rows in `inputs` (already on the replica's device) and summed pairwise in tree order. Only
 // shard `stats` (a micro-batch's first) moves batch norm's running statistics (the replica's own
-// buffers); other shards write a scratch copy that nobody reads.
+// buffers); other shards write a scratch copy that nobody reads. Dropout's masks take the step's
+// seed and each shard's first row in the batch (rows[shard].first).
 Partial local_sum(const Model& m, const std::vector<std::pair<Tensor, Tensor>>& inputs,
                   int64_t lo, int64_t hi, const Replica& r, const ReplicaState& scratch,
-                  int64_t stats) {
+                  int64_t stats, const std::vector<ShardSpan>& rows, uint64_t seed) {
   if (hi - lo == 1) {
     const auto& [Xs, ys] = inputs[static_cast<size_t>(lo)];
     Partial p{{lo, hi}, Tensor::empty({m.flat_size()}, DType::F32, r.device), Tensor()};
     p.loss = model_loss_and_grads(m, Xs, ys, lo == stats ? r.state : scratch, p.grads,
-                                  [](size_t) {});
+                                  [](size_t) {}, seed, rows[static_cast<size_t>(lo)].first);
     return p;
   }
   const int64_t mid = tree_split(lo, hi);
-  Partial a = local_sum(m, inputs, lo, mid, r, scratch, stats);
-  add_into(a, local_sum(m, inputs, mid, hi, r, scratch, stats));
+  Partial a = local_sum(m, inputs, lo, mid, r, scratch, stats, rows, seed);
+  add_into(a, local_sum(m, inputs, mid, hi, r, scratch, stats, rows, seed));
   return a;
 }
 
@@ -343,7 +344,7 @@ Partial local_sum(const Model& m, const std::vector<std::pair<Tensor, Tensor>>& 
 // additions are those of one batch, so the bits do not depend on `accumulate` either.
 std::vector<Tensor> sharded_sums(const Model& m, const Tensor& X, const Tensor& y,
                                  std::vector<Replica>& replicas, int64_t num_shards,
-                                 int64_t accumulate) {
+                                 int64_t accumulate, uint64_t seed) {
   const size_t L = replicas.size();
   const int world = comm::dist::world_size(), me = comm::dist::rank();
   const std::vector<ShardSpan> rows = shard_ranges(X.size(0), static_cast<size_t>(num_shards));
@@ -379,7 +380,7 @@ std::vector<Tensor> sharded_sums(const Model& m, const Tensor& X, const Tensor& 
       const auto [first, last] = owned(k, static_cast<size_t>(me) * L + d);
       for (const ShardSpan& n : maximal_nodes(num_shards, first, last))
         have.emplace(n.first, local_sum(m, inputs, n.first, n.second, replicas[d], scratch[d],
-                                        k * per));
+                                        k * per, rows, seed));
       for (int64_t i = first; i < last; ++i) inputs[static_cast<size_t>(i)] = {};
     }
   }
@@ -558,7 +559,8 @@ void fail_next_step_after_bucket(int64_t bucket) {
 
 std::vector<Tensor> train_step(const Model& m, const Tensor& X, const Tensor& y,
                                std::vector<Replica>& replicas, const Sgd& sgd,
-                               int64_t num_shards, const char* op, int64_t accumulate) {
+                               int64_t num_shards, const char* op, int64_t accumulate,
+                               uint64_t seed) {
   trace::Span span("train_step");
   check_replicas(op, m, replicas);
   MGPU_CHECK_VALUE(X.dim() >= 1 && y.dim() == 1 && X.size(0) == y.size(0), op, ": X and "
@@ -580,7 +582,7 @@ std::vector<Tensor> train_step(const Model& m, const Tensor& X, const Tensor& y,
   LabelGuard guard;
   if (guarded) guard = start_guard(op, classes, y, replicas, sgd);
   if (num_shards > 0) {
-    std::vector<Tensor> losses = sharded_sums(m, X, y, replicas, num_shards, accumulate);
+    std::vector<Tensor> losses = sharded_sums(m, X, y, replicas, num_shards, accumulate, seed);
     for (Replica& r : replicas) update(m, r, r.grads, sgd, X.size(0));
     share_buffers(replicas);
     if (guarded) finish_guard(op, guard, classes, losses);
@@ -592,9 +594,10 @@ std::vector<Tensor> train_step(const Model& m, const Tensor& X, const Tensor& y,
   // replica's captured graphs cannot: such steps run without graphs.
   const bool synced = m.has_sync() && L * world > 1;
   // Graphs want every shard non-empty (an empty one takes the plain path's zero gradients); an
-  // accumulated step runs its micro-batches without them.
-  const bool graphs = !synced && accumulate == 1 && graphs_enabled(devices) &&
-                      X.size(0) >= static_cast<int64_t>(L * world);
+  // accumulated step runs its micro-batches without them, and so does a model with dropout (a
+  // replayed graph would repeat its first step's masks).
+  const bool graphs = !synced && accumulate == 1 && !m.has_dropout() &&
+                      graphs_enabled(devices) && X.size(0) >= static_cast<int64_t>(L * world);
   // CPU devices of this process (and no other rank): one collective after backward sums the
   // gradients and updates every replica (shared_update); otherwise buckets are reduced as
   // backward produces them and every replica updates itself.
@@ -652,6 +655,15 @@ std::vector<Tensor> train_step(const Model& m, const Tensor& X, const Tensor& y,
         xs = rank_shards(Xk, devices, true);
         ys = rank_shards(yk, devices, true);
       }
+      // Dropout's masks: replica d's first row in X is micro-batch k's first row plus its
+      // shard's (shard rank * L + d of rank_shards' split).
+      StepRows rows{seed, {}};
+      if (m.has_dropout()) {
+        const std::vector<ShardSpan> split = shard_ranges(Xk.size(0), L * world);
+        for (size_t d = 0; d < L; ++d)
+          rows.first_row.push_back(micro[static_cast<size_t>(k)].first +
+                                   split[static_cast<size_t>(comm::dist::rank()) * L + d].first);
+      }
       SyncReplicas sync;
       if (synced) {
         // Replica d of rank k is slot k * L + d: the shard order of rank_shards.
@@ -671,7 +683,7 @@ std::vector<Tensor> train_step(const Model& m, const Tensor& X, const Tensor& y,
       }
       std::vector<Tensor> part = replicas_loss_and_grads(m, xs, ys, states,
                                                          k == 0 ? grads : fresh, bucket_done,
-                                                         sync);
+                                                         sync, rows);
       if (k == 0) {
         losses = part;
       } else {
