@@ -1,18 +1,25 @@
-"""nn.Dropout in the fused step on emulated GPUs: deterministic steps on 1 and 2 GPUs give the
-same bits (the masks follow the global batch, not the GPU computing a row), the bucketed step on
-2 GPUs (no CUDA graphs: a replayed graph would repeat its masks) stays within float tolerance of
-the CPU devices' step, and the mask kernel gives the reference bits (tests/ops covers gpu(0))."""
+"""nn.Dropout in the fused step on emulated GPUs: one step on 2 GPUs against the float64 step
+with the reference masks (the global batch's), deterministic steps on 1 and 2 GPUs giving the
+same bits, and the bucketed step on 2 GPUs (no CUDA graphs: a replayed graph would repeat its
+masks) within float tolerance of the CPU devices' step. The mask kernel's bits on gpu(0):
+tests/ops/test_dropout_mask.py."""
 import numpy as np
 import pytest
 
 import dist_worker
 import mgpu
 from conftest import assert_close
+from test_fused_dropout import check_step_against_reference
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     mgpu.num_gpus() < 2, reason="needs 2 GPUs (the emulated build)")]
 GPUS = [mgpu.gpu(0), mgpu.gpu(1)]
 CPUS = [mgpu.cpu(0), mgpu.cpu(1)]
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_one_step_on_two_gpus_matches_the_float64_step_with_the_reference_masks(deterministic):
+    check_step_against_reference(GPUS, 1, deterministic)
 
 
 def test_deterministic_dropout_steps_give_the_same_bits_on_one_and_two_gpus():

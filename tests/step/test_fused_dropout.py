@@ -57,16 +57,17 @@ def reference_step(X, y, params, mask, lr):
     return loss, [p - lr * g for p, g in zip((W1, b1, W2, b2), (dW1, db1, dW2, db2))]
 
 
-@pytest.mark.parametrize("devices,accumulate", [(1, 1), (2, 1), (3, 1), (2, 3)])
-def test_one_step_matches_the_float64_step_with_the_reference_masks(devices, accumulate):
+def check_step_against_reference(devices, accumulate=1, deterministic=False):
+    """One fused step of mlp() on `devices` against reference_step with the masks of the seed
+    the step draws (stream 3: the dropout layer's index in the spec)."""
     net = mlp()
-    dp = nn.DataParallel(net, device_ids=CPUS[:devices])
+    dp = nn.DataParallel(net, device_ids=devices)
     trainer = optim.SGD(net.parameters(), lr=0.5)
     X, y = batch()
     before = [p.numpy().copy() for p in net.parameters()]
     seed = next_step_seed()
     loss = dp.train_step(mgpu.array(X), mgpu.array(y), nn.CrossEntropyLoss(), trainer,
-                         accumulate=accumulate).item()
+                         accumulate=accumulate, deterministic=deterministic).item()
     kinds = [kind for kind, _ in dp._fused.spec]
     assert kinds == ["flatten", "linear", "relu", "dropout", "linear"]
     mask = ref.dropout_mask((9, 12), P, seed, stream=3).astype(np.float64)
@@ -78,6 +79,13 @@ def test_one_step_matches_the_float64_step_with_the_reference_masks(devices, acc
                                    err_msg=f"parameter {i}")
     # The step drew its seed from mgpu.random: the next one differs.
     assert next_step_seed() != seed
+
+
+@pytest.mark.parametrize("devices,accumulate,deterministic", [
+    (1, 1, False), (2, 1, False), (3, 1, False), (2, 3, False), (1, 1, True), (3, 2, True)])
+def test_one_step_matches_the_float64_step_with_the_reference_masks(devices, accumulate,
+                                                                    deterministic):
+    check_step_against_reference(CPUS[:devices], accumulate, deterministic)
 
 
 def deterministic_arrays(devices, accumulate=1):
