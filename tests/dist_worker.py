@@ -307,12 +307,13 @@ def bn_net():
                          nn.Flatten(), nn.Linear(6, 10))
 
 
-def deterministic_bn(devices, steps=6, shards=True, accumulate=1):
-    """`steps` DataParallel.train_step calls (SGD with momentum and weight decay) on batches of
-    20, the last one of 13, each in `accumulate` micro-batches; returns the master's parameters
-    and buffers, the last replica's parameters, and the losses."""
+def deterministic_bn(devices, steps=6, shards=True, accumulate=1, net=None):
+    """`steps` DataParallel.train_step calls (SGD with momentum and weight decay) of `net`
+    (bn_net() by default) on batches of 20, the last one of 13, each in `accumulate`
+    micro-batches; returns the master's parameters and buffers, the last replica's parameters,
+    and the losses."""
     from mgpu import nn, optim
-    net = bn_net()
+    net = net or bn_net()
     dp = nn.DataParallel(net, device_ids=devices)
     trainer = optim.SGD(net.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3)
     loss = nn.CrossEntropyLoss()
@@ -408,23 +409,8 @@ def dropout_net():
 
 
 def dropout_steps(devices, shards=True, accumulate=1, steps=3):
-    """`steps` DataParallel.train_step calls of dropout_net (SGD with momentum) on batches of
-    20, the last one of 13; returns the master's parameters and buffers and the losses."""
-    from mgpu import nn, optim
-    net = dropout_net()
-    dp = nn.DataParallel(net, device_ids=devices)
-    trainer = optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
-    loss = nn.CrossEntropyLoss()
-    rng = np.random.default_rng(6)
-    losses = []
-    for s in range(steps):
-        n = 13 if s == steps - 1 else 20
-        X = mgpu.array(rng.standard_normal((n, 1, 8, 8)).astype(np.float32))
-        y = mgpu.array(rng.integers(0, 10, size=n).astype(np.int32))
-        losses.append(dp.train_step(X, y, loss, trainer, deterministic=shards,
-                                    accumulate=accumulate).item())
-    state = [p.numpy() for p in net.parameters()] + [b.numpy() for b in net.buffers()]
-    return state + [np.array(losses)]
+    """deterministic_bn's steps of dropout_net."""
+    return deterministic_bn(devices, steps, shards, accumulate, net=dropout_net())
 
 
 def dropout(out, local_devices, shards, accumulate):
