@@ -307,12 +307,13 @@ def bn_net():
                          nn.Flatten(), nn.Linear(6, 10))
 
 
-def deterministic_bn(devices, steps=6, shards=True, accumulate=1):
-    """`steps` DataParallel.train_step calls (SGD with momentum and weight decay) on batches of
-    20, the last one of 13, each in `accumulate` micro-batches; returns the master's parameters
-    and buffers, the last replica's parameters, and the losses."""
+def deterministic_bn(devices, steps=6, shards=True, accumulate=1, net=None):
+    """`steps` DataParallel.train_step calls (SGD with momentum and weight decay) of `net`
+    (bn_net() by default) on batches of 20, the last one of 13, each in `accumulate`
+    micro-batches; returns the master's parameters and buffers, the last replica's parameters,
+    and the losses."""
     from mgpu import nn, optim
-    net = bn_net()
+    net = net or bn_net()
     dp = nn.DataParallel(net, device_ids=devices)
     trainer = optim.SGD(net.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3)
     loss = nn.CrossEntropyLoss()
@@ -396,6 +397,27 @@ def accumulated(out, local_devices, *configs):
              accumulated_steps(_devices(local_devices), k, shards=shards or False))
 
 
+def dropout_net():
+    """bn_net with dropout after the stem and before the classifier."""
+    from mgpu import nn
+    from mgpu.models import Residual
+    mgpu.random.seed(12)
+    return nn.Sequential(nn.Conv2d(1, 4, kernel_size=3, padding=1), nn.BatchNorm2d(4), nn.ReLU(),
+                         nn.Dropout(0.3), Residual(4, 6, use_1x1conv=True, strides=2),
+                         nn.AdaptiveAvgPool2d((1, 1)), nn.Flatten(), nn.Dropout(0.5),
+                         nn.Linear(6, 10))
+
+
+def dropout_steps(devices, shards=True, accumulate=1, steps=3):
+    """deterministic_bn's steps of dropout_net."""
+    return deterministic_bn(devices, steps, shards, accumulate, net=dropout_net())
+
+
+def dropout(out, local_devices, shards, accumulate):
+    save(out, f"dropout_L{local_devices}_{shards}_{accumulate}",
+         dropout_steps(_devices(local_devices), int(shards) or False, int(accumulate)))
+
+
 def deterministic(out, kind, local_devices, steps=None):
     run = deterministic_lenet if kind == "lenet" else deterministic_bn
     kw = {} if steps is None else {"steps": int(steps)}
@@ -405,7 +427,7 @@ def deterministic(out, kind, local_devices, steps=None):
 MODES = {"basics": basics, "train_steps": train_steps, "train_api": train_api,
          "mismatch": mismatch, "die": die, "bench": bench, "fused_model": fused_model,
          "deterministic": deterministic, "sync_bn": sync_bn, "nccl_stall": nccl_stall,
-         "adamw_clip": adamw_clip, "accumulated": accumulated}
+         "adamw_clip": adamw_clip, "accumulated": accumulated, "dropout": dropout}
 
 if __name__ == "__main__":
     mode, outdir, rest = sys.argv[1], sys.argv[2], sys.argv[3:]

@@ -401,3 +401,42 @@ def train_step_reference(X, y, params, lr):
     """One SGD step of the chapter's train_batch on one device: params - lr * grads / N."""
     _, grads = lenet_loss_and_grads(X, y, params)
     return sgd_update(params, grads, lr, np.shape(X)[0])
+
+
+# ---------------------------------------------------------------------------------------------
+# dropout's counter-based masks (the fused step's): Philox-4x32-10 of (e // 4, row, stream, 0)
+# keyed by the seed; element e of row `row` is kept iff its 32-bit output / 2^32 >= p.
+# ---------------------------------------------------------------------------------------------
+
+_M32 = np.uint64(0xFFFFFFFF)
+
+
+def philox4x32_10(counter, key):
+    """Philox-4x32-10 (Salmon et al., SC 2011) on arrays: counter a tuple of four uint32-valued
+    arrays, key a pair of ints; returns the four output words (uint64 arrays holding 32 bits)."""
+    c = [np.asarray(v, dtype=np.uint64) & _M32 for v in counter]
+    k0, k1 = int(key[0]) & 0xFFFFFFFF, int(key[1]) & 0xFFFFFFFF
+    for rnd in range(10):
+        if rnd:
+            k0, k1 = (k0 + 0x9E3779B9) & 0xFFFFFFFF, (k1 + 0xBB67AE85) & 0xFFFFFFFF
+        a = np.uint64(0xD2511F53) * c[0]  # 32 x 32 bits: exact in uint64
+        b = np.uint64(0xCD9E8D57) * c[2]
+        c = [(b >> np.uint64(32)) ^ c[1] ^ np.uint64(k0), b & _M32,
+             (a >> np.uint64(32)) ^ c[3] ^ np.uint64(k1), a & _M32]
+    return c
+
+
+def dropout_mask(shape, p, seed, stream, first_row=0):
+    """The float32 mask (1 / (1 - p) in float32 where kept, else 0) of a tensor of `shape`
+    (N, ...) whose rows are rows first_row .. first_row + N - 1 of a batch."""
+    n = shape[0]
+    d = int(np.prod(shape[1:], dtype=np.int64))
+    e = np.arange(d, dtype=np.uint64)[None, :]
+    rows = np.arange(first_row, first_row + n, dtype=np.uint64)[:, None]
+    words = philox4x32_10((e // np.uint64(4) + 0 * rows, rows + 0 * e,
+                           np.full((n, d), stream, np.uint64), np.zeros((n, d), np.uint64)),
+                          (seed & 0xFFFFFFFF, seed >> 32))
+    lane = (e % np.uint64(4)).astype(np.int64) + 0 * rows.astype(np.int64)
+    u = np.choose(lane, words).astype(np.float64) / 2.0**32
+    scale = np.float32(0.0) if p >= 1 else np.float32(1.0) / np.float32(1.0 - p)
+    return np.where(u >= p, scale, np.float32(0.0)).astype(np.float32).reshape(shape)

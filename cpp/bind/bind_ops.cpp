@@ -11,6 +11,7 @@
 #include "ops/avg_pool2d.h"
 #include "ops/batch_norm.h"
 #include "ops/conv2d.h"
+#include "ops/dropout.h"
 #include "ops/elementwise.h"
 #include "ops/linear.h"
 #include "ops/max_pool2d.h"
@@ -80,6 +81,16 @@ void bind_ops(py::module_& m) {
         "cores, the double before sum_squares rounds it to float32.");
   m.def("relu_forward", &ops::relu_forward, nogil(), "max(x, 0).");
   m.def("relu_backward", &ops::relu_backward, nogil(), "dx = dy where x > 0.");
+  m.def("dropout_forward", [](const Tensor& x, double p, uint64_t seed, uint32_t stream,
+                              int64_t first_row) {
+    return ops::dropout_forward(x, ops::DropoutKey{seed, stream, first_row, p});
+  }, py::arg("x"), py::arg("p"), py::arg("seed"), py::arg("stream"), py::arg("first_row"),
+        nogil(), "x * mask, the mask a function of (seed, stream, first_row + row, element).");
+  m.def("dropout_backward", [](const Tensor& dy, double p, uint64_t seed, uint32_t stream,
+                               int64_t first_row) {
+    return ops::dropout_backward(dy, ops::DropoutKey{seed, stream, first_row, p});
+  }, py::arg("dy"), py::arg("p"), py::arg("seed"), py::arg("stream"), py::arg("first_row"),
+        nogil(), "dx = dy * the forward's mask, recomputed from the same counters.");
   m.def("conv2d_forward", [](const Tensor& x, const Tensor& w, const std::optional<Tensor>& b,
                              int64_t stride, int64_t pad, const std::string& precision) {
     return ops::conv2d_forward(x, w, b.value_or(Tensor()), stride, pad,

@@ -157,7 +157,7 @@ void bind_train(py::module_& m) {
                             const std::string& optimizer, std::pair<float, float> betas, float eps,
                             int64_t step, std::optional<float> max_norm,
                             const std::vector<float>& lrs, const std::vector<float>& weight_decays,
-                            int64_t accumulate, bool amsgrad) {
+                            int64_t accumulate, bool amsgrad, uint64_t seed) {
         // PyTorch's SGD accepts lr 0; NaN or infinity would train every replica into NaN.
         MGPU_CHECK_VALUE(std::isfinite(lr) && lr >= 0, "Model.train_step: the learning rate must "
                          "be a finite number >= 0, got ", lr);
@@ -214,18 +214,18 @@ void bind_train(py::module_& m) {
         // step at a time, so another host thread's collectives cannot interleave with its parts.
         std::lock_guard<std::recursive_mutex> order(collective_submission_mutex());
         return train::train_step(*r.model, X, y, r.replicas, sgd, shards, "train_step",
-                                 accumulate);
+                                 accumulate, seed);
       }, py::arg("X"), py::arg("y"), py::arg("lr"), py::arg("momentum") = 0.0f,
          py::arg("weight_decay") = 0.0f, py::arg("shards") = 0, py::arg("optimizer") = "sgd",
          py::arg("betas") = std::pair<float, float>{0.9f, 0.999f}, py::arg("eps") = 1e-8f,
          py::arg("step") = 1, py::arg("max_norm") = std::nullopt,
          py::arg("lrs") = std::vector<float>{}, py::arg("weight_decays") = std::vector<float>{},
-         py::arg("accumulate") = 1, py::arg("amsgrad") = false,
+         py::arg("accumulate") = 1, py::arg("amsgrad") = false, py::arg("seed") = 0,
          "One fused step: optimizer 'sgd' (lr, momentum, weight_decay), 'adam' or 'adamw' (lr, "
          "betas, eps, weight_decay at `step`, counted from 1; amsgrad: that variant); max_norm: "
          "clip the mean loss's gradient to that global norm first; lrs, weight_decays: per "
          "parameter; accumulate: micro-batches run one after another, their gradients summed "
-         "before one update.")
+         "before one update; seed: the step's dropout masks.")
       .def("evaluate_batch", [](const Replicated& r, const Tensor& X, const Tensor& y) {
         py::gil_scoped_release nogil;
         return train::evaluate_step(*r.model, X, y, r.replicas);

@@ -10,6 +10,7 @@
 #include "ops/batch_norm.h"
 #include "ops/conv2d.h"
 #include "ops/conv2d_relu_pool.h"
+#include "ops/dropout.h"
 #include "ops/elementwise.h"
 #include "ops/linear.h"
 #include "ops/max_pool2d.h"
@@ -71,7 +72,7 @@ void update_running_stats(const Layer& l, const ReplicaState& r, const Saved& s)
 }
 
 Tensor forward(const Layer& l, const std::vector<Tensor>& in, const ReplicaState& r,
-               bool training, bool for_backward, Saved* s) {
+               bool training, bool for_backward, Saved* s, const ops::DropoutKey& key) {
   auto p = [&](size_t i) -> const Tensor& { return r.params[static_cast<size_t>(l.params[i])]; };
   const Tensor& x = in[0];
   switch (l.kind) {
@@ -124,6 +125,7 @@ Tensor forward(const Layer& l, const std::vector<Tensor>& in, const ReplicaState
     }
     case LayerKind::Absorbed: return Tensor();
     case LayerKind::Relu: return ops::relu_forward(x);
+    case LayerKind::Dropout: return training ? ops::dropout_forward(x, key) : x;
     case LayerKind::AvgPool2d: return ops::avg_pool2d_forward(x, l.kh, l.kw, l.sh, l.sw);
     case LayerKind::MaxPool2d: {
       MGPU_CHECK_VALUE(x.dim() == 4, l.name, ": expects (N, C, H, W), got shape ", x.shape());
@@ -161,8 +163,9 @@ Tensor forward(const Layer& l, const std::vector<Tensor>& in, const ReplicaState
 // Given dy (and the layer's output, which relu's backward reads), writes the inputs' gradients (dx[k], left undefined where need_dx[k] is false) and
 // the parameters' (dp, in the layer's parameter order).
 void backward(const Layer& l, const std::vector<Tensor>& in, const Tensor& out, const Tensor& dy,
-              const ReplicaState& r, const Saved& s, const std::vector<bool>& need_dx,
-              std::vector<Tensor>* dx, std::vector<Tensor>* dp) {
+              const ReplicaState& r, const Saved& s, const ops::DropoutKey& key,
+              const std::vector<bool>& need_dx, std::vector<Tensor>* dx,
+              std::vector<Tensor>* dp) {
   auto p = [&](size_t i) -> const Tensor& { return r.params[static_cast<size_t>(l.params[i])]; };
   const Tensor& x = in[0];
   Tensor& dx0 = (*dx)[0];
@@ -236,6 +239,8 @@ void backward(const Layer& l, const std::vector<Tensor>& in, const Tensor& out, 
     case LayerKind::Absorbed: return;
     // relu(x) > 0 exactly where x > 0 (NaN stays NaN), so the output gives the input's mask.
     case LayerKind::Relu: dx0 = ops::relu_backward(out, dy); return;
+    // The forward's mask, recomputed from the same counters (nothing was kept).
+    case LayerKind::Dropout: dx0 = ops::dropout_backward(dy, key); return;
     case LayerKind::AvgPool2d:
       dx0 = ops::avg_pool2d_backward(x, dy, l.kh, l.kw, l.sh, l.sw);
       return;
@@ -273,7 +278,14 @@ Tensor grad_view(const Model& m, const Tensor& grads, const ReplicaState& r, siz
 struct Trace {
   std::vector<Tensor> slots;
   std::vector<Saved> saved;
+  uint64_t seed = 0;        // dropout's: the step's seed and the first example's row in the
+  int64_t first_row = 0;    // step's batch
 };
+
+// Dropout layer l's masks in this trace.
+ops::DropoutKey dropout_key(const Layer& l, const Trace& t) {
+  return ops::DropoutKey{t.seed, l.index, t.first_row, l.p};
+}
 
 // The last forward reader of each slot, so slots backward does not need are released early.
 std::vector<int> last_uses(const Model& m) {
@@ -300,7 +312,8 @@ void forward_layer(const Model& m, size_t i, Trace& t, const ReplicaState& r, bo
   for (int s : l.in) in.push_back(t.slots[static_cast<size_t>(s)]);
   try {
     trace::Label label([&] { return l.name + (training ? " forward" : " forward (eval)"); });
-    t.slots[static_cast<size_t>(l.out)] = forward(l, in, r, training, for_backward, &t.saved[i]);
+    t.slots[static_cast<size_t>(l.out)] = forward(l, in, r, training, for_backward, &t.saved[i],
+                                                  dropout_key(l, t));
   } catch (const ValueError& e) {
     // An op's message about its shapes, prefixed with the layer that called it.
     if (std::string(e.what()).rfind(l.name, 0) == 0) throw;
@@ -347,7 +360,7 @@ void backward_layer(const Model& m, size_t i, Pass& p) {
     in.push_back(t.slots[static_cast<size_t>(s)]);
     need_dx.push_back(m.grad_needed(s));
   }
-  backward(l, in, out, dy, *p.r, t.saved[i], need_dx, &dx, &dp);
+  backward(l, in, out, dy, *p.r, t.saved[i], dropout_key(l, t), need_dx, &dx, &dp);
   t.saved[i] = Saved();
   for (size_t k = 0; k < l.in.size(); ++k) {
     if (!need_dx[k] || !dx[k].defined()) continue;
@@ -475,9 +488,11 @@ Tensor model_forward(const Model& m, const Tensor& X, const ReplicaState& r, boo
 std::vector<Tensor> replicas_loss_and_grads(
     const Model& m, const std::vector<Tensor>& X, const std::vector<Tensor>& y,
     const std::vector<const ReplicaState*>& r, const std::vector<Tensor>& grads,
-    const std::function<void(size_t, size_t)>& bucket_done, const SyncReplicas& sync) {
+    const std::function<void(size_t, size_t)>& bucket_done, const SyncReplicas& sync,
+    const StepRows& rows) {
   const size_t L = r.size();
   MGPU_ASSERT(X.size() == L && y.size() == L && grads.size() == L, "one shard per replica");
+  MGPU_ASSERT(rows.first_row.empty() || rows.first_row.size() == L, "one first row per replica");
   const bool synced = m.has_sync() && sync.slots > 1;
   MGPU_ASSERT(!synced || (sync.slot.size() == L && sync.sum), "synchronised replicas need slots");
   const std::vector<int> last_use = last_uses(m);
@@ -492,6 +507,8 @@ std::vector<Tensor> replicas_loss_and_grads(
       ops::fill(p.loss, 0.0);
     } else {
       p.t = start_trace(m, X[d]);
+      p.t.seed = rows.seed;
+      p.t.first_row = rows.first_row.empty() ? 0 : rows.first_row[d];
     }
   }
   for (size_t i = 0; i < m.layers().size(); ++i) {
@@ -540,9 +557,11 @@ std::vector<Tensor> replicas_loss_and_grads(
 }
 
 Tensor model_loss_and_grads(const Model& m, const Tensor& X, const Tensor& y, const ReplicaState& r,
-                            const Tensor& grads, const std::function<void(size_t)>& bucket_done) {
+                            const Tensor& grads, const std::function<void(size_t)>& bucket_done,
+                            uint64_t seed, int64_t first_row) {
   return replicas_loss_and_grads(m, {X}, {y}, {&r}, {grads},
-                                 [&](size_t b, size_t) { bucket_done(b); }, SyncReplicas{})[0];
+                                 [&](size_t b, size_t) { bucket_done(b); }, SyncReplicas{},
+                                 StepRows{seed, {first_row}})[0];
 }
 
 }  // namespace mgpu::train

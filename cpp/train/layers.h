@@ -16,7 +16,7 @@ struct ReplicaState {
 };
 
 // The logits of X. training = true uses batch statistics in batch norm (and updates the running
-// ones), false the running statistics.
+// ones) and dropout's masks of seed 0, false the running statistics and no dropout.
 Tensor model_forward(const Model& m, const Tensor& X, const ReplicaState& r, bool training);
 
 // How a step's replicas meet at synchronised batch norm layers. `slots` is the number of replicas
@@ -32,6 +32,14 @@ struct SyncReplicas {
   std::function<void(const std::vector<Tensor>&, int64_t tag)> sum;
 };
 
+// Where a step's dropout masks come from (ops/dropout.h): the step's seed and, per replica, the
+// index of its first example in the step's whole batch (every micro-batch's and rank's rows
+// counted), so an example's masks do not depend on the device, rank or micro-batch computing it.
+struct StepRows {
+  uint64_t seed = 0;
+  std::vector<int64_t> first_row;  // per replica; empty: 0 for every replica
+};
+
 // Forward in training mode, per-example softmax cross-entropy, backward of the summed loss, for
 // every replica d (X[d], y[d] on its device; an empty shard gives zero gradients and loss).
 // Replicas advance layer by layer together, so synchronised batch norm layers can exchange their
@@ -43,10 +51,13 @@ struct SyncReplicas {
 std::vector<Tensor> replicas_loss_and_grads(
     const Model& m, const std::vector<Tensor>& X, const std::vector<Tensor>& y,
     const std::vector<const ReplicaState*>& r, const std::vector<Tensor>& grads,
-    const std::function<void(size_t, size_t)>& bucket_done, const SyncReplicas& sync);
+    const std::function<void(size_t, size_t)>& bucket_done, const SyncReplicas& sync,
+    const StepRows& rows = {});
 
-// One replica alone (synchronised layers act as plain ones): the step of a captured CUDA graph.
+// One replica alone (synchronised layers act as plain ones): one shard of the deterministic step
+// (its first example at row first_row of the step's batch), the step of a captured CUDA graph.
 Tensor model_loss_and_grads(const Model& m, const Tensor& X, const Tensor& y, const ReplicaState& r,
-                            const Tensor& grads, const std::function<void(size_t)>& bucket_done);
+                            const Tensor& grads, const std::function<void(size_t)>& bucket_done,
+                            uint64_t seed = 0, int64_t first_row = 0);
 
 }  // namespace mgpu::train

@@ -34,6 +34,7 @@ const std::map<std::string, KindInfo>& kinds() {
       {"flatten", {LayerKind::Flatten, 1, {}}},
       {"linear", {LayerKind::Linear, 1, {"bias", "transpose", "bf16"}}},
       {"add", {LayerKind::Add, 2, {}}},
+      {"dropout", {LayerKind::Dropout, 1, {"p"}}},
   };
   return *table;
 }
@@ -147,6 +148,11 @@ Model::Model(const std::vector<LayerSpec>& spec, const std::vector<Shape>& param
       l.sh = l.sw = positive_int(l, o, "stride", l.kh, 1);
     }
     if (l.kind == LayerKind::Conv2dReluPool) l.kh = l.kw = l.sh = l.sw = positive_int(l, o, "pool", 2, 1);
+    l.index = static_cast<uint32_t>(i);
+    if (o.count("p")) l.p = o.at("p");
+    MGPU_CHECK_VALUE(l.p >= 0 && l.p <= 1, l.name, ": p must be a probability in [0, 1], got ",
+                     l.p);
+    has_dropout_ = has_dropout_ || l.kind == LayerKind::Dropout;
     if (o.count("eps")) l.eps = o.at("eps");
     if (o.count("momentum")) l.momentum = o.at("momentum");
     MGPU_CHECK_VALUE(l.eps > 0 && l.momentum >= 0 && l.momentum <= 1, l.name, ": eps must be > 0 "
@@ -198,9 +204,12 @@ Model::Model(const std::vector<LayerSpec>& spec, const std::vector<Shape>& param
     grad_needed_[static_cast<size_t>(l.out)] = g;
     // Relu's backward reads its output (x > 0 exactly where relu(x) > 0), which the next layer
     // usually keeps anyway, so the batch norm or add output before it is freed in forward; add
-    // reads nothing, max pooling only the indices its forward keeps; every other backward
-    // re-reads its input (flatten and average pooling for its shape).
-    if (!g || l.kind == LayerKind::Add || l.kind == LayerKind::MaxPool2d) continue;
+    // reads nothing, dropout nothing (it recomputes its mask from the step's seed and rows), max
+    // pooling only the indices its forward keeps; every other backward re-reads its input
+    // (flatten and average pooling for its shape).
+    if (!g || l.kind == LayerKind::Add || l.kind == LayerKind::MaxPool2d ||
+        l.kind == LayerKind::Dropout)
+      continue;
     // The fused layers re-read x (their batch norm's input) and their output y (the mask), not
     // the shortcut.
     if (l.kind == LayerKind::Relu) {

@@ -20,7 +20,7 @@ namespace mgpu::train {
 // stay empty). MGPU_FUSE_LAYERS=0 (read when a Model is built) keeps the layers as given.
 enum class LayerKind {
   Conv2d, Conv2dReluPool, BatchNorm, Relu, AvgPool2d, MaxPool2d, GlobalAvgPool, Flatten, Linear,
-  Add, BatchNormRelu, BatchNormAddRelu, Absorbed
+  Add, Dropout, BatchNormRelu, BatchNormAddRelu, Absorbed
 };
 
 // A batch norm, alone or fused with what follows it (owns gamma, beta and the running buffers).
@@ -49,6 +49,8 @@ struct Layer {
   bool bias = true, transpose = false;     // conv2d / linear: has a bias; linear: W is (out, in)
   double eps = 1e-5, momentum = 0.1;       // batch_norm
   bool sync = false;                       // batch_norm: statistics over every replica of a step
+  double p = 0.5;                          // dropout: the probability of zeroing an element
+  uint32_t index = 0;                      // the layer's index in the spec (dropout's mask stream)
   ops::ConvAlgo conv_algo = ops::ConvAlgo::Auto;  // conv2d (and conv2d_relu_pool's unfused
                                            // path): the CPU conv's algorithm, fixed as the Model
                                            // is built
@@ -89,6 +91,8 @@ class Model {
   std::pair<int, int> fused_counts() const;
   // Some batch norm layer synchronises its statistics across replicas.
   bool has_sync() const { return has_sync_; }
+  // Some layer is a dropout one (its masks need the step's seed and each replica's rows).
+  bool has_dropout() const { return has_dropout_; }
   // The logits' width when the last layer is a linear one (the classes labels index), else 0.
   int64_t classes() const { return classes_; }
   // grad_needed(s): slot s depends on a parameter, so backward computes d(loss)/d(slot s).
@@ -110,7 +114,7 @@ class Model {
   std::vector<Bucket> buckets_;
   int64_t classes_ = 0;
   std::vector<bool> grad_needed_, saved_;
-  bool has_sync_ = false;
+  bool has_sync_ = false, has_dropout_ = false;
 
   // Merges batch_norm -> relu and batch_norm -> add -> relu (see LayerKind).
   void fuse_layers();

@@ -48,20 +48,21 @@ Partial combine(int64_t lo, int64_t hi, std::map<int64_t, Partial>& have) {
 // One device's work: shards [lo, hi) (a tree node), each computed whole on the replica from its
 // rows in `inputs` (already on the replica's device) and summed pairwise in tree order. Only
 // shard `stats` (a micro-batch's first) moves batch norm's running statistics (the replica's own
-// buffers); other shards write a scratch copy that nobody reads.
+// buffers); other shards write a scratch copy that nobody reads. Dropout's masks take the step's
+// seed and each shard's first row in the batch (rows[shard].first).
 Partial local_sum(const Model& m, const std::vector<std::pair<Tensor, Tensor>>& inputs,
                   int64_t lo, int64_t hi, const Replica& r, const ReplicaState& scratch,
-                  int64_t stats) {
+                  int64_t stats, const std::vector<ShardSpan>& rows, uint64_t seed) {
   if (hi - lo == 1) {
     const auto& [Xs, ys] = inputs[static_cast<size_t>(lo)];
     Partial p{{lo, hi}, Tensor::empty({m.flat_size()}, DType::F32, r.device), Tensor()};
     p.loss = model_loss_and_grads(m, Xs, ys, lo == stats ? r.state : scratch, p.grads,
-                                  [](size_t) {});
+                                  [](size_t) {}, seed, rows[static_cast<size_t>(lo)].first);
     return p;
   }
   const int64_t mid = tree_split(lo, hi);
-  Partial a = local_sum(m, inputs, lo, mid, r, scratch, stats);
-  add_into(a, local_sum(m, inputs, mid, hi, r, scratch, stats));
+  Partial a = local_sum(m, inputs, lo, mid, r, scratch, stats, rows, seed);
+  add_into(a, local_sum(m, inputs, mid, hi, r, scratch, stats, rows, seed));
   return a;
 }
 
@@ -69,7 +70,7 @@ Partial local_sum(const Model& m, const std::vector<std::pair<Tensor, Tensor>>& 
 
 std::vector<Tensor> sharded_sums(const Model& m, const Tensor& X, const Tensor& y,
                                  std::vector<Replica>& replicas, int64_t num_shards,
-                                 int64_t accumulate) {
+                                 int64_t accumulate, uint64_t seed) {
   const size_t L = replicas.size();
   const int world = comm::dist::world_size(), me = comm::dist::rank();
   const std::vector<ShardSpan> rows = shard_ranges(X.size(0), static_cast<size_t>(num_shards));
@@ -105,7 +106,7 @@ std::vector<Tensor> sharded_sums(const Model& m, const Tensor& X, const Tensor& 
       const auto [first, last] = owned(k, static_cast<size_t>(me) * L + d);
       for (const ShardSpan& n : maximal_nodes(num_shards, first, last))
         have.emplace(n.first, local_sum(m, inputs, n.first, n.second, replicas[d], scratch[d],
-                                        k * per));
+                                        k * per, rows, seed));
       for (int64_t i = first; i < last; ++i) inputs[static_cast<size_t>(i)] = {};
     }
   }

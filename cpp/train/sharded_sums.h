@@ -20,9 +20,10 @@ namespace mgpu::train {
 // list every rank can compute) and every rank forms the root identically: the tree and its
 // additions are those of one batch, so the bits do not depend on `accumulate` either. The root's
 // gradients land in every replica's grads; returns the losses (the whole batch's on rank 0's
-// first replica, 0 on every other).
+// first replica, 0 on every other). seed: the step's dropout masks, each shard's rows masked as
+// rows of X.
 std::vector<Tensor> sharded_sums(const Model& m, const Tensor& X, const Tensor& y,
                                  std::vector<Replica>& replicas, int64_t num_shards,
-                                 int64_t accumulate);
+                                 int64_t accumulate, uint64_t seed);
 
 }  // namespace mgpu::train

@@ -69,7 +69,8 @@ void fail_next_step_after_bucket(int64_t bucket) {
 
 std::vector<Tensor> train_step(const Model& m, const Tensor& X, const Tensor& y,
                                std::vector<Replica>& replicas, const Sgd& sgd,
-                               int64_t num_shards, const char* op, int64_t accumulate) {
+                               int64_t num_shards, const char* op, int64_t accumulate,
+                               uint64_t seed) {
   trace::Span span("train_step");
   check_replicas(op, m, replicas);
   MGPU_CHECK_VALUE(X.dim() >= 1 && y.dim() == 1 && X.size(0) == y.size(0), op, ": X and "
@@ -91,7 +92,7 @@ std::vector<Tensor> train_step(const Model& m, const Tensor& X, const Tensor& y,
   LabelGuard guard;
   if (guarded) guard = start_guard(op, classes, y, replicas, sgd);
   if (num_shards > 0) {
-    std::vector<Tensor> losses = sharded_sums(m, X, y, replicas, num_shards, accumulate);
+    std::vector<Tensor> losses = sharded_sums(m, X, y, replicas, num_shards, accumulate, seed);
     for (Replica& r : replicas) update(m, r, r.grads, sgd, X.size(0));
     share_buffers(replicas);
     if (guarded) finish_guard(op, guard, classes, losses);
@@ -103,9 +104,10 @@ std::vector<Tensor> train_step(const Model& m, const Tensor& X, const Tensor& y,
   // replica's captured graphs cannot: such steps run without graphs.
   const bool synced = m.has_sync() && L * world > 1;
   // Graphs want every shard non-empty (an empty one takes the plain path's zero gradients); an
-  // accumulated step runs its micro-batches without them.
-  const bool graphs = !synced && accumulate == 1 && graphs_enabled(devices) &&
-                      X.size(0) >= static_cast<int64_t>(L * world);
+  // accumulated step runs its micro-batches without them, and so does a model with dropout (a
+  // replayed graph would repeat its first step's masks).
+  const bool graphs = !synced && accumulate == 1 && !m.has_dropout() &&
+                      graphs_enabled(devices) && X.size(0) >= static_cast<int64_t>(L * world);
   // CPU devices of this process (and no other rank): one collective after backward sums the
   // gradients and updates every replica (shared_update); otherwise buckets are reduced as
   // backward produces them and every replica updates itself.
@@ -163,6 +165,15 @@ std::vector<Tensor> train_step(const Model& m, const Tensor& X, const Tensor& y,
         xs = rank_shards(Xk, devices, true);
         ys = rank_shards(yk, devices, true);
       }
+      // Dropout's masks: replica d's first row in X is micro-batch k's first row plus its
+      // shard's (shard rank * L + d of rank_shards' split).
+      StepRows rows{seed, {}};
+      if (m.has_dropout()) {
+        const std::vector<ShardSpan> split = shard_ranges(Xk.size(0), L * world);
+        for (size_t d = 0; d < L; ++d)
+          rows.first_row.push_back(micro[static_cast<size_t>(k)].first +
+                                   split[static_cast<size_t>(comm::dist::rank()) * L + d].first);
+      }
       SyncReplicas sync;
       if (synced) {
         // Replica d of rank k is slot k * L + d: the shard order of rank_shards.
@@ -182,7 +193,7 @@ std::vector<Tensor> train_step(const Model& m, const Tensor& X, const Tensor& y,
       }
       std::vector<Tensor> part = replicas_loss_and_grads(m, xs, ys, states,
                                                          k == 0 ? grads : fresh, bucket_done,
-                                                         sync);
+                                                         sync, rows);
       if (k == 0) {
         losses = part;
       } else {

@@ -77,11 +77,12 @@ void check_replicas(const char* op, const Model& m, const std::vector<Replica>& 
 // Atomic for labels outside the logits' classes (a model whose last layer is linear): labels the
 // host can read raise IndexError before anything changes; labels on a device leave parameters,
 // momentum and batch-norm statistics as they were, and the IndexError comes at the next wait (the
-// returned losses keep it). Errors name `op`.
+// returned losses keep it). Errors name `op`. seed: the step's dropout masks, a function of
+// (seed, layer, the example's row in X, element) however the batch is split (ops/dropout.h).
 std::vector<Tensor> train_step(const Model& m, const Tensor& X, const Tensor& y,
                                std::vector<Replica>& replicas, const Sgd& sgd,
                                int64_t num_shards = 0, const char* op = "train_step",
-                               int64_t accumulate = 1);
+                               int64_t accumulate = 1, uint64_t seed = 0);
 // Correct predictions (batch norm in evaluation mode), one 0-d float32 count per replica; across
 // processes each rank counts its rows only.
 std::vector<Tensor> evaluate_step(const Model& m, const Tensor& X, const Tensor& y,

@@ -13,6 +13,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from . import _core, autograd, nn
 from . import ops as functional
+from . import random as _random
 from . import trace as _trace
 from .amp import check_precision
 from .device import Device, as_device, try_all_gpus, try_gpu
@@ -392,6 +393,13 @@ class DataParallel(Module):
         keeps its promise, with ``accumulate`` too. On CPUs bf16 is currently slower than float32
         for ResNet-18 (its 3x3 convolutions run im2col in bf16 where float32 runs Winograd);
         it is there for its numerics and as the base for faster kernels.
+
+        ``nn.Dropout(p)`` layers drop elements with masks that are a function of (a seed drawn
+        from ``mgpu.random`` once per step, the layer's place in the model, the example's row in
+        X, the element's index in the example), so a batch gets the same masks on any number
+        of devices and ranks and with any ``accumulate``, and ``deterministic`` keeps its
+        promise; ``mgpu.random.seed`` repeats them and a resumed checkpoint (which saves the
+        generator's state) continues them.
         """
         if not self._sync:
             raise ValueError("train_step: called inside no_sync(); the fused step accumulates "
@@ -473,8 +481,10 @@ class DataParallel(Module):
                 3 if opts["amsgrad"] else 2)
             if kinds:
                 fused.state_in(trainer, kinds)
+            # One draw per step, on every rank alike (each rank's generator is seeded the same).
+            seed = _random.step_seed() if fused.dropout else 0
             losses = fused.model.train_step(X, y, deterministic=deterministic,
-                                            accumulate=accumulate, **opts)
+                                            accumulate=accumulate, seed=seed, **opts)
             if kinds:
                 fused.state_out(trainer, kinds, opts.get("step", 0))
             total = losses[0]
@@ -504,6 +514,7 @@ class _Fused:
         bufs: List[Tensor] = []
         self._bufs = bufs
         self.spec: List[tuple] = []
+        self.dropout = False  # some layer is a dropout one: each step draws a seed for its masks
         self._emit(module, 0)
         self.replica_params = [params] + [[p.copyto(d) for p in params] for d in devices[1:]]
         self.replica_buffers = [bufs] + [[b.copyto(d) for b in bufs] for d in devices[1:]]
@@ -590,10 +601,8 @@ class _Fused:
         if isinstance(m, Dropout):
             if m.p == 0.0:
                 return src  # the identity
-            raise NotImplementedError(
-                f"train_step: the fused step has no dropout layer ({m!r}: its masks are drawn "
-                "per step by mgpu.random); train this model with the book's loop (forward, "
-                "loss.backward(), trainer.step()), or use Dropout(p=0)")
+            self.dropout = True
+            return self._layer("dropout", src, p=m.p)
         if isinstance(m, Linear):
             ps = [m.weight] + ([m.bias] if m.bias is not None else [])
             return self._layer("linear", src, ps, bias=m.bias is not None, transpose=True)
@@ -607,7 +616,7 @@ class _Fused:
             f"train_step: the fused step has no layer for {type(m).__name__}; supported are "
             "Sequential, Conv2d, BatchNorm2d and SyncBatchNorm (with running statistics and a "
             "momentum), ReLU, Flatten, AvgPool2d, MaxPool2d (square), AdaptiveAvgPool2d((1, 1)), "
-            "Linear and "
+            "Dropout, Linear and "
             "models.Residual (use the book's loop for other modules)")
 
 

@@ -641,10 +641,27 @@ class MaxPool2d(Module):
 
 class Dropout(Module):
     """PyTorch's ``nn.Dropout(p)``: in training mode zeroes each element with probability p and
-    scales the rest by 1 / (1 - p); in evaluation mode (``net.eval()``) the identity. The masks
-    come from ``mgpu.random`` (``mgpu.random.seed(n)`` repeats them); backward uses the forward's
-    mask. The fused ``DataParallel.train_step`` has no dropout layer: train such a model with the
-    book's loop."""
+    scales the rest by 1 / (1 - p) (computed in float32, as PyTorch); in evaluation mode
+    (``net.eval()``, and the fused ``evaluate_step``) the identity; p = 0 is always the identity
+    and p = 1 gives zeros. Backward multiplies dy by the forward's mask.
+
+    The masks depend on the loop:
+
+    - the book's loop (calling the module, ``ops.dropout``): each call draws a fresh mask for
+      the whole tensor it is given from ``mgpu.random``'s PCG64 generator (NumPy's
+      ``random()`` >= p), so a mask depends on the generator's state and on the tensor's shape;
+      under ``nn.DataParallel`` each replica draws for its own shard, in device order.
+      ``mgpu.random.seed(n)`` repeats them.
+    - the fused step (``DataParallel.train_step``, ``chapter.train_concise(fused=True)``):
+      element e of the example at row r of the step's whole batch X is kept iff
+      u >= p, u = Philox-4x32-10(counter (e // 4, r, layer, 0), key (seed % 2**32,
+      seed // 2**32))[e % 4] / 2**32 (``mgpu._core.dropout_forward``), with ``layer`` this
+      module's index in the fused model's layer list and ``seed`` drawn from ``mgpu.random``
+      once per step. So an example's mask does not depend on the device, rank or micro-batch
+      that computes it: the same on any device count, under mpirun and with ``accumulate``;
+      ``mgpu.random.seed`` repeats them, and a run resumed from a checkpoint (which saves the
+      generator's state) draws the seeds an uninterrupted run draws. Backward recomputes the
+      mask from the same counters."""
 
     def __init__(self, p: float = 0.5, inplace: bool = False):
         super().__init__()

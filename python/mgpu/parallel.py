@@ -26,6 +26,7 @@ from . import _core
 from . import distributed as _dist
 from . import trace as _trace
 from .device import Device, as_device
+from .random import check_seed
 from .tensor import Tensor, array, check_int, engine_handle
 
 
@@ -314,7 +315,7 @@ class FusedModel:
                    betas: Tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, step: int = 1,
                    max_norm: Optional[float] = None, lrs: Sequence[float] = (),
                    weight_decays: Sequence[float] = (), accumulate: int = 1,
-                   amsgrad: bool = False) -> List[Tensor]:
+                   amsgrad: bool = False, seed: int = 0) -> List[Tensor]:
         """One optimizer step on the mean loss over the whole batch; returns each replica's
         summed loss (0-d tensors). ``optimizer`` 'sgd' (PyTorch's rule, with momentum and weight
         decay), 'adam' or 'adamw' (PyTorch's, at ``step`` counted from 1, with ``betas`` and
@@ -323,7 +324,10 @@ class FusedModel:
         ``nn.utils.clip_grad_norm_``); ``lrs`` and ``weight_decays``: one value per parameter
         instead of ``lr`` and ``weight_decay``. ``deterministic`` and ``accumulate`` as for
         ``train_batch`` (batch norm then normalises per logical shard, or per micro-batch and
-        replica, and its running statistics move once per micro-batch)."""
+        replica, and its running statistics move once per micro-batch). ``seed`` (an integer in
+        [0, 2**64)): the step's dropout masks, a function of (seed, the layer's index in the
+        spec, the example's row in X, the element's index in the example), so the same on any
+        split of X over devices, ranks and micro-batches."""
         if not isinstance(X, Tensor) or not isinstance(y, Tensor):
             raise TypeError(f"train_step: X and y must be mgpu tensors, got "
                             f"{type(X).__name__} and {type(y).__name__}")
@@ -336,7 +340,7 @@ class FusedModel:
         losses = self._model.train_step(X._t, y._t, lr, momentum, weight_decay, shards,
                                         optimizer, tuple(betas), eps, step, max_norm,
                                         list(lrs), list(weight_decays), accumulate,
-                                        bool(amsgrad))
+                                        bool(amsgrad), check_seed(seed, "train_step"))
         for t in self._changed:  # updated in place
             t.bump_version()
         return [Tensor(t) for t in losses]

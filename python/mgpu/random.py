@@ -91,6 +91,13 @@ def randn(*shape, device=None):
     return normal(size=shape, device=device)
 
 
+def step_seed() -> int:
+    """A seed in [0, 2**64) drawn from the generator: the fused step draws one per step for a
+    model with dropout, the seed of that step's masks (so ``seed`` repeats them, and a
+    checkpoint, which saves :func:`get_state`, resumes them)."""
+    return int(_rng.integers(0, 2**64, dtype=np.uint64))
+
+
 def dropout_mask(shape, p: float, device=None):
     """Dropout's mask as a float32 tensor on ``device``: each element is 1 / (1 - p) (computed in
     float32, as PyTorch scales) with probability 1 - p, else 0; all zeros when p is 1."""

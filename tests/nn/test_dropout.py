@@ -1,7 +1,7 @@
 """nn.Dropout and ops.dropout: PyTorch's semantics (train mode zeroes with probability p and
 scales the rest by 1 / (1 - p), eval mode is the identity), masks drawn from mgpu.random (seeded,
 reproducible), the same mask forward and backward, a book-loop step against NumPy float64, and
-the fused step's clear refusal."""
+the fused step running it as a layer."""
 import numpy as np
 import pytest
 
@@ -92,14 +92,17 @@ def test_books_loop_step_with_dropout_matches_numpy():
         np.testing.assert_allclose(p.numpy(), start - lr * g, rtol=1e-4, atol=1e-6)
 
 
-def test_fused_step_refuses_dropout_with_a_clear_error():
+def test_fused_step_runs_dropout_as_a_layer():
+    """The fused step's dropout layer (its numerics: tests/step/test_fused_dropout.py)."""
     net = nn.Sequential(nn.Flatten(), nn.Linear(4, 6), nn.ReLU(), nn.Dropout(0.2),
                         nn.Linear(6, 3))
     model = nn.DataParallel(net, device_ids=[mgpu.cpu(0), mgpu.cpu(1)])
     X, y = mgpu.ones((4, 1, 2, 2)), mgpu.array(np.array([0, 1, 2, 0]))
-    with pytest.raises(NotImplementedError, match="no dropout layer.*book's loop"):
-        model.train_step(X, y, nn.CrossEntropyLoss(), mgpu.optim.SGD(net.parameters(), lr=0.1))
-    # Dropout(p=0) is the identity: the fused step runs it.
+    loss = model.train_step(X, y, nn.CrossEntropyLoss(), mgpu.optim.SGD(net.parameters(), lr=0.1))
+    assert np.isfinite(loss.item())
+    assert ("dropout", {"in": 3, "params": [], "p": 0.2}) in model._fused.spec
+    # Dropout(p=0) is the identity: no layer.
     net0 = nn.Sequential(nn.Flatten(), nn.Linear(4, 3), nn.Dropout(0.0))
     model0 = nn.DataParallel(net0, device_ids=[mgpu.cpu(0)])
     model0.train_step(X, y, nn.CrossEntropyLoss(), mgpu.optim.SGD(net0.parameters(), lr=0.1))
+    assert [kind for kind, _ in model0._fused.spec] == ["flatten", "linear"]
