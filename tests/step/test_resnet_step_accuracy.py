@@ -1,12 +1,13 @@
 """One SGD step of d2l's ResNet-18 (sec. 12.6) on 4 random 28x28 images, against float64, at
-d2l's initialisation (conv and linear weights normal with std 0.01) and at He's (std
-sqrt(2 / fan_in), the scale of trained weights): every weight gradient of the default conv path
-(MGPU_CONV_ALGO=auto: Winograd F(4x4, 3x3) for the 3x3 stride-1 layers) within 10x the error of
-the direct path's, and each Winograd pass on the inputs it sees inside the step within a multiple
-of the direct pass's error: forward, dx and dw 10x (measured 2.6-5.8x, 3.0-11.6x, 2.6-7.6x; dx
-inside its bound by the floor below), and dw 6x at the layers whose batch has more than 32 tiles
-(the 28x28 and 14x14 ones: measured 2.6-5.1x; 6.5-10.3x at the 28x28 layers before
-winograd_dw.cpp summed its tiles in runs of 32, which this bound guards).
+d2l's initialisation (conv and linear weights normal with std 0.01), at He's (std
+sqrt(2 / fan_in)) and at weights with the statistics of trained ones (TRAINED_STD below): every
+weight gradient of the default conv path (MGPU_CONV_ALGO=auto: Winograd F(4x4, 3x3) for the 3x3
+stride-1 layers) within 10x the error of the direct path's, and each Winograd pass on the inputs
+it sees inside the step within a multiple of the direct pass's error: forward, dx and dw 8x
+(measured 2.2-3.9x, 2.2-5.5x, 1.9-6.1x; with winograd.cpp's former points 0, +-1, +-2 they were
+2.6-5.8x, 2.9-11.6x and 2.6-8.2x: this test failed 9 of its 39 cases there, 8 of them dx), and dw
+6x at the layers whose batch has more than 32 tiles (the 28x28 and 14x14 ones: measured
+1.9-3.1x; 6.5-10.3x at the 28x28 layers before winograd_dw.cpp summed its tiles in runs of 32).
 
 The float64 reference (resnet18_reference.py) takes the ReLU masks of mgpu's own forward. With
 its own masks a float32 step is percent-level off whatever the algorithm: at these
@@ -19,10 +20,10 @@ more, 6-12 and 4e-3 to 2e-2). Against the reference with mgpu's masks the same s
 for the activations it computed, which is what this test checks; a flipped ReLU is no error of
 the backward.
 
-Errors are normwise, ||got - want|| / ||want||. A pass's bound adds to 10x direct's error a floor
-u log2(L) (u = 2^-24, L the length of the pass's sums: C*9 products for y, K*9 for dx, N*P*Q
-for dw), a blocked float32 sum's rounding, so a direct error that happens to be tiny does not
-make the bound stricter than float32 can be.
+Errors are normwise, ||got - want|| / ||want||. A pass's bound is the multiple of direct's
+error or of u = 2^-24 (one float32 rounding), whichever is larger, so a direct error that happens
+to be tiny does not make the bound stricter than float32 can be (direct's errors here are
+1.5e-7 to 4e-7).
 """
 import math
 
@@ -42,7 +43,27 @@ def _normwise(got, want):
     return float(np.linalg.norm(got - want) / np.linalg.norm(want))
 
 
+# The "trained" initialisation: each tensor's std (and the batch norms' means) as in d2l's
+# ResNet-18 after 1080 SGD steps of the 12.6 recipe (lr 0.1, batch 256, Fashion-MNIST; measured
+# once from that run's checkpoint): the 3x3 weights grow from d2l's 0.01 most in the first
+# stage, the stem and the output layer several-fold, batch norm scales spread by ~0.4% around 1
+# and shifts settle near -1.5e-3; conv biases keep their default initialisation. Seeded normals
+# with those moments, not the trained tensors' spatial structure.
+TRAINED_STD = {"0.": 0.049, "resnet_block1": 0.0117, "resnet_block2": 0.011,
+               "resnet_block3": 0.0105, "resnet_block4": 0.0101, "fc": 0.035}
+
+
 def _init(net, kind):
+    if kind == "trained":
+        for name, m in net.named_modules():
+            if isinstance(m, (nn.Conv2d, nn.Linear)):
+                std = next(v for k, v in TRAINED_STD.items() if name.startswith(k.rstrip(".")))
+                nn.init.normal_(m.weight, std=std)
+            elif isinstance(m, nn.BatchNorm2d):
+                nn.init.normal_(m.weight, mean=1.0, std=0.004)
+                nn.init.normal_(m.bias, mean=-1.5e-3, std=1.5e-3)
+        return
+
     def init(m):
         if isinstance(m, (nn.Conv2d, nn.Linear)):
             fan_in = int(np.prod(m.weight.shape[1:]))
@@ -73,7 +94,7 @@ def _grads(net, X, y):
     return {k: p.grad.numpy() for k, p in net.named_parameters()}
 
 
-@pytest.fixture(scope="module", params=["d2l", "he"])
+@pytest.fixture(scope="module", params=["d2l", "he", "trained"])
 def step(request):
     """Per algorithm (auto, direct): mgpu's gradients and the float64 ones for mgpu's masks; and
     each convolution's x and dy inside the step (float64, auto's masks)."""
@@ -125,7 +146,7 @@ def _passes(x, w, dy):
 
 
 @pytest.mark.parametrize("name", WINOGRAD_LAYERS)
-def test_winograd_passes_within_10x_of_direct(monkeypatch, step, name):
+def test_winograd_passes_within_8x_of_direct(monkeypatch, step, name):
     x, dy = (v.astype(np.float32) for v in step["inputs"][name])
     w = step["P"][name + ".weight"].astype(np.float32)
     x64, w64, dy64 = (v.astype(np.float64) for v in (x, w, dy))
@@ -135,13 +156,12 @@ def test_winograd_passes_within_10x_of_direct(monkeypatch, step, name):
     for algo in ("winograd", "direct"):
         monkeypatch.setenv("MGPU_CONV_ALGO", algo)
         got[algo] = _passes(x, w, dy)
-    n, c, h, wd = x.shape
-    length = {"y": c * 9, "dx": w.shape[0] * 9, "dw": n * h * wd}
+    n, _, h, wd = x.shape
     tiles = n * -(-h // 4) * -(-wd // 4)  # 4x4 output tiles (pad 1: P, Q = H, W)
     for p in ("y", "dx", "dw"):
         e_w, e_d = _normwise(got["winograd"][p], want[p]), _normwise(got["direct"][p], want[p])
-        factor = 6 if p == "dw" and tiles > 32 else 10
-        bound = factor * e_d + U * math.log2(length[p])
+        factor = 6 if p == "dw" and tiles > 32 else 8
+        bound = factor * max(e_d, U)
         assert e_w <= bound, f"{name} {p}: Winograd {e_w:.2e}, direct {e_d:.2e}, bound {bound:.2e}"
 
 

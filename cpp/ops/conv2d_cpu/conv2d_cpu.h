@@ -21,15 +21,16 @@ namespace mgpu::ops::cpu::MGPU_CPU_ISA::conv {
 // and gives bitwise-equal results (shards that are multiples of it also keep their blocks when a
 // batch is split across devices). 8 images make an im2col product 8 images wide, where OpenBLAS
 // ran ~20% faster than one image at a time.
-// Winograd F(4x4, 3x3)'s kernel transform G (6x3) for the points 0, 1, -1, 2, -2 and infinity,
-// in double: winograd.cpp applies it to the weights, winograd_dw.cpp (as G^T dU G) to dU.
+// Winograd F(4x4, 3x3)'s kernel transform G (6x3) for the points 0, 1, -1, 1/2, -2 and
+// infinity, in double: winograd.cpp applies it to the weights, winograd_dw.cpp (as G^T dU G) to
+// dU. Rows 0, 1, 2, 4 and 5 carry a factor 1/2 that B^T's rows carry as 2 (integer B^T).
 constexpr double kWinogradG[6][3] = {
-    {1.0 / 4, 0, 0},
-    {-1.0 / 6, -1.0 / 6, -1.0 / 6},
+    {1.0 / 2, 0, 0},
+    {1.0 / 6, 1.0 / 6, 1.0 / 6},
     {-1.0 / 6, 1.0 / 6, -1.0 / 6},
-    {1.0 / 24, 1.0 / 12, 1.0 / 6},
-    {1.0 / 24, -1.0 / 12, 1.0 / 6},
-    {0, 0, 1}};
+    {-16.0 / 15, -8.0 / 15, -4.0 / 15},
+    {1.0 / 30, -1.0 / 15, 2.0 / 15},
+    {0, 0, 1.0 / 2}};
 
 constexpr int64_t kBlock = 8;
 

@@ -69,26 +69,27 @@ inline thread_local std::vector<float> tl_panels, tl_sums, tl_frame;
 inline void ld16(F16& v, const float* p) { v = *reinterpret_cast<const Unaligned<F16>::type*>(p); }
 inline void st16(float* p, const F16& v) { *reinterpret_cast<Unaligned<F16>::type*>(p) = v; }
 
-// r = B^T d along one axis, six vectors of 16 channels.
+// r = B^T d along one axis, six vectors of 16 channels (winograd_fused.cpp's formulas).
 inline void input_1d(const F16* d, F16* r) {
   const F16 d0 = d[0], d1 = d[1], d2 = d[2], d3 = d[3], d4 = d[4], d5 = d[5];
-  r[0] = (4.0f * d0 - 5.0f * d2) + d4;
-  r[1] = (d3 + d4) - 4.0f * (d1 + d2);
-  r[2] = (d4 - d3) + 4.0f * (d1 - d2);
-  r[3] = (d4 - d2) + 2.0f * (d3 - d1);
-  r[4] = (d4 - d2) - 2.0f * (d3 - d1);
-  r[5] = (4.0f * d1 - 5.0f * d3) + d5;
+  const F16 p = d3 - d1, q = d4 - d2;
+  r[0] = (2.0f * (d0 + d4) + 3.0f * p) - 4.0f * d2;
+  r[1] = (2.0f * (d4 - d1) + d2) + 5.0f * d3;
+  r[2] = (2.0f * (d4 + d1) + d3) - 5.0f * d2;
+  r[3] = 2.0f * p + q;
+  r[4] = 2.0f * q - p;
+  r[5] = (2.0f * (d1 + d5) + 3.0f * q) - 4.0f * d3;
 }
 
 // e = A g along one axis (4 -> 6), the transpose of the forward's output transform.
 inline void grad_1d(const F16* g, F16* e) {
   const F16 g0 = g[0], g1 = g[1], g2 = g[2], g3 = g[3];
-  const F16 s02 = g0 + g2, s13 = g1 + g3, f02 = g0 + 4.0f * g2, f13 = g1 + 4.0f * g3;
+  const F16 s02 = g0 + g2, s13 = g1 + g3;
   e[0] = g0;
   e[1] = s02 + s13;
   e[2] = s02 - s13;
-  e[3] = f02 + 2.0f * f13;
-  e[4] = f02 - 2.0f * f13;
+  e[3] = (g0 + 0.25f * g2) + 0.5f * (g1 + 0.25f * g3);
+  e[4] = (g0 + 4.0f * g2) - 2.0f * (g1 + 4.0f * g3);
   e[5] = g3;
 }
 

@@ -111,17 +111,18 @@ inline void product_tile(const float* const* u, const float* __restrict v, int64
 }
 
 // ---- The transforms, 16 tiles side by side (the formulas of winograd.cpp) ----
-// r = B^T d along one axis, for six lane rows.
+// r = B^T d along one axis, for six lane rows (winograd.cpp gives B^T).
 inline void input_1d(const float (*d)[kL], float (*r)[kL]) {
   for (int l = 0; l < kL; ++l) {
     const float d0 = d[0][l], d1 = d[1][l], d2 = d[2][l], d3 = d[3][l], d4 = d[4][l],
                 d5 = d[5][l];
-    r[0][l] = (4.0f * d0 - 5.0f * d2) + d4;
-    r[1][l] = (d3 + d4) - 4.0f * (d1 + d2);
-    r[2][l] = (d4 - d3) + 4.0f * (d1 - d2);
-    r[3][l] = (d4 - d2) + 2.0f * (d3 - d1);
-    r[4][l] = (d4 - d2) - 2.0f * (d3 - d1);
-    r[5][l] = (4.0f * d1 - 5.0f * d3) + d5;
+    const float p = d3 - d1, q = d4 - d2;
+    r[0][l] = (2.0f * (d0 + d4) + 3.0f * p) - 4.0f * d2;
+    r[1][l] = (2.0f * (d4 - d1) + d2) + 5.0f * d3;
+    r[2][l] = (2.0f * (d4 + d1) + d3) - 5.0f * d2;
+    r[3][l] = 2.0f * p + q;
+    r[4][l] = 2.0f * q - p;
+    r[5][l] = (2.0f * (d1 + d5) + 3.0f * q) - 4.0f * d3;
   }
 }
 
@@ -130,11 +131,11 @@ inline void output_1d(const float (*m)[kL], float (*o)[kL]) {
   for (int l = 0; l < kL; ++l) {
     const float m0 = m[0][l], m1 = m[1][l], m2 = m[2][l], m3 = m[3][l], m4 = m[4][l],
                 m5 = m[5][l];
-    const float s12 = m1 + m2, d12 = m1 - m2, s34 = m3 + m4, d34 = m3 - m4;
-    o[0][l] = (m0 + s12) + s34;
-    o[1][l] = d12 + 2.0f * d34;
-    o[2][l] = s12 + 4.0f * s34;
-    o[3][l] = (d12 + 8.0f * d34) + m5;
+    const float s12 = m1 + m2, d12 = m1 - m2;
+    o[0][l] = (m0 + s12) + (m3 + m4);
+    o[1][l] = d12 + (0.5f * m3 - 2.0f * m4);
+    o[2][l] = s12 + (0.25f * m3 + 4.0f * m4);
+    o[3][l] = (d12 + (0.125f * m3 - 8.0f * m4)) + m5;
   }
 }
 
