@@ -32,7 +32,7 @@ struct LabelCheck {
   LabelCheck snapshot() const;
 };
 
-// A fused step's label guard (train/train_batch.cpp), for labels the host cannot read without
+// A fused step's label guard (train/label_guard.h), for labels the host cannot read without
 // waiting (on a GPU, or written by a queued task). All three run on the device's queue.
 // find_bad_label: a 0-d int32 on the labels' device, the first row whose label is outside [0, m),
 // or cuda::kNoBadRow when every label is in range.

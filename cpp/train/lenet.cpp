@@ -1,4 +1,5 @@
-// cpp/train/lenet.cpp -- LeNet's parameter checks and its forward through lenet_model().
+// cpp/train/lenet.cpp -- LeNet's parameter checks, its forward through lenet_model(), and the
+// chapter's fused step and evaluation on its parameter lists (train_step, evaluate_step).
 #include "train/lenet.h"
 
 #include <map>
@@ -7,6 +8,7 @@
 
 #include "train/layers.h"
 #include "train/model.h"
+#include "train/train_batch.h"
 
 namespace mgpu::train {
 
@@ -58,6 +60,49 @@ Tensor lenet_forward(const Tensor& X, const std::vector<Tensor>& params) {
   require_same_device("lenet", {&X, &params[0]});
   MGPU_CHECK_VALUE(X.dim() == 4, "lenet: X must have 4 dims (N, 1, 28, 28), got shape ", X.shape());
   return model_forward(lenet_model(params), X, ReplicaState{params, {}}, false);
+}
+
+namespace {
+
+std::vector<Replica> lenet_replicas(const char* op, const std::vector<std::vector<Tensor>>& params,
+                                    const std::vector<Device>& devices) {
+  MGPU_CHECK_VALUE(!devices.empty(), op, ": the list of devices is empty");
+  MGPU_CHECK_VALUE(params.size() == devices.size(), op, ": got ", params.size(),
+                   " parameter replicas for ", devices.size(), " devices; pass one replica per "
+                   "device, e.g. [get_params(params, d) for d in devices]");
+  std::vector<Replica> out;
+  for (size_t d = 0; d < devices.size(); ++d) {
+    check_lenet_params(op, params[d]);
+    MGPU_CHECK_VALUE(params[d][0].device() == devices[d], op, ": replica ", d, " lives on ",
+                     params[d][0].device(), " but devices[", d, "] is ", devices[d]);
+    out.push_back(Replica{devices[d], ReplicaState{params[d], {}}, Tensor(), Tensor(), Tensor(),
+                          Tensor()});
+  }
+  return out;
+}
+
+}  // namespace
+
+std::vector<Tensor> train_batch(const Tensor& X, const Tensor& y,
+                                const std::vector<std::vector<Tensor>>& params,
+                                const std::vector<Device>& devices, float lr,
+                                int64_t num_shards, int64_t accumulate) {
+  std::vector<Replica> replicas = lenet_replicas("train_batch", params, devices);
+  require_dtype("train_batch", "X", X, DType::F32);
+  MGPU_CHECK_VALUE(X.dim() == 4, "train_batch: X must have 4 dims (N, 1, 28, 28), got shape ",
+                   X.shape());
+  Sgd sgd;
+  sgd.lr = lr;
+  sgd.sum_rule = true;
+  return train_step(lenet_model(params[0]), X, y, replicas, sgd, num_shards, "train_batch",
+                    accumulate);
+}
+
+std::vector<Tensor> evaluate_batch(const Tensor& X, const Tensor& y,
+                                   const std::vector<std::vector<Tensor>>& params,
+                                   const std::vector<Device>& devices) {
+  std::vector<Replica> replicas = lenet_replicas("evaluate_accuracy", params, devices);
+  return evaluate_step(lenet_model(params[0]), X, y, replicas);
 }
 
 }  // namespace mgpu::train

@@ -7,6 +7,7 @@
 
 #include <vector>
 
+#include "core/device.h"
 #include "core/tensor.h"
 #include "train/model.h"
 
@@ -19,5 +20,16 @@ void check_lenet_params(const char* op, const std::vector<Tensor>& params);
 const Model& lenet_model(const std::vector<Tensor>& params);
 // The logits (N, 10) of X (N, 1, 28, 28).
 Tensor lenet_forward(const Tensor& X, const std::vector<Tensor>& params);
+
+// The chapter's LeNet step: params[d] is device d's replica (W1, b1, ..., W4, b4 on devices[d]),
+// updated in place with p -= lr / N * g. num_shards and accumulate as for train_step
+// (train_batch.h).
+std::vector<Tensor> train_batch(const Tensor& X, const Tensor& y,
+                                const std::vector<std::vector<Tensor>>& params,
+                                const std::vector<Device>& devices, float lr,
+                                int64_t num_shards = 0, int64_t accumulate = 1);
+std::vector<Tensor> evaluate_batch(const Tensor& X, const Tensor& y,
+                                   const std::vector<std::vector<Tensor>>& params,
+                                   const std::vector<Device>& devices);
 
 }  // namespace mgpu::train

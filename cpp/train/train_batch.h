@@ -87,16 +87,6 @@ std::vector<Tensor> train_step(const Model& m, const Tensor& X, const Tensor& y,
 std::vector<Tensor> evaluate_step(const Model& m, const Tensor& X, const Tensor& y,
                                   const std::vector<Replica>& replicas);
 
-// The chapter's LeNet step: params[d] is device d's replica (W1, b1, ..., W4, b4 on devices[d]),
-// updated in place with p -= lr / N * g. num_shards and accumulate as for train_step.
-std::vector<Tensor> train_batch(const Tensor& X, const Tensor& y,
-                                const std::vector<std::vector<Tensor>>& params,
-                                const std::vector<Device>& devices, float lr,
-                                int64_t num_shards = 0, int64_t accumulate = 1);
-std::vector<Tensor> evaluate_batch(const Tensor& X, const Tensor& y,
-                                   const std::vector<std::vector<Tensor>>& params,
-                                   const std::vector<Device>& devices);
-
 // Fault injection for tests: the next bucketed step (num_shards 0) on several devices or ranks
 // throws OutOfMemoryError on the host right after every device has passed bucket `bucket` to
 // the all-reduce, as an allocation in the next layer's backward would; -1 (the default) turns it

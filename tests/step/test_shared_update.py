@@ -1,8 +1,9 @@
-"""The shared update of CPU replicas (train_batch.cpp's shared_update): on k CPU devices of one
-process the fused step sums the gradients and updates every replica in one collective after
-backward, device j taking chunk j of the flat parameters of every replica. It must give what the
-bucketed all-reduce followed by per-replica updates gives (MGPU_CPU_SHARED_UPDATE=0), bit for bit:
-every replica's parameters, momentum buffers and batch-norm statistics, and the losses; and both
+"""The shared update of CPU replicas (comm/shared_update.h, driven by train/optimizer_step.cpp):
+on k CPU devices of one process the fused step sums the gradients and updates every replica in
+one collective after backward, device j taking chunk j of the flat parameters of every replica.
+It must give what the bucketed all-reduce followed by per-replica updates gives
+(MGPU_CPU_SHARED_UPDATE=0), bit for bit: every replica's parameters, momentum buffers and
+batch-norm statistics, and the losses; and both
 must match the float64 reference."""
 import numpy as np
 import pytest
