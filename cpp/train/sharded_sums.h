@@ -20,9 +20,11 @@ namespace mgpu::train {
 // list every rank can compute) and every rank forms the root identically: the tree and its
 // additions are those of one batch, so the bits do not depend on `accumulate` either. The root's
 // gradients land in every replica's grads; returns the losses (the whole batch's on rank 0's
-// first replica, 0 on every other).
+// first replica, 0 on every other). comm_dtype BF16: every node of the tree is rounded to
+// bfloat16 as it is formed (a shard's gradients; a partial sum after its float32 addition), so
+// partial sums cross devices and ranks in half the bytes (train_step's comm_dtype).
 std::vector<Tensor> sharded_sums(const Model& m, const Tensor& X, const Tensor& y,
                                  std::vector<Replica>& replicas, int64_t num_shards,
-                                 int64_t accumulate);
+                                 int64_t accumulate, DType comm_dtype = DType::F32);
 
 }  // namespace mgpu::train

@@ -25,6 +25,7 @@ import numpy as np
 from . import _core
 from . import distributed as _dist
 from . import trace as _trace
+from .amp import check_comm_dtype
 from .device import Device, as_device
 from .tensor import Tensor, array, check_int, engine_handle
 
@@ -314,7 +315,7 @@ class FusedModel:
                    betas: Tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, step: int = 1,
                    max_norm: Optional[float] = None, lrs: Sequence[float] = (),
                    weight_decays: Sequence[float] = (), accumulate: int = 1,
-                   amsgrad: bool = False) -> List[Tensor]:
+                   amsgrad: bool = False, comm_dtype: str = "float32") -> List[Tensor]:
         """One optimizer step on the mean loss over the whole batch; returns each replica's
         summed loss (0-d tensors). ``optimizer`` 'sgd' (PyTorch's rule, with momentum and weight
         decay), 'adam' or 'adamw' (PyTorch's, at ``step`` counted from 1, with ``betas`` and
@@ -323,7 +324,8 @@ class FusedModel:
         ``nn.utils.clip_grad_norm_``); ``lrs`` and ``weight_decays``: one value per parameter
         instead of ``lr`` and ``weight_decay``. ``deterministic`` and ``accumulate`` as for
         ``train_batch`` (batch norm then normalises per logical shard, or per micro-batch and
-        replica, and its running statistics move once per micro-batch)."""
+        replica, and its running statistics move once per micro-batch). ``comm_dtype`` "bf16":
+        the gradients all-reduced in bfloat16 (``DataParallel.train_step`` says how)."""
         if not isinstance(X, Tensor) or not isinstance(y, Tensor):
             raise TypeError(f"train_step: X and y must be mgpu tensors, got "
                             f"{type(X).__name__} and {type(y).__name__}")
@@ -331,12 +333,13 @@ class FusedModel:
             (lr, "lr"), (momentum, "momentum"), (weight_decay, "weight_decay")))
         shards = shard_count(deterministic, "train_step")
         accumulate = check_accumulate(accumulate, shards, "train_step")
+        comm = check_comm_dtype(comm_dtype, "train_step: comm_dtype")
         _dist.auto_init()
         # A label out of range raises IndexError and changes nothing (the step checks them).
         losses = self._model.train_step(X._t, y._t, lr, momentum, weight_decay, shards,
                                         optimizer, tuple(betas), eps, step, max_norm,
                                         list(lrs), list(weight_decays), accumulate,
-                                        bool(amsgrad))
+                                        bool(amsgrad), "bfloat16" if comm == "bf16" else "float32")
         for t in self._changed:  # updated in place
             t.bump_version()
         return [Tensor(t) for t in losses]
