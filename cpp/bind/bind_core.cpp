@@ -61,23 +61,26 @@ DType dtype_from_numpy(const py::dtype& dt) {
   if (dt.is(py::dtype::of<int64_t>())) return DType::I64;
   if (dt.is(py::dtype::of<uint8_t>())) return DType::U8;
   throw TypeError("unsupported dtype " + std::string(py::str(dt)) +
-                  "; mgpu tensors hold float32, int32, int64 or uint8");
+                  "; mgpu tensors hold float32, bfloat16, int32, int64 or uint8");
 }
 
+// NumPy has no bfloat16: a bfloat16 tensor crosses as uint16, its raw bits (tensor.py gives
+// them ml_dtypes' dtype, or float32 values).
 py::dtype numpy_dtype(DType t) {
   switch (t) {
     case DType::F32: return py::dtype::of<float>();
     case DType::I32: return py::dtype::of<int32_t>();
     case DType::I64: return py::dtype::of<int64_t>();
     case DType::U8: return py::dtype::of<uint8_t>();
+    case DType::BF16: return py::dtype::of<uint16_t>();
   }
   throw InternalError("unknown dtype");
 }
 
 DType dtype_from_name(const std::string& name) {
-  for (DType t : {DType::F32, DType::I32, DType::I64, DType::U8})
+  for (DType t : {DType::F32, DType::I32, DType::I64, DType::U8, DType::BF16})
     if (name == dtype_name(t)) return t;
-  throw TypeError("unknown dtype '" + name + "'; use float32, int32, int64 or uint8");
+  throw TypeError("unknown dtype '" + name + "'; use float32, bfloat16, int32, int64 or uint8");
 }
 
 // Waits (without the GIL) until the tensor's device has finished all queued work, then raises
@@ -90,11 +93,16 @@ void wait_ready(const Tensor& t) {
   if (std::exception_ptr e = t.storage()->error()) std::rethrow_exception(e);
 }
 
-Tensor from_numpy(const py::array& arr, Device device) {
+// bits: arr is uint16, the raw bits of a bfloat16 tensor.
+Tensor from_numpy(const py::array& arr, Device device, bool bits) {
   MGPU_CHECK_VALUE(arr.flags() & py::array::c_style, "from_numpy: the array must be C-contiguous");
+  MGPU_CHECK_TYPE(!bits || arr.dtype().is(py::dtype::of<uint16_t>()),
+                  "from_numpy: the bits of a bfloat16 tensor must be a uint16 array, got ",
+                  std::string(py::str(arr.dtype())));
   check_device(device);
   Shape shape(arr.shape(), arr.shape() + arr.ndim());
-  Tensor t = Tensor::empty(shape, dtype_from_numpy(arr.dtype()), device, "array");
+  Tensor t = Tensor::empty(shape, bits ? DType::BF16 : dtype_from_numpy(arr.dtype()), device,
+                           "array");
   t.storage()->mark_written();  // filled below, before anyone else sees it
   // Fresh storage is touched by no queued task yet, so the host may fill it directly. A GPU's
   // copy goes through its queue instead (after the work already queued there, which may still
@@ -144,6 +152,7 @@ dlpack::DataType dl_dtype(DType t) {
     case DType::I32: return {dlpack::kInt, 32, 1};
     case DType::I64: return {dlpack::kInt, 64, 1};
     case DType::U8: return {dlpack::kUInt, 8, 1};
+    case DType::BF16: return {dlpack::kBfloat, 16, 1};
   }
   throw InternalError("unknown dtype");
 }
@@ -211,10 +220,11 @@ Tensor from_dlpack_capsule(py::capsule cap) {
   else if (dl.dtype.code == dlpack::kInt && dl.dtype.bits == 32) dtype = DType::I32;
   else if (dl.dtype.code == dlpack::kInt && dl.dtype.bits == 64) dtype = DType::I64;
   else if (dl.dtype.code == dlpack::kUInt && dl.dtype.bits == 8) dtype = DType::U8;
+  else if (dl.dtype.code == dlpack::kBfloat && dl.dtype.bits == 16) dtype = DType::BF16;
   else
     throw TypeError("from_dlpack: unsupported element type " + dl_dtype_name(dl.dtype) +
-                    "; mgpu holds float32, int32, int64 or uint8 (convert first, e.g. "
-                    ".float() in PyTorch or .astype('float32') in NumPy and JAX)");
+                    "; mgpu holds float32, bfloat16, int32, int64 or uint8 (convert first, "
+                    "e.g. .float() in PyTorch or .astype('float32') in NumPy and JAX)");
   MGPU_CHECK_VALUE(dl.dtype.lanes == 1, "from_dlpack: vector element types are not supported");
   MGPU_CHECK_VALUE(dl.ndim >= 0 && (dl.ndim == 0 || dl.shape), "from_dlpack: malformed tensor "
                    "(", dl.ndim, " dims)");
@@ -379,7 +389,9 @@ void bind_core(py::module_& m) {
       .def("numpy", &to_numpy, "A NumPy copy (waits for the device).")
       .def("to_dlpack", &to_dlpack, "A DLPack capsule sharing the memory (waits for the device).")
       .def_static("from_numpy", &from_numpy, py::arg("array"), py::arg("device"),
-                  "Copies a C-contiguous float32/int32/int64/uint8 array onto a device.")
+                  py::arg("bits") = false,
+                  "Copies a C-contiguous float32/int32/int64/uint8 array onto a device (bits: a "
+                  "uint16 array of bfloat16 bits).")
       .def_static("from_dlpack", &from_dlpack_capsule, "Wraps a DLPack capsule without copying.")
       .def_static("empty", [](std::vector<int64_t> shape, const std::string& dtype, Device d,
                               const std::string& op) {

@@ -43,9 +43,10 @@ void bind_ops(py::module_& m) {
   m.def("to_device", &ops::to_device, py::arg("src"), py::arg("device"),
         py::arg("force_copy") = false, nogil(), "A copy of src on device (src itself if already there).");
   m.def("astype", [](const Tensor& x, const std::string& name) {
-    for (DType t : {DType::F32, DType::I32, DType::I64, DType::U8})
+    for (DType t : {DType::F32, DType::I32, DType::I64, DType::U8, DType::BF16})
       if (name == dtype_name(t)) return ops::astype(x, t);
-    throw TypeError("astype: unknown dtype '" + name + "'; use float32, int32, int64 or uint8");
+    throw TypeError("astype: unknown dtype '" + name +
+                    "'; use float32, bfloat16, int32, int64 or uint8");
   }, nogil(), "Elementwise dtype conversion.");
   m.def("sgd_update", &ops::sgd_update, nogil(), "param -= scale * grad.");
   m.def("adam_step", [](const Tensor& param, const Tensor& grad, const Tensor& exp_avg,

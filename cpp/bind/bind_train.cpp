@@ -157,7 +157,8 @@ void bind_train(py::module_& m) {
                             const std::string& optimizer, std::pair<float, float> betas, float eps,
                             int64_t step, std::optional<float> max_norm,
                             const std::vector<float>& lrs, const std::vector<float>& weight_decays,
-                            int64_t accumulate, bool amsgrad, uint64_t seed) {
+                            int64_t accumulate, bool amsgrad, uint64_t seed,
+                            const std::string& comm_dtype) {
         // PyTorch's SGD accepts lr 0; NaN or infinity would train every replica into NaN.
         MGPU_CHECK_VALUE(std::isfinite(lr) && lr >= 0, "Model.train_step: the learning rate must "
                          "be a finite number >= 0, got ", lr);
@@ -204,6 +205,9 @@ void bind_train(py::module_& m) {
         }
         sgd.lrs = lrs;
         sgd.weight_decays = weight_decays;
+        MGPU_CHECK_VALUE(comm_dtype == "float32" || comm_dtype == "bfloat16", "Model.train_step: "
+                         "comm_dtype must be 'float32' or 'bfloat16', got '", comm_dtype, "'");
+        sgd.comm_dtype = comm_dtype == "bfloat16" ? DType::BF16 : DType::F32;
         py::gil_scoped_release nogil;
         // The previous step's tasks have all run (and released their tensors) before this one
         // allocates: each step then needs the same blocks at once, which the CPU allocator keeps
@@ -221,11 +225,13 @@ void bind_train(py::module_& m) {
          py::arg("step") = 1, py::arg("max_norm") = std::nullopt,
          py::arg("lrs") = std::vector<float>{}, py::arg("weight_decays") = std::vector<float>{},
          py::arg("accumulate") = 1, py::arg("amsgrad") = false, py::arg("seed") = 0,
+         py::arg("comm_dtype") = "float32",
          "One fused step: optimizer 'sgd' (lr, momentum, weight_decay), 'adam' or 'adamw' (lr, "
          "betas, eps, weight_decay at `step`, counted from 1; amsgrad: that variant); max_norm: "
          "clip the mean loss's gradient to that global norm first; lrs, weight_decays: per "
          "parameter; accumulate: micro-batches run one after another, their gradients summed "
-         "before one update; seed: the step's dropout masks.")
+         "before one update; seed: the step's dropout masks; comm_dtype 'bfloat16': gradients "
+         "reduced in bfloat16.")
       .def("evaluate_batch", [](const Replicated& r, const Tensor& X, const Tensor& y) {
         py::gil_scoped_release nogil;
         return train::evaluate_step(*r.model, X, y, r.replicas);

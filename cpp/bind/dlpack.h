@@ -8,7 +8,7 @@
 namespace mgpu::dlpack {
 
 enum DeviceType : int32_t { kCPU = 1, kCUDA = 2 };
-enum TypeCode : uint8_t { kInt = 0, kUInt = 1, kFloat = 2 };
+enum TypeCode : uint8_t { kInt = 0, kUInt = 1, kFloat = 2, kBfloat = 4 };
 
 struct Device {
   int32_t device_type;

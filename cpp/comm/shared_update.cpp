@@ -26,6 +26,16 @@ void sum_block(const std::vector<float*>& grads, int64_t f0, int64_t n, float* s
   }
 }
 
+// The same from the replicas' bfloat16 gradients: float32 sums, each rounded to bfloat16.
+void sum_block_bf16(const std::vector<BFloat16*>& grads, int64_t f0, int64_t n, float* sum) {
+  const int k = static_cast<int>(grads.size());
+  for (int64_t e = 0; e < n; ++e) {
+    float acc = grads[0][f0 + e];
+    for (int d = 1; d < k; ++d) acc += grads[static_cast<size_t>(d)][f0 + e];
+    sum[e] = static_cast<float>(BFloat16(acc));
+  }
+}
+
 }  // namespace
 
 bool shared_update_enabled() {
@@ -36,15 +46,27 @@ bool shared_update_enabled() {
 void SharedUpdate::run(int me) {
   const int k = static_cast<int>(grads.size());
   constexpr int64_t B = ops::kElementBlock;
-  barrier.arrive_and_wait();  // every replica's backward has written its gradients
   const int64_t blocks = (total + B - 1) / B;
+  const bool bf16 = !grads16.empty();
+  if (bf16) {  // what this device sends: its own gradients in bfloat16, on its own cores
+    const float* g = grads[static_cast<size_t>(me)];
+    BFloat16* out = grads16[static_cast<size_t>(me)];
+    parallel_for(blocks, [&](int64_t j) {
+      for (int64_t i = j * B, end = std::min(total, i + B); i < end; ++i) out[i] = BFloat16(g[i]);
+    });
+  }
+  barrier.arrive_and_wait();  // every replica's gradients are written (and rounded)
+  auto sum_into = [&](int64_t f0, int64_t n, float* sum) {
+    if (bf16) sum_block_bf16(grads16, f0, n, sum);
+    else sum_block(grads, f0, n, sum);
+  };
   const int64_t lo = blocks * me / k, hi = blocks * (me + 1) / k;
   const bool clipped = static_cast<bool>(clip);
   float factor = 1.0f;
   if (clipped) {
     parallel_for(hi - lo, [&](int64_t j) {
       const int64_t f0 = (lo + j) * B, n = std::min(total, f0 + B) - f0;
-      sum_block(grads, f0, n, grads[0] + f0);  // element by element, in place: each read first
+      sum_into(f0, n, grads[0] + f0);  // element by element, in place: each read first
       block_squares[static_cast<size_t>(lo + j)] = ops::cpu::sum_squares(n, grads[0] + f0);
     });
     barrier.arrive_and_wait();  // every block's sum and square sum are written
@@ -59,7 +81,7 @@ void SharedUpdate::run(int me) {
       return;
     }
     float sum[B];
-    sum_block(grads, f0, n, sum);
+    sum_into(f0, n, sum);
     update(f0, n, sum, nullptr);
   });
   barrier.arrive_and_wait();  // every block of every replica is written before anyone reads

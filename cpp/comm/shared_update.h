@@ -34,6 +34,11 @@ bool shared_update_enabled();
 struct SharedUpdate {
   explicit SharedUpdate(int k) : barrier(k) {}
   std::vector<float*> grads;  // grads[d]: replica d's flat gradients
+  // Set (one per replica) to reduce in bfloat16: device d first rounds its own gradients into
+  // grads16[d] (dtype.h's rounding), the block sums read those, half the bytes, add them in
+  // float32 in device order and round each sum to bfloat16 once more, as an all-gather in
+  // bfloat16 would carry it.
+  std::vector<BFloat16*> grads16;
   int64_t total = 0;          // their length
   // update(f0, n, sum, clip): the optimizer on flat elements [f0, f0 + n) of every replica, with
   // the summed gradients sum[0, n) and the clip factor (null: none). Blocks run in parallel.

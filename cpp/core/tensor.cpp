@@ -95,8 +95,14 @@ void require_same_device(const char* op, std::initializer_list<const Tensor*> te
 }
 
 void require_dtype(const char* op, const char* name, const Tensor& t, DType want) {
+  // A bfloat16 tensor holds data (interop, checkpoints); ops compute on float32 tensors, in
+  // bfloat16 under autocast.
+  const char* fix = t.dtype() == DType::BF16 && want == DType::F32
+                        ? "; convert it with .astype(mgpu.float32), or keep float32 tensors and "
+                          "compute in bfloat16 under mgpu.autocast('bf16')"
+                        : "";
   MGPU_CHECK_TYPE(t.dtype() == want, op, ": ", name, " must be ", dtype_name(want), ", got ",
-                  dtype_name(t.dtype()));
+                  dtype_name(t.dtype()), fix);
 }
 
 }  // namespace mgpu

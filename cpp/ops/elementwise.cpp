@@ -96,6 +96,7 @@ void convert_from(const Tensor& x, const Tensor& out) {
     case DType::I32: return convert<To, int32_t>(x, out);
     case DType::I64: return convert<To, int64_t>(x, out);
     case DType::U8: return convert<To, uint8_t>(x, out);
+    case DType::BF16: return convert<To, BFloat16>(x, out);
   }
 }
 
@@ -250,6 +251,7 @@ Tensor astype(const Tensor& x, DType dtype) {
     case DType::I32: convert_from<int32_t>(x, out); break;
     case DType::I64: convert_from<int64_t>(x, out); break;
     case DType::U8: convert_from<uint8_t>(x, out); break;
+    case DType::BF16: convert_from<BFloat16>(x, out); break;
   }
   return out;
 }

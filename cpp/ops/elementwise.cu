@@ -1,8 +1,8 @@
 // cpp/ops/elementwise.cu -- elementwise.h's kernels: the per-element bodies (a op b for every
 // BinaryOp, fills, the SGD and Adam steps, the clip factor) as grid-stride kernels, astype for
-// every pair of float, int32, int64 and uint8, the sum of all elements, and sum_to_shape's row
-// sums. Executed on emulated GPUs
-// in tests (tests/cpp/emu_test_kernels_cuda.cpp); compiled by nvcc for real GPUs.
+// every pair of float, int32, int64, uint8 and bfloat16, the sum of all elements, and
+// sum_to_shape's row sums. Executed on emulated GPUs in tests
+// (tests/cpp/emu_test_kernels_cuda.cpp); compiled by nvcc for real GPUs.
 #include "ops/elementwise.h"
 #include "ops/launch.cuh"
 
@@ -105,15 +105,17 @@ void convert(int64_t n, const From* x, To* y, cudaStream_t stream) {
   for_each_index(n, ConvertOut<To, From>{x, y}, stream);
 }
 
-#define MGPU_INSTANTIATE_CONVERT(To)                                              \
-  template void convert<To, float>(int64_t, const float*, To*, cudaStream_t);     \
-  template void convert<To, int32_t>(int64_t, const int32_t*, To*, cudaStream_t); \
-  template void convert<To, int64_t>(int64_t, const int64_t*, To*, cudaStream_t); \
-  template void convert<To, uint8_t>(int64_t, const uint8_t*, To*, cudaStream_t);
+#define MGPU_INSTANTIATE_CONVERT(To)                                                \
+  template void convert<To, float>(int64_t, const float*, To*, cudaStream_t);       \
+  template void convert<To, int32_t>(int64_t, const int32_t*, To*, cudaStream_t);   \
+  template void convert<To, int64_t>(int64_t, const int64_t*, To*, cudaStream_t);   \
+  template void convert<To, uint8_t>(int64_t, const uint8_t*, To*, cudaStream_t);   \
+  template void convert<To, BFloat16>(int64_t, const BFloat16*, To*, cudaStream_t);
 MGPU_INSTANTIATE_CONVERT(float)
 MGPU_INSTANTIATE_CONVERT(int32_t)
 MGPU_INSTANTIATE_CONVERT(int64_t)
 MGPU_INSTANTIATE_CONVERT(uint8_t)
+MGPU_INSTANTIATE_CONVERT(BFloat16)
 #undef MGPU_INSTANTIATE_CONVERT
 
 }  // namespace mgpu::ops::cuda

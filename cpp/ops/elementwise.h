@@ -155,7 +155,8 @@ void fill(const Tensor& t, double value);
 void copy(const Tensor& dst, const Tensor& src);
 // A copy of src on `device` (src itself if it is already there and copy is false).
 Tensor to_device(const Tensor& src, Device device, bool force_copy = false);
-// Elementwise dtype conversion (float32 <-> int32/int64/uint8).
+// Elementwise dtype conversion between any two of float32, bfloat16, int32, int64, uint8 (to
+// bfloat16: dtype.h's rounding, from float32, or through float32 for the integer types).
 Tensor astype(const Tensor& x, DType dtype);
 void sgd_update(const Tensor& param, const Tensor& grad, float scale);
 // SgdStep on param, grad and momentum_buf (all one shape on one device; momentum_buf undefined:
@@ -208,9 +209,9 @@ void bias_grad_rows(int64_t n, int64_t m, const float* dy, float* db, cudaStream
 // reproducible (though not bitwise equal to the CPU's index order).
 void sum_all(int64_t n, const float* x, float* out, cudaStream_t stream);
 // y[i] = static_cast<To>(x[i]) for i in [0, n) (ops::astype), To and From each one of float,
-// int32_t, int64_t, uint8_t (all 16 pairs are instantiated). Integer to integer wraps as on the
-// CPU; float to an integer type truncates toward zero, and a value outside the target's range
-// (or NaN) is undefined behaviour in C++ and differs between CPU (x86) and GPU (saturating).
+// int32_t, int64_t, uint8_t, BFloat16 (all 25 pairs are instantiated). Integer to integer wraps
+// as on the CPU; float to an integer type truncates toward zero, and a value outside the target's
+// range (or NaN) is undefined behaviour in C++ and differs between CPU (x86) and GPU (saturating).
 template <class To, class From>
 void convert(int64_t n, const From* x, To* y, cudaStream_t stream);
 }  // namespace cuda

@@ -158,6 +158,13 @@ void shared_update(const Model& m, std::vector<Replica>& replicas, const std::ve
     if (adam) make_zeroed(m, r.second, r.device);
     if (adam && sgd.amsgrad) make_zeroed(m, r.max_second, r.device);
     sh->grads.push_back(grads[d].f32());
+    if (sgd.comm_dtype == DType::BF16) {
+      const Tensor g16 = Tensor::empty({m.flat_size()}, DType::BF16, r.device, "shared update");
+      sh->grads16.push_back(g16.data<BFloat16>());
+      keep.push_back({g16});  // extended below with the replica's own tensors
+    } else {
+      keep.emplace_back();
+    }
     std::vector<float*> ps;
     for (const Tensor& p : r.state.params) ps.push_back(p.f32());
     up->params.push_back(std::move(ps));
@@ -165,7 +172,7 @@ void shared_update(const Model& m, std::vector<Replica>& replicas, const std::ve
     up->second.push_back(adam ? r.second.f32() : nullptr);
     up->max_second.push_back(adam && sgd.amsgrad ? r.max_second.f32() : nullptr);
     devices.push_back(r.device);
-    keep.push_back(r.state.params);
+    keep.back().insert(keep.back().end(), r.state.params.begin(), r.state.params.end());
     keep.back().push_back(grads[d]);
     for (const Tensor* t : {&r.momentum, &r.second, &r.max_second})
       if (t->defined()) keep.back().push_back(*t);

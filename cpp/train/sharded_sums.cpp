@@ -23,12 +23,20 @@ struct Partial {
 };
 
 // a += b, on a's device (b is copied there). Every node of the tree is formed by exactly this
-// addition, left child plus right child, so the bits depend on the tree alone.
+// addition, left child plus right child, so the bits depend on the tree alone. bfloat16 children
+// (comm_dtype) are added in float32 and the sum rounded to bfloat16.
 void add_into(Partial& a, const Partial& b) {
   MGPU_ASSERT(a.span.second == b.span.first, "adding shard sums out of tree order");
   if (b.grads.device() != a.grads.device())
     comm::count_collective(static_cast<int64_t>(b.grads.nbytes()));
-  ops::binary_inplace(ops::BinaryOp::Add, a.grads, ops::to_device(b.grads, a.grads.device()));
+  if (a.grads.dtype() == DType::BF16) {
+    Tensor sum = ops::astype(a.grads, DType::F32);
+    ops::binary_inplace(ops::BinaryOp::Add, sum,
+                        ops::astype(ops::to_device(b.grads, a.grads.device()), DType::F32));
+    a.grads = ops::astype(sum, DType::BF16);
+  } else {
+    ops::binary_inplace(ops::BinaryOp::Add, a.grads, ops::to_device(b.grads, a.grads.device()));
+  }
   ops::binary_inplace(ops::BinaryOp::Add, a.loss, ops::to_device(b.loss, a.loss.device()));
   a.span.second = b.span.second;
 }
@@ -52,17 +60,19 @@ Partial combine(int64_t lo, int64_t hi, std::map<int64_t, Partial>& have) {
 // seed and each shard's first row in the batch (rows[shard].first).
 Partial local_sum(const Model& m, const std::vector<std::pair<Tensor, Tensor>>& inputs,
                   int64_t lo, int64_t hi, const Replica& r, const ReplicaState& scratch,
-                  int64_t stats, const std::vector<ShardSpan>& rows, uint64_t seed) {
+                  int64_t stats, const std::vector<ShardSpan>& rows, uint64_t seed,
+                  DType comm_dtype) {
   if (hi - lo == 1) {
     const auto& [Xs, ys] = inputs[static_cast<size_t>(lo)];
     Partial p{{lo, hi}, Tensor::empty({m.flat_size()}, DType::F32, r.device), Tensor()};
     p.loss = model_loss_and_grads(m, Xs, ys, lo == stats ? r.state : scratch, p.grads,
                                   [](size_t) {}, seed, rows[static_cast<size_t>(lo)].first);
+    if (comm_dtype == DType::BF16) p.grads = ops::astype(p.grads, DType::BF16);
     return p;
   }
   const int64_t mid = tree_split(lo, hi);
-  Partial a = local_sum(m, inputs, lo, mid, r, scratch, stats, rows, seed);
-  add_into(a, local_sum(m, inputs, mid, hi, r, scratch, stats, rows, seed));
+  Partial a = local_sum(m, inputs, lo, mid, r, scratch, stats, rows, seed, comm_dtype);
+  add_into(a, local_sum(m, inputs, mid, hi, r, scratch, stats, rows, seed, comm_dtype));
   return a;
 }
 
@@ -70,7 +80,7 @@ Partial local_sum(const Model& m, const std::vector<std::pair<Tensor, Tensor>>& 
 
 std::vector<Tensor> sharded_sums(const Model& m, const Tensor& X, const Tensor& y,
                                  std::vector<Replica>& replicas, int64_t num_shards,
-                                 int64_t accumulate, uint64_t seed) {
+                                 int64_t accumulate, uint64_t seed, DType comm_dtype) {
   const size_t L = replicas.size();
   const int world = comm::dist::world_size(), me = comm::dist::rank();
   const std::vector<ShardSpan> rows = shard_ranges(X.size(0), static_cast<size_t>(num_shards));
@@ -106,7 +116,7 @@ std::vector<Tensor> sharded_sums(const Model& m, const Tensor& X, const Tensor& 
       const auto [first, last] = owned(k, static_cast<size_t>(me) * L + d);
       for (const ShardSpan& n : maximal_nodes(num_shards, first, last))
         have.emplace(n.first, local_sum(m, inputs, n.first, n.second, replicas[d], scratch[d],
-                                        k * per, rows, seed));
+                                        k * per, rows, seed, comm_dtype));
       for (int64_t i = first; i < last; ++i) inputs[static_cast<size_t>(i)] = {};
     }
   }
@@ -131,7 +141,7 @@ std::vector<Tensor> sharded_sums(const Model& m, const Tensor& X, const Tensor& 
         p.grads = ops::to_device(p.grads, home);
         p.loss = ops::to_device(p.loss, home);
       } else {
-        p = Partial{n, Tensor::empty({m.flat_size()}, DType::F32, home),
+        p = Partial{n, Tensor::empty({m.flat_size()}, comm_dtype, home),
                     Tensor::empty({}, DType::F32, home)};
       }
       if (world > 1) comm::dist::broadcast({p.grads, p.loss}, k);
@@ -143,7 +153,10 @@ std::vector<Tensor> sharded_sums(const Model& m, const Tensor& X, const Tensor& 
   for (size_t d = 0; d < L; ++d) {
     Replica& r = replicas[d];
     if (!r.grads.defined()) r.grads = Tensor::empty({m.flat_size()}, DType::F32, r.device);
-    ops::copy(r.grads, root.grads);
+    // A bfloat16 root goes to each replica's device as bfloat16 and is widened there.
+    ops::copy(r.grads, root.grads.dtype() == DType::BF16
+                           ? ops::astype(ops::to_device(root.grads, r.device), DType::F32)
+                           : root.grads);
     // The whole batch's loss is reported once (by rank 0's first replica), so the sums over
     // replicas and ranks that callers form are the tree's sum exactly.
     Tensor loss = Tensor::empty({}, DType::F32, r.device);

@@ -21,9 +21,12 @@ namespace mgpu::train {
 // additions are those of one batch, so the bits do not depend on `accumulate` either. The root's
 // gradients land in every replica's grads; returns the losses (the whole batch's on rank 0's
 // first replica, 0 on every other). seed: the step's dropout masks, each shard's rows masked as
-// rows of X.
+// rows of X. comm_dtype BF16: every node of the tree is rounded to bfloat16 as it is formed (a
+// shard's gradients; a partial sum after its float32 addition), so partial sums cross devices
+// and ranks in half the bytes (train_step's comm_dtype).
 std::vector<Tensor> sharded_sums(const Model& m, const Tensor& X, const Tensor& y,
                                  std::vector<Replica>& replicas, int64_t num_shards,
-                                 int64_t accumulate, uint64_t seed);
+                                 int64_t accumulate, uint64_t seed,
+                                 DType comm_dtype = DType::F32);
 
 }  // namespace mgpu::train

@@ -87,12 +87,26 @@ std::vector<Tensor> train_step(const Model& m, const Tensor& X, const Tensor& y,
                    accumulate, " must divide the number of logical shards (", num_shards,
                    "): each micro-batch is a run of whole shards; use an accumulate that divides ",
                    num_shards, ", or a shard count that is a multiple of ", accumulate);
+  if (sgd.comm_dtype == DType::BF16 && num_shards == 0) {
+    const std::vector<Device> devices = devices_of(replicas);
+    const int world = comm::dist::world_size();
+    const bool cpu = devices[0].is_cpu();
+    MGPU_CHECK_VALUE((devices.size() == 1 && world == 1) ||
+                     (cpu && world == 1 && comm::shared_update_enabled()),
+                     op, ": comm_dtype='bf16' reduces in bfloat16 on the CPU devices of one "
+                     "process (their shared update) and in the deterministic step; ",
+                     !cpu ? "the GPUs' bucketed all-reduce"
+                     : world > 1 ? "the bucketed all-reduce across mpirun's ranks"
+                                 : "the bucketed all-reduce that MGPU_CPU_SHARED_UPDATE=0 keeps",
+                     " is float32 only for now: pass deterministic=True, or comm_dtype='float32'");
+  }
   const int64_t classes = m.classes();
   const bool guarded = classes > 0 && !labels_checked_on_host(op, y, classes);
   LabelGuard guard;
   if (guarded) guard = start_guard(op, classes, y, replicas, sgd);
   if (num_shards > 0) {
-    std::vector<Tensor> losses = sharded_sums(m, X, y, replicas, num_shards, accumulate, seed);
+    std::vector<Tensor> losses = sharded_sums(m, X, y, replicas, num_shards, accumulate, seed,
+                                              sgd.comm_dtype);
     for (Replica& r : replicas) update(m, r, r.grads, sgd, X.size(0));
     share_buffers(replicas);
     if (guarded) finish_guard(op, guard, classes, losses);
@@ -205,7 +219,8 @@ std::vector<Tensor> train_step(const Model& m, const Tensor& X, const Tensor& y,
   {
     trace::Label label([] { return std::string("sgd update"); });
     if (shared) {
-      comm::count_collective(m.flat_size() * static_cast<int64_t>(sizeof(float)));
+      comm::count_collective(m.flat_size() *
+                             static_cast<int64_t>(dtype_size(sgd.comm_dtype)));
       shared_update(m, replicas, grads, sgd, X.size(0));
     } else {
       for (size_t d = 0; d < L; ++d) update(m, replicas[d], grads[d], sgd, X.size(0));

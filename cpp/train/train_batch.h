@@ -43,6 +43,9 @@ struct Sgd {
   bool clip = false;
   float max_norm = 0.0f;
   std::vector<float> lrs, weight_decays;
+  // The dtype the gradients are reduced in across replicas: F32, or BF16 (half the bytes; see
+  // train_step).
+  DType comm_dtype = DType::F32;
 
   float lr_of(size_t i) const { return lrs.empty() ? lr : lrs[i]; }
   float weight_decay_of(size_t i) const {
@@ -79,6 +82,15 @@ void check_replicas(const char* op, const Model& m, const std::vector<Replica>& 
 // momentum and batch-norm statistics as they were, and the IndexError comes at the next wait (the
 // returned losses keep it). Errors name `op`. seed: the step's dropout masks, a function of
 // (seed, layer, the example's row in X, element) however the batch is split (ops/dropout.h).
+// sgd.comm_dtype BF16: the gradients are reduced in bfloat16. Each replica rounds its gradients
+// to bfloat16 (dtype.h: nearest, ties to even) and the others read those, half the bytes; the
+// sum is formed in float32 in device order and rounded to bfloat16 once more (what an all-gather
+// in bfloat16 carries), and every replica's update reads it widened. The deterministic step
+// rounds every node of its tree instead: a shard's gradients, and each partial sum as it is
+// formed (left + right in float32, then rounded); partial sums cross devices and ranks as
+// bfloat16. So the bits still depend on the shard count alone. Runs on CPU devices of one process
+// (the shared update), on one device (nothing is reduced) and in the deterministic step; the
+// bucketed all-reduce (GPUs, mpirun, MGPU_CPU_SHARED_UPDATE=0) refuses it with ValueError.
 std::vector<Tensor> train_step(const Model& m, const Tensor& X, const Tensor& y,
                                std::vector<Replica>& replicas, const Sgd& sgd,
                                int64_t num_shards = 0, const char* op = "train_step",

@@ -4,7 +4,8 @@ for those ops; batch norm, the loss, softmax, pooling and the optimizer stay flo
 the tensors: parameters (the master weights), activations and gradients are float32 throughout.
 The operands are rounded to bfloat16 where the C++ kernels pack them (cpp/ops/bf16.h says how,
 and what error that costs); outputs are float32, where PyTorch's autocast outputs bfloat16
-tensors (mgpu has no bfloat16 tensor dtype yet).
+tensors (mgpu's bfloat16 tensors, ``mgpu.bfloat16``, hold data for interop and checkpoints; ops
+take float32 tensors).
 
 An op records the precision it ran with, and its backward (dx, dW) runs with the same, as
 PyTorch's does, whether ``backward()`` is called inside the block or after it::
@@ -37,6 +38,17 @@ def check_precision(precision: str, what: str = "precision") -> str:
         raise ValueError(f"{what} must be 'float32' or 'bf16' (bfloat16 operands, float32 sums), "
                          f"got {precision!r}")
     return _PRECISIONS[precision.lower()]
+
+
+def check_comm_dtype(comm_dtype, what: str = "comm_dtype") -> str:
+    """The canonical name ("float32" or "bf16") of the dtype gradients are all-reduced in: a
+    name ("bf16", "bfloat16", "float32", "fp32") or ``mgpu.bfloat16`` / ``mgpu.float32``;
+    ValueError for anything else."""
+    name = getattr(comm_dtype, "name", comm_dtype)
+    if not isinstance(name, str) or name.lower() not in _PRECISIONS:
+        raise ValueError(f"{what} must be 'float32' or 'bf16' (gradients rounded to bfloat16 for "
+                         f"the all-reduce, half the bytes), got {comm_dtype!r}")
+    return _PRECISIONS[name.lower()]
 
 
 class autocast:

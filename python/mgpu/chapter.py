@@ -154,7 +154,7 @@ def train_concise(net, num_gpus: int, batch_size: int, lr: float, num_epochs: in
                   schedule: str = "none", warmup_epochs: int = 0,
                   clip_grad_norm: Optional[float] = None, accumulate: int = 1,
                   log: Optional[str] = None, tensorboard: Optional[str] = None,
-                  precision: str = "float32") -> TrainResult:
+                  precision: str = "float32", comm_dtype: str = "float32") -> TrainResult:
     """The concise chapter's ``train(net, num_gpus, batch_size, lr)`` (sec. 12.6), as printed:
     ``normal_(std=0.01)`` init of Linear and Conv2d weights, ``nn.DataParallel``, SGD and the
     mean cross-entropy, the book's loop, test accuracy on all devices after every epoch, and
@@ -188,11 +188,18 @@ def train_concise(net, num_gpus: int, batch_size: int, lr: float, num_epochs: in
     is currently slower than float32 for ResNet-18 (its 3x3 convolutions run im2col in bf16
     where float32 runs Winograd); it is there for its numerics and as the base for faster
     kernels.
+    ``comm_dtype="bf16"`` (with ``fused``): the gradients are all-reduced in bfloat16, half the
+    bytes (``DataParallel.train_step``'s ``comm_dtype``); a checkpoint records it and a resume
+    with another is refused, as it would not end with the uninterrupted run's parameters.
     Returns the per-epoch accuracies and times.
     """
     if int(num_gpus) < 1:
         raise ValueError(f"train_concise: num_gpus must be >= 1, got {num_gpus}")
     precision = amp.check_precision(precision, "train_concise: precision")
+    comm_dtype = amp.check_comm_dtype(comm_dtype, "train_concise: comm_dtype")
+    if comm_dtype != "float32" and not fused:
+        raise ValueError("train_concise: comm_dtype='bf16' needs fused=True (the book's loop "
+                         "sums its gradients through autograd, in float32)")
     if deterministic and not fused:
         raise ValueError("train_concise: deterministic needs fused=True (the book's loop through "
                          "autograd sums gradients in device order)")
@@ -227,7 +234,7 @@ def train_concise(net, num_gpus: int, batch_size: int, lr: float, num_epochs: in
               "lr": lr, "seed": seed, "fused": bool(fused), "deterministic": shards,
               "optimizer": optimizer, "schedule": schedule, "warmup_epochs": warmup_epochs,
               "clip_grad_norm": clip_grad_norm, "accumulate": accumulate,
-              "precision": precision}
+              "precision": precision, "comm_dtype": comm_dtype}
 
     def state():
         return {"model": net.module.state_dict(), "optimizer": trainer.state_dict(),
@@ -239,7 +246,7 @@ def train_concise(net, num_gpus: int, batch_size: int, lr: float, num_epochs: in
     with loop:  # SIGTERM and SIGUSR1 handled from here (mgpu.loop)
         run = loop.start(resume, lambda path, saved: _resume_concise(
             path, saved, net.module, trainer, train_iter, result, batch_size, len(devices), fused,
-            shards, scheduler, accumulate))
+            shards, scheduler, accumulate, comm_dtype))
         for epoch in loop.epochs():
             net.train()
             losses = run.losses
@@ -248,7 +255,7 @@ def train_concise(net, num_gpus: int, batch_size: int, lr: float, num_epochs: in
                 if fused:
                     l = net.train_step(X, y, loss, trainer, deterministic=deterministic,
                                        clip_grad_norm=clip_grad_norm, accumulate=accumulate,
-                                       precision=precision)
+                                       precision=precision, comm_dtype=comm_dtype)
                 else:
                     trainer.zero_grad()
                     X, y = X.to(devices[0]), y.to(devices[0])
@@ -295,9 +302,16 @@ def accumulated_backward(net, loss, X, y, accumulate: int):
 
 def _resume_concise(path: str, state, module, trainer, train_iter, result: TrainResult,
                     batch_size: int, num_devices: int, fused: bool, shards: int,
-                    scheduler=None, accumulate: int = 1) -> "_scaffold.Progress":
+                    scheduler=None, accumulate: int = 1,
+                    comm_dtype: str = "float32") -> "_scaffold.Progress":
     """Puts a checkpoint's state into the run: everything is checked before anything changes."""
     check_run(path, state, "mgpu.train_concise", batch_size, num_devices, 1, shards)
+    saved_comm = state.get("config", {}).get("comm_dtype", "float32")
+    if saved_comm != comm_dtype:
+        raise CheckpointError(path, f"was written by a run with comm_dtype={saved_comm!r}, this "
+                              f"run has comm_dtype={comm_dtype!r} (the gradients' rounding "
+                              "changes the steps, so the run would not end where the "
+                              "uninterrupted one does); resume with the same --comm-dtype")
     saved_accumulate = state.get("config", {}).get("accumulate", 1)
     if saved_accumulate != accumulate:
         raise CheckpointError(path, f"was written by a run with accumulate={saved_accumulate}, "

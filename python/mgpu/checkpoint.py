@@ -5,9 +5,11 @@ dtype, shape and byte offsets, plus ``__metadata__``), then the raw little-endia
 ``__metadata__`` holds the format name and version, a SHA-256 over the whole file, and the saved
 object's structure as JSON. Loading parses JSON and copies bytes, nothing else: no pickle, no code.
 ``save`` stores tensors, NumPy arrays, numbers, strings and lists, tuples and dicts of them
-(``net.state_dict()``, ``trainer.state_dict()``). Writes are atomic (a temporary file, fsync,
-rename, directory fsync): a crash or a full disk never damages the previous file. A corrupt,
-truncated, other-version or foreign file is refused with a ``CheckpointError`` naming the file.
+(``net.state_dict()``, ``trainer.state_dict()``); a bfloat16 tensor (or ml_dtypes array) is
+stored as safetensors' BF16, its raw bits, and loads back bit for bit. Writes are atomic (a
+temporary file, fsync, rename, directory fsync): a crash or a full disk never damages the
+previous file. A corrupt, truncated, other-version or foreign file is refused with a
+``CheckpointError`` naming the file.
 
 The training loops (``mgpu.train``, ``mgpu.chapter.train_concise``; ``mgpu train --checkpoint DIR
 --checkpoint-every K [--resume]``) write ``DIR/ckpt-<step>.mgpu`` every K steps and at each
@@ -44,6 +46,7 @@ _CHECKSUM_PLACEHOLDER = "sha256:" + "0" * 64
 _DTYPES = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "I64": "<i8", "I32": "<i4", "I16": "<i2",
            "I8": "i1", "U64": "<u8", "U32": "<u4", "U16": "<u2", "U8": "u1", "BOOL": "?"}
 _DTYPE_NAMES = {np.dtype(v).newbyteorder("=").str: k for k, v in _DTYPES.items()}
+_DTYPES["BF16"] = "<u2"  # bfloat16's raw bits (read back as tensorfile.BFloat16Bits)
 
 
 class CheckpointError(ValueError):
@@ -56,11 +59,16 @@ class CheckpointError(ValueError):
 
 # --- the object tree: JSON with tensors replaced by references --------------------------------
 
-def _encode(obj, path: str, tensors: List[Tuple[str, np.ndarray]], names: set):
-    from .tensor import Tensor
+def _encode(obj, path: str, tensors: List[Tuple[str, np.ndarray, str]], names: set):
+    from .tensor import Tensor, bfloat16_from_bits
     if isinstance(obj, (Tensor, np.ndarray)):
-        array = obj.numpy() if isinstance(obj, Tensor) else obj
-        if array.dtype.newbyteorder("=").str not in _DTYPE_NAMES:
+        bf16 = obj.dtype.name == "bfloat16"  # an mgpu tensor's, or ml_dtypes'
+        if bf16:
+            array = (obj if isinstance(obj, Tensor) else bfloat16_from_bits(
+                np.ascontiguousarray(obj).view(np.uint16))).bits()
+        else:
+            array = obj.numpy() if isinstance(obj, Tensor) else obj
+        if not bf16 and array.dtype.newbyteorder("=").str not in _DTYPE_NAMES:
             raise TypeError(f"mgpu.save: {path or 'the object'} has dtype {array.dtype}, which a "
                             f"checkpoint cannot hold (it holds {', '.join(_DTYPES)})")
         name = path or "tensor"
@@ -69,7 +77,8 @@ def _encode(obj, path: str, tensors: List[Tuple[str, np.ndarray]], names: set):
             k += 1
             name = f"{path}#{k}"
         names.add(name)
-        tensors.append((name, array))
+        tensors.append((name, array, "BF16" if bf16 else
+                        _DTYPE_NAMES[array.dtype.newbyteorder("=").str]))
         return {"__tensor__" if isinstance(obj, Tensor) else "__ndarray__": name}
     if obj is None or isinstance(obj, (bool, str)):
         return obj
@@ -113,6 +122,10 @@ def _decode(node, arrays: Dict[str, np.ndarray], device, where: str):
             if not isinstance(value, str) or value not in arrays:
                 raise CheckpointError(where, f"its structure refers to a tensor {value!r} that "
                                       "the file does not hold (corrupt)")
+            if isinstance(arrays[value], tensorfile.BFloat16Bits):
+                from .tensor import bfloat16_from_bits
+                t = bfloat16_from_bits(arrays[value].bits, device)
+                return t.numpy() if tag == "__ndarray__" else t
             if tag == "__ndarray__":
                 return arrays[value].copy()
             from .tensor import array
@@ -152,15 +165,15 @@ def _decode(node, arrays: Dict[str, np.ndarray], device, where: str):
 
 # --- writing ---------------------------------------------------------------------------------
 
-def _header(tensors: List[Tuple[str, np.ndarray]], tree, meta: Optional[dict]) -> bytes:
+def _header(tensors: List[Tuple[str, np.ndarray, str]], tree, meta: Optional[dict]) -> bytes:
     entries: Dict[str, Any] = {"__metadata__": {
         "format": FORMAT, "version": str(VERSION), "checksum": _CHECKSUM_PLACEHOLDER,
         "tree": json.dumps(tree, separators=(",", ":")),
         "meta": json.dumps(meta or {}, separators=(",", ":"))}}
     offset = 0
-    for name, a in tensors:
-        entries[name] = {"dtype": _DTYPE_NAMES[a.dtype.newbyteorder("=").str],
-                         "shape": list(a.shape), "data_offsets": [offset, offset + a.nbytes]}
+    for name, a, code in tensors:
+        entries[name] = {"dtype": code, "shape": list(a.shape),
+                         "data_offsets": [offset, offset + a.nbytes]}
         offset += a.nbytes
     text = json.dumps(entries, separators=(",", ":")).encode()
     return text + b" " * (-len(text) % 8)  # tensor data 8-byte aligned, as safetensors pads
@@ -194,11 +207,11 @@ def save(obj, path, meta: Optional[dict] = None) -> None:
     stored beside the tree (see :func:`read_meta`). Waits for the tensors' queued work.
     """
     path = os.fspath(path)
-    tensors: List[Tuple[str, np.ndarray]] = []
+    tensors: List[Tuple[str, np.ndarray, str]] = []
     tree = _encode(obj, "", tensors, set())
     # np.asarray keeps 0-d arrays 0-d (np.ascontiguousarray would make them 1-d).
-    tensors = [(n, np.asarray(a, dtype=a.dtype.newbyteorder("<"), order="C"))
-               for n, a in tensors]
+    tensors = [(n, np.asarray(a, dtype=a.dtype.newbyteorder("<"), order="C"), code)
+               for n, a, code in tensors]
     header = _header(tensors, tree, meta)
     directory = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(directory):
@@ -210,9 +223,9 @@ def save(obj, path, meta: Optional[dict] = None) -> None:
         prefix = struct.pack("<Q", len(header)) + header
         digest = hashlib.sha256(prefix)
         _write_all(fd, prefix)
-        total = sum(a.nbytes for _, a in tensors)
+        total = sum(a.nbytes for _, a, _ in tensors)
         written = 0
-        for _, a in tensors:
+        for _, a, _ in tensors:
             if written < total // 2 <= written + a.nbytes:
                 faults.fault("write")
             raw = a.reshape(-1).view(np.uint8)
@@ -311,6 +324,8 @@ def read_file(path) -> Tuple[Any, Dict[str, np.ndarray], dict, str]:
                 raise ValueError
             arrays[name] = np.frombuffer(body, dtype=dtype, count=count,
                                          offset=begin).reshape(shape)
+            if e["dtype"] == "BF16":
+                arrays[name] = tensorfile.BFloat16Bits(arrays[name])
         except (KeyError, TypeError, ValueError):
             raise CheckpointError(path, f"tensor '{name}' has an invalid entry {e!r} "
                                   "(corrupt)") from None
@@ -334,8 +349,11 @@ def load(path, device=None):
     """
     foreign = _foreign(path)
     if foreign is not None:
-        from .tensor import array
-        return {name: array(a, device=device, dtype=a.dtype) for name, a in foreign.items()}
+        from .tensor import array, bfloat16_from_bits
+        return {name: bfloat16_from_bits(a.bits, device)
+                if isinstance(a, tensorfile.BFloat16Bits) else array(a, device=device,
+                                                                    dtype=a.dtype)
+                for name, a in foreign.items()}
     tree, arrays, _, _ = read_file(path)
     return _decode(tree, arrays, device, os.fspath(path))
 

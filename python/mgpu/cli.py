@@ -48,8 +48,11 @@ def _train_run(args) -> int:
                               optimizer=args.optimizer, weight_decay=args.weight_decay,
                               schedule=args.schedule, warmup_epochs=args.warmup_epochs,
                               clip_grad_norm=args.clip_grad_norm, precision=args.precision,
-                              accumulate=args.accumulate, **kw)
+                              accumulate=args.accumulate, comm_dtype=args.comm_dtype, **kw)
         return 0
+    if args.comm_dtype != "float32":
+        raise ValueError("--comm-dtype bf16 needs --model resnet18 --fused for now (LeNet's "
+                         "fused step all-reduces float32)")
     if args.precision != "float32":
         raise ValueError("--precision bf16 needs --model resnet18 for now (LeNet's fused step "
                          "is float32 only)")
@@ -471,6 +474,11 @@ def main(argv: Optional[List[str]] = None, prog: str = "mgpu") -> int:
                         "On CPUs bf16 is currently slower than float32 for ResNet-18 (its 3x3 "
                         "convolutions run im2col in bf16 where float32 runs Winograd); it is "
                         "there for its numerics and as the base for faster kernels")
+    t.add_argument("--comm-dtype", choices=["float32", "bf16"], default="float32",
+                   help="resnet18 --fused on CPU devices: bf16 all-reduces the gradients in "
+                        "bfloat16, half the bytes (rounded to nearest even before the sum, "
+                        "summed in float32 in the usual order; --deterministic keeps its bits "
+                        "on any device count)")
     t.add_argument("--accumulate", type=int, default=1, metavar="K",
                    help="gradient accumulation: each batch as K micro-batches run one after "
                         "another (K times less activation memory), one reduction and one "

@@ -15,7 +15,7 @@ from . import _core, autograd, nn
 from . import ops as functional
 from . import random as _random
 from . import trace as _trace
-from .amp import check_precision
+from .amp import check_comm_dtype, check_precision
 from .device import Device, as_device, try_all_gpus, try_gpu
 from .models import Residual
 from .nn import (
@@ -342,7 +342,7 @@ class DataParallel(Module):
     @_trace.span("DataParallel.train_step")
     def train_step(self, X: Tensor, y: Tensor, loss, trainer, deterministic=False,
                    clip_grad_norm: Optional[float] = None, accumulate: int = 1,
-                   precision: str = "float32") -> Tensor:
+                   precision: str = "float32", comm_dtype: str = "float32") -> Tensor:
         """One fused data-parallel step: every replica's forward, loss, backward, bucketed
         all-reduce and optimizer update run in C++ from this one call (``mgpu._core.Model``,
         built from the module tree on first use). Computes what the book's loop computes with
@@ -400,6 +400,17 @@ class DataParallel(Module):
         of devices and ranks and with any ``accumulate``, and ``deterministic`` keeps its
         promise; ``mgpu.random.seed`` repeats them and a resumed checkpoint (which saves the
         generator's state) continues them.
+
+        ``comm_dtype="bf16"`` all-reduces the gradients in bfloat16, half the bytes of the
+        default float32 (``mgpu._core._collective_counts()`` counts them): each replica's
+        gradients (each logical shard's, deterministic) are rounded to bfloat16 (to nearest,
+        ties to even) before they are sent, summed in float32 in the order the float32 step
+        sums (device order; deterministic: the shard tree, each partial sum rounded to bfloat16
+        as it is formed), and the sum is rounded to bfloat16 once more, as an all-gather in
+        bfloat16 carries it; the optimizer updates the float32 parameters with it. So
+        ``deterministic`` keeps the same bits on any device count. CPU devices of one process
+        only for now (the shared update and the deterministic step); on GPUs, under mpirun
+        without ``deterministic``, or with ``MGPU_CPU_SHARED_UPDATE=0`` it raises ValueError.
         """
         if not self._sync:
             raise ValueError("train_step: called inside no_sync(); the fused step accumulates "
@@ -408,10 +419,12 @@ class DataParallel(Module):
         accumulate = check_accumulate(accumulate, shard_count(deterministic, "train_step"),
                                       "train_step")
         precision = check_precision(precision, "train_step: precision")
+        comm_dtype = check_comm_dtype(comm_dtype, "train_step: comm_dtype")
         if not isinstance(loss, nn_CrossEntropyLoss) or loss.reduction != "mean":
             raise ValueError("train_step: the fused step computes nn.CrossEntropyLoss() (mean); "
                              f"got {loss!r}")
         opts = self._optimizer_options(trainer, clip_grad_norm)
+        opts["comm_dtype"] = "bfloat16" if comm_dtype == "bf16" else "float32"
         master = list(self.module.parameters())
         if [id(p) for p in trainer.params] != [id(p) for p in master]:
             raise ValueError("train_step: trainer must hold exactly this network's parameters, "

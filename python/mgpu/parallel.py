@@ -25,6 +25,7 @@ import numpy as np
 from . import _core
 from . import distributed as _dist
 from . import trace as _trace
+from .amp import check_comm_dtype
 from .device import Device, as_device
 from .random import check_seed
 from .tensor import Tensor, array, check_int, engine_handle
@@ -315,7 +316,8 @@ class FusedModel:
                    betas: Tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, step: int = 1,
                    max_norm: Optional[float] = None, lrs: Sequence[float] = (),
                    weight_decays: Sequence[float] = (), accumulate: int = 1,
-                   amsgrad: bool = False, seed: int = 0) -> List[Tensor]:
+                   amsgrad: bool = False, seed: int = 0,
+                   comm_dtype: str = "float32") -> List[Tensor]:
         """One optimizer step on the mean loss over the whole batch; returns each replica's
         summed loss (0-d tensors). ``optimizer`` 'sgd' (PyTorch's rule, with momentum and weight
         decay), 'adam' or 'adamw' (PyTorch's, at ``step`` counted from 1, with ``betas`` and
@@ -327,7 +329,8 @@ class FusedModel:
         replica, and its running statistics move once per micro-batch). ``seed`` (an integer in
         [0, 2**64)): the step's dropout masks, a function of (seed, the layer's index in the
         spec, the example's row in X, the element's index in the example), so the same on any
-        split of X over devices, ranks and micro-batches."""
+        split of X over devices, ranks and micro-batches. ``comm_dtype`` "bf16":
+        the gradients all-reduced in bfloat16 (``DataParallel.train_step`` says how)."""
         if not isinstance(X, Tensor) or not isinstance(y, Tensor):
             raise TypeError(f"train_step: X and y must be mgpu tensors, got "
                             f"{type(X).__name__} and {type(y).__name__}")
@@ -335,12 +338,14 @@ class FusedModel:
             (lr, "lr"), (momentum, "momentum"), (weight_decay, "weight_decay")))
         shards = shard_count(deterministic, "train_step")
         accumulate = check_accumulate(accumulate, shards, "train_step")
+        comm = check_comm_dtype(comm_dtype, "train_step: comm_dtype")
         _dist.auto_init()
         # A label out of range raises IndexError and changes nothing (the step checks them).
         losses = self._model.train_step(X._t, y._t, lr, momentum, weight_decay, shards,
                                         optimizer, tuple(betas), eps, step, max_norm,
                                         list(lrs), list(weight_decays), accumulate,
-                                        bool(amsgrad), check_seed(seed, "train_step"))
+                                        bool(amsgrad), check_seed(seed, "train_step"),
+                                        "bfloat16" if comm == "bf16" else "float32")
         for t in self._changed:  # updated in place
             t.bump_version()
         return [Tensor(t) for t in losses]

@@ -5,6 +5,21 @@ Just what the chapter's code needs: ``shape``, ``dtype``, ``device``, ``reshape`
 scalars), ``.sum()``, ``.grad``, ``requires_grad_()`` / ``attach_grad()``, ``zero_()``; NumPy and
 DLPack in and out. Work is asynchronous: an op returns at once and the host waits only in
 ``numpy()``, ``item()``, ``repr()`` and ``mgpu.waitall()``.
+
+Element types: float32 (what ops compute on), int32 and int64 (labels), uint8 (raw images), and
+``mgpu.bfloat16``, which holds data -- a model's weights or activations crossing to and from
+PyTorch (DLPack) or a checkpoint -- in half the bytes. ``astype(mgpu.bfloat16)`` (or
+``mgpu.array(x, dtype=mgpu.bfloat16)``) rounds float32 to nearest, ties to even, keeping
+denormals, infinities and NaNs (cpp/core/dtype.h; other data goes through float32 first, as in
+PyTorch and ml_dtypes); ``astype(mgpu.float32)`` widens exactly. Ops take float32 tensors: a
+bfloat16 one is a TypeError saying to convert it, or to compute in bfloat16 on float32 tensors
+under ``mgpu.autocast("bf16")``. NumPy has no bfloat16 of its own: where the ``ml_dtypes``
+package is installed (``pip install mgpu[bfloat16]``), ``mgpu.bfloat16`` is its dtype and
+``numpy()`` gives an ``ml_dtypes.bfloat16`` array; without it, ``mgpu.bfloat16`` is mgpu's own
+marker and ``numpy()`` gives the exact values as float32. Either way ``t.bits()`` gives the raw
+bits (uint16) and :func:`bfloat16_from_bits` makes a tensor of them. ml_dtypes is optional: the
+engine keeps raw bits, DLPack (PyTorch, JAX) and checkpoints carry them, and only what
+``numpy()`` returns depends on it, so a plain install stays NumPy-only.
 """
 from __future__ import annotations
 
@@ -16,8 +31,72 @@ import numpy as np
 from . import _core, amp, autograd
 from .device import Device, as_device, cpu
 
+try:  # optional: NumPy's bfloat16 dtype (JAX's); without it numpy() gives float32 values
+    import ml_dtypes as _ml_dtypes
+except ImportError:
+    _ml_dtypes = None
+
 Shape = Tuple[int, ...]
 _Op = _core.BinaryOp
+
+
+class _BFloat16:
+    """``mgpu.bfloat16`` where ml_dtypes is not installed: the dtype of bfloat16 tensors, equal
+    to itself and to the name ``"bfloat16"``."""
+
+    name = "bfloat16"
+    itemsize = 2
+
+    def __repr__(self) -> str:
+        return "mgpu.bfloat16"
+
+    def __str__(self) -> str:
+        return self.name
+
+    def __eq__(self, other) -> bool:
+        return other is self or (isinstance(other, str) and other == self.name)
+
+    def __hash__(self) -> int:
+        return hash(self.name)
+
+
+bfloat16 = np.dtype(_ml_dtypes.bfloat16) if _ml_dtypes is not None else _BFloat16()
+float32 = np.dtype(np.float32)
+int32 = np.dtype(np.int32)
+int64 = np.dtype(np.int64)
+uint8 = np.dtype(np.uint8)
+_NAMES = ("float32", "bfloat16", "int32", "int64", "uint8")
+
+
+def dtype_name(dtype, op: str = "dtype") -> str:
+    """The name of an element type mgpu holds ("float32", "bfloat16", ...) from a NumPy dtype,
+    a NumPy or ml_dtypes scalar type, ``mgpu.bfloat16`` or a name; a TypeError otherwise."""
+    if isinstance(dtype, (str, _BFloat16)):
+        name = str(dtype)
+    else:
+        try:
+            name = np.dtype(dtype).name if dtype is not None else "None"
+        except TypeError:
+            name = str(dtype)
+    if name not in _NAMES:
+        raise TypeError(f"{op}: unsupported dtype {name}; mgpu tensors hold float32, bfloat16, "
+                        "int32, int64 or uint8")
+    return name
+
+
+def _is_dtype(x) -> bool:
+    try:
+        dtype_name(x)
+    except TypeError:
+        return False
+    return True
+
+
+def _bf16_values(bits: np.ndarray) -> np.ndarray:
+    """bfloat16 bits (uint16) as NumPy sees them: an ml_dtypes.bfloat16 view, or exact float32."""
+    if _ml_dtypes is not None:
+        return bits.view(_ml_dtypes.bfloat16)
+    return (bits.astype(np.uint32) << 16).view(np.float32)
 
 
 def engine_handle(x, op: str, arg: str) -> "_core.Tensor":
@@ -65,7 +144,9 @@ class Tensor:
 
     @property
     def dtype(self) -> np.dtype:
-        return np.dtype(self._t.dtype)
+        """A NumPy dtype, or ``mgpu.bfloat16`` for a bfloat16 tensor."""
+        name = self._t.dtype
+        return bfloat16 if name == "bfloat16" else np.dtype(name)
 
     @property
     def device(self) -> Device:
@@ -88,7 +169,17 @@ class Tensor:
 
     # --- host access ---------------------------------------------------------------------
     def numpy(self) -> np.ndarray:
-        """A NumPy copy of the values (waits for the device)."""
+        """A NumPy copy of the values (waits for the device). A bfloat16 tensor gives an
+        ml_dtypes.bfloat16 array where ml_dtypes is installed, else its exact float32 values."""
+        a = self._t.numpy()
+        return _bf16_values(a) if self._t.dtype == "bfloat16" else a
+
+    def bits(self) -> np.ndarray:
+        """The raw bits of a bfloat16 tensor, as a uint16 NumPy array (waits for the device);
+        :func:`bfloat16_from_bits` makes a tensor of them."""
+        if self._t.dtype != "bfloat16":
+            raise TypeError(f"bits(): only a bfloat16 tensor gives its raw bits, this one is "
+                            f"{self._t.dtype} (use numpy())")
         return self._t.numpy()
 
     def __array__(self, dtype=None, copy=None):
@@ -127,6 +218,8 @@ class Tensor:
             if copy is False:
                 raise BufferError(f"__dlpack__: a tensor on {self.device} cannot be shared with "
                                   "the CPU without a copy; pass copy=True or use .numpy()")
+            if self._t.dtype == "bfloat16":  # NumPy cannot export bfloat16: a host copy of ours
+                return _core.to_device(self._t, cpu(0), True).to_dlpack()
             return self._t.numpy().__dlpack__()
         return self._t.to_dlpack()  # waits for the device first, so any stream may read it
 
@@ -168,12 +261,17 @@ class Tensor:
 
     def _check_float(self, what: str) -> None:
         if self._t.dtype != "float32":
+            fix = (" (convert it with .astype(mgpu.float32), or compute in bfloat16 on float32 "
+                   "tensors under mgpu.autocast('bf16'))" if self._t.dtype == "bfloat16" else "")
             raise TypeError(f"{what}: only float32 tensors take part in autograd, "
-                            f"this one is {self._t.dtype}")
+                            f"this one is {self._t.dtype}{fix}")
 
     # --- moving and copying --------------------------------------------------------------
     def to(self, device) -> "Tensor":
-        """This tensor on ``device`` (itself if it is already there), recorded for autograd."""
+        """This tensor on ``device`` (itself if it is already there), recorded for autograd; or,
+        given a dtype (``t.to(mgpu.bfloat16)``), :meth:`astype`."""
+        if not isinstance(device, Device) and _is_dtype(device):
+            return self.astype(device)
         device = as_device(device)
         if device == self.device:
             return self
@@ -199,7 +297,12 @@ class Tensor:
         return self.copyto(self.device)
 
     def astype(self, dtype) -> "Tensor":
-        return Tensor(_core.astype(self._t, np.dtype(dtype).name))
+        """A converted copy (itself if it already has ``dtype``): to bfloat16 rounded to nearest,
+        ties to even; from bfloat16 exact. Not recorded for autograd."""
+        name = dtype_name(dtype, "astype")
+        if name == self._t.dtype:
+            return self
+        return Tensor(_core.astype(self._t, name))
 
     def reshape(self, *shape) -> "Tensor":
         """A view with a new shape; one extent may be -1."""
@@ -389,6 +492,9 @@ def _scalar_op(a: Tensor, s: float, op: "_core.BinaryOp", scalar_first: bool) ->
 # --- construction --------------------------------------------------------------------------
 
 _DTYPES = {np.dtype(np.float32), np.dtype(np.int32), np.dtype(np.int64), np.dtype(np.uint8)}
+_BF16_FIX = ("mgpu's ops compute on float32 tensors: convert it with .astype(mgpu.float32), or "
+             "keep float32 tensors and run the op under mgpu.autocast('bf16') (bfloat16 "
+             "products, float32 sums)")
 
 
 # --- mm and argmax: Tensor's ``@`` and ``argmax`` call them, so they live on this floor; mgpu.ops
@@ -402,6 +508,8 @@ def check_tensors(op: str, **named) -> None:
     """Checks that every named argument is an mgpu tensor (or None): a NumPy array or anything
     else is a TypeError saying how to make one, never an AttributeError from inside mgpu."""
     for name, t in named.items():
+        if isinstance(t, Tensor) and t._t.dtype == "bfloat16":
+            raise TypeError(f"{op}: {name} is a bfloat16 tensor; {_BF16_FIX}")
         if t is None or isinstance(t, Tensor):
             continue
         if isinstance(t, np.ndarray):
@@ -447,19 +555,37 @@ def _default_dtype(a: np.ndarray) -> np.dtype:
 def array(obj, device: Optional[Device] = None, dtype=None, ctx: Optional[Device] = None) -> Tensor:
     """A tensor copied from a NumPy array, a (nested) list, a number or another tensor.
 
-    Floating data becomes float32 and integer data int64 unless ``dtype`` says otherwise.
+    Floating data becomes float32 and integer data int64 unless ``dtype`` says otherwise; an
+    ml_dtypes.bfloat16 array stays bfloat16. ``dtype=mgpu.bfloat16`` rounds the values (as
+    float32) to bfloat16 on the device (see :meth:`Tensor.astype`).
     """
     device = as_device(device or ctx or cpu(0))
     if isinstance(obj, Tensor):
         t = obj.copyto(device)
         return t if dtype is None else t.astype(dtype)
+    want = dtype_name(dtype, "array") if dtype is not None else None
     a = np.asarray(obj)
-    want = np.dtype(dtype) if dtype is not None else _default_dtype(a)
-    if want not in _DTYPES:
-        raise TypeError(f"unsupported dtype {want}; mgpu tensors hold float32, int32, int64 or "
-                        "uint8")
+    if a.dtype.name == "bfloat16":  # ml_dtypes' (NumPy itself has none)
+        if want in (None, "bfloat16"):
+            return bfloat16_from_bits(np.ascontiguousarray(a).view(np.uint16), device)
+        a = a.astype(np.float32)  # exact
+    if want is None:
+        want = _default_dtype(a).name
+    if want == "bfloat16":
+        f = np.asarray(a, dtype=np.float32, order="C")
+        return Tensor(_core.astype(_core.Tensor.from_numpy(f, device), "bfloat16"))
     a = np.asarray(a, dtype=want, order="C")  # keeps 0-d values 0-d
     return Tensor(_core.Tensor.from_numpy(a, device))
+
+
+def bfloat16_from_bits(bits, device: Optional[Device] = None) -> Tensor:
+    """A bfloat16 tensor holding the raw bits ``bits`` (a uint16 array), as :meth:`Tensor.bits`
+    gives them: no rounding, NaN payloads kept."""
+    a = np.asarray(bits)
+    if a.dtype != np.uint16:
+        raise TypeError(f"bfloat16_from_bits: bits must be a uint16 array, got {a.dtype}")
+    return Tensor(_core.Tensor.from_numpy(np.ascontiguousarray(a), as_device(device or cpu(0)),
+                                          True))
 
 
 def tensor(obj, device: Optional[Device] = None, dtype=None) -> Tensor:
@@ -474,7 +600,7 @@ def full(shape, value: float, device: Optional[Device] = None, dtype=np.float32,
 
 
 def _full(shape, value, device, dtype, op: str) -> Tensor:
-    t = Tensor(_core.Tensor.empty(_shape(shape, op), np.dtype(dtype).name,
+    t = Tensor(_core.Tensor.empty(_shape(shape, op), dtype_name(dtype, op),
                                   as_device(device or cpu(0)), op))
     _core.fill(t._t, float(value))
     return t
@@ -511,8 +637,9 @@ _DLPACK_CUDA = 2  # kDLCUDA, DLPack's device type of CUDA memory
 
 def from_dlpack(obj) -> Tensor:
     """A tensor sharing memory with any DLPack producer (NumPy array, PyTorch or JAX CPU tensor,
-    ...): float32, int32, int64 or uint8, contiguous; other element types and strided views are
-    refused with a TypeError / ValueError naming the problem. A tensor made from a JAX array
+    ...): float32, bfloat16 (DLPack's kDLBfloat, e.g. torch.bfloat16), int32, int64 or uint8,
+    contiguous; other element types and strided views are refused with a TypeError /
+    ValueError naming the problem. A tensor made from a JAX array
     shares JAX's buffer, which JAX treats as immutable: write to a copy
     (``mgpu.array(np.asarray(x))``)."""
     if hasattr(obj, "__dlpack__"):

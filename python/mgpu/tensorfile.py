@@ -5,9 +5,10 @@ mapping each tensor's name to ``{"dtype", "shape", "data_offsets": [begin, end]}
 the bytes after the header, which the tensors cover exactly, without gaps or overlaps), and an
 optional ``__metadata__`` of string keys and values; the tensors are row-major, little-endian.
 
-mgpu tensors hold float32, int32, int64 and uint8: F32, I32, I64 and U8 load as they are, and
-element types that convert without loss are converted: F16 and BF16 to float32, I8, I16 and U16
-to int32, U32 to int64, BOOL to uint8 (0 or 1). F64, U64 and the 8-bit floats would lose values
+mgpu tensors hold float32, bfloat16, int32, int64 and uint8: F32, BF16, I32, I64 and U8 load as
+they are (BF16 as its raw bits, :class:`BFloat16Bits`), and element types that convert without
+loss are converted: F16 to float32, I8, I16 and U16 to int32, U32 to int64, BOOL to uint8 (0 or
+1). F64, U64 and the 8-bit floats would lose values
 and are refused with an error naming the tensor (convert them where the file is made). Every
 entry is checked before any tensor is made; reading parses JSON and copies bytes, nothing else.
 """
@@ -17,7 +18,7 @@ import json
 import math
 import struct
 from collections import OrderedDict
-from typing import Dict, Optional, Tuple
+from typing import Dict, NamedTuple, Optional, Tuple
 
 import numpy as np
 
@@ -26,13 +27,20 @@ MAX_HEADER = 100 << 20  # the reference implementation's cap on the header's siz
 # name -> (the stored element type, the dtype mgpu holds it as)
 _STORED = {
     "F32": ("<f4", "float32"), "I32": ("<i4", "int32"), "I64": ("<i8", "int64"),
-    "U8": ("u1", "uint8"), "F16": ("<f2", "float32"), "BF16": ("<u2", "float32"),
+    "U8": ("u1", "uint8"), "F16": ("<f2", "float32"), "BF16": ("<u2", "bfloat16"),
     "I8": ("i1", "int32"), "I16": ("<i2", "int32"), "U16": ("<u2", "int32"),
     "U32": ("<u4", "int64"), "BOOL": ("u1", "uint8"),
 }
 _REFUSED = {"F64": "float64", "U64": "uint64", "F8_E4M3": "8-bit float (E4M3)",
             "F8_E5M2": "8-bit float (E5M2)", "F8_E8M0": "8-bit float (E8M0)",
             "F4": "4-bit float", "F6_E2M3": "6-bit float", "F6_E3M2": "6-bit float"}
+
+
+class BFloat16Bits(NamedTuple):
+    """A BF16 tensor of a file: its raw bits (uint16, the tensor's shape), which NumPy alone
+    cannot hold as bfloat16 (mgpu.bfloat16_from_bits makes the tensor)."""
+
+    bits: np.ndarray
 
 
 class TensorFileError(ValueError):
@@ -64,16 +72,15 @@ def _no_duplicates(pairs):
 
 def _as_held(raw: np.ndarray, code: str) -> np.ndarray:
     """The stored elements as the dtype mgpu holds them (exact for every accepted code)."""
-    if code == "BF16":  # bfloat16 is the top half of a float32
-        return (raw.astype(np.uint32) << 16).view(np.float32)
     if code == "BOOL":
         return (raw != 0).astype(np.uint8)
     return raw.astype(_STORED[code][1])
 
 
 def parse(data: bytes) -> Tuple["OrderedDict[str, np.ndarray]", Dict[str, str]]:
-    """The tensors (NumPy arrays of the dtypes mgpu holds, in the header's order) and the
-    metadata of a safetensors file's bytes; TensorFileError naming the fault otherwise."""
+    """The tensors (NumPy arrays of the dtypes mgpu holds, BF16 ones as BFloat16Bits, in the
+    header's order) and the metadata of a safetensors file's bytes; TensorFileError naming the
+    fault otherwise."""
     parsed = read_header(data)
     if parsed is None:
         raise TensorFileError("not a safetensors file (its first 8 bytes must give the length of "
@@ -92,8 +99,9 @@ def parse(data: bytes) -> Tuple["OrderedDict[str, np.ndarray]", Dict[str, str]]:
         if code in _REFUSED:
             raise TensorFileError(
                 f"tensor '{name}' is {code} ({_REFUSED[code]}), which mgpu cannot hold without "
-                "losing values (mgpu holds float32, int32, int64, uint8, and converts F16, BF16, "
-                "I8, I16, U16, U32 and BOOL); convert it to F32 or I64 where the file is made")
+                "losing values (mgpu holds float32, bfloat16, int32, int64, uint8, and converts "
+                "F16, I8, I16, U16, U32 and BOOL); convert it to F32 or I64 where the file is "
+                "made")
         if code not in _STORED:
             raise TensorFileError(f"tensor '{name}' has an unknown dtype {code!r}")
         ints = shape + offsets if isinstance(shape, list) and isinstance(offsets, list) else None
@@ -122,7 +130,8 @@ def parse(data: bytes) -> Tuple["OrderedDict[str, np.ndarray]", Dict[str, str]]:
         code, shape = e["dtype"], e["shape"]
         begin = e["data_offsets"][0]
         raw = np.frombuffer(body, dtype=_STORED[code][0], count=math.prod(shape), offset=begin)
-        arrays[name] = _as_held(raw, code).reshape(shape)
+        arrays[name] = (BFloat16Bits(raw.reshape(shape)) if code == "BF16"
+                        else _as_held(raw, code).reshape(shape))
     return arrays, dict(meta)
 
 

@@ -174,7 +174,7 @@ def test_any_safetensors_file_loads_by_name_with_lossless_conversions(tmp_path):
         assert np.array_equal(got[k].numpy(), a.astype(held[k])), k
 
 
-def test_bfloat16_becomes_the_float32_it_encodes(tmp_path):
+def test_bfloat16_loads_as_bfloat16_and_widens_to_the_float32_it_encodes(tmp_path):
     # bfloat16 bits written by hand: the top 16 bits of float32 values that bfloat16 holds.
     values = np.array([1.0, -2.5, 3.140625, 0.0, -0.0, np.inf, 2.0**-126, -(2.0**-133)],
                       np.float32)  # the last two: the smallest normal, a subnormal
@@ -182,8 +182,10 @@ def test_bfloat16_becomes_the_float32_it_encodes(tmp_path):
     assert np.array_equal((bits.astype(np.uint32) << 16).view(np.float32), values)  # exact
     path = tmp_path / "bf16.safetensors"
     _write_safetensors(path, [("w", "BF16", values.shape, bits.tobytes())])
-    got = mgpu.load(path)["w"].numpy()
-    assert got.dtype == np.float32 and np.array_equal(got, values)
+    got = mgpu.load(path)["w"]
+    assert got.dtype == mgpu.bfloat16 and np.array_equal(got.bits(), bits)
+    wide = got.astype(mgpu.float32).numpy()
+    assert np.array_equal(wide.view(np.uint32), values.view(np.uint32))
 
 
 def test_lossy_dtypes_and_broken_files_are_refused_by_name(tmp_path):

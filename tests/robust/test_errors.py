@@ -359,7 +359,7 @@ def test_from_dlpack_errors():
     for dtype, name in [(np.float64, "float64"), (np.float16, "float16"), (np.int8, "int8"),
                         (np.uint16, "uint16"), (np.bool_, "bool"), (np.complex64, "complex64")]:
         with pytest.raises(TypeError, match=f"unsupported element type {name}; mgpu holds "
-                           "float32, int32, int64 or uint8 \\(convert first"):
+                           "float32, bfloat16, int32, int64 or uint8 \\(convert first"):
             mgpu.from_dlpack(np.ones(3, dtype=dtype))
     readonly = np.ones(3, dtype=np.float32)
     readonly.flags.writeable = False

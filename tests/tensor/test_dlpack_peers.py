@@ -6,7 +6,8 @@ Each peer runs one script in its own interpreter (a subprocess with a timeout; t
 hold their framework and NumPy, never pytest). The script is a list of checks; each check asserts
 what it can on its side and returns what it saw, and the whole run prints one JSON object, a check
 that raised giving its traceback instead. The tests here look at each check's JSON: values and
-shapes for every dtype mgpu holds, both ways; refused dtypes named in the error; zero copy (a
+shapes for every dtype mgpu holds, both ways; bfloat16's bits both ways against the peer's own
+rounding and the NumPy reference; refused dtypes named in the error; zero copy (a
 write through either side for PyTorch; the buffer address for JAX, whose arrays are immutable);
 the consumer outliving the producer's Python object; an export waiting for queued work; cpu(1);
 non-contiguous PyTorch tensors; and one training step fed from PyTorch tensors against the same
@@ -24,6 +25,7 @@ import pytest
 import mgpu
 import peers
 from mgpu.bench import rivals
+from test_bfloat16 import reference_bits, widened
 
 TIMEOUT = 300  # seconds for one peer script (an interpreter start is ~1-3 s; the checks are small)
 DTYPES = ["float32", "int32", "int64", "uint8"]  # what mgpu holds
@@ -65,9 +67,15 @@ def _find_peer(peer):
                   f"`bash .ci/peers.sh {peer}`")
 
 
+# float32 values that probe bfloat16's rounding: ties to even both ways, near ties, overflow to
+# infinity, denormals (a tie among them too), infinities, zeros of both signs and a NaN.
+BF16_SOURCE = np.array([1.0, 1 + 2**-8, 1 + 3 * 2**-8, 1 + 2**-8 + 2**-20, -2.5, 3.4e38,
+                        -3.39e38, 2.0**-133, 3 * 2.0**-134, 1e-40, np.inf, -np.inf, 0.0, -0.0,
+                        np.nan, 65504.0], np.float32)
+
 # Shared by both peers' scripts: the runner of the checks, and the tensors they start from.
 COMMON = '''
-import gc, json, sys, traceback
+import ctypes, gc, json, sys, traceback
 import numpy as np
 import mgpu
 
@@ -81,6 +89,10 @@ def check(f):
     return f
 
 
+# The test's BF16_SOURCE, bit for bit.
+BF16_SOURCE = np.frombuffer(bytes.fromhex("@BF16_SOURCE@"), np.float32)
+
+
 def source(dtype):
     """A 3x4 array with distinct values (negative ones too where the dtype has them)."""
     v = np.arange(12).reshape(3, 4) * 37 - 100
@@ -88,8 +100,12 @@ def source(dtype):
 
 
 def ptr(t):
-    """The address of an mgpu tensor's memory (through NumPy's DLPack import)."""
-    return int(np.from_dlpack(t).ctypes.data)
+    """The address of an mgpu tensor's memory: the data field (the first) of the DLTensor its
+    capsule holds (any dtype; the unused capsule frees its export)."""
+    get = ctypes.pythonapi.PyCapsule_GetPointer
+    get.restype, get.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
+    capsule = t.__dlpack__()  # alive while its tensor is read
+    return int(ctypes.c_void_p.from_address(get(capsule, b"dltensor")).value)
 
 
 def queued(device, n=1 << 20, times=40):
@@ -156,14 +172,38 @@ def mgpu_from_torch():
 @check
 def refused_dtypes():
     out = {}
-    for dt in (torch.float64, torch.bfloat16, torch.float16, torch.bool, torch.int8,
-               torch.int16, torch.complex64):
+    for dt in (torch.float64, torch.float16, torch.bool, torch.int8, torch.int16,
+               torch.complex64):
         try:
             mgpu.from_dlpack(torch.zeros(3, dtype=dt))
             out[str(dt)] = ["accepted", ""]
         except Exception as e:
             out[str(dt)] = [type(e).__name__, str(e)]
     return out
+
+
+@check
+def bfloat16():
+    """torch.bfloat16 both ways (DLPack's kDLBfloat, 16 bits): shared memory, the bits kept;
+    PyTorch's rounding of the same float32 values; a copy through __dlpack__(copy=True)."""
+    x32 = torch.from_numpy(BF16_SOURCE.copy())
+    x = x32.to(torch.bfloat16)
+    m = mgpu.from_dlpack(x)
+    r = {"torch_bits": (x.view(torch.int16).numpy().view(np.uint16)).tolist(),
+         "in_dtype": str(m.dtype), "in_bits": m.bits().tolist(), "in_same": x.data_ptr() == ptr(m)}
+    x[0] = 5.0  # written by torch, read by mgpu
+    r["mgpu_sees"] = int(m.bits()[0])
+    mine = mgpu.array(BF16_SOURCE, dtype=mgpu.bfloat16, device=C1)
+    y = torch.from_dlpack(mine)
+    r["out_dtype"] = str(y.dtype)
+    r["out_bits"] = y.view(torch.int16).numpy().view(np.uint16).tolist()
+    r["out_same"] = y.data_ptr() == ptr(mine)
+    r["mgpu_bits"] = mine.bits().tolist()
+    z = torch.from_dlpack(mine.__dlpack__(copy=True))
+    r["copy_bits"] = z.view(torch.int16).numpy().view(np.uint16).tolist()
+    r["copy_same"] = z.data_ptr() == ptr(mine)
+    r["widened"] = z.float().numpy().view(np.uint32).tolist()
+    return r
 
 
 @check
@@ -333,9 +373,27 @@ def mgpu_from_jax():
 
 
 @check
+def bfloat16():
+    """jnp.bfloat16 both ways; with ml_dtypes (JAX's dependency) numpy() gives its bfloat16."""
+    import ml_dtypes
+    a = jnp.asarray(BF16_SOURCE).astype(jnp.bfloat16)
+    m = mgpu.from_dlpack(a)
+    mine = mgpu.array(BF16_SOURCE, dtype=mgpu.bfloat16)
+    b = jnp.from_dlpack(mine)
+    host = mine.numpy()
+    return {"jax_bits": np.asarray(a).view(np.uint16).tolist(), "in_dtype": str(m.dtype),
+            "in_bits": m.bits().tolist(), "in_same": jptr(a) == ptr(m),
+            "out_dtype": str(b.dtype), "out_bits": np.asarray(b).view(np.uint16).tolist(),
+            "mgpu_bits": mine.bits().tolist(),
+            "numpy_is_ml_dtypes": host.dtype == np.dtype(ml_dtypes.bfloat16),
+            "numpy_bits": host.view(np.uint16).tolist(),
+            "dtype_is_ml_dtypes": mgpu.bfloat16 == np.dtype(ml_dtypes.bfloat16)}
+
+
+@check
 def refused_dtypes():
     out = {}
-    for dt in (jnp.float64, jnp.bfloat16, jnp.float16, jnp.bool_, jnp.int8, jnp.complex64):
+    for dt in (jnp.float64, jnp.float16, jnp.bool_, jnp.int8, jnp.complex64):
         try:
             mgpu.from_dlpack(jnp.zeros(3, dtype=dt))
             out[jnp.dtype(dt).name] = ["accepted", ""]
@@ -389,7 +447,8 @@ def _run_peer(name):
         if why is not None:
             _RUNS[name] = why
         else:
-            code = textwrap.dedent(COMMON) + textwrap.dedent(SCRIPTS[name])
+            code = (textwrap.dedent(COMMON).replace("@BF16_SOURCE@", BF16_SOURCE.tobytes().hex())
+                    + textwrap.dedent(SCRIPTS[name]))
             r = subprocess.run([py, "-c", code], capture_output=True, text=True, timeout=TIMEOUT,
                                env=_peer_env(), cwd=os.path.dirname(__file__))
             assert r.returncode == 0, \
@@ -458,12 +517,12 @@ def test_mgpu_to_peer_shares_values_and_memory(peer):
 
 def test_unsupported_dtypes_are_refused_by_name(peer):
     r = _result(peer, "refused_dtypes")
-    assert len(r) >= 6
+    assert len(r) >= 5
     for dt, (kind, msg) in r.items():
         name = dt.replace("torch.", "")
         assert kind == "TypeError", (dt, kind, msg)
-        assert f"unsupported element type {name}; mgpu holds float32, int32, int64 or uint8" \
-            in msg, (dt, msg)
+        assert f"unsupported element type {name}; mgpu holds float32, bfloat16, int32, int64 " \
+            "or uint8" in msg, (dt, msg)
 
 
 def test_consumer_outlives_the_producers_object(peer):
@@ -516,6 +575,28 @@ def test_edge_shapes_cross_both_ways(torch_peer):
     assert r["scalar_in"] == [[], 2.5] and r["scalar_out"] == [[], 66.0]
     assert r["empty_in"] == [0, 3] and r["empty_out"] == [0, 3]
     assert r["rows_out"] == np.arange(4.0, 12.0).reshape(2, 4).tolist()
+
+
+def test_bfloat16_crosses_both_ways_bit_for_bit(peer):
+    r = _result(peer, "bfloat16")
+    theirs = np.array(r["torch_bits" if peer[0] == "torch" else "jax_bits"], np.uint16)
+    mine = np.array(r["mgpu_bits"], np.uint16)
+    want = reference_bits(BF16_SOURCE)
+    nan = np.isnan(BF16_SOURCE)
+    # The peer's own rounding agrees with mgpu's and the reference but for NaN payloads (the
+    # peers give one canonical NaN, mgpu keeps the payload's top bits).
+    assert np.array_equal(mine, want)
+    assert np.array_equal(theirs[~nan], want[~nan])
+    assert ((theirs[nan] & 0x7f80) == 0x7f80).all() and (theirs[nan] & 0x7f).all()
+    assert r["in_dtype"] == "bfloat16" and r["in_bits"] == theirs.tolist() and r["in_same"]
+    assert r["out_dtype"] in ("torch.bfloat16", "bfloat16") and r["out_bits"] == mine.tolist()
+    if peer[0] == "torch":
+        assert r["out_same"] and r["mgpu_sees"] == 0x40a0  # torch's write of 5.0, seen by mgpu
+        assert r["copy_bits"] == mine.tolist() and not r["copy_same"]
+        assert r["widened"] == widened(mine).view(np.uint32).tolist()
+    else:
+        assert r["dtype_is_ml_dtypes"] and r["numpy_is_ml_dtypes"]
+        assert r["numpy_bits"] == mine.tolist()
 
 
 def test_training_step_fed_from_torch_matches_numpy(torch_peer):
