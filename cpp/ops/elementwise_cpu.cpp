@@ -1,8 +1,8 @@
 // cpp/ops/elementwise_cpu.cpp -- elementwise CPU kernels compiled per instruction-set path:
 // sum_to_shape's row sums of dy (n, m) into db (m), the same-shape add (ResNet's residual
-// connections, gradient accumulation), the SGD and Adam steps, and one block's sum of squares
-// (the gradient norm of clipping). Compiled with -fno-math-errno (CMakeLists.txt), so the square
-// roots of the Adam step vectorise.
+// connections, gradient accumulation), the SGD and Adam steps (one loop per combination of their
+// optional parts), and one block's sum of squares (the gradient norm of clipping). Compiled with
+// -fno-math-errno (CMakeLists.txt), so the square roots of the Adam step vectorise.
 #include <algorithm>
 #include <array>
 #include <utility>
@@ -29,8 +29,45 @@ void add_elements(int64_t n, const float* a, const float* b, float* out) {
   run_elements(n, [=](int64_t i) { out[i] = a[i] + b[i]; });
 }
 
-void sgd_step(int64_t n, float* param, const float* grad, float scale) {
-  run_elements(n, [=](int64_t i) { param[i] -= scale * grad[i]; });
+namespace {
+
+// The optional parts of the SGD step as constants, bit f of F set for each part present.
+template <int F>
+struct FixedSgdParts {
+  static constexpr bool clip = F & 1, decay = F & 2, buf = F & 4, first = F & 8, damp = F & 16,
+                        nesterov = F & 32;
+};
+
+template <int F>
+void sgd_loop(int64_t begin, int64_t end, const SgdStep& body) {
+  // The clip factor read once into a local: the loop's stores cannot alias it, so it vectorises.
+  SgdStep s = body;
+  float clip = 1.0f;
+  if (FixedSgdParts<F>::clip) {
+    clip = *body.clip;
+    s.clip = &clip;
+  }
+  for (int64_t i = begin; i < end; ++i) s.update(i, FixedSgdParts<F>{});
+}
+
+using SgdLoop = void (*)(int64_t, int64_t, const SgdStep&);
+
+template <int... F>
+constexpr std::array<SgdLoop, sizeof...(F)> sgd_loops(std::integer_sequence<int, F...>) {
+  return {&sgd_loop<F>...};
+}
+
+}  // namespace
+
+void sgd_step(int64_t begin, int64_t end, const SgdStep& body) {
+  static constexpr std::array<SgdLoop, 64> loops = sgd_loops(std::make_integer_sequence<int, 64>{});
+  const SgdParts has = body.parts();
+  // Without a buffer first, dampening and nesterov mean nothing: those loops are never taken.
+  const int f = (has.clip ? 1 : 0) | (has.decay ? 2 : 0) |
+                (has.buf ? 4 | (has.first ? 8 : 0) | (has.damp ? 16 : 0) |
+                               (has.nesterov ? 32 : 0)
+                         : 0);
+  loops[static_cast<size_t>(f)](begin, end, body);
 }
 
 namespace {
