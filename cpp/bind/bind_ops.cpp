@@ -137,6 +137,12 @@ void bind_ops(py::module_& m) {
   auto opt_ptr = [](const std::optional<Tensor>& t) { return t ? &*t : nullptr; };
   m.def("batch_norm_stats", &ops::batch_norm_stats, py::arg("x"), nogil(),
         "(mean, biased var) per channel of x (N, C, H, W) or (N, C).");
+  m.def("batch_norm_combine_stats",
+        py::overload_cast<const std::vector<Tensor>&, const std::vector<Tensor>&,
+                          const std::vector<double>&, Device>(&ops::batch_norm_combine_stats),
+        py::arg("means"), py::arg("variances"), py::arg("counts"), py::arg("device"), nogil(),
+        "(mean, biased var) of the union of replicas' (count, mean, var), combined on device in "
+        "double (Chan et al.), as the fused step's synchronised batch norm combines them.");
   m.def("batch_norm_update_running", &ops::batch_norm_update_running, py::arg("running"),
         py::arg("batch"), py::arg("keep"), py::arg("step"), nogil(),
         "running = running * keep + batch * step in place (the running statistics' update).");
