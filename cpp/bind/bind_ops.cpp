@@ -48,7 +48,27 @@ void bind_ops(py::module_& m) {
     throw TypeError("astype: unknown dtype '" + name +
                     "'; use float32, bfloat16, int32, int64 or uint8");
   }, nogil(), "Elementwise dtype conversion.");
-  m.def("sgd_update", &ops::sgd_update, nogil(), "param -= scale * grad.");
+  m.def("sgd_update", [](const Tensor& param, const Tensor& grad, float scale) {
+    ops::SgdHyper h;
+    h.lr = scale;
+    ops::sgd_step(param, grad, Tensor(), 1.0f, h);
+  }, py::arg("param"), py::arg("grad"), py::arg("scale"), nogil(), "param -= scale * grad.");
+  m.def("sgd_step", [](const Tensor& param, const Tensor& grad,
+                       const std::optional<Tensor>& momentum_buffer, float lr, float momentum,
+                       float dampening, float weight_decay, bool nesterov, bool first) {
+    ops::SgdHyper h;
+    h.lr = lr;
+    h.momentum = momentum;
+    h.dampening = dampening;
+    h.weight_decay = weight_decay;
+    h.nesterov = nesterov;
+    h.first = first;
+    ops::sgd_step(param, grad, momentum_buffer.value_or(Tensor()), 1.0f, h);
+  }, py::arg("param"), py::arg("grad"), py::arg("momentum_buffer"), py::arg("lr"),
+     py::arg("momentum"), py::arg("dampening"), py::arg("weight_decay"), py::arg("nesterov"),
+     py::arg("first"), nogil(),
+     "PyTorch's SGD step on param (and momentum_buffer, None for none) in place; first: the "
+     "buffer's first step (buf = g).");
   m.def("adam_step", [](const Tensor& param, const Tensor& grad, const Tensor& exp_avg,
                         const Tensor& exp_avg_sq, float lr, std::pair<float, float> betas, float eps,
                         float weight_decay, bool decoupled, int64_t step,
@@ -129,6 +149,12 @@ void bind_ops(py::module_& m) {
   auto opt_ptr = [](const std::optional<Tensor>& t) { return t ? &*t : nullptr; };
   m.def("batch_norm_stats", &ops::batch_norm_stats, py::arg("x"), nogil(),
         "(mean, biased var) per channel of x (N, C, H, W) or (N, C).");
+  m.def("batch_norm_combine_stats",
+        py::overload_cast<const std::vector<Tensor>&, const std::vector<Tensor>&,
+                          const std::vector<double>&, Device>(&ops::batch_norm_combine_stats),
+        py::arg("means"), py::arg("variances"), py::arg("counts"), py::arg("device"), nogil(),
+        "(mean, biased var) of the union of replicas' (count, mean, var), combined on device in "
+        "double (Chan et al.), as the fused step's synchronised batch norm combines them.");
   m.def("batch_norm_update_running", &ops::batch_norm_update_running, py::arg("running"),
         py::arg("batch"), py::arg("keep"), py::arg("step"), nogil(),
         "running = running * keep + batch * step in place (the running statistics' update).");

@@ -323,6 +323,33 @@ std::pair<Tensor, Tensor> batch_norm_combine_stats(const Tensor& parts) {
   return {mean, var};
 }
 
+std::pair<Tensor, Tensor> batch_norm_combine_stats(const std::vector<Tensor>& means,
+                                                   const std::vector<Tensor>& vars,
+                                                   const std::vector<double>& counts, Device at) {
+  const char* op = "batch_norm_combine_stats";
+  MGPU_CHECK_VALUE(!means.empty() && vars.size() == means.size() && counts.size() == means.size(),
+                   op, ": one mean, one variance and one count per replica, got ", means.size(),
+                   ", ", vars.size(), " and ", counts.size());
+  const int64_t K = static_cast<int64_t>(means.size()), C = means[0].numel(), w = 1 + 2 * C;
+  for (int64_t k = 0; k < K; ++k) {
+    require_dtype(op, "mean", means[k], DType::F32);
+    require_dtype(op, "var", vars[k], DType::F32);
+    MGPU_CHECK_VALUE(means[k].numel() == C && vars[k].numel() == C, op, ": replica ", k,
+                     " has ", means[k].numel(), " means and ", vars[k].numel(),
+                     " variances, replica 0 has ", C);
+  }
+  Tensor parts = Tensor::empty({K, w}, DType::F32, at);
+  fill(parts, 0.0);
+  const Tensor flat = parts.reshape({K * w});
+  for (int64_t k = 0; k < K; ++k) {
+    if (counts[static_cast<size_t>(k)] == 0.0) continue;
+    fill(flat.slice_rows(k * w, k * w + 1), counts[static_cast<size_t>(k)]);
+    copy(flat.slice_rows(k * w + 1, k * w + 1 + C), means[static_cast<size_t>(k)]);
+    copy(flat.slice_rows(k * w + 1 + C, (k + 1) * w), vars[static_cast<size_t>(k)]);
+  }
+  return batch_norm_combine_stats(parts);
+}
+
 std::pair<Tensor, Tensor> batch_norm_combine_sums(const Tensor& parts) {
   const char* op = "batch_norm_combine_sums";
   require_dtype(op, "parts", parts, DType::F32);

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <utility>
+#include <vector>
 
 #include "core/tensor.h"
 #include "cuda/stream.h"
@@ -121,6 +122,13 @@ void batch_norm_update_running(const Tensor& running, const Tensor& batch, float
 
 // (mean, var) (C,) each of the union from parts (K, 1 + 2C) as above; the total count must be > 0.
 std::pair<Tensor, Tensor> batch_norm_combine_stats(const Tensor& parts);
+// The same from K replicas' own statistics on any devices: row k of the parts, made on `at`, is
+// (counts[k], means[k], vars[k]) (each (C,)); a replica with count 0 gives a zero row. The book's
+// nn.SyncBatchNorm combines with this, the fused step's synchronised layer with the rows it
+// gathered: one combine, the same bits.
+std::pair<Tensor, Tensor> batch_norm_combine_stats(const std::vector<Tensor>& means,
+                                                   const std::vector<Tensor>& vars,
+                                                   const std::vector<double>& counts, Device at);
 // (sum_dy, sum_dy_xhat) (C,) each from parts (K, 2C): the sums over every replica.
 std::pair<Tensor, Tensor> batch_norm_combine_sums(const Tensor& parts);
 

@@ -122,8 +122,7 @@ std::string cpu_model();
     (N, C, HW, x, y, dy, mean, var, gamma, eps, sum_dy, sum_dy_xhat, dx, dshortcut))              \
   X(void, bias_grad_rows, (int64_t n, int64_t m, const float* dy, float* db), (n, m, dy, db))     \
   X(void, add_elements, (int64_t n, const float* a, const float* b, float* out), (n, a, b, out))  \
-  X(void, sgd_step, (int64_t n, float* param, const float* grad, float scale),                    \
-    (n, param, grad, scale))                                                                      \
+  X(void, sgd_step, (int64_t begin, int64_t end, const SgdStep& body), (begin, end, body))         \
   X(void, adam_step, (int64_t begin, int64_t end, const AdamStep& body), (begin, end, body))       \
   X(double, sum_squares, (int64_t n, const float* x), (n, x))                                     \
   X(void, softmax_ce_forward,                                                                     \

@@ -256,21 +256,6 @@ Tensor astype(const Tensor& x, DType dtype) {
   return out;
 }
 
-void sgd_update(const Tensor& param, const Tensor& grad, float scale) {
-  require_dtype("sgd", "param", param, DType::F32);
-  require_dtype("sgd", "grad", grad, DType::F32);
-  require_same_device("sgd", {&param, &grad});
-  MGPU_CHECK_VALUE(param.shape() == grad.shape(), "sgd: grad has shape ", grad.shape(),
-                   " but the parameter has shape ", param.shape());
-  const int64_t n = param.numel();
-  if (n == 0) return;
-  float* p = param.f32();
-  const float* g = grad.f32();
-  dispatch(param.device(), "sgd", [=] { cpu::sgd_step(n, p, g, scale); },
-           [=](cudaStream_t s) { cuda::for_each_index(n, SgdUpdate{p, g, scale}, s); }, param,
-           grad);
-}
-
 namespace {
 
 // clip: a 0-d float32 factor on param's device, or undefined (no clipping).
@@ -283,10 +268,29 @@ const float* clip_pointer(const char* op, const Tensor& param, const Tensor& cli
   return clip.f32();
 }
 
+// An optimizer's body over [0, n) on a CPU device: the kernel of the instruction-set path
+// (cpu_isa.h) on fixed blocks of kElementBlock elements, in parallel.
+template <class Body>
+void in_blocks(int64_t n, const Body& body, void (*kernel)(int64_t, int64_t, const Body&)) {
+  const int64_t blocks = (n + kElementBlock - 1) / kElementBlock;
+  if (blocks <= 1) {
+    kernel(0, n, body);
+    return;
+  }
+  parallel_for(blocks, [&](int64_t b) {
+    kernel(b * kElementBlock, std::min(n, (b + 1) * kElementBlock), body);
+  });
+}
+
 }  // namespace
 
+SgdStep sgd_body(const SgdHyper& h, float batch) {
+  return SgdStep{nullptr, nullptr, nullptr, batch, h.lr, h.momentum, h.weight_decay, nullptr,
+                 h.dampening, h.nesterov, h.first};
+}
+
 void sgd_step(const Tensor& param, const Tensor& grad, const Tensor& momentum_buf, float batch,
-              float lr, float momentum, float weight_decay, const Tensor& clip) {
+              const SgdHyper& h, const Tensor& clip) {
   require_dtype("sgd", "param", param, DType::F32);
   require_dtype("sgd", "grad", grad, DType::F32);
   require_same_device("sgd", {&param, &grad});
@@ -300,10 +304,16 @@ void sgd_step(const Tensor& param, const Tensor& grad, const Tensor& momentum_bu
                      momentum_buf.shape(), " but the parameter has shape ", param.shape());
     buf = momentum_buf.f32();
   }
-  const float* factor = clip_pointer("sgd", param, clip);
-  for_each_index("sgd", param.device(), param.numel(),
-                 SgdStep{param.f32(), grad.f32(), buf, batch, lr, momentum, weight_decay, factor},
-                 param, grad, momentum_buf, clip);
+  SgdStep body = sgd_body(h, batch);
+  body.param = param.f32();
+  body.grad = grad.f32();
+  body.buf = buf;
+  body.clip = clip_pointer("sgd", param, clip);
+  const int64_t n = param.numel();
+  if (n == 0) return;
+  dispatch(param.device(), "sgd", [n, body] { in_blocks(n, body, &cpu::sgd_step); },
+           [n, body](cudaStream_t s) { cuda::for_each_index(n, body, s); }, param, grad,
+           momentum_buf, clip);
 }
 
 AdamStep adam_body(const char* op, const AdamHyper& h, float batch) {
@@ -353,18 +363,7 @@ void adam_step(const Tensor& param, const Tensor& grad, const Tensor& m, const T
   body.clip = clip_pointer(op, param, clip);
   const int64_t n = param.numel();
   if (n == 0) return;
-  // On a CPU device the kernel of the instruction-set path (cpu_isa.h), in fixed blocks.
-  dispatch(param.device(), op,
-           [n, body] {
-             const int64_t blocks = (n + kElementBlock - 1) / kElementBlock;
-             if (blocks <= 1) {
-               cpu::adam_step(0, n, body);
-               return;
-             }
-             parallel_for(blocks, [&](int64_t b) {
-               cpu::adam_step(b * kElementBlock, std::min(n, (b + 1) * kElementBlock), body);
-             });
-           },
+  dispatch(param.device(), op, [n, body] { in_blocks(n, body, &cpu::adam_step); },
            [n, body](cudaStream_t s) { cuda::for_each_index(n, body, s); }, param, grad, m, v,
            clip, vmax);
 }

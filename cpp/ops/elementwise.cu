@@ -11,7 +11,6 @@ namespace mgpu::ops::cuda {
 using detail::ceil_div;
 
 template void for_each_index<FillOut>(int64_t, const FillOut&, cudaStream_t);
-template void for_each_index<SgdUpdate>(int64_t, const SgdUpdate&, cudaStream_t);
 template void for_each_index<SgdStep>(int64_t, const SgdStep&, cudaStream_t);
 template void for_each_index<AdamStep>(int64_t, const AdamStep&, cudaStream_t);
 template void for_each_index<ClipFactor>(int64_t, const ClipFactor&, cudaStream_t);

@@ -46,30 +46,45 @@ struct FillOut {
   float* out; float value;
   MGPU_HD void operator()(int64_t i) const { out[i] = value; }
 };
-// param -= scale * grad: the SGD step with scale = lr / batch_size.
-struct SgdUpdate {
-  float* param; const float* grad; float scale;
-  MGPU_HD void operator()(int64_t i) const { param[i] -= scale * grad[i]; }
+// The SGD rule, written once: every SGD update runs this body -- the book's optim.SGD, the
+// chapter's sgd (p -= lr / N * g), the fused step's SGD and LeNet's step, the shared update of
+// CPU replicas -- through cpu::sgd_step on a CPU device (one vectorised loop per combination of
+// parts, per instruction-set path) and for_each_index on a GPU.
+// PyTorch's SGD from the gradient of a loss summed over `batch` examples: g = grad / batch
+// (times *clip when clip is non-null: clip_grad_norm_'s factor), plus weight_decay * param; with
+// a momentum buffer (buf non-null) buf = momentum * buf + (1 - dampening) g, or buf = g at the
+// first step (first; a zeroed buffer without dampening gives the same), then g = buf, or
+// g + momentum * buf with nesterov; param -= lr * g. The chapter's rule is batch 1 (grad / 1 is
+// grad exactly) with lr = lr / N. Each multiply-add is an explicit fmaf and every other product
+// feeds a call, so the scalar loop, the AVX2 and AVX-512 kernels and the CUDA grid compute the
+// same operations. grad is only read.
+struct SgdParts {
+  bool clip, decay, buf, first, damp, nesterov;
 };
-
-// PyTorch's SGD on the mean loss in one pass, from the gradient of the summed loss over `batch`
-// examples: g = grad / batch (times *clip when clip is non-null: clip_grad_norm_'s factor) +
-// weight_decay * param; with a momentum buffer (buf non-null) buf = momentum * buf + g and
-// param -= lr * buf, else param -= lr * g. A zeroed buffer gives PyTorch's first step (buf = g)
-// exactly. grad is only read.
 struct SgdStep {
   float* param; const float* grad; float* buf; float batch, lr, momentum, weight_decay;
   const float* clip = nullptr;
-  MGPU_HD void operator()(int64_t i) const {
+  float dampening = 0.0f;
+  bool nesterov = false, first = false;
+  // Element i with the optional parts `has` names: parts() here, constants in the CPU kernels.
+  template <class Parts>
+  MGPU_HD void update(int64_t i, Parts has) const {
     float g = grad[i] / batch;
-    if (clip) g = g * *clip;
-    if (weight_decay != 0.0f) g = g + param[i] * weight_decay;
-    if (buf) {
-      buf[i] = buf[i] * momentum + g;
-      g = buf[i];
+    if (has.clip) g = g * *clip;
+    if (has.decay) g = fmaf(param[i], weight_decay, g);
+    if (has.buf) {
+      float b = g;
+      if (!has.first) b = fmaf(buf[i], momentum, has.damp ? (1.0f - dampening) * g : g);
+      buf[i] = b;
+      g = has.nesterov ? fmaf(momentum, b, g) : b;
     }
-    param[i] -= lr * g;
+    param[i] = fmaf(-lr, g, param[i]);
   }
+  MGPU_HD SgdParts parts() const {
+    return SgdParts{clip != nullptr, weight_decay != 0.0f, buf != nullptr, first,
+                    dampening != 0.0f, nesterov};
+  }
+  MGPU_HD void operator()(int64_t i) const { update(i, parts()); }
 };
 
 // PyTorch's Adam / AdamW at step t (t >= 1), from g = grad / batch (times *clip when clip is
@@ -158,11 +173,19 @@ Tensor to_device(const Tensor& src, Device device, bool force_copy = false);
 // Elementwise dtype conversion between any two of float32, bfloat16, int32, int64, uint8 (to
 // bfloat16: dtype.h's rounding, from float32, or through float32 for the integer types).
 Tensor astype(const Tensor& x, DType dtype);
-void sgd_update(const Tensor& param, const Tensor& grad, float scale);
+// SGD's hyperparameters at one step (see SgdStep).
+struct SgdHyper {
+  float lr = 0.1f, momentum = 0.0f, dampening = 0.0f, weight_decay = 0.0f;
+  bool nesterov = false, first = false;
+};
+// The SgdStep of hyperparameters h for gradients of a sum over `batch` examples: its scalars set,
+// its pointers null.
+SgdStep sgd_body(const SgdHyper& h, float batch);
 // SgdStep on param, grad and momentum_buf (all one shape on one device; momentum_buf undefined:
-// no momentum). Writes param and momentum_buf in place, allocates nothing.
+// no momentum) from grad / batch times clip (a 0-d float32 tensor on that device, or undefined:
+// 1). Writes param and momentum_buf in place, allocates nothing.
 void sgd_step(const Tensor& param, const Tensor& grad, const Tensor& momentum_buf, float batch,
-              float lr, float momentum, float weight_decay, const Tensor& clip = Tensor());
+              const SgdHyper& h, const Tensor& clip = Tensor());
 // AdamStep on param, grad and the moments m, v (all one shape on one device), from grad / batch
 // times clip (a 0-d float32 tensor on that device, or undefined: 1); with vmax defined (that
 // shape too) amsgrad. Writes param, m, v (and vmax) in place, allocates nothing. Raises
@@ -184,8 +207,9 @@ namespace cpu {
 void bias_grad_rows(int64_t n, int64_t m, const float* dy, float* db);
 // out[i] = a[i] + b[i] for i in [0, n) (BinarySameOut<Add>); out may be a or b.
 void add_elements(int64_t n, const float* a, const float* b, float* out);
-// param[i] -= scale * grad[i] for i in [0, n) (SgdUpdate).
-void sgd_step(int64_t n, float* param, const float* grad, float scale);
+// body(i) for i in [begin, end): one vectorised loop per combination of body.parts(), each
+// element with the operations of SgdStep::update, so with the bits of the scalar body.
+void sgd_step(int64_t begin, int64_t end, const SgdStep& body);
 // body(i) for i in [begin, end): one vectorised loop per combination of body.parts(), each
 // element with the operations of AdamStep::update, so with the bits of the scalar body.
 void adam_step(int64_t begin, int64_t end, const AdamStep& body);

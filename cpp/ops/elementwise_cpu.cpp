@@ -1,8 +1,8 @@
 // cpp/ops/elementwise_cpu.cpp -- elementwise CPU kernels compiled per instruction-set path:
 // sum_to_shape's row sums of dy (n, m) into db (m), the same-shape add (ResNet's residual
-// connections, gradient accumulation), the SGD and Adam steps, and one block's sum of squares
-// (the gradient norm of clipping). Compiled with -fno-math-errno (CMakeLists.txt), so the square
-// roots of the Adam step vectorise.
+// connections, gradient accumulation), the SGD and Adam steps (one loop per combination of their
+// optional parts), and one block's sum of squares (the gradient norm of clipping). Compiled with
+// -fno-math-errno (CMakeLists.txt), so the square roots of the Adam step vectorise.
 #include <algorithm>
 #include <array>
 #include <utility>
@@ -29,42 +29,56 @@ void add_elements(int64_t n, const float* a, const float* b, float* out) {
   run_elements(n, [=](int64_t i) { out[i] = a[i] + b[i]; });
 }
 
-void sgd_step(int64_t n, float* param, const float* grad, float scale) {
-  run_elements(n, [=](int64_t i) { param[i] -= scale * grad[i]; });
-}
-
 namespace {
 
-// The optional parts of the Adam step as constants, bit f of F set for each part present.
+// The optional parts of the SGD and Adam steps as constants, bit f of F set for each part present.
 template <int F>
-struct FixedParts {
+struct FixedSgdParts {
+  static constexpr bool clip = F & 1, decay = F & 2, buf = F & 4, first = F & 8, damp = F & 16,
+                        nesterov = F & 32;
+};
+template <int F>
+struct FixedAdamParts {
   static constexpr bool clip = F & 1, decay = F & 2, l2 = F & 4, amsgrad = F & 8;
 };
 
-template <int F>
-void adam_loop(int64_t begin, int64_t end, const AdamStep& body) {
+// An optimizer's body over [begin, end) with its parts fixed, so the loop vectorises.
+template <class Body, class Parts>
+void parts_loop(int64_t begin, int64_t end, const Body& body) {
   // The clip factor read once into a local: the loop's stores cannot alias it, so it vectorises.
-  AdamStep s = body;
+  Body s = body;
   float clip = 1.0f;
-  if (FixedParts<F>::clip) {
+  if (Parts::clip) {
     clip = *body.clip;
     s.clip = &clip;
   }
-  for (int64_t i = begin; i < end; ++i) s.update(i, FixedParts<F>{});
+  for (int64_t i = begin; i < end; ++i) s.update(i, Parts{});
 }
 
-using AdamLoop = void (*)(int64_t, int64_t, const AdamStep&);
-
-template <int... F>
-constexpr std::array<AdamLoop, sizeof...(F)> adam_loops(std::integer_sequence<int, F...>) {
-  return {&adam_loop<F>...};
+// The loop of every combination of parts, indexed by F.
+template <class Body, template <int> class Parts, int... F>
+constexpr std::array<void (*)(int64_t, int64_t, const Body&), sizeof...(F)> parts_loops(
+    std::integer_sequence<int, F...>) {
+  return {&parts_loop<Body, Parts<F>>...};
 }
 
 }  // namespace
 
+void sgd_step(int64_t begin, int64_t end, const SgdStep& body) {
+  static constexpr auto loops =
+      parts_loops<SgdStep, FixedSgdParts>(std::make_integer_sequence<int, 64>{});
+  const SgdParts has = body.parts();
+  // Without a buffer first, dampening and nesterov mean nothing: those loops are never taken.
+  const int f = (has.clip ? 1 : 0) | (has.decay ? 2 : 0) |
+                (has.buf ? 4 | (has.first ? 8 : 0) | (has.damp ? 16 : 0) |
+                               (has.nesterov ? 32 : 0)
+                         : 0);
+  loops[static_cast<size_t>(f)](begin, end, body);
+}
+
 void adam_step(int64_t begin, int64_t end, const AdamStep& body) {
-  static constexpr std::array<AdamLoop, 16> loops =
-      adam_loops(std::make_integer_sequence<int, 16>{});
+  static constexpr auto loops =
+      parts_loops<AdamStep, FixedAdamParts>(std::make_integer_sequence<int, 16>{});
   const AdamParts has = body.parts();
   const int f = (has.clip ? 1 : 0) | (has.decay ? 2 : 0) | (has.l2 ? 4 : 0) | (has.amsgrad ? 8 : 0);
   loops[static_cast<size_t>(f)](begin, end, body);

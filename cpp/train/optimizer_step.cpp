@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <memory>
+#include <utility>
 
 #include "comm/shared_update.h"
 #include "ops/elementwise.h"
@@ -36,6 +37,21 @@ ops::AdamHyper adam_hyper(const Sgd& sgd, size_t i) {
   return h;
 }
 
+// Parameter i's SGD hyperparameters and the batch its gradient is divided by: the chapter's rule
+// p -= lr / N * g as batch 1 with lr / N (the scale the chapter's sgd forms: grad / 1 is grad
+// exactly), else PyTorch's SGD on the mean loss over N.
+std::pair<ops::SgdHyper, float> sgd_hyper(const Sgd& sgd, size_t i, float batch) {
+  ops::SgdHyper h;
+  if (sgd.sum_rule) {
+    h.lr = sgd.lr / batch;
+    return {h, 1.0f};
+  }
+  h.lr = sgd.lr_of(i);
+  h.momentum = sgd.momentum;
+  h.weight_decay = sgd.weight_decay_of(i);
+  return {h, batch};
+}
+
 // The optimizer on flat elements of every replica, block by block (comm::SharedUpdate::update).
 struct BlockUpdate {
   std::vector<std::vector<float*>> params;  // params[d][i]: replica d's parameter i
@@ -63,10 +79,7 @@ struct BlockUpdate {
       const float* g = sum + (a - f0);
       for (size_t d = 0; d < params.size(); ++d) {
         float* p = params[d][i] + (a - offsets[j]);
-        if (sgd.sum_rule) {
-          const float scale = sgd.lr / batch;
-          for (int64_t e = 0; e < b - a; ++e) p[e] -= scale * g[e];
-        } else if (sgd.adam()) {
+        if (sgd.adam() && !sgd.sum_rule) {
           ops::AdamStep step = adam[i];
           step.param = p;
           step.grad = g;
@@ -77,9 +90,13 @@ struct BlockUpdate {
           ops::cpu::adam_step(0, b - a, step);
         } else {
           float* buf = momentum[d];
-          ops::SgdStep step{p, g, buf ? buf + a : nullptr, batch, sgd.lr_of(i), sgd.momentum,
-                            sgd.weight_decay_of(i), clip};
-          for (int64_t e = 0; e < b - a; ++e) step(e);
+          const auto [h, over] = sgd_hyper(sgd, i, batch);
+          ops::SgdStep step = ops::sgd_body(h, over);
+          step.param = p;
+          step.grad = g;
+          step.buf = buf ? buf + a : nullptr;
+          step.clip = clip;
+          ops::cpu::sgd_step(0, b - a, step);
         }
       }
     }
@@ -91,8 +108,10 @@ struct BlockUpdate {
 void update(const Model& m, Replica& r, const Tensor& grads, const Sgd& sgd, int64_t batch) {
   const std::vector<Tensor>& ps = r.state.params;
   if (sgd.sum_rule) {
-    const float scale = sgd.lr / static_cast<float>(batch);
-    for (size_t i = 0; i < ps.size(); ++i) ops::sgd_update(ps[i], view(m, grads, ps[i], i), scale);
+    for (size_t i = 0; i < ps.size(); ++i) {
+      const auto [h, over] = sgd_hyper(sgd, i, static_cast<float>(batch));
+      ops::sgd_step(ps[i], view(m, grads, ps[i], i), Tensor(), over, h);
+    }
     return;
   }
   // Every replica holds the same summed gradients, so each forms the same clip factor itself.
@@ -114,8 +133,8 @@ void update(const Model& m, Replica& r, const Tensor& grads, const Sgd& sgd, int
   if (with_buf) make_zeroed(m, r.momentum, r.device);
   for (size_t i = 0; i < ps.size(); ++i) {
     const Tensor buf = with_buf ? view(m, r.momentum, ps[i], i) : Tensor();
-    ops::sgd_step(ps[i], view(m, grads, ps[i], i), buf, static_cast<float>(batch), sgd.lr_of(i),
-                  sgd.momentum, sgd.weight_decay_of(i), clip);
+    const auto [h, over] = sgd_hyper(sgd, i, static_cast<float>(batch));
+    ops::sgd_step(ps[i], view(m, grads, ps[i], i), buf, over, h, clip);
   }
 }
 

@@ -741,7 +741,8 @@ def _sync_batch_norm(items, master: "SyncBatchNorm", momentum: float) -> List[Te
     """Batch norm of k shards with the statistics of their union, as one recorded op.
 
     The shards' (mean, biased var, count) are combined exactly (Chan et al.'s parallel
-    formula: mean = sum n_i m_i / n, var = sum n_i (v_i + (m_i - mean)^2) / n); backward
+    formula: mean = sum n_i m_i / n, var = sum n_i (v_i + (m_i - mean)^2) / n, in double, by
+    ``_core.batch_norm_combine_stats`` as the fused step combines them); backward
     all-reduces sum(dy) and sum(dy * xhat) and uses the global count, so k devices compute
     what one device computes on the whole batch.
     """
@@ -757,17 +758,10 @@ def _sync_batch_norm(items, master: "SyncBatchNorm", momentum: float) -> List[Te
                          f"all replicas, got {n}")
     eps = master.eps
     with autograd.no_grad():
+        # Combined in double on d0 by the op the fused step's synchronised layer runs.
         local = [_core.batch_norm_stats(x._t) for x in xs]
-        ms = [Tensor(_core.to_device(m, d0)) for m, _ in local]
-        vs = [Tensor(_core.to_device(v, d0)) for _, v in local]
-        mean = ms[0] * (counts[0] / n)
-        for m, c in zip(ms[1:], counts[1:]):
-            mean = mean + m * (c / n)
-        var = None
-        for m, v, c in zip(ms, vs, counts):
-            d = m - mean
-            term = (v + d * d) * (c / n)
-            var = term if var is None else var + term
+        mean, var = (Tensor(t) for t in _core.batch_norm_combine_stats(
+            [m for m, _ in local], [v for _, v in local], [float(c) for c in counts], d0))
         if master.training and master.track_running_stats:
             for running, batch, step in ((master.running_mean, mean, momentum),
                                          (master.running_var, var, momentum * n / (n - 1))):

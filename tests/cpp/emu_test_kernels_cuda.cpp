@@ -643,7 +643,7 @@ TEST_F(CudaKernels, PerElementBodiesEqualTheHostLoopExactly) {
       return ReluGradInput{in[0], in[1], out};
     });
     check_body(stream_, "sgd", n, 1, [](const std::vector<const float*>& in, float* out) {
-      return SgdUpdate{out, in[0], 0.1f / 256.0f};
+      return SgdStep{out, in[0], nullptr, 1.0f, 0.1f / 256.0f, 0.0f, 0.0f};
     });
     check_body(stream_, "fill", n, 0, [](const std::vector<const float*>&, float* out) {
       return FillOut{out, -1.5f};
@@ -693,6 +693,18 @@ TEST_F(CudaKernels, OptimizerBodiesEqualTheHostLoopExactly) {
     const auto host_sgd = sgd(q.data(), grad.data(), buf.data(), clip.data());
     for (int64_t i = 0; i < n; ++i) host_sgd(i);
     gpu::for_each_index(n, sgd(q_.get(), grad_.get(), buf_.get(), clip_.get()), stream_);
+    // The book's forms on top: dampened, then Nesterov's first step (buf = g).
+    for (const bool nesterov : {false, true}) {
+      auto book = [&](float* pp, const float* g, float* b) {
+        SgdStep s{pp, g, b, 1.0f, 0.05f, 0.9f, 1e-3f};
+        s.dampening = nesterov ? 0.0f : 0.3f;
+        s.nesterov = s.first = nesterov;
+        return s;
+      };
+      const auto host = book(q.data(), grad.data(), buf.data());
+      for (int64_t i = 0; i < n; ++i) host(i);
+      gpu::for_each_index(n, book(q_.get(), grad_.get(), buf_.get()), stream_);
+    }
     // The clip factor from a sum of squares: clipped (norm 8 > 2) and not (norm 0.5 < 2).
     Floats sq = {4096.0f, 16.0f}, factor = {kNaN, kNaN};
     DeviceVector<float> sq_(sq), factor_(factor);

@@ -7,6 +7,7 @@
 // everywhere, with the AVX-512 path compiled for AVX2 (tests/cpp/avx512_emulated.h).
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -360,12 +361,57 @@ TEST(CpuIsa, AddAndSgdSameBits) {
   Floats sum[2] = {a, a}, param[2] = {b, b};
   avx2::add_elements(n, sum[0].data(), b.data(), sum[0].data());
   avx512::add_elements(n, sum[1].data(), b.data(), sum[1].data());
-  avx2::sgd_step(n, param[0].data(), a.data(), 0.37f);
-  avx512::sgd_step(n, param[1].data(), a.data(), 0.37f);
+  // The chapter's rule p -= scale * g: SgdStep over batch 1 with lr = scale.
+  for (int path = 0; path < 2; ++path) {
+    const mgpu::ops::SgdStep body{param[path].data(), a.data(), nullptr, 1.0f, 0.37f, 0.0f, 0.0f};
+    if (path == 0) avx2::sgd_step(0, n, body);
+    if (path == 1) avx512::sgd_step(0, n, body);
+  }
   EXPECT_TRUE(same_bits("a + b", sum[0], sum[1]));
   EXPECT_TRUE(same_bits("sgd", param[0], param[1]));
   EXPECT_EQ(sum[0][5], a[5] + b[5]);
   EXPECT_FLOAT_EQ(param[0][n - 1], b[n - 1] - 0.37f * a[n - 1]);
+}
+
+// The SGD step in each of its forms (clip, weight decay, momentum plain, first, dampened, with
+// and without Nesterov): both paths and the scalar body (compiled here, unvectorised) give the
+// same bits, over a vector tail; and one element against the rule written out with fmaf.
+TEST(CpuIsa, SgdStepSameBitsAsTheScalarBody) {
+  if (!avx512_runs()) GTEST_SKIP() << "this CPU has no AVX-512: one path only";
+  const int64_t n = 1000 + 13;
+  const Floats grad = random_floats(n, 41), p0 = random_floats(n, 42), b0 = random_floats(n, 43);
+  const float clip = 0.61f;
+  for (int form = 0; form < 64; ++form) {
+    const bool with_buf = form & 4;
+    if (!with_buf && form >= 8) continue;  // first, dampening, nesterov need the buffer
+    Floats p[3] = {p0, p0, p0}, b[3] = {b0, b0, b0};
+    for (int path = 0; path < 3; ++path) {
+      const mgpu::ops::SgdStep body{p[path].data(), grad.data(), with_buf ? b[path].data() : nullptr,
+                                    8.0f, 0.013f, 0.9f, form & 2 ? 0.05f : 0.0f,
+                                    form & 1 ? &clip : nullptr, form & 16 ? 0.3f : 0.0f,
+                                    (form & 32) != 0, (form & 8) != 0};
+      if (path == 0) avx2::sgd_step(0, n, body);
+      if (path == 1) avx512::sgd_step(0, n, body);
+      if (path == 2)
+        for (int64_t i = 0; i < n; ++i) body(i);
+    }
+    const std::string f = "form " + std::to_string(form);
+    for (int path = 1; path < 3; ++path) {
+      EXPECT_TRUE(same_bits((f + " param").c_str(), p[0], p[path]));
+      EXPECT_TRUE(same_bits((f + " buf").c_str(), b[0], b[path]));
+    }
+    // Element 7 by the documented rule.
+    float g = grad[7] / 8.0f;
+    if (form & 1) g = g * clip;
+    if (form & 2) g = std::fma(p0[7], 0.05f, g);
+    if (with_buf) {
+      float bb = g;
+      if (!(form & 8)) bb = std::fma(b0[7], 0.9f, form & 16 ? (1.0f - 0.3f) * g : g);
+      EXPECT_EQ(b[0][7], bb) << f;
+      g = form & 32 ? std::fma(0.9f, bb, g) : bb;
+    }
+    EXPECT_EQ(p[0][7], std::fma(-0.013f, g, p0[7])) << f;
+  }
 }
 
 // The Adam step in each of its 16 forms (clip, AdamW's decay, Adam's L2, amsgrad): both paths

@@ -268,6 +268,8 @@ class SGD(Optimizer):
     ``params`` is an iterable of parameters (``net.parameters()``), every one requiring grad,
     or of parameter groups (dicts with ``'params'`` and any of the hyperparameters below).
     ``step()`` updates the parameters that have a gradient in place; ``zero_grad()`` clears them.
+    The update of one parameter is one fused op (``_core.sgd_step``), the rule the fused
+    data-parallel step and the chapter's ``sgd`` apply.
     """
 
     _hyper = ("lr", "momentum", "dampening", "weight_decay", "nesterov")
@@ -309,21 +311,22 @@ class SGD(Optimizer):
                 g = grads[i]
                 if g is None:
                     continue
-                lr, mom, wd = group["lr"], group["momentum"], group["weight_decay"]
-                damp = group["dampening"]
-                if wd != 0:
-                    g = g + p.detach() * wd
+                mom = group["momentum"]
+                buf, first = None, False
                 if mom != 0:
                     entry = self.state.setdefault(i, {})
                     buf = entry.get("momentum_buffer")
                     if buf is None or buf.device != p.device:
-                        buf = g.copyto(p.device)
-                        entry["momentum_buffer"] = buf
-                    else:
-                        buf *= mom
-                        buf += g * (1.0 - damp) if damp else g
-                    g = g + buf * mom if group["nesterov"] else buf
-                p -= g * lr
+                        # The first step makes the buffer g itself (PyTorch's clone).
+                        buf = entry["momentum_buffer"] = zeros_like(p)
+                        first = True
+                # The rule the fused step runs too (ops::SgdStep), one pass per parameter.
+                _core.sgd_step(p._t, g._t, None if buf is None else buf._t, group["lr"], mom,
+                               group["dampening"], group["weight_decay"], group["nesterov"],
+                               first)
+                for changed in (p, buf):  # written in place, as an in-place op writes
+                    if changed is not None:
+                        changed._t.bump_version()
 
     def _momentum_list(self) -> List[Optional[Tensor]]:
         """The momentum buffer of every parameter, by position (None where there is none)."""
