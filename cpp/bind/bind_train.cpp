@@ -120,8 +120,8 @@ void bind_train(py::module_& m) {
                           const std::vector<std::vector<Tensor>>& params,
                           const std::vector<Device>& devices, float lr, int64_t shards,
                           int64_t accumulate) {
-    MGPU_CHECK_VALUE(std::isfinite(lr) && lr > 0, "train_batch: the learning rate must be a "
-                     "finite number > 0, got ", lr);
+    // lr as mgpu.train_batch checked it (Python checks each learning rate once, where the user
+    // gives it).
     py::gil_scoped_release nogil;
     // The step enqueues all-reduce parts on every device (on GPUs interleaved with each
     // device's backward): one step at a time, so concurrent threads' collectives cannot cross.
@@ -158,9 +158,8 @@ void bind_train(py::module_& m) {
                             int64_t step, std::optional<float> max_norm,
                             const std::vector<float>& lrs, const std::vector<float>& weight_decays,
                             int64_t accumulate, bool amsgrad) {
-        // PyTorch's SGD accepts lr 0; NaN or infinity would train every replica into NaN.
-        MGPU_CHECK_VALUE(std::isfinite(lr) && lr >= 0, "Model.train_step: the learning rate must "
-                         "be a finite number >= 0, got ", lr);
+        // lr and lrs as FusedModel.train_step or the optimizer's parameter groups checked them
+        // (Python checks each learning rate once, where the user gives it).
         MGPU_CHECK_VALUE(std::isfinite(momentum) && momentum >= 0, "Model.train_step: momentum "
                          "must be a finite number >= 0, got ", momentum);
         MGPU_CHECK_VALUE(std::isfinite(weight_decay) && weight_decay >= 0, "Model.train_step: "
@@ -195,13 +194,12 @@ void bind_train(py::module_& m) {
         }
         const size_t n = r.model->num_params();
         for (const auto& [name, values] : {std::pair{"lrs", &lrs},
-                                           std::pair{"weight_decays", &weight_decays}}) {
+                                           std::pair{"weight_decays", &weight_decays}})
           MGPU_CHECK_VALUE(values->empty() || values->size() == n, "Model.train_step: ", name,
                            " must hold one value per parameter (", n, "), got ", values->size());
-          for (float v : *values)
-            MGPU_CHECK_VALUE(std::isfinite(v) && v >= 0, "Model.train_step: ", name, " must be "
-                             "finite numbers >= 0, got ", v);
-        }
+        for (float v : weight_decays)
+          MGPU_CHECK_VALUE(std::isfinite(v) && v >= 0, "Model.train_step: weight_decays must be "
+                           "finite numbers >= 0, got ", v);
         sgd.lrs = lrs;
         sgd.weight_decays = weight_decays;
         py::gil_scoped_release nogil;

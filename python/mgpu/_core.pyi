@@ -27,6 +27,7 @@ class Tensor:
     device: Device
     nbytes: int
     version: int
+    exposed: bool  # another library may write it unseen (DLPack export or import)
     def reshape(self, shape: Sequence[int]) -> "Tensor": ...
     def slice_rows(self, begin: int, end: int) -> "Tensor": ...
     def same_memory(self, other: "Tensor") -> bool: ...
@@ -146,7 +147,8 @@ def _stream_sum(parts: List[Tensor]) -> None: ...
 def split_rows(x: Tensor, devices: Sequence[Device]) -> List[Tensor]: ...
 
 # shards > 0: the deterministic step (cpp/train/train_batch.h): that many logical shards, summed
-# in a fixed tree, so every device count (and rank count) gives the same bits.
+# in a fixed tree, so every device count (and rank count) gives the same bits. lr is trusted
+# (mgpu.train_batch checks it).
 def train_batch(X: Tensor, y: Tensor, params: List[List[Tensor]], devices: Sequence[Device],
                 lr: float, shards: int = 0, accumulate: int = 1) -> List[Tensor]: ...
 def evaluate_batch(X: Tensor, y: Tensor, params: List[List[Tensor]],
@@ -195,6 +197,7 @@ class Model:
     # the whole loss in replica 0 of rank 0, 0 elsewhere), the same bits on any device count.
     # optimizer 'sgd', 'adam' or 'adamw' (betas, eps, step from 1, amsgrad); max_norm clips the
     # mean loss's gradient to that global norm first; lrs, weight_decays per parameter (or empty).
+    # lr and lrs are trusted (FusedModel.train_step, or the optimizer's groups, checked them).
     # accumulate K: K micro-batches run one after another, their gradients summed on each device
     # and reduced once, one update (K must divide shards > 0; then the bits of K = 1).
     def train_step(self, X: Tensor, y: Tensor, lr: float, momentum: float = 0.0,
