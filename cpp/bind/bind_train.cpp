@@ -93,7 +93,8 @@ std::unique_ptr<Replicated> make(const py::list& spec,
     bs.push_back(b.shape());
   }
   auto r = std::make_unique<Replicated>();
-  r->model = std::make_unique<train::Model>(layers, ps, bs, ops::conv_algo_for(devices[0]));
+  r->model = std::make_unique<train::Model>(layers, ps, bs, ops::conv_algo_for(devices[0]),
+                                            devices[0].is_cpu());
   for (size_t d = 0; d < devices.size(); ++d)
     r->replicas.push_back(
         {devices[d], {params[d], buffers[d]}, Tensor(), Tensor(), Tensor(), Tensor()});
@@ -236,7 +237,12 @@ void bind_train(py::module_& m) {
       }, py::arg("X"), py::arg("replica") = 0)
       .def("fused_layers", [](const Replicated& r) { return r.model->fused_counts(); },
            "(batch_norm+relu, batch_norm+add+relu) layers the fusion made; (0, 0) when "
-           "MGPU_FUSE_LAYERS=0 was set as the Model was built.")
+           "MGPU_FUSE_LAYERS=0 was set as the Model was built, or for GPU replicas.")
+      .def("fusions", [](const Replicated& r) { return r.model->fusions(); },
+           "(layer, what runs) for each layer whose kernels the Model chose as it was built: "
+           "conv2d_relu_pool layers ('conv2d_relu_pool', its one CPU kernel, or 'conv2d, relu, "
+           "avg_pool2d' on GPUs and in bf16) and the batch norm layers merged with their relu "
+           "('batch_norm_relu', 'batch_norm_add_relu'; CPU replicas only).")
       .def("conv_algorithms", [](const Replicated& r) {
         std::vector<std::pair<std::string, std::string>> out;
         for (const train::Layer& l : r.model->layers()) {

@@ -182,8 +182,9 @@ def _collective_counts() -> Tuple[int, int]: ...
 # A slot read by several layers gets the sum of their gradients. The loss is softmax
 # cross-entropy. Bad specs raise ValueError / TypeError naming the layer. The Model merges
 # batch_norm -> relu and batch_norm -> add -> relu whose intermediate slots have no other reader
-# into one layer each (one pass forward and backward; the same bits), unless MGPU_FUSE_LAYERS=0
-# is set when it is built.
+# into one layer each (one pass forward and backward; the same bits) for CPU replicas, unless
+# MGPU_FUSE_LAYERS=0 is set when it is built; a conv2d_relu_pool layer runs its one CPU kernel
+# for CPU replicas in float32, else conv2d, relu, avg_pool2d. Decided once, as it is built.
 class Model:
     """One replica per device (params[d], buffers[d] on devices[d]); the tensors are the model's
     state and every step updates them in place."""
@@ -218,6 +219,10 @@ class Model:
     def momentum_buffers(self, replica: int, which: int = 0) -> List[Optional[Tensor]]: ...
     # (batch_norm+relu, batch_norm+add+relu) layers the fusion made.
     def fused_layers(self) -> Tuple[int, int]: ...
+    # (layer, what runs) per layer whose kernels the build chose: "conv2d_relu_pool" or
+    # "conv2d, relu, avg_pool2d" for a conv2d_relu_pool layer, "batch_norm_relu" or
+    # "batch_norm_add_relu" for a merged batch norm.
+    def fusions(self) -> List[Tuple[str, str]]: ...
     # (layer, algorithm) per conv layer: MGPU_CONV_ALGO's value (auto, tune, direct, im2col,
     # winograd) as the Model was built, which that layer's CPU conv runs from then on; "bf16"
     # for a layer built with precision bf16 (its own kernels, which read no algorithm).
