@@ -3,6 +3,9 @@
 
 #include <cstring>
 #include <map>
+#include <memory>
+#include <mutex>
+#include <set>
 #include <string>
 #include <thread>
 
@@ -138,6 +141,35 @@ py::array to_numpy(const Tensor& t) {
 
 // --- DLPack -----------------------------------------------------------------------------------
 
+// Memory another library may write without mgpu's version counter moving: exported through
+// DLPack (the consumer holds a writable view) or imported from another library (its owner keeps
+// one). Kept by the storage's control block (owner_less), so an entry never matches a later
+// storage at a freed one's address; expired entries go as new ones come.
+using StorageSet = std::set<std::weak_ptr<Storage>, std::owner_less<std::weak_ptr<Storage>>>;
+std::mutex exposed_mutex;
+StorageSet& exposed_storages() {
+  static auto* s = new StorageSet;
+  return *s;
+}
+
+void mark_exposed(const std::shared_ptr<Storage>& storage) {
+  std::lock_guard<std::mutex> lock(exposed_mutex);
+  StorageSet& set = exposed_storages();
+  for (auto it = set.begin(); it != set.end();) it = it->expired() ? set.erase(it) : std::next(it);
+  set.insert(storage);
+}
+
+bool is_exposed(const Tensor& t) {
+  if (!t.defined()) return false;
+  std::lock_guard<std::mutex> lock(exposed_mutex);
+  return exposed_storages().count(t.storage()) > 0;
+}
+
+Tensor imported(std::shared_ptr<Storage> storage, const Shape& shape, DType dtype) {
+  mark_exposed(storage);
+  return Tensor(std::move(storage), shape, dtype, 0);
+}
+
 struct Exported {
   dlpack::ManagedTensor managed;
   Tensor tensor;  // keeps the storage alive until the consumer calls the deleter
@@ -178,6 +210,7 @@ std::string dl_dtype_name(const dlpack::DataType& d) {
 py::capsule to_dlpack(const Tensor& t) {
   // The consumer reads the memory right away and knows nothing of our queues.
   wait_ready(t);
+  mark_exposed(t.storage());
   auto* e = new Exported{{}, t, t.shape()};
   dlpack::Device where = t.device().is_cpu() ? dlpack::Device{dlpack::kCPU, 0}
                                               : dlpack::Device{dlpack::kCUDA, t.device().index};
@@ -249,7 +282,7 @@ Tensor from_dlpack_capsule(py::capsule cap) {
     py::gil_scoped_acquire gil;
     m->deleter(m);
   };
-  if (!on_gpu) return Tensor(Storage::wrap(device, data, nbytes, give_back), shape, dtype, 0);
+  if (!on_gpu) return imported(Storage::wrap(device, data, nbytes, give_back), shape, dtype);
 #if MGPU_GPU_BUILD
   // Stream order in: the producer was asked (tensor.py) to order its pending work before the
   // device's DLPack stream; the compute stream waits for that point before mgpu's first use.
@@ -279,9 +312,9 @@ Tensor from_dlpack_capsule(py::capsule cap) {
       q.enqueue("from_dlpack (gives the memory back)", after_device);
     }
   };
-  return Tensor(Storage::wrap(device, data, nbytes, release), shape, dtype, 0);
+  return imported(Storage::wrap(device, data, nbytes, release), shape, dtype);
 #else
-  return Tensor(Storage::wrap(device, data, nbytes, give_back), shape, dtype, 0);
+  return imported(Storage::wrap(device, data, nbytes, give_back), shape, dtype);
 #endif
 }
 
@@ -386,6 +419,9 @@ void bind_core(py::module_& m) {
                              "In-place changes to this memory so far (autograd's version counter).")
       .def("bump_version", [](const Tensor& t) { t.storage()->bump_version(); },
            "Records an in-place change (autograd's version counter).")
+      .def_property_readonly("exposed", &is_exposed,
+                             "True when another library may write this memory unseen by the "
+                             "version counter (exported or imported through DLPack).")
       .def("numpy", &to_numpy, "A NumPy copy (waits for the device).")
       .def("to_dlpack", &to_dlpack, "A DLPack capsule sharing the memory (waits for the device).")
       .def_static("from_numpy", &from_numpy, py::arg("array"), py::arg("device"),

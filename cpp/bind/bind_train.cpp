@@ -93,7 +93,8 @@ std::unique_ptr<Replicated> make(const py::list& spec,
     bs.push_back(b.shape());
   }
   auto r = std::make_unique<Replicated>();
-  r->model = std::make_unique<train::Model>(layers, ps, bs, ops::conv_algo_for(devices[0]));
+  r->model = std::make_unique<train::Model>(layers, ps, bs, ops::conv_algo_for(devices[0]),
+                                            devices[0].is_cpu());
   for (size_t d = 0; d < devices.size(); ++d)
     r->replicas.push_back(
         {devices[d], {params[d], buffers[d]}, Tensor(), Tensor(), Tensor(), Tensor()});
@@ -120,8 +121,8 @@ void bind_train(py::module_& m) {
                           const std::vector<std::vector<Tensor>>& params,
                           const std::vector<Device>& devices, float lr, int64_t shards,
                           int64_t accumulate) {
-    MGPU_CHECK_VALUE(std::isfinite(lr) && lr > 0, "train_batch: the learning rate must be a "
-                     "finite number > 0, got ", lr);
+    // lr as mgpu.train_batch checked it (Python checks each learning rate once, where the user
+    // gives it).
     py::gil_scoped_release nogil;
     // The step enqueues all-reduce parts on every device (on GPUs interleaved with each
     // device's backward): one step at a time, so concurrent threads' collectives cannot cross.
@@ -159,9 +160,8 @@ void bind_train(py::module_& m) {
                             const std::vector<float>& lrs, const std::vector<float>& weight_decays,
                             int64_t accumulate, bool amsgrad, uint64_t seed,
                             const std::string& comm_dtype) {
-        // PyTorch's SGD accepts lr 0; NaN or infinity would train every replica into NaN.
-        MGPU_CHECK_VALUE(std::isfinite(lr) && lr >= 0, "Model.train_step: the learning rate must "
-                         "be a finite number >= 0, got ", lr);
+        // lr and lrs as FusedModel.train_step or the optimizer's parameter groups checked them
+        // (Python checks each learning rate once, where the user gives it).
         MGPU_CHECK_VALUE(std::isfinite(momentum) && momentum >= 0, "Model.train_step: momentum "
                          "must be a finite number >= 0, got ", momentum);
         MGPU_CHECK_VALUE(std::isfinite(weight_decay) && weight_decay >= 0, "Model.train_step: "
@@ -196,13 +196,12 @@ void bind_train(py::module_& m) {
         }
         const size_t n = r.model->num_params();
         for (const auto& [name, values] : {std::pair{"lrs", &lrs},
-                                           std::pair{"weight_decays", &weight_decays}}) {
+                                           std::pair{"weight_decays", &weight_decays}})
           MGPU_CHECK_VALUE(values->empty() || values->size() == n, "Model.train_step: ", name,
                            " must hold one value per parameter (", n, "), got ", values->size());
-          for (float v : *values)
-            MGPU_CHECK_VALUE(std::isfinite(v) && v >= 0, "Model.train_step: ", name, " must be "
-                             "finite numbers >= 0, got ", v);
-        }
+        for (float v : weight_decays)
+          MGPU_CHECK_VALUE(std::isfinite(v) && v >= 0, "Model.train_step: weight_decays must be "
+                           "finite numbers >= 0, got ", v);
         sgd.lrs = lrs;
         sgd.weight_decays = weight_decays;
         MGPU_CHECK_VALUE(comm_dtype == "float32" || comm_dtype == "bfloat16", "Model.train_step: "
@@ -244,7 +243,12 @@ void bind_train(py::module_& m) {
       }, py::arg("X"), py::arg("replica") = 0)
       .def("fused_layers", [](const Replicated& r) { return r.model->fused_counts(); },
            "(batch_norm+relu, batch_norm+add+relu) layers the fusion made; (0, 0) when "
-           "MGPU_FUSE_LAYERS=0 was set as the Model was built.")
+           "MGPU_FUSE_LAYERS=0 was set as the Model was built, or for GPU replicas.")
+      .def("fusions", [](const Replicated& r) { return r.model->fusions(); },
+           "(layer, what runs) for each layer whose kernels the Model chose as it was built: "
+           "conv2d_relu_pool layers ('conv2d_relu_pool', its one CPU kernel, or 'conv2d, relu, "
+           "avg_pool2d' on GPUs and in bf16) and the batch norm layers merged with their relu "
+           "('batch_norm_relu', 'batch_norm_add_relu'; CPU replicas only).")
       .def("conv_algorithms", [](const Replicated& r) {
         std::vector<std::pair<std::string, std::string>> out;
         for (const train::Layer& l : r.model->layers()) {

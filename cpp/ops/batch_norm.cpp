@@ -7,7 +7,6 @@
 
 #include "ops/dispatch.h"
 #include "ops/elementwise.h"
-#include "ops/relu.h"
 
 namespace mgpu::ops {
 namespace {
@@ -183,12 +182,9 @@ Tensor batch_norm_act_forward(const Tensor& x, const Tensor& mean, const Tensor&
   const char* op = "batch_norm_act_forward";
   const BnShape s = check_x(op, x);
   if (shortcut) check_like_x(op, "shortcut", *shortcut, x);
-  if (!x.device().is_cpu()) {
-    // GPUs run the unfused ops in sequence (their own checks apply).
-    Tensor z = batch_norm_forward(x, mean, var, gamma, beta, eps);
-    if (shortcut) z = binary(BinaryOp::Add, z, *shortcut);
-    return relu_forward(z);
-  }
+  // One CPU kernel: the fused step's Model runs the ops one by one on GPUs (model.h).
+  MGPU_CHECK_VALUE(x.device().is_cpu(), op, ": CPU devices only, got x on ", x.device(),
+                   "; on a GPU run batch_norm_forward, the add and relu one after another");
   check_stats(op, x, mean, var, gamma, beta, eps);
   Tensor y = Tensor::empty_like(x);
   const Tensor none;
@@ -209,8 +205,9 @@ std::pair<Tensor, Tensor> batch_norm_act_backward_reduce(const Tensor& x, const 
   const BnShape s = check_x(op, x);
   check_like_x(op, "y", y, x);
   check_like_x(op, "dy", dy, x);
-  if (!x.device().is_cpu()) return batch_norm_backward_reduce(x, relu_backward(y, dy), mean, var,
-                                                              eps);
+  // One CPU kernel: the fused step's Model runs the ops one by one on GPUs (model.h).
+  MGPU_CHECK_VALUE(x.device().is_cpu(), op, ": CPU devices only, got x on ", x.device(),
+                   "; on a GPU run batch_norm_forward, the add and relu one after another");
   check_stats(op, x, mean, var, nullptr, nullptr, eps);
   check_count(op, s);
   Tensor sum_dz = Tensor::empty({s.C}, DType::F32, x.device());
@@ -234,12 +231,9 @@ std::pair<Tensor, Tensor> batch_norm_act_backward(const Tensor& x, const Tensor&
   const BnShape s = check_x(op, x);
   check_like_x(op, "y", y, x);
   check_like_x(op, "dy", dy, x);
-  if (!x.device().is_cpu()) {
-    Tensor dz = relu_backward(y, dy);
-    Tensor dx = batch_norm_backward(x, dz, mean, var, gamma, sum_dz, sum_dz_xhat, count, eps,
-                                    true);
-    return {dx, want_dshortcut ? dz : Tensor()};
-  }
+  // One CPU kernel: the fused step's Model runs the ops one by one on GPUs (model.h).
+  MGPU_CHECK_VALUE(x.device().is_cpu(), op, ": CPU devices only, got x on ", x.device(),
+                   "; on a GPU run batch_norm_forward, the add and relu one after another");
   check_stats(op, x, mean, var, gamma, nullptr, eps);
   check_sums(op, x, "sum_dz", sum_dz, "sum_dz_xhat", sum_dz_xhat, count);
   Tensor dx = Tensor::empty_like(x);
@@ -270,14 +264,15 @@ BatchNormGrads batch_norm_backward_full(const Tensor& x, const Tensor* y, const 
   check_count(op, s);
   const double count = static_cast<double>(s.N * s.HW);
   if (!x.device().is_cpu()) {
+    // The relu's part (y) is the fused layers' (CPU only); a GPU runs the two ops.
+    MGPU_CHECK_VALUE(!y, op, ": with y (the fused relu) CPU devices only, got x on ", x.device(),
+                     "; on a GPU run relu_backward, then this op without y");
     BatchNormGrads g;
-    Tensor dz = y ? relu_backward(*y, dy) : dy;
-    std::tie(g.sum_dy, g.sum_dy_xhat) = batch_norm_backward_reduce(x, dz, mean, var, eps);
+    std::tie(g.sum_dy, g.sum_dy_xhat) = batch_norm_backward_reduce(x, dy, mean, var, eps);
     if (want_dx) {
-      g.dx = batch_norm_backward(x, dz, mean, var, gamma, g.sum_dy, g.sum_dy_xhat, count, eps,
+      g.dx = batch_norm_backward(x, dy, mean, var, gamma, g.sum_dy, g.sum_dy_xhat, count, eps,
                                  true);
     }
-    if (want_dshortcut) g.dshortcut = dz;
     return g;
   }
   check_stats(op, x, mean, var, gamma, nullptr, eps);

@@ -40,7 +40,8 @@ Tensor batch_norm_backward(const Tensor& x, const Tensor& dy, const Tensor& mean
 // y = relu(bn(x) + shortcut), shortcut null for y = relu(bn(x)); relu as relu.h has it (NaN
 // passes). The BN output and the pre-ReLU sum never exist as tensors. The arithmetic is that of
 // batch_norm_forward, then the add, then relu, in that order: the same bits as the three ops.
-// On CPU devices one kernel; on GPUs the unfused ops in sequence (batch_norm_forward, add, relu).
+// CPU devices only (one kernel; a GPU raises ValueError: the fused step's Model runs
+// batch_norm_forward, the add and relu one by one there). So are the two ops below.
 Tensor batch_norm_act_forward(const Tensor& x, const Tensor& mean, const Tensor& var,
                               const Tensor* gamma, const Tensor* beta, const Tensor* shortcut,
                               float eps);
@@ -64,8 +65,8 @@ std::pair<Tensor, Tensor> batch_norm_act_backward(const Tensor& x, const Tensor&
 // (training, y null) or of batch_norm_act_backward_reduce + batch_norm_act_backward (y the saved
 // relu output), with count = N*H*W, in one op and with the same bits. On CPU devices one kernel
 // that handles a group of channels at a time (their sums, then their dx), so dx re-reads x, y, dy
-// from cache instead of memory; on GPUs the two ops. dx is undefined unless want_dx; dshortcut
-// (= dz) unless want_dshortcut (which needs y).
+// from cache instead of memory; on GPUs the two ops, without y (the fused relu is CPU only). dx
+// is undefined unless want_dx; dshortcut (= dz) unless want_dshortcut (which needs y).
 struct BatchNormGrads {
   Tensor sum_dy, sum_dy_xhat, dx, dshortcut;
 };

@@ -20,10 +20,11 @@
 namespace mgpu::train {
 namespace {
 
-// The fused kernel runs on CPU devices when the shapes fit; elsewhere (GPUs) and for shapes that
-// do not fit the layer runs conv2d, relu and avg_pool2d, whose checks then report the problem.
+// Whether the fused kernel takes these shapes. A layer built with it (Layer::fused_kernel: CPU
+// replicas, float32) runs it when they fit; for shapes that do not, it runs conv2d, relu and
+// avg_pool2d, whose checks then report the problem.
 bool fused_fits(const Tensor& x, const Tensor& w, int64_t pool) {
-  if (!x.device().is_cpu() || x.dim() != 4 || x.size(1) != w.size(1)) return false;
+  if (x.dim() != 4 || x.size(1) != w.size(1)) return false;
   const int64_t p = x.size(2) - w.size(2) + 1, q = x.size(3) - w.size(3) + 1;
   return p >= pool && q >= pool;
 }
@@ -80,8 +81,8 @@ Tensor forward(const Layer& l, const std::vector<Tensor>& in, const ReplicaState
       return ops::conv2d_forward(x, p(0), l.bias ? p(1) : Tensor(), l.stride, l.padding,
                                  l.conv_algo, l.precision);
     case LayerKind::Conv2dReluPool: {
-      // The fused kernel is float32; in bf16 the conv runs alone, then relu and the pool.
-      if (l.precision == ops::Precision::F32 && fused_fits(x, p(0), l.kh)) {
+      // The Model chose the kernel (GPUs and bf16: the conv alone, then relu and the pool).
+      if (l.fused_kernel && fused_fits(x, p(0), l.kh)) {
         ops::Conv2dReluPool f = ops::conv2d_relu_pool_forward(x, p(0), p(1), 1, 0, l.kh,
                                                               for_backward);
         s->a = f.mask;

@@ -35,11 +35,14 @@ void check_lenet_params(const char* op, const std::vector<Tensor>& p) {
 
 const Model& lenet_model(const std::vector<Tensor>& p) {
   static std::mutex mutex;
-  static auto* cache = new std::map<std::vector<Shape>, std::unique_ptr<Model>>;  // never destroyed
+  // By shapes and device kind (the Model picks the fused CPU kernels for CPU replicas).
+  static auto* cache =
+      new std::map<std::pair<std::vector<Shape>, bool>, std::unique_ptr<Model>>;  // never freed
   std::vector<Shape> shapes;
   for (const Tensor& t : p) shapes.push_back(t.shape());
+  const bool on_cpu = p[0].device().is_cpu();
   std::lock_guard<std::mutex> lock(mutex);
-  auto& m = (*cache)[shapes];
+  auto& m = (*cache)[{shapes, on_cpu}];
   if (!m) {
     std::vector<LayerSpec> spec = {
         {"conv2d_relu_pool", {}, {{"pool", 2}}, {}, {}},
@@ -49,7 +52,7 @@ const Model& lenet_model(const std::vector<Tensor>& p) {
         {"relu", {}, {}, {}, {}},
         {"linear", {}, {}, {}, {}},
     };
-    m = std::make_unique<Model>(spec, shapes, std::vector<Shape>{});
+    m = std::make_unique<Model>(spec, shapes, std::vector<Shape>{}, ops::ConvAlgo::Auto, on_cpu);
   }
   return *m;
 }

@@ -105,7 +105,7 @@ void check_shapes(const Layer& l, const std::vector<Shape>& ps, const std::vecto
 }  // namespace
 
 Model::Model(const std::vector<LayerSpec>& spec, const std::vector<Shape>& param_shapes,
-             const std::vector<Shape>& buffer_shapes, ops::ConvAlgo conv_algo)
+             const std::vector<Shape>& buffer_shapes, ops::ConvAlgo conv_algo, bool on_cpu)
     : param_shapes_(param_shapes), buffer_shapes_(buffer_shapes) {
   static std::atomic<uint64_t> next_id{1};
   id_ = next_id++;
@@ -147,7 +147,10 @@ Model::Model(const std::vector<LayerSpec>& spec, const std::vector<Shape>& param
       l.kh = l.kw = positive_int(l, o, "kernel", 2, 1);
       l.sh = l.sw = positive_int(l, o, "stride", l.kh, 1);
     }
-    if (l.kind == LayerKind::Conv2dReluPool) l.kh = l.kw = l.sh = l.sw = positive_int(l, o, "pool", 2, 1);
+    if (l.kind == LayerKind::Conv2dReluPool) {
+      l.kh = l.kw = l.sh = l.sw = positive_int(l, o, "pool", 2, 1);
+      l.fused_kernel = on_cpu && l.precision == ops::Precision::F32;  // its kernel's domain
+    }
     l.index = static_cast<uint32_t>(i);
     if (o.count("p")) l.p = o.at("p");
     MGPU_CHECK_VALUE(l.p >= 0 && l.p <= 1, l.name, ": p must be a probability in [0, 1], got ",
@@ -186,9 +189,10 @@ Model::Model(const std::vector<LayerSpec>& spec, const std::vector<Shape>& param
   for (size_t j = 0; j < buffer_owner.size(); ++j)
     MGPU_CHECK_VALUE(buffer_owner[j] >= 0, "Model: buffer ", j, " is used by no layer");
 
-  // MGPU_FUSE_LAYERS=0 turns the fusion off (tests and benches compare both); on by default.
+  // MGPU_FUSE_LAYERS=0 turns the fusion off (tests and benches compare both); on by default, for
+  // CPU replicas (the fused layers' kernels are CPU kernels; GPUs run the layers as given).
   const char* fuse = std::getenv("MGPU_FUSE_LAYERS");
-  if (!fuse || std::strcmp(fuse, "0") != 0) fuse_layers();
+  if (on_cpu && (!fuse || std::strcmp(fuse, "0") != 0)) fuse_layers();
 
   const Layer& last = layers_.back();
   if (last.kind == LayerKind::Linear)
@@ -293,6 +297,19 @@ std::pair<int, int> Model::fused_counts() const {
     n.second += l.kind == LayerKind::BatchNormAddRelu;
   }
   return n;
+}
+
+std::vector<std::pair<std::string, std::string>> Model::fusions() const {
+  std::vector<std::pair<std::string, std::string>> out;
+  for (const Layer& l : layers_) {
+    if (l.kind == LayerKind::Conv2dReluPool)
+      out.emplace_back(l.name, l.fused_kernel ? "conv2d_relu_pool" : "conv2d, relu, avg_pool2d");
+    else if (l.kind == LayerKind::BatchNormRelu)
+      out.emplace_back(l.name, "batch_norm_relu");
+    else if (l.kind == LayerKind::BatchNormAddRelu)
+      out.emplace_back(l.name, "batch_norm_add_relu");
+  }
+  return out;
 }
 
 void Model::check_replica(const char* op, const std::vector<Tensor>& params,

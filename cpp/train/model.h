@@ -17,7 +17,8 @@ namespace mgpu::train {
 // the shortcut) are made by Model's constructor from batch_norm -> relu and batch_norm -> add ->
 // relu whose intermediate slots have no other reader; the fused layer takes the relu's place and
 // output slot, the batch norm and add it replaced become Absorbed (they run nothing, their slots
-// stay empty). MGPU_FUSE_LAYERS=0 (read when a Model is built) keeps the layers as given.
+// stay empty). MGPU_FUSE_LAYERS=0 (read when a Model is built) keeps the layers as given. Their
+// kernels are CPU kernels: a Model built for GPUs keeps the layers as given too.
 enum class LayerKind {
   Conv2d, Conv2dReluPool, BatchNorm, Relu, AvgPool2d, MaxPool2d, GlobalAvgPool, Flatten, Linear,
   Add, Dropout, BatchNormRelu, BatchNormAddRelu, Absorbed
@@ -56,6 +57,9 @@ struct Layer {
                                            // is built
   ops::Precision precision = ops::Precision::F32;  // conv2d, conv2d_relu_pool, linear: option
                                                    // bf16 = 1 runs their products in bfloat16
+  bool fused_kernel = false;               // conv2d_relu_pool: its one CPU kernel runs (CPU
+                                           // replicas, float32), else conv2d, relu, avg_pool2d;
+                                           // fixed as the Model is built
   std::vector<int> params, buffers;        // weight first, then bias (batch_norm: gamma, beta;
                                            // buffers running_mean, running_var)
 };
@@ -71,9 +75,12 @@ class Model {
  public:
   // Checks the spec against the parameter and buffer shapes (ValueError naming the layer).
   // conv_algo: what every conv layer runs on a CPU (ops::conv_algo_for(device) as the Model is
-  // built: MGPU_CONV_ALGO is read once here, not at every conv call).
+  // built: MGPU_CONV_ALGO is read once here, not at every conv call). on_cpu: the replicas are
+  // CPU devices, so the fused CPU kernels run (conv2d_relu_pool's, batch norm + relu's); here,
+  // and nowhere else, each layer's fused-or-unfused is decided (see fusions()).
   Model(const std::vector<LayerSpec>& spec, const std::vector<Shape>& param_shapes,
-        const std::vector<Shape>& buffer_shapes, ops::ConvAlgo conv_algo = ops::ConvAlgo::Auto);
+        const std::vector<Shape>& buffer_shapes, ops::ConvAlgo conv_algo = ops::ConvAlgo::Auto,
+        bool on_cpu = true);
 
   // A number no other Model of this process has (keys the captured CUDA graphs).
   uint64_t id() const { return id_; }
@@ -89,6 +96,10 @@ class Model {
   // How many batch norm layers were fused with their relu (and add): (BatchNormRelu,
   // BatchNormAddRelu) counts; (0, 0) with MGPU_FUSE_LAYERS=0.
   std::pair<int, int> fused_counts() const;
+  // (layer name, what runs) for every layer whose kernels the build chose: conv2d_relu_pool
+  // layers ("conv2d_relu_pool" fused, or "conv2d, relu, avg_pool2d") and the merged batch norm
+  // layers ("batch_norm_relu", "batch_norm_add_relu").
+  std::vector<std::pair<std::string, std::string>> fusions() const;
   // Some batch norm layer synchronises its statistics across replicas.
   bool has_sync() const { return has_sync_; }
   // Some layer is a dropout one (its masks need the step's seed and each replica's rows).

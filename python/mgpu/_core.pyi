@@ -27,6 +27,7 @@ class Tensor:
     device: Device
     nbytes: int
     version: int
+    exposed: bool  # another library may write it unseen (DLPack export or import)
     def reshape(self, shape: Sequence[int]) -> "Tensor": ...
     def slice_rows(self, begin: int, end: int) -> "Tensor": ...
     def same_memory(self, other: "Tensor") -> bool: ...
@@ -155,7 +156,8 @@ def _stream_sum(parts: List[Tensor]) -> None: ...
 def split_rows(x: Tensor, devices: Sequence[Device]) -> List[Tensor]: ...
 
 # shards > 0: the deterministic step (cpp/train/train_batch.h): that many logical shards, summed
-# in a fixed tree, so every device count (and rank count) gives the same bits.
+# in a fixed tree, so every device count (and rank count) gives the same bits. lr is trusted
+# (mgpu.train_batch checks it).
 def train_batch(X: Tensor, y: Tensor, params: List[List[Tensor]], devices: Sequence[Device],
                 lr: float, shards: int = 0, accumulate: int = 1) -> List[Tensor]: ...
 def evaluate_batch(X: Tensor, y: Tensor, params: List[List[Tensor]],
@@ -194,8 +196,9 @@ def _collective_counts() -> Tuple[int, int]: ...
 # A slot read by several layers gets the sum of their gradients. The loss is softmax
 # cross-entropy. Bad specs raise ValueError / TypeError naming the layer. The Model merges
 # batch_norm -> relu and batch_norm -> add -> relu whose intermediate slots have no other reader
-# into one layer each (one pass forward and backward; the same bits), unless MGPU_FUSE_LAYERS=0
-# is set when it is built.
+# into one layer each (one pass forward and backward; the same bits) for CPU replicas, unless
+# MGPU_FUSE_LAYERS=0 is set when it is built; a conv2d_relu_pool layer runs its one CPU kernel
+# for CPU replicas in float32, else conv2d, relu, avg_pool2d. Decided once, as it is built.
 class Model:
     """One replica per device (params[d], buffers[d] on devices[d]); the tensors are the model's
     state and every step updates them in place."""
@@ -209,6 +212,7 @@ class Model:
     # the whole loss in replica 0 of rank 0, 0 elsewhere), the same bits on any device count.
     # optimizer 'sgd', 'adam' or 'adamw' (betas, eps, step from 1, amsgrad); max_norm clips the
     # mean loss's gradient to that global norm first; lrs, weight_decays per parameter (or empty).
+    # lr and lrs are trusted (FusedModel.train_step, or the optimizer's groups, checked them).
     # accumulate K: K micro-batches run one after another, their gradients summed on each device
     # and reduced once, one update (K must divide shards > 0; then the bits of K = 1).
     # seed: the step's dropout masks (see the "dropout" layer), the same for any split.
@@ -231,6 +235,10 @@ class Model:
     def momentum_buffers(self, replica: int, which: int = 0) -> List[Optional[Tensor]]: ...
     # (batch_norm+relu, batch_norm+add+relu) layers the fusion made.
     def fused_layers(self) -> Tuple[int, int]: ...
+    # (layer, what runs) per layer whose kernels the build chose: "conv2d_relu_pool" or
+    # "conv2d, relu, avg_pool2d" for a conv2d_relu_pool layer, "batch_norm_relu" or
+    # "batch_norm_add_relu" for a merged batch norm.
+    def fusions(self) -> List[Tuple[str, str]]: ...
     # (layer, algorithm) per conv layer: MGPU_CONV_ALGO's value (auto, tune, direct, im2col,
     # winograd) as the Model was built, which that layer's CPU conv runs from then on; "bf16"
     # for a layer built with precision bf16 (its own kernels, which read no algorithm).

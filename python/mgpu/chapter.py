@@ -200,11 +200,12 @@ def train_concise(net, num_gpus: int, batch_size: int, lr: float, num_epochs: in
     if comm_dtype != "float32" and not fused:
         raise ValueError("train_concise: comm_dtype='bf16' needs fused=True (the book's loop "
                          "sums its gradients through autograd, in float32)")
-    if deterministic and not fused:
+    # deterministic is resolved here, once: everything below gets the shard count.
+    shards = shard_count(deterministic, "train_concise")
+    if shards and not fused:
         raise ValueError("train_concise: deterministic needs fused=True (the book's loop through "
                          "autograd sums gradients in device order)")
     ckpts = _scaffold.open_checkpoints(checkpoint, checkpoint_every, resume, "train_concise")
-    shards = shard_count(deterministic, "train_concise")
     accumulate = check_accumulate(accumulate, shards, "train_concise")
     random.seed(seed)
     train_iter, test_iter = data if data is not None else load_data_fashion_mnist(
@@ -253,7 +254,7 @@ def train_concise(net, num_gpus: int, batch_size: int, lr: float, num_epochs: in
             for X, y in train_iter:
                 step_lr = trainer.param_groups[0]["lr"]
                 if fused:
-                    l = net.train_step(X, y, loss, trainer, deterministic=deterministic,
+                    l = net.train_step(X, y, loss, trainer, deterministic=shards or False,
                                        clip_grad_norm=clip_grad_norm, accumulate=accumulate,
                                        precision=precision, comm_dtype=comm_dtype)
                 else:

@@ -416,15 +416,15 @@ class DataParallel(Module):
             raise ValueError("train_step: called inside no_sync(); the fused step accumulates "
                              "within one call: net.train_step(X, y, loss, trainer, "
                              "accumulate=K) with the whole batch")
-        accumulate = check_accumulate(accumulate, shard_count(deterministic, "train_step"),
-                                      "train_step")
+        shards = shard_count(deterministic, "train_step")
+        accumulate = check_accumulate(accumulate, shards, "train_step")
         precision = check_precision(precision, "train_step: precision")
         comm_dtype = check_comm_dtype(comm_dtype, "train_step: comm_dtype")
         if not isinstance(loss, nn_CrossEntropyLoss) or loss.reduction != "mean":
             raise ValueError("train_step: the fused step computes nn.CrossEntropyLoss() (mean); "
                              f"got {loss!r}")
         opts = self._optimizer_options(trainer, clip_grad_norm)
-        opts["comm_dtype"] = "bfloat16" if comm_dtype == "bf16" else "float32"
+        opts["comm_dtype"] = comm_dtype
         master = list(self.module.parameters())
         if [id(p) for p in trainer.params] != [id(p) for p in master]:
             raise ValueError("train_step: trainer must hold exactly this network's parameters, "
@@ -433,19 +433,38 @@ class DataParallel(Module):
         X, y = check_input(X, "train_step"), check_input(y, "train_step")
         self._check_master()
         fused = self._fused_model(precision)
-        with fused.allocations:
-            return self._fused_step(fused, X, y, trainer, master, deterministic, opts,
-                                    accumulate)
+        with fused.allocations, autograd.no_grad():
+            fused.refresh_replicas()  # replicas start from the master
+            # The optimizer's state lists: 1 (SGD's momentum), 2 (Adam's m, v), 3 (amsgrad's too).
+            kinds = (1 if opts["momentum"] != 0 else 0) if opts["optimizer"] == "sgd" else (
+                3 if opts["amsgrad"] else 2)
+            if kinds:
+                fused.state_in(trainer, kinds)
+            # One draw per step, on every rank alike (each rank's generator is seeded the same).
+            seed = _random.step_seed() if fused.dropout else 0
+            losses = fused.model.run_step(X, y, shards=shards, accumulate=accumulate, seed=seed,
+                                          **opts)
+            fused.note_step()
+            if kinds:
+                fused.state_out(trainer, kinds, opts["step"])
+            total = losses[0]
+            for part in losses[1:]:
+                total = total + part.to(total.device)
+            return total / X.shape[0]
 
     @staticmethod
     def _optimizer_options(trainer, clip_grad_norm) -> dict:
-        """The fused step's optimizer arguments, read from ``trainer``'s parameter groups now;
-        raises for what the fused step does not do."""
+        """The fused step's optimizer arguments, read from ``trainer``'s parameter groups now
+        and checked there (``Optimizer.current_groups``: the one check of the learning rate on
+        this path, so one a scheduler or ``trainer.param_groups[0]['lr'] = x`` wrote is caught
+        before the step); raises for what the fused step does not do."""
         if not isinstance(trainer, (optim_SGD, optim_Adam)):
             raise TypeError(f"train_step: trainer must be mgpu.optim.SGD, Adam or AdamW, got "
                             f"{type(trainer).__name__}")
-        groups = trainer.param_groups
-        opts: dict = {}
+        groups = trainer.current_groups("train_step")
+        # FusedModel.run_step's arguments; those of the other optimizer keep these values.
+        opts: dict = {"momentum": 0.0, "betas": (0.9, 0.999), "eps": 1e-8, "step": 1,
+                      "max_norm": None, "lrs": [], "weight_decays": [], "amsgrad": False}
         if clip_grad_norm is not None:
             if isinstance(clip_grad_norm, bool) or not isinstance(clip_grad_norm, (int, float)) \
                     or not clip_grad_norm >= 0 or clip_grad_norm == float("inf"):
@@ -481,30 +500,6 @@ class DataParallel(Module):
             opts["weight_decays"] = [wd for _, wd in per]
         return opts
 
-    def _fused_step(self, fused: "_Fused", X: Tensor, y: Tensor, trainer, master,
-                    deterministic, opts: dict, accumulate: int = 1) -> Tensor:
-        with autograd.no_grad():
-            for r in range(1, len(self.device_ids)):  # replicas start from the master
-                for dst, src in zip(fused.replica_params[r], master):
-                    _core.copy(dst._t, src._t)
-                for dst, src in zip(fused.replica_buffers[r], fused.replica_buffers[0]):
-                    _core.copy(dst._t, src._t)
-            # The optimizer's state lists: 1 (SGD's momentum), 2 (Adam's m, v), 3 (amsgrad's too).
-            kinds = (1 if opts["momentum"] != 0 else 0) if opts["optimizer"] == "sgd" else (
-                3 if opts["amsgrad"] else 2)
-            if kinds:
-                fused.state_in(trainer, kinds)
-            # One draw per step, on every rank alike (each rank's generator is seeded the same).
-            seed = _random.step_seed() if fused.dropout else 0
-            losses = fused.model.train_step(X, y, deterministic=deterministic,
-                                            accumulate=accumulate, seed=seed, **opts)
-            if kinds:
-                fused.state_out(trainer, kinds, opts.get("step", 0))
-            total = losses[0]
-            for part in losses[1:]:
-                total = total + part.to(total.device)
-            return total / X.shape[0]
-
     def _fused_model(self, precision: str = "float32") -> "_Fused":
         key = (self._tree, tuple(id(p) for p in self.module.parameters()), precision)
         fused = self.__dict__.get("_fused")
@@ -536,6 +531,40 @@ class _Fused:
         # The trainer and its state buffers (with their storage versions) as the last step
         # left them: while they are unchanged, the replicas' own buffers are current.
         self._handed: Optional[Tuple[object, List[Optional[Tensor]], List[int]]] = None
+        # The master's parameters (replica 0's) and their versions as the last fused step left
+        # them, every replica's equal to them; None: copy them all.
+        self._seen: Optional[List[int]] = None
+
+    def refresh_replicas(self) -> None:
+        """Copies into the other replicas each master parameter that may have changed since
+        the last fused step left every replica equal to the master.
+
+        The rule: a parameter is copied unless its version is the one that step left and its
+        memory is not shared with another library. Every writer of a master parameter in mgpu
+        moves its version: the optimizers' steps, in-place tensor ops (``+=``, ``t[:] = u``,
+        ``zero_``, ``fill_``, ``copyto``), ``nn.init``, ``load_state_dict`` (so a checkpoint's
+        resume), ``allreduce`` and ``distributed.broadcast``, and this step; mgpu tensors have
+        no ``.data`` to assign, and ``numpy()`` is a copy. A DLPack consumer of an exported
+        tensor, or the owner of imported memory, writes without moving it: such memory
+        (``_core.Tensor.exposed``) is copied at every step, since a stale replica would be a
+        silent wrong answer. The C++ step leaves the replicas' parameters equal (each replica
+        updates itself with the same sums), so in the steady state nothing is copied here.
+
+        Batch norm's running statistics are not copied: a training step never reads the other
+        replicas' (batch norm normalises with the batch's statistics), and its end copies
+        replica 0's, the master's, over them (``share_buffers`` in C++), the one copy."""
+        devices = len(self.replica_params)
+        seen, self._seen = self._seen, None  # None until a step leaves the replicas equal
+        masters = self.replica_params[0]
+        for j, src in enumerate(masters):
+            if seen is not None and seen[j] == src._t.version and not src._t.exposed:
+                continue
+            for r in range(1, devices):
+                _core.copy(self.replica_params[r][j]._t, src._t)
+
+    def note_step(self) -> None:
+        """Records the master's versions after a fused step that left every replica equal."""
+        self._seen = [p._t.version for p in self.replica_params[0]]
 
     @staticmethod
     def _trainer_state(trainer, kinds: int) -> List[Optional[Tensor]]:

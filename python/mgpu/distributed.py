@@ -227,12 +227,18 @@ def allreduce(tensors: Union[Tensor, Sequence[Tensor]]) -> None:
     over NCCL or through host memory (see ``init``). Every rank must call it with the same
     shapes, in the same order as its other collectives.
     """
-    _core.dist_allreduce(_handles("allreduce", tensors))
+    handles = _handles("allreduce", tensors)
+    _core.dist_allreduce(handles)
+    for t in handles:  # written in place
+        t.bump_version()
 
 
 def broadcast(tensors: Union[Tensor, Sequence[Tensor]], root: int = 0) -> None:
     """Overwrites every rank's tensors with ``root``'s, in place (any dtype, same shapes)."""
-    _core.dist_broadcast(_handles("broadcast", tensors), int(root))
+    handles = _handles("broadcast", tensors)
+    _core.dist_broadcast(handles, int(root))
+    for t in handles:  # written in place
+        t.bump_version()
 
 
 def barrier() -> None:

@@ -348,6 +348,7 @@ def _restore_running_stats(saved: list) -> None:
     for copies in saved:
         for b, c in copies:
             _core.copy(b._t, c._t)
+            b._t.bump_version()
 
 
 def _move_tensor(t: Tensor, device: Device) -> None:
@@ -419,6 +420,7 @@ class _Init:
     @staticmethod
     def _fill_from(t: Tensor, values: np.ndarray) -> Tensor:
         _core.copy(t._t, array(values.reshape(t.shape), device=t.device, dtype=t.dtype)._t)
+        t._t.bump_version()
         return t
 
     @staticmethod
@@ -765,6 +767,7 @@ class BatchNormBase(Module):
         # store back, all queued, so counting never waits for the device.
         counted = _core.binary_scalar(_core.BinaryOp.Add, _core.astype(t._t, "float32"), 1.0, False)
         _core.copy(t._t, _core.astype(counted, "int64"))
+        t._t.bump_version()
         if self.momentum is None:  # a cumulative average needs the count on the host
             return 1.0 / int(t.item())
         return float(self.momentum)

@@ -274,6 +274,7 @@ def _update_running(running: Optional[Tensor], batch: "_core.Tensor", momentum: 
         return
     _core.batch_norm_update_running(running._t, batch, float(1.0 - momentum),
                                     float(momentum * scale))
+    running._t.bump_version()
 
 
 # Each public op is a host span on the timeline (mgpu.profile); one flag check while it is off.

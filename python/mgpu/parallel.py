@@ -330,22 +330,43 @@ class FusedModel:
         [0, 2**64)): the step's dropout masks, a function of (seed, the layer's index in the
         spec, the example's row in X, the element's index in the example), so the same on any
         split of X over devices, ranks and micro-batches. ``comm_dtype`` "bf16":
-        the gradients all-reduced in bfloat16 (``DataParallel.train_step`` says how)."""
+        the gradients all-reduced in bfloat16 (``DataParallel.train_step`` says how).
+
+        The arguments are checked here, before anything changes (the learning rates here only:
+        :meth:`run_step` and the C++ step below it trust them)."""
         if not isinstance(X, Tensor) or not isinstance(y, Tensor):
             raise TypeError(f"train_step: X and y must be mgpu tensors, got "
                             f"{type(X).__name__} and {type(y).__name__}")
         lr, momentum, weight_decay = (_check_nonnegative(v, name, "train_step") for v, name in (
             (lr, "lr"), (momentum, "momentum"), (weight_decay, "weight_decay")))
+        if isinstance(lrs, (str, bytes)) or not isinstance(lrs, (list, tuple, np.ndarray)):
+            raise TypeError(f"train_step: lrs must be a list of numbers, got "
+                            f"{type(lrs).__name__}")
+        lrs = [_check_nonnegative(v, f"lrs[{i}]", "train_step") for i, v in enumerate(lrs)]
         shards = shard_count(deterministic, "train_step")
         accumulate = check_accumulate(accumulate, shards, "train_step")
+        seed = check_seed(seed, "train_step")
         comm = check_comm_dtype(comm_dtype, "train_step: comm_dtype")
+        return self.run_step(X, y, lr, momentum, weight_decay, shards, optimizer, betas, eps,
+                             step, max_norm, lrs, weight_decays, accumulate, amsgrad, seed, comm)
+
+    def run_step(self, X: Tensor, y: Tensor, lr: float, momentum: float, weight_decay: float,
+                 shards: int, optimizer: str, betas: Tuple[float, float], eps: float, step: int,
+                 max_norm: Optional[float], lrs: Sequence[float], weight_decays: Sequence[float],
+                 accumulate: int, amsgrad: bool, seed: int = 0,
+                 comm_dtype: str = "float32") -> List[Tensor]:
+        """:meth:`train_step` with its arguments already checked, by it or by the caller that
+        read them from the user (``DataParallel.train_step`` from its trainer's parameter
+        groups, checked by ``Optimizer.current_groups``): ``shards`` is the logical shard count
+        (``shard_count``), ``comm_dtype`` the canonical name (``amp.check_comm_dtype``), and the
+        learning rates are not looked at again (a NaN here trains every replica into NaN)."""
         _dist.auto_init()
         # A label out of range raises IndexError and changes nothing (the step checks them).
         losses = self._model.train_step(X._t, y._t, lr, momentum, weight_decay, shards,
                                         optimizer, tuple(betas), eps, step, max_norm,
                                         list(lrs), list(weight_decays), accumulate,
-                                        bool(amsgrad), check_seed(seed, "train_step"),
-                                        "bfloat16" if comm == "bf16" else "float32")
+                                        bool(amsgrad), seed,
+                                        "bfloat16" if comm_dtype == "bf16" else "float32")
         for t in self._changed:  # updated in place
             t.bump_version()
         return [Tensor(t) for t in losses]

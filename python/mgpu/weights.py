@@ -106,6 +106,7 @@ def load_into(owner: str, targets: Mapping[str, Tensor], state_dict: Mapping, st
                          + ". Nothing was loaded.")
     for k, src in staged.items():
         _core.copy(targets[k]._t, src._t)
+        targets[k]._t.bump_version()  # a write, as every in-place one (DataParallel's replicas)
     return missing, unexpected
 
 

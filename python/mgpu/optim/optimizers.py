@@ -118,6 +118,15 @@ class Optimizer:
         for g, c in zip(self.param_groups, checked):
             g[key] = c[key]
 
+    def current_groups(self, where: str) -> List[Dict[str, Any]]:
+        """Every parameter group as a step reads it now, its hyperparameters checked (and
+        converted) with the constructor's rules; raises ValueError or TypeError naming the group
+        before anything changes. A step calls it once: the values a scheduler or the user wrote
+        into ``param_groups`` (``trainer.param_groups[0]['lr'] = x``) pass no setter, so this is
+        where they are checked; the kernels below trust them."""
+        return [self._check_group(g, f"{where}: param_groups[{i}]")
+                for i, g in enumerate(self.param_groups)]
+
     lr = _group_hyperparameter("lr")
     weight_decay = _group_hyperparameter("weight_decay")
 
@@ -146,9 +155,10 @@ class Optimizer:
         return grads
 
     def _positions(self):
-        """(position, group, parameter) for every parameter."""
+        """(position, group, parameter) for every parameter, each group's hyperparameters as
+        :meth:`current_groups` checked them for this step."""
         i = 0
-        for g in self.param_groups:
+        for g in self.current_groups(f"{type(self).__name__}.step"):
             for p in g["params"]:
                 yield i, g, p
                 i += 1
