@@ -82,9 +82,31 @@ void pack_rows(const float* src, int64_t ld, int64_t k, int64_t j0, int64_t widt
   }
 }
 
+// pack_rows from 16-bit values already rounded: the same words, by shifts (pack_cols and
+// pack_parallel take either).
 template <int64_t kW>
-void pack_cols(const float* src, int64_t ld, int64_t k, int64_t j0, int64_t width,
+void pack_rows(const uint16_t* src, int64_t ld, int64_t k, int64_t j0, int64_t width,
                uint32_t* out) {
+  const int64_t pairs = bf16_pairs(k), w = std::min(kW, width - j0);
+  for (int64_t p = 0; p < pairs; ++p, out += kW) {
+    const uint16_t* __restrict r0 = src + 2 * p * ld + j0;
+    uint32_t* __restrict o = out;
+    if (2 * p + 1 < k) {
+      const uint16_t* __restrict r1 = r0 + ld;
+      for (int64_t j = 0; j < w; ++j) o[j] = (uint32_t{r1[j]} << 16) | r0[j];
+    } else {
+      for (int64_t j = 0; j < w; ++j) o[j] = r0[j];
+    }
+    for (int64_t j = w; j < kW; ++j) o[j] = 0;
+  }
+}
+
+// The bfloat16 bits of a float32 value, or of a 16-bit value already rounded (itself).
+inline uint32_t bf16_bits(float x) { return to_bf16(x); }
+inline uint32_t bf16_bits(uint16_t h) { return h; }
+
+template <int64_t kW, typename T>
+void pack_cols(const T* src, int64_t ld, int64_t k, int64_t j0, int64_t width, uint32_t* out) {
   const int64_t pairs = bf16_pairs(k), w = std::min(kW, width - j0);
   for (int64_t j = 0; j < kW; ++j) {
     uint32_t* o = out + j;
@@ -92,11 +114,11 @@ void pack_cols(const float* src, int64_t ld, int64_t k, int64_t j0, int64_t widt
       for (int64_t p = 0; p < pairs; ++p) o[p * kW] = 0;
       continue;
     }
-    const float* s = src + (j0 + j) * ld;
+    const T* s = src + (j0 + j) * ld;
     for (int64_t p = 0; p < k / 2; ++p) {
-      o[p * kW] = (to_bf16(s[2 * p + 1]) << 16) | to_bf16(s[2 * p]);
+      o[p * kW] = (bf16_bits(s[2 * p + 1]) << 16) | bf16_bits(s[2 * p]);
     }
-    if (k % 2) o[(pairs - 1) * kW] = to_bf16(s[k - 1]);
+    if (k % 2) o[(pairs - 1) * kW] = bf16_bits(s[k - 1]);
   }
 }
 
@@ -245,8 +267,8 @@ void product_parallel(const Bf16Product& q) {
 
 // Packs `width` rows (A, kW = kMr) or columns (B, kW = kNr) of a (width, k) or (k, width)
 // operand in panels of kW, one panel per task; `pairs_along_rows` picks pack_rows' layout.
-template <int64_t kW>
-void pack_parallel(bool pairs_along_rows, int64_t width, int64_t k, const float* src, int64_t ld,
+template <int64_t kW, typename T>
+void pack_parallel(bool pairs_along_rows, int64_t width, int64_t k, const T* src, int64_t ld,
                    uint32_t* out) {
   const int64_t stride = kW * bf16_pairs(k);
   parallel_for(panels(width, kW), [&](int64_t p) {
@@ -348,54 +370,6 @@ void im2col_halves(const conv::Unfold& u, const uint16_t* __restrict xb, int64_t
   }
 }
 
-// pack_rows and pack_cols from 16-bit values already rounded: the same words, by shifts.
-template <int64_t kW>
-void pack_rows_halves(const uint16_t* src, int64_t ld, int64_t k, int64_t j0, int64_t width,
-                      uint32_t* out) {
-  const int64_t pairs = bf16_pairs(k), w = std::min(kW, width - j0);
-  for (int64_t p = 0; p < pairs; ++p, out += kW) {
-    const uint16_t* __restrict r0 = src + 2 * p * ld + j0;
-    uint32_t* __restrict o = out;
-    if (2 * p + 1 < k) {
-      const uint16_t* __restrict r1 = r0 + ld;
-      for (int64_t j = 0; j < w; ++j) o[j] = (uint32_t{r1[j]} << 16) | r0[j];
-    } else {
-      for (int64_t j = 0; j < w; ++j) o[j] = r0[j];
-    }
-    for (int64_t j = w; j < kW; ++j) o[j] = 0;
-  }
-}
-
-template <int64_t kW>
-void pack_cols_halves(const uint16_t* src, int64_t ld, int64_t k, int64_t j0, int64_t width,
-                      uint32_t* out) {
-  const int64_t pairs = bf16_pairs(k), w = std::min(kW, width - j0);
-  for (int64_t j = 0; j < kW; ++j) {
-    uint32_t* o = out + j;
-    if (j >= w) {
-      for (int64_t p = 0; p < pairs; ++p) o[p * kW] = 0;
-      continue;
-    }
-    const uint16_t* s = src + (j0 + j) * ld;
-    for (int64_t p = 0; p < k / 2; ++p) o[p * kW] = (uint32_t{s[2 * p + 1]} << 16) | s[2 * p];
-    if (k % 2) o[(pairs - 1) * kW] = s[k - 1];
-  }
-}
-
-// The panels of kW columns of a (k, width) matrix of 16-bit values (rows ld apart), one panel
-// per task: pairs along two rows (`pairs_along_rows`, pack_rows' layout) or along a row.
-template <int64_t kW>
-void pack_halves_parallel(bool pairs_along_rows, int64_t width, int64_t k, const uint16_t* src,
-                          int64_t ld, uint32_t* out) {
-  const int64_t stride = kW * bf16_pairs(k);
-  parallel_for(panels(width, kW), [&](int64_t p) {
-    if (pairs_along_rows) {
-      pack_rows_halves<kW>(src, ld, k, p * kW, width, out + p * stride);
-    } else {
-      pack_cols_halves<kW>(src, ld, k, p * kW, width, out + p * stride);
-    }
-  });
-}
 
 // x's images n0 .. n0 + B rounded, on the device's cores.
 const uint16_t* round_images(const float* x, int64_t n0, int64_t B, int64_t CHW,
@@ -467,7 +441,7 @@ void bf16_conv2d_forward(const Conv2dShape& s, const float* x, const float* w, c
     uint16_t* col = grow(tl_col_halves, CRS * ld);
     parallel_for(s.C, [&](int64_t c) { im2col_halves(u, xb, B, c, col, ld); });
     uint32_t* pcol = grow(tl_pack_b, bf16_packed_b_words(CRS, ld));
-    pack_halves_parallel<kNr>(true, ld, CRS, col, ld, pcol);
+    pack_parallel<kNr>(true, ld, CRS, col, ld, pcol);
     // Each block goes straight to y's images (a block's columns may span two or more), + b.
     product_parallel_to({s.K, ld, CRS, pw, pcol, nullptr, 0, false, hardware_dot},
                         [&](const float* t, int64_t i0, int64_t j0, int64_t rows, int64_t cols) {
@@ -524,14 +498,14 @@ void bf16_conv2d_backward(const Conv2dShape& s, const float* x, const float* w, 
     uint16_t* col = grow(tl_col_halves, CRS * ld);
     parallel_for(s.C, [&](int64_t c) { im2col_halves(u, xb, B, c, col, ld); });
     uint32_t* pc = grow(tl_pack_col_a, bf16_packed_a_words(CRS, ld));
-    pack_halves_parallel<kMr>(false, CRS, ld, col, ld, pc);
+    pack_parallel<kMr>(false, CRS, ld, col, ld, pc);
     uint32_t* pd = grow(tl_pack_dy_b, bf16_packed_b_words(ld, s.K));
-    pack_halves_parallel<kNr>(false, s.K, ld, dyh, ld, pd);
+    pack_parallel<kNr>(false, s.K, ld, dyh, ld, pd);
     product_parallel({CRS, s.K, ld, pc, pd, dwt, s.K, n0 > 0, hardware_dot});
     if (!dx_loop) continue;
     // dcol (C*R*S, B*P*Q) = W^T @ dy_chunk, scattered into dx channel by channel.
     uint32_t* pb = grow(tl_pack_dy_b, bf16_packed_b_words(s.K, ld));
-    pack_halves_parallel<kNr>(true, ld, s.K, dyh, ld, pb);
+    pack_parallel<kNr>(true, ld, s.K, dyh, ld, pb);
     float* dcol = grow(tl_col, CRS * ld);
     product_parallel({CRS, ld, s.K, pwt, pb, dcol, ld, false, hardware_dot});
     float* dxc = dx_loop + n0 * CHW;
