@@ -468,7 +468,7 @@ def main(argv: Optional[List[str]] = None, prog: str = "mgpu") -> int:
     t.add_argument("--precision", choices=["float32", "bf16"], default="float32",
                    help="resnet18: bf16 trains the convolutions and linear layers with bfloat16 "
                         "products and float32 sums (mgpu.autocast; the fused step's precision). "
-                        "On CPUs bf16 is currently slower than float32 for ResNet-18 (~1.2x its "
+                        "On CPUs bf16 is currently slower than float32 for ResNet-18 (1.2-1.4x its "
                         "step: its 3x3 convolutions run every multiply-add, two per bf16 "
                         "instruction, where float32's Winograd F(4x4, 3x3) runs a quarter of "
                         "them); it is there for its numerics and as the base for faster kernels")

@@ -390,7 +390,7 @@ class DataParallel(Module):
         parameters and the all-reduced (and accumulated) gradients. The bf16 kernels give the
         same bits on every CPU path, so ``deterministic`` keeps its promise, with
         ``accumulate`` too. CPU devices only. On CPUs bf16 is currently slower than float32
-        for ResNet-18 (~1.2x its step: its 3x3 convolutions run every multiply-add, two per
+        for ResNet-18 (1.2-1.4x its step: its 3x3 convolutions run every multiply-add, two per
         bf16 instruction, where float32's Winograd F(4x4, 3x3) runs a quarter of them); it is
         there for its numerics and as the base for faster kernels.
         """
