@@ -87,10 +87,13 @@ void bf16_product(const Bf16Product& p);
 void bf16_mm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const float* a,
              int64_t lda, const float* b, int64_t ldb, float* c, bool hardware_dot);
 // conv2d's forward and backward (conv2d.h's cpu:: contract: b, dx and db may be null) through
-// im2col onto the products above, in chunks of images whose size depends on the shape alone:
-// y = W @ col + b; dcol = W^T @ dy, dx = col2im(dcol); dw = sum over chunks, in order, of
-// dy @ col^T (each chunk's sums start from the previous chunks' dw); db sums dy in float32 per
-// image and in double over images.
+// im2col onto the products above, in chunks of images whose size depends on the shape alone
+// (x and dy are rounded to bfloat16 once and unfolded as 16-bit values): y = W @ col + b;
+// dw = sum over chunks, in order, of dy @ col^T (each chunk's sums start from the previous
+// chunks' dw); dx, for stride 1 with a square kernel and pad <= R-1, is the forward pass of dy
+// padded by R-1-pad with the kernel flipped and its channels swapped (K*R*S products per
+// element, one float32 sum), else col2im(W^T @ dy) (the R*S taps added in float32 after);
+// db sums dy in float32 per image and in double over images.
 void bf16_conv2d_forward(const Conv2dShape& s, const float* x, const float* w, const float* b,
                          float* y, bool hardware_dot);
 void bf16_conv2d_backward(const Conv2dShape& s, const float* x, const float* w, const float* dy,

@@ -82,9 +82,31 @@ void pack_rows(const float* src, int64_t ld, int64_t k, int64_t j0, int64_t widt
   }
 }
 
+// pack_rows from 16-bit values already rounded: the same words, by shifts (pack_cols and
+// pack_parallel take either).
 template <int64_t kW>
-void pack_cols(const float* src, int64_t ld, int64_t k, int64_t j0, int64_t width,
+void pack_rows(const uint16_t* src, int64_t ld, int64_t k, int64_t j0, int64_t width,
                uint32_t* out) {
+  const int64_t pairs = bf16_pairs(k), w = std::min(kW, width - j0);
+  for (int64_t p = 0; p < pairs; ++p, out += kW) {
+    const uint16_t* __restrict r0 = src + 2 * p * ld + j0;
+    uint32_t* __restrict o = out;
+    if (2 * p + 1 < k) {
+      const uint16_t* __restrict r1 = r0 + ld;
+      for (int64_t j = 0; j < w; ++j) o[j] = (uint32_t{r1[j]} << 16) | r0[j];
+    } else {
+      for (int64_t j = 0; j < w; ++j) o[j] = r0[j];
+    }
+    for (int64_t j = w; j < kW; ++j) o[j] = 0;
+  }
+}
+
+// The bfloat16 bits of a float32 value, or of a 16-bit value already rounded (itself).
+inline uint32_t bf16_bits(float x) { return to_bf16(x); }
+inline uint32_t bf16_bits(uint16_t h) { return h; }
+
+template <int64_t kW, typename T>
+void pack_cols(const T* src, int64_t ld, int64_t k, int64_t j0, int64_t width, uint32_t* out) {
   const int64_t pairs = bf16_pairs(k), w = std::min(kW, width - j0);
   for (int64_t j = 0; j < kW; ++j) {
     uint32_t* o = out + j;
@@ -92,11 +114,11 @@ void pack_cols(const float* src, int64_t ld, int64_t k, int64_t j0, int64_t widt
       for (int64_t p = 0; p < pairs; ++p) o[p * kW] = 0;
       continue;
     }
-    const float* s = src + (j0 + j) * ld;
+    const T* s = src + (j0 + j) * ld;
     for (int64_t p = 0; p < k / 2; ++p) {
-      o[p * kW] = (to_bf16(s[2 * p + 1]) << 16) | to_bf16(s[2 * p]);
+      o[p * kW] = (bf16_bits(s[2 * p + 1]) << 16) | bf16_bits(s[2 * p]);
     }
-    if (k % 2) o[(pairs - 1) * kW] = to_bf16(s[k - 1]);
+    if (k % 2) o[(pairs - 1) * kW] = bf16_bits(s[k - 1]);
   }
 }
 
@@ -186,8 +208,10 @@ __attribute__((noinline, target("avx512f,avx512bf16"))) void tile_dpbf16(
 #endif
 
 // Output tile (ip, jp) of a product: c's block copied into the register tile (or zeros), the
-// panels multiplied in, the block copied back.
-void product_tile(const Bf16Product& q, int64_t ip, int64_t jp) {
+// panels multiplied in (the emulation under FTZ|DAZ, set per tile so that nothing else runs
+// under it), the block handed to store(t, i0, j0, rows, cols).
+template <class Store>
+void product_tile_to(const Bf16Product& q, int64_t ip, int64_t jp, const Store& store) {
   alignas(64) float t[kMr * kNr];
   const int64_t pairs = bf16_pairs(q.k), i0 = ip * kMr, j0 = jp * kNr;
   const int64_t rows = std::min(kMr, q.m - i0), cols = std::min(kNr, q.n - j0);
@@ -201,30 +225,50 @@ void product_tile(const Bf16Product& q, int64_t ip, int64_t jp) {
   if (q.hardware_dot) {
     tile_dpbf16(pairs, pa, pb, t);
   } else {
+    FlushDenormals ftz(true);
     tile_fma(pairs, pa, pb, t);
   }
 #else
-  tile_fma(pairs, pa, pb, t);
+  {
+    FlushDenormals ftz(true);
+    tile_fma(pairs, pa, pb, t);
+  }
 #endif
-  for (int64_t r = 0; r < rows; ++r) std::copy_n(t + r * kNr, cols, q.c + (i0 + r) * q.ldc + j0);
+  store(static_cast<const float*>(t), i0, j0, rows, cols);
+}
+
+// The block copied back into c.
+void product_tile(const Bf16Product& q, int64_t ip, int64_t jp) {
+  product_tile_to(q, ip, jp, [&](const float* t, int64_t i0, int64_t j0, int64_t rows,
+                                 int64_t cols) {
+    for (int64_t r = 0; r < rows; ++r) std::copy_n(t + r * kNr, cols, q.c + (i0 + r) * q.ldc + j0);
+  });
 }
 
 inline int64_t panels(int64_t n, int64_t w) { return (n + w - 1) / w; }
 
-// Every tile of a product, spread over the device's cores (tiles are independent).
-void product_parallel(const Bf16Product& q) {
+// Every tile of a product, spread over the device's cores (tiles are independent), each block
+// handed to store (product_tile_to).
+template <class Store>
+void product_parallel_to(const Bf16Product& q, const Store& store) {
   if (q.m == 0 || q.n == 0) return;
   const int64_t mp = panels(q.m, kMr), np = panels(q.n, kNr);
   parallel_for(np, [&](int64_t jp) {
-    FlushDenormals ftz(!q.hardware_dot);
-    for (int64_t ip = 0; ip < mp; ++ip) product_tile(q, ip, jp);
+    for (int64_t ip = 0; ip < mp; ++ip) product_tile_to(q, ip, jp, store);
+  });
+}
+
+void product_parallel(const Bf16Product& q) {
+  product_parallel_to(q, [&](const float* t, int64_t i0, int64_t j0, int64_t rows,
+                             int64_t cols) {
+    for (int64_t r = 0; r < rows; ++r) std::copy_n(t + r * kNr, cols, q.c + (i0 + r) * q.ldc + j0);
   });
 }
 
 // Packs `width` rows (A, kW = kMr) or columns (B, kW = kNr) of a (width, k) or (k, width)
 // operand in panels of kW, one panel per task; `pairs_along_rows` picks pack_rows' layout.
-template <int64_t kW>
-void pack_parallel(bool pairs_along_rows, int64_t width, int64_t k, const float* src, int64_t ld,
+template <int64_t kW, typename T>
+void pack_parallel(bool pairs_along_rows, int64_t width, int64_t k, const T* src, int64_t ld,
                    uint32_t* out) {
   const int64_t stride = kW * bf16_pairs(k);
   parallel_for(panels(width, kW), [&](int64_t p) {
@@ -247,9 +291,9 @@ void pack_b_parallel(bool trans, int64_t k, int64_t n, const float* b, int64_t l
 }
 
 // The calling thread's buffers, grown to the largest shape seen and reused.
-thread_local std::vector<uint32_t> tl_pack_a, tl_pack_b;
-thread_local std::vector<uint32_t> tl_pack_dy_a, tl_pack_dy_b, tl_pack_rows;
-thread_local std::vector<float> tl_col, tl_rows, tl_dy, tl_out;
+thread_local std::vector<uint32_t> tl_pack_a, tl_pack_b, tl_pack_col_a, tl_pack_dy_b;
+thread_local std::vector<float> tl_col, tl_dwt, tl_w_flipped;
+thread_local std::vector<uint16_t> tl_x_halves, tl_col_halves, tl_dy_halves;
 
 template <typename T>
 T* grow(std::vector<T>& buf, int64_t n) {
@@ -257,21 +301,101 @@ T* grow(std::vector<T>& buf, int64_t n) {
   return buf.data();
 }
 
+// ---- bfloat16 copies for the conv passes ----
+// A conv pass rounds its inputs to bfloat16 once, element by element (x, dy), and then builds
+// the product's packed panels from those 16-bit copies by moves and shifts alone. Rounding
+// commutes with every copy and the padding's zeros round to +0, so the panels hold exactly the
+// bits that rounding the float32 im2col matrices would give, at a ninth of the roundings of a
+// 3x3 kernel's and half the bytes moved.
+typedef uint16_t Vh __attribute__((vector_size(32), aligned(2), may_alias));
+
+// y[i] = the bfloat16 bits of x[i], 16 at a time.
+void round_into(const float* x, int64_t n, uint16_t* y) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    Vu r;
+    to_bf16(*reinterpret_cast<const Vu*>(x + i), r);
+    *reinterpret_cast<Vh*>(y + i) = __builtin_convertvector(r, Vh);
+  }
+  for (; i < n; ++i) y[i] = static_cast<uint16_t>(to_bf16(x[i]));
+}
+
+// conv::im2col on 16-bit values, channel c's R*S rows: B images xb (B, C, H, W) into col
+// (C*R*S, B*P*Q, rows ld apart), zeros in the padding. One thread writes a row whole (threads
+// splitting a row's images shared its cache lines). Each output row of a tap is written once, left to right: the
+// zeros before its valid span, the span, the zeros after. The span is copied 16 values at a
+// time, the last vector running past the span's end where that stays inside the row
+// (the zeros after the span, then the next output rows, overwrite what it wrote there; past
+// the row are rows another thread writes); xb needs kOverread values of slack for the reads.
+constexpr int64_t kOverread = 16;
+void im2col_halves(const conv::Unfold& u, const uint16_t* __restrict xb, int64_t B, int64_t c,
+                   uint16_t* __restrict col, int64_t ld) {
+  const Conv2dShape& s = u.s;
+  const int64_t P = u.P, Q = u.Q, CHW = s.C * s.H * s.W, st = s.stride;
+  {
+    for (int64_t r = 0; r < s.R; ++r) {
+      const conv::Span rows = u.rows[r];
+      for (int64_t t = 0; t < s.S; ++t) {
+        const conv::Span cols = u.cols[t];
+        const bool empty = rows.lo == rows.hi || cols.lo == cols.hi;
+        const int64_t n = cols.hi - cols.lo;
+        uint16_t* __restrict row = col + ((c * s.R + r) * s.S + t) * ld;
+        for (int64_t i = 0; i < B; ++i) {
+          uint16_t* d = row + i * P * Q;
+          const uint16_t* xs = xb + i * CHW + (c * s.H + r - s.pad) * s.W + (t - s.pad);
+          for (int64_t p = 0; p < P; ++p, d += Q) {
+            if (empty || p < rows.lo || p >= rows.hi) {
+              std::fill(d, d + Q, uint16_t{0});
+              continue;
+            }
+            std::fill(d, d + cols.lo, uint16_t{0});
+            const uint16_t* src = xs + p * st * s.W + cols.lo * st;
+            uint16_t* dst = d + cols.lo;
+            if (st == 1) {
+              int64_t q = 0;
+              const int64_t room = (B - i) * P * Q - (p * Q + cols.lo);
+              const int64_t vec_end = (n + 15) / 16 * 16 <= room ? n : n - n % 16;
+              for (; q < vec_end; q += 16) {
+                *reinterpret_cast<Vh*>(dst + q) = *reinterpret_cast<const Vh*>(src + q);
+              }
+              for (; q < n; ++q) dst[q] = src[q];
+            } else {
+              for (int64_t q = 0; q < n; ++q) dst[q] = src[q * st];
+            }
+            std::fill(d + cols.hi, d + Q, uint16_t{0});
+          }
+        }
+      }
+    }
+  }
+}
+
+
+// x's images n0 .. n0 + B rounded, on the device's cores.
+const uint16_t* round_images(const float* x, int64_t n0, int64_t B, int64_t CHW,
+                             std::vector<uint16_t>& buf) {
+  uint16_t* xb = grow(buf, B * CHW + kOverread);
+  parallel_for(B, [&](int64_t i) { round_into(x + (n0 + i) * CHW, CHW, xb + i * CHW); });
+  return xb;
+}
+
+// dy's chunk of images n0 .. n0 + B rounded as one (K, B * P * Q) matrix, image i in columns
+// i * PQ...
+void gather_dy_halves(const Conv2dShape& s, const float* dy, int64_t n0, int64_t B,
+                      uint16_t* out) {
+  const int64_t PQ = s.P() * s.Q(), ld = B * PQ;
+  parallel_for(s.K, [&](int64_t k) {
+    for (int64_t i = 0; i < B; ++i) {
+      round_into(dy + ((n0 + i) * s.K + k) * PQ, PQ, out + k * ld + i * PQ);
+    }
+  });
+}
+
 // Images per chunk of a conv pass: enough for ~2048 product columns (B * P * Q), between 1 and
 // 64; a function of the shape alone, so the order of dw's sums never depends on the threads.
 int64_t chunk_images(const Conv2dShape& s) {
   const int64_t pq = s.P() * s.Q();
   return std::clamp<int64_t>((2048 + pq - 1) / pq, 1, 64);
-}
-
-// dy's chunk of images n0 .. n0 + B as one (K, B * P * Q) matrix, image i in columns i * PQ...
-void gather_dy(const Conv2dShape& s, const float* dy, int64_t n0, int64_t B, float* out) {
-  const int64_t PQ = s.P() * s.Q(), ld = B * PQ;
-  parallel_for(s.K, [&](int64_t k) {
-    for (int64_t i = 0; i < B; ++i) {
-      std::copy_n(dy + ((n0 + i) * s.K + k) * PQ, PQ, out + k * ld + i * PQ);
-    }
-  });
 }
 
 }  // namespace
@@ -289,7 +413,6 @@ void bf16_pack_b(bool trans, int64_t k, int64_t n, const float* b, int64_t ldb, 
 }
 
 void bf16_product(const Bf16Product& q) {
-  FlushDenormals ftz(!q.hardware_dot);
   for (int64_t jp = 0; jp < panels(q.n, kNr); ++jp) {
     for (int64_t ip = 0; ip < panels(q.m, kMr); ++ip) product_tile(q, ip, jp);
   }
@@ -314,18 +437,23 @@ void bf16_conv2d_forward(const Conv2dShape& s, const float* x, const float* w, c
   pack_a_parallel(false, s.K, CRS, w, CRS, pw);
   for (int64_t n0 = 0; n0 < s.N; n0 += chunk) {
     const int64_t B = std::min(chunk, s.N - n0), ld = B * PQ;
-    float* col = grow(tl_col, CRS * ld);
-    parallel_for(B, [&](int64_t i) { conv::im2col(u, x + (n0 + i) * CHW, 1, col + i * PQ, ld); });
+    const uint16_t* xb = round_images(x, n0, B, CHW, tl_x_halves);
+    uint16_t* col = grow(tl_col_halves, CRS * ld);
+    parallel_for(s.C, [&](int64_t c) { im2col_halves(u, xb, B, c, col, ld); });
     uint32_t* pcol = grow(tl_pack_b, bf16_packed_b_words(CRS, ld));
-    pack_b_parallel(false, CRS, ld, col, ld, pcol);
-    float* out = grow(tl_out, s.K * ld);
-    product_parallel({s.K, ld, CRS, pw, pcol, out, ld, false, hardware_dot});
-    parallel_for(B, [&](int64_t i) {
-      for (int64_t k = 0; k < s.K; ++k) {
-        float* yk = y + ((n0 + i) * s.K + k) * PQ;
-        const float* ok = out + k * ld + i * PQ;
-        const float bias = b ? b[k] : 0.0f;
-        for (int64_t j = 0; j < PQ; ++j) yk[j] = ok[j] + bias;
+    pack_parallel<kNr>(true, ld, CRS, col, ld, pcol);
+    // Each block goes straight to y's images (a block's columns may span two or more), + b.
+    product_parallel_to({s.K, ld, CRS, pw, pcol, nullptr, 0, false, hardware_dot},
+                        [&](const float* t, int64_t i0, int64_t j0, int64_t rows, int64_t cols) {
+      for (int64_t j = 0; j < cols;) {
+        const int64_t img = (j0 + j) / PQ, pq = (j0 + j) % PQ, n = std::min(cols - j, PQ - pq);
+        for (int64_t r = 0; r < rows; ++r) {
+          const float bias = b ? b[i0 + r] : 0.0f;
+          float* __restrict dst = y + ((n0 + img) * s.K + i0 + r) * PQ + pq;
+          const float* __restrict src = t + r * kNr + j;
+          for (int64_t e = 0; e < n; ++e) dst[e] = src[e] + bias;
+        }
+        j += n;
       }
     });
   }
@@ -348,30 +476,39 @@ void bf16_conv2d_backward(const Conv2dShape& s, const float* x, const float* w, 
       db[k] = static_cast<float>(total);
     });
   }
+  // A stride-1 square kernel's data gradient is a convolution itself: dy padded by R-1-pad
+  // with the kernel flipped and its channels swapped, run after the loop through the forward
+  // pass, whose packing reads dy once instead of writing and re-reading a float32 dcol. Other
+  // shapes take W^T @ dy and col2im in the loop.
+  const bool dx_as_forward = dx && s.stride == 1 && s.R == s.S && s.pad <= s.R - 1;
+  float* const dx_loop = dx_as_forward ? nullptr : dx;
   // W^T (C*R*S, K) packed once for the data gradient.
-  uint32_t* pwt = dx ? grow(tl_pack_a, bf16_packed_a_words(CRS, s.K)) : nullptr;
-  if (dx) pack_a_parallel(true, CRS, s.K, w, CRS, pwt);
+  uint32_t* pwt = dx_loop ? grow(tl_pack_a, bf16_packed_a_words(CRS, s.K)) : nullptr;
+  if (dx_loop) pack_a_parallel(true, CRS, s.K, w, CRS, pwt);
+  // dw^T (C*R*S, K), summed over the chunks in order; dw is its transpose.
+  float* dwt = grow(tl_dwt, CRS * s.K);
   for (int64_t n0 = 0; n0 < s.N; n0 += chunk) {
     const int64_t B = std::min(chunk, s.N - n0), ld = B * PQ;
-    float* dyc = grow(tl_dy, s.K * ld);
-    gather_dy(s, dy, n0, B, dyc);
-    // dw (+)= dy_chunk (K, B*P*Q) @ patches (B*P*Q, C*R*S).
-    float* rows = grow(tl_rows, ld * CRS);
-    parallel_for(B, [&](int64_t i) {
-      conv::im2col_rows(u, x + (n0 + i) * CHW, 1, rows + i * PQ * CRS);
-    });
-    uint32_t* pa = grow(tl_pack_dy_a, bf16_packed_a_words(s.K, ld));
-    pack_a_parallel(false, s.K, ld, dyc, ld, pa);
-    uint32_t* pr = grow(tl_pack_rows, bf16_packed_b_words(ld, CRS));
-    pack_b_parallel(false, ld, CRS, rows, CRS, pr);
-    product_parallel({s.K, CRS, ld, pa, pr, dw, CRS, n0 > 0, hardware_dot});
-    if (!dx) continue;
+    uint16_t* dyh = grow(tl_dy_halves, s.K * ld);
+    gather_dy_halves(s, dy, n0, B, dyh);
+    // dw^T (+)= col (C*R*S, B*P*Q) @ dy_chunk^T: im2col's layout, the pairs along a row of col
+    // and of dy. Each weight's sum is dw = dy_chunk @ col^T's, pair for pair (a product of two
+    // bfloat16 values is exact, so the operands' order within a pair changes no bit).
+    const uint16_t* xb = round_images(x, n0, B, CHW, tl_x_halves);
+    uint16_t* col = grow(tl_col_halves, CRS * ld);
+    parallel_for(s.C, [&](int64_t c) { im2col_halves(u, xb, B, c, col, ld); });
+    uint32_t* pc = grow(tl_pack_col_a, bf16_packed_a_words(CRS, ld));
+    pack_parallel<kMr>(false, CRS, ld, col, ld, pc);
+    uint32_t* pd = grow(tl_pack_dy_b, bf16_packed_b_words(ld, s.K));
+    pack_parallel<kNr>(false, s.K, ld, dyh, ld, pd);
+    product_parallel({CRS, s.K, ld, pc, pd, dwt, s.K, n0 > 0, hardware_dot});
+    if (!dx_loop) continue;
     // dcol (C*R*S, B*P*Q) = W^T @ dy_chunk, scattered into dx channel by channel.
     uint32_t* pb = grow(tl_pack_dy_b, bf16_packed_b_words(s.K, ld));
-    pack_b_parallel(false, s.K, ld, dyc, ld, pb);
+    pack_parallel<kNr>(true, ld, s.K, dyh, ld, pb);
     float* dcol = grow(tl_col, CRS * ld);
     product_parallel({CRS, ld, s.K, pwt, pb, dcol, ld, false, hardware_dot});
-    float* dxc = dx + n0 * CHW;
+    float* dxc = dx_loop + n0 * CHW;
     parallel_for(s.C, [&](int64_t c) {
       for (int64_t i = 0; i < B; ++i) {
         std::fill_n(dxc + i * CHW + c * s.H * s.W, s.H * s.W, 0.0f);
@@ -379,7 +516,25 @@ void bf16_conv2d_backward(const Conv2dShape& s, const float* x, const float* w, 
       conv::col2im_channel(u, dcol + c * RS * ld, ld, B, c, dxc);
     });
   }
-  if (s.N == 0) std::fill_n(dw, s.K * CRS, 0.0f);
+  if (s.N == 0) std::fill_n(dwt, s.K * CRS, 0.0f);
+  parallel_for(s.K, [&](int64_t k) {
+    for (int64_t j = 0; j < CRS; ++j) dw[k * CRS + j] = dwt[j * s.K + k];
+  });
+  if (!dx_as_forward) return;
+  // dx = conv(dy, w'), w' (C, K, R, S) the kernel flipped in both axes, channels swapped.
+  float* wf = grow(tl_w_flipped, s.K * CRS);
+  parallel_for(s.C, [&](int64_t c) {
+    for (int64_t k = 0; k < s.K; ++k) {
+      for (int64_t r = 0; r < s.R; ++r) {
+        for (int64_t t = 0; t < s.S; ++t) {
+          wf[((c * s.K + k) * s.R + r) * s.S + t] =
+              w[((k * s.C + c) * s.R + (s.R - 1 - r)) * s.S + (s.S - 1 - t)];
+        }
+      }
+    }
+  });
+  const Conv2dShape t{s.N, s.K, u.P, u.Q, s.C, s.R, s.S, 1, s.R - 1 - s.pad};
+  bf16_conv2d_forward(t, dy, wf, nullptr, dx, hardware_dot);
 }
 
 }  // namespace mgpu::ops::cpu::MGPU_CPU_ISA

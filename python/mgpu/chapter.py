@@ -185,9 +185,9 @@ def train_concise(net, num_gpus: int, batch_size: int, lr: float, num_epochs: in
     ``precision="bf16"``: the convolutions and linear layers train with bfloat16 products and
     float32 sums (the loop's forward under ``mgpu.autocast("bf16")``, or the fused step's
     ``precision``), with or without ``accumulate``; the evaluation stays float32. On CPUs bf16
-    is currently slower than float32 for ResNet-18 (its 3x3 convolutions run im2col in bf16
-    where float32 runs Winograd); it is there for its numerics and as the base for faster
-    kernels.
+    is currently slower than float32 for ResNet-18 (1.2-1.4x its step: its 3x3 convolutions run
+    every multiply-add, two per bf16 instruction, where float32's Winograd F(4x4, 3x3) runs a
+    quarter of them); it is there for its numerics and as the base for faster kernels.
     ``comm_dtype="bf16"`` (with ``fused``): the gradients are all-reduced in bfloat16, half the
     bytes (``DataParallel.train_step``'s ``comm_dtype``); a checkpoint records it and a resume
     with another is refused, as it would not end with the uninterrupted run's parameters.

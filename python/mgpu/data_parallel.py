@@ -391,8 +391,9 @@ class DataParallel(Module):
         parameters and the all-reduced (and accumulated) gradients. The bf16 kernels give the
         same bits on every CPU path and on GPUs (mgpu's CUDA kernels), so ``deterministic``
         keeps its promise, with ``accumulate`` too. On CPUs bf16 is currently slower than float32
-        for ResNet-18 (its 3x3 convolutions run im2col in bf16 where float32 runs Winograd);
-        it is there for its numerics and as the base for faster kernels.
+        for ResNet-18 (1.2-1.4x its step: its 3x3 convolutions run every multiply-add, two per
+        bf16 instruction, where float32's Winograd F(4x4, 3x3) runs a quarter of them); it is
+        there for its numerics and as the base for faster kernels.
 
         ``nn.Dropout(p)`` layers drop elements with masks that are a function of (a seed drawn
         from ``mgpu.random`` once per step, the layer's place in the model, the example's row in

@@ -239,12 +239,18 @@ TEST(Bf16CpuIsa, DenormalResultsAreFlushedOnEveryPath) {
 }
 
 // conv2d's three passes in bf16: the same bits on every path (padding, stride 2, odd P*Q, chunks
-// of several images, a tail chunk).
+// of several images, a tail chunk; the data gradient as a forward pass for stride 1 with pad 0
+// to R-1 and through col2im otherwise; 4x4 outputs, whose rows the unfolding's vector copies
+// run past).
 TEST(Bf16CpuIsa, ConvPassesGiveTheSameBitsOnEveryPath) {
   if (!avx512_runs()) GTEST_SKIP() << "no AVX-512 on this CPU";
   for (const Conv2dShape& s : {Conv2dShape{5, 3, 9, 7, 10, 3, 3, 1, 1},
                                Conv2dShape{3, 6, 8, 8, 5, 3, 3, 2, 1},
-                               Conv2dShape{70, 4, 5, 5, 3, 1, 1, 1, 0}}) {
+                               Conv2dShape{70, 4, 5, 5, 3, 1, 1, 1, 0},
+                               Conv2dShape{40, 2, 6, 6, 5, 5, 5, 1, 2},
+                               Conv2dShape{3, 4, 9, 9, 5, 3, 3, 1, 0},
+                               Conv2dShape{4, 3, 7, 7, 6, 1, 1, 1, 1},
+                               Conv2dShape{33, 20, 4, 4, 40, 3, 3, 1, 1}}) {
     const int64_t P = s.P(), Q = s.Q();
     const Floats x = random_floats(s.N * s.C * s.H * s.W, 1), w = random_floats(s.K * s.C * s.R * s.S, 2);
     const Floats b = random_floats(s.K, 3), dy = random_floats(s.N * s.K * P * Q, 4);

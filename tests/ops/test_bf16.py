@@ -116,6 +116,9 @@ CONVS = [
     pytest.param((3, 8, 12, 12), 16, 3, 2, 1, id="3x3-stride2"),
     pytest.param((2, 16, 7, 7), 8, 1, 1, 0, id="1x1"),
     pytest.param((40, 2, 6, 6), 5, 5, 1, 2, id="5x5-pad2-many-chunks"),
+    pytest.param((3, 4, 9, 9), 5, 5, 1, 0, id="5x5-pad0"),
+    pytest.param((4, 3, 7, 7), 6, 1, 1, 1, id="1x1-pad1"),
+    pytest.param((33, 20, 4, 4), 40, 3, 1, 1, id="4x4-outputs"),
 ]
 
 

@@ -16,13 +16,16 @@ import numpy as np
 
 # ---- measuring ---------------------------------------------------------------------------------
 
-def runner(model: str, devices, seed: int = 0) -> Callable:
-    """A function (X, y) -> None doing one fused data-parallel step of `model` on `devices`."""
+def runner(model: str, devices, seed: int = 0, precision: str = "float32") -> Callable:
+    """A function (X, y) -> None doing one fused data-parallel step of `model` on `devices`
+    (``precision``: the ResNet-18 step's, 'float32' or 'bf16')."""
     from .. import models, nn, optim
     from ..parallel import get_params, train_batch
     if model == "lenet":
         params = models.lenet_params(seed=seed)
         device_params = [get_params(params, d) for d in devices]
+        if precision != "float32":
+            raise ValueError("--precision bf16 needs --model resnet18 for the traced step")
         return lambda X, y: train_batch(X, y, device_params, devices, 0.05)
     if model == "resnet18":
         from .. import random
@@ -30,7 +33,7 @@ def runner(model: str, devices, seed: int = 0) -> Callable:
         net = nn.DataParallel(models.resnet18(10, 1), device_ids=devices)
         trainer = optim.SGD(net.parameters(), 0.01)
         loss = nn.CrossEntropyLoss()
-        return lambda X, y: net.train_step(X, y, loss, trainer)
+        return lambda X, y: net.train_step(X, y, loss, trainer, precision=precision)
     raise ValueError(f"advise: --model must be lenet or resnet18, got {model!r}")
 
 

@@ -92,10 +92,13 @@ def cpu_paths() -> List[str]:
 
 
 def bench_layers(model: str = "resnet18", batch_size: int = 256, steps: int = 3,
-                 warmup: int = 1, log: Log = None, peak_seconds: float = 0.1) -> Dict:
+                 warmup: int = 1, log: Log = None, peak_seconds: float = 0.1,
+                 precision: str = "float32") -> Dict:
     """Times ``steps`` fused steps of ``model`` on one CPU device (after ``warmup`` untimed ones)
     inside mgpu.profile; each layer's time is the median step's busy time of its kernels. The
-    peak is the FMA loop's on the path the kernels run, with the step's thread count."""
+    peak is the FMA loop's on the path the kernels run, with the step's thread count.
+    ``precision``: the step's ('float32' or 'bf16'; the FLOPs are counted alike, so a bf16
+    layer's percent of peak is against the float32 FMA peak and may pass 100)."""
     from ..advisor import parse_step_trace, random_batch, runner, trace_steps
     from ..device import cpu
     if int(batch_size) < 1 or int(steps) < 1 or int(warmup) < 0:
@@ -104,7 +107,8 @@ def bench_layers(model: str = "resnet18", batch_size: int = 256, steps: int = 3,
     flops = layer_flops(model, int(batch_size))
     threads = _core.num_threads()
     settings = dict(model=model, batch_size=int(batch_size), steps=int(steps),
-                    warmup=int(warmup), parts=["layers"], devices=[1], threads=threads)
+                    warmup=int(warmup), parts=["layers"], devices=[1], threads=threads,
+                    precision=precision)
     out = header("train", settings)
     say(log, f"bench train: the FMA peak (1 and {threads} threads, each path) ...")
     peaks = measure_peaks(sorted({1, threads}), peak_seconds)
@@ -113,7 +117,7 @@ def bench_layers(model: str = "resnet18", batch_size: int = 256, steps: int = 3,
     say(log, f"bench train: {model} fused step, batch {batch_size}, 1 device, {threads} "
               f"thread(s), {steps} traced step(s) ...")
     dev = cpu(0)
-    step = runner(model, [dev])
+    step = runner(model, [dev], precision=precision)
     X, y = random_batch(int(batch_size))
     for _ in range(int(warmup)):
         step(X, y)
@@ -135,7 +139,8 @@ def _num(x: Optional[float], fmt: str) -> str:
 def format_layers(r: Dict) -> str:
     s, p = r["settings"], r["peak"]
     lines = [f"mgpu bench train --parts layers: {s['model']} fused step, batch {s['batch_size']}, "
-             f"1 CPU device, {s['threads']} thread(s); median of {s['steps']} traced steps"]
+             f"1 CPU device, {s['threads']} thread(s), {s.get('precision', 'float32')}; median of "
+             f"{s['steps']} traced steps"]
     lines += machine_lines(r)
     lines.append("FMA peak measured here (mgpu._core.fma_peak: independent vector FMAs, fastest "
                  "of 3 runs): " + ", ".join(f"{x['isa']} {x['threads']} thread(s) "

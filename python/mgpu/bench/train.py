@@ -130,8 +130,12 @@ def bench_train(devices: Sequence[int] = (1, 2), batch_size: int = 256, lr: floa
         if list(parts) != ["layers"]:
             raise ValueError(f"bench train: --parts layers runs alone, got {list(parts)}")
         from .layers import bench_layers
+        if len(precisions) != 1:
+            raise ValueError(f"bench train: --parts layers takes one --precision, got "
+                             f"{list(precisions)}")
         return bench_layers(model, batch_size, steps=max(1, int(limit_batches or 3)),
-                            warmup=max(1, int(warmup)), log=log)
+                            warmup=max(1, int(warmup)), log=log,
+                            precision=check_precision(precisions[0], "bench train: precision"))
     if model == "resnet18":
         return bench_train_resnet18(devices, batch_size, lr, epochs, limit_batches, warmup,
                                     data_dir, synthetic, seed, compare, torch_python,
