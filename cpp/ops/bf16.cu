@@ -94,7 +94,8 @@ struct ForwardBody {
 
 // dx[nn, c, h, v] = sum over (r, t) in order of dcol[(c, r, t), (nn, p, q)] for the output
 // positions (p, q) that read it, each dcol = sum over k of W[k, c, r, t] * dy[nn, k, p, q]:
-// the CPU's W^T @ dy followed by col2im, gathered per element.
+// the CPU's W^T @ dy followed by col2im, gathered per element (the shapes FlippedDataBody
+// does not take: stride 2, pad > R-1).
 struct DataBody {
   Geom s;
   const float *w, *dy;
@@ -122,6 +123,34 @@ struct DataBody {
       }
     }
     dx[idx] = out;
+  }
+};
+
+// dx for stride 1, a square kernel and pad <= R-1, as the CPU computes it: the forward pass of
+// dy padded by R-1-pad with the kernel flipped in both axes and its channels swapped, one float32
+// sum over (k, r, t) in order. t is that forward's shape (dy's extents in, x's out); w is read
+// flipped in place (w[k, c, R-1-r, S-1-t]) rather than copied.
+struct FlippedDataBody {
+  Geom t;
+  int64_t C;  // x's channels: w's second extent
+  const float *w, *dy;
+  float* dx;
+  __device__ void operator()(int64_t idx) const {
+    const int64_t P = t.P, Q = t.Q, R = t.R, S = t.S, RS = R * S;
+    const int64_t q = idx % Q, p = idx / Q % P, c = idx / (P * Q) % t.K, nn = idx / (P * Q * t.K);
+    const Geom sh = t;
+    const float* wp = w;
+    const float* dyp = dy;
+    const int64_t xc = C;
+    const auto wt = [=](int64_t l) {
+      const int64_t k = l / RS, r = l / S % R, u = l % S;
+      return wp[((k * xc + c) * R + (R - 1 - r)) * S + (S - 1 - u)];
+    };
+    const auto dyt = [=, &sh](int64_t l) {
+      const int64_t k = l / RS, r = l / sh.S % sh.R, u = l % sh.S;
+      return padded(sh, dyp, nn, k, p - sh.pad + r, q - sh.pad + u);
+    };
+    dx[idx] = pair_dot(t.C * RS, wt, dyt, 0.0f);
   }
 };
 
@@ -221,7 +250,13 @@ void bf16_conv2d_backward(const Conv2dShape& s, const float* x, const float* w, 
   detail::require(dw != nullptr, "cuda::bf16_conv2d_backward", "dw must not be null");
   if (db) for_each_index(s.K, BiasBody{Geom(s), dy, db}, stream);
   for_each_index(s.K * s.C * s.R * s.S, WeightBody{Geom(s), chunk_images(s), x, dy, dw}, stream);
-  if (dx) for_each_index(s.N * s.C * s.H * s.W, DataBody{Geom(s), w, dy, dx}, stream);
+  if (!dx) return;
+  if (s.stride == 1 && s.R == s.S && s.pad <= s.R - 1) {  // bf16_cpu.cpp's dx_as_forward
+    const Conv2dShape t{s.N, s.K, s.P(), s.Q(), s.C, s.R, s.S, 1, s.R - 1 - s.pad};
+    for_each_index(s.N * s.C * s.H * s.W, FlippedDataBody{Geom(t), s.C, w, dy, dx}, stream);
+  } else {
+    for_each_index(s.N * s.C * s.H * s.W, DataBody{Geom(s), w, dy, dx}, stream);
+  }
 }
 
 void bf16_round_operands(int64_t n, const float* x, uint16_t* out, cudaStream_t stream) {
