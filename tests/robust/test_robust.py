@@ -289,8 +289,9 @@ def test_cli_refuses_a_nan_learning_rate_in_one_line():
 
 def test_cli_ctrl_c_prints_one_line_and_exits_130():
     code = textwrap.dedent("""
-        import sys, numpy as np, mgpu, mgpu.train
+        import faulthandler, signal, sys, numpy as np, mgpu, mgpu.train
         from mgpu.cli import main
+        faulthandler.register(signal.SIGUSR2, all_threads=True)  # the test's stack dump on a hang
         loader = mgpu.data.array_loader(np.zeros((4096, 28, 28), "uint8"),
                                         np.zeros(4096, "uint8"), 64)
         mgpu.train.load_data_fashion_mnist = lambda *a, **k: (loader, loader)
@@ -306,8 +307,11 @@ def test_cli_ctrl_c_prints_one_line_and_exits_130():
     try:
         out, err = p.communicate(timeout=60)
     except subprocess.TimeoutExpired:
+        p.send_signal(signal.SIGUSR2)  # every thread's Python stack, to stderr
+        time.sleep(1)
         p.kill()
-        pytest.fail("the CLI did not stop within 60 s of Ctrl-C")
+        _, err = p.communicate()
+        pytest.fail(f"the CLI did not stop within 60 s of Ctrl-C; its threads:\n{err}")
     assert p.returncode == 130, (p.returncode, err)
     assert err.strip() == "mgpu: interrupted", err
 
