@@ -772,9 +772,10 @@ def _sync_batch_norm(items, master: "SyncBatchNorm", momentum: float) -> List[Te
 
     The shards' (mean, biased var, count) are combined exactly (Chan et al.'s parallel
     formula: mean = sum n_i m_i / n, var = sum n_i (v_i + (m_i - mean)^2) / n, in double, by
-    ``_core.batch_norm_combine_stats`` as the fused step combines them); backward
-    all-reduces sum(dy) and sum(dy * xhat) and uses the global count, so k devices compute
-    what one device computes on the whole batch.
+    ``_core.batch_norm_combine_stats`` as the fused step combines them); backward adds the
+    shards' sum(dy) and sum(dy * xhat) the same way (in double, shards in order, by
+    ``_core.batch_norm_combine_sums``) and uses the global count, so k devices compute what one
+    device computes on the whole batch, with the fused step's bits.
     """
     xs = [it[0] for it in items]
     ws = [it[1] for it in items]
@@ -811,12 +812,14 @@ def _sync_batch_norm(items, master: "SyncBatchNorm", momentum: float) -> List[Te
                for i in range(k)]
         sums = [_core.batch_norm_backward_reduce(x._t, dy._t, m._t, v._t, eps)
                 for x, dy, m, v in zip(xs, dys, means, variances)]
-        total = [[Tensor(_core.to_device(s, x.device, True)), Tensor(_core.to_device(sx, x.device,
-                                                                                    True))]
-                 for (s, sx), x in zip(sums, xs)]
-        _core.allreduce([[a._t, b._t] for a, b in total])
-        dxs = [Tensor(_core.batch_norm_backward(x._t, dy._t, m._t, v._t, _h(w), tot[0]._t,
-                                                tot[1]._t, float(n), eps, True))
+        # Added on d0 in double, replicas in order, by the op the fused step's synchronised
+        # layer runs, and the totals copied to every replica's device.
+        all_dy, all_dy_xhat = _core.batch_norm_combine_sums(
+            [s for s, _ in sums], [sx for _, sx in sums], d0)
+        total = [(_core.to_device(all_dy, x.device), _core.to_device(all_dy_xhat, x.device))
+                 for x in xs]
+        dxs = [Tensor(_core.batch_norm_backward(x._t, dy._t, m._t, v._t, _h(w), tot[0], tot[1],
+                                                float(n), eps, True))
                if x.requires_grad else None
                for x, dy, m, v, w, tot in zip(xs, dys, means, variances, ws, total)]
         dws = [Tensor(sx) if w is not None and w.requires_grad else None
