@@ -502,9 +502,11 @@ class DataParallel(Module):
         return opts
 
     def _fused_model(self, precision: str = "float32") -> "_Fused":
+        """The fused model of this module tree, built again when the tree, its parameters,
+        the precision or the memory of a parameter or buffer it was built on changed."""
         key = (self._tree, tuple(id(p) for p in self.module.parameters()), precision)
         fused = self.__dict__.get("_fused")
-        if fused is None or fused.key != key:
+        if fused is None or fused.key != key or not fused.on_current_memory():
             self._replica_roots(1)  # refreshes self._tree
             key = (self._tree, tuple(id(p) for p in self.module.parameters()), precision)
             fused = _Fused(self.module, self.device_ids, key, precision)
@@ -528,6 +530,8 @@ class _Fused:
         self.replica_params = [params] + [[p.copyto(d) for p in params] for d in devices[1:]]
         self.replica_buffers = [bufs] + [[b.copyto(d) for b in bufs] for d in devices[1:]]
         self.model = FusedModel(self.spec, self.replica_params, self.replica_buffers, devices)
+        # The master's tensors and the memory handles the C++ model holds for replica 0.
+        self._held = [(t, t._t) for t in params + bufs]
         self.allocations = SteadyAllocations()  # the CPU allocator's warm-up over the steps
         # The trainer and its state buffers (with their storage versions) as the last step
         # left them: while they are unchanged, the replicas' own buffers are current.
@@ -535,6 +539,13 @@ class _Fused:
         # The master's parameters (replica 0's) and their versions as the last fused step left
         # them, every replica's equal to them; None: copy them all.
         self._seen: Optional[List[int]] = None
+
+    def on_current_memory(self) -> bool:
+        """Whether every master parameter and buffer still holds the memory this model was
+        built on. ``Module.to`` gives a tensor it moves new memory, even when a second move
+        brings it back (``net.to(other); net.to(home)``): a model on the old memory would train
+        copies the user's module no longer holds, so such a model is built again."""
+        return all(t._t is handle for t, handle in self._held)
 
     def refresh_replicas(self) -> None:
         """Copies into the other replicas each master parameter that may have changed since
