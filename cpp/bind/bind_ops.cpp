@@ -155,6 +155,12 @@ void bind_ops(py::module_& m) {
         py::arg("means"), py::arg("variances"), py::arg("counts"), py::arg("device"), nogil(),
         "(mean, biased var) of the union of replicas' (count, mean, var), combined on device in "
         "double (Chan et al.), as the fused step's synchronised batch norm combines them.");
+  m.def("batch_norm_combine_sums",
+        py::overload_cast<const std::vector<Tensor>&, const std::vector<Tensor>&, Device>(
+            &ops::batch_norm_combine_sums),
+        py::arg("sum_dys"), py::arg("sum_dy_xhats"), py::arg("device"), nogil(),
+        "(sum_dy, sum_dy_xhat) over every replica, added on device in double in replica order, "
+        "as the fused step's synchronised batch norm adds them.");
   m.def("batch_norm_update_running", &ops::batch_norm_update_running, py::arg("running"),
         py::arg("batch"), py::arg("keep"), py::arg("step"), nogil(),
         "running = running * keep + batch * step in place (the running statistics' update).");

@@ -357,4 +357,29 @@ std::pair<Tensor, Tensor> batch_norm_combine_sums(const Tensor& parts) {
   return {out.slice_rows(0, C), out.slice_rows(C, 2 * C)};
 }
 
+std::pair<Tensor, Tensor> batch_norm_combine_sums(const std::vector<Tensor>& sum_dys,
+                                                  const std::vector<Tensor>& sum_dy_xhats,
+                                                  Device at) {
+  const char* op = "batch_norm_combine_sums";
+  MGPU_CHECK_VALUE(!sum_dys.empty() && sum_dy_xhats.size() == sum_dys.size(), op,
+                   ": one sum_dy and one sum_dy_xhat per replica, got ", sum_dys.size(), " and ",
+                   sum_dy_xhats.size());
+  const int64_t K = static_cast<int64_t>(sum_dys.size()), C = sum_dys[0].numel(), w = 2 * C;
+  for (int64_t k = 0; k < K; ++k) {
+    const size_t i = static_cast<size_t>(k);
+    require_dtype(op, "sum_dy", sum_dys[i], DType::F32);
+    require_dtype(op, "sum_dy_xhat", sum_dy_xhats[i], DType::F32);
+    MGPU_CHECK_VALUE(sum_dys[i].numel() == C && sum_dy_xhats[i].numel() == C, op, ": replica ",
+                     k, " has ", sum_dys[i].numel(), " and ", sum_dy_xhats[i].numel(),
+                     " sums, replica 0 has ", C);
+  }
+  const Tensor parts = Tensor::empty({K, w}, DType::F32, at);
+  const Tensor flat = parts.reshape({K * w});
+  for (int64_t k = 0; k < K; ++k) {
+    copy(flat.slice_rows(k * w, k * w + C), sum_dys[static_cast<size_t>(k)]);
+    copy(flat.slice_rows(k * w + C, (k + 1) * w), sum_dy_xhats[static_cast<size_t>(k)]);
+  }
+  return batch_norm_combine_sums(parts);
+}
+
 }  // namespace mgpu::ops

@@ -132,6 +132,13 @@ std::pair<Tensor, Tensor> batch_norm_combine_stats(const std::vector<Tensor>& me
                                                    const std::vector<double>& counts, Device at);
 // (sum_dy, sum_dy_xhat) (C,) each from parts (K, 2C): the sums over every replica.
 std::pair<Tensor, Tensor> batch_norm_combine_sums(const Tensor& parts);
+// The same from K replicas' own sums on any devices: row k of the parts, made on `at`, is
+// (sum_dys[k], sum_dy_xhats[k]) (each (C,)). The book's nn.SyncBatchNorm combines its backward's
+// sums with this, the fused step's synchronised layer the rows it gathered: one combine (in
+// double, rows in order 0..K-1), the same bits.
+std::pair<Tensor, Tensor> batch_norm_combine_sums(const std::vector<Tensor>& sum_dys,
+                                                  const std::vector<Tensor>& sum_dy_xhats,
+                                                  Device at);
 
 // ---- raw kernels: x, dy, y, dx (N, C, HW) contiguous; per-channel arrays (C,) ----
 // Every kernel overwrites its outputs. Per-channel sums accumulate x - shift (shift = the

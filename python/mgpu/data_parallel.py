@@ -502,9 +502,11 @@ class DataParallel(Module):
         return opts
 
     def _fused_model(self, precision: str = "float32") -> "_Fused":
+        """The fused model of this module tree, built again when the tree, its parameters,
+        the precision or the memory of a parameter or buffer it was built on changed."""
         key = (self._tree, tuple(id(p) for p in self.module.parameters()), precision)
         fused = self.__dict__.get("_fused")
-        if fused is None or fused.key != key:
+        if fused is None or fused.key != key or not fused.on_current_memory():
             self._replica_roots(1)  # refreshes self._tree
             key = (self._tree, tuple(id(p) for p in self.module.parameters()), precision)
             fused = _Fused(self.module, self.device_ids, key, precision)
@@ -528,6 +530,8 @@ class _Fused:
         self.replica_params = [params] + [[p.copyto(d) for p in params] for d in devices[1:]]
         self.replica_buffers = [bufs] + [[b.copyto(d) for b in bufs] for d in devices[1:]]
         self.model = FusedModel(self.spec, self.replica_params, self.replica_buffers, devices)
+        # The master's tensors and the memory handles the C++ model holds for replica 0.
+        self._held = [(t, t._t) for t in params + bufs]
         self.allocations = SteadyAllocations()  # the CPU allocator's warm-up over the steps
         # The trainer and its state buffers (with their storage versions) as the last step
         # left them: while they are unchanged, the replicas' own buffers are current.
@@ -535,6 +539,13 @@ class _Fused:
         # The master's parameters (replica 0's) and their versions as the last fused step left
         # them, every replica's equal to them; None: copy them all.
         self._seen: Optional[List[int]] = None
+
+    def on_current_memory(self) -> bool:
+        """Whether every master parameter and buffer still holds the memory this model was
+        built on. ``Module.to`` gives a tensor it moves new memory, even when a second move
+        brings it back (``net.to(other); net.to(home)``): a model on the old memory would train
+        copies the user's module no longer holds, so such a model is built again."""
+        return all(t._t is handle for t, handle in self._held)
 
     def refresh_replicas(self) -> None:
         """Copies into the other replicas each master parameter that may have changed since
@@ -772,9 +783,10 @@ def _sync_batch_norm(items, master: "SyncBatchNorm", momentum: float) -> List[Te
 
     The shards' (mean, biased var, count) are combined exactly (Chan et al.'s parallel
     formula: mean = sum n_i m_i / n, var = sum n_i (v_i + (m_i - mean)^2) / n, in double, by
-    ``_core.batch_norm_combine_stats`` as the fused step combines them); backward
-    all-reduces sum(dy) and sum(dy * xhat) and uses the global count, so k devices compute
-    what one device computes on the whole batch.
+    ``_core.batch_norm_combine_stats`` as the fused step combines them); backward adds the
+    shards' sum(dy) and sum(dy * xhat) the same way (in double, shards in order, by
+    ``_core.batch_norm_combine_sums``) and uses the global count, so k devices compute what one
+    device computes on the whole batch, with the fused step's bits.
     """
     xs = [it[0] for it in items]
     ws = [it[1] for it in items]
@@ -811,12 +823,14 @@ def _sync_batch_norm(items, master: "SyncBatchNorm", momentum: float) -> List[Te
                for i in range(k)]
         sums = [_core.batch_norm_backward_reduce(x._t, dy._t, m._t, v._t, eps)
                 for x, dy, m, v in zip(xs, dys, means, variances)]
-        total = [[Tensor(_core.to_device(s, x.device, True)), Tensor(_core.to_device(sx, x.device,
-                                                                                    True))]
-                 for (s, sx), x in zip(sums, xs)]
-        _core.allreduce([[a._t, b._t] for a, b in total])
-        dxs = [Tensor(_core.batch_norm_backward(x._t, dy._t, m._t, v._t, _h(w), tot[0]._t,
-                                                tot[1]._t, float(n), eps, True))
+        # Added on d0 in double, replicas in order, by the op the fused step's synchronised
+        # layer runs, and the totals copied to every replica's device.
+        all_dy, all_dy_xhat = _core.batch_norm_combine_sums(
+            [s for s, _ in sums], [sx for _, sx in sums], d0)
+        total = [(_core.to_device(all_dy, x.device), _core.to_device(all_dy_xhat, x.device))
+                 for x in xs]
+        dxs = [Tensor(_core.batch_norm_backward(x._t, dy._t, m._t, v._t, _h(w), tot[0], tot[1],
+                                                float(n), eps, True))
                if x.requires_grad else None
                for x, dy, m, v, w, tot in zip(xs, dys, means, variances, ws, total)]
         dws = [Tensor(sx) if w is not None and w.requires_grad else None

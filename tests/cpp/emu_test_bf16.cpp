@@ -13,6 +13,7 @@
 #include "cuda/bf16.cuh"
 #include "cuda/runtime.cuh"
 #include "emu_test_util.h"
+#include "float_bits.h"
 
 namespace mgpu_test {  // tests/cpp/emu_kernels.cu
 void bf16_round_trip(const float* x, unsigned short* bits, float* back, float* pairs, int n,
@@ -22,17 +23,8 @@ void bf16_round_trip(const float* x, unsigned short* bits, float* back, float* p
 namespace {
 
 using mgpu_test::DeviceVector;
-
-float from_bits(uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-uint32_t to_bits(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  return u;
-}
+using mgpu_test::from_bits;
+using mgpu_test::to_bits;
 
 // The value of bfloat16 bits (sign, 8-bit exponent, 7-bit fraction) in double, with an exponent
 // field of 255 read as 2^128 (the "next value" past the largest finite bfloat16): no float needed.

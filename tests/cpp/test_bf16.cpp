@@ -14,24 +14,16 @@
 #include <string>
 #include <vector>
 
+#include "float_bits.h"
 #include "ops/cpu_isa.h"
 
 namespace {
 
 using namespace mgpu::ops::cpu;
 using mgpu::ops::Conv2dShape;
+using mgpu_test::from_bits;
+using mgpu_test::to_bits;
 using Floats = std::vector<float>;
-
-uint32_t bits_of(float x) {
-  uint32_t u;
-  std::memcpy(&u, &x, sizeof u);
-  return u;
-}
-float float_of(uint32_t u) {
-  float x;
-  std::memcpy(&x, &u, sizeof x);
-  return x;
-}
 
 // Values spread over ~2^-20 .. 2^20 with both signs, one in 64 near the denormal range.
 Floats random_floats(size_t n, uint64_t seed) {
@@ -41,7 +33,7 @@ Floats random_floats(size_t n, uint64_t seed) {
     const uint32_t r = static_cast<uint32_t>(seed >> 32);
     uint32_t exponent = 127 + (r % 41) - 20;
     if ((r >> 8) % 64 == 0) exponent = (r >> 16) % 3;
-    e = float_of(((r >> 31) << 31) | (exponent << 23) | ((r * 2654435761u) & 0x7fffffu));
+    e = from_bits(((r >> 31) << 31) | (exponent << 23) | ((r * 2654435761u) & 0x7fffffu));
   }
   return v;
 }
@@ -51,24 +43,24 @@ Floats random_floats(size_t n, uint64_t seed) {
 // the even one (so values from halfway past the largest finite one round to inf); denormals and
 // zeros to a signed zero, inf kept, NaN quieted.
 uint16_t reference_bf16(float x) {
-  const uint32_t b = bits_of(x);
+  const uint32_t b = to_bits(x);
   if (std::fpclassify(x) == FP_SUBNORMAL || x == 0.0f) return static_cast<uint16_t>((b >> 16) & 0x8000u);
   if (std::isinf(x)) return static_cast<uint16_t>(b >> 16);
   if (std::isnan(x)) return static_cast<uint16_t>((b >> 16) | 0x40u);
   const uint32_t down = b >> 16, up = down + 1;
   const double dx = std::fabs(static_cast<double>(x));
-  const double dd = std::fabs(static_cast<double>(float_of(down << 16)));
+  const double dd = std::fabs(static_cast<double>(from_bits(down << 16)));
   // Past the largest finite bfloat16 the next value up is 2^128 (IEEE rounds to inf from
   // halfway between the largest finite value and 2^128).
   const bool overflows = (up & 0x7fffu) == 0x7f80u;
-  const double du = overflows ? std::ldexp(1.0, 128) : std::fabs(static_cast<double>(float_of(up << 16)));
+  const double du = overflows ? std::ldexp(1.0, 128) : std::fabs(static_cast<double>(from_bits(up << 16)));
   if (dx - dd < du - dx) return static_cast<uint16_t>(down);
   if (dx - dd > du - dx) return static_cast<uint16_t>(up);
   return static_cast<uint16_t>((down & 1u) ? up : down);
 }
 
 float flush(float x) { return std::fpclassify(x) == FP_SUBNORMAL ? std::copysign(0.0f, x) : x; }
-float bf16_value(float x) { return float_of(static_cast<uint32_t>(reference_bf16(x)) << 16); }
+float bf16_value(float x) { return from_bits(static_cast<uint32_t>(reference_bf16(x)) << 16); }
 
 // op(A) (m, k) @ op(B) (k, n) by the rule: per k pair in order, the odd element's FMA, then the
 // even one's, each result flushed; a missing odd element is a zero.
@@ -94,7 +86,7 @@ Floats reference_product(bool ta, bool tb, int64_t m, int64_t n, int64_t k, cons
                                      const Floats& got) {
   if (want.size() != got.size()) return ::testing::AssertionFailure() << what << ": sizes differ";
   for (size_t i = 0; i < want.size(); ++i) {
-    if (bits_of(want[i]) != bits_of(got[i])) {
+    if (to_bits(want[i]) != to_bits(got[i])) {
       return ::testing::AssertionFailure() << what << ": first difference at " << i << ": "
                                            << want[i] << " vs " << got[i];
     }
@@ -115,10 +107,10 @@ __attribute__((target("avx512f,avx512bf16"))) uint16_t hardware_bf16(float x) {
 // give the spec's bits on both paths, and vcvtneps2bf16's where the CPU has it.
 TEST(Bf16CpuIsa, RoundingIsNearestEvenOnEveryPath) {
   Floats xs;
-  for (uint64_t u = 0; u < (uint64_t{1} << 32); u += 65521) xs.push_back(float_of(static_cast<uint32_t>(u)));
+  for (uint64_t u = 0; u < (uint64_t{1} << 32); u += 65521) xs.push_back(from_bits(static_cast<uint32_t>(u)));
   for (uint32_t u : {0x3f808000u, 0x3f818000u, 0x3f80c000u, 0x7f7fffffu, 0xff7f8000u, 0x00000001u,
                      0x80800000u, 0x7f800000u, 0xff800000u, 0x7f800001u, 0xffc00000u, 0x007fffffu}) {
-    xs.push_back(float_of(u));
+    xs.push_back(from_bits(u));
   }
   const int64_t n = static_cast<int64_t>(xs.size());
   std::vector<uint16_t> y2(xs.size()), y5(xs.size());
@@ -131,11 +123,11 @@ TEST(Bf16CpuIsa, RoundingIsNearestEvenOnEveryPath) {
   const bool hw = cpu_has_avx512_bf16();
   for (size_t i = 0; i < xs.size(); ++i) {
     const uint16_t want = reference_bf16(xs[i]);
-    ASSERT_EQ(y2[i], want) << "avx2, x bits " << std::hex << bits_of(xs[i]);
-    ASSERT_EQ(y5[i], want) << "avx512, x bits " << std::hex << bits_of(xs[i]);
+    ASSERT_EQ(y2[i], want) << "avx2, x bits " << std::hex << to_bits(xs[i]);
+    ASSERT_EQ(y5[i], want) << "avx512, x bits " << std::hex << to_bits(xs[i]);
     if (hw) {
       ASSERT_EQ(hardware_bf16(xs[i]), want) << "vcvtneps2bf16, x bits " << std::hex
-                                            << bits_of(xs[i]);
+                                            << to_bits(xs[i]);
     }
   }
 }
