@@ -195,7 +195,6 @@ def _replicas(device_params, devices) -> Tuple[list, list]:
     return handles, devices
 
 
-@_trace.span("train_batch")
 def train_batch(X: Tensor, y: Tensor, device_params, devices: Sequence[Device],
                 lr: float, deterministic=False, accumulate: int = 1) -> List[Tensor]:
     """One fused data-parallel LeNet step (GIL released, every device at once).
@@ -220,6 +219,17 @@ def train_batch(X: Tensor, y: Tensor, device_params, devices: Sequence[Device],
     lr = check_lr(lr, "train_batch")
     shards = shard_count(deterministic, "train_batch")
     accumulate = check_accumulate(accumulate, shards, "train_batch")
+    return run_batch(X, y, device_params, devices, lr, shards, accumulate)
+
+
+@_trace.span("train_batch")  # the step's span, whichever entry called it
+def run_batch(X: Tensor, y: Tensor, device_params, devices: Sequence[Device], lr: float,
+              shards: int, accumulate: int) -> List[Tensor]:
+    """:func:`train_batch` with its numbers checked already, by it or by a loop that checked
+    them once where the user gave them (``mgpu.train``): ``lr`` from ``check_lr``, ``shards``
+    the logical shard count (``shard_count``), ``accumulate`` from ``check_accumulate``; the
+    C++ step trusts them (a NaN lr here trains every replica into NaN). X, y and the replicas
+    are checked as every step's data."""
     Xh, yh = engine_handle(X, "train_batch", "X"), engine_handle(y, "train_batch", "y")
     _dist.auto_init()
     handles, devices = _replicas(device_params, devices)
