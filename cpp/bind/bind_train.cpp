@@ -1,6 +1,5 @@
 // cpp/bind/bind_train.cpp -- the fused data-parallel step: LeNet's train_batch and the Model of any
 // list of layers (its spec format is documented in python/mgpu/_core.pyi).
-#include <cmath>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -160,52 +159,34 @@ void bind_train(py::module_& m) {
                             const std::vector<float>& lrs, const std::vector<float>& weight_decays,
                             int64_t accumulate, bool amsgrad, uint64_t seed,
                             const std::string& comm_dtype) {
-        // lr and lrs as FusedModel.train_step or the optimizer's parameter groups checked them
-        // (Python checks each learning rate once, where the user gives it).
-        MGPU_CHECK_VALUE(std::isfinite(momentum) && momentum >= 0, "Model.train_step: momentum "
-                         "must be a finite number >= 0, got ", momentum);
-        MGPU_CHECK_VALUE(std::isfinite(weight_decay) && weight_decay >= 0, "Model.train_step: "
-                         "weight_decay must be a finite number >= 0, got ", weight_decay);
+        // Every value as FusedModel.train_step or the optimizer's parameter groups checked it
+        // (Python checks each hyperparameter once, where the user gives it); the names below
+        // come from FusedModel.run_step, and a wrong one is a bug there.
         train::Sgd sgd;
         sgd.lr = lr;
         sgd.momentum = momentum;
         sgd.weight_decay = weight_decay;
         if (optimizer == "adam") sgd.kind = train::Sgd::Kind::Adam;
         else if (optimizer == "adamw") sgd.kind = train::Sgd::Kind::AdamW;
-        else MGPU_CHECK_VALUE(optimizer == "sgd", "Model.train_step: optimizer must be 'sgd', "
-                              "'adam' or 'adamw', got '", optimizer, "'");
-        MGPU_CHECK_VALUE(betas.first >= 0 && betas.first < 1 && betas.second >= 0 &&
-                         betas.second < 1, "Model.train_step: betas must lie in [0, 1), got (",
-                         betas.first, ", ", betas.second, ")");
-        MGPU_CHECK_VALUE(std::isfinite(eps) && eps >= 0, "Model.train_step: eps must be a finite "
-                         "number >= 0, got ", eps);
-        MGPU_CHECK_VALUE(step >= 1, "Model.train_step: Adam's step count starts at 1, got ",
-                         step);
+        else MGPU_ASSERT(optimizer == "sgd", "optimizer '", optimizer, "'");
         sgd.beta1 = betas.first;
         sgd.beta2 = betas.second;
         sgd.eps = eps;
         sgd.step = step;
-        MGPU_CHECK_VALUE(!amsgrad || sgd.adam(), "Model.train_step: amsgrad is a variant of "
-                         "'adam' and 'adamw', not of '", optimizer, "'");
         sgd.amsgrad = amsgrad;
         if (max_norm) {
-          MGPU_CHECK_VALUE(std::isfinite(*max_norm) && *max_norm >= 0, "Model.train_step: "
-                           "max_norm must be a finite number >= 0, got ", *max_norm);
           sgd.clip = true;
           sgd.max_norm = *max_norm;
         }
+        // Sizes guard the step's indexing: asserted, not validated.
         const size_t n = r.model->num_params();
-        for (const auto& [name, values] : {std::pair{"lrs", &lrs},
-                                           std::pair{"weight_decays", &weight_decays}})
-          MGPU_CHECK_VALUE(values->empty() || values->size() == n, "Model.train_step: ", name,
-                           " must hold one value per parameter (", n, "), got ", values->size());
-        for (float v : weight_decays)
-          MGPU_CHECK_VALUE(std::isfinite(v) && v >= 0, "Model.train_step: weight_decays must be "
-                           "finite numbers >= 0, got ", v);
+        MGPU_ASSERT(lrs.empty() || lrs.size() == n, lrs.size(), " lrs for ", n, " parameters");
+        MGPU_ASSERT(weight_decays.empty() || weight_decays.size() == n, weight_decays.size(),
+                    " weight_decays for ", n, " parameters");
         sgd.lrs = lrs;
         sgd.weight_decays = weight_decays;
-        MGPU_CHECK_VALUE(comm_dtype == "float32" || comm_dtype == "bfloat16", "Model.train_step: "
-                         "comm_dtype must be 'float32' or 'bfloat16', got '", comm_dtype, "'");
+        MGPU_ASSERT(comm_dtype == "float32" || comm_dtype == "bfloat16", "comm_dtype '",
+                    comm_dtype, "'");
         sgd.comm_dtype = comm_dtype == "bfloat16" ? DType::BF16 : DType::F32;
         py::gil_scoped_release nogil;
         // The previous step's tasks have all run (and released their tensors) before this one

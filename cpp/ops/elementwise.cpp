@@ -317,13 +317,9 @@ void sgd_step(const Tensor& param, const Tensor& grad, const Tensor& momentum_bu
 }
 
 AdamStep adam_body(const char* op, const AdamHyper& h, float batch) {
-  MGPU_CHECK_VALUE(std::isfinite(h.lr) && h.lr >= 0, op, ": lr must be a finite number >= 0, "
-                   "got ", h.lr);
-  MGPU_CHECK_VALUE(h.beta1 >= 0 && h.beta1 < 1 && h.beta2 >= 0 && h.beta2 < 1, op, ": betas "
-                   "must lie in [0, 1), got (", h.beta1, ", ", h.beta2, ")");
-  MGPU_CHECK_VALUE(std::isfinite(h.eps) && h.eps >= 0, op, ": eps must be >= 0, got ", h.eps);
-  MGPU_CHECK_VALUE(std::isfinite(h.weight_decay) && h.weight_decay >= 0, op, ": weight_decay "
-                   "must be >= 0, got ", h.weight_decay);
+  // lr, betas, eps and weight_decay as Python checked them where the user gave them (the
+  // optimizer's groups, FusedModel.train_step), as sgd_step takes its own. The step count
+  // comes from the optimizer's state, which no setter checks, so it is checked here.
   MGPU_CHECK_VALUE(h.step >= 1, op, ": the step count starts at 1, got ", h.step);
   MGPU_CHECK_VALUE(batch > 0, op, ": the batch must be > 0, got ", batch);
   // As PyTorch: the bias corrections and the decay factor in double, rounded to float once.
@@ -399,9 +395,8 @@ Tensor sum_squares(const Tensor& x) {
 }
 
 Tensor clip_factor(const Tensor& grad, float grad_scale, float max_norm) {
+  // max_norm as Python checked it where the user gave it (nn_utils.check_max_norm).
   require_dtype("clip_grad_norm", "grad", grad, DType::F32);
-  MGPU_CHECK_VALUE(std::isfinite(max_norm) && max_norm >= 0, "clip_grad_norm: max_norm must be "
-                   "a finite number >= 0, got ", max_norm);
   const Tensor squares = sum_squares(grad);
   Tensor factor = Tensor::empty({}, DType::F32, grad.device());
   for_each_index("clip_grad_norm", grad.device(), 1,

@@ -153,7 +153,8 @@ struct AdamHyper {
   int64_t step = 1;  // t, counted from 1
 };
 // The AdamStep of hyperparameters h for gradients of a sum over `batch` examples: its scalars
-// set, its pointers null. Raises ValueError (naming `op`) for hyperparameters PyTorch refuses.
+// set, its pointers null. lr, betas, eps and weight_decay come checked (Python checks them where
+// the user gives them); raises ValueError (naming `op`) for a step count below 1 or batch <= 0.
 AdamStep adam_body(const char* op, const AdamHyper& h, float batch);
 
 Tensor binary(BinaryOp op, const Tensor& a, const Tensor& b);
@@ -198,7 +199,8 @@ void adam_step(const Tensor& param, const Tensor& grad, const Tensor& m, const T
 // GPU as ops::sum adds.
 Tensor sum_squares(const Tensor& x);
 // clip_grad_norm_'s factor for a flat gradient: a 0-d tensor on grad's device holding
-// min(1, max_norm / (||grad|| * grad_scale + 1e-6)), ||grad||^2 from sum_squares.
+// min(1, max_norm / (||grad|| * grad_scale + 1e-6)), ||grad||^2 from sum_squares; max_norm
+// comes checked (finite, >= 0).
 Tensor clip_factor(const Tensor& grad, float grad_scale, float max_norm);
 
 namespace cpu {

@@ -93,6 +93,8 @@ def sgd_update(param: Tensor, grad: Tensor, scale: float) -> None: ...
 def sgd_step(param: Tensor, grad: Tensor, momentum_buffer: Optional[Tensor], lr: float,
              momentum: float, dampening: float, weight_decay: float, nesterov: bool,
              first: bool) -> None: ...
+# PyTorch's Adam step in place; lr, betas, eps and weight_decay are trusted (the optimizer's
+# groups checked them), a step below 1 raises ValueError.
 def adam_step(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, lr: float,
               betas: Tuple[float, float], eps: float, weight_decay: float, decoupled: bool,
               step: int, max_exp_avg_sq: Optional[Tensor] = None) -> None: ...
@@ -214,7 +216,8 @@ class Model:
     # the whole loss in replica 0 of rank 0, 0 elsewhere), the same bits on any device count.
     # optimizer 'sgd', 'adam' or 'adamw' (betas, eps, step from 1, amsgrad); max_norm clips the
     # mean loss's gradient to that global norm first; lrs, weight_decays per parameter (or empty).
-    # lr and lrs are trusted (FusedModel.train_step, or the optimizer's groups, checked them).
+    # Every hyperparameter is trusted (FusedModel.train_step, or the optimizer's groups, checked
+    # it); names and list lengths other than FusedModel.run_step's raise RuntimeError (a bug).
     # accumulate K: K micro-batches run one after another, their gradients summed on each device
     # and reduced once, one update (K must divide shards > 0; then the bits of K = 1).
     # seed: the step's dropout masks (see the "dropout" layer), the same for any split.

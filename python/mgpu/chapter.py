@@ -22,6 +22,7 @@ from .device import try_gpu
 from .loop import Timer, TrainResult
 from .models import lenet
 from .nn import CrossEntropyLoss
+from .nn_utils import check_max_norm, clip_grads
 from .optim.lr_scheduler import make_schedule
 from .parallel import check_accumulate, sgd, shard_count, split_batch
 from .tensor import zeros_like
@@ -225,10 +226,9 @@ def train_concise(net, num_gpus: int, batch_size: int, lr: float, num_epochs: in
     scheduler = make_schedule(trainer, schedule, int(num_epochs),
                               len(train_iter) if schedule != "none" or warmup_epochs else 0,
                               warmup_epochs)
-    if clip_grad_norm is not None and (isinstance(clip_grad_norm, bool) or not isinstance(
-            clip_grad_norm, (int, float)) or not 0 <= clip_grad_norm < float("inf")):
-        raise ValueError(f"train_concise: clip_grad_norm must be a finite number >= 0, got "
-                         f"{clip_grad_norm!r}")
+    # Checked once, here; every step below takes the checked value (run_step, clip_grads).
+    max_norm = None if clip_grad_norm is None else check_max_norm(
+        clip_grad_norm, "train_concise", "clip_grad_norm")
     loss = nn.CrossEntropyLoss()
     result = TrainResult(devices=devices)
     config = {"batch_size": batch_size, "num_devices": len(devices), "world_size": 1,
@@ -253,10 +253,9 @@ def train_concise(net, num_gpus: int, batch_size: int, lr: float, num_epochs: in
             losses = run.losses
             for X, y in train_iter:
                 step_lr = trainer.param_groups[0]["lr"]
-                if fused:
-                    l = net.train_step(X, y, loss, trainer, deterministic=shards or False,
-                                       clip_grad_norm=clip_grad_norm, accumulate=accumulate,
-                                       precision=precision, comm_dtype=comm_dtype)
+                if fused:  # net.train_step(X, y, loss, trainer, ...) on the checked arguments
+                    l = net.run_step(X, y, trainer, shards, accumulate, precision, comm_dtype,
+                                     max_norm)
                 else:
                     trainer.zero_grad()
                     X, y = X.to(devices[0]), y.to(devices[0])
@@ -266,8 +265,8 @@ def train_concise(net, num_gpus: int, batch_size: int, lr: float, num_epochs: in
                             l.backward()
                         else:
                             l = accumulated_backward(net, loss, X, y, accumulate)
-                    if clip_grad_norm is not None:
-                        nn.utils.clip_grad_norm_(net.parameters(), clip_grad_norm)
+                    if max_norm is not None:  # nn.utils.clip_grad_norm_, checked above
+                        clip_grads(net.parameters(), max_norm)
                     trainer.step()
                 if scheduler is not None:
                     scheduler.step()

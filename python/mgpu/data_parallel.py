@@ -35,6 +35,7 @@ from .nn import (
     module_calls,
 )
 from .nn import CrossEntropyLoss as nn_CrossEntropyLoss
+from .nn_utils import check_max_norm
 from .optim import SGD as optim_SGD
 from .optim import Adam as optim_Adam
 from .parallel import FusedModel, SteadyAllocations, check_accumulate, shard_count
@@ -339,7 +340,6 @@ class DataParallel(Module):
                             f"{type(out).__name__}")
         return out
 
-    @_trace.span("DataParallel.train_step")
     def train_step(self, X: Tensor, y: Tensor, loss, trainer, deterministic=False,
                    clip_grad_norm: Optional[float] = None, accumulate: int = 1,
                    precision: str = "float32", comm_dtype: str = "float32") -> Tensor:
@@ -413,10 +413,6 @@ class DataParallel(Module):
         only for now (the shared update and the deterministic step); on GPUs, under mpirun
         without ``deterministic``, or with ``MGPU_CPU_SHARED_UPDATE=0`` it raises ValueError.
         """
-        if not self._sync:
-            raise ValueError("train_step: called inside no_sync(); the fused step accumulates "
-                             "within one call: net.train_step(X, y, loss, trainer, "
-                             "accumulate=K) with the whole batch")
         shards = shard_count(deterministic, "train_step")
         accumulate = check_accumulate(accumulate, shards, "train_step")
         precision = check_precision(precision, "train_step: precision")
@@ -424,7 +420,25 @@ class DataParallel(Module):
         if not isinstance(loss, nn_CrossEntropyLoss) or loss.reduction != "mean":
             raise ValueError("train_step: the fused step computes nn.CrossEntropyLoss() (mean); "
                              f"got {loss!r}")
-        opts = self._optimizer_options(trainer, clip_grad_norm)
+        max_norm = None if clip_grad_norm is None else check_max_norm(
+            clip_grad_norm, "train_step", "clip_grad_norm")
+        return self.run_step(X, y, trainer, shards, accumulate, precision, comm_dtype, max_norm)
+
+    @_trace.span("DataParallel.train_step")  # the step's span, whichever entry called it
+    def run_step(self, X: Tensor, y: Tensor, trainer, shards: int, accumulate: int,
+                 precision: str, comm_dtype: str, max_norm: Optional[float]) -> Tensor:
+        """:meth:`train_step` (with ``nn.CrossEntropyLoss()``) with its arguments checked
+        already, by it or by a loop that checked them once where the user gave them
+        (``chapter.train_concise``): ``shards`` the logical shard count (``shard_count``),
+        ``accumulate`` from ``check_accumulate``, ``precision`` and ``comm_dtype`` the canonical
+        names (``amp``), ``max_norm`` None or from ``nn_utils.check_max_norm``. The trainer's
+        parameter groups are read and checked here, at every step (``_optimizer_options``),
+        and X, y as every step's data."""
+        if not self._sync:
+            raise ValueError("train_step: called inside no_sync(); the fused step accumulates "
+                             "within one call: net.train_step(X, y, loss, trainer, "
+                             "accumulate=K) with the whole batch")
+        opts = self._optimizer_options(trainer, max_norm)
         opts["comm_dtype"] = comm_dtype
         master = list(self.module.parameters())
         if [id(p) for p in trainer.params] != [id(p) for p in master]:
@@ -454,24 +468,20 @@ class DataParallel(Module):
             return total / X.shape[0]
 
     @staticmethod
-    def _optimizer_options(trainer, clip_grad_norm) -> dict:
+    def _optimizer_options(trainer, max_norm: Optional[float]) -> dict:
         """The fused step's optimizer arguments, read from ``trainer``'s parameter groups now
-        and checked there (``Optimizer.current_groups``: the one check of the learning rate on
-        this path, so one a scheduler or ``trainer.param_groups[0]['lr'] = x`` wrote is caught
-        before the step); raises for what the fused step does not do."""
+        and checked there (``Optimizer.current_groups``: the one check of the learning rate and
+        of every other hyperparameter on this path, so one a scheduler or
+        ``trainer.param_groups[0]['lr'] = x`` wrote is caught before the step; the C++ step
+        below trusts them), with ``max_norm`` as checked by the caller; raises for what the
+        fused step does not do."""
         if not isinstance(trainer, (optim_SGD, optim_Adam)):
             raise TypeError(f"train_step: trainer must be mgpu.optim.SGD, Adam or AdamW, got "
                             f"{type(trainer).__name__}")
         groups = trainer.current_groups("train_step")
         # FusedModel.run_step's arguments; those of the other optimizer keep these values.
         opts: dict = {"momentum": 0.0, "betas": (0.9, 0.999), "eps": 1e-8, "step": 1,
-                      "max_norm": None, "lrs": [], "weight_decays": [], "amsgrad": False}
-        if clip_grad_norm is not None:
-            if isinstance(clip_grad_norm, bool) or not isinstance(clip_grad_norm, (int, float)) \
-                    or not clip_grad_norm >= 0 or clip_grad_norm == float("inf"):
-                raise ValueError(f"train_step: clip_grad_norm must be a finite number >= 0 (the "
-                                 f"largest global gradient norm), got {clip_grad_norm!r}")
-            opts["max_norm"] = float(clip_grad_norm)
+                      "max_norm": max_norm, "lrs": [], "weight_decays": [], "amsgrad": False}
         if isinstance(trainer, optim_SGD):
             if any(g["dampening"] or g["nesterov"] for g in groups):
                 raise ValueError("train_step: the fused step takes SGD's lr, momentum and "

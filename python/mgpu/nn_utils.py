@@ -66,6 +66,19 @@ def get_total_norm(tensors: Iterable[Tensor], norm_type: float = 2.0) -> float:
     return float(sum(float(np.sum(h ** p)) for h in hosts) ** (1.0 / p))
 
 
+def check_max_norm(max_norm, where: str, name: str = "max_norm") -> float:
+    """The rule for a gradient-clipping norm, for every entry that takes one
+    (``clip_grad_norm_``, ``DataParallel.train_step``'s and ``train_concise``'s
+    ``clip_grad_norm``, ``FusedModel.train_step``'s ``max_norm``): ``max_norm`` as a float;
+    ValueError, naming ``where`` and ``name``, unless it is a finite number >= 0. The steps
+    below an entry trust the value it returns."""
+    if isinstance(max_norm, bool) or not isinstance(max_norm, numbers.Real) \
+            or not math.isfinite(max_norm) or max_norm < 0:
+        raise ValueError(f"{where}: {name} must be a finite number >= 0 (the largest global "
+                         f"norm of the gradients), got {max_norm!r}")
+    return float(max_norm)
+
+
 def clip_grad_norm_(parameters: Union[Tensor, Iterable[Tensor]], max_norm: float,
                     norm_type: float = 2.0, error_if_nonfinite: bool = False) -> Tensor:
     """Scales the gradients of ``parameters`` in place so that their global ``norm_type`` norm
@@ -74,19 +87,24 @@ def clip_grad_norm_(parameters: Union[Tensor, Iterable[Tensor]], max_norm: float
     (0 on cpu(0) when no parameter has a gradient). ``error_if_nonfinite``: raise RuntimeError
     instead of scaling when the norm is NaN or infinite (nothing changes)."""
     where = "clip_grad_norm_"
-    if isinstance(max_norm, bool) or not isinstance(max_norm, numbers.Real) \
-            or not math.isfinite(max_norm) or max_norm < 0:
-        raise ValueError(f"{where}: max_norm must be a finite number >= 0, got {max_norm!r}")
-    p = _norm_type(norm_type, where)
+    return clip_grads(parameters, check_max_norm(max_norm, where), _norm_type(norm_type, where),
+                      error_if_nonfinite, where)
+
+
+def clip_grads(parameters, max_norm: float, norm_type: float = 2.0,
+               error_if_nonfinite: bool = False, where: str = "clip_grad_norm_") -> Tensor:
+    """:func:`clip_grad_norm_` with ``max_norm`` and ``norm_type`` checked already (by
+    :func:`check_max_norm` where the user gave them): a loop that checked its clipping norm
+    once calls this at every step."""
     grads = _grads(parameters, where)
     if not grads:
         return array(np.float32(0.0))
-    total = get_total_norm(grads, p)
+    total = get_total_norm(grads, norm_type)
     if error_if_nonfinite and not math.isfinite(total):
-        raise RuntimeError(f"{where}: the total norm of order {p} of the gradients is {total}, "
-                           "so they cannot be clipped; pass error_if_nonfinite=False to scale "
-                           "them anyway")
-    coef = min(float(max_norm) / (total + 1e-6), 1.0)
+        raise RuntimeError(f"{where}: the total norm of order {norm_type} of the gradients is "
+                           f"{total}, so they cannot be clipped; pass error_if_nonfinite=False "
+                           "to scale them anyway")
+    coef = min(max_norm / (total + 1e-6), 1.0)
     with no_grad():
         for g in grads:
             g *= coef

@@ -27,6 +27,8 @@ from . import distributed as _dist
 from . import trace as _trace
 from .amp import check_comm_dtype
 from .device import Device, as_device
+from .nn_utils import check_max_norm
+from .optim.optimizers import check_betas
 from .random import check_seed
 from .tensor import Tensor, array, check_int, engine_handle
 
@@ -193,7 +195,6 @@ def _replicas(device_params, devices) -> Tuple[list, list]:
     return handles, devices
 
 
-@_trace.span("train_batch")
 def train_batch(X: Tensor, y: Tensor, device_params, devices: Sequence[Device],
                 lr: float, deterministic=False, accumulate: int = 1) -> List[Tensor]:
     """One fused data-parallel LeNet step (GIL released, every device at once).
@@ -218,6 +219,17 @@ def train_batch(X: Tensor, y: Tensor, device_params, devices: Sequence[Device],
     lr = check_lr(lr, "train_batch")
     shards = shard_count(deterministic, "train_batch")
     accumulate = check_accumulate(accumulate, shards, "train_batch")
+    return run_batch(X, y, device_params, devices, lr, shards, accumulate)
+
+
+@_trace.span("train_batch")  # the step's span, whichever entry called it
+def run_batch(X: Tensor, y: Tensor, device_params, devices: Sequence[Device], lr: float,
+              shards: int, accumulate: int) -> List[Tensor]:
+    """:func:`train_batch` with its numbers checked already, by it or by a loop that checked
+    them once where the user gave them (``mgpu.train``): ``lr`` from ``check_lr``, ``shards``
+    the logical shard count (``shard_count``), ``accumulate`` from ``check_accumulate``; the
+    C++ step trusts them (a NaN lr here trains every replica into NaN). X, y and the replicas
+    are checked as every step's data."""
     Xh, yh = engine_handle(X, "train_batch", "X"), engine_handle(y, "train_batch", "y")
     _dist.auto_init()
     handles, devices = _replicas(device_params, devices)
@@ -306,6 +318,7 @@ class FusedModel:
                             f"{type(spec).__name__}")
         self._model = _core.Model(list(spec), params, buffers, devices)
         self.devices = devices
+        self._num_params = len(params[0])
         # What a step changes in place (every replica's parameters and buffers): their versions
         # move after each step, so a graph that saved one of them refuses backward.
         self._changed = [t for d in range(len(devices))
@@ -332,8 +345,8 @@ class FusedModel:
         split of X over devices, ranks and micro-batches. ``comm_dtype`` "bf16":
         the gradients all-reduced in bfloat16 (``DataParallel.train_step`` says how).
 
-        The arguments are checked here, before anything changes (the learning rates here only:
-        :meth:`run_step` and the C++ step below it trust them)."""
+        Every argument is checked here, before anything changes: :meth:`run_step` and the C++
+        step below it trust them."""
         if not isinstance(X, Tensor) or not isinstance(y, Tensor):
             raise TypeError(f"train_step: X and y must be mgpu tensors, got "
                             f"{type(X).__name__} and {type(y).__name__}")
@@ -347,6 +360,29 @@ class FusedModel:
         accumulate = check_accumulate(accumulate, shards, "train_step")
         seed = check_seed(seed, "train_step")
         comm = check_comm_dtype(comm_dtype, "train_step: comm_dtype")
+        if optimizer not in ("sgd", "adam", "adamw"):
+            raise ValueError(f"train_step: optimizer must be 'sgd', 'adam' or 'adamw', got "
+                             f"{optimizer!r}")
+        betas = check_betas(betas, "train_step")
+        eps = _check_nonnegative(eps, "eps", "train_step")
+        step = check_int(step, "train_step", "step (Adam's step count, from 1)")
+        if step < 1:
+            raise ValueError(f"train_step: Adam's step count starts at 1, got {step}")
+        if amsgrad and optimizer == "sgd":
+            raise ValueError("train_step: amsgrad is a variant of 'adam' and 'adamw', not of "
+                             "'sgd'")
+        if max_norm is not None:
+            max_norm = check_max_norm(max_norm, "train_step")
+        if isinstance(weight_decays, (str, bytes)) or not isinstance(
+                weight_decays, (list, tuple, np.ndarray)):
+            raise TypeError(f"train_step: weight_decays must be a list of numbers, got "
+                            f"{type(weight_decays).__name__}")
+        weight_decays = [_check_nonnegative(v, f"weight_decays[{i}]", "train_step")
+                         for i, v in enumerate(weight_decays)]
+        for name, values in (("lrs", lrs), ("weight_decays", weight_decays)):
+            if values and len(values) != self._num_params:
+                raise ValueError(f"train_step: {name} must hold one value per parameter "
+                                 f"({self._num_params}), got {len(values)}")
         return self.run_step(X, y, lr, momentum, weight_decay, shards, optimizer, betas, eps,
                              step, max_norm, lrs, weight_decays, accumulate, amsgrad, seed, comm)
 
@@ -358,8 +394,9 @@ class FusedModel:
         """:meth:`train_step` with its arguments already checked, by it or by the caller that
         read them from the user (``DataParallel.train_step`` from its trainer's parameter
         groups, checked by ``Optimizer.current_groups``): ``shards`` is the logical shard count
-        (``shard_count``), ``comm_dtype`` the canonical name (``amp.check_comm_dtype``), and the
-        learning rates are not looked at again (a NaN here trains every replica into NaN)."""
+        (``shard_count``), ``comm_dtype`` the canonical name (``amp.check_comm_dtype``), and no
+        hyperparameter is looked at again, here or in C++ (a NaN here trains every replica into
+        NaN)."""
         _dist.auto_init()
         # A label out of range raises IndexError and changes nothing (the step checks them).
         losses = self._model.train_step(X._t, y._t, lr, momentum, weight_decay, shards,

@@ -40,8 +40,8 @@ from .parallel import (
     check_lr,
     evaluate_counts,
     get_params,
+    run_batch,
     shard_count,
-    train_batch,
 )
 from .tensor import Tensor, array
 
@@ -152,9 +152,9 @@ def train(num_gpus: int, batch_size: int, lr: float, num_epochs: int = 10,
         raise ValueError("train: accumulate is a mode of the fused train_batch; the chapter's "
                          "op-by-op step takes the whole batch (drop accumulate or step)")
     if step is None:
+        # train_batch on the numbers checked above, once: each step takes them as they are.
         def step(X, y, device_params, devices, lr):
-            return train_batch(X, y, device_params, devices, lr, deterministic=shards or False,
-                               accumulate=accumulate)
+            return run_batch(X, y, device_params, devices, lr, shards, accumulate)
     train_iter, test_iter = data if data is not None else load_data_fashion_mnist(
         batch_size, data_dir=data_dir, seed=seed, limit_batches=limit_batches)
     if ckpts is not None:
@@ -170,10 +170,13 @@ def train(num_gpus: int, batch_size: int, lr: float, num_epochs: int = 10,
         _dist.broadcast(params, root=0)
     device_params = [get_params(params, d) for d in devices]
     # The schedule sets the lr of an optimizer over the first replica's parameters, which only
-    # holds it: the chapter's step updates every replica itself with the lr it is given.
+    # holds it: the chapter's step updates every replica itself with the lr it is given. The lr
+    # checked above goes into its group as a scheduler writes it (the constructor's check would
+    # be a second one); the schedules keep it finite and > 0.
     from .optim import SGD
     from .optim.lr_scheduler import make_schedule
-    lr_holder = SGD(device_params[0], lr)
+    lr_holder = SGD(device_params[0], 1.0)
+    lr_holder.param_groups[0]["lr"] = lr
     scheduler = make_schedule(lr_holder, schedule, int(num_epochs),
                               len(train_iter) if schedule != "none" or warmup_epochs else 0,
                               warmup_epochs)
@@ -263,6 +266,8 @@ def _resume_lenet(path: str, state, device_params, train_iter, result: TrainResu
             probe = type(scheduler).__new__(type(scheduler))
             probe.__dict__ = dict(scheduler.__dict__)
             probe.load_state_dict(saved_sched)  # checks before it changes anything
+            for v in probe.get_last_lr():  # the lr the run goes on with, as train checks one
+                check_lr(v, "train")
     except (ValueError, KeyError, TypeError) as e:
         raise _checkpoint.CheckpointError(path, str(e)) from None
     try:

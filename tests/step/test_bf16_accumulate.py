@@ -70,19 +70,19 @@ def test_bf16_accumulation_changes_only_the_float32_sums(fused):
 
 @pytest.mark.parametrize("fused", [False, True])
 def test_train_concise_passes_precision_and_accumulate_to_its_loop(monkeypatch, fused):
-    """The fused loop's train_step gets both; the book's loop runs accumulated_backward under
-    autocast(precision)."""
+    """The fused loop's step (DataParallel.run_step, train_step on the checked arguments) gets
+    both; the book's loop runs accumulated_backward under autocast(precision)."""
     import ckpt_worker
     # The run's device is a CPU even where gpu(0) exists (an emulated GPU is slower).
     monkeypatch.setattr(mgpu.chapter, "try_gpu", mgpu.cpu)
     seen = []
     if fused:
-        step = nn.DataParallel.train_step
+        step = nn.DataParallel.run_step
 
-        def spy(self, *a, **kw):
-            seen.append((kw.get("precision"), kw.get("accumulate")))
-            return step(self, *a, **kw)
-        monkeypatch.setattr(nn.DataParallel, "train_step", spy)
+        def spy(self, X, y, trainer, shards, accumulate, precision, *rest):
+            seen.append((precision, accumulate))
+            return step(self, X, y, trainer, shards, accumulate, precision, *rest)
+        monkeypatch.setattr(nn.DataParallel, "run_step", spy)
     else:
         backward = mgpu.chapter.accumulated_backward
 

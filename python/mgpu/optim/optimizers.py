@@ -21,7 +21,10 @@ def _number(v, name: str, minimum: float = 0.0, where: str = "SGD") -> float:
     return float(v)
 
 
-def _betas(v, where: str) -> Tuple[float, float]:
+def check_betas(v, where: str) -> Tuple[float, float]:
+    """Adam's ``betas`` as a pair of floats; TypeError unless a pair, ValueError unless each
+    is a finite number in [0, 1). The rule for every entry that takes betas (the optimizers'
+    groups, ``FusedModel.train_step``)."""
     if not isinstance(v, (tuple, list)) or len(v) != 2:
         raise TypeError(f"{where}: betas must be a pair (beta1, beta2), got {v!r}")
     b = tuple(_number(x, f"betas[{i}]", 0.0, where) for i, x in enumerate(v))
@@ -371,7 +374,7 @@ class Adam(Optimizer):
     def _check_group(self, group, where):
         out = dict(group)
         out["lr"] = _number(group["lr"], "lr", 0.0, where)
-        out["betas"] = _betas(group["betas"], where)
+        out["betas"] = check_betas(group["betas"], where)
         out["eps"] = _number(group["eps"], "eps", 0.0, where)
         out["weight_decay"] = _number(group["weight_decay"], "weight_decay", 0.0, where)
         if not isinstance(group["amsgrad"], (bool, int, np.bool_)):
