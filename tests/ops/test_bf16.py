@@ -124,8 +124,8 @@ CONVS = [
 
 @pytest.mark.parametrize("xshape,K,R,stride,pad", CONVS)
 def test_conv2d_bf16_passes_within_the_bfloat16_bound(monkeypatch, xshape, K, R, stride, pad):
-    """The im2col products (MGPU_CONV_ALGO=direct): auto takes Winograd for the 3x3 stride-1
-    shapes with 16+ channels, whose bound is test_bf16_winograd.py's."""
+    """The im2col products (MGPU_CONV_ALGO=direct, as auto): winograd's are bounded in
+    test_bf16_winograd.py."""
     monkeypatch.setenv("MGPU_CONV_ALGO", "direct")
     rng = np.random.default_rng(3)
     N, C, H, W = xshape

@@ -1,5 +1,5 @@
 """d2l's ResNet-18 (sec. 12.6) in bfloat16 with Winograd F(2x2, 3x3) for its 3x3 stride-1 layers
-(MGPU_CONV_ALGO=auto) against the bfloat16 im2col products (direct): one SGD step's weight
+(MGPU_CONV_ALGO=winograd) against the bfloat16 im2col products (direct): one SGD step's weight
 gradients on 4 random 28x28 images against float64, and the fused step against the book's loop.
 
 The float64 reference (resnet18_reference.py) takes the ReLU masks of mgpu's own bf16 forward
@@ -29,20 +29,20 @@ def test_bf16_winograd_step_gradients_within_3x_of_direct(monkeypatch):
     P = {k: v.numpy().astype(np.float64) for k, v in net.state_dict().items()}
     names = checked_params(P)
     err, got = {}, {}
-    for algo in ("auto", "direct"):
+    for algo in ("winograd", "direct"):
         monkeypatch.setenv("MGPU_CONV_ALGO", algo)
         with mgpu.autocast("bf16"):
             masks = relu_masks(net, X)
             got[algo] = grads(net, X, y)
         _, want = rr.loss_and_grads(X, y, P, masks=masks)
         err[algo] = np.array([normwise(got[algo][k], want[k]) for k in names])
-    a, d = err["auto"], err["direct"]
-    report = (f"auto median {np.median(a):.2e} max {a.max():.2e} ({names[a.argmax()]}); "
+    a, d = err["winograd"], err["direct"]
+    report = (f"winograd median {np.median(a):.2e} max {a.max():.2e} ({names[a.argmax()]}); "
               f"direct median {np.median(d):.2e} max {d.max():.2e}")
     assert np.median(a) <= 3 * np.median(d) and a.max() <= 3 * d.max(), report
     # ... and Winograd ran: the 3x3 layers' gradients are other bits than direct's.
     w = "resnet_block2.0.conv2.weight"
-    assert not np.array_equal(got["auto"][w], got["direct"][w])
+    assert not np.array_equal(got["winograd"][w], got["direct"][w])
 
 
 def fused_update(monkeypatch, algo, precision, X, y):
@@ -68,12 +68,12 @@ def test_fused_resnet18_bf16_step_within_3x_of_direct_from_float32(monkeypatch):
     X = rng.normal(size=(N, 1, 28, 28)).astype(np.float32)
     y = rng.integers(0, 10, size=N).astype(np.int32)
     f32, _ = fused_update(monkeypatch, "direct", "float32", X, y)
-    auto, algos = fused_update(monkeypatch, "auto", "bf16", X, y)
+    wino, algos = fused_update(monkeypatch, "winograd", "bf16", X, y)
     direct, _ = fused_update(monkeypatch, "direct", "bf16", X, y)
-    assert set(algos) == {"bf16 auto"}, algos
-    a = np.array([normwise(auto[k], f32[k]) for k in f32])
+    assert set(algos) == {"bf16 winograd"}, algos
+    a = np.array([normwise(wino[k], f32[k]) for k in f32])
     d = np.array([normwise(direct[k], f32[k]) for k in f32])
-    report = f"auto median {np.median(a):.2e} max {a.max():.2e}; direct median " \
+    report = f"winograd median {np.median(a):.2e} max {a.max():.2e}; direct median " \
              f"{np.median(d):.2e} max {d.max():.2e}"
     assert np.median(a) <= 3 * np.median(d) and a.max() <= 3 * d.max(), report
-    assert any(not np.array_equal(auto[k], direct[k]) for k in f32)
+    assert any(not np.array_equal(wino[k], direct[k]) for k in f32)

@@ -319,12 +319,9 @@ void winograd_fused_forward(const Conv2dShape& s, const float* x, const float* U
                             float* y);
 
 // ---- winograd_bf16.cpp: F(2x2, 3x3) with bfloat16 products (ops/bf16.h) ----
-// bf16's auto (and tune) take it for 3x3 stride-1 convs with pad <= 2 and at least this many
-// channels in and out: below, the transforms cost more than the products they save.
-constexpr int64_t kWinogradBf16MinChannels = 16;
 // True where bf16_conv2d_forward runs winograd_bf16_forward for shape s under algorithm algo:
-// auto and tune by the rule above, winograd for every 3x3 stride-1 conv with pad <= 2, direct
-// and im2col never.
+// winograd, for every 3x3 stride-1 conv with pad <= 2; auto, tune, direct and im2col keep the
+// im2col products (faster so far: see winograd_bf16_chosen).
 bool winograd_bf16_chosen(const Conv2dShape& s, ConvAlgo algo);
 // y = conv(x, w) + b (b may be null) for a 3x3 stride-1 conv with pad <= 2.
 void winograd_bf16_forward(const Conv2dShape& s, const float* x, const float* w, const float* b,
