@@ -259,8 +259,8 @@ void bind_train(py::module_& m) {
         return out;
       }, "(layer, algorithm) for each conv layer: the CPU conv algorithm (MGPU_CONV_ALGO's "
          "names) fixed as the Model was built, prefixed 'bf16 ' for a layer built with precision "
-         "bf16 (ops/bf16.h's kernels: auto and winograd take Winograd F(2x2, 3x3) with bfloat16 "
-         "products for its eligible shapes, direct and im2col the im2col products).")
+         "bf16 (ops/bf16.h's kernels: winograd takes Winograd F(2x2, 3x3) with bfloat16 products "
+         "for its 3x3 stride-1 shapes, the others the im2col products).")
       .def("params", [](const Replicated& r, int64_t d) { return replica(r, d).state.params; },
            py::arg("replica"))
       .def("buffers", [](const Replicated& r, int64_t d) { return replica(r, d).state.buffers; },
