@@ -234,13 +234,14 @@ void bind_train(py::module_& m) {
         std::vector<std::pair<std::string, std::string>> out;
         for (const train::Layer& l : r.model->layers()) {
           if (l.kind == train::LayerKind::Conv2d || l.kind == train::LayerKind::Conv2dReluPool)
-            out.emplace_back(l.name, l.precision == ops::Precision::BF16
-                                         ? "bf16" : ops::conv_algo_name(l.conv_algo));
+            out.emplace_back(l.name, (l.precision == ops::Precision::BF16 ? "bf16 " : "") +
+                                         std::string(ops::conv_algo_name(l.conv_algo)));
         }
         return out;
       }, "(layer, algorithm) for each conv layer: the CPU conv algorithm (MGPU_CONV_ALGO's "
-         "names) fixed as the Model was built, or 'bf16' for a layer built with precision "
-         "bf16 (its own kernels, ops/bf16.h, which read no algorithm).")
+         "names) fixed as the Model was built, prefixed 'bf16 ' for a layer built with precision "
+         "bf16 (ops/bf16.h's kernels: winograd takes Winograd F(2x2, 3x3) with bfloat16 products "
+         "for its 3x3 stride-1 shapes, the others the im2col products).")
       .def("params", [](const Replicated& r, int64_t d) { return replica(r, d).state.params; },
            py::arg("replica"))
       .def("buffers", [](const Replicated& r, int64_t d) { return replica(r, d).state.buffers; },

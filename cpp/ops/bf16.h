@@ -94,9 +94,13 @@ void bf16_mm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const 
 // padded by R-1-pad with the kernel flipped and its channels swapped (K*R*S products per
 // element, one float32 sum), else col2im(W^T @ dy) (the R*S taps added in float32 after);
 // db sums dy in float32 per image and in double over images.
+// algo (conv2d.h's ConvAlgo, MGPU_CONV_ALGO): winograd runs the forward of a 3x3 stride-1 shape
+// with pad <= 2, and the data gradient through it, as Winograd F(2x2, 3x3) with these products
+// over the channels (conv2d_cpu/winograd_bf16.cpp: its error and bound); auto, tune, direct and
+// im2col keep im2col (faster so far). dw always takes the im2col product.
 void bf16_conv2d_forward(const Conv2dShape& s, const float* x, const float* w, const float* b,
-                         float* y, bool hardware_dot);
+                         float* y, bool hardware_dot, ConvAlgo algo);
 void bf16_conv2d_backward(const Conv2dShape& s, const float* x, const float* w, const float* dy,
-                          float* dx, float* dw, float* db, bool hardware_dot);
+                          float* dx, float* dw, float* db, bool hardware_dot, ConvAlgo algo);
 
 }  // namespace mgpu::ops::cpu

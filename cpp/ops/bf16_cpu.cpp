@@ -429,7 +429,10 @@ void bf16_mm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const 
 }
 
 void bf16_conv2d_forward(const Conv2dShape& s, const float* x, const float* w, const float* b,
-                         float* y, bool hardware_dot) {
+                         float* y, bool hardware_dot, ConvAlgo algo) {
+  if (conv::winograd_bf16_chosen(s, algo)) {
+    return conv::winograd_bf16_forward(s, x, w, b, y, hardware_dot);
+  }
   const conv::Unfold u(s);
   const int64_t CRS = s.C * s.R * s.S, PQ = u.P * u.Q, CHW = s.C * s.H * s.W;
   const int64_t chunk = chunk_images(s);
@@ -460,7 +463,7 @@ void bf16_conv2d_forward(const Conv2dShape& s, const float* x, const float* w, c
 }
 
 void bf16_conv2d_backward(const Conv2dShape& s, const float* x, const float* w, const float* dy,
-                          float* dx, float* dw, float* db, bool hardware_dot) {
+                          float* dx, float* dw, float* db, bool hardware_dot, ConvAlgo algo) {
   const conv::Unfold u(s);
   const int64_t CRS = s.C * s.R * s.S, RS = s.R * s.S, PQ = u.P * u.Q, CHW = s.C * s.H * s.W;
   const int64_t chunk = chunk_images(s);
@@ -534,7 +537,7 @@ void bf16_conv2d_backward(const Conv2dShape& s, const float* x, const float* w, 
     }
   });
   const Conv2dShape t{s.N, s.K, u.P, u.Q, s.C, s.R, s.S, 1, s.R - 1 - s.pad};
-  bf16_conv2d_forward(t, dy, wf, nullptr, dx, hardware_dot);
+  bf16_conv2d_forward(t, dy, wf, nullptr, dx, hardware_dot, algo);
 }
 
 }  // namespace mgpu::ops::cpu::MGPU_CPU_ISA

@@ -38,8 +38,8 @@ namespace mgpu::ops::cuda {
 // is a^T when trans_a, rows lda floats apart; op(b) (k, n) likewise.
 void bf16_mm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const float* a,
              int64_t lda, const float* b, int64_t ldb, float* c, cudaStream_t stream);
-// conv2d's passes in bfloat16 (cpu::bf16_conv2d_forward / _backward's bits); b, dx and db may be
-// null.
+// conv2d's passes in bfloat16 (cpu::bf16_conv2d_forward / _backward's bits with the im2col
+// products, ConvAlgo::Direct; GPUs have no bf16 Winograd); b, dx and db may be null.
 void bf16_conv2d_forward(const Conv2dShape& s, const float* x, const float* w, const float* b,
                          float* y, cudaStream_t stream);
 void bf16_conv2d_backward(const Conv2dShape& s, const float* x, const float* w, const float* dy,

@@ -87,7 +87,7 @@ Tensor conv2d_forward(const Tensor& x, const Tensor& w, const Tensor& b, int64_t
   dispatch(x.device(), op,
            [=] {
              if (bf16) {
-               cpu::bf16_conv2d_forward(s, xp, wp, bp, yp, dot);
+               cpu::bf16_conv2d_forward(s, xp, wp, bp, yp, dot, algo);
              } else {
                cpu::conv2d_forward_algo(s, xp, wp, bp, yp, algo);
              }
@@ -139,7 +139,7 @@ Conv2dGrads conv2d_backward(const Tensor& x, const Tensor& w, const Tensor& dy, 
   dispatch(x.device(), op,
            [=] {
              if (bf16) {
-               cpu::bf16_conv2d_backward(s, xp, wp, dyp, dxp, dwp, dbp, dot);
+               cpu::bf16_conv2d_backward(s, xp, wp, dyp, dxp, dwp, dbp, dot, algo);
              } else {
                cpu::conv2d_backward_algo(s, xp, wp, dyp, dxp, dwp, dbp, algo);
              }

@@ -31,7 +31,9 @@ struct Conv2dGrads {
 // algo: the CPU conv's algorithm (ConvAlgo below), decided by the caller once: the fused step's
 // Model when it is built (per conv layer), the book's ops at each call (conv_algo_for). GPUs
 // ignore it. precision BF16 runs every product with bfloat16 operands and float32 sums
-// (ops/bf16.h; on GPUs ops/bf16_gpu.h); it has its own kernels and does not read algo.
+// (ops/bf16.h; on GPUs ops/bf16_gpu.h) with its own kernels: on a CPU, winograd picks Winograd
+// F(2x2, 3x3) for the forward and data gradient of a 3x3 stride-1 layer, the other algorithms
+// the im2col products (bf16.h).
 Tensor conv2d_forward(const Tensor& x, const Tensor& w, const Tensor& b, int64_t stride,
                       int64_t pad, ConvAlgo algo, Precision precision = Precision::F32);
 Conv2dGrads conv2d_backward(const Tensor& x, const Tensor& w, const Tensor& dy, int64_t stride,

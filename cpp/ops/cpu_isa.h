@@ -154,12 +154,12 @@ std::string cpu_model();
     (trans_a, trans_b, m, n, k, a, lda, b, ldb, c, hardware_dot))                                 \
   X(void, bf16_conv2d_forward,                                                                    \
     (const Conv2dShape& s, const float* x, const float* w, const float* b, float* y,              \
-     bool hardware_dot),                                                                          \
-    (s, x, w, b, y, hardware_dot))                                                                \
+     bool hardware_dot, ConvAlgo algo),                                                           \
+    (s, x, w, b, y, hardware_dot, algo))                                                          \
   X(void, bf16_conv2d_backward,                                                                   \
     (const Conv2dShape& s, const float* x, const float* w, const float* dy, float* dx, float* dw,  \
-     float* db, bool hardware_dot),                                                               \
-    (s, x, w, dy, dx, dw, db, hardware_dot))
+     float* db, bool hardware_dot, ConvAlgo algo),                                                \
+    (s, x, w, dy, dx, dw, db, hardware_dot, algo))
 
 #define MGPU_CPU_ISA_DECLARE(ret, name, params, args) ret name params;
 namespace avx2 {

@@ -355,7 +355,9 @@ def _bench_parser(sub) -> None:
                          "3x3 (or stride-2) layers, interleaved")
     common(v, 1, 3)
     v.add_argument("--batch", type=int, default=64, help="images per call")
-    v.add_argument("--algos", default="direct,winograd", help="from: direct,im2col,winograd")
+    v.add_argument("--algos", default="direct,winograd",
+                   help="from: direct,im2col,winograd,bf16-direct,bf16-winograd (bf16-NAME: "
+                   "precision bf16 under MGPU_CONV_ALGO=NAME)")
     v.add_argument("--rounds", type=int, default=3, help="rounds over all algorithms")
     v.add_argument("--layers", default="3x3", choices=["3x3", "stride2"],
                    help="ResNet-18's 3x3 stride-1 layers, or its stride-2 3x3 and 1x1 layers")

@@ -31,8 +31,10 @@ VARIABLES: Tuple[Variable, ...] = tuple(
         ("MGPU_CONV_ALGO", "auto", "CPU convolutions: auto (by the shape alone: Winograd "
          "F(4x4,3x3) for 3x3 stride-1 layers with 16+ channels in and out and outputs of 6x6 or "
          "more, or whole 4x4 tiles with 512+ channels), tune (time once per shape, keep the "
-         "faster), direct (bitwise reproducible across machines), im2col or winograd; read at each "
-         "op call, and once as the fused step's model is built (Model.conv_algorithms shows it)"),
+         "faster), direct (bitwise reproducible across machines), im2col or winograd; in bf16, "
+         "winograd takes Winograd F(2x2,3x3) with bfloat16 products for 3x3 stride-1 layers, "
+         "the others the im2col products; read at each op call, and once as the fused step's "
+         "model is built (Model.conv_algorithms shows it)"),
         ("MGPU_NUM_THREADS", "the CPUs this process may run on", "threads of the CPU thread "
          "pool (under mpirun, when unset: each rank gets its share of the machine's cores)"),
         ("MGPU_QUEUE_MAX_BYTES", "64 MiB (at most 1/8 of RAM)", "how many bytes of queued work "

@@ -21,6 +21,8 @@ namespace {
 
 using namespace mgpu::ops::cpu;
 using mgpu::ops::Conv2dShape;
+using mgpu::ops::ConvAlgo;
+using mgpu::ops::conv_algo_name;
 using mgpu_test::from_bits;
 using mgpu_test::to_bits;
 using Floats = std::vector<float>;
@@ -233,16 +235,20 @@ TEST(Bf16CpuIsa, DenormalResultsAreFlushedOnEveryPath) {
 // conv2d's three passes in bf16: the same bits on every path (padding, stride 2, odd P*Q, chunks
 // of several images, a tail chunk; the data gradient as a forward pass for stride 1 with pad 0
 // to R-1 and through col2im otherwise; 4x4 outputs, whose rows the unfolding's vector copies
-// run past).
+// run past), by im2col (direct) and by Winograd F(2x2, 3x3) where it applies (odd images whose
+// edge tiles overhang, an odd channel count, pad 0 to 2, several chunks of images).
 TEST(Bf16CpuIsa, ConvPassesGiveTheSameBitsOnEveryPath) {
   if (!avx512_runs()) GTEST_SKIP() << "no AVX-512 on this CPU";
+  for (ConvAlgo algo : {ConvAlgo::Direct, ConvAlgo::Winograd})
   for (const Conv2dShape& s : {Conv2dShape{5, 3, 9, 7, 10, 3, 3, 1, 1},
                                Conv2dShape{3, 6, 8, 8, 5, 3, 3, 2, 1},
                                Conv2dShape{70, 4, 5, 5, 3, 1, 1, 1, 0},
                                Conv2dShape{40, 2, 6, 6, 5, 5, 5, 1, 2},
                                Conv2dShape{3, 4, 9, 9, 5, 3, 3, 1, 0},
                                Conv2dShape{4, 3, 7, 7, 6, 1, 1, 1, 1},
-                               Conv2dShape{33, 20, 4, 4, 40, 3, 3, 1, 1}}) {
+                               Conv2dShape{33, 20, 4, 4, 40, 3, 3, 1, 1},
+                               Conv2dShape{3, 17, 9, 11, 20, 3, 3, 1, 2},
+                               Conv2dShape{300, 130, 5, 5, 9, 3, 3, 1, 0}}) {
     const int64_t P = s.P(), Q = s.Q();
     const Floats x = random_floats(s.N * s.C * s.H * s.W, 1), w = random_floats(s.K * s.C * s.R * s.S, 2);
     const Floats b = random_floats(s.K, 3), dy = random_floats(s.N * s.K * P * Q, 4);
@@ -252,16 +258,16 @@ TEST(Bf16CpuIsa, ConvPassesGiveTheSameBitsOnEveryPath) {
     for (auto [isa, hw] : paths) {
       Floats yi(s.N * s.K * P * Q), dxi(x.size()), dwi(w.size()), dbi(s.K);
       if (isa == 2) {
-        avx2::bf16_conv2d_forward(s, x.data(), w.data(), b.data(), yi.data(), hw);
-        avx2::bf16_conv2d_backward(s, x.data(), w.data(), dy.data(), dxi.data(), dwi.data(), dbi.data(), hw);
+        avx2::bf16_conv2d_forward(s, x.data(), w.data(), b.data(), yi.data(), hw, algo);
+        avx2::bf16_conv2d_backward(s, x.data(), w.data(), dy.data(), dxi.data(), dwi.data(), dbi.data(), hw, algo);
       } else {
-        avx512::bf16_conv2d_forward(s, x.data(), w.data(), b.data(), yi.data(), hw);
-        avx512::bf16_conv2d_backward(s, x.data(), w.data(), dy.data(), dxi.data(), dwi.data(), dbi.data(), hw);
+        avx512::bf16_conv2d_forward(s, x.data(), w.data(), b.data(), yi.data(), hw, algo);
+        avx512::bf16_conv2d_backward(s, x.data(), w.data(), dy.data(), dxi.data(), dwi.data(), dbi.data(), hw, algo);
       }
       y.push_back(yi), dx.push_back(dxi), dw.push_back(dwi), db.push_back(dbi);
     }
     for (size_t p = 1; p < y.size(); ++p) {
-      const std::string path = p == 1 ? "avx512" : "avx512_bf16";
+      const std::string path = std::string(conv_algo_name(algo)) + " " + (p == 1 ? "avx512" : "avx512_bf16");
       EXPECT_TRUE(same_bits(path + " y", y[0], y[p]));
       EXPECT_TRUE(same_bits(path + " dx", dx[0], dx[p]));
       EXPECT_TRUE(same_bits(path + " dw", dw[0], dw[p]));

@@ -123,7 +123,10 @@ CONVS = [
 
 
 @pytest.mark.parametrize("xshape,K,R,stride,pad", CONVS)
-def test_conv2d_bf16_passes_within_the_bfloat16_bound(xshape, K, R, stride, pad):
+def test_conv2d_bf16_passes_within_the_bfloat16_bound(monkeypatch, xshape, K, R, stride, pad):
+    """The im2col products (MGPU_CONV_ALGO=direct, as auto): winograd's are bounded in
+    test_bf16_winograd.py."""
+    monkeypatch.setenv("MGPU_CONV_ALGO", "direct")
     rng = np.random.default_rng(3)
     N, C, H, W = xshape
     x = rng.standard_normal(xshape).astype(np.float32)

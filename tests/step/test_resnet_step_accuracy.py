@@ -39,7 +39,7 @@ N = 4
 U = 2.0 ** -24
 
 
-def _normwise(got, want):
+def normwise(got, want):
     return float(np.linalg.norm(got - want) / np.linalg.norm(want))
 
 
@@ -53,7 +53,7 @@ TRAINED_STD = {"0.": 0.049, "resnet_block1": 0.0117, "resnet_block2": 0.011,
                "resnet_block3": 0.0105, "resnet_block4": 0.0101, "fc": 0.035}
 
 
-def _init(net, kind):
+def init_weights(net, kind):
     if kind == "trained":
         for name, m in net.named_modules():
             if isinstance(m, (nn.Conv2d, nn.Linear)):
@@ -71,7 +71,7 @@ def _init(net, kind):
     net.apply(init)
 
 
-def _masks(net, X):
+def relu_masks(net, X):
     """The ReLU masks of mgpu's forward, named as resnet18_reference names them."""
     stem = list(net.children())[:2]
     a = stem[1](stem[0](mgpu.array(X)))
@@ -87,7 +87,7 @@ def _masks(net, X):
     return masks
 
 
-def _grads(net, X, y):
+def grads(net, X, y):
     for p in net.parameters():
         p.grad = None
     nn.CrossEntropyLoss()(net(mgpu.array(X)), mgpu.array(y)).backward()
@@ -100,7 +100,7 @@ def step(request):
     each convolution's x and dy inside the step (float64, auto's masks)."""
     mgpu.random.seed(3)
     net = mgpu.models.resnet18(10, 1)
-    _init(net, request.param)
+    init_weights(net, request.param)
     rng = np.random.default_rng(3)
     X = rng.normal(size=(N, 1, 28, 28)).astype(np.float32)
     y = rng.integers(0, 10, size=N).astype(np.int32)
@@ -110,12 +110,12 @@ def step(request):
         for algo in ("auto", "direct"):
             mp.setenv("MGPU_CONV_ALGO", algo)
             record = out["inputs"] if algo == "auto" else None
-            _, want = rr.loss_and_grads(X, y, P, record=record, masks=_masks(net, X))
-            out[algo] = (_grads(net, X, y), want)
+            _, want = rr.loss_and_grads(X, y, P, record=record, masks=relu_masks(net, X))
+            out[algo] = (grads(net, X, y), want)
     return out
 
 
-def _checked(P):
+def checked_params(P):
     """The parameters whose gradient is not 0 in exact arithmetic: all but the biases of the
     convolutions a batch norm follows (every one but the 1x1 shortcuts')."""
     return [k for k in P if "running" not in k and "num_batches" not in k and
@@ -123,8 +123,8 @@ def _checked(P):
 
 
 def test_step_weight_gradients_within_10x_of_direct(step):
-    names = _checked(step["P"])
-    err = {algo: np.array([_normwise(step[algo][0][k], step[algo][1][k]) for k in names])
+    names = checked_params(step["P"])
+    err = {algo: np.array([normwise(step[algo][0][k], step[algo][1][k]) for k in names])
            for algo in ("auto", "direct")}
     a, d = err["auto"], err["direct"]
     report = (f"auto median {np.median(a):.2e} max {a.max():.2e} ({names[a.argmax()]}); "
@@ -159,7 +159,7 @@ def test_winograd_passes_within_8x_of_direct(monkeypatch, step, name):
     n, _, h, wd = x.shape
     tiles = n * -(-h // 4) * -(-wd // 4)  # 4x4 output tiles (pad 1: P, Q = H, W)
     for p in ("y", "dx", "dw"):
-        e_w, e_d = _normwise(got["winograd"][p], want[p]), _normwise(got["direct"][p], want[p])
+        e_w, e_d = normwise(got["winograd"][p], want[p]), normwise(got["direct"][p], want[p])
         factor = 6 if p == "dw" and tiles > 32 else 8
         bound = factor * max(e_d, U)
         assert e_w <= bound, f"{name} {p}: Winograd {e_w:.2e}, direct {e_d:.2e}, bound {bound:.2e}"

@@ -318,6 +318,15 @@ void winograd_backward(const Conv2dShape& s, const float* x, const float* w, con
 void winograd_fused_forward(const Conv2dShape& s, const float* x, const float* U, const float* b,
                             float* y);
 
+// ---- winograd_bf16.cpp: F(2x2, 3x3) with bfloat16 products (ops/bf16.h) ----
+// True where bf16_conv2d_forward runs winograd_bf16_forward for shape s under algorithm algo:
+// winograd, for every 3x3 stride-1 conv with pad <= 2; auto, tune, direct and im2col keep the
+// im2col products (faster so far: see winograd_bf16_chosen).
+bool winograd_bf16_chosen(const Conv2dShape& s, ConvAlgo algo);
+// y = conv(x, w) + b (b may be null) for a 3x3 stride-1 conv with pad <= 2.
+void winograd_bf16_forward(const Conv2dShape& s, const float* x, const float* w, const float* b,
+                           float* y, bool hardware_dot);
+
 // ---- winograd_dw.cpp: the weight and bias gradients of winograd_backward ----
 // dw (K, C, 3, 3) and db (K; may be null) of a shape winograd_fits.
 void winograd_dw(const Conv2dShape& s, const float* x, const float* dy, float* dw, float* db);

@@ -23,7 +23,9 @@ RESNET18_3X3 = [(64, 28), (128, 14), (256, 7), (512, 4)]
 RESNET18_STRIDE2 = [(64, 28, 128, 3, 2, 1), (128, 14, 256, 3, 2, 1), (256, 7, 512, 3, 2, 1),
                     (64, 28, 128, 1, 2, 0), (128, 14, 256, 1, 2, 0), (256, 7, 512, 1, 2, 0)]
 LAYER_SETS = {"3x3": RESNET18_3X3, "stride2": RESNET18_STRIDE2}
-ALGOS = ("direct", "im2col", "winograd")
+# bf16-NAME: precision "bf16" (ops/bf16.h) under MGPU_CONV_ALGO=NAME (bf16-winograd: F(2x2, 3x3)
+# with bfloat16 products, bf16-direct: im2col with bfloat16 products).
+ALGOS = ("direct", "im2col", "winograd", "bf16-direct", "bf16-winograd")
 
 
 def bench_conv(batch: int = 64, algos: Sequence[str] = ("direct", "winograd"), rounds: int = 3,
@@ -80,11 +82,14 @@ def bench_conv(batch: int = 64, algos: Sequence[str] = ("direct", "winograd"), r
             dy = array(rng.standard_normal((batch, K, P, P), dtype=np.float32), device=dev)._t
             names = algos + (["onednn"] if onednn and plain else [])
             samples = {(a, p): [] for a in names for p in ("forward", "backward")}
-            calls = {"forward": lambda: _core.conv2d_forward(x, w, b, st, pad),
-                     "backward": lambda: _core.conv2d_backward(x, w, dy, st, pad, True, True)}
             for r in range(int(rounds)):
                 for a in algos:
-                    os.environ["MGPU_CONV_ALGO"] = a
+                    prec = "bf16" if a.startswith("bf16-") else "float32"
+                    os.environ["MGPU_CONV_ALGO"] = a.removeprefix("bf16-")
+                    calls = {"forward": lambda p=prec: _core.conv2d_forward(
+                                 x, w, b, st, pad, precision=p),
+                             "backward": lambda p=prec: _core.conv2d_backward(
+                                 x, w, dy, st, pad, True, True, precision=p)}
                     for phase, fn in calls.items():
                         m = measure(fn, warmup if r == 0 else 0, int(repeat), sync)
                         samples[(a, phase)] += m["times"]
