@@ -427,13 +427,10 @@ class DataParallel(Module):
     @_trace.span("DataParallel.train_step")  # the step's span, whichever entry called it
     def run_step(self, X: Tensor, y: Tensor, trainer, shards: int, accumulate: int,
                  precision: str, comm_dtype: str, max_norm: Optional[float]) -> Tensor:
-        """:meth:`train_step` (with ``nn.CrossEntropyLoss()``) with its arguments checked
-        already, by it or by a loop that checked them once where the user gave them
-        (``chapter.train_concise``): ``shards`` the logical shard count (``shard_count``),
-        ``accumulate`` from ``check_accumulate``, ``precision`` and ``comm_dtype`` the canonical
-        names (``amp``), ``max_norm`` None or from ``nn_utils.check_max_norm``. The trainer's
-        parameter groups are read and checked here, at every step (``_optimizer_options``),
-        and X, y as every step's data."""
+        """:meth:`train_step` on arguments checked already, by it or once per run by a loop
+        (``chapter.train_concise``): ``shards`` from ``shard_count``, ``accumulate`` from
+        ``check_accumulate``, canonical ``precision``/``comm_dtype``, ``max_norm`` None or from
+        ``check_max_norm``. The trainer's groups are still read and checked at every step."""
         if not self._sync:
             raise ValueError("train_step: called inside no_sync(); the fused step accumulates "
                              "within one call: net.train_step(X, y, loss, trainer, "
@@ -470,11 +467,9 @@ class DataParallel(Module):
     @staticmethod
     def _optimizer_options(trainer, max_norm: Optional[float]) -> dict:
         """The fused step's optimizer arguments, read from ``trainer``'s parameter groups now
-        and checked there (``Optimizer.current_groups``: the one check of the learning rate and
-        of every other hyperparameter on this path, so one a scheduler or
-        ``trainer.param_groups[0]['lr'] = x`` wrote is caught before the step; the C++ step
-        below trusts them), with ``max_norm`` as checked by the caller; raises for what the
-        fused step does not do."""
+        and checked there (``Optimizer.current_groups``, the one check on this path: a value a
+        scheduler or the user wrote is caught before the step, and the C++ step trusts it);
+        raises for what the fused step does not do."""
         if not isinstance(trainer, (optim_SGD, optim_Adam)):
             raise TypeError(f"train_step: trainer must be mgpu.optim.SGD, Adam or AdamW, got "
                             f"{type(trainer).__name__}")
@@ -680,8 +675,7 @@ class _Fused:
             f"train_step: the fused step has no layer for {type(m).__name__}; supported are "
             "Sequential, Conv2d, BatchNorm2d and SyncBatchNorm (with running statistics and a "
             "momentum), ReLU, Flatten, AvgPool2d, MaxPool2d (square), AdaptiveAvgPool2d((1, 1)), "
-            "Dropout, Linear and "
-            "models.Residual (use the book's loop for other modules)")
+            "Dropout, Linear and models.Residual (use the book's loop for other modules)")
 
 
 # --- synchronised batch norm ---------------------------------------------------------------
