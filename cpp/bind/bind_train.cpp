@@ -231,13 +231,7 @@ void bind_train(py::module_& m) {
            "avg_pool2d' on GPUs and in bf16) and the batch norm layers merged with their relu "
            "('batch_norm_relu', 'batch_norm_add_relu'; CPU replicas only).")
       .def("conv_algorithms", [](const Replicated& r) {
-        std::vector<std::pair<std::string, std::string>> out;
-        for (const train::Layer& l : r.model->layers()) {
-          if (l.kind == train::LayerKind::Conv2d || l.kind == train::LayerKind::Conv2dReluPool)
-            out.emplace_back(l.name, (l.precision == ops::Precision::BF16 ? "bf16 " : "") +
-                                         std::string(ops::conv_algo_name(l.conv_algo)));
-        }
-        return out;
+        return r.model->conv_algorithms();
       }, "(layer, algorithm) for each conv layer: the CPU conv algorithm (MGPU_CONV_ALGO's "
          "names) fixed as the Model was built, prefixed 'bf16 ' for a layer built with precision "
          "bf16 (ops/bf16.h's kernels: winograd takes Winograd F(2x2, 3x3) with bfloat16 products "

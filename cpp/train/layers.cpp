@@ -1,274 +1,18 @@
-// cpp/train/layers.cpp -- each layer's forward and backward through the ops, and the walk of a
-// Model's program: slots forward, gradients backward (summed where a slot fans out).
+// cpp/train/layers.cpp -- the walk of a Model's program: slots forward, gradients backward
+// (summed where a slot fans out), each layer through its kind's record (train/layer_kind.h), and
+// the exchanges of synchronised layers between the replicas of a step.
 #include "train/layers.h"
 
 #include <string>
 #include <tuple>
 
 #include "core/trace.h"
-#include "ops/avg_pool2d.h"
 #include "ops/batch_norm.h"
-#include "ops/conv2d.h"
-#include "ops/conv2d_relu_pool.h"
-#include "ops/dropout.h"
 #include "ops/elementwise.h"
-#include "ops/linear.h"
-#include "ops/max_pool2d.h"
-#include "ops/relu.h"
 #include "ops/softmax_ce.h"
 
 namespace mgpu::train {
 namespace {
-
-// Whether the fused kernel takes these shapes. A layer built with it (Layer::fused_kernel: CPU
-// replicas, float32) runs it when they fit; for shapes that do not, it runs conv2d, relu and
-// avg_pool2d, whose checks then report the problem.
-bool fused_fits(const Tensor& x, const Tensor& w, int64_t pool) {
-  if (x.dim() != 4 || x.size(1) != w.size(1)) return false;
-  const int64_t p = x.size(2) - w.size(2) + 1, q = x.size(3) - w.size(3) + 1;
-  return p >= pool && q >= pool;
-}
-
-// What a layer's backward needs beyond its inputs: the fused layer's relu mask (or, unfused, the
-// conv and relu outputs), max pooling's indices, batch norm's batch mean and variance (a, b) over
-// count values per channel. A synchronised batch norm gets a, b and count (of every replica's
-// examples) from the exchange before its forward, and before its backward this replica's sums
-// (part_*) and every replica's (all_*).
-struct Saved {
-  Tensor a, b;
-  int64_t h = 0, w = 0;  // max pooling: its input's height and width (a holds the indices)
-  double count = 0.0;
-  bool synced = false;
-  Tensor part_dy, part_dy_xhat, all_dy, all_dy_xhat;
-};
-
-void check_bn_input(const Layer& l, const Tensor& x, const Tensor& running_mean) {
-  MGPU_CHECK_VALUE(x.dim() == 4 || x.dim() == 2, l.name, ": expects (N, C, H, W) or (N, C), "
-                   "got shape ", x.shape());
-  MGPU_CHECK_VALUE(x.size(1) == running_mean.size(0), l.name, ": the input has ", x.size(1),
-                   " channels but the layer normalises ", running_mean.size(0));
-}
-
-// Batch norm in training mode: normalise with the batch statistics (kept in s for backward and
-// for the running statistics' update, which update_running_stats makes once the whole forward
-// has been enqueued without an error).
-Tensor batch_norm_train(const Layer& l, const Tensor& x, const Tensor* gamma, const Tensor* beta,
-                        Saved* s) {
-  if (!s->synced) s->count = static_cast<double>(x.numel() / x.size(1));
-  MGPU_CHECK_VALUE(s->count > 1, l.name, ": expected more than 1 value per channel when training, "
-                   "got input of shape ", x.shape(), "; use a bigger batch per device");
-  if (!s->synced) std::tie(s->a, s->b) = ops::batch_norm_stats(x);
-  return ops::batch_norm_forward(x, s->a, s->b, gamma, beta, static_cast<float>(l.eps));
-}
-
-// Moves the running statistics towards the batch ones in place, PyTorch's way (running var
-// unbiased).
-void update_running_stats(const Layer& l, const ReplicaState& r, const Saved& s) {
-  const Tensor& running_mean = r.buffers[static_cast<size_t>(l.buffers[0])];
-  const Tensor& running_var = r.buffers[static_cast<size_t>(l.buffers[1])];
-  const auto m = static_cast<float>(l.momentum);
-  ops::batch_norm_update_running(running_mean, s.a, 1.0f - m, m);
-  ops::batch_norm_update_running(running_var, s.b, 1.0f - m,
-                                 static_cast<float>(m * s.count / (s.count - 1)));
-}
-
-Tensor forward(const Layer& l, const std::vector<Tensor>& in, const ReplicaState& r,
-               bool training, bool for_backward, Saved* s, const ops::DropoutKey& key) {
-  auto p = [&](size_t i) -> const Tensor& { return r.params[static_cast<size_t>(l.params[i])]; };
-  const Tensor& x = in[0];
-  switch (l.kind) {
-    case LayerKind::Conv2d:
-      return ops::conv2d_forward(x, p(0), l.bias ? p(1) : Tensor(), l.stride, l.padding,
-                                 l.conv_algo, l.precision);
-    case LayerKind::Conv2dReluPool: {
-      // The Model chose the kernel (GPUs and bf16: the conv alone, then relu and the pool).
-      if (l.fused_kernel && fused_fits(x, p(0), l.kh)) {
-        ops::Conv2dReluPool f = ops::conv2d_relu_pool_forward(x, p(0), p(1), 1, 0, l.kh,
-                                                              for_backward);
-        s->a = f.mask;
-        return f.pooled;
-      }
-      s->a = ops::conv2d_forward(x, p(0), p(1), 1, 0, l.conv_algo, l.precision);
-      s->b = ops::relu_forward(s->a);
-      return ops::avg_pool2d_forward(s->b, l.kh, l.kh, l.kh, l.kh);
-    }
-    case LayerKind::BatchNorm: {
-      const Tensor* gamma = l.bias ? &p(0) : nullptr;
-      const Tensor* beta = l.bias ? &p(1) : nullptr;
-      const Tensor& rm = r.buffers[static_cast<size_t>(l.buffers[0])];
-      const Tensor& rv = r.buffers[static_cast<size_t>(l.buffers[1])];
-      check_bn_input(l, x, rm);
-      if (training) return batch_norm_train(l, x, gamma, beta, s);
-      return ops::batch_norm_forward(x, rm, rv, gamma, beta, static_cast<float>(l.eps));
-    }
-    case LayerKind::BatchNormRelu:
-    case LayerKind::BatchNormAddRelu: {
-      const Tensor* gamma = l.bias ? &p(0) : nullptr;
-      const Tensor* beta = l.bias ? &p(1) : nullptr;
-      const Tensor& rm = r.buffers[static_cast<size_t>(l.buffers[0])];
-      const Tensor& rv = r.buffers[static_cast<size_t>(l.buffers[1])];
-      check_bn_input(l, x, rm);
-      const Tensor* shortcut = nullptr;
-      if (l.kind == LayerKind::BatchNormAddRelu) {
-        MGPU_CHECK_VALUE(in[0].shape() == in[1].shape(), l.add_name, ": adds the output of ",
-                         l.name, " (shape ", in[0].shape(), ") and slot ", l.in[1], " (shape ",
-                         in[1].shape(), "); they must be equal");
-        shortcut = &in[1];
-      }
-      const auto eps = static_cast<float>(l.eps);
-      if (!training) return ops::batch_norm_act_forward(x, rm, rv, gamma, beta, shortcut, eps);
-      if (!s->synced) s->count = static_cast<double>(x.numel() / x.size(1));
-      MGPU_CHECK_VALUE(s->count > 1, l.name, ": expected more than 1 value per channel when "
-                       "training, got input of shape ", x.shape(), "; use a bigger batch per "
-                       "device");
-      if (!s->synced) std::tie(s->a, s->b) = ops::batch_norm_stats(x);
-      return ops::batch_norm_act_forward(x, s->a, s->b, gamma, beta, shortcut, eps);
-    }
-    case LayerKind::Absorbed: return Tensor();
-    case LayerKind::Relu: return ops::relu_forward(x);
-    case LayerKind::Dropout: return training ? ops::dropout_forward(x, key) : x;
-    case LayerKind::AvgPool2d: return ops::avg_pool2d_forward(x, l.kh, l.kw, l.sh, l.sw);
-    case LayerKind::MaxPool2d: {
-      MGPU_CHECK_VALUE(x.dim() == 4, l.name, ": expects (N, C, H, W), got shape ", x.shape());
-      ops::MaxPool2d f = ops::max_pool2d_forward(x, l.kh, l.kw, l.sh, l.sw, l.padding, l.padding,
-                                                 for_backward);
-      s->a = f.indices;
-      s->h = x.size(2), s->w = x.size(3);
-      return f.y;
-    }
-    case LayerKind::GlobalAvgPool:
-      MGPU_CHECK_VALUE(x.dim() == 4, l.name, ": expects (N, C, H, W), got shape ", x.shape());
-      return ops::avg_pool2d_forward(x, x.size(2), x.size(3), x.size(2), x.size(3));
-    case LayerKind::Flatten:
-      MGPU_CHECK_VALUE(x.dim() >= 1, l.name, ": cannot flatten a 0-d tensor");
-      return x.reshape({x.size(0), -1});
-    case LayerKind::Linear: {
-      MGPU_CHECK_VALUE(x.dim() == 2, l.name, ": expects (N, features), got shape ", x.shape(),
-                       "; put a flatten layer before it");
-      const int64_t fan_in = p(0).size(l.transpose ? 1 : 0);
-      MGPU_CHECK_VALUE(x.size(1) == fan_in, l.name, ": the input has ", x.size(1),
-                       " features but the weight ", p(0).shape(), " expects ", fan_in);
-      Tensor z = ops::mm(x, p(0), false, l.transpose, l.precision);
-      return l.bias ? ops::binary(ops::BinaryOp::Add, z, p(1)) : z;
-    }
-    case LayerKind::Add:
-      MGPU_CHECK_VALUE(in[0].shape() == in[1].shape(), l.name, ": adds slots ", l.in[0], " and ",
-                       l.in[1], " of shapes ", in[0].shape(), " and ", in[1].shape(),
-                       "; they must be equal");
-      return ops::binary(ops::BinaryOp::Add, in[0], in[1]);
-  }
-  MGPU_ASSERT(false, "unknown layer kind");
-  return {};
-}
-
-// Given dy (and the layer's output, which relu's backward reads), writes the inputs' gradients (dx[k], left undefined where need_dx[k] is false) and
-// the parameters' (dp, in the layer's parameter order).
-void backward(const Layer& l, const std::vector<Tensor>& in, const Tensor& out, const Tensor& dy,
-              const ReplicaState& r, const Saved& s, const ops::DropoutKey& key,
-              const std::vector<bool>& need_dx, std::vector<Tensor>* dx,
-              std::vector<Tensor>* dp) {
-  auto p = [&](size_t i) -> const Tensor& { return r.params[static_cast<size_t>(l.params[i])]; };
-  const Tensor& x = in[0];
-  Tensor& dx0 = (*dx)[0];
-  switch (l.kind) {
-    case LayerKind::Conv2d: {
-      ops::Conv2dGrads g =
-          ops::conv2d_backward(x, p(0), dy, l.stride, l.padding, need_dx[0], l.bias, l.conv_algo,
-                               l.precision);
-      dx0 = g.dx;
-      *dp = l.bias ? std::vector<Tensor>{g.dw, g.db} : std::vector<Tensor>{g.dw};
-      return;
-    }
-    case LayerKind::Conv2dReluPool: {
-      ops::Conv2dGrads g;
-      if (!s.b.defined()) {
-        g = ops::conv2d_relu_pool_backward(x, p(0), s.a, dy, 1, 0, l.kh, need_dx[0]);
-      } else {
-        Tensor da = ops::avg_pool2d_backward(s.b, dy, l.kh, l.kh, l.kh, l.kh);
-        Tensor dc = ops::relu_backward(s.a, da);
-        g = ops::conv2d_backward(x, p(0), dc, 1, 0, need_dx[0], true, l.conv_algo, l.precision);
-      }
-      dx0 = g.dx;
-      *dp = {g.dw, g.db};
-      return;
-    }
-    case LayerKind::BatchNorm: {
-      const auto eps = static_cast<float>(l.eps);
-      if (!s.synced) {
-        // The replica's own statistics: the sums and dx in one op (dx re-reads from cache).
-        ops::BatchNormGrads g = ops::batch_norm_backward_full(
-            x, nullptr, dy, s.a, s.b, l.bias ? &p(0) : nullptr, eps, need_dx[0], false);
-        if (need_dx[0]) dx0 = g.dx;
-        if (l.bias) *dp = {g.sum_dy_xhat, g.sum_dy};
-        return;
-      }
-      // Synchronised: this replica's sums are dgamma, dbeta; dx sees the statistics' dependence
-      // on every replica's x: the sums over all replicas.
-      if (need_dx[0])
-        dx0 = ops::batch_norm_backward(x, dy, s.a, s.b, l.bias ? &p(0) : nullptr, s.all_dy,
-                                       s.all_dy_xhat, s.count, eps, true);
-      if (l.bias) *dp = {s.part_dy_xhat, s.part_dy};
-      return;
-    }
-    case LayerKind::BatchNormRelu:
-    case LayerKind::BatchNormAddRelu: {
-      // The mask comes from the saved output y (out); dz = dy * mask exists only in registers.
-      const auto eps = static_cast<float>(l.eps);
-      const bool synced = s.synced;
-      const bool add = l.kind == LayerKind::BatchNormAddRelu;
-      const bool want_sc = add && need_dx[1];
-      if (!synced) {
-        // The replica's own statistics: the sums and dx in one op (dx re-reads from cache).
-        ops::BatchNormGrads g = ops::batch_norm_backward_full(
-            x, &out, dy, s.a, s.b, l.bias ? &p(0) : nullptr, eps, need_dx[0], want_sc);
-        if (need_dx[0]) dx0 = g.dx;
-        if (want_sc) (*dx)[1] = g.dshortcut;
-        if (l.bias) *dp = {g.sum_dy_xhat, g.sum_dy};
-        return;
-      }
-      // Synchronised: as for BatchNorm, with dz in place of dy.
-      if (need_dx[0] || want_sc) {
-        auto [g, dsc] = ops::batch_norm_act_backward(x, out, dy, s.a, s.b,
-                                                     l.bias ? &p(0) : nullptr, s.all_dy,
-                                                     s.all_dy_xhat, s.count, eps, want_sc);
-        if (need_dx[0]) dx0 = g;
-        if (want_sc) (*dx)[1] = dsc;
-      }
-      if (l.bias) *dp = {s.part_dy_xhat, s.part_dy};
-      return;
-    }
-    case LayerKind::Absorbed: return;
-    // relu(x) > 0 exactly where x > 0 (NaN stays NaN), so the output gives the input's mask.
-    case LayerKind::Relu: dx0 = ops::relu_backward(out, dy); return;
-    // The forward's mask, recomputed from the same counters (nothing was kept).
-    case LayerKind::Dropout: dx0 = ops::dropout_backward(dy, key); return;
-    case LayerKind::AvgPool2d:
-      dx0 = ops::avg_pool2d_backward(x, dy, l.kh, l.kw, l.sh, l.sw);
-      return;
-    case LayerKind::MaxPool2d:
-      dx0 = ops::max_pool2d_backward(s.a, dy, s.h, s.w, l.kh, l.kw, l.sh, l.sw, l.padding,
-                                     l.padding);
-      return;
-    case LayerKind::GlobalAvgPool:
-      dx0 = ops::avg_pool2d_backward(x, dy, x.size(2), x.size(3), x.size(2), x.size(3));
-      return;
-    case LayerKind::Flatten: dx0 = dy.reshape(x.shape()); return;
-    case LayerKind::Linear: {
-      // y = x W (+ b) with W (in, out), or y = x W^T (+ b) with W (out, in) when transposed.
-      const ops::Precision pr = l.precision;
-      Tensor dW = l.transpose ? ops::mm(dy, x, true, false, pr) : ops::mm(x, dy, true, false, pr);
-      if (need_dx[0]) dx0 = ops::mm(dy, p(0), false, !l.transpose, pr);
-      *dp = {dW};
-      if (l.bias) dp->insert(dp->begin() + 1, ops::sum_to_shape(dy, p(1).shape()));
-      return;
-    }
-    case LayerKind::Add:
-      // Both operands get dy itself: nothing reads or writes it in place after this.
-      (*dx)[0] = dy;
-      (*dx)[1] = dy;
-      return;
-  }
-}
 
 // The view of parameter p's gradient in the flat buffer.
 Tensor grad_view(const Model& m, const Tensor& grads, const ReplicaState& r, size_t p) {
@@ -308,13 +52,13 @@ Trace start_trace(const Model& m, const Tensor& X) {
 void forward_layer(const Model& m, size_t i, Trace& t, const ReplicaState& r, bool training,
                    bool for_backward, const std::vector<int>& last_use) {
   const Layer& l = m.layers()[i];
-  if (l.kind == LayerKind::Absorbed) return;  // its work runs in the fused layer after it
+  if (l.kind == &absorbed_layer) return;  // its work runs in the fused layer after it
   std::vector<Tensor> in;
   for (int s : l.in) in.push_back(t.slots[static_cast<size_t>(s)]);
   try {
     trace::Label label([&] { return l.name + (training ? " forward" : " forward (eval)"); });
-    t.slots[static_cast<size_t>(l.out)] = forward(l, in, r, training, for_backward, &t.saved[i],
-                                                  dropout_key(l, t));
+    const LayerCall call{l, in, r, dropout_key(l, t), training, for_backward};
+    t.slots[static_cast<size_t>(l.out)] = l.kind->forward(call, &t.saved[i]);
   } catch (const ValueError& e) {
     // An op's message about its shapes, prefixed with the layer that called it.
     if (std::string(e.what()).rfind(l.name, 0) == 0) throw;
@@ -325,10 +69,13 @@ void forward_layer(const Model& m, size_t i, Trace& t, const ReplicaState& r, bo
       t.slots[static_cast<size_t>(s)] = Tensor();
 }
 
-void update_all_running_stats(const Model& m, const Trace& t, const ReplicaState& r) {
-  for (size_t i = 0; i < m.layers().size(); ++i)
-    if (is_batch_norm(m.layers()[i].kind))
-      update_running_stats(m.layers()[i], r, t.saved[i]);
+// Moves every layer's buffers (batch norm's running statistics) after a training forward.
+void update_all_buffers(const Model& m, const Trace& t, const ReplicaState& r) {
+  const std::vector<Tensor> none;
+  for (size_t i = 0; i < m.layers().size(); ++i) {
+    const Layer& l = m.layers()[i];
+    if (l.kind->update_buffers) l.kind->update_buffers(LayerCall{l, none, r, {}}, t.saved[i]);
+  }
 }
 
 // One replica's step in progress.
@@ -342,7 +89,7 @@ struct Pass {
 
 void backward_layer(const Model& m, size_t i, Pass& p) {
   const Layer& l = m.layers()[i];
-  if (l.kind == LayerKind::Absorbed) return;
+  if (l.kind == &absorbed_layer) return;
   Trace& t = p.t;
   Tensor dy = std::move(p.dslot[static_cast<size_t>(l.out)]);
   // The output leaves the trace now (every later reader's backward has run) and goes when this
@@ -361,7 +108,8 @@ void backward_layer(const Model& m, size_t i, Pass& p) {
     in.push_back(t.slots[static_cast<size_t>(s)]);
     need_dx.push_back(m.grad_needed(s));
   }
-  backward(l, in, out, dy, *p.r, t.saved[i], dropout_key(l, t), need_dx, &dx, &dp);
+  l.kind->backward(LayerCall{l, in, *p.r, dropout_key(l, t)}, out, dy, t.saved[i], need_dx, &dx,
+                   &dp);
   t.saved[i] = Saved();
   for (size_t k = 0; k < l.in.size(); ++k) {
     if (!need_dx[k] || !dx[k].defined()) continue;
@@ -400,27 +148,33 @@ Tensor padded_row(Device device, size_t slots, size_t row, int64_t w,
   return parts;
 }
 
-// Forward of a synchronised batch norm: every replica's (count, mean, var) gathered, combined into
-// the statistics of all examples, kept in each replica's Saved for the layer's forward and backward.
+// The call of synchronised layer i on replica pass p (its input slots as forward left them).
+LayerCall sync_call(const Model& m, size_t i, const Pass& p, std::vector<Tensor>* in) {
+  const Layer& l = m.layers()[i];
+  for (int s : l.in) in->push_back(p.empty ? Tensor() : p.t.slots[static_cast<size_t>(s)]);
+  return LayerCall{l, *in, *p.r, {}};
+}
+
+// Forward of a synchronised layer (batch norm): every replica's (count, mean, var) per channel
+// gathered, combined into the statistics of all examples, kept in each replica's Saved for the
+// layer's forward and backward.
 void exchange_stats(const Model& m, size_t i, std::vector<Pass>& ps, const SyncReplicas& sync) {
   const Layer& l = m.layers()[i];
-  const size_t in = static_cast<size_t>(l.in[0]);
   std::vector<Tensor> parts;
   double local = 0.0;  // values per channel in one example, from a local x
   for (Pass& p : ps) {
-    const Tensor& rm = p.r->buffers[static_cast<size_t>(l.buffers[0])];
-    const int64_t C = rm.size(0);
+    std::vector<Tensor> in;
+    const LayerCall c = sync_call(m, i, p, &in);
+    const int64_t C = l.kind->sync_channels(c);
     const int64_t w = 1 + 2 * C;
-    const Device dev = rm.device();
+    const Device dev = p.r->params[0].device();
     if (p.empty) {
       parts.push_back(padded_row(dev, sync.slots, 0, w, nullptr));
       continue;
     }
-    const Tensor& x = p.t.slots[in];
-    check_bn_input(l, x, rm);
-    local = static_cast<double>(x.numel() / x.size(1)) / static_cast<double>(x.size(0));
-    auto [mean, var] = ops::batch_norm_stats(x);
-    const double n = static_cast<double>(x.numel() / x.size(1));
+    double n = 0.0;
+    auto [mean, var] = l.kind->sync_stats(c, &n);
+    local = n / static_cast<double>(in[0].size(0));
     parts.push_back(padded_row(dev, sync.slots, sync.slot[&p - ps.data()], w,
                                [&](const Tensor& row) {
       ops::fill(row.slice_rows(0, 1), n);
@@ -440,28 +194,25 @@ void exchange_stats(const Model& m, size_t i, std::vector<Pass>& ps, const SyncR
   }
 }
 
-// Backward of a synchronised batch norm: every replica's (sum_dy, sum_dy_xhat) gathered and added.
+// Backward of a synchronised layer: every replica's (sum_dy, sum_dy_xhat) gathered and added.
 void exchange_sums(const Model& m, size_t i, std::vector<Pass>& ps, const SyncReplicas& sync) {
   const Layer& l = m.layers()[i];
   std::vector<Tensor> parts;
   for (Pass& p : ps) {
-    const Tensor& rm = p.r->buffers[static_cast<size_t>(l.buffers[0])];
-    const int64_t C = rm.size(0);
+    std::vector<Tensor> in;
+    const LayerCall c = sync_call(m, i, p, &in);
+    const int64_t C = l.kind->sync_channels(c);
+    const Device dev = p.r->params[0].device();
     if (p.empty) {
-      parts.push_back(padded_row(rm.device(), sync.slots, 0, 2 * C, nullptr));
+      parts.push_back(padded_row(dev, sync.slots, 0, 2 * C, nullptr));
       continue;
     }
     Saved& s = p.t.saved[i];
-    const Tensor& x = p.t.slots[static_cast<size_t>(l.in[0])];
     const Tensor& dy = p.dslot[static_cast<size_t>(l.out)];
     MGPU_ASSERT(dy.defined(), l.name, ": no gradient reached a synchronised batch norm");
-    // A fused layer's sums are over dz = dy masked by its saved output.
     std::tie(s.part_dy, s.part_dy_xhat) =
-        l.kind == LayerKind::BatchNorm
-            ? ops::batch_norm_backward_reduce(x, dy, s.a, s.b, static_cast<float>(l.eps))
-            : ops::batch_norm_act_backward_reduce(x, p.t.slots[static_cast<size_t>(l.out)], dy,
-                                                  s.a, s.b, static_cast<float>(l.eps));
-    parts.push_back(padded_row(rm.device(), sync.slots, sync.slot[&p - ps.data()], 2 * C,
+        l.kind->sync_sums(c, p.t.slots[static_cast<size_t>(l.out)], dy, s);
+    parts.push_back(padded_row(dev, sync.slots, sync.slot[&p - ps.data()], 2 * C,
                                [&](const Tensor& row) {
       ops::copy(row.slice_rows(0, C), s.part_dy);
       ops::copy(row.slice_rows(C, 2 * C), s.part_dy_xhat);
@@ -482,7 +233,7 @@ Tensor model_forward(const Model& m, const Tensor& X, const ReplicaState& r, boo
   Trace t = start_trace(m, X);
   const std::vector<int> last_use = last_uses(m);
   for (size_t i = 0; i < m.layers().size(); ++i) forward_layer(m, i, t, r, training, false, last_use);
-  if (training) update_all_running_stats(m, t, r);
+  if (training) update_all_buffers(m, t, r);
   return t.slots.back();
 }
 
@@ -514,7 +265,7 @@ std::vector<Tensor> replicas_loss_and_grads(
   }
   for (size_t i = 0; i < m.layers().size(); ++i) {
     const Layer& l = m.layers()[i];
-    if (synced && is_batch_norm(l.kind) && l.sync) exchange_stats(m, i, ps, sync);
+    if (synced && l.sync) exchange_stats(m, i, ps, sync);
     for (Pass& p : ps)
       if (!p.empty) forward_layer(m, i, p.t, *p.r, true, true, last_use);
   }
@@ -533,12 +284,12 @@ std::vector<Tensor> replicas_loss_and_grads(
   // Forward and loss are enqueued without an error: only now do the running statistics move, so
   // a bad input (too few channels, too small an image) leaves every buffer as it was.
   for (Pass& p : ps)
-    if (!p.empty) update_all_running_stats(m, p.t, *p.r);
+    if (!p.empty) update_all_buffers(m, p.t, *p.r);
   const std::vector<bool> reaches = reaches_loss(m);
   size_t next_bucket = 0;
   for (int i = static_cast<int>(m.layers().size()) - 1; i >= 0; --i) {
     const Layer& l = m.layers()[static_cast<size_t>(i)];
-    if (synced && is_batch_norm(l.kind) && l.sync && reaches[static_cast<size_t>(l.out)])
+    if (synced && l.sync && reaches[static_cast<size_t>(l.out)])
       exchange_sums(m, static_cast<size_t>(i), ps, sync);
     for (Pass& p : ps)
       if (!p.empty) backward_layer(m, static_cast<size_t>(i), p);

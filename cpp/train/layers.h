@@ -10,11 +10,6 @@
 
 namespace mgpu::train {
 
-// A replica: the parameters and buffers (BN running statistics) on one device.
-struct ReplicaState {
-  std::vector<Tensor> params, buffers;
-};
-
 // The logits of X. training = true uses batch statistics in batch norm (and updates the running
 // ones) and dropout's masks of seed 0, false the running statistics and no dropout.
 Tensor model_forward(const Model& m, const Tensor& X, const ReplicaState& r, bool training);

@@ -5,8 +5,6 @@
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
-#include <mutex>
-#include <set>
 
 namespace mgpu::train {
 namespace {
@@ -15,92 +13,6 @@ namespace {
 // bigger so the per-collective cost stays small (PyTorch's DDP does the same with 1 and 25 MB).
 constexpr int64_t kFirstBucketFloats = 64 * 1024;   // 256 KB
 constexpr int64_t kBucketFloats = 1024 * 1024;      // 4 MB
-
-struct KindInfo {
-  LayerKind kind;
-  int inputs;                          // number of input slots
-  std::set<std::string> options;       // the option names it accepts
-};
-
-const std::map<std::string, KindInfo>& kinds() {
-  static const auto* table = new std::map<std::string, KindInfo>{
-      {"conv2d", {LayerKind::Conv2d, 1, {"stride", "padding", "bias", "bf16"}}},
-      {"conv2d_relu_pool", {LayerKind::Conv2dReluPool, 1, {"pool", "bf16"}}},
-      {"batch_norm", {LayerKind::BatchNorm, 1, {"eps", "momentum", "affine", "sync"}}},
-      {"relu", {LayerKind::Relu, 1, {}}},
-      {"avg_pool2d", {LayerKind::AvgPool2d, 1, {"kernel", "stride"}}},
-      {"max_pool2d", {LayerKind::MaxPool2d, 1, {"kernel", "stride", "padding"}}},
-      {"global_avg_pool", {LayerKind::GlobalAvgPool, 1, {}}},
-      {"flatten", {LayerKind::Flatten, 1, {}}},
-      {"linear", {LayerKind::Linear, 1, {"bias", "transpose", "bf16"}}},
-      {"add", {LayerKind::Add, 2, {}}},
-      {"dropout", {LayerKind::Dropout, 1, {"p"}}},
-  };
-  return *table;
-}
-
-std::string known_kinds() {
-  std::string s;
-  for (const auto& [name, info] : kinds()) s += (s.empty() ? "" : ", ") + name;
-  return s;
-}
-
-int64_t positive_int(const Layer& l, const std::map<std::string, double>& opts,
-                     const std::string& key, int64_t fallback, int64_t min) {
-  auto it = opts.find(key);
-  if (it == opts.end()) return fallback;
-  const double v = it->second;
-  MGPU_CHECK_VALUE(v == static_cast<double>(static_cast<int64_t>(v)) && v >= min, l.name,
-                   ": option ", key, " must be an integer >= ", min, ", got ", v);
-  return static_cast<int64_t>(v);
-}
-
-bool flag(const std::map<std::string, double>& opts, const std::string& key, bool fallback) {
-  auto it = opts.find(key);
-  return it == opts.end() ? fallback : it->second != 0.0;
-}
-
-// How many parameters and buffers a layer owns.
-std::pair<int, int> counts(const Layer& l) {
-  switch (l.kind) {
-    case LayerKind::Conv2d:
-    case LayerKind::Linear: return {l.bias ? 2 : 1, 0};
-    case LayerKind::Conv2dReluPool: return {2, 0};
-    case LayerKind::BatchNorm: return {l.bias ? 2 : 0, 2};
-    default: return {0, 0};
-  }
-}
-
-void check_shapes(const Layer& l, const std::vector<Shape>& ps, const std::vector<Shape>& bs) {
-  auto p = [&](size_t i) -> const Shape& { return ps[static_cast<size_t>(l.params[i])]; };
-  auto vector_of = [&](const Shape& s, int64_t n, const char* what) {
-    MGPU_CHECK_VALUE(s.size() == 1 && s[0] == n, l.name, ": ", what, " must have shape (", n,
-                     ",), got ", s);
-  };
-  switch (l.kind) {
-    case LayerKind::Conv2d:
-    case LayerKind::Conv2dReluPool:
-      MGPU_CHECK_VALUE(p(0).size() == 4, l.name, ": the weight must have 4 dims (K, C, R, S), "
-                       "got shape ", p(0));
-      if (l.params.size() > 1) vector_of(p(1), p(0)[0], "the bias");
-      break;
-    case LayerKind::Linear:
-      MGPU_CHECK_VALUE(p(0).size() == 2, l.name, ": the weight must have 2 dims, got shape ",
-                       p(0));
-      if (l.params.size() > 1) vector_of(p(1), p(0)[l.transpose ? 0 : 1], "the bias");
-      break;
-    case LayerKind::BatchNorm: {
-      MGPU_CHECK_VALUE(bs[static_cast<size_t>(l.buffers[0])].size() == 1, l.name,
-                       ": running_mean must have shape (C,), got ",
-                       bs[static_cast<size_t>(l.buffers[0])]);
-      const int64_t c = bs[static_cast<size_t>(l.buffers[0])][0];
-      vector_of(bs[static_cast<size_t>(l.buffers[1])], c, "running_var");
-      for (size_t i = 0; i < l.params.size(); ++i) vector_of(p(i), c, i ? "beta" : "gamma");
-      break;
-    }
-    default: break;
-  }
-}
 
 }  // namespace
 
@@ -111,18 +23,19 @@ Model::Model(const std::vector<LayerSpec>& spec, const std::vector<Shape>& param
   id_ = next_id++;
   MGPU_CHECK_VALUE(!spec.empty(), "Model: the spec has no layers");
   MGPU_CHECK_VALUE(!param_shapes.empty(), "Model: the model has no parameters to train");
+  const BuildContext ctx{conv_algo, on_cpu};
   std::vector<int> param_owner(param_shapes.size(), -1), buffer_owner(buffer_shapes.size(), -1);
   size_t next_param = 0, next_buffer = 0;
   for (size_t i = 0; i < spec.size(); ++i) {
     const LayerSpec& s = spec[i];
     Layer l;
     l.name = "layer " + std::to_string(i) + " (" + s.kind + ")";
-    auto kind = kinds().find(s.kind);
-    MGPU_CHECK_VALUE(kind != kinds().end(), "Model: ", l.name, " is not a known layer; use one of ",
-                     known_kinds());
-    l.kind = kind->second.kind;
+    l.kind = find_layer_kind(s.kind);
+    MGPU_CHECK_VALUE(l.kind, "Model: ", l.name, " is not a known layer; use one of ",
+                     known_layer_kinds());
     for (const auto& [key, value] : s.options)
-      MGPU_CHECK_VALUE(kind->second.options.count(key), l.name, ": unknown option '", key, "'");
+      MGPU_CHECK_VALUE(std::count(l.kind->options.begin(), l.kind->options.end(), key), l.name,
+                       ": unknown option '", key, "'");
     l.out = static_cast<int>(i) + 1;
     if (s.inputs.empty()) l.in.push_back(static_cast<int>(i));
     for (int64_t slot : s.inputs) {
@@ -131,37 +44,14 @@ Model::Model(const std::vector<LayerSpec>& spec, const std::vector<Shape>& param
                        " (the previous layer's output)");
       l.in.push_back(static_cast<int>(slot));
     }
-    MGPU_CHECK_VALUE(static_cast<int>(l.in.size()) == kind->second.inputs, l.name, " takes ",
-                     kind->second.inputs, " input slot(s), got ", l.in.size());
-    const auto& o = s.options;
-    l.bias = flag(o, l.kind == LayerKind::BatchNorm ? "affine" : "bias", true);
-    l.transpose = flag(o, "transpose", false);
-    l.sync = flag(o, "sync", false);
-    l.precision = flag(o, "bf16", false) ? ops::Precision::BF16 : ops::Precision::F32;
-    if (l.kind == LayerKind::Conv2d || l.kind == LayerKind::Conv2dReluPool) l.conv_algo = conv_algo;
-    has_sync_ = has_sync_ || l.sync;
-    l.stride = positive_int(l, o, "stride", 1, 1);
-    l.padding = positive_int(l, o, "padding", 0, 0);
-    if (l.kind == LayerKind::AvgPool2d || l.kind == LayerKind::MaxPool2d) {
-      MGPU_CHECK_VALUE(o.count("kernel"), l.name, ": give the pooling window as option 'kernel'");
-      l.kh = l.kw = positive_int(l, o, "kernel", 2, 1);
-      l.sh = l.sw = positive_int(l, o, "stride", l.kh, 1);
-    }
-    if (l.kind == LayerKind::Conv2dReluPool) {
-      l.kh = l.kw = l.sh = l.sw = positive_int(l, o, "pool", 2, 1);
-      l.fused_kernel = on_cpu && l.precision == ops::Precision::F32;  // its kernel's domain
-    }
+    MGPU_CHECK_VALUE(static_cast<int>(l.in.size()) == l.kind->inputs, l.name, " takes ",
+                     l.kind->inputs, " input slot(s), got ", l.in.size());
     l.index = static_cast<uint32_t>(i);
-    if (o.count("p")) l.p = o.at("p");
-    MGPU_CHECK_VALUE(l.p >= 0 && l.p <= 1, l.name, ": p must be a probability in [0, 1], got ",
-                     l.p);
-    has_dropout_ = has_dropout_ || l.kind == LayerKind::Dropout;
-    if (o.count("eps")) l.eps = o.at("eps");
-    if (o.count("momentum")) l.momentum = o.at("momentum");
-    MGPU_CHECK_VALUE(l.eps > 0 && l.momentum >= 0 && l.momentum <= 1, l.name, ": eps must be > 0 "
-                     "and momentum in [0, 1], got eps ", l.eps, ", momentum ", l.momentum);
+    if (l.kind->configure) l.kind->configure(l, s.options, ctx);
+    has_sync_ = has_sync_ || l.sync;
+    has_dropout_ = has_dropout_ || l.kind == &dropout_layer;
 
-    auto [np, nb] = counts(l);
+    auto [np, nb] = l.kind->owns ? l.kind->owns(l) : std::pair<int, int>{0, 0};
     auto take = [&](const std::vector<int64_t>& given, int n, size_t* next, std::vector<int>* owner,
                     const char* what, std::vector<int>* out) {
       MGPU_CHECK_VALUE(given.empty() || static_cast<int>(given.size()) == n, l.name, " takes ", n,
@@ -180,7 +70,7 @@ Model::Model(const std::vector<LayerSpec>& spec, const std::vector<Shape>& param
     };
     take(s.params, np, &next_param, &param_owner, "parameters", &l.params);
     take(s.buffers, nb, &next_buffer, &buffer_owner, "buffers", &l.buffers);
-    check_shapes(l, param_shapes, buffer_shapes);
+    if (l.kind->check_shapes) l.kind->check_shapes(l, param_shapes, buffer_shapes);
     layers_.push_back(std::move(l));
   }
   for (size_t j = 0; j < param_owner.size(); ++j)
@@ -195,34 +85,28 @@ Model::Model(const std::vector<LayerSpec>& spec, const std::vector<Shape>& param
   if (on_cpu && (!fuse || std::strcmp(fuse, "0") != 0)) fuse_layers();
 
   const Layer& last = layers_.back();
-  if (last.kind == LayerKind::Linear)
+  if (last.kind == &linear_layer)
     classes_ = param_shapes[static_cast<size_t>(last.params[0])][last.transpose ? 0 : 1];
 
   // Which slots need a gradient, and which forward must keep for backward.
   grad_needed_.assign(static_cast<size_t>(num_slots()), false);
   saved_.assign(static_cast<size_t>(num_slots()), false);
   for (const Layer& l : layers_) {
-    if (l.kind == LayerKind::Absorbed) continue;
+    if (l.kind == &absorbed_layer) continue;
     bool g = !l.params.empty();
     for (int s : l.in) g = g || grad_needed_[static_cast<size_t>(s)];
     grad_needed_[static_cast<size_t>(l.out)] = g;
-    // Relu's backward reads its output (x > 0 exactly where relu(x) > 0), which the next layer
-    // usually keeps anyway, so the batch norm or add output before it is freed in forward; add
-    // reads nothing, dropout nothing (it recomputes its mask from the step's seed and rows), max
-    // pooling only the indices its forward keeps; every other backward re-reads its input
-    // (flatten and average pooling for its shape).
-    if (!g || l.kind == LayerKind::Add || l.kind == LayerKind::MaxPool2d ||
-        l.kind == LayerKind::Dropout)
-      continue;
-    // The fused layers re-read x (their batch norm's input) and their output y (the mask), not
-    // the shortcut.
-    if (l.kind == LayerKind::Relu) {
-      saved_[static_cast<size_t>(l.out)] = true;
-    } else if (l.kind == LayerKind::BatchNormRelu || l.kind == LayerKind::BatchNormAddRelu) {
-      saved_[static_cast<size_t>(l.in[0])] = true;
-      saved_[static_cast<size_t>(l.out)] = true;
-    } else {
-      for (int s : l.in) saved_[static_cast<size_t>(s)] = true;
+    if (!g) continue;  // no backward
+    switch (l.kind->keeps) {
+      case Keeps::Inputs:
+        for (int s : l.in) saved_[static_cast<size_t>(s)] = true;
+        break;
+      case Keeps::Output: saved_[static_cast<size_t>(l.out)] = true; break;
+      case Keeps::FirstAndOutput:
+        saved_[static_cast<size_t>(l.in[0])] = true;
+        saved_[static_cast<size_t>(l.out)] = true;
+        break;
+      case Keeps::Nothing: break;
     }
   }
 
@@ -248,6 +132,12 @@ Model::Model(const std::vector<LayerSpec>& spec, const std::vector<Shape>& param
 }
 
 void Model::fuse_layers() {
+  // A layer whose work a fused layer after it took over: it reads, owns and exchanges nothing.
+  auto absorb = [](Layer* l) {
+    l->kind = &absorbed_layer;
+    l->in.clear(), l->params.clear(), l->buffers.clear();
+    l->sync = false;
+  };
   // readers[s]: how many inputs, over all layers, name slot s (an add of a slot to itself: 2).
   std::vector<int> readers(static_cast<size_t>(num_slots()), 0);
   for (const Layer& l : layers_)
@@ -256,34 +146,32 @@ void Model::fuse_layers() {
   auto lone_bn = [&](int s) -> Layer* {
     if (s < 1 || readers[static_cast<size_t>(s)] != 1) return nullptr;
     Layer& p = layers_[static_cast<size_t>(s - 1)];
-    return p.kind == LayerKind::BatchNorm ? &p : nullptr;
+    return p.kind == &batch_norm_layer ? &p : nullptr;
   };
   for (Layer& r : layers_) {
-    if (r.kind != LayerKind::Relu) continue;
+    if (r.kind != &relu_layer) continue;
     const int s = r.in[0];
     if (Layer* bn = lone_bn(s)) {
       Layer f = *bn;
-      f.kind = LayerKind::BatchNormRelu;
+      f.kind = &batch_norm_relu_layer;
       f.out = r.out;
-      bn->kind = LayerKind::Absorbed;
-      bn->in.clear(), bn->params.clear(), bn->buffers.clear();
+      absorb(bn);
       r = std::move(f);
       continue;
     }
     if (s < 1 || readers[static_cast<size_t>(s)] != 1) continue;
     Layer& add = layers_[static_cast<size_t>(s - 1)];
-    if (add.kind != LayerKind::Add) continue;
+    if (add.kind != &add_layer) continue;
     for (int k = 0; k < 2; ++k) {
       Layer* bn = lone_bn(add.in[static_cast<size_t>(k)]);
       if (!bn) continue;
       Layer f = *bn;
-      f.kind = LayerKind::BatchNormAddRelu;
+      f.kind = &batch_norm_add_relu_layer;
       f.add_name = add.name;
       f.in = {bn->in[0], add.in[static_cast<size_t>(1 - k)]};
       f.out = r.out;
-      bn->kind = add.kind = LayerKind::Absorbed;
-      bn->in.clear(), bn->params.clear(), bn->buffers.clear();
-      add.in.clear();
+      absorb(bn);
+      absorb(&add);
       r = std::move(f);
       break;
     }
@@ -293,22 +181,25 @@ void Model::fuse_layers() {
 std::pair<int, int> Model::fused_counts() const {
   std::pair<int, int> n{0, 0};
   for (const Layer& l : layers_) {
-    n.first += l.kind == LayerKind::BatchNormRelu;
-    n.second += l.kind == LayerKind::BatchNormAddRelu;
+    n.first += l.kind == &batch_norm_relu_layer;
+    n.second += l.kind == &batch_norm_add_relu_layer;
   }
   return n;
 }
 
 std::vector<std::pair<std::string, std::string>> Model::fusions() const {
   std::vector<std::pair<std::string, std::string>> out;
-  for (const Layer& l : layers_) {
-    if (l.kind == LayerKind::Conv2dReluPool)
-      out.emplace_back(l.name, l.fused_kernel ? "conv2d_relu_pool" : "conv2d, relu, avg_pool2d");
-    else if (l.kind == LayerKind::BatchNormRelu)
-      out.emplace_back(l.name, "batch_norm_relu");
-    else if (l.kind == LayerKind::BatchNormAddRelu)
-      out.emplace_back(l.name, "batch_norm_add_relu");
-  }
+  for (const Layer& l : layers_)
+    if (l.kind->kernels) out.emplace_back(l.name, l.kind->kernels(l));
+  return out;
+}
+
+std::vector<std::pair<std::string, std::string>> Model::conv_algorithms() const {
+  std::vector<std::pair<std::string, std::string>> out;
+  for (const Layer& l : layers_)
+    if (l.kind->conv)
+      out.emplace_back(l.name, (l.precision == ops::Precision::BF16 ? "bf16 " : "") +
+                                   std::string(ops::conv_algo_name(l.conv_algo)));
   return out;
 }
 

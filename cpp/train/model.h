@@ -1,68 +1,25 @@
 // cpp/train/model.h -- a network as a program of layers over value slots, built from a spec.
 // Slot 0 is the input X; layer i reads its input slots and writes slot i + 1; the last slot is the
 // logits. A slot read by several layers (a residual shortcut) gets the sum of their gradients.
+// What each kind of layer is and does: its record (train/layer_kind.h).
+//
+// On CPU replicas the Model's fusion merges batch_norm -> relu into batch_norm_relu and
+// batch_norm -> add -> relu into batch_norm_add_relu where the intermediate slots have no other
+// reader; the fused layer takes the relu's place and output slot, the batch norm and add it
+// replaced become absorbed (they run nothing, their slots stay empty). MGPU_FUSE_LAYERS=0 (read
+// when a Model is built) keeps the layers as given. The fused layers' kernels are CPU kernels: a
+// Model built for GPUs keeps the layers as given too.
 #pragma once
 
-#include <map>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/tensor.h"
 #include "ops/conv2d.h"
-#include "ops/precision.h"
+#include "train/layer_kind.h"
 
 namespace mgpu::train {
-
-// BatchNormRelu (y = relu(bn(x))) and BatchNormAddRelu (y = relu(bn(x) + shortcut), inputs x and
-// the shortcut) are made by Model's constructor from batch_norm -> relu and batch_norm -> add ->
-// relu whose intermediate slots have no other reader; the fused layer takes the relu's place and
-// output slot, the batch norm and add it replaced become Absorbed (they run nothing, their slots
-// stay empty). MGPU_FUSE_LAYERS=0 (read when a Model is built) keeps the layers as given. Their
-// kernels are CPU kernels: a Model built for GPUs keeps the layers as given too.
-enum class LayerKind {
-  Conv2d, Conv2dReluPool, BatchNorm, Relu, AvgPool2d, MaxPool2d, GlobalAvgPool, Flatten, Linear,
-  Add, Dropout, BatchNormRelu, BatchNormAddRelu, Absorbed
-};
-
-// A batch norm, alone or fused with what follows it (owns gamma, beta and the running buffers).
-inline bool is_batch_norm(LayerKind k) {
-  return k == LayerKind::BatchNorm || k == LayerKind::BatchNormRelu ||
-         k == LayerKind::BatchNormAddRelu;
-}
-
-// One layer as Python describes it (see Model in python/mgpu/_core.pyi for the format).
-struct LayerSpec {
-  std::string kind;                        // "conv2d", "batch_norm", "relu", "add", ...
-  std::vector<int64_t> inputs;             // input slots; empty: the previous layer's output
-  std::map<std::string, double> options;   // stride, padding, bias, kernel, transpose, eps, ...
-  std::vector<int64_t> params, buffers;    // indices into the replica's lists; empty: the next ones
-};
-
-struct Layer {
-  LayerKind kind;
-  std::string name;                        // "layer 3 (conv2d)", for messages (a fused layer:
-                                           // its batch norm's)
-  std::string add_name;                    // BatchNormAddRelu: the add's name, for its messages
-  std::vector<int> in;                     // input slots
-  int out = 0;                             // output slot
-  int64_t stride = 1, padding = 0;         // conv2d (and max_pool2d's padding)
-  int64_t kh = 2, kw = 2, sh = 2, sw = 2;  // avg_pool2d, max_pool2d (the fused layer's pool: kh)
-  bool bias = true, transpose = false;     // conv2d / linear: has a bias; linear: W is (out, in)
-  double eps = 1e-5, momentum = 0.1;       // batch_norm
-  bool sync = false;                       // batch_norm: statistics over every replica of a step
-  double p = 0.5;                          // dropout: the probability of zeroing an element
-  uint32_t index = 0;                      // the layer's index in the spec (dropout's mask stream)
-  ops::ConvAlgo conv_algo = ops::ConvAlgo::Auto;  // conv2d (and conv2d_relu_pool's unfused
-                                           // path): the CPU conv's algorithm, fixed as the Model
-                                           // is built
-  ops::Precision precision = ops::Precision::F32;  // conv2d, conv2d_relu_pool, linear: option
-                                                   // bf16 = 1 runs their products in bfloat16
-  bool fused_kernel = false;               // conv2d_relu_pool: its one CPU kernel runs (CPU
-                                           // replicas, float32), else conv2d, relu, avg_pool2d;
-                                           // fixed as the Model is built
-  std::vector<int> params, buffers;        // weight first, then bias (batch_norm: gamma, beta;
-                                           // buffers running_mean, running_var)
-};
 
 // A contiguous range of the flat gradient buffer, reduced as one piece as soon as the backward of
 // `last_layer` (the earliest layer, in forward order, owning a parameter in it) has run.
@@ -100,6 +57,9 @@ class Model {
   // layers ("conv2d_relu_pool" fused, or "conv2d, relu, avg_pool2d") and the merged batch norm
   // layers ("batch_norm_relu", "batch_norm_add_relu").
   std::vector<std::pair<std::string, std::string>> fusions() const;
+  // (layer name, algorithm) for each conv layer: the CPU conv algorithm fixed at build, prefixed
+  // "bf16 " for a layer built with precision bf16.
+  std::vector<std::pair<std::string, std::string>> conv_algorithms() const;
   // Some batch norm layer synchronises its statistics across replicas.
   bool has_sync() const { return has_sync_; }
   // Some layer is a dropout one (its masks need the step's seed and each replica's rows).
@@ -127,7 +87,7 @@ class Model {
   std::vector<bool> grad_needed_, saved_;
   bool has_sync_ = false, has_dropout_ = false;
 
-  // Merges batch_norm -> relu and batch_norm -> add -> relu (see LayerKind).
+  // Merges batch_norm -> relu and batch_norm -> add -> relu (see the file's comment).
   void fuse_layers();
 };
 

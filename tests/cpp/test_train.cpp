@@ -75,6 +75,55 @@ TEST(Model, SlotsFanOutAndOnlyWhatBackwardReadsIsSaved) {
   EXPECT_EQ(m.offset(5), 0);
 }
 
+// Every kind's record is whole: a name, a forward and a backward; a kind owning parameters says
+// how many and checks their shapes. The spec's kinds are those of MGPU_LAYER_KINDS a spec may
+// name, found by their names.
+TEST(LayerKinds, EveryRecordIsWholeAndTheSpecFindsItByName) {
+  std::vector<const train::LayerDef*> all;
+#define MGPU_TEST_ADD_KIND(name) all.push_back(&train::name##_layer);
+  MGPU_LAYER_KINDS(MGPU_TEST_ADD_KIND)
+#undef MGPU_TEST_ADD_KIND
+  ASSERT_EQ(all.size(), 13u);
+  int in_spec = 0;
+  for (const train::LayerDef* d : all) {
+    SCOPED_TRACE(d->name);
+    EXPECT_FALSE(d->name.empty());
+    EXPECT_NE(d->forward, nullptr);
+    EXPECT_NE(d->backward, nullptr);
+    EXPECT_EQ(d->owns == nullptr, d->check_shapes == nullptr);
+    EXPECT_GE(d->inputs, 1);
+    EXPECT_EQ(train::find_layer_kind(d->name), d->in_spec ? d : nullptr);
+    in_spec += d->in_spec;
+  }
+  EXPECT_EQ(in_spec, 11);
+  EXPECT_EQ(train::known_layer_kinds(),
+            "add, avg_pool2d, batch_norm, conv2d, conv2d_relu_pool, dropout, flatten, "
+            "global_avg_pool, linear, max_pool2d, relu");
+  EXPECT_EQ(train::find_layer_kind("batch_norm_relu"), nullptr);  // made by the fusion only
+  EXPECT_EQ(train::find_layer_kind("absorbed"), nullptr);
+}
+
+// Each layer of a built Model points at its kind's record; the fusion swaps batch_norm -> relu
+// for batch_norm_relu and absorbs the batch norm.
+TEST(LayerKinds, TheModelsLayersPointAtTheirRecords) {
+  std::vector<train::LayerSpec> spec = {layer("conv2d"), layer("batch_norm"), layer("relu"),
+                                        layer("flatten"), layer("linear")};
+  const std::vector<Shape> ps = {{2, 1, 3, 3}, {2}, {2}, {2}, {8, 3}, {3}};
+  const std::vector<Shape> bs = {{2}, {2}};
+  train::Model fused(spec, ps, bs, ops::ConvAlgo::Auto, true);
+  ASSERT_EQ(fused.layers().size(), 5u);
+  EXPECT_EQ(fused.layers()[0].kind, &train::conv2d_layer);
+  EXPECT_EQ(fused.layers()[1].kind, &train::absorbed_layer);
+  EXPECT_EQ(fused.layers()[2].kind, &train::batch_norm_relu_layer);
+  EXPECT_EQ(fused.layers()[3].kind, &train::flatten_layer);
+  EXPECT_EQ(fused.layers()[4].kind, &train::linear_layer);
+  train::Model plain(spec, ps, bs, ops::ConvAlgo::Auto, false);  // GPU replicas: no fusion
+  EXPECT_EQ(plain.layers()[1].kind, &train::batch_norm_layer);
+  EXPECT_EQ(plain.layers()[2].kind, &train::relu_layer);
+  EXPECT_EQ(plain.conv_algorithms(),
+            (std::vector<std::pair<std::string, std::string>>{{"layer 0 (conv2d)", "auto"}}));
+}
+
 TEST(Model, BadSpecsNameTheLayer) {
   auto build = [](std::vector<train::LayerSpec> spec, std::vector<Shape> shapes) {
     train::Model m(spec, shapes, {});
