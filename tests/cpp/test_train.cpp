@@ -120,6 +120,14 @@ TEST(LayerKinds, TheModelsLayersPointAtTheirRecords) {
   train::Model plain(spec, ps, bs, ops::ConvAlgo::Auto, false);  // GPU replicas: no fusion
   EXPECT_EQ(plain.layers()[1].kind, &train::batch_norm_layer);
   EXPECT_EQ(plain.layers()[2].kind, &train::relu_layer);
+  // Max pooling keeps nothing but its indices, so the relu before it keeps its own output (its
+  // backward's mask), and the conv output before the relu is not kept.
+  train::Model pooled({layer("conv2d"), layer("relu"), layer("max_pool2d", {}, {{"kernel", 2}}),
+                       layer("flatten"), layer("linear")},
+                      {{2, 1, 3, 3}, {2}, {8, 3}, {3}}, {});
+  EXPECT_FALSE(pooled.saved(1));
+  EXPECT_TRUE(pooled.saved(2));
+  EXPECT_TRUE(pooled.saved(3));  // flatten re-reads its input for the shape
   EXPECT_EQ(plain.conv_algorithms(),
             (std::vector<std::pair<std::string, std::string>>{{"layer 0 (conv2d)", "auto"}}));
 }
