@@ -141,3 +141,16 @@ def test_committed_notebook_has_no_cut_run_passed_off_as_the_recipe():
     if setup.startswith("the book's recipe"):
         found = _results(_stdout(_cell(nb, "results")))
         assert found[1][0] == found[2][0] == 10, found
+
+
+def test_recomputed_statistics_evaluate_the_runs_trained_weights(executed):
+    """The last section re-evaluates each run: its last and best epochs are the results' own,
+    and its accuracy with batch norm's statistics recomputed is a fraction of the test set."""
+    found = _results(_stdout(_cell(executed, "results")))
+    out = _stdout(_cell(executed, "stats"))
+    rows = re.findall(r"^(\d) device\(s\): last epoch ([\d.]+), best epoch ([\d.]+), "
+                      r"statistics recomputed ([\d.]+)$", out, re.M)
+    assert [int(k) for k, *_ in rows] == [1, 2], out
+    for k, last, best, acc in rows:
+        assert float(last) == float(best) == round(found[int(k)][1], 3), (out, found)
+        assert 0.0 <= float(acc) <= 1.0, out
