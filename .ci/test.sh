@@ -109,7 +109,7 @@ stage "Python GPU tests on the strict emulator (MGPU_EMU_STRICT=1)"
 # (test_gpu_stress.py runs in the stage above, on the lenient emulator: see its docstring).
 # Seeds 2 and 4, not 1: a planted missing wait for a staging buffer's copy showed under seeds 2,
 # 3, 4 and not under 1 or 5 (test_host_to_device_copies_reuse_staging_buffers_only_after_their_copies).
-# The three plants of issue 21's "Done when", re-run on this stage on 2026-11-27 (allreduce_gpu.cpp;
+# The three stream-ordering plants, re-run on this stage on 2026-11-27 (allreduce_gpu.cpp;
 # each undone after):
 # - a missing stream wait (run_nccl: the communication stream no longer waits for the packing):
 #   seed 2 fails test_gpu.py's allreduce_on_gpus_matches_the_cpu_devices[shapes1, shapes2], the

@@ -444,7 +444,7 @@ void bind_core(py::module_& m) {
 #endif
   }, "The stream a DLPack producer on gpu(i) orders its pending work before (__dlpack__'s stream).");
 #if MGPU_BUILT_CUDNN && !MGPU_CUDA_EMULATION_BUILD
-  // Issue 21, finding 9: cuDNN refuses a tensor descriptor with a zero dimension, so the conv's
+  // cuDNN refuses a tensor descriptor with a zero dimension, so the conv's
   // cuDNN path must return for an empty batch (or filter bank) before it builds any. Descriptors
   // are host-only cuDNN calls, so this runs on a machine without a GPU: with no handle (nullptr),
   // an empty shape returns at the guard (0 bytes); a non-empty one builds its descriptors and
@@ -555,7 +555,7 @@ void bind_core(py::module_& m) {
     py::gil_scoped_release nogil;
     waitall();
   }, "Waits for every device's queued work and raises the first error.");
-  // The timeline (issue 14; python/mgpu/trace.py drives it).
+  // The timeline (python/mgpu/trace.py drives it).
   m.def("trace_start", &trace::start, "Starts recording the timeline (ValueError if it is on).");
   m.def("trace_stop", [](int pid, const std::string& process_name) {
     py::gil_scoped_release nogil;

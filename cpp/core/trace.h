@@ -1,4 +1,4 @@
-// cpp/core/trace.h -- the timeline (issue 14): spans of every device queue's tasks, each layer's
+// cpp/core/trace.h -- the timeline: spans of every device queue's tasks, each layer's
 // forward and backward, all-reduce buckets, copies and waits, written as a Chrome/Perfetto trace.
 // Off (the default), a span site costs one relaxed atomic load: no clock read, no allocation. On,
 // each thread appends to its own buffer (no lock per event); stop() gathers them once.

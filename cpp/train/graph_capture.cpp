@@ -51,7 +51,7 @@ std::shared_ptr<CapturedStep> capture(const Model& m, const Tensor& xs, const Te
   g->graphs.resize(n);
   Queue& q = queue_of(dev);
   // From the capture's first task to its last, only this thread enqueues on the device: another
-  // host thread's op would run on the worker inside the capture (finding 8 of issue 21).
+  // host thread's op would run on the worker inside the capture.
   Queue::Exclusive only_this_thread(q);
   const bool cublas = ops::gemm_path() == ops::GemmPath::Cublas;
   q.enqueue("train step (capturing a CUDA graph)", [g, dev, &q, cublas] {

@@ -1,4 +1,4 @@
-"""The timeline (issue 14): ``with mgpu.profile("trace.json"):`` (or ``MGPU_TRACE=trace.json``, or
+"""The timeline: ``with mgpu.profile("trace.json"):`` (or ``MGPU_TRACE=trace.json``, or
 ``python -m mgpu train --trace trace.json``) records what every device, communication track, the
 data loader and the host did, and writes a Chrome / Perfetto trace (open it in ui.perfetto.dev or
 chrome://tracing, or draw it with ``mgpu.plot.timeline``). Under mpirun each rank writes its own

@@ -1,4 +1,4 @@
-"""``python -m mgpu advise``: why two devices are not twice as fast (issue 14). Measures, on this
+"""``python -m mgpu advise``: why two devices are not twice as fast. Measures, on this
 machine, each layer's forward and backward time against the per-device batch (from the timeline of
 a one-device step), the all-reduce time against size (latency + bytes / bandwidth), the host's
 per-step overhead and the input pipeline; then predicts step time, epoch time and speed-up for 1..N

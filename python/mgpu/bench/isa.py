@@ -220,7 +220,7 @@ def bench_isa(rounds: int = 3, ops_batch: int = 128, batch_size: int = 256,
 
 
 def torch_target(ratio: float) -> Dict:
-    """Issue 18's target against PyTorch: mgpu's avx2 step ahead of the chapter's PyTorch step
+    """The target against PyTorch: mgpu's avx2 step ahead of the chapter's PyTorch step
     with PyTorch's AVX2 kernels (``ratio`` = PyTorch ms / mgpu ms, so above 1)."""
     return {"what": "torch avx2 / mgpu avx2", "ratio": float(ratio), "ahead": ratio > 1.0}
 

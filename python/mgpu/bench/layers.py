@@ -1,7 +1,7 @@
 """``bench train --parts layers``: each layer's forward and backward time in the fused step on one
 CPU device (from the step's timeline, mgpu.profile), its FLOPs, GFLOP/s and the percentage of this
-CPU's FMA peak, measured here by ``mgpu._core.fma_peak`` (issue 17: how close each layer comes to
-the arithmetic limit)."""
+CPU's FMA peak, measured here by ``mgpu._core.fma_peak`` (how close each layer comes to the
+arithmetic limit)."""
 from __future__ import annotations
 
 import re

@@ -1,4 +1,4 @@
-"""What the timeline costs (issue 14): process CPU time per fused LeNet step on 2 CPU devices with
+"""What the timeline costs: process CPU time per fused LeNet step on 2 CPU devices with
 tracing off and on, interleaved rounds, medians. Run with MGPU_NUM_THREADS=1 so CPU time is not
 inflated by spinning helpers; for the cost of the span sites while off, run the "off" figure of this
 build against a build without them (same command, other PYTHONPATH).

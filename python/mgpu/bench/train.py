@@ -865,7 +865,7 @@ def format_train_resnet18(r: Dict) -> str:
     if r.get("weak_scaling"):
         lines.append("")
         lines.append("weak scaling: ms per image on k devices at batch k x b against 1 device at "
-                     "b (issue 17's target: within 10 %, ratio <= 1.10)")
+                     "b (the target: within 10 %, ratio <= 1.10)")
         for w in r["weak_scaling"]:
             lines.append(f"  {w['impl']}, {plural(w['num_devices'], 'device')} at batch "
                          f"{w['batch']}: "
