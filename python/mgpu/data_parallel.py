@@ -17,23 +17,8 @@ from . import random as _random
 from . import trace as _trace
 from .amp import check_comm_dtype, check_precision
 from .device import Device, as_device, try_all_gpus, try_gpu
-from .models import Residual
-from .nn import (
-    AdaptiveAvgPool2d,
-    AvgPool2d,
-    BatchNorm2d,
-    BatchNormBase,
-    Conv2d,
-    Dropout,
-    Flatten,
-    Linear,
-    MaxPool2d,
-    Module,
-    ReLU,
-    Sequential,
-    check_input,
-    module_calls,
-)
+from .fused_spec import BATCH_NORM_CONDITION, SpecBuilder, batch_norm, emits
+from .nn import BatchNormBase, Module, check_input, module_calls
 from .nn import CrossEntropyLoss as nn_CrossEntropyLoss
 from .nn_utils import check_max_norm
 from .optim import SGD as optim_SGD
@@ -198,9 +183,8 @@ class DataParallel(Module):
     (see its docstring). The book's ``train(net, num_gpus, batch_size, lr)`` is
     ``mgpu.chapter.train_concise`` (``fused=True`` takes this step, ``checkpoint=DIR,
     resume=True`` survives a kill); from a shell, ``mgpu train --model resnet18 [--fused]
-    [--sync-bn]``. The fused step takes the modules ``mgpu.models.resnet18`` is made of
-    (``mgpu.nn``'s Sequential, Conv2d, BatchNorm2d, SyncBatchNorm, ReLU, AvgPool2d,
-    AdaptiveAvgPool2d((1, 1)), Flatten, Linear and ``mgpu.models.Residual``).
+    [--sync-bn]``. The fused step takes the modules ``mgpu.models.resnet18`` is made of and
+    a few more (``mgpu.fused_spec.supported_modules()`` lists them).
 
     Gradient accumulation: backward passes under ``with net.no_sync():`` keep each replica's
     gradients on its device until the first backward outside it (see ``no_sync``);
@@ -524,14 +508,11 @@ class _Fused:
 
     def __init__(self, module: Module, devices: List[Device], key, precision: str = "float32"):
         self.key = key
-        self._bf16 = precision == "bf16"
         params = list(module.parameters())
-        self._pindex = {id(p): i for i, p in enumerate(params)}
-        bufs: List[Tensor] = []
-        self._bufs = bufs
-        self.spec: List[tuple] = []
-        self.dropout = False  # some layer is a dropout one: each step draws a seed for its masks
-        self._emit(module, 0)
+        built = SpecBuilder(params, bf16=precision == "bf16")
+        built.emit(module, 0)
+        self.spec, bufs = built.spec, built.buffers
+        self.dropout = built.dropout  # each step draws a seed for the dropout layers' masks
         self.replica_params = [params] + [[p.copyto(d) for p in params] for d in devices[1:]]
         self.replica_buffers = [bufs] + [[b.copyto(d) for b in bufs] for d in devices[1:]]
         self.model = FusedModel(self.spec, self.replica_params, self.replica_buffers, devices)
@@ -615,67 +596,6 @@ class _Fused:
             trainer._set_moments(*lists[:2], step, lists[2] if kinds == 3 else None)
         views = [b for which in lists for b in which]
         self._handed = (trainer, views, [b._t.version for b in views])
-
-    def _layer(self, kind: str, src: int, params=(), buffers=(), **opts) -> int:
-        opts["in"] = src
-        opts["params"] = [self._pindex[id(p)] for p in params]
-        if self._bf16 and kind in ("conv2d", "conv2d_relu_pool", "linear"):
-            opts["bf16"] = True
-        if buffers:
-            opts["buffers"] = []
-            for b in buffers:
-                opts["buffers"].append(len(self._bufs))
-                self._bufs.append(b)
-        self.spec.append((kind, opts))
-        return len(self.spec)  # the slot this layer writes
-
-    def _emit(self, m: Module, src: int) -> int:
-        if isinstance(m, Sequential):
-            for child in m:
-                src = self._emit(child, src)
-            return src
-        if isinstance(m, Conv2d):
-            ps = [m.weight] + ([m.bias] if m.bias is not None else [])
-            return self._layer("conv2d", src, ps, stride=m.stride, padding=m.padding,
-                               bias=m.bias is not None)
-        if type(m) in (BatchNorm2d, SyncBatchNorm) and m.track_running_stats \
-                and m.momentum is not None:
-            ps = [m.weight, m.bias] if m.affine else []
-            return self._layer("batch_norm", src, ps, [m.running_mean, m.running_var],
-                               eps=m.eps, momentum=float(m.momentum), affine=m.affine,
-                               sync=type(m) is SyncBatchNorm)
-        if isinstance(m, ReLU):
-            return self._layer("relu", src)
-        if isinstance(m, Flatten):
-            return self._layer("flatten", src)
-        if isinstance(m, AdaptiveAvgPool2d):
-            return self._layer("global_avg_pool", src)
-        if isinstance(m, AvgPool2d) and m.kernel_size[0] == m.kernel_size[1] \
-                and m.stride[0] == m.stride[1]:
-            return self._layer("avg_pool2d", src, kernel=m.kernel_size[0], stride=m.stride[0])
-        if isinstance(m, MaxPool2d) and m.kernel_size[0] == m.kernel_size[1] \
-                and m.stride[0] == m.stride[1] and m.padding[0] == m.padding[1]:
-            return self._layer("max_pool2d", src, kernel=m.kernel_size[0], stride=m.stride[0],
-                               padding=m.padding[0])
-        if isinstance(m, Dropout):
-            if m.p == 0.0:
-                return src  # the identity
-            self.dropout = True
-            return self._layer("dropout", src, p=m.p)
-        if isinstance(m, Linear):
-            ps = [m.weight] + ([m.bias] if m.bias is not None else [])
-            return self._layer("linear", src, ps, bias=m.bias is not None, transpose=True)
-        if type(m) is Residual:
-            y = self._emit(m.bn1, self._emit(m.conv1, src))
-            y = self._emit(m.bn2, self._emit(m.conv2, self._layer("relu", y)))
-            short = self._emit(m.conv3, src) if m.conv3 is not None else src
-            self.spec.append(("add", {"in": [y, short]}))
-            return self._layer("relu", len(self.spec))
-        raise NotImplementedError(
-            f"train_step: the fused step has no layer for {type(m).__name__}; supported are "
-            "Sequential, Conv2d, BatchNorm2d and SyncBatchNorm (with running statistics and a "
-            "momentum), ReLU, Flatten, AvgPool2d, MaxPool2d (square), AdaptiveAvgPool2d((1, 1)), "
-            "Dropout, Linear and models.Residual (use the book's loop for other modules)")
 
 
 # --- synchronised batch norm ---------------------------------------------------------------
@@ -889,6 +809,11 @@ class SyncBatchNorm(BatchNormBase):
             if child is not None:
                 out._modules[name] = cls.convert_sync_batchnorm(child)
         return out
+
+
+@emits(SyncBatchNorm, exact=True, condition=BATCH_NORM_CONDITION)
+def _sync_batch_norm_layer(b: SpecBuilder, m: SyncBatchNorm, src: int) -> Optional[int]:
+    return batch_norm(b, m, src, sync=True)
 
 
 # PyTorch's spelling, nn.DataParallel and nn.SyncBatchNorm: this module, a floor above mgpu.nn,

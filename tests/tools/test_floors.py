@@ -24,9 +24,10 @@ FLOORS = [
     ("tensor utilities", ["mgpu.weights", "mgpu.nn_utils"]),
     ("ops", ["mgpu.ops", "mgpu.distributed"]),
     ("modules", ["mgpu.nn", "mgpu.optim"]),
-    # What the loops build on: networks, the data-parallel wrappers, data and checkpoints.
-    ("parallel", ["mgpu.models", "mgpu.parallel", "mgpu.data_parallel", "mgpu.data",
-                  "mgpu.checkpoint"]),
+    # What the loops build on: networks, the data-parallel wrappers and the fused step's layer
+    # list, data and checkpoints.
+    ("parallel", ["mgpu.models", "mgpu.parallel", "mgpu.fused_spec", "mgpu.data_parallel",
+                  "mgpu.data", "mgpu.checkpoint"]),
     # The loops and the scaffolding they share (epochs, checkpoints, metrics log, preemption).
     ("loops", ["mgpu.loop", "mgpu.train", "mgpu.chapter"]),
     ("tools", ["mgpu.cli", "mgpu.bench", "mgpu.advisor"]),
