@@ -30,7 +30,7 @@ from .device import Device, as_device
 from .nn_utils import check_max_norm
 from .optim.optimizers import check_betas
 from .random import check_seed
-from .tensor import Tensor, array, check_int, engine_handle
+from .tensor import Tensor, array, check_int, check_nonnegative, engine_handle
 
 
 def get_params(params: Sequence[Tensor], device: Device) -> List[Tensor]:
@@ -106,16 +106,6 @@ def check_lr(lr, op: str) -> float:
     if not (np.isfinite(lr) and lr > 0):
         raise ValueError(f"{op}: the learning rate must be a finite number > 0, got {lr}")
     return lr
-
-
-def _check_nonnegative(v, name: str, op: str) -> float:
-    """``v`` as a float; ValueError unless it is finite and >= 0 (PyTorch's SGD accepts lr 0)."""
-    if isinstance(v, bool) or not isinstance(v, (numbers.Real, np.number)):
-        raise TypeError(f"{op}: {name} must be a number, got {type(v).__name__}")
-    v = float(v)
-    if not (np.isfinite(v) and v >= 0):
-        raise ValueError(f"{op}: {name} must be a finite number >= 0, got {v}")
-    return v
 
 
 def check_batch_size(batch_size, op: str) -> int:
@@ -350,12 +340,12 @@ class FusedModel:
         if not isinstance(X, Tensor) or not isinstance(y, Tensor):
             raise TypeError(f"train_step: X and y must be mgpu tensors, got "
                             f"{type(X).__name__} and {type(y).__name__}")
-        lr, momentum, weight_decay = (_check_nonnegative(v, name, "train_step") for v, name in (
+        lr, momentum, weight_decay = (check_nonnegative(v, "train_step", name) for v, name in (
             (lr, "lr"), (momentum, "momentum"), (weight_decay, "weight_decay")))
         if isinstance(lrs, (str, bytes)) or not isinstance(lrs, (list, tuple, np.ndarray)):
             raise TypeError(f"train_step: lrs must be a list of numbers, got "
                             f"{type(lrs).__name__}")
-        lrs = [_check_nonnegative(v, f"lrs[{i}]", "train_step") for i, v in enumerate(lrs)]
+        lrs = [check_nonnegative(v, "train_step", f"lrs[{i}]") for i, v in enumerate(lrs)]
         shards = shard_count(deterministic, "train_step")
         accumulate = check_accumulate(accumulate, shards, "train_step")
         seed = check_seed(seed, "train_step")
@@ -364,7 +354,7 @@ class FusedModel:
             raise ValueError(f"train_step: optimizer must be 'sgd', 'adam' or 'adamw', got "
                              f"{optimizer!r}")
         betas = check_betas(betas, "train_step")
-        eps = _check_nonnegative(eps, "eps", "train_step")
+        eps = check_nonnegative(eps, "train_step", "eps")
         step = check_int(step, "train_step", "step (Adam's step count, from 1)")
         if step < 1:
             raise ValueError(f"train_step: Adam's step count starts at 1, got {step}")
@@ -377,7 +367,7 @@ class FusedModel:
                 weight_decays, (list, tuple, np.ndarray)):
             raise TypeError(f"train_step: weight_decays must be a list of numbers, got "
                             f"{type(weight_decays).__name__}")
-        weight_decays = [_check_nonnegative(v, f"weight_decays[{i}]", "train_step")
+        weight_decays = [check_nonnegative(v, "train_step", f"weight_decays[{i}]")
                          for i, v in enumerate(weight_decays)]
         for name, values in (("lrs", lrs), ("weight_decays", weight_decays)):
             if values and len(values) != self._num_params:

@@ -23,6 +23,7 @@ engine keeps raw bits, DLPack (PyTorch, JAX) and checkpoints carry them, and onl
 """
 from __future__ import annotations
 
+import math
 import numbers
 from typing import Optional, Tuple, Union
 
@@ -114,6 +115,21 @@ def check_int(v, op: str, what: str) -> int:
     if isinstance(v, bool) or not isinstance(v, (numbers.Integral, np.integer)):
         raise TypeError(f"{op}: {what} must be an integer, got {v!r} ({type(v).__name__})")
     return int(v)
+
+
+def check_nonnegative(v, op: str, what: str) -> float:
+    """``v`` as a float; a TypeError unless it is a real number (bools refused), a ValueError
+    unless it is finite and >= 0. The rule for hyperparameters such as the learning rate,
+    momentum and weight decay, wherever they enter (the optimizers' groups, the fused step)."""
+    if isinstance(v, bool) or not isinstance(v, numbers.Real):
+        raise TypeError(f"{op}: {what} must be a number, got {type(v).__name__}")
+    try:
+        x = float(v)
+    except OverflowError:  # an int beyond float's range
+        x = math.inf
+    if not (math.isfinite(x) and x >= 0.0):
+        raise ValueError(f"{op}: {what} must be a finite number >= 0.0, got {v}")
+    return x
 
 
 def _shape(shape, op: str = "shape") -> list:

@@ -2,7 +2,6 @@
 docstring, ``help(mgpu.optim)``)."""
 from __future__ import annotations
 
-import math
 import numbers
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
@@ -10,15 +9,7 @@ import numpy as np
 
 from .. import _core
 from ..autograd import no_grad, zero_grads
-from ..tensor import Tensor, array, zeros_like
-
-
-def _number(v, name: str, minimum: float = 0.0, where: str = "SGD") -> float:
-    if isinstance(v, bool) or not isinstance(v, numbers.Real):
-        raise TypeError(f"{where}: {name} must be a number, got {type(v).__name__}")
-    if not v >= minimum or not math.isfinite(v):
-        raise ValueError(f"{where}: {name} must be a finite number >= {minimum}, got {v}")
-    return float(v)
+from ..tensor import Tensor, array, check_nonnegative, zeros_like
 
 
 def check_betas(v, where: str) -> Tuple[float, float]:
@@ -27,7 +18,7 @@ def check_betas(v, where: str) -> Tuple[float, float]:
     groups, ``FusedModel.train_step``)."""
     if not isinstance(v, (tuple, list)) or len(v) != 2:
         raise TypeError(f"{where}: betas must be a pair (beta1, beta2), got {v!r}")
-    b = tuple(_number(x, f"betas[{i}]", 0.0, where) for i, x in enumerate(v))
+    b = tuple(check_nonnegative(x, where, f"betas[{i}]") for i, x in enumerate(v))
     for i, x in enumerate(b):
         if not x < 1.0:
             raise ValueError(f"{where}: betas[{i}] must lie in [0, 1), got {x}")
@@ -296,7 +287,7 @@ class SGD(Optimizer):
     def _check_group(self, group, where):
         out = dict(group)
         for name in ("lr", "momentum", "dampening", "weight_decay"):
-            out[name] = _number(group[name], name, 0.0, where)
+            out[name] = check_nonnegative(group[name], where, name)
         nesterov = group["nesterov"]
         if not isinstance(nesterov, (bool, int, np.bool_)):
             raise TypeError(f"{where}: nesterov must be a bool, got {type(nesterov).__name__}")
@@ -373,10 +364,11 @@ class Adam(Optimizer):
 
     def _check_group(self, group, where):
         out = dict(group)
-        out["lr"] = _number(group["lr"], "lr", 0.0, where)
+        out["lr"] = check_nonnegative(group["lr"], where, "lr")
         out["betas"] = check_betas(group["betas"], where)
-        out["eps"] = _number(group["eps"], "eps", 0.0, where)
-        out["weight_decay"] = _number(group["weight_decay"], "weight_decay", 0.0, where)
+        out["eps"] = check_nonnegative(group["eps"], where, "eps")
+        out["weight_decay"] = check_nonnegative(group["weight_decay"], where,
+                                               "weight_decay")
         if not isinstance(group["amsgrad"], (bool, int, np.bool_)):
             raise TypeError(f"{where}: amsgrad must be a bool, got "
                             f"{type(group['amsgrad']).__name__}")
