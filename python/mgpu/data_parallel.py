@@ -11,6 +11,8 @@ import threading
 from collections import OrderedDict
 from typing import Dict, List, Optional, Sequence, Tuple
 
+import numpy as np
+
 from . import _core, autograd, nn
 from . import ops as functional
 from . import random as _random
@@ -70,8 +72,8 @@ class _Replica:
         self.root = self._copy(master, {})
         # Under DataParallel.no_sync(): per (pair index, name), a leaf copy of the master's
         # parameter on this device whose .grad holds this replica's gradients not yet sent to
-        # the master, with the master tensor and version it was copied from.
-        self.local: Dict[Tuple[int, str], Tuple[Tensor, Tensor, int]] = {}
+        # the master, with the master tensor, its memory handle and version it was copied from.
+        self.local: Dict[Tuple[int, str], Tuple[Tensor, Tensor, _core.Tensor, int]] = {}
 
     def _copy(self, m: Module, memo: Dict[int, Module]) -> Module:
         if id(m) in memo:
@@ -117,17 +119,26 @@ class _Replica:
 
     def _local_leaf(self, i: int, name: str, p: Tensor) -> Tensor:
         """The leaf copy of master parameter ``p`` on this device, copied again only when the
-        master changed since (so graphs that saved it stay valid between micro-batches)."""
+        master may have changed since (so graphs that saved it stay valid between
+        micro-batches). Current means: the same tensor, the same memory (``Module.to`` gives
+        new memory, whose version counts from 0 again, even when a second move brings it
+        back) and the same version; memory another library can write without moving the
+        version (DLPack, ``_core.Tensor.exposed``) is compared with the copy by value instead,
+        on the host: rare, and a copy into the leaf would break a graph that saved it."""
         entry = self.local.get((i, name))
-        if entry is not None and entry[0].shape == p.shape and entry[1] is p \
-                and entry[2] == p._t.version:
+        h = p._t
+        current = entry is not None and entry[1] is p and entry[2] is h \
+            and entry[3] == h.version
+        if current and h.exposed:
+            current = np.array_equal(entry[0].numpy(), p.numpy(), equal_nan=True)
+        if current:
             return entry[0]
         if entry is None or entry[0].shape != p.shape:
             leaf = p.copyto(self.device)
         else:
             leaf = p.copyto(entry[0])  # keeps the gradients accumulated here
         leaf.requires_grad = p.requires_grad
-        self.local[(i, name)] = (leaf, p, p._t.version)
+        self.local[(i, name)] = (leaf, p, h, h.version)
         return leaf
 
     def pending(self) -> List[Tuple[Tensor, Tensor]]:
