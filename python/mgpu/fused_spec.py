@@ -43,7 +43,7 @@ _BF16_KINDS = ("conv2d", "conv2d_relu_pool", "linear")
 def emits(cls: type, exact: bool = False, condition: str = "") -> Callable[[Emit], Emit]:
     """Registers the decorated ``emit(b, m, src)`` as the layers of a module of class ``cls``
     (a subclass too unless ``exact``); ``condition`` says what else such a module must be for
-    the step to run it (the emit returns None otherwise)."""
+    the step to run it (the emit returns None otherwise, and the entries after it are tried)."""
     def register(fn: Emit) -> Emit:
         _EMITS[cls] = (fn, exact, condition)
         return fn
