@@ -247,8 +247,10 @@ class DataParallel(Module):
             trainer.step()
 
         Gradients not sent yet are dropped by ``net.zero_grad()``, and by a forward that finds
-        every parameter's ``.grad`` None (``trainer.zero_grad()`` has run). Replicas are
-        refreshed from the master inside too, by a copy only when the master has changed.
+        every parameter's ``.grad`` None (``trainer.zero_grad()`` has run); a change of the
+        module tree (a new Parameter object) sends them before the replicas are rebuilt.
+        Replicas are refreshed from the master inside too, by a copy only when the master may
+        have changed (``_Replica._local_leaf`` says when).
         One process: under mpirun the book's loop does not reduce across ranks; the fused step
         accumulates with ``train_step(..., accumulate=K)``."""
         old = self._sync
@@ -275,12 +277,14 @@ class DataParallel(Module):
             for rep in reps:
                 rep.drop_pending()
             return
-        if not self._sync:
-            return
+        if self._sync:
+            self._send_pending([r for r in reps if r.device not in self.device_ids[1:used]])
+
+    @staticmethod
+    def _send_pending(reps: List[_Replica]) -> None:
+        """Adds the replicas' unsent gradients into their master parameters' ``.grad``."""
         with autograd.no_grad():
             for rep in reps:
-                if rep.device in self.device_ids[1:used]:
-                    continue
                 for leaf, p in rep.pending():
                     g = leaf.grad.to(p.device)
                     leaf.grad = None
@@ -293,6 +297,9 @@ class DataParallel(Module):
         tree = tuple(id(m) for m in self.module.modules()) + tuple(
             id(t) for t in self.module.parameters())
         if tree != self._tree:  # the module tree changed since the replicas were built
+            if any(p.grad is not None for p in self.module.parameters()):
+                # What no_sync kept on the replicas goes to the master before they go.
+                self._send_pending(list(self._replicas.values()))
             self._replicas.clear()
             object.__setattr__(self, "_tree", tree)
         sync = self._sync or not autograd.is_recording()

@@ -181,3 +181,22 @@ def test_a_current_copy_is_not_copied_again(monkeypatch, exported):
     with dp.no_sync():
         LOSS(dp(X0), y0).backward()
     assert len(copies) == first + 1
+
+
+def test_a_parameter_replaced_between_micro_batches_keeps_the_others_gradients():
+    """A new Parameter object changes the module tree, so the replicas are built again; the
+    gradients no_sync kept on the old ones reach the master first, not lost with them."""
+    def grads(dp_on):
+        module = _net()
+        model = nn.DataParallel(module, device_ids=[C0, C1]) if dp_on else module
+        (X0, y0), (X1, y1), (X2, y2) = _batches()[:3]
+        with model.no_sync() if dp_on else contextlib.nullcontext():
+            LOSS(model(X0), y0).backward()
+            module[3].bias = nn.Parameter(module[3].bias.detach().copyto(C0))
+            LOSS(model(X1), y1).backward()
+        LOSS(model(X2), y2).backward()
+        return [p.grad.numpy() for p in module.parameters()]
+
+    want, got = grads(False), grads(True)
+    for i, (g, w) in enumerate(zip(got, want)):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6, err_msg=f"parameter {i}")
