@@ -137,6 +137,12 @@ void bind_train(py::module_& m) {
     py::gil_scoped_release nogil;
     return train::evaluate_batch(X, y, params, devices);
   }, "Correct predictions of the replicas on one batch, one 0-d count per device.");
+  m.def("layer_kinds", [] {
+    std::vector<std::pair<std::string, std::vector<std::string>>> out;
+    for (const train::LayerDef* d : train::spec_layer_kinds()) out.emplace_back(d->name, d->options);
+    return out;
+  }, "[(kind, [option names])] for every layer kind a Model spec may name (train/layer_kind.h's "
+     "records, in their order).");
   m.def("lenet_forward", &train::lenet_forward, py::call_guard<py::gil_scoped_release>(),
         "LeNet logits (N, 10) for X (N, 1, 28, 28).");
   m.def("_collective_counts", [] {

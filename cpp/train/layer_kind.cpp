@@ -6,10 +6,7 @@
 
 namespace mgpu::train {
 
-namespace {
-
-// The kinds a spec may name.
-const std::vector<const LayerDef*>& spec_kinds() {
+const std::vector<const LayerDef*>& spec_layer_kinds() {
   static const std::vector<const LayerDef*> table = [] {
     std::vector<const LayerDef*> all;
 #define MGPU_ADD_LAYER_KIND(name) all.push_back(&name##_layer);
@@ -23,8 +20,6 @@ const std::vector<const LayerDef*>& spec_kinds() {
   return table;
 }
 
-}  // namespace
-
 const LayerDef absorbed_layer = [] {
   LayerDef d;
   d.name = "absorbed";
@@ -34,14 +29,14 @@ const LayerDef absorbed_layer = [] {
 }();
 
 const LayerDef* find_layer_kind(const std::string& spec_name) {
-  for (const LayerDef* d : spec_kinds())
+  for (const LayerDef* d : spec_layer_kinds())
     if (d->name == spec_name) return d;
   return nullptr;
 }
 
 std::string known_layer_kinds() {
   std::vector<std::string> names;
-  for (const LayerDef* d : spec_kinds()) names.push_back(d->name);
+  for (const LayerDef* d : spec_layer_kinds()) names.push_back(d->name);
   std::sort(names.begin(), names.end());
   std::string s;
   for (const std::string& n : names) s += (s.empty() ? "" : ", ") + n;

@@ -154,6 +154,8 @@ MGPU_LAYER_KINDS(MGPU_DECLARE_LAYER_KIND)
 // The place of a layer merged into a fused one after it: it runs nothing, its slot stays empty.
 extern const LayerDef absorbed_layer;
 
+// The kinds a spec may name, in MGPU_LAYER_KINDS's order.
+const std::vector<const LayerDef*>& spec_layer_kinds();
 // The kind a spec names, or nullptr.
 const LayerDef* find_layer_kind(const std::string& spec_name);
 // The spec's kind names, for messages.

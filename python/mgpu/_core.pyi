@@ -203,6 +203,8 @@ def _collective_counts() -> Tuple[int, int]: ...
 # into one layer each (one pass forward and backward; the same bits) for CPU replicas, unless
 # MGPU_FUSE_LAYERS=0 is set when it is built; a conv2d_relu_pool layer runs its one CPU kernel
 # for CPU replicas in float32, else conv2d, relu, avg_pool2d. Decided once, as it is built.
+def layer_kinds() -> List[Tuple[str, List[str]]]: ...  # (kind, its option names) for each
+                                                       # kind a spec may name
 class Model:
     """One replica per device (params[d], buffers[d] on devices[d]); the tensors are the model's
     state and every step updates them in place."""

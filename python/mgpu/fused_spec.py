@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from . import nn
+from . import _core, nn
 from .models import Residual
 from .nn import (
     AdaptiveAvgPool2d,
@@ -36,8 +36,9 @@ Emit = Callable[["SpecBuilder", Module, int], Optional[int]]
 # also satisfy, for the error message.
 _EMITS: Dict[type, Tuple[Emit, bool, str]] = {}
 
-# Layer kinds whose products run with bfloat16 operands under precision="bf16".
-_BF16_KINDS = ("conv2d", "conv2d_relu_pool", "linear")
+# Layer kinds whose products run with bfloat16 operands under precision="bf16": those whose
+# record (cpp/train/kinds/) takes the option bf16.
+_BF16_KINDS = frozenset(kind for kind, options in _core.layer_kinds() if "bf16" in options)
 
 
 def emits(cls: type, exact: bool = False, condition: str = "") -> Callable[[Emit], Emit]:
