@@ -103,6 +103,18 @@ def test_data_parallel_builds_its_fused_model_from_that_spec():
     assert all(x is y for x, y in zip(fused.replica_buffers[0], _built(net)[0].buffers))
 
 
+def test_every_emitted_kind_and_option_is_one_the_engines_records_take():
+    """The emits and the C++ records (_core.layer_kinds) agree: each emitted kind is a record a
+    spec may name, each option one it takes ("in", "params", "buffers" place the layer)."""
+    records = dict(mgpu._core.layer_kinds())
+    placing = {"in", "params", "buffers"}
+    for kind, opts in _built(every_module(), bf16=True)[0].spec:
+        assert kind in records, kind
+        assert set(opts) - placing <= set(records[kind]), (kind, opts, records[kind])
+    assert {k for k, o in records.items() if "bf16" in o} == {"conv2d", "conv2d_relu_pool",
+                                                                "linear"}
+
+
 def test_a_residual_block_alone_in_bf16():
     """A block at the root, shortcut a 1x1 convolution; bf16 marks the convolutions only."""
     block = Residual(3, 5, use_1x1conv=True, strides=2)  # conv1 0, 1; conv2 2, 3; conv3 4, 5;
