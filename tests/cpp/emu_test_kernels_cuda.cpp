@@ -36,15 +36,7 @@ namespace {
 
 namespace cpu = mgpu::ops::cpu;
 namespace gpu = mgpu::ops::cuda;
-using mgpu_test::close;
-using mgpu_test::CudaKernels;
-using mgpu_test::DeviceVector;
-using mgpu_test::Floats;
-using mgpu_test::kExact;
-using mgpu_test::kNaN;
-using mgpu_test::kSum;
-using mgpu_test::random_floats;
-using mgpu_test::Tolerance;
+using namespace mgpu_test;  // cuda_kernels_test_util.h, emu_test_util.h
 using mgpu::ops::Conv2dShape;
 
 // ================================ conv2d ================================

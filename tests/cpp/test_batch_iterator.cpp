@@ -26,17 +26,7 @@
 namespace mgpu::data {
 namespace {
 
-using mgpu_test::Bytes;
-using mgpu_test::EnvVar;
-using mgpu_test::TempDir;
-using mgpu_test::idx_bytes;
-using mgpu_test::iota_bytes;
-using mgpu_test::message_of;
-using mgpu_test::noise_bytes;
-using mgpu_test::read_all;
-using mgpu_test::system_dir_has_data;
-using mgpu_test::write_gz;
-using mgpu_test::write_raw;
+using namespace mgpu_test;  // data_test_util.h
 namespace fs = std::filesystem;
 
 // ---------------------------------------------------------------------------------------------
