@@ -22,16 +22,8 @@ import os
 import numpy as np
 import pytest
 
+import dlpack_abi as dl
 import mgpu
-from dlpack_abi import (
-    DELETER,
-    DLDataType,
-    DLDevice,
-    DLManagedTensor,
-    DLTensor,
-    capsule_new,
-    capsule_pointer,
-)
 from mgpu import _core
 
 pytestmark = pytest.mark.gpu
@@ -53,17 +45,17 @@ class _PendingProducer:
         self.owner = mgpu.array(np.zeros_like(values), device=mgpu.gpu(gpu_index))
         mgpu.waitall()
         own = self.owner._t.to_dlpack()
-        managed = ctypes.cast(capsule_pointer(own, b"dltensor"),
-                              ctypes.POINTER(DLManagedTensor)).contents
+        managed = ctypes.cast(dl.capsule_pointer(own, b"dltensor"),
+                              ctypes.POINTER(dl.DLManagedTensor)).contents
         self.data = managed.dl_tensor.data
         self.gpu_index = gpu_index
         self.stream = _core._emu_producer_write(gpu_index, self.data, values, steps)
         self.streams = []
         self._shape = (ctypes.c_int64 * 1)(values.size)
-        self._deleter = DELETER(lambda _: None)
-        self._managed = DLManagedTensor(
-            DLTensor(self.data, DLDevice(2, gpu_index), 1, DLDataType(2, 32, 1), self._shape,
-                     None, 0), None, self._deleter)
+        self._deleter = dl.DELETER(lambda _: None)
+        self._managed = dl.DLManagedTensor(
+            dl.DLTensor(self.data, dl.DLDevice(2, gpu_index), 1, dl.DLDataType(2, 32, 1),
+                        self._shape, None, 0), None, self._deleter)
 
     def __dlpack_device__(self):
         return (2, self.gpu_index)
@@ -72,7 +64,7 @@ class _PendingProducer:
         self.streams.append(stream)
         if stream is not None:
             _core._emu_producer_order_before(self.gpu_index, self.stream, stream)
-        return capsule_new(ctypes.addressof(self._managed), b"dltensor", None)
+        return dl.capsule_new(ctypes.addressof(self._managed), b"dltensor", None)
 
     def finish(self):
         """Waits for the producer's stream, once mgpu has given the memory back (the last

@@ -15,16 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import dlpack_abi as dl
 import mgpu
-from dlpack_abi import (
-    DELETER,
-    DLDataType,
-    DLDevice,
-    DLManagedTensor,
-    DLTensor,
-    capsule_new,
-    capsule_pointer,
-)
 
 pytestmark = pytest.mark.gpu
 
@@ -136,18 +128,18 @@ class _GpuProducer:
         self.owner = mgpu.array(values, device=mgpu.gpu(gpu_index))
         mgpu.waitall()
         self._own_capsule = self.owner._t.to_dlpack()
-        managed = ctypes.cast(capsule_pointer(self._own_capsule, b"dltensor"),
-                              ctypes.POINTER(DLManagedTensor)).contents
+        managed = ctypes.cast(dl.capsule_pointer(self._own_capsule, b"dltensor"),
+                              ctypes.POINTER(dl.DLManagedTensor)).contents
         self.data = managed.dl_tensor.data
         self.n = values.size
         self.gpu_index = gpu_index
         self.streams = []
         self.released = False
         self._shape = (ctypes.c_int64 * 1)(self.n)
-        self._deleter = DELETER(self._release)
-        self._managed = DLManagedTensor(
-            DLTensor(self.data, DLDevice(2, gpu_index), 1, DLDataType(2, 32, 1), self._shape,
-                     None, 0), None, self._deleter)
+        self._deleter = dl.DELETER(self._release)
+        self._managed = dl.DLManagedTensor(
+            dl.DLTensor(self.data, dl.DLDevice(2, gpu_index), 1, dl.DLDataType(2, 32, 1),
+                        self._shape, None, 0), None, self._deleter)
 
     def _release(self, _):
         ctypes.memmove(self.data, np.full(self.n, np.nan, np.float32).ctypes.data, 4 * self.n)
@@ -158,7 +150,7 @@ class _GpuProducer:
 
     def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):
         self.streams.append(stream)
-        return capsule_new(ctypes.addressof(self._managed), b"dltensor", None)
+        return dl.capsule_new(ctypes.addressof(self._managed), b"dltensor", None)
 
 
 @needs_gpus(1)
