@@ -43,6 +43,36 @@ class StrictEmu : public ::testing::Test {
   }
 };
 
+// Streams a and b (non-blocking) and an event without timing, destroyed at the end of the scope.
+struct TwoStreams {
+  cudaStream_t a = nullptr, b = nullptr;
+  cudaEvent_t written = nullptr;
+  TwoStreams() {
+    EXPECT_EQ(cudaStreamCreateWithFlags(&a, cudaStreamNonBlocking), cudaSuccess);
+    EXPECT_EQ(cudaStreamCreateWithFlags(&b, cudaStreamNonBlocking), cudaSuccess);
+    EXPECT_EQ(cudaEventCreateWithFlags(&written, cudaEventDisableTiming), cudaSuccess);
+  }
+  ~TwoStreams() {
+    cudaEventDestroy(written);
+    cudaStreamDestroy(a);
+    cudaStreamDestroy(b);
+  }
+  TwoStreams(const TwoStreams&) = delete;
+  TwoStreams& operator=(const TwoStreams&) = delete;
+};
+
+// run(seed, planted) for seeds 1..8: without the planted bug every seed gives the right result
+// (`right` names that run); with it, some seed must not (`never` says what no seed did).
+template <class Run>
+void expect_the_plant_shows_for_some_seed(Run run, const char* right, const char* never) {
+  int wrong = 0;
+  for (uint64_t seed = 1; seed <= 8; ++seed) {
+    EXPECT_TRUE(run(seed, false)) << "seed " << seed << ", " << right;
+    wrong += run(seed, true) ? 0 : 1;
+  }
+  EXPECT_GT(wrong, 0) << never;
+}
+
 TEST_F(StrictEmu, BlocksOfAGridRunInARandomOrderEveryBlockOnce) {
   constexpr int kBlocks = 64;
   DeviceVector<int> turns(std::vector<int>(kBlocks, -1)), counter(std::vector<int>{0});
@@ -68,36 +98,27 @@ TEST_F(StrictEmu, BlocksOfAGridRunInARandomOrderEveryBlockOnce) {
 // without it (a planted missing stream wait) some seed runs B before A, as a GPU may.
 TEST_F(StrictEmu, AMissingStreamWaitShowsAsAWrongResultForSomeSeed) {
   constexpr int kN = 1000;
-  auto run = [](uint64_t seed, bool wait) {
+  auto run = [](uint64_t seed, bool missing_wait) {
     strict(seed);
-    cudaStream_t a = nullptr, b = nullptr;
-    cudaEvent_t written = nullptr;
-    EXPECT_EQ(cudaStreamCreateWithFlags(&a, cudaStreamNonBlocking), cudaSuccess);
-    EXPECT_EQ(cudaStreamCreateWithFlags(&b, cudaStreamNonBlocking), cudaSuccess);
-    EXPECT_EQ(cudaEventCreateWithFlags(&written, cudaEventDisableTiming), cudaSuccess);
+    TwoStreams streams;
+    cudaStream_t a = streams.a, b = streams.b;
+    cudaEvent_t written = streams.written;
     DeviceVector<float> x(std::vector<float>(kN, 1.0f)), y(std::vector<float>(kN, 0.0f));
     mgpu_test::saxpy(kN, 1.0f, x.get(), x.get(), 4, 64, a);  // x = 2 on stream a
     EXPECT_EQ(cudaEventRecord(written, a), cudaSuccess);
-    if (wait) {
+    if (!missing_wait) {
       EXPECT_EQ(cudaStreamWaitEvent(b, written, 0), cudaSuccess);
     }
     mgpu_test::saxpy(kN, 1.0f, x.get(), y.get(), 4, 64, b);  // y = x on stream b
     EXPECT_EQ(cudaStreamSynchronize(b), cudaSuccess);
     std::vector<float> got = y.download();
     EXPECT_EQ(cudaStreamSynchronize(a), cudaSuccess);
-    cudaEventDestroy(written);
-    cudaStreamDestroy(a);
-    cudaStreamDestroy(b);
     bool right = true;
     for (float v : got) right = right && v == 2.0f;
     return right;
   };
-  int wrong_without_wait = 0;
-  for (uint64_t seed = 1; seed <= 8; ++seed) {
-    EXPECT_TRUE(run(seed, true)) << "seed " << seed << ", with the wait";
-    wrong_without_wait += run(seed, false) ? 0 : 1;
-  }
-  EXPECT_GT(wrong_without_wait, 0) << "no seed ran stream b ahead of stream a";
+  expect_the_plant_shows_for_some_seed(run, "with the wait",
+                                       "no seed ran stream b ahead of stream a");
 }
 
 // An event covers exactly the work issued on its stream before its record. Stream a writes
@@ -108,11 +129,9 @@ TEST_F(StrictEmu, AnEventRecordedTooEarlyShowsAsWrongDataForSomeSeed) {
   constexpr int kN = 1000;
   auto run = [](uint64_t seed, bool early) {
     strict(seed);
-    cudaStream_t a = nullptr, b = nullptr;
-    cudaEvent_t written = nullptr;
-    EXPECT_EQ(cudaStreamCreateWithFlags(&a, cudaStreamNonBlocking), cudaSuccess);
-    EXPECT_EQ(cudaStreamCreateWithFlags(&b, cudaStreamNonBlocking), cudaSuccess);
-    EXPECT_EQ(cudaEventCreateWithFlags(&written, cudaEventDisableTiming), cudaSuccess);
+    TwoStreams streams;
+    cudaStream_t a = streams.a, b = streams.b;
+    cudaEvent_t written = streams.written;
     DeviceVector<float> x(std::vector<float>(kN, 1.0f)), y(std::vector<float>(kN, 0.0f));
     if (early) {
       EXPECT_EQ(cudaEventRecord(written, a), cudaSuccess);
@@ -127,18 +146,12 @@ TEST_F(StrictEmu, AnEventRecordedTooEarlyShowsAsWrongDataForSomeSeed) {
     std::vector<float> got = y.download();
     EXPECT_EQ(cudaStreamSynchronize(a), cudaSuccess);
     EXPECT_EQ(x.download(), std::vector<float>(kN, 2.0f));
-    cudaEventDestroy(written);
-    cudaStreamDestroy(a);
-    cudaStreamDestroy(b);
     for (float v : got) EXPECT_TRUE(v == 2.0f || v == 1.0f) << "y is x, before or after a's write";
     return got == std::vector<float>(kN, 2.0f);
   };
-  int wrong_when_early = 0;
-  for (uint64_t seed = 1; seed <= 8; ++seed) {
-    EXPECT_TRUE(run(seed, false)) << "seed " << seed << ", recorded after the write";
-    wrong_when_early += run(seed, true) ? 0 : 1;
-  }
-  EXPECT_GT(wrong_when_early, 0) << "no seed ran b's copy before a's write recorded after the event";
+  expect_the_plant_shows_for_some_seed(
+      run, "recorded after the write",
+      "no seed ran b's copy before a's write recorded after the event");
 }
 
 // cudaEventSynchronize and cudaEventQuery run the work before the record (never less), and no
