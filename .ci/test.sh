@@ -137,9 +137,9 @@ stage "Python GPU tests on the strict emulator (MGPU_EMU_STRICT=1)"
 # too: they add about 60 s per seed (measured on 2 shared cores at load 10-11: seed 2 149 -> 207 s,
 # seed 4 77 -> 144 s, all passing); test_deterministic.py (83 s alone under seed 2) and
 # test_gpu_stress.py stay on the lenient stage.
-strict_more=(ops/test_ops.py ops/test_batch_norm_relu_fused.py robust/test_robust.py
-             tensor/test_tensor.py nn/test_nn.py step/test_fused_step.py nn/test_data_parallel.py
-             step/test_chapter.py step/test_train.py robust/test_errors.py
+strict_more=(ops/test_ops.py ops/test_batch_norm.py ops/test_batch_norm_relu_fused.py
+             robust/test_robust.py tensor/test_tensor.py nn/test_nn.py step/test_fused_step.py
+             nn/test_data_parallel.py step/test_chapter.py step/test_train.py robust/test_errors.py
              step/test_concise_step.py gpu/test_sync_bn_gpu.py gpu/test_gpu_lifecycle.py
              gpu/test_gpu_without_peer_access.py)
 strict_seeds=${MGPU_CI_STRICT_SEEDS:-"2 4"}
@@ -159,8 +159,8 @@ done
 stage "CPU op and training tests with MGPU_ISA=avx2 (the installed package)"
 # Paths from the repository root, so the pass finds its files whatever the working directory.
 (cd tests && MGPU_ISA=avx2 ../.venv/bin/python -m pytest -q -p no:cacheprovider -m "not gpu" \
-  "$PWD/ops/test_ops.py" "$PWD/step/test_train.py" "$PWD/ops/test_conv2d_stride2.py" \
-  "$PWD/ops/test_max_pool2d.py")
+  "$PWD/ops/test_ops.py" "$PWD/ops/test_batch_norm.py" "$PWD/step/test_train.py" \
+  "$PWD/ops/test_conv2d_stride2.py" "$PWD/ops/test_max_pool2d.py")
 
 stage "CPU op and training tests on the AVX-512 path compiled for AVX2 (MGPU_ISA=avx512)"
 # The package in build/cpp-tests/avx512_emulated (CMakeLists.txt, tests/cpp/avx512_emulated.h): the
@@ -170,8 +170,9 @@ stage "CPU op and training tests on the AVX-512 path compiled for AVX2 (MGPU_ISA
 (cd tests && MGPU_ISA=avx512 PYTHONPATH="$PWD/../build/cpp-tests/avx512_emulated/python" \
   ../.venv/bin/python -m pytest -q -p no:cacheprovider -m "not gpu" \
   -k "not test_short_training_run_on_real_data_learns" "$PWD/ops/test_ops.py" \
-  "$PWD/step/test_train.py" "$PWD/ops/test_conv2d_stride2.py" "$PWD/ops/test_conv2d_winograd.py" \
-  "$PWD/ops/test_batch_norm_relu_fused.py" "$PWD/ops/test_max_pool2d.py")
+  "$PWD/ops/test_batch_norm.py" "$PWD/step/test_train.py" "$PWD/ops/test_conv2d_stride2.py" \
+  "$PWD/ops/test_conv2d_winograd.py" "$PWD/ops/test_batch_norm_relu_fused.py" \
+  "$PWD/ops/test_max_pool2d.py")
 
 stage "pip-only route: sdist, CPU-only manylinux wheel from it (.ci/wheel.sh), fresh venv, tests"
 # One build checks both routes: the wheel is built from the sdist (isolated: PyPI's OpenBLAS, no

@@ -72,6 +72,23 @@ def assert_close(got, expected, kind="sum", what="", device=None):
         f"max rel err {rel.max():.3g} (rtol {tol['rtol']}, atol {tol['atol']})")
 
 
+def f32(a):
+    """The float32 values an mgpu tensor will hold, as a float64 array for the reference."""
+    return np.asarray(a, dtype=np.float32).astype(np.float64)
+
+
+def on(a, device, grad=False):
+    """A float32 tensor on ``device`` holding ``a``; a leaf that requires grad if ``grad``."""
+    t = mgpu.array(np.asarray(a, dtype=np.float32), device=device)
+    return t.requires_grad_() if grad else t
+
+
+def other_device(device):
+    """A CPU device other than ``device`` (cpu(1) for cpu(0), else cpu(0)), for cross-device
+    copies."""
+    return mgpu.cpu(1) if device == mgpu.cpu(0) else mgpu.cpu(0)
+
+
 def _devices():
     devs = [mgpu.cpu(0), mgpu.cpu(1)]
     params = [pytest.param(d, id=str(d)) for d in devs]

@@ -307,24 +307,31 @@ def bn_net():
                          nn.Flatten(), nn.Linear(6, 10))
 
 
+def sgd_steps(net, devices, seed, sizes, **step_options):
+    """DataParallel.train_step calls of `net` on `devices` (SGD: lr 0.1, momentum 0.9, weight
+    decay 1e-3), one per batch size in `sizes`, on normal 1x8x8 images and labels drawn from
+    `seed`; `step_options` go to train_step. Returns the DataParallel and the losses."""
+    from mgpu import nn, optim
+    dp = nn.DataParallel(net, device_ids=devices)
+    trainer = optim.SGD(net.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3)
+    loss = nn.CrossEntropyLoss()
+    rng = np.random.default_rng(seed)
+    losses = []
+    for n in sizes:
+        X = mgpu.array(rng.standard_normal((n, 1, 8, 8)).astype(np.float32))
+        y = mgpu.array(rng.integers(0, 10, size=n).astype(np.int32))
+        losses.append(dp.train_step(X, y, loss, trainer, **step_options).item())
+    return dp, losses
+
+
 def deterministic_bn(devices, steps=6, shards=True, accumulate=1, net=None):
     """`steps` DataParallel.train_step calls (SGD with momentum and weight decay) of `net`
     (bn_net() by default) on batches of 20, the last one of 13, each in `accumulate`
     micro-batches; returns the master's parameters and buffers, the last replica's parameters,
     and the losses."""
-    from mgpu import nn, optim
     net = net or bn_net()
-    dp = nn.DataParallel(net, device_ids=devices)
-    trainer = optim.SGD(net.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3)
-    loss = nn.CrossEntropyLoss()
-    rng = np.random.default_rng(5)
-    losses = []
-    for s in range(steps):
-        n = 13 if s == steps - 1 else 20
-        X = mgpu.array(rng.standard_normal((n, 1, 8, 8)).astype(np.float32))
-        y = mgpu.array(rng.integers(0, 10, size=n).astype(np.int32))
-        losses.append(dp.train_step(X, y, loss, trainer, deterministic=shards,
-                                    accumulate=accumulate).item())
+    sizes = [13 if s == steps - 1 else 20 for s in range(steps)]
+    dp, losses = sgd_steps(net, devices, 5, sizes, deterministic=shards, accumulate=accumulate)
     state = [p.numpy() for p in net.parameters()] + [b.numpy() for b in net.buffers()]
     return state + [p.numpy() for p in dp._fused.replica_params[-1]] + [np.array(losses)]
 
@@ -359,17 +366,9 @@ def sync_bn_steps(devices, steps=4, n=20, sync=True):
     n; returns the master's parameters and buffers (running statistics) and the losses. Under
     mpirun every rank passes the whole batch and takes its own shards of it. sync=False keeps
     per-replica statistics (the control)."""
-    from mgpu import nn, optim
+    from mgpu import nn
     net = nn.SyncBatchNorm.convert_sync_batchnorm(bn_net()) if sync else bn_net()
-    dp = nn.DataParallel(net, device_ids=devices)
-    trainer = optim.SGD(net.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3)
-    loss = nn.CrossEntropyLoss()
-    rng = np.random.default_rng(8)
-    losses = []
-    for _ in range(steps):
-        X = mgpu.array(rng.standard_normal((n, 1, 8, 8)).astype(np.float32))
-        y = mgpu.array(rng.integers(0, 10, size=n).astype(np.int32))
-        losses.append(dp.train_step(X, y, loss, trainer).item())
+    _, losses = sgd_steps(net, devices, 8, [n] * steps)
     state = [p.numpy() for p in net.parameters()] + [b.numpy() for b in net.buffers()]
     return state + [np.array(losses)]
 

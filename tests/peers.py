@@ -14,9 +14,21 @@ from typing import Optional, Tuple
 
 import pytest
 
+import mgpu
 from mgpu import bench
 
 MIN_TORCH = (2, 15)
+# The directory holding the mgpu under test: a peer's child process imports it from there.
+PKG_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(mgpu.__file__)))
+
+
+def child_env() -> dict:
+    """This process's environment with PKG_ROOT first on PYTHONPATH, for a peer's child process
+    (it imports the same mgpu as the tests)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = PKG_ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH")
+                                    else "")
+    return env
 
 
 def version_tuple(version: str) -> Optional[Tuple[int, ...]]:

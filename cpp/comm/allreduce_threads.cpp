@@ -11,6 +11,7 @@
 #include "comm/allreduce.h"
 #include "comm/allreduce_gpu.h"
 #include "comm/barrier.h"
+#include "comm/collective_parts.h"
 #include "core/parallel.h"
 
 namespace mgpu::comm {
@@ -115,16 +116,7 @@ void allreduce(const std::vector<std::vector<Tensor>>& data) {
   // Every queue gets its part in the same host order, so the barriers inside cannot deadlock:
   // each queue reaches this collective after all work enqueued on it before (and the lock keeps
   // another host thread's collective from interleaving with this one's parts).
-  std::lock_guard<std::recursive_mutex> order(collective_submission_mutex());
-  for (size_t d = 0; d < k; ++d)
-    enqueue_on(devices[d], "allreduce", [coll, me = static_cast<int>(d)] {
-      try {
-        coll->run(me);
-      } catch (...) {
-        coll->barrier.abort();  // release the devices waiting for this one
-        throw;
-      }
-    }, data[d]);
+  enqueue_parts(coll, devices, data, "allreduce");
 }
 
 }  // namespace mgpu::comm

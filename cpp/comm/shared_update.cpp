@@ -8,6 +8,7 @@
 #include <mutex>
 
 #include "comm/allreduce_mpi.h"
+#include "comm/collective_parts.h"
 #include "core/parallel.h"
 #include "core/queue.h"
 #include "ops/dispatch.h"
@@ -90,17 +91,7 @@ void SharedUpdate::run(int me) {
 void enqueue_shared_update(const std::shared_ptr<SharedUpdate>& sh,
                            const std::vector<Device>& devices,
                            const std::vector<std::vector<Tensor>>& keep, const char* name) {
-  std::lock_guard<std::recursive_mutex> order(collective_submission_mutex());
-  for (size_t d = 0; d < devices.size(); ++d) {
-    enqueue_on(devices[d], name, [sh, me = static_cast<int>(d)] {
-      try {
-        sh->run(me);
-      } catch (...) {
-        sh->barrier.abort();  // release the devices waiting for this one
-        throw;
-      }
-    }, keep[d]);
-  }
+  enqueue_parts(sh, devices, keep, name);
 }
 
 void share_first(const std::vector<std::vector<Tensor>>& buffers) {

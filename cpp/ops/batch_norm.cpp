@@ -66,6 +66,23 @@ void check_like_x(const char* op, const char* name, const Tensor& t, const Tenso
                    " but x has shape ", x.shape(), "; they must match");
 }
 
+// The fused batch norm + relu (+ add) ops are one CPU kernel each: the fused step's Model runs
+// the ops one by one on GPUs (model.h).
+void require_cpu_act(const char* op, const Tensor& x) {
+  MGPU_CHECK_VALUE(x.device().is_cpu(), op, ": CPU devices only, got x on ", x.device(),
+                   "; on a GPU run batch_norm_forward, the add and relu one after another");
+}
+
+// A fused op's backward inputs: x, its output y and dy, all of x's shape on x's CPU device.
+BnShape check_act_backward_args(const char* op, const Tensor& x, const Tensor& y,
+                                const Tensor& dy) {
+  const BnShape s = check_x(op, x);
+  check_like_x(op, "y", y, x);
+  check_like_x(op, "dy", dy, x);
+  require_cpu_act(op, x);
+  return s;
+}
+
 void check_count(const char* op, const BnShape& s) {
   MGPU_CHECK_VALUE(s.N * s.HW >= 1, op, ": x has no elements per channel (N*H*W = 0), so it has "
                    "no statistics; pass a non-empty batch");
@@ -182,9 +199,7 @@ Tensor batch_norm_act_forward(const Tensor& x, const Tensor& mean, const Tensor&
   const char* op = "batch_norm_act_forward";
   const BnShape s = check_x(op, x);
   if (shortcut) check_like_x(op, "shortcut", *shortcut, x);
-  // One CPU kernel: the fused step's Model runs the ops one by one on GPUs (model.h).
-  MGPU_CHECK_VALUE(x.device().is_cpu(), op, ": CPU devices only, got x on ", x.device(),
-                   "; on a GPU run batch_norm_forward, the add and relu one after another");
+  require_cpu_act(op, x);
   check_stats(op, x, mean, var, gamma, beta, eps);
   Tensor y = Tensor::empty_like(x);
   const Tensor none;
@@ -202,12 +217,7 @@ std::pair<Tensor, Tensor> batch_norm_act_backward_reduce(const Tensor& x, const 
                                                          const Tensor& dy, const Tensor& mean,
                                                          const Tensor& var, float eps) {
   const char* op = "batch_norm_act_backward_reduce";
-  const BnShape s = check_x(op, x);
-  check_like_x(op, "y", y, x);
-  check_like_x(op, "dy", dy, x);
-  // One CPU kernel: the fused step's Model runs the ops one by one on GPUs (model.h).
-  MGPU_CHECK_VALUE(x.device().is_cpu(), op, ": CPU devices only, got x on ", x.device(),
-                   "; on a GPU run batch_norm_forward, the add and relu one after another");
+  const BnShape s = check_act_backward_args(op, x, y, dy);
   check_stats(op, x, mean, var, nullptr, nullptr, eps);
   check_count(op, s);
   Tensor sum_dz = Tensor::empty({s.C}, DType::F32, x.device());
@@ -228,12 +238,7 @@ std::pair<Tensor, Tensor> batch_norm_act_backward(const Tensor& x, const Tensor&
                                                   const Tensor& sum_dz, const Tensor& sum_dz_xhat,
                                                   double count, float eps, bool want_dshortcut) {
   const char* op = "batch_norm_act_backward";
-  const BnShape s = check_x(op, x);
-  check_like_x(op, "y", y, x);
-  check_like_x(op, "dy", dy, x);
-  // One CPU kernel: the fused step's Model runs the ops one by one on GPUs (model.h).
-  MGPU_CHECK_VALUE(x.device().is_cpu(), op, ": CPU devices only, got x on ", x.device(),
-                   "; on a GPU run batch_norm_forward, the add and relu one after another");
+  const BnShape s = check_act_backward_args(op, x, y, dy);
   check_stats(op, x, mean, var, gamma, nullptr, eps);
   check_sums(op, x, "sum_dz", sum_dz, "sum_dz_xhat", sum_dz_xhat, count);
   Tensor dx = Tensor::empty_like(x);

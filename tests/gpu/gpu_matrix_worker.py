@@ -17,6 +17,10 @@ import mgpu
 from mgpu import distributed as dist
 from mgpu.data import array_loader
 
+# tests/ (the script runs from tests/gpu): dist_worker's data and training loop.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import dist_worker  # noqa: E402
+
 
 def save(out, name, arrays):
     np.savez(os.path.join(out, f"{name}.rank{dist.rank()}.npz"), *arrays)
@@ -71,20 +75,12 @@ def bn(devices, deterministic=False, sync=False, steps=3, n=16):
     momentum and weight decay; sync converts every batch norm to SyncBatchNorm. Returns the start
     and the master's parameters, its buffers, the last replica's parameters, the losses and the
     counts of gradient buckets, parameters and buffers."""
-    from mgpu import nn, optim
+    from mgpu import nn
     net = bucketed_bn_net()
     if sync:
         net = nn.SyncBatchNorm.convert_sync_batchnorm(net)
     start = [p.numpy() for p in net.parameters()]
-    dp = nn.DataParallel(net, device_ids=devices)
-    trainer = optim.SGD(net.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3)
-    loss = nn.CrossEntropyLoss()
-    rng = np.random.default_rng(5)
-    losses = []
-    for _ in range(steps):
-        X = mgpu.array(rng.standard_normal((n, 1, 8, 8)).astype(np.float32))
-        y = mgpu.array(rng.integers(0, 10, size=n).astype(np.int32))
-        losses.append(dp.train_step(X, y, loss, trainer, deterministic=deterministic).item())
+    dp, losses = dist_worker.sgd_steps(net, devices, 5, [n] * steps, deterministic=deterministic)
     fused = dp._fused
     buffers = [b.numpy() for b in net.buffers()]
     counts = np.array([len(fused.model._model.buckets), len(start), len(buffers)])
@@ -92,21 +88,11 @@ def bn(devices, deterministic=False, sync=False, steps=3, n=16):
             [p.numpy() for p in fused.replica_params[-1]] + [np.array(losses), counts])
 
 
-def synthetic(n, seed):
-    """Images whose label shows in them (dist_worker.synthetic's kind), as uint8 (N, 28, 28)."""
-    rng = np.random.default_rng(seed)
-    labels = rng.integers(0, 10, size=n).astype(np.uint8)
-    images = rng.integers(0, 96, size=(n, 28, 28)).astype(np.uint8)
-    for i, c in enumerate(labels):
-        images[i, 2 * c:2 * c + 6, 4:24] += 150
-    return images, labels
-
-
 def train(num_gpus):
     """mgpu.train(num_gpus, ...) for one epoch of 3 batches of 32, from lenet_params(seed=0);
     returns the training loss (over every rank) and the test accuracy."""
-    images, labels = synthetic(96, 1)
-    test_images, test_labels = synthetic(64, 2)
+    images, labels = dist_worker.synthetic(96, 1)
+    test_images, test_labels = dist_worker.synthetic(64, 2)
     data = (array_loader(images, labels, 32, shuffle=True, seed=5),
             array_loader(test_images, test_labels, 32))
     result = mgpu.train(num_gpus, 32, 0.2, num_epochs=1, params=mgpu.lenet_params(seed=0),

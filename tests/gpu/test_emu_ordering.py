@@ -22,6 +22,7 @@ import os
 import numpy as np
 import pytest
 
+import dlpack_abi as dl
 import mgpu
 from mgpu import _core
 
@@ -31,34 +32,6 @@ NUM_GPUS = mgpu.num_gpus()
 EMULATED = bool(mgpu.build_info()["cuda_emulation"])
 SEED = f"MGPU_EMU_STRICT={os.environ.get('MGPU_EMU_STRICT', '0')} " \
        f"MGPU_EMU_SEED={os.environ.get('MGPU_EMU_SEED', '1')}"
-
-class _DLDevice(ctypes.Structure):
-    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
-
-
-class _DLDataType(ctypes.Structure):
-    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
-
-
-class _DLTensor(ctypes.Structure):
-    _fields_ = [("data", ctypes.c_void_p), ("device", _DLDevice), ("ndim", ctypes.c_int32),
-                ("dtype", _DLDataType), ("shape", ctypes.POINTER(ctypes.c_int64)),
-                ("strides", ctypes.POINTER(ctypes.c_int64)), ("byte_offset", ctypes.c_uint64)]
-
-
-class _DLManagedTensor(ctypes.Structure):
-    pass
-
-
-_DELETER = ctypes.CFUNCTYPE(None, ctypes.POINTER(_DLManagedTensor))
-_DLManagedTensor._fields_ = [("dl_tensor", _DLTensor), ("manager_ctx", ctypes.c_void_p),
-                             ("deleter", _DELETER)]
-_capsule_new = ctypes.pythonapi.PyCapsule_New
-_capsule_new.restype = ctypes.py_object
-_capsule_new.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
-_capsule_pointer = ctypes.pythonapi.PyCapsule_GetPointer
-_capsule_pointer.restype = ctypes.c_void_p
-_capsule_pointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
 
 
 class _PendingProducer:
@@ -72,17 +45,17 @@ class _PendingProducer:
         self.owner = mgpu.array(np.zeros_like(values), device=mgpu.gpu(gpu_index))
         mgpu.waitall()
         own = self.owner._t.to_dlpack()
-        managed = ctypes.cast(_capsule_pointer(own, b"dltensor"),
-                              ctypes.POINTER(_DLManagedTensor)).contents
+        managed = ctypes.cast(dl.capsule_pointer(own, b"dltensor"),
+                              ctypes.POINTER(dl.DLManagedTensor)).contents
         self.data = managed.dl_tensor.data
         self.gpu_index = gpu_index
         self.stream = _core._emu_producer_write(gpu_index, self.data, values, steps)
         self.streams = []
         self._shape = (ctypes.c_int64 * 1)(values.size)
-        self._deleter = _DELETER(lambda _: None)
-        self._managed = _DLManagedTensor(
-            _DLTensor(self.data, _DLDevice(2, gpu_index), 1, _DLDataType(2, 32, 1), self._shape,
-                      None, 0), None, self._deleter)
+        self._deleter = dl.DELETER(lambda _: None)
+        self._managed = dl.DLManagedTensor(
+            dl.DLTensor(self.data, dl.DLDevice(2, gpu_index), 1, dl.DLDataType(2, 32, 1),
+                        self._shape, None, 0), None, self._deleter)
 
     def __dlpack_device__(self):
         return (2, self.gpu_index)
@@ -91,7 +64,7 @@ class _PendingProducer:
         self.streams.append(stream)
         if stream is not None:
             _core._emu_producer_order_before(self.gpu_index, self.stream, stream)
-        return _capsule_new(ctypes.addressof(self._managed), b"dltensor", None)
+        return dl.capsule_new(ctypes.addressof(self._managed), b"dltensor", None)
 
     def finish(self):
         """Waits for the producer's stream, once mgpu has given the memory back (the last

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import dlpack_abi as dl
 import mgpu
 
 pytestmark = pytest.mark.gpu
@@ -56,7 +57,6 @@ def test_every_grid_stride_loop_counts_in_64_bits():
     narrow = [f"{where}: {code}" for where, type_, code in loops if type_ not in ("int64_t",)]
     assert not narrow, ("grid-stride loops with a counter narrower than 64 bits:\n"
                         + "\n".join(narrow))
-
 
 
 @pytest.mark.skipif(EMULATED or mgpu.build_info()["cudnn"] != "built",
@@ -119,35 +119,6 @@ def test_a_step_whose_capture_failed_is_captured_again_not_replayed(monkeypatch)
 
 
 # ---- DLPack import from a producer on one of our GPUs (findings 1 and 2) ----------------------
-class _DLDevice(ctypes.Structure):
-    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
-
-
-class _DLDataType(ctypes.Structure):
-    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
-
-
-class _DLTensor(ctypes.Structure):
-    _fields_ = [("data", ctypes.c_void_p), ("device", _DLDevice), ("ndim", ctypes.c_int32),
-                ("dtype", _DLDataType), ("shape", ctypes.POINTER(ctypes.c_int64)),
-                ("strides", ctypes.POINTER(ctypes.c_int64)), ("byte_offset", ctypes.c_uint64)]
-
-
-class _DLManagedTensor(ctypes.Structure):
-    pass
-
-
-_DELETER = ctypes.CFUNCTYPE(None, ctypes.POINTER(_DLManagedTensor))
-_DLManagedTensor._fields_ = [("dl_tensor", _DLTensor), ("manager_ctx", ctypes.c_void_p),
-                             ("deleter", _DELETER)]
-_capsule_new = ctypes.pythonapi.PyCapsule_New
-_capsule_new.restype = ctypes.py_object
-_capsule_new.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
-_capsule_pointer = ctypes.pythonapi.PyCapsule_GetPointer
-_capsule_pointer.restype = ctypes.c_void_p
-_capsule_pointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
-
-
 class _GpuProducer:
     """A foreign DLPack producer of float32 memory on gpu(i), as PyTorch or CuPy would be: the
     memory is an mgpu tensor's (kept alive here), exported under the producer's own deleter,
@@ -157,18 +128,18 @@ class _GpuProducer:
         self.owner = mgpu.array(values, device=mgpu.gpu(gpu_index))
         mgpu.waitall()
         self._own_capsule = self.owner._t.to_dlpack()
-        managed = ctypes.cast(_capsule_pointer(self._own_capsule, b"dltensor"),
-                              ctypes.POINTER(_DLManagedTensor)).contents
+        managed = ctypes.cast(dl.capsule_pointer(self._own_capsule, b"dltensor"),
+                              ctypes.POINTER(dl.DLManagedTensor)).contents
         self.data = managed.dl_tensor.data
         self.n = values.size
         self.gpu_index = gpu_index
         self.streams = []
         self.released = False
         self._shape = (ctypes.c_int64 * 1)(self.n)
-        self._deleter = _DELETER(self._release)
-        self._managed = _DLManagedTensor(
-            _DLTensor(self.data, _DLDevice(2, gpu_index), 1, _DLDataType(2, 32, 1), self._shape,
-                      None, 0), None, self._deleter)
+        self._deleter = dl.DELETER(self._release)
+        self._managed = dl.DLManagedTensor(
+            dl.DLTensor(self.data, dl.DLDevice(2, gpu_index), 1, dl.DLDataType(2, 32, 1),
+                        self._shape, None, 0), None, self._deleter)
 
     def _release(self, _):
         ctypes.memmove(self.data, np.full(self.n, np.nan, np.float32).ctypes.data, 4 * self.n)
@@ -179,7 +150,7 @@ class _GpuProducer:
 
     def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):
         self.streams.append(stream)
-        return _capsule_new(ctypes.addressof(self._managed), b"dltensor", None)
+        return dl.capsule_new(ctypes.addressof(self._managed), b"dltensor", None)
 
 
 @needs_gpus(1)
@@ -274,7 +245,6 @@ def test_host_to_device_copies_reuse_staging_buffers_only_after_their_copies(rng
     b = mgpu.array(second, device=g0)
     np.testing.assert_array_equal(a.numpy(), first)
     np.testing.assert_array_equal(b.numpy(), second)
-
 
 
 # The capture of a fused step on gpu(0) in thread A is held open: the byte budget of a queue's

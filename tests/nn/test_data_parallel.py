@@ -74,13 +74,21 @@ def step_and_check(net, model, devices, X, y, shards, sync_label):
         assert p.grad.device == devices[0]
         close(p.grad.numpy(), grads_ref[name], f"grad {name} {sync_label}")
     trainer.step()
+    state = check_updated_state(net, new_ref, running_ref, sync_label)
+    for bn in nref.BN_NAMES:
+        assert state[bn + ".num_batches_tracked"] == 1
+
+
+def check_updated_state(net, new_ref, running_ref, label):
+    """``net``'s parameters and batch norms' running statistics after a step against the float64
+    reference's (nn_reference.tiny_step); returns host_state(net)."""
     state = host_state(net)
     for name in new_ref:
-        close(state[name], new_ref[name], f"updated {name} {sync_label}")
+        close(state[name], new_ref[name], f"updated {name} {label}")
     for bn in nref.BN_NAMES:
-        close(state[bn + ".running_mean"], running_ref[bn][0], f"{bn}.running_mean {sync_label}")
-        close(state[bn + ".running_var"], running_ref[bn][1], f"{bn}.running_var {sync_label}")
-        assert state[bn + ".num_batches_tracked"] == 1
+        close(state[bn + ".running_mean"], running_ref[bn][0], f"{bn}.running_mean {label}")
+        close(state[bn + ".running_var"], running_ref[bn][1], f"{bn}.running_var {label}")
+    return state
 
 
 def test_reference_batch_norm_backward_matches_finite_differences():

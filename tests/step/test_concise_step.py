@@ -12,6 +12,7 @@ from test_data_parallel import (
     LR,
     MOMENTUM,
     batch,
+    check_updated_state,
     close,
     fused_equals_books_loop,
     host_state,
@@ -28,12 +29,7 @@ def fused_step_and_check(net, devices, X, y, label):
     Xt, yt = mgpu.array(X, device=devices[0]), mgpu.array(y, device=devices[0])
     loss = model.train_step(Xt, yt, nn.CrossEntropyLoss(), trainer)
     close(loss.item(), loss_ref, f"loss {label}")
-    state = host_state(net)
-    for name in new_ref:
-        close(state[name], new_ref[name], f"updated {name} {label}")
-    for bn in nref.BN_NAMES:
-        close(state[bn + ".running_mean"], running_ref[bn][0], f"{bn}.running_mean {label}")
-        close(state[bn + ".running_var"], running_ref[bn][1], f"{bn}.running_var {label}")
+    check_updated_state(net, new_ref, running_ref, label)
     fused = model._fused
     for r in range(1, len(devices)):  # every replica keeps the same running statistics
         for a, b in zip(fused.model._model.buffers(r), fused.model._model.buffers(0)):

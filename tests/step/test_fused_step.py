@@ -84,6 +84,19 @@ def problem(n=6, seed=0, H=7):
     return X, y, residual_params(rng)
 
 
+def wide_linear_problem():
+    """Four linear layers with relus, 1.4 M parameters, on 5 examples of 2x2x2: (spec, params, X,
+    y)."""
+    spec = [("flatten",), ("linear",), ("relu",), ("linear",), ("relu",), ("linear",), ("relu",),
+            ("linear",)]
+    rng = np.random.default_rng(7)
+    shapes = [(8, 1100), (1100,), (1100, 1000), (1000,), (1000, 300), (300,), (300, 3), (3,)]
+    params = [(rng.standard_normal(s) / np.sqrt(s[0])).astype(np.float32) for s in shapes]
+    X = rng.standard_normal((5, 2, 2, 2)).astype(np.float32)
+    y = rng.integers(0, 3, size=5)
+    return spec, params, X, y
+
+
 def test_residual_net_two_steps_match_float64_sgd_with_momentum_and_weight_decay():
     X, y, params = problem()
     model, replicas = make(params, [mgpu.cpu(0)])
@@ -359,13 +372,7 @@ def test_batch_norm_on_two_emulated_gpus_equals_two_cpu_devices():
 
 def test_three_buckets_reduce_in_order_on_two_cpu_devices():
     """Wide linear layers make three gradient buckets (256 KB first, then 4 MB caps)."""
-    spec = [("flatten",), ("linear",), ("relu",), ("linear",), ("relu",), ("linear",), ("relu",),
-            ("linear",)]
-    rng = np.random.default_rng(7)
-    shapes = [(8, 1100), (1100,), (1100, 1000), (1000,), (1000, 300), (300,), (300, 3), (3,)]
-    params = [(rng.standard_normal(s) / np.sqrt(s[0])).astype(np.float32) for s in shapes]
-    X = rng.standard_normal((5, 2, 2, 2)).astype(np.float32)
-    y = rng.integers(0, 3, size=5)
+    spec, params, X, y = wide_linear_problem()
     one, reps1 = make(params, [mgpu.cpu(0)], spec)
     two, reps2 = make(params, [mgpu.cpu(0), mgpu.cpu(1)], spec)
     assert two._model.buckets == [(0, 301203), (301203, 1402203), (1402203, 1412103)]

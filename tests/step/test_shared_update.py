@@ -12,7 +12,7 @@ import mgpu
 from conftest import assert_close
 from mgpu import nn
 from mgpu.parallel import get_params, train_batch
-from test_fused_step import make, problem, sgd_reference
+from test_fused_step import make, problem, sgd_reference, wide_linear_problem
 
 
 def _residual_steps(k, X, y, params, shared, monkeypatch, steps=3):
@@ -55,13 +55,7 @@ def test_shared_update_equals_bucketed_allreduce_bitwise(k, n, monkeypatch):
 def test_shared_update_of_wide_layers_spans_parameters_and_blocks(monkeypatch):
     """1.4 M parameters: device chunks cut through parameters, and each chunk runs in several
     16 K-element blocks, some of them short (a parameter's end)."""
-    spec = [("flatten",), ("linear",), ("relu",), ("linear",), ("relu",), ("linear",), ("relu",),
-            ("linear",)]
-    rng = np.random.default_rng(7)
-    shapes = [(8, 1100), (1100,), (1100, 1000), (1000,), (1000, 300), (300,), (300, 3), (3,)]
-    params = [(rng.standard_normal(s) / np.sqrt(s[0])).astype(np.float32) for s in shapes]
-    X = rng.standard_normal((5, 2, 2, 2)).astype(np.float32)
-    y = rng.integers(0, 3, size=5)
+    spec, params, X, y = wide_linear_problem()
     out = {}
     for shared in (True, False):
         monkeypatch.setenv("MGPU_CPU_SHARED_UPDATE", "1" if shared else "0")

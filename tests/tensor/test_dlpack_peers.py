@@ -22,21 +22,13 @@ import textwrap
 import numpy as np
 import pytest
 
-import mgpu
 import peers
 from mgpu.bench import rivals
 from test_bfloat16 import reference_bits, widened
 
 TIMEOUT = 300  # seconds for one peer script (an interpreter start is ~1-3 s; the checks are small)
 DTYPES = ["float32", "int32", "int64", "uint8"]  # what mgpu holds
-PKG_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(mgpu.__file__)))
-
-
-def _peer_env():
-    env = dict(os.environ)
-    env["PYTHONPATH"] = PKG_ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH")
-                                    else "")
-    return env
+PKG_ROOT = peers.PKG_ROOT
 
 
 def _find_peer(peer):
@@ -50,8 +42,8 @@ def _find_peer(peer):
             tried.append(f"{py} (missing)")
             continue
         try:
-            r = subprocess.run([py, "-c", probe], capture_output=True, text=True,
-                               timeout=TIMEOUT, env=_peer_env(), cwd=os.path.dirname(__file__))
+            r = subprocess.run([py, "-c", probe], capture_output=True, text=True, timeout=TIMEOUT,
+                               env=peers.child_env(), cwd=os.path.dirname(__file__))
         except (OSError, subprocess.TimeoutExpired) as e:
             tried.append(f"{py} ({e})")
             continue
@@ -450,7 +442,7 @@ def _run_peer(name):
             code = (textwrap.dedent(COMMON).replace("@BF16_SOURCE@", BF16_SOURCE.tobytes().hex())
                     + textwrap.dedent(SCRIPTS[name]))
             r = subprocess.run([py, "-c", code], capture_output=True, text=True, timeout=TIMEOUT,
-                               env=_peer_env(), cwd=os.path.dirname(__file__))
+                               env=peers.child_env(), cwd=os.path.dirname(__file__))
             assert r.returncode == 0, \
                 f"{name} script failed:\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}"
             out = json.loads(r.stdout.strip().splitlines()[-1])

@@ -12,22 +12,14 @@ import textwrap
 import numpy as np
 import pytest
 
-import mgpu
 import peers
 from mgpu.bench import rivals
 
 TIMEOUT = 600  # seconds for one child (imports ~5-20 s; ResNet-18 on 4 images, both ways)
-PKG_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(mgpu.__file__)))
+PKG_ROOT = peers.PKG_ROOT
 HERE = os.path.dirname(os.path.abspath(__file__))
 # The CUDA libraries _core may link to, which PyTorch's wheels also bring.
 SONAMES = ["libnccl.so.2", "libcudnn.so.9", "libcublas.so.13", "libcublasLt.so.13"]
-
-
-def _env():
-    env = dict(os.environ)
-    env["PYTHONPATH"] = PKG_ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH")
-                                    else "")
-    return env
 
 
 def _peer_python(peer):
@@ -47,7 +39,7 @@ def _run(py, script, *args):
     """The JSON the child prints last; the child's failure (an ImportError of either order
     among them) fails the test with its output."""
     r = subprocess.run([py, "-c", textwrap.dedent(script), *args], capture_output=True, text=True,
-                       timeout=TIMEOUT, env=_env(), cwd=HERE)
+                       timeout=TIMEOUT, env=peers.child_env(), cwd=HERE)
     assert r.returncode == 0, f"child failed:\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}"
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert os.path.realpath(out["mgpu"]).startswith(os.path.realpath(PKG_ROOT) + os.sep), out
