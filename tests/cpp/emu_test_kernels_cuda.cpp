@@ -136,7 +136,7 @@ TEST_F(CudaKernels, Conv2dRejectsWhatItCannotLaunch) {
 }
 
 // A failed runtime call is reported once, by its own check: the launch check after the next,
-// good kernel does not find the old error and blame that kernel (issue 21, finding 11).
+// good kernel does not find the old error and blame that kernel.
 TEST_F(CudaKernels, AFailedCallIsNotReportedAgainByTheNextKernelsLaunchCheck) {
   float host = 0.0f;  // pageable host memory: cudaMemsetAsync refuses it
   EXPECT_THROW(MGPU_CUDA_CHECK(cudaMemsetAsync(&host, 0, sizeof host, stream_)), std::exception);
@@ -147,8 +147,8 @@ TEST_F(CudaKernels, AFailedCallIsNotReportedAgainByTheNextKernelsLaunchCheck) {
 }
 
 // mgpu's allocator puts a block on the device asked for even when other code on the thread (PyTorch,
-// CuPy, a user's cudaSetDevice) switched the current device since mgpu last set it (issue 21,
-// finding 4), and leaves the thread's current device as that code set it.
+// CuPy, a user's cudaSetDevice) switched the current device since mgpu last set it, and leaves
+// the thread's current device as that code set it.
 TEST(GpuDevice, AllocationLandsOnItsDeviceAfterOtherCodeSwitchedTheCurrentDevice) {
   int count = 0;
   ASSERT_EQ(cudaGetDeviceCount(&count), cudaSuccess);

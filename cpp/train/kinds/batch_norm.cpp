@@ -157,6 +157,16 @@ LayerDef batch_norm_family(const char* name, bool in_spec, int inputs) {
   return d;
 }
 
+// The fused layers: one pass forward and backward; what runs is the kind's name.
+LayerDef batch_norm_act(const char* name, int inputs) {
+  LayerDef d = batch_norm_family(name, false, inputs);
+  d.keeps = Keeps::FirstAndOutput;
+  d.forward = act_forward;
+  d.backward = act_backward;
+  d.kernels = [](const Layer& l) { return l.kind->name; };
+  return d;
+}
+
 }  // namespace
 
 const LayerDef batch_norm_layer = [] {
@@ -176,23 +186,9 @@ const LayerDef batch_norm_layer = [] {
 }();
 
 // Made from batch_norm -> relu (fields copied from the batch norm layer).
-const LayerDef batch_norm_relu_layer = [] {
-  LayerDef d = batch_norm_family("batch_norm_relu", false, 1);
-  d.keeps = Keeps::FirstAndOutput;
-  d.forward = act_forward;
-  d.backward = act_backward;
-  d.kernels = [](const Layer&) { return std::string("batch_norm_relu"); };
-  return d;
-}();
+const LayerDef batch_norm_relu_layer = batch_norm_act("batch_norm_relu", 1);
 
 // Made from batch_norm -> add -> relu: inputs x and the add's other operand.
-const LayerDef batch_norm_add_relu_layer = [] {
-  LayerDef d = batch_norm_family("batch_norm_add_relu", false, 2);
-  d.keeps = Keeps::FirstAndOutput;
-  d.forward = act_forward;
-  d.backward = act_backward;
-  d.kernels = [](const Layer&) { return std::string("batch_norm_add_relu"); };
-  return d;
-}();
+const LayerDef batch_norm_add_relu_layer = batch_norm_act("batch_norm_add_relu", 2);
 
 }  // namespace mgpu::train

@@ -157,6 +157,14 @@ class Optimizer:
                 yield i, g, p
                 i += 1
 
+    def _updates(self):
+        """(position, group, parameter, gradient) for every parameter that has a gradient: the
+        gradients checked first, then each group as :meth:`_positions` gives it."""
+        grads = self._checked_grads()
+        for i, group, p in self._positions():
+            if grads[i] is not None:
+                yield i, group, p, grads[i]
+
     # --- state ----------------------------------------------------------------------------
 
     #: The tensors a parameter's state may hold, and whether each must be there.
@@ -309,12 +317,8 @@ class SGD(Optimizer):
 
     def step(self) -> None:
         """Updates every parameter that has a gradient, in place (not recorded by autograd)."""
-        grads = self._checked_grads()
         with no_grad():
-            for i, group, p in self._positions():
-                g = grads[i]
-                if g is None:
-                    continue
+            for i, group, p, g in self._updates():
                 mom = group["momentum"]
                 buf, first = None, False
                 if mom != 0:
@@ -395,12 +399,8 @@ class Adam(Optimizer):
 
     def step(self) -> None:
         """Updates every parameter that has a gradient, in place (not recorded by autograd)."""
-        grads = self._checked_grads()
         with no_grad():
-            for i, group, p in self._positions():
-                g = grads[i]
-                if g is None:
-                    continue
+            for i, group, p, g in self._updates():
                 entry = self.state.get(i)
                 if entry is None or entry["exp_avg"].device != p.device:
                     entry = {"step": 0.0, "exp_avg": zeros_like(p), "exp_avg_sq": zeros_like(p)}
