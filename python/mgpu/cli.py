@@ -128,7 +128,8 @@ def info_lines() -> List[str]:
     import os
     import platform
 
-    from . import _core, _startup
+    from . import _startup
+    from .engine import core as _core
     b = dict(_core.build_info())
     _, model = _startup.cpu_flags_and_model()
     np_version = "?"
@@ -182,7 +183,7 @@ def _info(args) -> int:
         print(format_table())
         return 0
     if args.json:
-        from . import _core
+        from .engine import core as _core
         info = dict(_core.build_info())
         info["num_gpus"] = _core.num_gpus()
         print(json.dumps(info, indent=2))

@@ -12,7 +12,7 @@ from typing import Iterator, Optional, Tuple
 
 import numpy as np
 
-from . import _core
+from .engine import core as _core
 from .tensor import Tensor
 
 TEXT_LABELS = ["t-shirt", "trouser", "pullover", "dress", "coat",

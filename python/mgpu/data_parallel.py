@@ -13,12 +13,13 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from . import _core, autograd, nn
+from . import autograd, nn
 from . import ops as functional
 from . import random as _random
 from . import trace as _trace
 from .amp import check_comm_dtype, check_precision
 from .device import Device, as_device, try_all_gpus, try_gpu
+from .engine import core as _core
 from .fused_spec import BATCH_NORM_CONDITION, SpecBuilder, batch_norm, emits
 from .nn import BatchNormBase, Module, check_input, module_calls
 from .nn import CrossEntropyLoss as nn_CrossEntropyLoss

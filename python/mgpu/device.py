@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import List
 
-from . import _core
+from .engine import core as _core
 
 Device = _core.Device
 

@@ -33,8 +33,8 @@ import os
 import sys
 from typing import Optional, Sequence, Union
 
-from . import _core
 from .device import Device, cpu, gpu, num_gpus
+from .engine import core as _core
 from .tensor import Tensor
 
 _BACKENDS = ("auto", "mpi", "nccl")

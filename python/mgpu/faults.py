@@ -15,7 +15,7 @@ import signal
 import time
 from typing import Dict
 
-from . import _core
+from .engine import core as _core
 
 _counts: Dict[str, int] = {}
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from . import _core, nn
+from . import nn
+from .engine import core as _core
 from .models import Residual
 from .nn import (
     AdaptiveAvgPool2d,

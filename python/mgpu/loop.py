@@ -61,11 +61,12 @@ from typing import Callable, List, Optional
 
 import numpy as np
 
-from . import _core, faults
 from . import checkpoint as _checkpoint
 from . import distributed as _dist
+from . import faults
 from . import random as _random
 from .device import Device
+from .engine import core as _core
 from .tensor import array
 
 # The signals a loop turns into a checkpointed stop; SIGTERM first where both arrive.

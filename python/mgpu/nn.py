@@ -16,11 +16,12 @@ from typing import Callable, Iterator, List, Mapping, NamedTuple, Optional, Tupl
 
 import numpy as np
 
-from . import _core, weights
 from . import ops as functional
 from . import random as _random
+from . import weights
 from .autograd import zero_grads
 from .device import Device, as_device
+from .engine import core as _core
 from .ops import IntPair, cross_entropy
 from .tensor import Tensor, array, ones, zeros
 

@@ -9,9 +9,10 @@ from __future__ import annotations
 import numbers
 from typing import Optional, Sequence, Tuple, Union
 
-from . import _core, amp, autograd
+from . import amp, autograd
 from . import random as _random
 from . import trace as _trace
+from .engine import core as _core
 from .tensor import (
     Tensor,
     argmax,  # noqa: F401  (an op of this module, defined where Tensor calls it)

@@ -22,11 +22,11 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from . import _core
 from . import distributed as _dist
 from . import trace as _trace
 from .amp import check_comm_dtype
 from .device import Device, as_device
+from .engine import core as _core
 from .nn_utils import check_max_norm
 from .optim.optimizers import check_betas
 from .random import check_seed

@@ -29,8 +29,9 @@ from typing import Optional, Tuple, Union
 
 import numpy as np
 
-from . import _core, amp, autograd
+from . import amp, autograd
 from .device import Device, as_device, cpu
+from .engine import core as _core
 
 try:  # optional: NumPy's bfloat16 dtype (JAX's); without it numpy() gives float32 values
     import ml_dtypes as _ml_dtypes

@@ -11,7 +11,7 @@ import os
 import time
 from typing import Callable, List, Sequence
 
-from . import _core
+from .engine import core as _core
 
 # Whether a profile records; read by every Python span site (while none records, a site costs
 # this one check).

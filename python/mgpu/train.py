@@ -13,7 +13,6 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from . import _core
 from . import checkpoint as _checkpoint
 from . import distributed as _dist
 from . import random as _random
@@ -21,6 +20,7 @@ from . import trace as _trace
 from .autograd import no_grad
 from .data import DataLoader, load_data_fashion_mnist
 from .device import Device, as_device, try_gpu
+from .engine import core as _core
 from .loop import (
     Loop,
     Progress,

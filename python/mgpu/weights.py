@@ -16,7 +16,7 @@ from typing import Dict, List, Mapping, Tuple
 
 import numpy as np
 
-from . import _core
+from .engine import core as _core
 from .tensor import Tensor, array, from_dlpack
 
 PREFIX = "module."  # what DataParallel and DistributedDataParallel put before every name

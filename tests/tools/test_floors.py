@@ -14,7 +14,7 @@ PACKAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "
 
 # Bottom to top. A module imports from its own floor or the floors below it.
 FLOORS = [
-    ("engine", ["mgpu._core", "mgpu._startup"]),
+    ("engine", ["mgpu._core", "mgpu._startup", "mgpu.engine"]),
     # Leaves on the engine: devices, the timeline's spans, the fault-injection hook, d2l's plots.
     # The table of environment variables and the safetensors format's reader and writer too.
     ("base", ["mgpu.device", "mgpu.trace", "mgpu.faults", "mgpu.plot", "mgpu.environment",

@@ -33,8 +33,8 @@ def measure_effective_cores(cores: int, n: int = 384, reps: int = 6, rounds: int
     On a quiet machine each runs as fast as alone (the full count); where other jobs hold the
     cores (or a scheduler caps this process's share) they slow each other down, and k busy
     device threads run k / effective-cores slower than alone. At most `cores`."""
-    from .. import _core
     from ..device import cpu
+    from ..engine import core as _core
     from ..ops import mm
     from ..tensor import array
     if cores <= 1:
@@ -68,7 +68,7 @@ def measure_effective_cores(cores: int, n: int = 384, reps: int = 6, rounds: int
 def _gemm_flops(threads: int, n: int = 384, repeat: int = 5) -> float:
     """This machine's sgemm rate (FLOP/s) with `threads` threads: the yardstick that turns its
     per-example times into FLOPs for a described machine."""
-    from .. import _core
+    from ..engine import core as _core
     from ..ops import mm
     from ..tensor import array
     A = array(np.random.default_rng(0).random((n, n), dtype=np.float32))
@@ -85,8 +85,8 @@ def _gemm_flops(threads: int, n: int = 384, repeat: int = 5) -> float:
 
 
 def measure_allreduce(ks: Sequence[int], sizes: Sequence[int], repeat: int = 5) -> Dict:
-    from .. import _core
     from ..device import try_gpu
+    from ..engine import core as _core
     from ..parallel import allreduce
     from ..tensor import zeros
     points = []
@@ -107,7 +107,8 @@ def measure_allreduce(ks: Sequence[int], sizes: Sequence[int], repeat: int = 5) 
 
 
 def measure_mpi_allreduce(sizes: Sequence[int], repeat: int = 5) -> Optional[Dict]:
-    from .. import _core, distributed
+    from .. import distributed
+    from ..engine import core as _core
     if distributed.world_size() <= 1:
         return None
     from ..tensor import zeros
@@ -229,8 +230,9 @@ def measure(model: str = "lenet", max_devices: int = 2, quick: bool = False,
     devices (contention, see concurrency and concurrent_idle). Every traced step is fed by the
     data loader as training is (feed), and short steps are traced for at least
     MIN_TRACED_SECONDS (warm_up)."""
-    from .. import _core, distributed
+    from .. import distributed
     from ..device import try_gpu
+    from ..engine import core as _core
     world = distributed.world_size()
     # The machine's cores (under mpirun a rank may be bound to fewer: its threads say so).
     cores = (os.cpu_count() or 1) if world > 1 else len(os.sched_getaffinity(0))
@@ -398,7 +400,8 @@ def seconds_per_step(step: Callable, data: Callable[[], Tuple], n: int) -> float
     """The wall time per step of ``n`` steps back to back on the next ``data()`` batches, from
     idle devices and, under mpirun, from a barrier (the ranks start together) to the last
     device's end."""
-    from .. import _core, distributed
+    from .. import distributed
+    from ..engine import core as _core
     _core.waitall()
     if distributed.world_size() > 1:
         distributed.barrier()
@@ -488,7 +491,8 @@ def measure_rank_calibration(model: str, batch: int, steps: int) -> Dict:
     grows beyond the fair share), and a collective waits for the last rank to be scheduled,
     while a waiting rank polls and holds a core (the wall time grows beyond busy time + the
     all-reduce)."""
-    from .. import _core, distributed
+    from .. import distributed
+    from ..engine import core as _core
     ranks = distributed.world_size()
     shard = math.ceil(batch / ranks)
     dev = distributed.device()
@@ -512,7 +516,8 @@ def measure_rank_calibration(model: str, batch: int, steps: int) -> Dict:
 
 def mpi_worker(job: Dict) -> None:
     """One rank of measure_mpi."""
-    from .. import _core, distributed
+    from .. import distributed
+    from ..engine import core as _core
     distributed.init()
     sizes = [4096, 262144, 2097152] if job["quick"] else [4096, 65536, 524288, 4194304]
     fit = measure_mpi_allreduce(sizes, 3 if job["quick"] else 7)

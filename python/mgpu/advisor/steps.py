@@ -49,8 +49,8 @@ def random_batch(n: int, seed: int = 0):
 def train_split():
     """Fashion-MNIST's training split as the data loader reads it (one load of the files), or
     None where the data set is not installed."""
-    from .. import _core
     from ..data import find_data_dir
+    from ..engine import core as _core
     try:
         return _core.load_fashion_mnist(find_data_dir())[0]
     except FileNotFoundError:
@@ -89,7 +89,7 @@ def trace_steps(step: Callable, batches: Callable[[], Tuple], steps: int) -> Dic
     """Runs `steps` steps back to back (as training does: the host enqueues the next step while
     the device runs this one), each on the next batches() (X, y), inside mgpu.profile, waits for
     them, and returns the parsed trace."""
-    from .. import _core
+    from ..engine import core as _core
     from ..trace import profile
     fd, path = tempfile.mkstemp(suffix=".json")
     os.close(fd)
@@ -120,7 +120,7 @@ def warm_up(step: Callable, batches: Callable[[], Tuple], warm: int, steps: int,
     """Runs `warm` (at least 1) warm-up steps on batches(), the last one timed alone, and returns
     how many steps to trace: `steps`, or as many more as fill `min_seconds` at the last warm-up
     step's time, at most MAX_TRACED_STEPS (never fewer than `steps`)."""
-    from .. import _core
+    from ..engine import core as _core
     for _ in range(max(1, warm) - 1):
         step(*batches())
     _core.waitall()

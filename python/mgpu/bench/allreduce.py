@@ -6,8 +6,8 @@ from typing import Dict, Sequence
 
 import numpy as np
 
-from .. import _core
 from ..device import cpu, try_gpu
+from ..engine import core as _core
 from ..parallel import allreduce
 from ..tensor import zeros
 from .common import Log, fmt_pct, header, machine_lines, measure, plural, say, table

@@ -6,8 +6,8 @@ from typing import Dict, Sequence
 
 import numpy as np
 
-from .. import _core
 from ..device import as_device
+from ..engine import core as _core
 from ..tensor import array
 from .common import Log, fmt_pct, header, machine_lines, measure, ms, say, table
 

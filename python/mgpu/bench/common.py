@@ -12,7 +12,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
-from .. import _core
+from ..engine import core as _core
 from ..models import LENET_SHAPES
 
 SCHEMA = "mgpu-bench/1"

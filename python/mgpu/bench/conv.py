@@ -12,8 +12,8 @@ from typing import Dict, Optional, Sequence
 
 import numpy as np
 
-from .. import _core
 from ..device import as_device
+from ..engine import core as _core
 from ..tensor import array
 from .common import Log, header, machine_lines, measure, ms, say, summarize, table
 

@@ -25,8 +25,8 @@ import sys
 import tempfile
 from typing import Dict, List, Optional, Sequence
 
-from .. import _core
 from ..data import find_data_dir
+from ..engine import core as _core
 from .common import Log, header, machine_lines, ms, say, summarize, table
 from .layers import cpu_paths
 from .rivals import find_torch_python, interpreter_path, package_root, run_rival

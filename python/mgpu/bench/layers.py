@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from typing import Dict, List, Optional, Sequence
 
-from .. import _core
+from ..engine import core as _core
 from .common import (
     Log,
     header,

@@ -6,8 +6,8 @@ from typing import Dict, List, Sequence
 
 import numpy as np
 
-from .. import _core
 from ..device import as_device, cpu
+from ..engine import core as _core
 from ..models import LENET_SHAPES, lenet_params
 from ..parallel import get_params, train_batch
 from ..tensor import array

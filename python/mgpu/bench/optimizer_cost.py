@@ -81,7 +81,7 @@ class _Side:
 
 
 def _sample(side: _Side, steps: int) -> Dict[str, float]:
-    from .. import _core
+    from ..engine import core as _core
     t0, c0 = time.perf_counter(), time.process_time()
     for _ in range(steps):
         side.step()
@@ -91,7 +91,7 @@ def _sample(side: _Side, steps: int) -> Dict[str, float]:
 
 
 def _traced_update(side: _Side, path: str) -> float:
-    from .. import _core
+    from ..engine import core as _core
     from ..trace import profile
     with profile(path):
         side.step()
@@ -104,8 +104,8 @@ def bench_optimizer_cost(devices: Sequence[int] = (1, 2), batch_size: int = 64, 
                          steps: int = 3, warmup: int = 2, configs: Sequence[str] = DEFAULT_CONFIGS,
                          seed: int = 0, log=None) -> Dict:
     """Runs the comparison (see the module's docstring) and returns its results as a dict."""
-    from .. import _core
     from ..device import cpu
+    from ..engine import core as _core
     from .common import header, say, summarize
     configs = list(configs)
     unknown = [c for c in configs if c not in CONFIGS]

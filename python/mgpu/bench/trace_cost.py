@@ -18,7 +18,7 @@ import numpy as np
 
 
 def cpu_per_step(step, steps: int) -> float:
-    from .. import _core
+    from ..engine import core as _core
     t0 = time.process_time()
     for _ in range(steps):
         step()
@@ -27,8 +27,8 @@ def cpu_per_step(step, steps: int) -> float:
 
 
 def main(argv=None) -> int:
-    from .. import _core
     from ..device import cpu
+    from ..engine import core as _core
     from ..models import lenet_params
     from ..parallel import get_params, train_batch
     from ..tensor import array

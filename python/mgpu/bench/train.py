@@ -13,10 +13,10 @@ from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
-from .. import _core
 from ..amp import autocast, check_precision
 from ..data import DataLoader, find_data_dir
 from ..device import cpu, try_gpu
+from ..engine import core as _core
 from ..models import lenet_params
 from ..parallel import get_params, train_batch
 from ..tensor import array

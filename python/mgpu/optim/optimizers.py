@@ -7,8 +7,8 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import numpy as np
 
-from .. import _core
 from ..autograd import no_grad, zero_grads
+from ..engine import core as _core
 from ..tensor import Tensor, array, check_nonnegative, zeros_like
 
 
