@@ -5,7 +5,8 @@
 // gradients and everything batch norm, the loss, softmax and the optimizer touch. Only the
 // operands of a matrix product are rounded to bfloat16, while they are packed into the panels the
 // product's register tiles read (as oneDNN's reorders do), and every product accumulates in
-// float32. The speed comes from AVX512_BF16's vdpbf16ps, two multiply-adds per float32 lane per
+// float32. (Conv passes where float32's kernels are faster round their operands first and run
+// those: see algo below.) The speed comes from AVX512_BF16's vdpbf16ps, two multiply-adds per float32 lane per
 // instruction, and from packed operands half the bytes of float32 ones; a bfloat16 tensor dtype
 // (storage, NumPy / DLPack interop) is a later stage and changes nothing here.
 //
@@ -94,10 +95,21 @@ void bf16_mm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const 
 // padded by R-1-pad with the kernel flipped and its channels swapped (K*R*S products per
 // element, one float32 sum), else col2im(W^T @ dy) (the R*S taps added in float32 after);
 // db sums dy in float32 per image and in double over images.
-// algo (conv2d.h's ConvAlgo, MGPU_CONV_ALGO): winograd runs the forward of a 3x3 stride-1 shape
-// with pad <= 2, and the data gradient through it, as Winograd F(2x2, 3x3) with these products
-// over the channels (conv2d_cpu/winograd_bf16.cpp: its error and bound); auto, tune, direct and
-// im2col keep im2col (faster so far). dw always takes the im2col product.
+// algo (conv2d.h's ConvAlgo, MGPU_CONV_ALGO):
+// - auto and tune: where float32's kernels are faster than these products, the pass rounds x, w
+//   and dy to bfloat16 (as float32 values, the rounding above) and runs float32's choice under
+//   auto on them: every shape float32's auto runs through Winograd F(4x4, 3x3) (conv2d_cpu.h's
+//   winograd_by_auto; faster than either bfloat16 kernel at every ResNet-18 3x3 stride-1 layer),
+//   and products shorter than 1024 terms (C*R*S: the stem, the 1x1 shortcuts, 64-channel
+//   stride-2 layers, LeNet). The operands are then what the products would see; a product of
+//   two bfloat16 values is exact in float32, so direct and im2col kernels keep the bound above
+//   (another order of the float32 sums), and Winograd adds float32 Winograd's own error on the
+//   rounded operands (tests/ops/test_bf16_rounded.py states it). db sums dy unrounded, as below.
+//   Other shapes take the products.
+// - winograd runs the forward of a 3x3 stride-1 shape with pad <= 2, and the data gradient
+//   through it, as Winograd F(2x2, 3x3) with these products over the channels
+//   (conv2d_cpu/winograd_bf16.cpp: its error and bound); dw takes the im2col product.
+// - direct and im2col take the im2col products everywhere (their bits are the GPU kernels').
 void bf16_conv2d_forward(const Conv2dShape& s, const float* x, const float* w, const float* b,
                          float* y, bool hardware_dot, ConvAlgo algo);
 void bf16_conv2d_backward(const Conv2dShape& s, const float* x, const float* w, const float* dy,

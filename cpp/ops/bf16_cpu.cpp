@@ -371,6 +371,58 @@ void im2col_halves(const conv::Unfold& u, const uint16_t* __restrict xb, int64_t
 }
 
 
+// y[i] = x[i] rounded to bfloat16 and widened back to float32 (the low 16 bits zero), on the
+// device's cores in chunks of 4096 floats.
+const float* rounded_floats(const float* x, int64_t n, std::vector<float>& buf) {
+  constexpr int64_t kChunk = 4096;
+  float* y = grow(buf, n);
+  parallel_for((n + kChunk - 1) / kChunk, [&](int64_t c) {
+    const int64_t i0 = c * kChunk, i1 = std::min(n, i0 + kChunk);
+    int64_t i = i0;
+    for (; i + 16 <= i1; i += 16) {
+      Vu r;
+      to_bf16(*reinterpret_cast<const Vu*>(x + i), r);
+      *reinterpret_cast<Vu*>(y + i) = r << 16;
+    }
+    for (; i < i1; ++i) y[i] = float_of(to_bf16(x[i]) << 16);
+  });
+  return y;
+}
+
+// db (K) from dy: a float32 sum per image, the images' sums added in double.
+void bias_gradient(const Conv2dShape& s, const float* dy, float* db) {
+  const int64_t PQ = s.P() * s.Q();
+  parallel_for(s.K, [&](int64_t k) {
+    double total = 0.0;
+    for (int64_t n = 0; n < s.N; ++n) {
+      const float* d = dy + (n * s.K + k) * PQ;
+      float part = 0.0f;
+      for (int64_t j = 0; j < PQ; ++j) part += d[j];
+      total += part;
+    }
+    db[k] = static_cast<float>(total);
+  });
+}
+
+// Products of at least this many k (C*R*S) take the bfloat16 products under auto; shorter ones
+// take float32's kernels on rounded operands. Measured with bench conv (AMD EPYC Zen 4, 2
+// threads, batch 64, busy machine): at ResNet-18's stride-2 layers the bf16 products took 31 ms
+// forward against float32's 21 at 64 -> 128 channels 3x3 (k 576) and 4-7 against 3 at the 1x1
+// shortcuts (k 64-256), but 16 against 21 at 128 -> 256 3x3 (k 1152) and 19 against 26 at
+// 256 -> 512 3x3.
+constexpr int64_t kBf16ProductsMinK = 1024;
+
+// True where a bf16 conv pass under algo runs float32's kernels (conv2d_cpu.cpp's choice under
+// auto, Winograd included) on operands rounded to bfloat16 instead of the bfloat16 products:
+// auto and tune, on the shapes where float32's auto takes Winograd F(4x4, 3x3) (faster than
+// either bfloat16 kernel at every ResNet-18 3x3 stride-1 layer) and on short products.
+bool rounded_float32(const Conv2dShape& s, ConvAlgo algo) {
+  return (algo == ConvAlgo::Auto || algo == ConvAlgo::Tune) &&
+         (conv::winograd_by_auto(s) || s.C * s.R * s.S < kBf16ProductsMinK);
+}
+
+thread_local std::vector<float> tl_x_rounded, tl_w_rounded, tl_dy_rounded;
+
 // x's images n0 .. n0 + B rounded, on the device's cores.
 const uint16_t* round_images(const float* x, int64_t n0, int64_t B, int64_t CHW,
                              std::vector<uint16_t>& buf) {
@@ -430,6 +482,11 @@ void bf16_mm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const 
 
 void bf16_conv2d_forward(const Conv2dShape& s, const float* x, const float* w, const float* b,
                          float* y, bool hardware_dot, ConvAlgo algo) {
+  if (rounded_float32(s, algo)) {
+    const float* xr = rounded_floats(x, s.N * s.C * s.H * s.W, tl_x_rounded);
+    const float* wr = rounded_floats(w, s.K * s.C * s.R * s.S, tl_w_rounded);
+    return conv2d_forward_algo(s, xr, wr, b, y, ConvAlgo::Auto);
+  }
   if (conv::winograd_bf16_chosen(s, algo)) {
     return conv::winograd_bf16_forward(s, x, w, b, y, hardware_dot);
   }
@@ -467,17 +524,12 @@ void bf16_conv2d_backward(const Conv2dShape& s, const float* x, const float* w, 
   const conv::Unfold u(s);
   const int64_t CRS = s.C * s.R * s.S, RS = s.R * s.S, PQ = u.P * u.Q, CHW = s.C * s.H * s.W;
   const int64_t chunk = chunk_images(s);
-  if (db) {
-    parallel_for(s.K, [&](int64_t k) {
-      double total = 0.0;
-      for (int64_t n = 0; n < s.N; ++n) {
-        const float* d = dy + (n * s.K + k) * PQ;
-        float part = 0.0f;
-        for (int64_t j = 0; j < PQ; ++j) part += d[j];
-        total += part;
-      }
-      db[k] = static_cast<float>(total);
-    });
+  if (db) bias_gradient(s, dy, db);
+  if (rounded_float32(s, algo)) {
+    const float* xr = rounded_floats(x, s.N * CHW, tl_x_rounded);
+    const float* wr = rounded_floats(w, s.K * CRS, tl_w_rounded);
+    const float* dyr = rounded_floats(dy, s.N * s.K * PQ, tl_dy_rounded);
+    return conv2d_backward_algo(s, xr, wr, dyr, dx, dw, nullptr, ConvAlgo::Auto);
   }
   // A stride-1 square kernel's data gradient is a convolution itself: dy padded by R-1-pad
   // with the kernel flipped and its channels swapped, run after the loop through the forward

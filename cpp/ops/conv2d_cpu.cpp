@@ -360,6 +360,9 @@ void run_chosen(const Conv2dShape& s, ConvAlgo want, int64_t direction, const Ru
 }
 
 }  // namespace
+
+bool winograd_by_auto(const Conv2dShape& s) { return !rule_only(s, ConvAlgo::Auto); }
+
 }  // namespace conv
 
 std::string conv_autotune_report() {

@@ -235,11 +235,12 @@ TEST(Bf16CpuIsa, DenormalResultsAreFlushedOnEveryPath) {
 // conv2d's three passes in bf16: the same bits on every path (padding, stride 2, odd P*Q, chunks
 // of several images, a tail chunk; the data gradient as a forward pass for stride 1 with pad 0
 // to R-1 and through col2im otherwise; 4x4 outputs, whose rows the unfolding's vector copies
-// run past), by im2col (direct) and by Winograd F(2x2, 3x3) where it applies (odd images whose
-// edge tiles overhang, an odd channel count, pad 0 to 2, several chunks of images).
+// run past), by im2col (direct), by Winograd F(2x2, 3x3) where it applies (odd images whose
+// edge tiles overhang, an odd channel count, pad 0 to 2, several chunks of images), and by auto
+// (float32's kernels on rounded operands, Winograd F(4x4, 3x3) among them, and the products).
 TEST(Bf16CpuIsa, ConvPassesGiveTheSameBitsOnEveryPath) {
   if (!avx512_runs()) GTEST_SKIP() << "no AVX-512 on this CPU";
-  for (ConvAlgo algo : {ConvAlgo::Direct, ConvAlgo::Winograd})
+  for (ConvAlgo algo : {ConvAlgo::Direct, ConvAlgo::Winograd, ConvAlgo::Auto})
   for (const Conv2dShape& s : {Conv2dShape{5, 3, 9, 7, 10, 3, 3, 1, 1},
                                Conv2dShape{3, 6, 8, 8, 5, 3, 3, 2, 1},
                                Conv2dShape{70, 4, 5, 5, 3, 1, 1, 1, 0},

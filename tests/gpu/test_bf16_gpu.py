@@ -1,7 +1,9 @@
 """bfloat16 products on emulated GPUs (cpp/ops/bf16_gpu.h): mm and conv2d's three passes with
 precision="bf16" run our CUDA kernels, which sum in the CPU's order, so they give the CPU
 kernels' bits; against NumPy float64 they keep tests/ops/test_bf16.py's bound (bfloat16's 8-bit
-significand). The book's loop under ``mgpu.autocast("bf16")`` and the fused step with
+significand). The CPU's side runs MGPU_CONV_ALGO=direct, its bfloat16 products: auto runs
+float32's kernels on rounded operands at most shapes (bf16.h), another order of sums. The book's
+loop under ``mgpu.autocast("bf16")`` and the fused step with
 ``precision="bf16"`` run on GPUs too, and the deterministic fused step gives the same bits on 1
 and 2 GPUs."""
 import numpy as np
@@ -86,7 +88,8 @@ def conv_passes(device, x, w, b, dy, stride, pad):
 
 @pytest.mark.parametrize("xshape,K,R,stride,pad,bias", CONVS)
 def test_conv2d_bf16_on_a_gpu_is_the_cpus_bits_and_within_the_bound(xshape, K, R, stride, pad,
-                                                                     bias):
+                                                                     bias, monkeypatch):
+    monkeypatch.setenv("MGPU_CONV_ALGO", "direct")
     rng = np.random.default_rng(3)
     N, C, H, W = xshape
     x = rng.standard_normal(xshape).astype(np.float32)
@@ -119,7 +122,8 @@ def test_conv2d_bf16_on_a_gpu_is_the_cpus_bits_and_within_the_bound(xshape, K, R
         assert np.all(np.abs(dw - dw64) <= bound), "dw on a gpu: above the bfloat16 bound"
 
 
-def test_autocast_on_a_gpu_runs_the_bf16_products():
+def test_autocast_on_a_gpu_runs_the_bf16_products(monkeypatch):
+    monkeypatch.setenv("MGPU_CONV_ALGO", "direct")
     rng = np.random.default_rng(4)
     x, w, b = rng.normal(size=(2, 3, 6, 6)), rng.normal(size=(4, 3, 3, 3)), rng.normal(size=4)
     g = mgpu.gpu(0)

@@ -308,6 +308,10 @@ void lanes_dx(const Conv2dShape& s, const float* w, const float* dyT, float* dxT
 
 // ---- winograd.cpp: F(4x4, 3x3) for 3x3 stride-1 convs with pad <= 2 ----
 bool winograd_fits(const Conv2dShape& s);
+// True where MGPU_CONV_ALGO=auto runs shape s through Winograd F(4x4, 3x3) (conv2d_cpu.cpp's
+// rule: 3x3 stride 1, enough channels and pixels); precision bf16 follows the same rule
+// (bf16.h).
+bool winograd_by_auto(const Conv2dShape& s);
 void winograd_forward(const Conv2dShape& s, const float* x, const float* w, const float* b,
                       float* y);
 // As conv2d_backward: dx and db may be null, dw may not.
@@ -320,8 +324,8 @@ void winograd_fused_forward(const Conv2dShape& s, const float* x, const float* U
 
 // ---- winograd_bf16.cpp: F(2x2, 3x3) with bfloat16 products (ops/bf16.h) ----
 // True where bf16_conv2d_forward runs winograd_bf16_forward for shape s under algorithm algo:
-// winograd, for every 3x3 stride-1 conv with pad <= 2; auto, tune, direct and im2col keep the
-// im2col products (faster so far: see winograd_bf16_chosen).
+// winograd, for every 3x3 stride-1 conv with pad <= 2; no other algorithm takes it (bf16.h,
+// and winograd_bf16_chosen's measurements).
 bool winograd_bf16_chosen(const Conv2dShape& s, ConvAlgo algo);
 // y = conv(x, w) + b (b may be null) for a 3x3 stride-1 conv with pad <= 2.
 void winograd_bf16_forward(const Conv2dShape& s, const float* x, const float* w, const float* b,

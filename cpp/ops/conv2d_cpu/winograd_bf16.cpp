@@ -143,8 +143,9 @@ void output_tiles(int64_t P, int64_t Q, int64_t tr, int64_t tc, const float* __r
 
 }  // namespace
 
-// Only MGPU_CONV_ALGO=winograd takes it: auto and tune keep the im2col products, which measured
-// faster at every ResNet-18 3x3 layer (bench conv, batch 64, forward 27-36 ms against 43-194 ms,
+// Only MGPU_CONV_ALGO=winograd takes it: auto and tune run float32 Winograd F(4x4, 3x3) on
+// rounded operands at these shapes (bf16.h), and the im2col products measured faster than this
+// kernel at every ResNet-18 3x3 layer (bench conv, batch 64, forward 27-36 ms against 43-194 ms,
 // backward with dx likewise or worse; AMD EPYC Zen 4, 2 threads, a busy machine): these
 // transforms are scalar loops staged through memory, not fused with the products as
 // winograd_fused.cpp's are.

@@ -23,9 +23,11 @@ RESNET18_3X3 = [(64, 28), (128, 14), (256, 7), (512, 4)]
 RESNET18_STRIDE2 = [(64, 28, 128, 3, 2, 1), (128, 14, 256, 3, 2, 1), (256, 7, 512, 3, 2, 1),
                     (64, 28, 128, 1, 2, 0), (128, 14, 256, 1, 2, 0), (256, 7, 512, 1, 2, 0)]
 LAYER_SETS = {"3x3": RESNET18_3X3, "stride2": RESNET18_STRIDE2}
-# bf16-NAME: precision "bf16" (ops/bf16.h) under MGPU_CONV_ALGO=NAME (bf16-winograd: F(2x2, 3x3)
-# with bfloat16 products, bf16-direct: im2col with bfloat16 products).
-ALGOS = ("direct", "im2col", "winograd", "bf16-direct", "bf16-winograd")
+# bf16-NAME: precision "bf16" (ops/bf16.h) under MGPU_CONV_ALGO=NAME (bf16-auto: the default,
+# float32 Winograd F(4x4, 3x3) on operands rounded to bfloat16 where float32's auto takes
+# Winograd; bf16-winograd: F(2x2, 3x3) with bfloat16 products; bf16-direct: im2col with bfloat16
+# products).
+ALGOS = ("direct", "im2col", "winograd", "bf16-auto", "bf16-direct", "bf16-winograd")
 
 
 def bench_conv(batch: int = 64, algos: Sequence[str] = ("direct", "winograd"), rounds: int = 3,
