@@ -97,14 +97,16 @@ void bf16_mm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const 
 // db sums dy in float32 per image and in double over images.
 // algo (conv2d.h's ConvAlgo, MGPU_CONV_ALGO):
 // - auto and tune: where float32's kernels are faster than these products, the pass rounds x, w
-//   and dy to bfloat16 (as float32 values, the rounding above) and runs float32's choice under
-//   auto on them: every shape float32's auto runs through Winograd F(4x4, 3x3) (conv2d_cpu.h's
-//   winograd_by_auto; faster than either bfloat16 kernel at every ResNet-18 3x3 stride-1 layer),
-//   and products shorter than 1024 terms (C*R*S: the stem, the 1x1 shortcuts, 64-channel
-//   stride-2 layers, LeNet). The operands are then what the products would see; a product of
+//   and dy to bfloat16 (as float32 values, the rounding above: ops/bf16_round.h) and runs
+//   float32's choice under auto on them: every shape float32's auto runs through Winograd
+//   F(4x4, 3x3) (conv2d_cpu.h's winograd_by_auto; faster than either bfloat16 kernel at every
+//   ResNet-18 3x3 stride-1 layer; its transforms round x and dy as they read them), and products
+//   shorter than 1024 terms (C*R*S: the stem, the 1x1 shortcuts, 64-channel stride-2 layers,
+//   LeNet; rounded copies). The operands are then what the products would see; a product of
 //   two bfloat16 values is exact in float32, so direct and im2col kernels keep the bound above
 //   (another order of the float32 sums), and Winograd adds float32 Winograd's own error on the
-//   rounded operands (tests/ops/test_bf16_rounded.py states it). db sums dy unrounded, as below.
+//   rounded operands (tests/ops/test_bf16_rounded.py states it). db sums dy unrounded (Winograd's
+//   weight gradient as float32's does, else as below).
 //   Other shapes take the products.
 // - winograd runs the forward of a 3x3 stride-1 shape with pad <= 2, and the data gradient
 //   through it, as Winograd F(2x2, 3x3) with these products over the channels

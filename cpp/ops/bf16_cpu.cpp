@@ -12,6 +12,7 @@
 
 #include "core/parallel.h"
 #include "ops/bf16.h"
+#include "ops/bf16_round.h"
 #include "ops/conv2d_cpu/conv2d_cpu.h"
 #include "ops/cpu_isa.h"
 
@@ -20,41 +21,14 @@ namespace mgpu::ops::cpu::MGPU_CPU_ISA {
 namespace {
 
 typedef float Vf __attribute__((vector_size(64), aligned(4), may_alias));
-typedef uint32_t Vu __attribute__((vector_size(64), aligned(4), may_alias));
+using bf16::Vu;
 typedef int32_t Vi __attribute__((vector_size(64)));
 
 constexpr int64_t kMr = kBf16Mr, kNr = kBf16Nr;
 
-inline uint32_t bits_of(float x) {
-  uint32_t u;
-  std::memcpy(&u, &x, sizeof u);
-  return u;
-}
-inline float float_of(uint32_t u) {
-  float x;
-  std::memcpy(&x, &u, sizeof x);
-  return x;
-}
-
-// float -> bfloat16 bits (bf16.h): zeros and denormals to a signed zero, inf kept, NaN kept and
-// quieted, the rest rounded to nearest even by adding 0x7fff plus the kept part's lowest bit.
-inline uint32_t to_bf16(float x) {
-  const uint32_t b = bits_of(x), e = b & 0x7f800000u;
-  if (e == 0) return (b >> 16) & 0x8000u;
-  if (e == 0x7f800000u) return (b >> 16) | ((b & 0x7fffffu) ? 0x40u : 0u);
-  return (b + 0x7fffu + ((b >> 16) & 1u)) >> 16;
-}
-
-// The same for 16 lanes at once (branch-free: every case computed, then selected by masks).
-// Through references: a 64-byte vector argument or result would change the ABI on the AVX2 path.
-inline void to_bf16(const Vu& b, Vu& out) {
-  const Vu e = b & 0x7f800000u;
-  const Vu zero = (Vu)(e == 0u), special = (Vu)(e == 0x7f800000u);
-  const Vu nan = (Vu)((b & 0x7fffffu) != 0u) & special;
-  const Vu rounded = (b + 0x7fffu + ((b >> 16) & 1u)) >> 16;
-  const Vu top = b >> 16;
-  out = (rounded & ~(zero | special)) | ((top & 0x8000u) & zero) | (top & special) | (nan & 0x40u);
-}
+using bf16::bits_of;
+using bf16::float_of;
+using bf16::to_bf16;
 
 
 // Packs kW words per k pair: word j of pair p holds (bf16(e(2p + 1, j0 + j)) << 16) |
@@ -378,13 +352,8 @@ const float* rounded_floats(const float* x, int64_t n, std::vector<float>& buf) 
   float* y = grow(buf, n);
   parallel_for((n + kChunk - 1) / kChunk, [&](int64_t c) {
     const int64_t i0 = c * kChunk, i1 = std::min(n, i0 + kChunk);
-    int64_t i = i0;
-    for (; i + 16 <= i1; i += 16) {
-      Vu r;
-      to_bf16(*reinterpret_cast<const Vu*>(x + i), r);
-      *reinterpret_cast<Vu*>(y + i) = r << 16;
-    }
-    for (; i < i1; ++i) y[i] = float_of(to_bf16(x[i]) << 16);
+    std::copy(x + i0, x + i1, y + i0);
+    bf16::round_in_place(y + i0, i1 - i0);
   });
   return y;
 }
@@ -412,13 +381,16 @@ void bias_gradient(const Conv2dShape& s, const float* dy, float* db) {
 // 256 -> 512 3x3.
 constexpr int64_t kBf16ProductsMinK = 1024;
 
-// True where a bf16 conv pass under algo runs float32's kernels (conv2d_cpu.cpp's choice under
-// auto, Winograd included) on operands rounded to bfloat16 instead of the bfloat16 products:
-// auto and tune, on the shapes where float32's auto takes Winograd F(4x4, 3x3) (faster than
-// either bfloat16 kernel at every ResNet-18 3x3 stride-1 layer) and on short products.
-bool rounded_float32(const Conv2dShape& s, ConvAlgo algo) {
-  return (algo == ConvAlgo::Auto || algo == ConvAlgo::Tune) &&
-         (conv::winograd_by_auto(s) || s.C * s.R * s.S < kBf16ProductsMinK);
+// How a bf16 conv pass runs under algo: auto and tune take float32's kernels on operands
+// rounded to bfloat16 where those are faster than the bfloat16 products: float32 Winograd
+// F(4x4, 3x3) on the shapes where float32's auto takes it (faster than either bfloat16 kernel at
+// every ResNet-18 3x3 stride-1 layer; it rounds x and dy as it reads them), float32's rule on
+// rounded copies for short products; other shapes and algorithms take the products.
+enum class Bf16Route { Products, RoundedWinograd, RoundedRule };
+Bf16Route bf16_route(const Conv2dShape& s, ConvAlgo algo) {
+  if (algo != ConvAlgo::Auto && algo != ConvAlgo::Tune) return Bf16Route::Products;
+  if (conv::winograd_by_auto(s)) return Bf16Route::RoundedWinograd;
+  return s.C * s.R * s.S < kBf16ProductsMinK ? Bf16Route::RoundedRule : Bf16Route::Products;
 }
 
 thread_local std::vector<float> tl_x_rounded, tl_w_rounded, tl_dy_rounded;
@@ -482,9 +454,11 @@ void bf16_mm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const 
 
 void bf16_conv2d_forward(const Conv2dShape& s, const float* x, const float* w, const float* b,
                          float* y, bool hardware_dot, ConvAlgo algo) {
-  if (rounded_float32(s, algo)) {
-    const float* xr = rounded_floats(x, s.N * s.C * s.H * s.W, tl_x_rounded);
+  const Bf16Route route = bf16_route(s, algo);
+  if (route != Bf16Route::Products) {
     const float* wr = rounded_floats(w, s.K * s.C * s.R * s.S, tl_w_rounded);
+    if (route == Bf16Route::RoundedWinograd) return conv::winograd_forward(s, x, wr, b, y, true);
+    const float* xr = rounded_floats(x, s.N * s.C * s.H * s.W, tl_x_rounded);
     return conv2d_forward_algo(s, xr, wr, b, y, ConvAlgo::Auto);
   }
   if (conv::winograd_bf16_chosen(s, algo)) {
@@ -524,10 +498,16 @@ void bf16_conv2d_backward(const Conv2dShape& s, const float* x, const float* w, 
   const conv::Unfold u(s);
   const int64_t CRS = s.C * s.R * s.S, RS = s.R * s.S, PQ = u.P * u.Q, CHW = s.C * s.H * s.W;
   const int64_t chunk = chunk_images(s);
-  if (db) bias_gradient(s, dy, db);
-  if (rounded_float32(s, algo)) {
-    const float* xr = rounded_floats(x, s.N * CHW, tl_x_rounded);
+  const Bf16Route route = bf16_route(s, algo);
+  // db sums dy unrounded: Winograd's weight gradient does as it reads dy, before rounding it.
+  if (route == Bf16Route::RoundedWinograd) {
     const float* wr = rounded_floats(w, s.K * CRS, tl_w_rounded);
+    return conv::winograd_backward(s, x, wr, dy, dx, dw, db, true);
+  }
+  if (db) bias_gradient(s, dy, db);
+  if (route == Bf16Route::RoundedRule) {
+    const float* wr = rounded_floats(w, s.K * CRS, tl_w_rounded);
+    const float* xr = rounded_floats(x, s.N * CHW, tl_x_rounded);
     const float* dyr = rounded_floats(dy, s.N * s.K * PQ, tl_dy_rounded);
     return conv2d_backward_algo(s, xr, wr, dyr, dx, dw, nullptr, ConvAlgo::Auto);
   }

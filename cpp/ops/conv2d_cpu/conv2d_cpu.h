@@ -312,15 +312,18 @@ bool winograd_fits(const Conv2dShape& s);
 // rule: 3x3 stride 1, enough channels and pixels); precision bf16 follows the same rule
 // (bf16.h).
 bool winograd_by_auto(const Conv2dShape& s);
+// round_bf16 (precision bf16, bf16.h): x and dy are rounded to bfloat16 (ops/bf16_round.h) as
+// the transforms read them, which gives the bits of the pass on rounded copies; w is not (the
+// caller rounds it). db, where asked for, sums dy unrounded.
 void winograd_forward(const Conv2dShape& s, const float* x, const float* w, const float* b,
-                      float* y);
+                      float* y, bool round_bf16 = false);
 // As conv2d_backward: dx and db may be null, dw may not.
 void winograd_backward(const Conv2dShape& s, const float* x, const float* w, const float* dy,
-                       float* dx, float* dw, float* db);
+                       float* dx, float* dw, float* db, bool round_bf16 = false);
 // winograd_fused.cpp: y = conv(x, w) + b (b may be null) from U (36, K, C), the transformed
 // weights, with the input and output transforms fused around the products, block by block.
 void winograd_fused_forward(const Conv2dShape& s, const float* x, const float* U, const float* b,
-                            float* y);
+                            float* y, bool round_bf16);
 
 // ---- winograd_bf16.cpp: F(2x2, 3x3) with bfloat16 products (ops/bf16.h) ----
 // True where bf16_conv2d_forward runs winograd_bf16_forward for shape s under algorithm algo:
@@ -333,7 +336,8 @@ void winograd_bf16_forward(const Conv2dShape& s, const float* x, const float* w,
 
 // ---- winograd_dw.cpp: the weight and bias gradients of winograd_backward ----
 // dw (K, C, 3, 3) and db (K; may be null) of a shape winograd_fits.
-void winograd_dw(const Conv2dShape& s, const float* x, const float* dy, float* dw, float* db);
+void winograd_dw(const Conv2dShape& s, const float* x, const float* dy, float* dw, float* db,
+                 bool round_bf16);
 
 // ---- relu_pool.cpp: bias + relu + average pooling of one plane, and its gradient ----
 void bias_relu_pool_plane(const float* __restrict v, float bias, int64_t P, int64_t Q, int64_t pool,

@@ -96,8 +96,8 @@ void transform_weights(const float* w, int64_t K, int64_t C, bool flip_transpose
 // y = conv(x, w) + b with U the transformed weights (36, K, C): the transforms fused with the
 // products, block by block (winograd_fused.cpp).
 void forward_with_u(const Conv2dShape& s, const float* x, const float* U, const float* b,
-                    float* y) {
-  winograd_fused_forward(s, x, U, b, y);
+                    float* y, bool round_bf16) {
+  winograd_fused_forward(s, x, U, b, y, round_bf16);
 }
 
 }  // namespace
@@ -111,15 +111,15 @@ bool winograd_fits(const Conv2dShape& s) {
 }
 
 void winograd_forward(const Conv2dShape& s, const float* x, const float* w, const float* b,
-                      float* y) {
+                      float* y, bool round_bf16) {
   float* U = scratch(tl_transformed, kPoints * s.K * s.C);
   transform_weights(w, s.K, s.C, false, U);
-  forward_with_u(s, x, U, b, y);
+  forward_with_u(s, x, U, b, y, round_bf16);
 }
 
 void winograd_backward(const Conv2dShape& s, const float* x, const float* w, const float* dy,
-                       float* dx, float* dw, float* db) {
-  winograd_dw(s, x, dy, dw, db);
+                       float* dx, float* dw, float* db, bool round_bf16) {
+  winograd_dw(s, x, dy, dw, db, round_bf16);
   const int64_t P = s.P(), Q = s.Q(), KC = s.K * s.C;
   // dx: a Winograd convolution of dy (N, K, P, Q) with the flipped, transposed kernel and
   // padding 2 - pad, whose output is (N, C, H, W).
@@ -127,7 +127,7 @@ void winograd_backward(const Conv2dShape& s, const float* x, const float* w, con
     const Conv2dShape t{s.N, s.K, P, Q, s.C, 3, 3, 1, 2 - s.pad};
     float* U = scratch(tl_transformed, kPoints * KC);
     transform_weights(w, s.C, s.K, true, U);
-    forward_with_u(t, dy, U, nullptr, dx);
+    forward_with_u(t, dy, U, nullptr, dx, round_bf16);
   }
 }
 

@@ -36,6 +36,7 @@
 #include <cmath>
 
 #include "core/parallel.h"
+#include "ops/bf16_round.h"
 #include "ops/conv2d_cpu/conv2d_cpu.h"
 
 namespace mgpu::ops::cpu::MGPU_CPU_ISA::conv {
@@ -129,11 +130,12 @@ inline int64_t panel_offset(int64_t xi, int64_t c, int64_t t, int64_t T, int64_t
 // V[xi][c0 / 16][t0 + j][0 .. 16) for the tiles j of one image's 16 channels c0.. of x, in the
 // block's panel v (36, Cp / 16, T, 16).
 void transform_input(const Conv2dShape& s, const Grid& g, const float* x, int64_t c0,
-                     float* __restrict v, int64_t t0, int64_t T, int64_t Cp) {
+                     float* __restrict v, int64_t t0, int64_t T, int64_t Cp, bool round_bf16) {
   const int64_t HW = s.H * s.W, Hp = kTile * g.rows + 2, Wp = kTile * g.cols + 2;
   float* xT = scratch(tl_frame, (HW + Hp * Wp) * kLanes);
   float* frame = xT + HW * kLanes;
   to_lanes(x + c0 * HW, HW, std::min<int64_t>(kLanes, s.C - c0), HW, xT);
+  if (round_bf16) bf16::round_vectors(xT, HW * kLanes / 16);
   frame_plane(xT, s.H, s.W, s.pad, Hp, Wp, frame);
   for (int64_t j = 0; j < g.per_image; ++j) {
     const float* src = frame + ((j / g.cols) * kTile * Wp + (j % g.cols) * kTile) * kLanes;
@@ -159,7 +161,7 @@ void transform_input(const Conv2dShape& s, const Grid& g, const float* x, int64_
 // into sums[k0 ..).
 void transform_grad(const Conv2dShape& s, const Grid& g, const float* dy, int64_t k0,
                     float* __restrict dm, int64_t t0, int64_t T, int64_t Kp,
-                    float* __restrict sums) {
+                    float* __restrict sums, bool round_bf16) {
   const int64_t P = s.P(), Q = s.Q(), PQ = P * Q, Pp = kTile * g.rows, Qp = kTile * g.cols;
   float* dyT = scratch(tl_frame, (PQ + Pp * Qp) * kLanes);
   float* frame = dyT + PQ * kLanes;
@@ -171,6 +173,7 @@ void transform_grad(const Conv2dShape& s, const Grid& g, const float* dy, int64_
     sum += p;
   }
   st16(sums + k0, sum);
+  if (round_bf16) bf16::round_vectors(dyT, PQ * kLanes / 16);  // after the sums: db is unrounded
   frame_plane(dyT, P, Q, 0, Pp, Qp, frame);
   for (int64_t j = 0; j < g.per_image; ++j) {
     const float* src = frame + ((j / g.cols) * kTile * Qp + (j % g.cols) * kTile) * kLanes;
@@ -271,7 +274,8 @@ constexpr auto kProducts = table_1_to<kMR, kNV>([](auto mr, auto nv) -> ProductF
 
 }  // namespace
 
-void winograd_dw(const Conv2dShape& s, const float* x, const float* dy, float* dw, float* db) {
+void winograd_dw(const Conv2dShape& s, const float* x, const float* dy, float* dw, float* db,
+                 bool round_bf16) {
   const Grid g(s);
   const int64_t PQ = s.P() * s.Q(), HW = s.H * s.W;
   const int64_t Cp = (s.C + kLanes - 1) / kLanes * kLanes, Kp = (s.K + kLanes - 1) / kLanes * kLanes;
@@ -292,10 +296,11 @@ void winograd_dw(const Conv2dShape& s, const float* x, const float* dy, float* d
     parallel_for(B * (Cc + Kc), [&](int64_t job) {
       const int64_t i = job / (Cc + Kc), chunk = job % (Cc + Kc), n = n0 + i;
       if (chunk < Cc) {
-        transform_input(s, g, x + n * s.C * HW, chunk * kLanes, v, i * g.per_image, T, Cp);
+        transform_input(s, g, x + n * s.C * HW, chunk * kLanes, v, i * g.per_image, T, Cp,
+                        round_bf16);
       } else {
         transform_grad(s, g, dy + n * s.K * PQ, (chunk - Cc) * kLanes,
-                       dm, i * g.per_image, T, Kp, sums + n * Kp);
+                       dm, i * g.per_image, T, Kp, sums + n * Kp, round_bf16);
       }
     });
     const bool add = n0 > 0;

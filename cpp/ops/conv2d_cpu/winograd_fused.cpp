@@ -34,6 +34,7 @@
 #include <cmath>
 
 #include "core/parallel.h"
+#include "ops/bf16_round.h"
 #include "ops/conv2d_cpu/conv2d_cpu.h"
 
 namespace mgpu::ops::cpu::MGPU_CPU_ISA::conv {
@@ -216,7 +217,7 @@ inline void gather_patch(const float* xb, int64_t W, const ChunkGeo& cg,
 // t >= nt up to the next multiple of kTileQuantum set to 0.
 void transform_block_input(const Conv2dShape& s, const float* __restrict x, const TileGeo* geo,
                            const ChunkGeo* chunk, const int64_t* lines, int64_t nlines,
-                           int64_t nt, int64_t Tb, float* __restrict vp) {
+                           int64_t nt, int64_t Tb, float* __restrict vp, bool round_bf16) {
   const int64_t v_step = point_step(s.C, Tb);
   const int64_t HW = s.H * s.W, W = s.W, C = s.C;
   const int64_t chunks = (nt + kTileQuantum - 1) / kTileQuantum * (kTileQuantum / kL);
@@ -233,6 +234,7 @@ void transform_block_input(const Conv2dShape& s, const float* __restrict x, cons
       alignas(64) float d[kAlpha][kAlpha][kL];
       const ChunkGeo& cg = chunk[q];
       gather_patch(xc + cg.base, W, cg, d);
+      if (round_bf16) bf16::round_vectors(&d[0][0][0], kAlpha * kAlpha * kL / 16);
       alignas(64) float col[kAlpha][kL], rt[kAlpha][kL], tr[kAlpha][kAlpha][kL];
       for (int b = 0; b < kAlpha; ++b) {  // along the rows: tr[.][b] = B^T d[.][b]
         for (int a = 0; a < kAlpha; ++a) {
@@ -349,7 +351,7 @@ void transform_block_output(const Conv2dShape& s, const float* __restrict mp, co
 }  // namespace
 
 void winograd_fused_forward(const Conv2dShape& s, const float* x, const float* U, const float* b,
-                            float* y) {
+                            float* y, bool round_bf16) {
   const int64_t P = s.P(), Q = s.Q(), C = s.C, K = s.K;
   const int64_t rows = (P + kTile - 1) / kTile, cols = (Q + kTile - 1) / kTile;
   const int64_t per_image = rows * cols, T = s.N * per_image;
@@ -413,7 +415,7 @@ void winograd_fused_forward(const Conv2dShape& s, const float* x, const float* U
     float* vp = scratch(tl_vpanel, kPoints * v_step);
     float* mp = scratch(tl_mpanel, kPoints * m_step);
     transform_block_input(s, x, geo, chunk, tl_lines.data(),
-                          static_cast<int64_t>(tl_lines.size()), nt, Tb, vp);
+                          static_cast<int64_t>(tl_lines.size()), nt, Tb, vp, round_bf16);
     const int64_t nt_r = (nt + kTR - 1) / kTR * kTR;  // <= the zeroed lanes of V
     for (int xi = 0; xi < kPoints; ++xi) {
       const float* uxi = U + xi * K * C;

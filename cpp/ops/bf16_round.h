@@ -1,0 +1,62 @@
+// cpp/ops/bf16_round.h -- float32 -> bfloat16 rounding (bf16.h's rule) for the per-path kernels,
+// one value or 16 lanes at a time; included by files compiled per path (cpu_isa.h), so it lives
+// in namespace cpu::MGPU_CPU_ISA::bf16. The rule: round to nearest, ties to even (add 0x7fff
+// plus the kept part's lowest bit, keep the top half); zeros and float32 denormals become a zero
+// of their sign; +-inf stays; a NaN stays a NaN with its sign and top mantissa bits, quieted.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+namespace mgpu::ops::cpu::MGPU_CPU_ISA::bf16 {
+
+typedef uint32_t Vu __attribute__((vector_size(64), aligned(4), may_alias));
+
+inline uint32_t bits_of(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof u);
+  return u;
+}
+inline float float_of(uint32_t u) {
+  float x;
+  std::memcpy(&x, &u, sizeof x);
+  return x;
+}
+
+// The bfloat16 bits of x (in the low 16 bits).
+inline uint32_t to_bf16(float x) {
+  const uint32_t b = bits_of(x), e = b & 0x7f800000u;
+  if (e == 0) return (b >> 16) & 0x8000u;
+  if (e == 0x7f800000u) return (b >> 16) | ((b & 0x7fffffu) ? 0x40u : 0u);
+  return (b + 0x7fffu + ((b >> 16) & 1u)) >> 16;
+}
+
+// The same for 16 lanes of float bits (branch-free: every case computed, then selected by
+// masks). Through references: a 64-byte vector argument or result would change the ABI on the
+// AVX2 path.
+inline void to_bf16(const Vu& b, Vu& out) {
+  const Vu e = b & 0x7f800000u;
+  const Vu zero = (Vu)(e == 0u), special = (Vu)(e == 0x7f800000u);
+  const Vu nan = (Vu)((b & 0x7fffffu) != 0u) & special;
+  const Vu rounded = (b + 0x7fffu + ((b >> 16) & 1u)) >> 16;
+  const Vu top = b >> 16;
+  out = (rounded & ~(zero | special)) | ((top & 0x8000u) & zero) | (top & special) | (nan & 0x40u);
+}
+
+// p[i] = p[i] rounded to bfloat16 and widened back to float32 (its low 16 bits zero), in place,
+// for i < 16 * vectors.
+inline void round_vectors(float* p, int64_t vectors) {
+  for (int64_t v = 0; v < vectors; ++v) {
+    Vu r;
+    to_bf16(*reinterpret_cast<const Vu*>(p + 16 * v), r);
+    *reinterpret_cast<Vu*>(p + 16 * v) = r << 16;
+  }
+}
+
+// The same for any n.
+inline void round_in_place(float* p, int64_t n) {
+  round_vectors(p, n / 16);
+  for (int64_t i = n / 16 * 16; i < n; ++i) p[i] = float_of(to_bf16(p[i]) << 16);
+}
+
+}  // namespace mgpu::ops::cpu::MGPU_CPU_ISA::bf16
