@@ -113,8 +113,9 @@ struct FlushDenormals {
 
 // The register tile t (kMr x kNr floats, rows kNr apart) += the product of one packed panel pair
 // over `pairs` k pairs, as float32 FMAs: per pair, the odd element's product, then the even one's.
-// A sub-tile of kRows x 16 * kVecs at (r0, c0) at a time: 8 x 32 on AVX-512 (16 accumulators),
-// 4 x 16 on AVX2 (8 ymm accumulators); the order of each output's adds is the same either way.
+// A sub-tile of kRows x 16 * kVecs at (r0, c0) at a time: 8 x 32 on AVX-512 (16 accumulators);
+// the AVX2 path's tile_fma below runs 4 x 16 sub-tiles with the same order of each output's adds.
+#if defined(__AVX512F__)
 template <int kRows, int kVecs>
 inline void tile_fma_part(int64_t pairs, const uint32_t* pa, const uint32_t* pb, float* t,
                           int64_t r0, int64_t c0) {
@@ -145,14 +146,48 @@ inline void tile_fma_part(int64_t pairs, const uint32_t* pa, const uint32_t* pb,
 
 __attribute__((noinline)) void tile_fma(int64_t pairs, const uint32_t* pa, const uint32_t* pb,
                                         float* t) {
-#if defined(__AVX512F__)
   tile_fma_part<8, 2>(pairs, pa, pb, t, 0, 0);
-#else
-  for (int64_t r0 = 0; r0 < kMr; r0 += 4) {
-    for (int64_t c0 = 0; c0 < kNr; c0 += 16) tile_fma_part<4, 1>(pairs, pa, pb, t, r0, c0);
-  }
-#endif
 }
+#else
+// AVX2: a 4 x 16 sub-tile at a time in ymm intrinsics (8 accumulators, the pair's 4 halves of B,
+// two broadcasts), the same FMAs in the same order. (tile_fma_part's 64-byte generic vectors,
+// split into ymm halves by GCC, went through the stack on every FMA here: 5-6x slower.)
+__attribute__((noinline)) void tile_fma(int64_t pairs, const uint32_t* pa, const uint32_t* pb,
+                                        float* t) {
+  const __m256i hi_mask = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+  for (int64_t r0 = 0; r0 < kMr; r0 += 4) {
+    for (int64_t c0 = 0; c0 < kNr; c0 += 16) {
+      __m256 acc[4][2];
+      for (int r = 0; r < 4; ++r) {
+        acc[r][0] = _mm256_load_ps(t + (r0 + r) * kNr + c0);
+        acc[r][1] = _mm256_load_ps(t + (r0 + r) * kNr + c0 + 8);
+      }
+      for (int64_t p = 0; p < pairs; ++p) {
+        const uint32_t* b = pb + p * kNr + c0;
+        const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b));
+        const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 8));
+        const __m256 bh0 = _mm256_castsi256_ps(_mm256_and_si256(w0, hi_mask));
+        const __m256 bh1 = _mm256_castsi256_ps(_mm256_and_si256(w1, hi_mask));
+        const __m256 bl0 = _mm256_castsi256_ps(_mm256_slli_epi32(w0, 16));
+        const __m256 bl1 = _mm256_castsi256_ps(_mm256_slli_epi32(w1, 16));
+        for (int r = 0; r < 4; ++r) {
+          const uint32_t w = pa[p * kMr + r0 + r];
+          const __m256 ah = _mm256_set1_ps(float_of(w & 0xffff0000u));
+          const __m256 al = _mm256_set1_ps(float_of(w << 16));
+          acc[r][0] = _mm256_fmadd_ps(ah, bh0, acc[r][0]);
+          acc[r][0] = _mm256_fmadd_ps(al, bl0, acc[r][0]);
+          acc[r][1] = _mm256_fmadd_ps(ah, bh1, acc[r][1]);
+          acc[r][1] = _mm256_fmadd_ps(al, bl1, acc[r][1]);
+        }
+      }
+      for (int r = 0; r < 4; ++r) {
+        _mm256_store_ps(t + (r0 + r) * kNr + c0, acc[r][0]);
+        _mm256_store_ps(t + (r0 + r) * kNr + c0 + 8, acc[r][1]);
+      }
+    }
+  }
+}
+#endif
 
 #if defined(__AVX512F__)
 // The same tile with vdpbf16ps: one instruction per 16 outputs and k pair. Compiled for
