@@ -2,10 +2,11 @@
 (``conv2d``, ``linear``, ``mm``) with bfloat16 operands and float32 sums, PyTorch's CPU autocast
 for those ops; batch norm, the loss, softmax, pooling and the optimizer stay float32, and so do
 the tensors: parameters (the master weights), activations and gradients are float32 throughout.
-The operands are rounded to bfloat16 where the C++ kernels pack them (cpp/ops/bf16.h says how,
-and what error that costs); outputs are float32, where PyTorch's autocast outputs bfloat16
-tensors (mgpu's bfloat16 tensors, ``mgpu.bfloat16``, hold data for interop and checkpoints; ops
-take float32 tensors).
+The operands are rounded to bfloat16 where the C++ kernels pack them, or, for a convolution
+whose float32 kernel is faster on the CPU (Winograd at ResNet-18's 3x3 layers), as that kernel
+reads them (cpp/ops/bf16.h says how, and what error that costs); outputs are float32, where
+PyTorch's autocast outputs bfloat16 tensors (mgpu's bfloat16 tensors, ``mgpu.bfloat16``, hold
+data for interop and checkpoints; ops take float32 tensors).
 
 An op records the precision it ran with, and its backward (dx, dW) runs with the same, as
 PyTorch's does, whether ``backward()`` is called inside the block or after it::
@@ -16,8 +17,9 @@ PyTorch's does, whether ``backward()`` is called inside the block or after it::
 
 The state is per thread (each thread starts in float32) and blocks nest:
 ``autocast(enabled=False)`` inside a bf16 block runs float32. bf16 runs on CPU devices and GPUs
-alike: mgpu's CUDA kernels sum in the CPU kernels' order and give their bits
-(cpp/ops/bf16_gpu.h, which also states the bounds of cuBLAS and cuDNN where they run).
+alike: mgpu's CUDA kernels sum in the order of the CPU's bfloat16 products
+(``MGPU_CONV_ALGO=direct``) and give their bits (cpp/ops/bf16_gpu.h, which also states the
+bounds of cuBLAS and cuDNN where they run).
 """
 from __future__ import annotations
 

@@ -185,10 +185,10 @@ def train_concise(net, num_gpus: int, batch_size: int, lr: float, num_epochs: in
     after the current step with a checkpoint and ``mgpu.Preempted`` (see ``mgpu.loop``).
     ``precision="bf16"``: the convolutions and linear layers train with bfloat16 products and
     float32 sums (the loop's forward under ``mgpu.autocast("bf16")``, or the fused step's
-    ``precision``), with or without ``accumulate``; the evaluation stays float32. On CPUs bf16
-    is currently slower than float32 for ResNet-18 (1.2-1.4x its step: its 3x3 convolutions run
-    every multiply-add, two per bf16 instruction, where float32's Winograd F(4x4, 3x3) runs a
-    quarter of them); it is there for its numerics and as the base for faster kernels.
+    ``precision``), with or without ``accumulate``; the evaluation stays float32. On CPUs the
+    convolutions whose float32 kernels are faster (ResNet-18's 3x3 stride-1 layers: Winograd
+    F(4x4, 3x3)) run those on bfloat16-rounded operands, so a bf16 epoch takes about as long as
+    a float32 one, not yet less.
     ``comm_dtype="bf16"`` (with ``fused``): the gradients are all-reduced in bfloat16, half the
     bytes (``DataParallel.train_step``'s ``comm_dtype``); a checkpoint records it and a resume
     with another is refused, as it would not end with the uninterrupted run's parameters.

@@ -474,10 +474,9 @@ def main(argv: Optional[List[str]] = None, prog: str = "mgpu") -> int:
     t.add_argument("--precision", choices=["float32", "bf16"], default="float32",
                    help="resnet18: bf16 trains the convolutions and linear layers with bfloat16 "
                         "products and float32 sums (mgpu.autocast; the fused step's precision). "
-                        "On CPUs bf16 is currently slower than float32 for ResNet-18 (1.2-1.4x its "
-                        "step: its 3x3 convolutions run every multiply-add, two per bf16 "
-                        "instruction, where float32's Winograd F(4x4, 3x3) runs a quarter of "
-                        "them); it is there for its numerics and as the base for faster kernels")
+                        "On CPUs the convolutions whose float32 kernels are faster (ResNet-18's "
+                        "3x3 stride-1 layers: Winograd) run those on bfloat16-rounded operands: "
+                        "about float32's speed, not yet faster")
     t.add_argument("--comm-dtype", choices=["float32", "bf16"], default="float32",
                    help="resnet18 --fused on CPU devices: bf16 all-reduces the gradients in "
                         "bfloat16, half the bytes (rounded to nearest even before the sum, "

@@ -391,12 +391,13 @@ class DataParallel(Module):
         ``precision="bf16"`` runs the convolutions' and linear layers' products with bfloat16
         operands and float32 sums, as the book's loop does under ``mgpu.autocast("bf16")``
         (``mgpu.amp``); batch norm, the loss and the update stay float32, as do the
-        parameters and the all-reduced (and accumulated) gradients. The bf16 kernels give the
-        same bits on every CPU path and on GPUs (mgpu's CUDA kernels), so ``deterministic``
-        keeps its promise, with ``accumulate`` too. On CPUs bf16 is currently slower than float32
-        for ResNet-18 (1.2-1.4x its step: its 3x3 convolutions run every multiply-add, two per
-        bf16 instruction, where float32's Winograd F(4x4, 3x3) runs a quarter of them); it is
-        there for its numerics and as the base for faster kernels.
+        parameters and the all-reduced (and accumulated) gradients. On CPUs a convolution whose
+        float32 kernel is faster than the bfloat16 products (ResNet-18's 3x3 stride-1 layers,
+        which run Winograd F(4x4, 3x3), and products shorter than 1024 terms) runs that kernel
+        on its operands rounded to bfloat16 (``cpp/ops/bf16.h``): the step is then about as
+        fast as float32's, not yet faster. The bf16 passes give the same bits on every CPU path
+        (and, under ``MGPU_CONV_ALGO=direct``, the GPUs' bits), so ``deterministic`` keeps its
+        promise, with ``accumulate`` too.
 
         ``nn.Dropout(p)`` layers drop elements with masks that are a function of (a seed drawn
         from ``mgpu.random`` once per step, the layer's place in the model, the example's row in
