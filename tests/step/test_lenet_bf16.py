@@ -199,7 +199,8 @@ def train_bf16(tmp_path, name=None, precision="bf16"):
     return result
 
 
-def test_train_bf16_resumes_bitwise_and_refuses_another_precision(tmp_path, monkeypatch):
+def test_train_bf16_resumes_to_the_same_losses_and_refuses_another_precision(tmp_path,
+                                                                            monkeypatch):
     """2 devices, 5 steps an epoch: a crash at step 7 resumes from step 6's checkpoint."""
     whole = train_bf16(tmp_path)
     crash_at_step(monkeypatch, 7)
