@@ -16,10 +16,6 @@ another way (truncation) farther, 5e-3 to 1e-1 here. And the bf16 step lies fart
 float32 step than float32's rounding explains (its distance from the exact float64 step, near
 1e-6), many times over, so the test tells bfloat16 from float32.
 """
-import os
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 
@@ -27,6 +23,7 @@ import ckpt_worker
 import mgpu
 import reference as ref
 from conftest import crash_at_step, requires_fashion_mnist
+from isa_paths import digests_on_every_path
 from mgpu import checkpoint as ck
 from test_bf16 import bf16_numpy
 
@@ -167,18 +164,8 @@ print(mgpu.build_info()["cpu_bf16"], h.hexdigest())
 def test_lenet_bf16_step_has_the_same_bits_on_every_isa_path():
     """avx512_bf16 (vdpbf16ps), avx512 and avx2 (float32 FMAs on the rounded values), each where
     this CPU runs it: the whole step, float32 parts included."""
-    seen = {}
-    for isa in ("avx2", "avx512", "avx512_bf16"):
-        env = dict(os.environ, MGPU_ISA=isa, MGPU_EMULATED_GPUS="0")
-        r = subprocess.run([sys.executable, "-c", ISA_CODE], env=env, capture_output=True,
-                           text=True, timeout=300)
-        if r.returncode != 0 and "lacks AVX-512" in r.stderr:
-            continue
-        assert r.returncode == 0, r.stderr
-        path, digest = r.stdout.split()
-        assert path == isa
-        seen[isa] = digest
-    assert "avx2" in seen and len(set(seen.values())) == 1, seen
+    seen = digests_on_every_path(ISA_CODE, MGPU_EMULATED_GPUS="0")
+    assert len(set(seen.values())) == 1, seen
 
 
 def test_lenet_precision_is_checked_where_it_is_given():
