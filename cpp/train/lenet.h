@@ -2,7 +2,8 @@
 // params: W1 (20, 1, 3, 3), b1 (20,), W2 (50, 20, 5, 5), b2 (50,), W3 (800, 128), b3 (128,),
 // W4 (128, 10), b4 (10,). Its layers run exactly the ops the Python autograd records for
 // mgpu.lenet (conv, relu and pool fused on CPU devices, with the same bits), so the fused step and
-// the chapter's op-by-op step compute the same numbers.
+// the chapter's op-by-op step compute the same numbers (in bf16 too, the op-by-op step under
+// mgpu.autocast("bf16")).
 #pragma once
 
 #include <vector>

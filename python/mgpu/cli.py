@@ -53,8 +53,6 @@ def _train_run(args) -> int:
     if args.comm_dtype != "float32":
         raise ValueError("--comm-dtype bf16 needs --model resnet18 --fused for now (LeNet's "
                          "fused step all-reduces float32)")
-    if args.precision != "float32" and args.op_by_op:
-        raise ValueError("--precision bf16 is a mode of LeNet's fused step; drop --op-by-op")
     if args.sync_bn or args.fused:
         raise ValueError("--sync-bn and --fused need --model resnet18 (LeNet's step is fused "
                          "already and has no batch norm)")
@@ -475,8 +473,8 @@ def main(argv: Optional[List[str]] = None, prog: str = "mgpu") -> int:
                    help="resnet18: clip the gradients' global norm to X before every update")
     t.add_argument("--precision", choices=["float32", "bf16"], default="float32",
                    help="bf16 trains the convolutions and linear layers with bfloat16 "
-                        "products and float32 sums (resnet18: mgpu.autocast or the fused step's "
-                        "precision; lenet: the fused step's, not with --op-by-op). "
+                        "products and float32 sums (mgpu.autocast in the op-by-op and book's "
+                        "loops; the fused step's precision). "
                         "On CPUs bf16 is currently slower than float32 for ResNet-18 (1.2-1.4x its "
                         "step: its 3x3 convolutions run every multiply-add, two per bf16 "
                         "instruction, where float32's Winograd F(4x4, 3x3) runs a quarter of "

@@ -17,7 +17,7 @@ from . import checkpoint as _checkpoint
 from . import distributed as _dist
 from . import random as _random
 from . import trace as _trace
-from .amp import check_precision
+from .amp import autocast, check_precision
 from .autograd import no_grad
 from .data import DataLoader, load_data_fashion_mnist
 from .device import Device, as_device, try_gpu
@@ -141,7 +141,9 @@ def train(num_gpus: int, batch_size: int, lr: float, num_epochs: int = 10,
     (``parallel.train_batch``); bias, relu, pooling, the loss, the gradient sums and SGD stay
     float32, the parameters are float32 master weights, and the evaluation runs in float32. It
     works with ``deterministic`` (the same bits on any device count), ``accumulate`` and
-    checkpoints (which record it; a resume with another precision is refused), not with ``step``.
+    checkpoints (which record it; a resume with another precision is refused). A given ``step``
+    runs under ``mgpu.autocast(precision)``: the chapter's op-by-op step then runs the same
+    products and gives the fused step's bits.
     Returns the per-epoch accuracies, losses and times.
     """
     lr = check_lr(lr, "train")
@@ -158,8 +160,11 @@ def train(num_gpus: int, batch_size: int, lr: float, num_epochs: int = 10,
     accumulate = check_accumulate(accumulate, shards, "train")
     precision = check_precision(precision, "train: precision")
     if precision != "float32" and step is not None:
-        raise ValueError("train: precision is a mode of the fused train_batch; a given step runs "
-                         "as it is written (wrap its products in mgpu.autocast('bf16') instead)")
+        given = step
+
+        def step(X, y, device_params, devices, lr):
+            with autocast(precision):
+                return given(X, y, device_params, devices, lr)
     if accumulate != 1 and step is not None:
         raise ValueError("train: accumulate is a mode of the fused train_batch; the chapter's "
                          "op-by-op step takes the whole batch (drop accumulate or step)")

@@ -173,8 +173,22 @@ def test_lenet_precision_is_checked_where_it_is_given():
     reps = [mgpu.get_params([mgpu.array(p) for p in params], mgpu.cpu(0))]
     with pytest.raises(ValueError, match="train_batch: precision must be 'float32' or 'bf16'"):
         mgpu.train_batch(mgpu.array(X), mgpu.array(y), reps, [mgpu.cpu(0)], LR, precision="fp16")
-    with pytest.raises(ValueError, match="train: precision is a mode of the fused train_batch"):
-        mgpu.train(1, 4, LR, 1, data=([], []), step=mgpu.chapter.train_batch, precision="bf16")
+    with pytest.raises(ValueError, match="train: precision must be 'float32' or 'bf16'"):
+        mgpu.train(1, 4, LR, 1, data=([], []), precision="half")
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_lenet_bf16_fused_step_is_the_chapters_step_under_autocast(k):
+    """The chapter's op-by-op step (autograd, Python all-reduce) under mgpu.autocast("bf16")
+    runs the same products on the same values: the fused step's bits."""
+    X, y, params = problem(seed=1, n=13)
+    devices = [mgpu.cpu(i) for i in range(k)]
+    fused, _ = fused_step(X, y, params, devices, "bf16")
+    reps = [mgpu.get_params([mgpu.array(p) for p in params], d) for d in devices]
+    with mgpu.autocast("bf16"):
+        mgpu.chapter.train_batch(mgpu.array(X), mgpu.array(y), reps, devices, LR)
+    for i, (a, b) in enumerate(zip(fused, reps[0])):
+        assert a.tobytes() == b.numpy().tobytes(), f"param {i}: fused vs op by op"
 
 
 def train_bf16(tmp_path, name=None, precision="bf16"):
@@ -210,6 +224,7 @@ def test_cli_trains_lenet_in_bf16(capsys):
                      "--limit-batches", "3", "--epochs", "1", "--batch-size", "64",
                      "--deterministic"]) == 0
     assert capsys.readouterr().out.strip().splitlines()[-1].startswith("test acc: ")
-    assert cli.main(["train", "--model", "lenet", "--precision", "bf16", "--op-by-op"]) == 2
-    assert "drop --op-by-op" in capsys.readouterr().err
+    assert cli.main(["train", "--model", "lenet", "--precision", "bf16", "--op-by-op",
+                     "--limit-batches", "2", "--epochs", "1", "--batch-size", "64"]) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1].startswith("test acc: ")
 
