@@ -9,6 +9,7 @@
 #include "comm/collective_counts.h"
 #include "core/queue.h"
 #include "ops/elementwise.h"
+#include "ops/precision.h"
 #include "train/lenet.h"
 #include "train/train_batch.h"
 
@@ -119,18 +120,20 @@ void bind_train(py::module_& m) {
   m.def("train_batch", [](const Tensor& X, const Tensor& y,
                           const std::vector<std::vector<Tensor>>& params,
                           const std::vector<Device>& devices, float lr, int64_t shards,
-                          int64_t accumulate) {
+                          int64_t accumulate, const std::string& precision) {
     // lr as mgpu.train_batch checked it (Python checks each learning rate once, where the user
     // gives it).
+    const ops::Precision pr = ops::parse_precision(precision);
     py::gil_scoped_release nogil;
     // The step enqueues all-reduce parts on every device (on GPUs interleaved with each
     // device's backward): one step at a time, so concurrent threads' collectives cannot cross.
     std::lock_guard<std::recursive_mutex> order(collective_submission_mutex());
-    return train::train_batch(X, y, params, devices, lr, shards, accumulate);
+    return train::train_batch(X, y, params, devices, lr, shards, accumulate, pr);
   }, py::arg("X"), py::arg("y"), py::arg("params"), py::arg("devices"), py::arg("lr"),
-     py::arg("shards") = 0, py::arg("accumulate") = 1,
+     py::arg("shards") = 0, py::arg("accumulate") = 1, py::arg("precision") = "float32",
      "Fused LeNet step on every device; returns each device's summed loss (0-d). shards > 0: "
-     "the deterministic step over that many logical shards; accumulate: micro-batches.");
+     "the deterministic step over that many logical shards; accumulate: micro-batches; "
+     "precision 'float32' or 'bf16' (conv and linear products with bfloat16 operands).");
   m.def("evaluate_batch", [](const Tensor& X, const Tensor& y,
                              const std::vector<std::vector<Tensor>>& params,
                              const std::vector<Device>& devices) {

@@ -5,6 +5,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <tuple>
 
 #include "train/layers.h"
 #include "train/model.h"
@@ -33,24 +34,29 @@ void check_lenet_params(const char* op, const std::vector<Tensor>& p) {
                    p[6].shape(), " ", p[7].shape());
 }
 
-const Model& lenet_model(const std::vector<Tensor>& p) {
+const Model& lenet_model(const std::vector<Tensor>& p, ops::Precision precision) {
   static std::mutex mutex;
-  // By shapes and device kind (the Model picks the fused CPU kernels for CPU replicas).
+  // By shapes, device kind (the Model picks the fused CPU kernels for CPU replicas) and
+  // precision.
   static auto* cache =
-      new std::map<std::pair<std::vector<Shape>, bool>, std::unique_ptr<Model>>;  // never freed
+      new std::map<std::tuple<std::vector<Shape>, bool, ops::Precision>,
+                   std::unique_ptr<Model>>;  // never freed
   std::vector<Shape> shapes;
   for (const Tensor& t : p) shapes.push_back(t.shape());
   const bool on_cpu = p[0].device().is_cpu();
   std::lock_guard<std::mutex> lock(mutex);
-  auto& m = (*cache)[{shapes, on_cpu}];
+  auto& m = (*cache)[{shapes, on_cpu, precision}];
   if (!m) {
+    // bf16 = 1: the layer's products take bfloat16 operands (the conv2d_relu_pool records then
+    // run the conv alone, then relu and the pool: the fused kernel is float32's).
+    const double bf16 = precision == ops::Precision::BF16 ? 1 : 0;
     std::vector<LayerSpec> spec = {
-        {"conv2d_relu_pool", {}, {{"pool", 2}}, {}, {}},
-        {"conv2d_relu_pool", {}, {{"pool", 2}}, {}, {}},
+        {"conv2d_relu_pool", {}, {{"pool", 2}, {"bf16", bf16}}, {}, {}},
+        {"conv2d_relu_pool", {}, {{"pool", 2}, {"bf16", bf16}}, {}, {}},
         {"flatten", {}, {}, {}, {}},
-        {"linear", {}, {}, {}, {}},
+        {"linear", {}, {{"bf16", bf16}}, {}, {}},
         {"relu", {}, {}, {}, {}},
-        {"linear", {}, {}, {}, {}},
+        {"linear", {}, {{"bf16", bf16}}, {}, {}},
     };
     m = std::make_unique<Model>(spec, shapes, std::vector<Shape>{}, ops::ConvAlgo::Auto, on_cpu);
   }
@@ -89,7 +95,8 @@ std::vector<Replica> lenet_replicas(const char* op, const std::vector<std::vecto
 std::vector<Tensor> train_batch(const Tensor& X, const Tensor& y,
                                 const std::vector<std::vector<Tensor>>& params,
                                 const std::vector<Device>& devices, float lr,
-                                int64_t num_shards, int64_t accumulate) {
+                                int64_t num_shards, int64_t accumulate,
+                                ops::Precision precision) {
   std::vector<Replica> replicas = lenet_replicas("train_batch", params, devices);
   require_dtype("train_batch", "X", X, DType::F32);
   MGPU_CHECK_VALUE(X.dim() == 4, "train_batch: X must have 4 dims (N, 1, 28, 28), got shape ",
@@ -97,7 +104,7 @@ std::vector<Tensor> train_batch(const Tensor& X, const Tensor& y,
   Sgd sgd;
   sgd.lr = lr;
   sgd.sum_rule = true;
-  return train_step(lenet_model(params[0]), X, y, replicas, sgd, num_shards, "train_batch",
+  return train_step(lenet_model(params[0], precision), X, y, replicas, sgd, num_shards, "train_batch",
                     accumulate);
 }
 

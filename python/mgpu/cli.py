@@ -53,9 +53,6 @@ def _train_run(args) -> int:
     if args.comm_dtype != "float32":
         raise ValueError("--comm-dtype bf16 needs --model resnet18 --fused for now (LeNet's "
                          "fused step all-reduces float32)")
-    if args.precision != "float32":
-        raise ValueError("--precision bf16 needs --model resnet18 for now (LeNet's fused step "
-                         "is float32 only)")
     if args.sync_bn or args.fused:
         raise ValueError("--sync-bn and --fused need --model resnet18 (LeNet's step is fused "
                          "already and has no batch norm)")
@@ -69,6 +66,8 @@ def _train_run(args) -> int:
         kw["accumulate"] = args.accumulate
     if args.deterministic:
         kw["deterministic"] = True
+    if args.precision != "float32":
+        kw["precision"] = args.precision
     if args.op_by_op:
         train_op_by_op(args.num_gpus, args.batch_size, args.lr, args.epochs, **kw)
     else:
@@ -311,9 +310,10 @@ def _bench_parser(sub) -> None:
                         "epochs; default 20, resnet18: 5)")
     t.add_argument("--devices", type=_ints, default=[1, 2], help="device counts, e.g. 1,2")
     t.add_argument("--precision", default="float32", metavar="P[,P]",
-                   help="resnet18: the mgpu steps' precision(s), float32 and/or bf16 (e.g. "
-                        "float32,bf16); with bf16, --compare torch adds PyTorch eager under "
-                        "torch.autocast(bfloat16)")
+                   help="the mgpu steps' precision(s), float32 and/or bf16 (e.g. "
+                        "float32,bf16); lenet: the fused part runs once per precision, the other "
+                        "parts in float32; resnet18: with bf16, --compare torch adds PyTorch eager "
+                        "under torch.autocast(bfloat16)")
     t.add_argument("--batch-size", type=int, default=256, help="global minibatch size")
     t.add_argument("--weak-scaling", action="store_true",
                    help="resnet18: k devices train on batches of k x --batch-size, and the "
@@ -472,11 +472,12 @@ def main(argv: Optional[List[str]] = None, prog: str = "mgpu") -> int:
     t.add_argument("--clip-grad-norm", type=float, default=None, metavar="X",
                    help="resnet18: clip the gradients' global norm to X before every update")
     t.add_argument("--precision", choices=["float32", "bf16"], default="float32",
-                   help="resnet18: bf16 trains the convolutions and linear layers with bfloat16 "
-                        "products and float32 sums (mgpu.autocast; the fused step's precision). "
-                        "On CPUs the convolutions whose float32 kernels are faster (ResNet-18's "
-                        "3x3 stride-1 layers: Winograd) run those on bfloat16-rounded operands: "
-                        "about float32's speed, not yet faster")
+                   help="bf16 trains the convolutions and linear layers with bfloat16 "
+                        "products and float32 sums (mgpu.autocast in the op-by-op and book's "
+                        "loops; the fused step's precision). On CPUs the convolutions whose "
+                        "float32 kernels are faster (ResNet-18's 3x3 stride-1 layers: Winograd; "
+                        "LeNet's) run those on bfloat16-rounded operands: about float32's speed, "
+                        "not yet faster")
     t.add_argument("--comm-dtype", choices=["float32", "bf16"], default="float32",
                    help="resnet18 --fused on CPU devices: bf16 all-reduces the gradients in "
                         "bfloat16, half the bytes (rounded to nearest even before the sum, "

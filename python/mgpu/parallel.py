@@ -24,7 +24,7 @@ import numpy as np
 
 from . import distributed as _dist
 from . import trace as _trace
-from .amp import check_comm_dtype
+from .amp import check_comm_dtype, check_precision
 from .device import Device, as_device
 from .engine import core as _core
 from .nn_utils import check_max_norm
@@ -186,7 +186,8 @@ def _replicas(device_params, devices) -> Tuple[list, list]:
 
 
 def train_batch(X: Tensor, y: Tensor, device_params, devices: Sequence[Device],
-                lr: float, deterministic=False, accumulate: int = 1) -> List[Tensor]:
+                lr: float, deterministic=False, accumulate: int = 1,
+                precision: str = "float32") -> List[Tensor]:
     """One fused data-parallel LeNet step (GIL released, every device at once).
 
     Splits the minibatch over ``devices``, computes each shard's loss and gradients on its
@@ -205,26 +206,36 @@ def train_batch(X: Tensor, y: Tensor, device_params, devices: Sequence[Device],
     activation memory), sums their gradients on each device and only then across devices and
     ranks, and takes one update with the whole batch's scale: the step of the whole batch (to
     float tolerance; bitwise with ``deterministic``, where K must divide the shard count).
+
+    ``precision="bf16"`` runs the products of both convolutions and both linear layers (forward,
+    data and weight gradients) with bfloat16 operands and float32 sums, as
+    ``mgpu.autocast("bf16")`` runs them (cpp/ops/bf16.h: the rounding, the order of the sums, the
+    error bound); the convolutions then run as conv, relu and pool one after another rather than
+    as float32's fused kernel. Bias, relu, pooling, the loss, the sums across devices and the
+    SGD update stay float32, and so do the parameters (the master weights). The bits are the
+    same on every CPU kernel path (``MGPU_ISA``) and on mgpu's GPU kernels; ``deterministic``
+    keeps them the same on any number of devices.
     """
     lr = check_lr(lr, "train_batch")
     shards = shard_count(deterministic, "train_batch")
     accumulate = check_accumulate(accumulate, shards, "train_batch")
-    return run_batch(X, y, device_params, devices, lr, shards, accumulate)
+    precision = check_precision(precision, "train_batch: precision")
+    return run_batch(X, y, device_params, devices, lr, shards, accumulate, precision)
 
 
 @_trace.span("train_batch")  # the step's span, whichever entry called it
 def run_batch(X: Tensor, y: Tensor, device_params, devices: Sequence[Device], lr: float,
-              shards: int, accumulate: int) -> List[Tensor]:
+              shards: int, accumulate: int, precision: str = "float32") -> List[Tensor]:
     """:func:`train_batch` with its numbers checked already, by it or by a loop that checked
     them once where the user gave them (``mgpu.train``): ``lr`` from ``check_lr``, ``shards``
-    the logical shard count (``shard_count``), ``accumulate`` from ``check_accumulate``; the
-    C++ step trusts them (a NaN lr here trains every replica into NaN). X, y and the replicas
-    are checked as every step's data."""
+    the logical shard count (``shard_count``), ``accumulate`` from ``check_accumulate``,
+    ``precision`` from ``check_precision``; the C++ step trusts them (a NaN lr here trains
+    every replica into NaN). X, y and the replicas are checked as every step's data."""
     Xh, yh = engine_handle(X, "train_batch", "X"), engine_handle(y, "train_batch", "y")
     _dist.auto_init()
     handles, devices = _replicas(device_params, devices)
     losses = [Tensor(t) for t in _core.train_batch(Xh, yh, handles, devices, lr, shards,
-                                                    accumulate)]
+                                                    accumulate, precision)]
     for ps in device_params:  # updated in place
         for p in ps:
             p._t.bump_version()

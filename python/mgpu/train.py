@@ -17,6 +17,7 @@ from . import checkpoint as _checkpoint
 from . import distributed as _dist
 from . import random as _random
 from . import trace as _trace
+from .amp import autocast, check_precision
 from .autograd import no_grad
 from .data import DataLoader, load_data_fashion_mnist
 from .device import Device, as_device, try_gpu
@@ -104,7 +105,8 @@ def train(num_gpus: int, batch_size: int, lr: float, num_epochs: int = 10,
           check_finite: bool = True, deterministic=False, checkpoint: Optional[str] = None,
           checkpoint_every: Optional[int] = None, resume: bool = False,
           schedule: str = "none", warmup_epochs: int = 0, accumulate: int = 1,
-          log: Optional[str] = None, tensorboard: Optional[str] = None) -> TrainResult:
+          log: Optional[str] = None, tensorboard: Optional[str] = None,
+          precision: str = "float32") -> TrainResult:
     """Trains the chapter's LeNet data-parallel on ``num_gpus`` devices and prints its line.
 
     Devices are ``[try_gpu(i) for i in range(num_gpus)]``: GPUs where they exist, virtual CPU
@@ -134,6 +136,14 @@ def train(num_gpus: int, batch_size: int, lr: float, num_epochs: int = 10,
     same values; see ``mgpu.loop`` for the format and for when the step losses are read.
     SIGTERM or SIGUSR1 ends the run after the current step, with a checkpoint when ``checkpoint``
     is set, by raising ``mgpu.Preempted`` (``mgpu.loop``); ``resume=True`` continues it.
+    ``precision="bf16"`` trains with the fused step's bfloat16 products: both convolutions and
+    both linear layers take bfloat16 operands and sum in float32, forward and backward
+    (``parallel.train_batch``); bias, relu, pooling, the loss, the gradient sums and SGD stay
+    float32, the parameters are float32 master weights, and the evaluation runs in float32. It
+    works with ``deterministic`` (the same bits on any device count), ``accumulate`` and
+    checkpoints (which record it; a resume with another precision is refused). A given ``step``
+    runs under ``mgpu.autocast(precision)``: the chapter's op-by-op step then runs the same
+    products and gives the fused step's bits.
     Returns the per-epoch accuracies, losses and times.
     """
     lr = check_lr(lr, "train")
@@ -148,13 +158,20 @@ def train(num_gpus: int, batch_size: int, lr: float, num_epochs: int = 10,
         raise ValueError("train: deterministic is a mode of the fused train_batch; pass either "
                          "deterministic or step, not both")
     accumulate = check_accumulate(accumulate, shards, "train")
+    precision = check_precision(precision, "train: precision")
+    if precision != "float32" and step is not None:
+        given = step
+
+        def step(X, y, device_params, devices, lr):
+            with autocast(precision):
+                return given(X, y, device_params, devices, lr)
     if accumulate != 1 and step is not None:
         raise ValueError("train: accumulate is a mode of the fused train_batch; the chapter's "
                          "op-by-op step takes the whole batch (drop accumulate or step)")
     if step is None:
         # train_batch on the numbers checked above, once: each step takes them as they are.
         def step(X, y, device_params, devices, lr):
-            return run_batch(X, y, device_params, devices, lr, shards, accumulate)
+            return run_batch(X, y, device_params, devices, lr, shards, accumulate, precision)
     train_iter, test_iter = data if data is not None else load_data_fashion_mnist(
         batch_size, data_dir=data_dir, seed=seed, limit_batches=limit_batches)
     if ckpts is not None:
@@ -183,7 +200,7 @@ def train(num_gpus: int, batch_size: int, lr: float, num_epochs: int = 10,
     result = TrainResult(devices=devices, world_size=world)
     config = {"batch_size": batch_size, "num_devices": len(devices), "world_size": world,
               "lr": lr, "seed": seed, "deterministic": shards, "schedule": schedule,
-              "warmup_epochs": warmup_epochs}
+              "warmup_epochs": warmup_epochs, "precision": precision}
 
     def state():  # collective under mpirun: every rank gathers its losses, rank 0 writes
         return {"params": [p.numpy() for p in device_params[0]],
@@ -196,7 +213,7 @@ def train(num_gpus: int, batch_size: int, lr: float, num_epochs: int = 10,
     with loop:  # SIGTERM and SIGUSR1 handled from here (mgpu.loop)
         run = loop.start(resume, lambda path, saved: _resume_lenet(
             path, saved, device_params, train_iter, result, batch_size, len(devices), world,
-            is_root, shards, scheduler))
+            is_root, shards, scheduler, precision))
         for epoch in loop.epochs():
             for X, y in train_iter:
                 step_lr = lr_holder.lr
@@ -250,9 +267,16 @@ def _gather_losses(losses: list, world: int) -> Tuple[np.ndarray, List[int]]:
 
 def _resume_lenet(path: str, state, device_params, train_iter, result: TrainResult,
                   batch_size: int, num_devices: int, world: int, is_root: bool,
-                  shards: int, scheduler=None) -> Progress:
+                  shards: int, scheduler=None, precision: str = "float32") -> Progress:
     """Puts a checkpoint's state into the run: everything is checked before anything changes."""
     _checkpoint.check_run(path, state, "mgpu.train", batch_size, num_devices, world, shards)
+    # Checkpoints from before the precision was recorded come from float32 runs.
+    saved_precision = state.get("config", {}).get("precision", "float32")
+    if saved_precision != precision:
+        raise _checkpoint.CheckpointError(
+            path, f"was written by a run with precision={saved_precision!r}, this run has "
+            f"precision={precision!r} (the products' rounding), so it would not end with the "
+            "uninterrupted run's parameters; resume with the same --precision")
     _checkpoint.check_shapes(path, "parameters", state["params"], device_params[0])
     saved_sched = state.get("scheduler")
     if (saved_sched is None) != (scheduler is None):

@@ -10,15 +10,12 @@ exactly where and how the header says; and somewhere an error above what float32
 Bits: the same on every MGPU_ISA path, on one and two threads, and batch by batch. The kernel runs
 under MGPU_CONV_ALGO=winograd (auto keeps the im2col products, so far faster).
 """
-import os
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 
 import mgpu
 import winograd_bf16_model as model
+from isa_paths import digests_on_every_path
 from mgpu import _core
 from test_bf16 import bf16_numpy, cpu_tensor, gamma, numpy_of
 
@@ -151,15 +148,5 @@ print(mgpu.build_info()["cpu_bf16"], h.hexdigest())
 def test_same_bits_on_every_isa_path():
     """avx512_bf16 (vdpbf16ps), avx512 and avx2 (float32 FMAs on rounded values), each where
     this CPU runs it."""
-    seen = {}
-    for isa in ("avx2", "avx512", "avx512_bf16"):
-        env = dict(os.environ, MGPU_ISA=isa, MGPU_CONV_ALGO="winograd")
-        r = subprocess.run([sys.executable, "-c", ISA_CODE], env=env, capture_output=True,
-                           text=True, timeout=300)
-        if r.returncode != 0 and "lacks AVX-512" in r.stderr:
-            continue
-        assert r.returncode == 0, r.stderr
-        path, digest = r.stdout.split()
-        assert path == isa
-        seen[isa] = digest
-    assert "avx2" in seen and len(set(seen.values())) == 1, seen
+    seen = digests_on_every_path(ISA_CODE, MGPU_CONV_ALGO="winograd")
+    assert len(set(seen.values())) == 1, seen

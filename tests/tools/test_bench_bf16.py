@@ -30,8 +30,26 @@ def test_train_resnet18_bf16_sides_and_pytorch_autocast(monkeypatch):
     assert "autocast bf16" in names["torch eager bf16"]
 
 
-def test_bf16_precision_is_checked_and_is_resnet18_only():
+def test_bf16_precision_is_checked():
     with pytest.raises(ValueError, match="precision must be 'float32' or 'bf16'"):
         bench.bench_train_resnet18(devices=[1], batch_size=4, synthetic=8, precisions=["fp16"])
-    with pytest.raises(ValueError, match="--precision bf16 is for --model resnet18"):
-        bench.bench_train(devices=[1], batch_size=4, synthetic=8, precisions=["bf16"])
+    with pytest.raises(ValueError, match="precision must be 'float32' or 'bf16'"):
+        bench.bench_train(devices=[1], batch_size=4, synthetic=8, precisions=["fp16"])
+    with pytest.raises(ValueError, match="float32 and/or bf16 once each"):
+        bench.bench_train(devices=[1], batch_size=4, synthetic=8, precisions=["bf16", "bf16"])
+
+
+def test_train_lenet_fused_part_once_per_precision(monkeypatch):
+    monkeypatch.setenv("MGPU_EMULATED_GPUS", "0")
+    r = bench.bench_train(devices=[1, 2], batch_size=8, epochs=1, limit_batches=2, warmup=1,
+                          synthetic=32, parts=["fused"], precisions=["float32", "bf16"])
+    rows = {(x["impl"], x["num_devices"]): x for x in r["results"]}
+    assert sorted(rows) == [("mgpu fused", 1), ("mgpu fused", 2), ("mgpu fused bf16", 1),
+                            ("mgpu fused bf16", 2)]
+    assert r["settings"]["precisions"] == ["float32", "bf16"]
+    for k in (1, 2):
+        bf, f32 = rows[("mgpu fused bf16", k)], rows[("mgpu fused", k)]
+        assert bf["precision"] == "bf16" and bf["name"].startswith("mgpu train_batch (fused, bf16)")
+        # The same init and batches: bf16's loss near float32's, not equal.
+        assert abs(bf["train_loss"][0] - f32["train_loss"][0]) < 0.05
+        assert bf["train_loss"][0] != f32["train_loss"][0]

@@ -2,7 +2,7 @@
 and what it cannot run is refused before anything is timed."""
 import pytest
 
-from mgpu.advisor.steps import runner
+from mgpu.advisor.steps import random_batch, runner
 from mgpu.bench.train import bench_train
 from mgpu.device import cpu
 
@@ -17,6 +17,17 @@ def test_layers_check_the_precision_name():
         bench_train(parts=["layers"], model="resnet18", precisions=["half"])
 
 
-def test_lenet_runner_refuses_bf16():
-    with pytest.raises(ValueError, match="--precision bf16 needs --model resnet18"):
-        runner("lenet", [cpu(0)], precision="bf16")
+def test_lenet_runner_takes_the_precision(monkeypatch):
+    import mgpu.parallel
+    seen = []
+    real = mgpu.parallel.train_batch
+
+    def recording(*args, **kw):
+        seen.append(kw.get("precision"))
+        return real(*args, **kw)
+    monkeypatch.setattr(mgpu.parallel, "train_batch", recording)
+    X, y = random_batch(4)
+    runner("lenet", [cpu(0)], precision="bf16")(X, y)
+    assert seen == ["bf16"]
+    with pytest.raises(ValueError, match="precision must be 'float32' or 'bf16'"):
+        runner("lenet", [cpu(0)], precision="half")(X, y)

@@ -18,15 +18,14 @@ import numpy as np
 
 def runner(model: str, devices, seed: int = 0, precision: str = "float32") -> Callable:
     """A function (X, y) -> None doing one fused data-parallel step of `model` on `devices`
-    (``precision``: the ResNet-18 step's, 'float32' or 'bf16')."""
+    (``precision``: the fused step's, 'float32' or 'bf16')."""
     from .. import models, nn, optim
     from ..parallel import get_params, train_batch
     if model == "lenet":
         params = models.lenet_params(seed=seed)
         device_params = [get_params(params, d) for d in devices]
-        if precision != "float32":
-            raise ValueError("--precision bf16 needs --model resnet18 for the traced step")
-        return lambda X, y: train_batch(X, y, device_params, devices, 0.05)
+        return lambda X, y: train_batch(X, y, device_params, devices, 0.05,
+                                        precision=precision)
     if model == "resnet18":
         from .. import random
         random.seed(seed)

@@ -107,8 +107,9 @@ def bench_train(devices: Sequence[int] = (1, 2), batch_size: int = 256, lr: floa
                 precisions: Sequence[str] = ("float32",)) -> Dict:
     """Times LeNet training on Fashion-MNIST (or ``synthetic`` random images); returns a dict.
     ``model='resnet18'``: bench_train_resnet18 instead (``repeat`` and ``gemm_size`` unused;
-    ``optimizer``, ``weight_decay`` and ``clip_grad_norm`` are its, as ``mgpu train``'s, and
-    so is ``precisions``).
+    ``optimizer``, ``weight_decay`` and ``clip_grad_norm`` are its, as ``mgpu train``'s).
+    ``precisions`` ('float32', 'bf16'): LeNet's fused part runs once per precision (the bf16
+    rows' impl is "mgpu fused bf16"), the other parts in float32.
 
     Each training configuration runs ``warmup`` untimed batches, then ``epochs`` timed epochs
     cut at ``limit_batches`` (0 or None: whole epochs); sec/epoch is the median sec/step times
@@ -146,9 +147,10 @@ def bench_train(devices: Sequence[int] = (1, 2), batch_size: int = 256, lr: floa
     if (optimizer, weight_decay, clip_grad_norm) != ("sgd", None, None):
         raise ValueError("bench train: --optimizer, --weight-decay and --clip-grad-norm need "
                          "--model resnet18 (LeNet's step is the chapter's plain SGD)")
-    if list(precisions) != ["float32"]:
-        raise ValueError("bench train: --precision bf16 is for --model resnet18 for now (LeNet's "
-                         "fused step is float32 only)")
+    precisions = [check_precision(p, "bench train: precision") for p in precisions]
+    if not precisions or len(set(precisions)) != len(precisions):
+        raise ValueError(f"bench train: precisions must name float32 and/or bf16 once each, got "
+                         f"{list(precisions)}")
     if weak_scaling:
         raise ValueError("bench train: --weak-scaling is for --model resnet18 (LeNet's scaling "
                          "part times batch 2b on 2 devices against b on 1 already)")
@@ -185,7 +187,7 @@ def bench_train(devices: Sequence[int] = (1, 2), batch_size: int = 256, lr: floa
     settings = dict(devices=devices, batch_size=batch_size, lr=lr, epochs=epochs,
                     limit_batches=limit, warmup=warmup, repeat=repeat, seed=seed,
                     compare=compare, torch_threads=torch_threads, jax_threads=jax_threads,
-                    parts=list(parts), gemm_size=gemm_size, data=data)
+                    parts=list(parts), gemm_size=gemm_size, data=data, precisions=precisions)
     out = header("train", settings)
     results: List[Dict] = []
     out["results"] = results
@@ -194,15 +196,21 @@ def bench_train(devices: Sequence[int] = (1, 2), batch_size: int = 256, lr: floa
 
     fused_params = {}
     if "fused" in parts:
-        for k in devices:
-            say(log, f"bench train: fused train_batch on {k} device(s) ...")
-            devs = [try_gpu(i) for i in range(k)]
-            dp = [get_params(lenet_params(seed=seed), d) for d in devs]
-            step = lambda X, y, dp=dp, devs=devs: train_batch(X, y, dp, devs, lr)  # noqa: E731
-            results.append(_time_training(f"mgpu train_batch (fused), {plural(k, 'device')}", step,
-                                          impl="mgpu fused", num_devices=k,
-                                          threads=_core.num_threads(), **timing))
-            fused_params[k] = (dp, devs)
+        # One run per precision; float32's keeps the impl "mgpu fused" the comparisons pair.
+        for precision in precisions:
+            tag = "" if precision == "float32" else f", {precision}"
+            for k in devices:
+                say(log, f"bench train: fused train_batch{tag} on {k} device(s) ...")
+                devs = [try_gpu(i) for i in range(k)]
+                dp = [get_params(lenet_params(seed=seed), d) for d in devs]
+
+                def step(X, y, dp=dp, devs=devs, precision=precision):
+                    return train_batch(X, y, dp, devs, lr, precision=precision)
+                results.append(_time_training(
+                    f"mgpu train_batch (fused{tag}), {plural(k, 'device')}", step,
+                    impl="mgpu fused" + (f" {precision}" if tag else ""), num_devices=k,
+                    precision=precision, threads=_core.num_threads(), **timing))
+                fused_params.setdefault(k, (dp, devs))
 
     if "op-by-op" in parts:
         from ..chapter import train_batch as chapter_train_batch

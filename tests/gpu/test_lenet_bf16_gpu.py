@@ -1,0 +1,50 @@
+"""LeNet's fused step with precision="bf16" on GPUs: the products run ops/bf16_gpu.h's kernels,
+which give the CPU kernels' bits (tests/gpu/test_bf16_gpu.py), so the step keeps
+tests/step/test_lenet_bf16.py's bound against the NumPy float64 step with bfloat16-rounded
+operands; the deterministic step gives the same bits on 1 and 2 GPUs. The float32 ops around the
+products (the loss, the bias sums) may differ from the CPU's in their last bits on a GPU, so
+the GPU step is compared with the CPU's to float tolerance."""
+import numpy as np
+import pytest
+
+import mgpu
+from conftest import assert_close
+from test_lenet_bf16 import (
+    LR,
+    check_against_reference,
+    exact,
+    fused_step,
+    normwise,
+    problem,
+    reference_step,
+    updates,
+)
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(mgpu.num_gpus() < 2, reason="needs 2 GPUs (emulated or real)")]
+
+GPUS = [mgpu.gpu(0), mgpu.gpu(1)]
+
+
+def test_lenet_bf16_step_on_two_gpus_is_the_rounded_reference_and_the_cpus():
+    X, y, params = problem(seed=1, n=13)
+    after, losses = fused_step(X, y, params, GPUS, "bf16")
+    got = check_against_reference(X, y, params, after, losses[0], "bf16 step on 2 gpus")
+    cpu, cpu_losses = fused_step(X, y, params, [mgpu.cpu(0), mgpu.cpu(1)], "bf16")
+    for i, (a, c) in enumerate(zip(after, cpu)):
+        assert_close(a, c, "elementwise", f"param {i}: gpus vs cpu devices")
+    # ... and bf16 took effect on the GPUs: float32's step is elsewhere, beyond its rounding.
+    after32, _ = fused_step(X, y, params, GPUS, "float32")
+    _, grads_x = reference_step(X, y, params, exact)
+    for i, (d, d32, g) in enumerate(zip(got, updates(params, after32), grads_x)):
+        assert normwise(d, d32) > 10 * normwise(d32, LR / len(X) * g), f"param {i}"
+
+
+def test_lenet_bf16_deterministic_has_the_same_bits_on_one_and_two_gpus():
+    X, y, params = problem(seed=2, n=8)
+    one, l1 = fused_step(X, y, params, GPUS[:1], "bf16", deterministic=True, steps=2)
+    two, l2 = fused_step(X, y, params, GPUS, "bf16", deterministic=True, steps=2)
+    for i, (a, b) in enumerate(zip(one, two)):
+        assert a.tobytes() == b.tobytes(), f"param {i}: 1 vs 2 gpus"
+    assert l1 == l2
+    assert not np.array_equal(one[0], params[0])
