@@ -236,8 +236,9 @@ void bind_train(py::module_& m) {
            "MGPU_FUSE_LAYERS=0 was set as the Model was built, or for GPU replicas.")
       .def("fusions", [](const Replicated& r) { return r.model->fusions(); },
            "(layer, what runs) for each layer whose kernels the Model chose as it was built: "
-           "conv2d_relu_pool layers ('conv2d_relu_pool', its one CPU kernel, or 'conv2d, relu, "
-           "avg_pool2d' on GPUs and in bf16) and the batch norm layers merged with their relu "
+           "conv2d_relu_pool layers ('conv2d_relu_pool', its one CPU kernel; in bf16 the kernel "
+           "on rounded operands where float32's rule runs the conv; or 'conv2d, relu, "
+           "avg_pool2d' on GPUs) and the batch norm layers merged with their relu "
            "('batch_norm_relu', 'batch_norm_add_relu'; CPU replicas only).")
       .def("conv_algorithms", [](const Replicated& r) {
         return r.model->conv_algorithms();

@@ -78,6 +78,12 @@ struct Bf16Product {
 // The caller checks shapes and allocates; results never depend on the thread count.
 // y[i] = the bfloat16 bits of x[i] (the rounding above).
 void bf16_round(int64_t n, const float* x, uint16_t* y);
+// y[i] = x[i] rounded to bfloat16 and widened back to float32 (y may be x), on the device's cores.
+void bf16_round_floats(int64_t n, const float* x, float* y);
+// True where a bf16 conv pass of shape s under algo runs float32's rule (direct, lanes or
+// im2col; not Winograd) on operands rounded to bfloat16 (see algo below): the passes
+// conv2d_relu_pool's kernels may then run on rounded operands too.
+bool bf16_rounds_for_rule(const Conv2dShape& s, ConvAlgo algo);
 // Pack op(A) (m, k; A^T when trans, a's rows lda floats apart) into bf16_packed_a_words(m, k)
 // words, and op(B) (k, n) into bf16_packed_b_words(k, n) words.
 void bf16_pack_a(bool trans, int64_t m, int64_t k, const float* a, int64_t lda, uint32_t* out);

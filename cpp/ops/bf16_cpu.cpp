@@ -381,15 +381,20 @@ void im2col_halves(const conv::Unfold& u, const uint16_t* __restrict xb, int64_t
 
 
 // y[i] = x[i] rounded to bfloat16 and widened back to float32 (the low 16 bits zero), on the
-// device's cores in chunks of 4096 floats.
-const float* rounded_floats(const float* x, int64_t n, std::vector<float>& buf) {
+// device's cores in chunks of 4096 floats; y may be x.
+void round_floats_into(const float* x, int64_t n, float* y) {
   constexpr int64_t kChunk = 4096;
-  float* y = grow(buf, n);
   parallel_for((n + kChunk - 1) / kChunk, [&](int64_t c) {
     const int64_t i0 = c * kChunk, i1 = std::min(n, i0 + kChunk);
-    std::copy(x + i0, x + i1, y + i0);
+    if (y != x) std::copy(x + i0, x + i1, y + i0);
     bf16::round_in_place(y + i0, i1 - i0);
   });
+}
+
+// The same into the calling thread's buffer buf.
+const float* rounded_floats(const float* x, int64_t n, std::vector<float>& buf) {
+  float* y = grow(buf, n);
+  round_floats_into(x, n, y);
   return y;
 }
 
@@ -461,6 +466,12 @@ int64_t chunk_images(const Conv2dShape& s) {
 
 void bf16_round(int64_t n, const float* x, uint16_t* y) {
   for (int64_t i = 0; i < n; ++i) y[i] = static_cast<uint16_t>(to_bf16(x[i]));
+}
+
+void bf16_round_floats(int64_t n, const float* x, float* y) { round_floats_into(x, n, y); }
+
+bool bf16_rounds_for_rule(const Conv2dShape& s, ConvAlgo algo) {
+  return bf16_route(s, algo) == Bf16Route::RoundedRule;
 }
 
 void bf16_pack_a(bool trans, int64_t m, int64_t k, const float* a, int64_t lda, uint32_t* out) {

@@ -2,6 +2,10 @@
 // device raises (there the three ops run one by one).
 #include "ops/conv2d_relu_pool.h"
 
+#include <vector>
+
+#include "core/parallel.h"
+#include "ops/bf16.h"
 #include "ops/dispatch.h"
 
 namespace mgpu::ops {
@@ -30,11 +34,55 @@ Conv2dShape check_fused(const char* op, const Tensor& x, const Tensor& w, int64_
   return s;
 }
 
+// The calling thread's rounded copies (bf16).
+thread_local std::vector<float> tl_x, tl_w, tl_dpooled;
+
+const float* rounded(const float* x, int64_t n, std::vector<float>& buf) {
+  if (static_cast<int64_t>(buf.size()) < n) buf.resize(static_cast<size_t>(n));
+  cpu::bf16_round_floats(n, x, buf.data());
+  return buf.data();
+}
+
+// db[k] = the sum of dy = relu_backward(y, avg_pool2d_backward(dpooled)) over plane k of every
+// image, unrounded: each image's plane summed in float32 in pixel order, the images' sums added
+// in double (bf16_cpu.cpp's bias gradient); dy's pixels as avg_pool2d's backward writes them
+// (dpooled / pool^2 in its window, zero past the last whole window) where the mask is set.
+void bias_gradient(const Conv2dShape& s, int64_t pool, const uint8_t* mask, const float* dpooled,
+                   float* db) {
+  const int64_t P = s.P(), Q = s.Q(), Pp = P / pool, Qp = Q / pool;
+  const float area = static_cast<float>(pool * pool);
+  parallel_for(s.K, [&](int64_t k) {
+    double total = 0.0;
+    for (int64_t n = 0; n < s.N; ++n) {
+      const uint8_t* m = mask + (n * s.K + k) * P * Q;
+      const float* d = dpooled + (n * s.K + k) * Pp * Qp;
+      float part = 0.0f;
+      for (int64_t p = 0; p < P; ++p) {
+        for (int64_t q = 0; q < Q; ++q) {
+          const bool inside = p < Pp * pool && q < Qp * pool;
+          part += m[p * Q + q] && inside ? d[(p / pool) * Qp + q / pool] / area : 0.0f;
+        }
+      }
+      total += part;
+    }
+    db[k] = static_cast<float>(total);
+  });
+}
+
 }  // namespace
+
+bool conv2d_relu_pool_takes_bf16(const Tensor& x, const Tensor& w, int64_t pool, ConvAlgo algo) {
+  if (!x.device().is_cpu() || x.dim() != 4 || w.dim() != 4 || pool < 1 || (pool & (pool - 1))) {
+    return false;
+  }
+  const Conv2dShape s{x.size(0), x.size(1), x.size(2), x.size(3), w.size(0), w.size(2), w.size(3),
+                      1, 0};
+  return cpu::bf16_rounds_for_rule(s, algo);
+}
 
 Conv2dReluPool conv2d_relu_pool_forward(const Tensor& x, const Tensor& w, const Tensor& b,
                                         int64_t stride, int64_t pad, int64_t pool,
-                                        bool keep_mask) {
+                                        bool keep_mask, Precision precision) {
   const char* op = "conv2d_relu_pool_forward";
   const Conv2dShape s = check_fused(op, x, w, stride, pad, pool);
   require_dtype(op, "b", b, DType::F32);
@@ -46,8 +94,11 @@ Conv2dReluPool conv2d_relu_pool_forward(const Tensor& x, const Tensor& w, const 
   out.pooled = Tensor::empty({s.N, s.K, s.P() / pool, s.Q() / pool}, DType::F32, x.device());
   enqueue_on(x.device(), op,
              [s, pool, xp = x.f32(), wp = w.f32(), bp = b.f32(),
-              mp = keep_mask ? out.mask.data<uint8_t>() : nullptr, pp = out.pooled.f32()] {
-               cpu::conv2d_relu_pool_forward(s, pool, xp, wp, bp, mp, pp);
+              mp = keep_mask ? out.mask.data<uint8_t>() : nullptr, pp = out.pooled.f32(),
+              bf16 = precision == Precision::BF16] {
+               const float* xr = bf16 ? rounded(xp, s.N * s.C * s.H * s.W, tl_x) : xp;
+               const float* wr = bf16 ? rounded(wp, s.K * s.C * s.R * s.S, tl_w) : wp;
+               cpu::conv2d_relu_pool_forward(s, pool, xr, wr, bp, mp, pp);
              },
              x, w, b, out.mask, out.pooled);
   return out;
@@ -55,7 +106,7 @@ Conv2dReluPool conv2d_relu_pool_forward(const Tensor& x, const Tensor& w, const 
 
 Conv2dGrads conv2d_relu_pool_backward(const Tensor& x, const Tensor& w, const Tensor& mask,
                                       const Tensor& dpooled, int64_t stride, int64_t pad,
-                                      int64_t pool, bool need_dx) {
+                                      int64_t pool, bool need_dx, Precision precision) {
   const char* op = "conv2d_relu_pool_backward";
   const Conv2dShape s = check_fused(op, x, w, stride, pad, pool);
   MGPU_CHECK_TYPE(mask.dtype() == DType::U8, op, ": mask must be uint8, got ",
@@ -73,8 +124,15 @@ Conv2dGrads conv2d_relu_pool_backward(const Tensor& x, const Tensor& w, const Te
   g.db = Tensor::empty({s.K}, DType::F32, x.device());
   enqueue_on(x.device(), op,
              [s, pool, xp = x.f32(), wp = w.f32(), mp = mask.data<uint8_t>(), dp = dpooled.f32(),
-              dxp = need_dx ? g.dx.f32() : nullptr, dwp = g.dw.f32(), dbp = g.db.f32()] {
-               cpu::conv2d_relu_pool_backward(s, pool, xp, wp, mp, dp, dxp, dwp, dbp);
+              dxp = need_dx ? g.dx.f32() : nullptr, dwp = g.dw.f32(), dbp = g.db.f32(),
+              bf16 = precision == Precision::BF16] {
+               if (!bf16) return cpu::conv2d_relu_pool_backward(s, pool, xp, wp, mp, dp, dxp, dwp,
+                                                                dbp);
+               const int64_t pooled = s.N * s.K * (s.P() / pool) * (s.Q() / pool);
+               cpu::conv2d_relu_pool_backward(s, pool, rounded(xp, s.N * s.C * s.H * s.W, tl_x),
+                                              rounded(wp, s.K * s.C * s.R * s.S, tl_w), mp,
+                                              rounded(dp, pooled, tl_dpooled), dxp, dwp, nullptr);
+               bias_gradient(s, pool, mp, dp, dbp);
              },
              x, w, mask, dpooled, g.dx, g.dw, g.db);
   return g;

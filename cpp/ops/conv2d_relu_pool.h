@@ -9,6 +9,7 @@
 
 #include "core/tensor.h"
 #include "ops/conv2d.h"
+#include "ops/precision.h"
 
 namespace mgpu::ops {
 
@@ -19,14 +20,26 @@ struct Conv2dReluPool {
 
 // CPU devices only (a GPU raises ValueError: run conv2d, relu and avg_pool2d there).
 // keep_mask = false (inference) skips what only backward needs.
+// precision bf16 (where conv2d_relu_pool_takes_bf16): the kernels run on x and w (and, backward,
+// dpooled) rounded to bfloat16, which gives the bits of conv2d's bf16 passes under algo followed
+// by relu and avg_pool2d: those run float32's rule on the rounded operands (ops/bf16.h), and
+// rounding dy = mask * dpooled / pool^2 is rounding dpooled when pool^2 is a power of two (exact
+// scaling; except for |dpooled| below 2^-124, where the scaled value is a float32 denormal that
+// the rounding flushes). db sums the unrounded dy in bf16's order (per image in float32, the
+// images in double).
 Conv2dReluPool conv2d_relu_pool_forward(const Tensor& x, const Tensor& w, const Tensor& b,
                                         int64_t stride, int64_t pad, int64_t pool,
-                                        bool keep_mask);
+                                        bool keep_mask, Precision precision = Precision::F32);
 // Given dpooled, returns dx (when need_dx), dw and db as conv2d_backward would for
 // dy = relu_backward(y, avg_pool2d_backward(dpooled)), bit for bit.
 Conv2dGrads conv2d_relu_pool_backward(const Tensor& x, const Tensor& w, const Tensor& mask,
                                       const Tensor& dpooled, int64_t stride, int64_t pad,
-                                      int64_t pool, bool need_dx);
+                                      int64_t pool, bool need_dx,
+                                      Precision precision = Precision::F32);
+// True where the kernels take precision bf16 for x (N, C, H, W) and w (K, C, R, S), stride 1, no
+// padding, under algo: a CPU device, pool a power of two, and conv2d's bf16 passes running
+// float32's rule on rounded operands for that shape (cpu::bf16_rounds_for_rule).
+bool conv2d_relu_pool_takes_bf16(const Tensor& x, const Tensor& w, int64_t pool, ConvAlgo algo);
 
 namespace cpu {
 // Computed block by block while the conv's product is in cache. mask and b may be null.

@@ -141,6 +141,8 @@ std::string cpu_model();
     (n, m, logits, labels, dloss, dlogits))                                                       \
   X(void, argmax_rows, (int64_t n, int64_t m, const float* x, int64_t* out), (n, m, x, out))     \
   X(void, bf16_round, (int64_t n, const float* x, uint16_t* y), (n, x, y))                       \
+  X(void, bf16_round_floats, (int64_t n, const float* x, float* y), (n, x, y))                   \
+  X(bool, bf16_rounds_for_rule, (const Conv2dShape& s, ConvAlgo algo), (s, algo))                 \
   X(void, bf16_pack_a,                                                                            \
     (bool trans, int64_t m, int64_t k, const float* a, int64_t lda, uint32_t* out),              \
     (trans, m, k, a, lda, out))                                                                   \

@@ -50,8 +50,8 @@ struct Layer {
   ops::Precision precision = ops::Precision::F32;  // conv2d, conv2d_relu_pool, linear: option
                                                    // bf16 = 1 runs their products in bfloat16
   bool fused_kernel = false;               // conv2d_relu_pool: its one CPU kernel runs (CPU
-                                           // replicas, float32), else conv2d, relu, avg_pool2d;
-                                           // fixed as the Model is built
+                                           // replicas; bf16: where it takes the shape), else
+                                           // conv2d, relu, avg_pool2d; fixed as the Model is built
   std::vector<int> params, buffers;        // weight first, then bias (batch_norm: gamma, beta;
                                            // buffers running_mean, running_var)
 };

@@ -244,8 +244,9 @@ class Model:
     def momentum_buffers(self, replica: int, which: int = 0) -> List[Optional[Tensor]]: ...
     # (batch_norm+relu, batch_norm+add+relu) layers the fusion made.
     def fused_layers(self) -> Tuple[int, int]: ...
-    # (layer, what runs) per layer whose kernels the build chose: "conv2d_relu_pool" or
-    # "conv2d, relu, avg_pool2d" for a conv2d_relu_pool layer, "batch_norm_relu" or
+    # (layer, what runs) per layer whose kernels the build chose: "conv2d_relu_pool" (in bf16:
+    # on rounded operands, where float32's rule runs the conv) or "conv2d, relu, avg_pool2d" for
+    # a conv2d_relu_pool layer, "batch_norm_relu" or
     # "batch_norm_add_relu" for a merged batch norm.
     def fusions(self) -> List[Tuple[str, str]]: ...
     # (layer, algorithm) per conv layer: MGPU_CONV_ALGO's value (auto, tune, direct, im2col,

@@ -1,7 +1,8 @@
 """Fused or unfused is decided once, as the fused step's model is built, and recorded per layer
-(Model.fusions): on CPU replicas a conv2d_relu_pool layer runs its one kernel (float32) and batch
-norm merges with the relu (and add) after it; in bf16 the conv runs alone, and on GPUs every
-layer runs its ops one by one (the fused kernels are CPU kernels, which refuse a GPU)."""
+(Model.fusions): on CPU replicas a conv2d_relu_pool layer runs its one kernel (in bf16 on
+bfloat16-rounded operands, where float32's rule runs the conv) and batch norm merges with the
+relu (and add) after it; on GPUs every layer runs its ops one by one (the fused kernels are CPU
+kernels, which refuse a GPU)."""
 import numpy as np
 import pytest
 
@@ -35,8 +36,9 @@ def test_cpu_replicas_record_the_fused_kernels():
     cpus = [mgpu.cpu(0), mgpu.cpu(1)]
     assert _lenet_like(cpus)._model.fusions() == [("layer 0 (conv2d_relu_pool)",
                                                    "conv2d_relu_pool")]
-    assert _lenet_like(cpus, bf16=True)._model.fusions() == [("layer 0 (conv2d_relu_pool)",
-                                                             "conv2d, relu, avg_pool2d")]
+    assert _lenet_like(cpus, bf16=True)._model.fusions() == [
+        ("layer 0 (conv2d_relu_pool)", "conv2d_relu_pool on bfloat16-rounded operands where "
+         "float32's rule runs the conv, else conv2d, relu, avg_pool2d")]
     kinds = [how for _, how in _fusions_of_tiny_net(cpus)]
     assert kinds == ["batch_norm_relu", "batch_norm_relu", "batch_norm_add_relu"]
 

@@ -34,7 +34,7 @@ void conv2d_backward(const LayerCall& c, const Tensor&, const Tensor& dy, const 
 }
 
 // Whether the fused kernel takes these shapes. A layer built with it (Layer::fused_kernel: CPU
-// replicas, float32) runs it when they fit; for shapes that do not, it runs conv2d, relu and
+// replicas) runs it when they fit (bf16: and where it gives the three ops' bits); for shapes that do not, it runs conv2d, relu and
 // avg_pool2d, whose checks then report the problem.
 bool fused_fits(const Tensor& x, const Tensor& w, int64_t pool) {
   if (x.dim() != 4 || x.size(1) != w.size(1)) return false;
@@ -47,10 +47,13 @@ bool fused_fits(const Tensor& x, const Tensor& w, int64_t pool) {
 Tensor conv2d_relu_pool_forward(const LayerCall& c, Saved* s) {
   const Layer& l = c.l;
   const Tensor& x = c.in[0];
-  // The Model chose the kernel (GPUs and bf16: the conv alone, then relu and the pool).
-  if (l.fused_kernel && fused_fits(x, c.param(0), l.kh)) {
-    ops::Conv2dReluPool f =
-        ops::conv2d_relu_pool_forward(x, c.param(0), c.param(1), 1, 0, l.kh, c.for_backward);
+  // The Model chose the kernel (GPUs: the conv alone, then relu and the pool); in bf16 it runs
+  // where it gives the three ops' bits (ops::conv2d_relu_pool_takes_bf16).
+  if (l.fused_kernel && fused_fits(x, c.param(0), l.kh) &&
+      (l.precision == ops::Precision::F32 ||
+       ops::conv2d_relu_pool_takes_bf16(x, c.param(0), l.kh, l.conv_algo))) {
+    ops::Conv2dReluPool f = ops::conv2d_relu_pool_forward(x, c.param(0), c.param(1), 1, 0, l.kh,
+                                                          c.for_backward, l.precision);
     s->a = f.mask;
     return f.pooled;
   }
@@ -66,7 +69,8 @@ void conv2d_relu_pool_backward(const LayerCall& c, const Tensor&, const Tensor& 
   const Tensor& x = c.in[0];
   ops::Conv2dGrads g;
   if (!s.b.defined()) {
-    g = ops::conv2d_relu_pool_backward(x, c.param(0), s.a, dy, 1, 0, l.kh, need_dx[0]);
+    g = ops::conv2d_relu_pool_backward(x, c.param(0), s.a, dy, 1, 0, l.kh, need_dx[0],
+                                       l.precision);
   } else {
     Tensor da = ops::avg_pool2d_backward(s.b, dy, l.kh, l.kh, l.kh, l.kh);
     Tensor dc = ops::relu_backward(s.a, da);
@@ -110,14 +114,18 @@ const LayerDef conv2d_relu_pool_layer = [] {
     l.precision = precision_option(o);
     l.conv_algo = ctx.conv_algo;
     l.kh = l.kw = l.sh = l.sw = int_option(l, o, "pool", 2, 1);
-    l.fused_kernel = ctx.on_cpu && l.precision == ops::Precision::F32;  // its kernel's domain
+    l.fused_kernel = ctx.on_cpu;  // its kernel's domain (bf16: where it takes the shape)
   };
   d.owns = [](const Layer&) { return std::pair<int, int>{2, 0}; };
   d.check_shapes = check_conv_shapes;
   d.forward = conv2d_relu_pool_forward;
   d.backward = conv2d_relu_pool_backward;
   d.kernels = [](const Layer& l) {
-    return std::string(l.fused_kernel ? "conv2d_relu_pool" : "conv2d, relu, avg_pool2d");
+    if (!l.fused_kernel) return std::string("conv2d, relu, avg_pool2d");
+    return std::string(l.precision == ops::Precision::F32
+                           ? "conv2d_relu_pool"
+                           : "conv2d_relu_pool on bfloat16-rounded operands where float32's rule "
+                             "runs the conv, else conv2d, relu, avg_pool2d");
   };
   d.conv = true;
   return d;
