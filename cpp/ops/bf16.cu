@@ -183,7 +183,8 @@ struct WeightBody {
   }
 };
 
-// db[kk] = sum over images (in double) of each image's float32 sum of dy[n, kk].
+// db[kk] = sum over images (in double) of each image's float32 sum of dy[n, kk] rounded to
+// bfloat16 (the dy the products see).
 struct BiasBody {
   Geom s;
   const float* dy;
@@ -194,7 +195,7 @@ struct BiasBody {
     for (int64_t nn = 0; nn < s.N; ++nn) {
       const float* d = dy + (nn * s.K + kk) * PQ;
       float part = 0.0f;
-      for (int64_t j = 0; j < PQ; ++j) part += d[j];
+      for (int64_t j = 0; j < PQ; ++j) part += __bfloat162float(__float2bfloat16_rn(flush(d[j])));
       total += part;
     }
     db[kk] = static_cast<float>(total);

@@ -100,7 +100,8 @@ void bf16_mm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const 
 // chunks' dw); dx, for stride 1 with a square kernel and pad <= R-1, is the forward pass of dy
 // padded by R-1-pad with the kernel flipped and its channels swapped (K*R*S products per
 // element, one float32 sum), else col2im(W^T @ dy) (the R*S taps added in float32 after);
-// db sums dy in float32 per image and in double over images.
+// db sums dy rounded to bfloat16 (the dy the products see, as PyTorch's autocast sums a
+// bfloat16 gradient) in float32 per image and in double over images.
 // algo (conv2d.h's ConvAlgo, MGPU_CONV_ALGO):
 // - auto and tune: where float32's kernels are faster than these products, the pass rounds x, w
 //   and dy to bfloat16 (as float32 values, the rounding above: ops/bf16_round.h) and runs
@@ -111,8 +112,9 @@ void bf16_mm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const 
 //   LeNet; rounded copies). The operands are then what the products would see; a product of
 //   two bfloat16 values is exact in float32, so direct and im2col kernels keep the bound above
 //   (another order of the float32 sums), and Winograd adds float32 Winograd's own error on the
-//   rounded operands (tests/ops/test_bf16_rounded.py states it). db sums dy unrounded (Winograd's
-//   weight gradient as float32's does, else as below).
+//   rounded operands (tests/ops/test_bf16_rounded.py states it). Every output, db included (the
+//   sum of the rounded dy, as below, in float32's kernel's order), is then float32's pass on the
+//   rounded operands, bit for bit.
 //   Other shapes take the products.
 // - winograd runs the forward of a 3x3 stride-1 shape with pad <= 2, and the data gradient
 //   through it, as Winograd F(2x2, 3x3) with these products over the channels

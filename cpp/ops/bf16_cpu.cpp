@@ -398,7 +398,8 @@ const float* rounded_floats(const float* x, int64_t n, std::vector<float>& buf) 
   return y;
 }
 
-// db (K) from dy: a float32 sum per image, the images' sums added in double.
+// db (K) from dy rounded to bfloat16 (the dy the products see): a float32 sum per image, the
+// images' sums added in double.
 void bias_gradient(const Conv2dShape& s, const float* dy, float* db) {
   const int64_t PQ = s.P() * s.Q();
   parallel_for(s.K, [&](int64_t k) {
@@ -406,7 +407,7 @@ void bias_gradient(const Conv2dShape& s, const float* dy, float* db) {
     for (int64_t n = 0; n < s.N; ++n) {
       const float* d = dy + (n * s.K + k) * PQ;
       float part = 0.0f;
-      for (int64_t j = 0; j < PQ; ++j) part += d[j];
+      for (int64_t j = 0; j < PQ; ++j) part += float_of(to_bf16(d[j]) << 16);
       total += part;
     }
     db[k] = static_cast<float>(total);
@@ -544,19 +545,20 @@ void bf16_conv2d_backward(const Conv2dShape& s, const float* x, const float* w, 
   const conv::Unfold u(s);
   const int64_t CRS = s.C * s.R * s.S, RS = s.R * s.S, PQ = u.P * u.Q, CHW = s.C * s.H * s.W;
   const int64_t chunk = chunk_images(s);
+  // The rounded routes give every output of float32's pass on the rounded operands, db (the
+  // sum of the rounded dy) included.
   const Bf16Route route = bf16_route(s, algo);
-  // db sums dy unrounded: Winograd's weight gradient does as it reads dy, before rounding it.
   if (route == Bf16Route::RoundedWinograd) {
     const float* wr = rounded_floats(w, s.K * CRS, tl_w_rounded);
     return conv::winograd_backward(s, x, wr, dy, dx, dw, db, true);
   }
-  if (db) bias_gradient(s, dy, db);
   if (route == Bf16Route::RoundedRule) {
     const float* wr = rounded_floats(w, s.K * CRS, tl_w_rounded);
     const float* xr = rounded_floats(x, s.N * CHW, tl_x_rounded);
     const float* dyr = rounded_floats(dy, s.N * s.K * PQ, tl_dy_rounded);
-    return conv2d_backward_algo(s, xr, wr, dyr, dx, dw, nullptr, ConvAlgo::Auto);
+    return conv2d_backward_algo(s, xr, wr, dyr, dx, dw, db, ConvAlgo::Auto);
   }
+  if (db) bias_gradient(s, dy, db);
   // A stride-1 square kernel's data gradient is a convolution itself: dy padded by R-1-pad
   // with the kernel flipped and its channels swapped, run after the loop through the forward
   // pass, whose packing reads dy once instead of writing and re-reading a float32 dcol. Other

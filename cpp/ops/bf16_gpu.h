@@ -9,8 +9,8 @@
 // k cut into pairs (the odd one padded with a zero), per pair the odd element's product then the
 // even one's, each an fmaf whose denormal result is flushed to a zero of its sign; conv2d adds
 // the bias after the sum (0.0f without one), gathers dx over (r, s) in order from zero, runs dw's
-// sum in the CPU's chunks of images (its pairs restart at each chunk) and db's in float per
-// image and in double over images. So CPU devices and GPUs, and any number of either, agree bit
+// sum in the CPU's chunks of images (its pairs restart at each chunk) and db's (of dy rounded to
+// bfloat16) in float per image and in double over images. So CPU devices and GPUs, and any number of either, agree bit
 // for bit. Two exceptions, both outside training's range: a NaN result carries the canonical
 // NaN (0x7fff) where the CPU keeps an input's payload, and a partial sum whose exact value lies
 // between 2^-126 - 2^-150 and 2^-126 - 2^-151 (just below FLT_MIN) becomes FLT_MIN here, where the
@@ -22,7 +22,8 @@
 // bf16_round_operands rounded exactly as above. cuDNN's legacy API takes bfloat16 operands only
 // with bfloat16 outputs (its BFLOAT16 configuration, float32 compute): its y, dx and dw are
 // rounded to bfloat16 once more before they widen to float32, adding u = 2^-8 of |y| to the
-// bound; db is summed in float32 from float32 dy.
+// bound; db is summed in float32 from float32 dy (not rounded, unlike mgpu's kernels: compiled,
+// never run here).
 #pragma once
 
 #include <cstdint>

@@ -4,7 +4,6 @@
 
 #include <vector>
 
-#include "core/parallel.h"
 #include "ops/bf16.h"
 #include "ops/dispatch.h"
 
@@ -41,32 +40,6 @@ const float* rounded(const float* x, int64_t n, std::vector<float>& buf) {
   if (static_cast<int64_t>(buf.size()) < n) buf.resize(static_cast<size_t>(n));
   cpu::bf16_round_floats(n, x, buf.data());
   return buf.data();
-}
-
-// db[k] = the sum of dy = relu_backward(y, avg_pool2d_backward(dpooled)) over plane k of every
-// image, unrounded: each image's plane summed in float32 in pixel order, the images' sums added
-// in double (bf16_cpu.cpp's bias gradient); dy's pixels as avg_pool2d's backward writes them
-// (dpooled / pool^2 in its window, zero past the last whole window) where the mask is set.
-void bias_gradient(const Conv2dShape& s, int64_t pool, const uint8_t* mask, const float* dpooled,
-                   float* db) {
-  const int64_t P = s.P(), Q = s.Q(), Pp = P / pool, Qp = Q / pool;
-  const float area = static_cast<float>(pool * pool);
-  parallel_for(s.K, [&](int64_t k) {
-    double total = 0.0;
-    for (int64_t n = 0; n < s.N; ++n) {
-      const uint8_t* m = mask + (n * s.K + k) * P * Q;
-      const float* d = dpooled + (n * s.K + k) * Pp * Qp;
-      float part = 0.0f;
-      for (int64_t p = 0; p < P; ++p) {
-        for (int64_t q = 0; q < Q; ++q) {
-          const bool inside = p < Pp * pool && q < Qp * pool;
-          part += m[p * Q + q] && inside ? d[(p / pool) * Qp + q / pool] / area : 0.0f;
-        }
-      }
-      total += part;
-    }
-    db[k] = static_cast<float>(total);
-  });
 }
 
 }  // namespace
@@ -131,8 +104,7 @@ Conv2dGrads conv2d_relu_pool_backward(const Tensor& x, const Tensor& w, const Te
                const int64_t pooled = s.N * s.K * (s.P() / pool) * (s.Q() / pool);
                cpu::conv2d_relu_pool_backward(s, pool, rounded(xp, s.N * s.C * s.H * s.W, tl_x),
                                               rounded(wp, s.K * s.C * s.R * s.S, tl_w), mp,
-                                              rounded(dp, pooled, tl_dpooled), dxp, dwp, nullptr);
-               bias_gradient(s, pool, mp, dp, dbp);
+                                              rounded(dp, pooled, tl_dpooled), dxp, dwp, dbp);
              },
              x, w, mask, dpooled, g.dx, g.dw, g.db);
   return g;

@@ -25,8 +25,7 @@ struct Conv2dReluPool {
 // by relu and avg_pool2d: those run float32's rule on the rounded operands (ops/bf16.h), and
 // rounding dy = mask * dpooled / pool^2 is rounding dpooled when pool^2 is a power of two (exact
 // scaling; except for |dpooled| below 2^-124, where the scaled value is a float32 denormal that
-// the rounding flushes). db sums the unrounded dy in bf16's order (per image in float32, the
-// images in double).
+// the rounding flushes), db included (the sum of the rounded dy).
 Conv2dReluPool conv2d_relu_pool_forward(const Tensor& x, const Tensor& w, const Tensor& b,
                                         int64_t stride, int64_t pad, int64_t pool,
                                         bool keep_mask, Precision precision = Precision::F32);

@@ -1,7 +1,8 @@
 """LeNet's fused step in bfloat16 (``mgpu.train_batch(..., precision="bf16")``, ``mgpu.train``,
 ``mgpu train --model lenet --precision bf16``): both convolutions and both linear layers take
 bfloat16 operands in every product (forward, data and weight gradients) with float32 sums;
-bias, relu, pooling, the loss and SGD stay float32.
+bias, relu, pooling, the loss and SGD stay float32 (the convs' bias gradients sum the rounded dy
+their products see, the linear layers' the unrounded one).
 
 The reference is NumPy's, in float64: the same step with the operands of every product rounded
 to bfloat16 (``test_bf16.bf16_numpy``: round to nearest, ties to even, from the float32 values
@@ -75,7 +76,9 @@ def reference_step(X, y, params, q):
     dp1, dW2, _ = ref.conv2d_backward(q(p1), q(W2), q(dz2))
     dz1 = ref.relu_backward(z1, ref.avg_pool2d_backward(h1.shape, dp1, 2))
     _, dW1, _ = ref.conv2d_backward(q(X), q(W1), q(dz1))
-    db2, db1 = dz2.sum((0, 2, 3)), dz1.sum((0, 2, 3))
+    # The convs' bias gradients sum the dy their products see: on CPUs LeNet's convs run
+    # float32's kernels on rounded operands, db included (cpp/ops/bf16.h).
+    db2, db1 = q(dz2).sum((0, 2, 3)), q(dz1).sum((0, 2, 3))
     return losses.sum(), [dW1, db1, dW2, db2, dW3, db3, dW4, db4]
 
 

@@ -313,8 +313,8 @@ bool winograd_fits(const Conv2dShape& s);
 // (bf16.h).
 bool winograd_by_auto(const Conv2dShape& s);
 // round_bf16 (precision bf16, bf16.h): x and dy are rounded to bfloat16 (ops/bf16_round.h) as
-// the transforms read them, which gives the bits of the pass on rounded copies; w is not (the
-// caller rounds it). db, where asked for, sums dy unrounded.
+// the transforms read them, which gives the bits of the pass on rounded copies (db included);
+// w is not (the caller rounds it).
 void winograd_forward(const Conv2dShape& s, const float* x, const float* w, const float* b,
                       float* y, bool round_bf16 = false);
 // As conv2d_backward: dx and db may be null, dw may not.

@@ -166,6 +166,7 @@ void transform_grad(const Conv2dShape& s, const Grid& g, const float* dy, int64_
   float* dyT = scratch(tl_frame, (PQ + Pp * Qp) * kLanes);
   float* frame = dyT + PQ * kLanes;
   to_lanes(dy + k0 * PQ, PQ, std::min<int64_t>(kLanes, s.K - k0), PQ, dyT);
+  if (round_bf16) bf16::round_vectors(dyT, PQ * kLanes / 16);
   F16 sum = {};
   for (int64_t j = 0; j < PQ; ++j) {
     F16 p;
@@ -173,7 +174,6 @@ void transform_grad(const Conv2dShape& s, const Grid& g, const float* dy, int64_
     sum += p;
   }
   st16(sums + k0, sum);
-  if (round_bf16) bf16::round_vectors(dyT, PQ * kLanes / 16);  // after the sums: db is unrounded
   frame_plane(dyT, P, Q, 0, Pp, Qp, frame);
   for (int64_t j = 0; j < g.per_image; ++j) {
     const float* src = frame + ((j / g.cols) * kTile * Qp + (j % g.cols) * kTile) * kLanes;
