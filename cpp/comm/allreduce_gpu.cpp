@@ -327,7 +327,8 @@ class Armed {
 
 struct GpuCollective {
   std::vector<int> gpu;                  // gpu[d]: the CUDA index of entry d
-  std::vector<Tensor> flat;              // flat[d]: entry d packed, `total` floats on gpu[d]
+  std::vector<Tensor> flat;              // flat[d]: entry d packed, `total` values on gpu[d]
+  DType wire = DType::F32;               // flat's dtype: F32, or BF16 (NCCL path only)
   std::vector<Tensor> scratch;           // two chunks per device for the peer path
   int64_t total = 0;
   bool nccl = false;
@@ -346,7 +347,11 @@ struct GpuCollective {
   void pack(int me) {
     int64_t at = 0;
     for (const Tensor& t : data[me]) {
-      gpu::copy_within(gpu[me], flat[me].f32() + at, t.f32(), t.nbytes());
+      if (wire == DType::BF16)
+        ops::cuda::convert(t.numel(), t.f32(), flat[me].data<BFloat16>() + at,
+                           gpu::compute_stream(gpu[me]));
+      else
+        gpu::copy_within(gpu[me], flat[me].f32() + at, t.f32(), t.nbytes());
       at += t.numel();
     }
   }
@@ -447,8 +452,9 @@ struct GpuCollective {
       if (pause > 0) std::this_thread::sleep_for(std::chrono::duration<double>(pause));
       NcclGroup group;
       for (int d = 0; d < k(); ++d) {
-        nccl_check(ncclAllReduce(flat[d].f32(), flat[d].f32(), static_cast<size_t>(total),
-                                 ncclFloat, ncclSum, comms->comms[d], gpu::comm_stream(gpu[d])),
+        nccl_check(ncclAllReduce(flat[d].raw(), flat[d].raw(), static_cast<size_t>(total),
+                                 wire == DType::BF16 ? ncclBfloat16 : ncclFloat, ncclSum,
+                                 comms->comms[d], gpu::comm_stream(gpu[d])),
                    "ncclAllReduce");
       }
       group.end();
@@ -490,8 +496,11 @@ struct GpuCollective {
       // kOnComm it goes on (the conv layers' backward) while the reduction runs.
       int64_t at = 0;
       for (const Tensor& t : data[me]) {
-        MGPU_CUDA_CHECK(cudaMemcpyAsync(t.f32(), flat[me].f32() + at, t.nbytes(),
-                                        cudaMemcpyDeviceToDevice, comm));
+        if (wire == DType::BF16)
+          ops::cuda::convert(t.numel(), flat[me].data<BFloat16>() + at, t.f32(), comm);
+        else
+          MGPU_CUDA_CHECK(cudaMemcpyAsync(t.f32(), flat[me].f32() + at, t.nbytes(),
+                                          cudaMemcpyDeviceToDevice, comm));
         at += t.numel();
       }
       if (finish == Finish::kOnComm) return;
@@ -549,7 +558,7 @@ struct GpuCollective {
 };
 
 GpuAllReduce::GpuAllReduce(const std::vector<Device>& devices, const std::vector<Shape>& shapes,
-                           Finish finish, const GpuAllReduce* earlier)
+                           Finish finish, const GpuAllReduce* earlier, DType wire)
     : shapes_(shapes) {
   const int k = static_cast<int>(devices.size());
   auto coll = std::make_shared<GpuCollective>(k);
@@ -559,6 +568,11 @@ GpuAllReduce::GpuAllReduce(const std::vector<Device>& devices, const std::vector
   for (const Device& d : devices) coll->gpu.push_back(d.index);
   for (const Shape& s : shapes) coll->total += numel(s);
   coll->nccl = use_nccl();
+  coll->wire = wire;
+  MGPU_CHECK_VALUE(wire == DType::F32 || coll->nccl, "allreduce: a bfloat16 all-reduce of GPUs "
+                   "runs on NCCL", MGPU_ALLREDUCE_NCCL ? " (MGPU_ALLREDUCE=peer selects the "
+                   "peer-copy path, float32 only: unset it)" : ", which this build lacks",
+                   "; or reduce in float32 (comm_dtype='float32')");
   const double timeout_s = nccl_timeout_s();
   coll->barrier.set_deadline(
       timeout_s, "allreduce: a part of the all-reduce over " + gpu_list(coll->gpu) + " waited " +
@@ -566,7 +580,7 @@ GpuAllReduce::GpuAllReduce(const std::vector<Device>& devices, const std::vector
                      "devices' parts: one never joined (its queue is blocked, e.g. by a wait for "
                      "another device, or the devices received collectives in different orders)");
   for (int d = 0; d < k; ++d) {
-    coll->flat.push_back(Tensor::empty({coll->total}, DType::F32, devices[d]));
+    coll->flat.push_back(Tensor::empty({coll->total}, wire, devices[d]));
     if (!coll->nccl) {
       const int64_t chunk = coll->chunk_begin(d + 1) - coll->chunk_begin(d);
       coll->scratch.push_back(Tensor::empty({2 * chunk}, DType::F32, devices[d]));
@@ -599,10 +613,10 @@ void GpuAllReduce::join(size_t d, const std::vector<Tensor>& tensors) {
 }
 
 void allreduce_gpu(const std::vector<std::vector<Tensor>>& data,
-                   const std::vector<Device>& devices) {
+                   const std::vector<Device>& devices, DType wire) {
   std::vector<Shape> shapes;
   for (const Tensor& t : data[0]) shapes.push_back(t.shape());
-  GpuAllReduce all(devices, shapes);
+  GpuAllReduce all(devices, shapes, Finish::kWait, nullptr, wire);
   // Every queue gets its part in the same host order, so the barriers cannot deadlock.
   std::lock_guard<std::recursive_mutex> order(collective_submission_mutex());
   for (size_t d = 0; d < devices.size(); ++d) all.join(d, data[d]);

@@ -1,5 +1,6 @@
 // tests/cpp/emu_test_nccl.cpp -- the emulated NCCL (cpp/cuda/emu/nccl_emu.h) on 3 emulated GPUs:
 // all-reduce, broadcast and all-gather against host loops (sums in rank order, compared exactly),
+// the bfloat16 all-reduce against hand-computed bits,
 // communicators from ncclCommInitRank on threads and from ncclCommInitAll driven by one thread in
 // a group, the strict emulator (streams behind the host), a mismatched call, ncclCommAbort
 // releasing ranks that wait for a rank that never arrives and freeing the communicator (a later
@@ -142,6 +143,47 @@ void grouped_allreduce(bool strict) {
     ncclResult_t state = ncclInternalError;
     ASSERT_EQ(ncclCommGetAsyncError(comms[r], &state), ncclSuccess);
     EXPECT_EQ(state, ncclSuccess);
+    EXPECT_EQ(ncclCommDestroy(comms[r]), ncclSuccess);
+    cudaStreamDestroy(streams[r]);
+  }
+}
+
+// ncclBfloat16: every rank's bfloat16 values widened, added in float32 in rank order 0, 1, 2,
+// the sum rounded to bfloat16 once (nearest, ties to even). Columns: one rounding where a
+// rounding per addition gives 1.0 (1 + 2^-8 + 2^-8); ties to even, down and up; rank order (2^24
+// + 1 rounds to 2^24 in float32 before -2^24 comes); a sum below half a bfloat16 step of 2.
+TEST_F(Nccl, Bfloat16SumsInFloat32InRankOrderRoundedOnce) {
+  const std::vector<std::vector<uint16_t>> in = {
+      {0x3f80, 0x3f80, 0x3f81, 0x4b80, 0x3f80, 0xbf80},   // 1, 1, 1 + 2^-7, 2^24, 1, -1
+      {0x3b80, 0x3b80, 0x3b80, 0x3f80, 0x3f80, 0xbb80},   // 2^-8 .., 1, 1, -2^-8
+      {0x3b80, 0x0000, 0x0000, 0xcb80, 0x3b80, 0xbb80}};  // 2^-8, 0, 0, -2^24, 2^-8, -2^-8
+  const std::vector<uint16_t> want = {0x3f81, 0x3f80, 0x3f82, 0x0000, 0x4000, 0xbf81};
+  const size_t n = want.size();
+  std::vector<ncclComm_t> comms(kRanks);
+  const int devices[kRanks] = {0, 1, 2};
+  ASSERT_EQ(ncclCommInitAll(comms.data(), kRanks, devices), ncclSuccess);
+  std::vector<cudaStream_t> streams(kRanks);
+  std::vector<std::unique_ptr<DeviceVector<uint16_t>>> data;
+  for (int r = 0; r < kRanks; ++r) {
+    cudaSetDevice(r);
+    cudaStreamCreateWithFlags(&streams[r], cudaStreamNonBlocking);
+    data.push_back(std::make_unique<DeviceVector<uint16_t>>(in[size_t(r)]));
+  }
+  ASSERT_EQ(ncclGroupStart(), ncclSuccess);
+  for (int r = 0; r < kRanks; ++r)  // the group is ended whatever a call returns
+    EXPECT_EQ(ncclAllReduce(data[r]->get(), data[r]->get(), n, ncclBfloat16, ncclSum, comms[r],
+                            streams[r]),
+              ncclSuccess);
+  ASSERT_EQ(ncclGroupEnd(), ncclSuccess);
+  for (int r = 0; r < kRanks; ++r) {
+    ASSERT_EQ(cudaStreamSynchronize(streams[r]), cudaSuccess);
+    EXPECT_EQ(data[r]->download(), want) << "rank " << r;
+  }
+  // Half precision is not emulated.
+  EXPECT_EQ(ncclAllReduce(data[0]->get(), data[0]->get(), n, ncclFloat16, ncclSum, comms[0],
+                          streams[0]),
+            ncclInvalidArgument);
+  for (int r = 0; r < kRanks; ++r) {
     EXPECT_EQ(ncclCommDestroy(comms[r]), ncclSuccess);
     cudaStreamDestroy(streams[r]);
   }
