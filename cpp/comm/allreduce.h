@@ -18,9 +18,8 @@ namespace mgpu::comm {
 // half the bytes: each device rounds its own float32 values to bfloat16 (dtype.h's rounding,
 // nearest even) before any other device reads them; each sum adds those bfloat16 values,
 // widened, in float32 in device order and is rounded to bfloat16 once more (the all-gather
-// carries bfloat16); every device then holds that sum widened to float32 (exact). On GPUs the
-// NCCL path's sums are NCCL's ncclBfloat16 sums (allreduce_gpu.h); the peer-copy path is float32
-// only.
+// carries bfloat16); every device then holds that sum widened to float32 (exact). GPUs: the
+// peer-copy path sums so too; the NCCL path's sums are NCCL's ncclBfloat16 (allreduce_gpu.h).
 void allreduce(const std::vector<std::vector<Tensor>>& data, DType wire = DType::F32);
 
 }  // namespace mgpu::comm

@@ -40,12 +40,13 @@ struct GpuCollective;
 enum class Finish { kWait, kJoin, kOnComm };
 
 //
-// wire BF16 (NCCL path only; the peer-copy path raises ValueError): the packed flat buffer is
-// bfloat16, so NCCL moves half the bytes. Device d's part rounds its float32 tensors into it on
-// its compute stream (dtype.h's rounding, nearest even: ops::cuda::convert), ncclAllReduce sums
-// it as ncclBfloat16 (the emulator: widened, float32 sums in device order, rounded to bfloat16
-// once; real NCCL: its own order, rounding each partial sum), and the unpack widens the sum back
-// into the float32 tensors on the communication stream, where the float32 unpack copies it.
+// wire BF16: the packed flat buffer is bfloat16, so half the bytes move. Device d's part rounds
+// its float32 tensors into it on its compute stream (dtype.h's rounding, nearest even:
+// ops::cuda::convert). NCCL sums it as ncclBfloat16 (the emulator: widened, float32 sums in
+// device order, rounded to bfloat16 once; real NCCL: its own order, rounding each partial sum)
+// and the unpack widens the sum into the float32 tensors on the communication stream, where the
+// float32 unpack copies it; the peer-copy path sums as the CPU devices do (allreduce.h), bit for
+// bit, and widens on the compute stream.
 class GpuAllReduce {
  public:
   GpuAllReduce(const std::vector<Device>& devices, const std::vector<Shape>& shapes,

@@ -419,8 +419,9 @@ class DataParallel(Module):
         rounded before the ranks add them; ``algorithm="mpi"`` rounds every partial sum of MPI's
         order). The GPUs of one process reduce on NCCL as ``ncclBfloat16`` (packed in bfloat16
         on each GPU, widened back after the sum; real NCCL rounds each partial sum in its own
-        order, the same bits on 2 GPUs; ``MGPU_ALLREDUCE=peer`` raises ValueError). GPUs across
-        ranks stay float32 for now: without ``deterministic`` that raises ValueError.
+        order, the same bits on 2 GPUs; ``MGPU_ALLREDUCE=peer``'s peer copies sum as CPU devices
+        do). GPUs across ranks stay float32 for now: without ``deterministic`` that raises
+        ValueError.
         """
         shards = shard_count(deterministic, "train_step")
         accumulate = check_accumulate(accumulate, shards, "train_step")

@@ -1,10 +1,10 @@
 """Gradients all-reduced in bfloat16 (``comm_dtype="bf16"``) by the bucketed all-reduce: CPU
 devices with ``MGPU_CPU_SHARED_UPDATE=0`` (their threads' reduce-scatter and all-gather) and the
-GPUs of one process (NCCL's ncclBfloat16; the emulator's sums in device order). Each device's
-gradients are rounded to bfloat16, added in float32 in device order, the sum rounded to bfloat16
-once and the float32 parameters updated with it: checked exactly against NumPy on a problem whose
-float32 gradients are exact, half the bytes of float32 (counted), and the CPU devices' bits equal
-the shared update's."""
+GPUs of one process (NCCL's ncclBfloat16, the emulator's sums in device order; the peer copies'
+reduce-scatter and all-gather). Each device's gradients are rounded to bfloat16, added in float32
+in device order, the sum rounded to bfloat16 once and the float32 parameters updated with it:
+checked exactly against NumPy on a problem whose float32 gradients are exact, half the bytes of
+float32 (counted), and the CPU devices' bits equal the shared update's."""
 import numpy as np
 import pytest
 
@@ -87,16 +87,10 @@ needs_2_gpus = pytest.mark.skipif(mgpu.num_gpus() < 2,
 
 @pytest.mark.gpu
 @needs_2_gpus
-def test_gpus_nccl_allreduce_in_bf16():
-    """ncclBfloat16 on 2 GPUs: one addition per element, so real NCCL's rounding of its partial
-    sums gives these bits too."""
+@pytest.mark.parametrize("path", ["nccl", "peer"])
+def test_gpus_allreduce_in_bf16(path, monkeypatch):
+    """ncclBfloat16 on 2 GPUs (one addition per element, so real NCCL's rounding of its partial
+    sums gives these bits too), and the peer-copy path, which sums as the CPU devices do."""
+    if path == "peer":
+        monkeypatch.setenv("MGPU_ALLREDUCE", "peer")
     check_step([mgpu.gpu(0), mgpu.gpu(1)])
-
-
-@pytest.mark.gpu
-@needs_2_gpus
-def test_gpus_peer_copy_path_refuses_bf16(monkeypatch):
-    monkeypatch.setenv("MGPU_ALLREDUCE", "peer")
-    with pytest.raises(ValueError, match="bfloat16 all-reduce of GPUs runs on NCCL.*"
-                                         "MGPU_ALLREDUCE=peer"):
-        step([mgpu.gpu(0), mgpu.gpu(1)], "bf16")
