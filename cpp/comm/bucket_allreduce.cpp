@@ -18,8 +18,8 @@
 // wire BF16 (comm_dtype='bf16'): every bucket travels in bfloat16, half the bytes (counted so):
 // each device's float32 bucket is rounded to bfloat16 (dtype.h's rounding, nearest even) on its
 // own queue before it leaves; the sum of the devices' rounded values is added in float32 in
-// device order and rounded to bfloat16 once (allreduce.h's wire: CPU devices' threads, or NCCL's
-// ncclBfloat16 on GPUs); across ranks, device 0's (bfloat16-valued) sum is summed with the other
+// device order and rounded to bfloat16 once (allreduce.h's wire: CPU devices' threads, GPUs'
+// peer copies; NCCL's ncclBfloat16 sums on GPUs, allreduce_gpu.h); across ranks, device 0's (bfloat16-valued) sum is summed with the other
 // ranks' the same way in rank order (dist::allreduce's wire), so with one device per rank the
 // sum is that of every device's rounded gradients in rank order, rounded once; with several,
 // each process's sum is rounded before the ranks add them. Every bucket ends widened to float32

@@ -3,9 +3,10 @@
     mpirun -np 2 python comm_dtype_worker.py OUTDIR [gpu]
 
 Each rank takes one plain-SGD step of a zero linear layer on cpu(0) with comm_dtype "bf16" and
-"float32" (and "bf16" once more under the "mpi" algorithm) and writes the reduced gradient sums
-and the bytes the step's all-reduce counted to OUTDIR/comm_dtype.rank<r>.npz; with "gpu", it
-tries the bf16 step on gpu(0) and writes the error it got to OUTDIR/gpu.rank<r>.txt.
+"float32" (and "bf16" once more under the "mpi" algorithm, and on cpu(0) and cpu(1)) and writes
+the reduced gradient sums and the bytes the step's all-reduce counted to
+OUTDIR/comm_dtype.rank<r>.npz; with "gpu", it tries the bf16 step on gpu(0) and writes the error
+it got to OUTDIR/gpu.rank<r>.txt.
 """
 import os
 import sys
@@ -74,6 +75,7 @@ def main(outdir, mode="cpu"):
         dist.init(algorithm=algorithm)
         (w, b), nbytes = step([mgpu.cpu(0)], comm_dtype)
         out[f"{name}_w"], out[f"{name}_b"], out[f"{name}_bytes"] = w, b, np.int64(nbytes)
+    (out["two_w"], out["two_b"]), _ = step([mgpu.cpu(0), mgpu.cpu(1)], "bf16")
     np.savez(os.path.join(outdir, f"comm_dtype.rank{dist.rank()}.npz"), **out)
 
 

@@ -1,7 +1,9 @@
 """Gradients all-reduced in bfloat16 across mpirun's ranks: 2 ranks x 1 CPU device, the rank-
 ordered reduce-scatter and all-gather carrying bfloat16 bits (MPI_UINT16_T), and MPI's own
 MPI_Iallreduce with a user-defined bfloat16 sum. Checked exactly against NumPy: each rank's
-gradients rounded to bfloat16, added in float32 in rank order, the sum rounded once."""
+gradients rounded to bfloat16, added in float32 in rank order, the sum rounded once; with 2
+devices per rank, each rank's sum of its devices is rounded so before the ranks add them. GPUs
+across ranks refuse (float32 only)."""
 import os
 import sys
 
@@ -9,7 +11,9 @@ import numpy as np
 import pytest
 
 import mgpu
-from test_comm_dtype_bucketed import reference
+from comm_dtype_worker import dyadic_problem, exact_grads
+from test_comm_dtype import ranges
+from test_comm_dtype_bucketed import bf16, reference
 from test_distributed import HERE, MPIRUN, needs_mpi, run_watched
 
 
@@ -37,6 +41,20 @@ def test_two_ranks_reduce_in_bf16(tmp_path):
         assert not np.array_equal(got["bf16_w"], got["f32_w"])
         assert got["f32_bytes"] == 4 * (want[0].size + want[1].size)
         assert got["bf16_bytes"] * 2 == got["f32_bytes"] == got["bf16_mpi_bytes"] * 2
+        for i, name in enumerate(("two_w", "two_b")):
+            np.testing.assert_array_equal(got[name], two_levels()[i], err_msg=f"rank {r} {name}")
+
+
+def two_levels():
+    """2 ranks x 2 devices: replica d of rank r takes shard 2r + d of 4; each rank's two rounded
+    gradients are added in float32 and rounded, then the ranks' sums likewise in rank order."""
+    X, y = dyadic_problem()
+    parts = [exact_grads(X[a:b], y[a:b]) for a, b in ranges(len(y), 4)]
+    out = []
+    for i in range(2):
+        local = [bf16(bf16(parts[2 * r][i]) + bf16(parts[2 * r + 1][i])) for r in range(2)]
+        out.append(bf16(local[0] + local[1]))
+    return out
 
 
 @pytest.mark.gpu
