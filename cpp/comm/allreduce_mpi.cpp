@@ -611,10 +611,23 @@ NcclWorld& nccl_world(int gpu) {
 // On the device's queue, under the collective's turn: an in-place NCCL sum of each tensor on the
 // device's compute stream (after the work that made them), waited for under the timeout. A
 // failure (the communicator is aborted by then) breaks the world: the ranks are out of step.
+// In bfloat16 (call.dtype) the last tensor is a bfloat16 scratch as long as the largest: each
+// tensor is rounded into it (dtype.h's rounding, ops::cuda::convert), summed as ncclBfloat16 and
+// widened back, all on the compute stream.
 void run_nccl_allreduce(const Call& call, const std::vector<Tensor>& tensors) {
   try {
     NcclWorld& world = nccl_world(call.device.index);
     cudaStream_t stream = gpu::compute_stream(call.device.index);
+    if (call.dtype == static_cast<int64_t>(DType::BF16)) {
+      BFloat16* half = tensors.back().data<BFloat16>();
+      for (size_t i = 0; i + 1 < tensors.size(); ++i) {
+        const Tensor& t = tensors[i];
+        ops::cuda::convert(t.numel(), t.f32(), half, stream);
+        world.allreduce_sum(half, static_cast<size_t>(t.numel()), stream, true);
+        ops::cuda::convert(t.numel(), half, t.f32(), stream);
+      }
+      return;
+    }
     for (const Tensor& t : tensors)
       world.allreduce_sum(t.f32(), static_cast<size_t>(t.numel()), stream);
   } catch (const DeviceError& e) {
@@ -810,10 +823,15 @@ void allreduce(const std::vector<Tensor>& tensors, Op op, int64_t tag, DType wir
 #endif
 #if MGPU_BUILT_MPI && MGPU_NCCL_WORLD
   if (!tensors[0].device().is_cpu() && nccl_for_gpus()) {
-    MGPU_CHECK_VALUE(wire == DType::F32, "allreduce: GPU tensors cross processes on NCCL in "
-                     "float32 only; a bfloat16 reduction across ranks (comm_dtype='bf16') runs "
-                     "on CPU devices, or with MGPU_DIST_GPU=host");
-    enqueue_collective("distributed.allreduce (NCCL)", describe(), tensors, run_nccl_allreduce);
+    std::vector<Tensor> with_scratch = tensors;  // bfloat16: run_nccl_allreduce's scratch last
+    if (wire == DType::BF16) {
+      int64_t largest = 0;
+      for (const Tensor& t : tensors) largest = std::max(largest, t.numel());
+      with_scratch.push_back(Tensor::empty({largest}, DType::BF16, tensors[0].device(),
+                                           "distributed.allreduce"));
+    }
+    enqueue_collective("distributed.allreduce (NCCL)", describe(), with_scratch,
+                       run_nccl_allreduce);
     return;
   }
 #endif

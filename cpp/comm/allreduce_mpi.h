@@ -65,8 +65,10 @@ std::string algorithm();
 // rounds its own values to bfloat16 (dtype.h's rounding) before they leave; "ordered" adds them,
 // widened, in float32 in rank order and rounds each sum to bfloat16 once (the all-gather carries
 // it), "mpi" runs MPI_Iallreduce with a user-defined sum that rounds every partial sum (the
-// library's order); the tensors end with the sum widened to float32. GPU tensors: staged
-// through host memory only (ValueError on the NCCL transport). The fingerprint carries wire.
+// library's order); the tensors end with the sum widened to float32. GPU tensors: staged through
+// host memory so, or on the NCCL transport rounded on the GPU and summed as ncclBfloat16 (NCCL's
+// order, each partial sum rounded; the emulator: rank order, rounded once). The fingerprint
+// carries wire.
 void allreduce(const std::vector<Tensor>& tensors, Op op = Op::Allreduce, int64_t tag = 0,
                DType wire = DType::F32);
 // Every rank's `tensors` become root's (any dtype, same shapes on every rank). Enqueued.

@@ -19,8 +19,9 @@
 // each device's float32 bucket is rounded to bfloat16 (dtype.h's rounding, nearest even) on its
 // own queue before it leaves; the sum of the devices' rounded values is added in float32 in
 // device order and rounded to bfloat16 once (allreduce.h's wire: CPU devices' threads, GPUs'
-// peer copies; NCCL's ncclBfloat16 sums on GPUs, allreduce_gpu.h); across ranks, device 0's (bfloat16-valued) sum is summed with the other
-// ranks' the same way in rank order (dist::allreduce's wire), so with one device per rank the
+// peer copies; NCCL's ncclBfloat16 sums on GPUs, allreduce_gpu.h); across ranks, device 0's
+// (bfloat16-valued) sum is summed with the other ranks' the same way in rank order
+// (dist::allreduce's wire; GPUs on NCCL: its ncclBfloat16 sums), so with one device per rank the
 // sum is that of every device's rounded gradients in rank order, rounded once; with several,
 // each process's sum is rounded before the ranks add them. Every bucket ends widened to float32
 // (exact) in the replicas' gradients, and the optimizer updates the float32 parameters with it.
@@ -49,9 +50,6 @@ BucketAllReduce::BucketAllReduce(const std::vector<Device>& devices,
       joined_(bucket_sizes.size(), std::vector<Tensor>(devices.size())),
       count_(bucket_sizes.size(), 0), last_part_(devices.size(), -1),
       gpu_(std::make_unique<BucketPaths>()) {
-  // The step refuses bfloat16 for GPUs across ranks (dist::allreduce's NCCL path is float32).
-  MGPU_ASSERT(wire == DType::F32 || devices[0].is_cpu() || !cross_, "a bfloat16 bucket "
-              "all-reduce of GPUs across ranks");
 #if MGPU_GPU_BUILD
   if (devices.size() > 1 && !devices[0].is_cpu()) {
     for (size_t b = 0; b < sizes_.size(); ++b) {

@@ -87,14 +87,6 @@ std::vector<Tensor> train_step(const Model& m, const Tensor& X, const Tensor& y,
                    accumulate, " must divide the number of logical shards (", num_shards,
                    "): each micro-batch is a run of whole shards; use an accumulate that divides ",
                    num_shards, ", or a shard count that is a multiple of ", accumulate);
-  // comm_dtype BF16 without shards: the shared update rounds and sums as the bucketed
-  // all-reduce does (BucketAllReduce's wire); only GPUs across ranks stay float32.
-  if (sgd.comm_dtype == DType::BF16 && num_shards == 0) {
-    MGPU_CHECK_VALUE(replicas[0].device.is_cpu() || comm::dist::world_size() == 1, op,
-                     ": comm_dtype='bf16' reduces in bfloat16 on CPU devices, on the GPUs of one "
-                     "process and across mpirun's ranks of CPU devices; GPUs across ranks reduce "
-                     "in float32 only for now: pass deterministic=True, or comm_dtype='float32'");
-  }
   const int64_t classes = m.classes();
   const bool guarded = classes > 0 && !labels_checked_on_host(op, y, classes);
   LabelGuard guard;

@@ -479,8 +479,7 @@ def main(argv: Optional[List[str]] = None, prog: str = "mgpu") -> int:
                         "instruction, where float32's Winograd F(4x4, 3x3) runs a quarter of "
                         "them); it is there for its numerics and as the base for faster kernels")
     t.add_argument("--comm-dtype", choices=["float32", "bf16"], default="float32",
-                   help="resnet18 --fused (not on GPUs across mpirun's ranks yet): bf16 "
-                        "all-reduces the gradients in "
+                   help="resnet18 --fused: bf16 all-reduces the gradients in "
                         "bfloat16, half the bytes (rounded to nearest even before the sum, "
                         "summed in float32 in the usual order; --deterministic keeps its bits "
                         "on any device count)")

@@ -417,11 +417,11 @@ class DataParallel(Module):
         (``MGPU_CPU_SHARED_UPDATE=0``: the same bits), and across mpirun's ranks (bfloat16 bits
         sent as MPI_UINT16_T, rank order; with several devices per rank each rank's sum is
         rounded before the ranks add them; ``algorithm="mpi"`` rounds every partial sum of MPI's
-        order). The GPUs of one process reduce on NCCL as ``ncclBfloat16`` (packed in bfloat16
+        order). GPUs reduce on NCCL as ``ncclBfloat16`` (packed in bfloat16
         on each GPU, widened back after the sum; real NCCL rounds each partial sum in its own
         order, the same bits on 2 GPUs; ``MGPU_ALLREDUCE=peer``'s peer copies sum as CPU devices
-        do). GPUs across ranks stay float32 for now: without ``deterministic`` that raises
-        ValueError.
+        do), across ranks as ``ncclBfloat16`` too, or staged through host memory
+        (``MGPU_DIST_GPU=host``) as CPU devices are.
         """
         shards = shard_count(deterministic, "train_step")
         accumulate = check_accumulate(accumulate, shards, "train_step")

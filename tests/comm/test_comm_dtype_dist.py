@@ -2,8 +2,8 @@
 ordered reduce-scatter and all-gather carrying bfloat16 bits (MPI_UINT16_T), and MPI's own
 MPI_Iallreduce with a user-defined bfloat16 sum. Checked exactly against NumPy: each rank's
 gradients rounded to bfloat16, added in float32 in rank order, the sum rounded once; with 2
-devices per rank, each rank's sum of its devices is rounded so before the ranks add them. GPUs
-across ranks refuse (float32 only)."""
+devices per rank, each rank's sum of its devices is rounded so before the ranks add them. One
+emulated GPU per rank, on the NCCL transport and staged through host memory."""
 import os
 import sys
 
@@ -17,9 +17,9 @@ from test_comm_dtype_bucketed import bf16, reference
 from test_distributed import HERE, MPIRUN, needs_mpi, run_watched
 
 
-def run_worker(outdir, *args):
+def run_worker(outdir, *args, **extra_env):
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-               MGPU_DIST_CHECK="1", MGPU_DIST_TIMEOUT="60")
+               MGPU_DIST_CHECK="1", MGPU_DIST_TIMEOUT="60", **extra_env)
     env.pop("MGPU_NUM_THREADS", None)
     cmd = [MPIRUN, "-np", "2", "--oversubscribe", sys.executable,
            os.path.join(HERE, "comm", "comm_dtype_worker.py"), str(outdir), *args]
@@ -58,10 +58,20 @@ def two_levels():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(mgpu.num_gpus() < 1, reason="needs a GPU (the emulated build has them)")
+@pytest.mark.skipif(not mgpu.build_info()["cuda_emulation"],
+                    reason="runs one emulated GPU per rank (the emulated build)")
 @needs_mpi
-def test_gpus_across_ranks_refuse_bf16(tmp_path):
-    run_worker(tmp_path, "gpu")
+@pytest.mark.parametrize("transport", ["nccl", "host"])
+def test_one_gpu_per_rank_reduces_in_bf16(transport, tmp_path):
+    """The NCCL transport across processes (the emulator's ncclBfloat16: rank order, rounded
+    once; real NCCL's two-rank sum is one addition, the same bits) and MGPU_DIST_GPU=host's
+    staging through the CPU's ordered all-reduce."""
+    run_worker(tmp_path, "gpu", MGPU_EMULATED_GPUS="1", MGPU_DIST_GPU=transport)
+    want, exact = reference(2)
     for r in range(2):
-        message = (tmp_path / f"gpu.rank{r}.txt").read_text()
-        assert "comm_dtype='bf16'" in message and "GPUs across ranks reduce in float32" in message
+        got = np.load(tmp_path / f"gpu.rank{r}.npz")
+        for i, name in enumerate(("w", "b")):
+            np.testing.assert_array_equal(got[f"bf16_{name}"], want[i], err_msg=f"rank {r}")
+            np.testing.assert_array_equal(got[f"f32_{name}"], exact[i], err_msg=f"rank {r}")
+        assert not np.array_equal(got["bf16_w"], got["f32_w"])
+        assert got["bf16_bytes"] * 2 == got["f32_bytes"] == 4 * (want[0].size + want[1].size)

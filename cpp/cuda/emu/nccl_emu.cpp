@@ -718,8 +718,6 @@ ncclResult_t ncclAllReduce(const void* sendbuff, void* recvbuff, size_t count,
                            cudaStream_t stream) {
   if ((datatype != ncclFloat && datatype != ncclBfloat16) || op != ncclSum)
     return ncclInvalidArgument;
-  // Cliques across processes sum float32 only (nccl_emu.h); the handle stays allocated when freed.
-  if (datatype == ncclBfloat16 && comm != nullptr && comm->clique->link) return ncclInvalidArgument;
   return enqueue(Kind::AllReduce, sendbuff, recvbuff, count, elem_size(datatype), 0, comm, stream);
 }
 

@@ -129,8 +129,7 @@ ncclResult_t ncclGroupEnd(void);
 // in float32 in rank order 0..n-1 and rounded to bfloat16 once, to nearest even (the emulated
 // GPU's __float2bfloat16_rn, cuda/emu/bf16.h). Real NCCL rounds its partial sums to bfloat16 at
 // every step of its ring or tree, in its own order: the same bits on two ranks (one addition),
-// within one bfloat16 rounding per rank on more. In a clique across processes ncclBfloat16 is
-// ncclInvalidArgument (mgpu's NCCL across ranks reduces float32 only).
+// within one bfloat16 rounding per rank on more. Cliques across processes sum so too.
 ncclResult_t ncclAllReduce(const void* sendbuff, void* recvbuff, size_t count,
                            ncclDataType_t datatype, ncclRedOp_t op, ncclComm_t comm,
                            cudaStream_t stream);
