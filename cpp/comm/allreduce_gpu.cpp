@@ -330,7 +330,7 @@ struct GpuCollective {
   std::vector<int> gpu;                  // gpu[d]: the CUDA index of entry d
   std::vector<Tensor> flat;              // flat[d]: entry d packed, `total` values on gpu[d]
   DType wire = DType::F32;               // flat's dtype: F32, or BF16
-  std::vector<Tensor> scratch;           // two chunks per device for the peer path
+  std::vector<Tensor> scratch;           // per device, the peer path's chunks (run_peer*)
   int64_t total = 0;
   bool nccl = false;
   // NCCL only: where the result is left (allreduce_gpu.h). kOnComm: unpacked on the
