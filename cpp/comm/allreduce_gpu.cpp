@@ -5,7 +5,8 @@
 // are aborted and rebuilt after a failure: an asynchronous NCCL error, or a collective that does
 // not finish within MGPU_NCCL_TIMEOUT_S seconds (a watchdog thread aborts it), raises DeviceError.
 // Otherwise (no NCCL, MGPU_ALLREDUCE=peer): reduce-scatter + all-gather over peer copies,
-// chunks summed in device order 0..k-1, so the sums are bitwise those of cpu(0..k-1).
+// chunks summed in device order 0..k-1, so the sums are bitwise those of cpu(0..k-1) (in
+// bfloat16 too: allreduce.h's wire).
 #include "comm/allreduce_gpu.h"
 
 #if MGPU_GPU_BUILD
@@ -327,8 +328,9 @@ class Armed {
 
 struct GpuCollective {
   std::vector<int> gpu;                  // gpu[d]: the CUDA index of entry d
-  std::vector<Tensor> flat;              // flat[d]: entry d packed, `total` floats on gpu[d]
-  std::vector<Tensor> scratch;           // two chunks per device for the peer path
+  std::vector<Tensor> flat;              // flat[d]: entry d packed, `total` values on gpu[d]
+  DType wire = DType::F32;               // flat's dtype: F32, or BF16
+  std::vector<Tensor> scratch;           // per device, the peer path's chunks (run_peer*)
   int64_t total = 0;
   bool nccl = false;
   // NCCL only: where the result is left (allreduce_gpu.h). kOnComm: unpacked on the
@@ -346,14 +348,22 @@ struct GpuCollective {
   void pack(int me) {
     int64_t at = 0;
     for (const Tensor& t : data[me]) {
-      gpu::copy_within(gpu[me], flat[me].f32() + at, t.f32(), t.nbytes());
+      if (wire == DType::BF16)
+        ops::cuda::convert(t.numel(), t.f32(), flat[me].data<BFloat16>() + at,
+                           gpu::compute_stream(gpu[me]));
+      else
+        gpu::copy_within(gpu[me], flat[me].f32() + at, t.f32(), t.nbytes());
       at += t.numel();
     }
   }
   void unpack(int me) {
     int64_t at = 0;
     for (const Tensor& t : data[me]) {
-      gpu::copy_within(gpu[me], t.f32(), flat[me].f32() + at, t.nbytes());
+      if (wire == DType::BF16)
+        ops::cuda::convert(t.numel(), flat[me].data<BFloat16>() + at, t.f32(),
+                           gpu::compute_stream(gpu[me]));
+      else
+        gpu::copy_within(gpu[me], t.f32(), flat[me].f32() + at, t.nbytes());
       at += t.numel();
     }
   }
@@ -368,7 +378,8 @@ struct GpuCollective {
         return;
       }
 #endif
-      run_peer(me, stream);
+      if (wire == DType::BF16) run_peer_bf16(me, stream);
+      else run_peer(me, stream);
       unpack(me);
     } catch (...) {
       barrier.abort();  // release the devices waiting for this one
@@ -418,9 +429,49 @@ struct GpuCollective {
     barrier.arrive_and_wait();
   }
 
-  // Copies floats [lo, lo + bytes/4) of device d's flat buffer to `to` on device me.
-  void fetch(int me, int d, float* to, int64_t lo, size_t bytes) {
-    const float* from = flat[d].f32() + lo;
+  // run_peer in bfloat16 (wire BF16): the packed buffers hold each device's rounded values;
+  // device me widens chunk me of every device's buffer to float32 and adds them in device order
+  // (run_peer's order, so the CPU devices' bits), rounds the sum into its own buffer's chunk,
+  // and the all-gather fetches the other chunks' rounded sums: half of run_peer's bytes.
+  void run_peer_bf16(int me, cudaStream_t stream) {
+    gpu::synchronize(gpu[me]);
+    barrier.arrive_and_wait();
+    const int64_t lo = chunk_begin(me), n = chunk_begin(me + 1) - lo;
+    float* acc = scratch[me].f32();
+    float* widened = acc + n;
+    BFloat16* fetched = reinterpret_cast<BFloat16*>(widened + n);
+    BFloat16* mine = flat[me].data<BFloat16>() + lo;
+    if (n > 0) {
+      for (int d = 0; d < k(); ++d) {
+        const BFloat16* x = mine;
+        if (d != me) {
+          fetch(me, d, fetched, lo, static_cast<size_t>(n) * sizeof(BFloat16));
+          x = fetched;
+        }
+        ops::cuda::convert(n, x, d == 0 ? acc : widened, stream);
+        if (d > 0)
+          ops::cuda::for_each_index(n, ops::BinarySameOut<ops::BinaryOp::Add>{acc, widened, acc},
+                                    stream);
+      }
+      ops::cuda::convert(n, acc, mine, stream);
+    }
+    gpu::synchronize(gpu[me]);
+    barrier.arrive_and_wait();
+    for (int j = 0; j < k(); ++j) {
+      if (j == me) continue;
+      const int64_t jlo = chunk_begin(j), jn = chunk_begin(j + 1) - jlo;
+      if (jn > 0)
+        fetch(me, j, flat[me].data<BFloat16>() + jlo, jlo,
+              static_cast<size_t>(jn) * sizeof(BFloat16));
+    }
+    gpu::synchronize(gpu[me]);
+    barrier.arrive_and_wait();
+  }
+
+  // Copies elements [lo, lo + bytes / element size) of device d's flat buffer to `to` on
+  // device me.
+  void fetch(int me, int d, void* to, int64_t lo, size_t bytes) {
+    const char* from = static_cast<const char*>(flat[d].raw()) + lo * dtype_size(wire);
     if (d == me) gpu::copy_within(gpu[me], to, from, bytes);
     else gpu::copy_from_peer(gpu[me], to, gpu[d], from, bytes);
   }
@@ -447,8 +498,9 @@ struct GpuCollective {
       if (pause > 0) std::this_thread::sleep_for(std::chrono::duration<double>(pause));
       NcclGroup group;
       for (int d = 0; d < k(); ++d) {
-        nccl_check(ncclAllReduce(flat[d].f32(), flat[d].f32(), static_cast<size_t>(total),
-                                 ncclFloat, ncclSum, comms->comms[d], gpu::comm_stream(gpu[d])),
+        nccl_check(ncclAllReduce(flat[d].raw(), flat[d].raw(), static_cast<size_t>(total),
+                                 wire == DType::BF16 ? ncclBfloat16 : ncclFloat, ncclSum,
+                                 comms->comms[d], gpu::comm_stream(gpu[d])),
                    "ncclAllReduce");
       }
       group.end();
@@ -490,8 +542,11 @@ struct GpuCollective {
       // kOnComm it goes on (the conv layers' backward) while the reduction runs.
       int64_t at = 0;
       for (const Tensor& t : data[me]) {
-        MGPU_CUDA_CHECK(cudaMemcpyAsync(t.f32(), flat[me].f32() + at, t.nbytes(),
-                                        cudaMemcpyDeviceToDevice, comm));
+        if (wire == DType::BF16)
+          ops::cuda::convert(t.numel(), flat[me].data<BFloat16>() + at, t.f32(), comm);
+        else
+          MGPU_CUDA_CHECK(cudaMemcpyAsync(t.f32(), flat[me].f32() + at, t.nbytes(),
+                                          cudaMemcpyDeviceToDevice, comm));
         at += t.numel();
       }
       if (finish == Finish::kOnComm) return;
@@ -549,7 +604,7 @@ struct GpuCollective {
 };
 
 GpuAllReduce::GpuAllReduce(const std::vector<Device>& devices, const std::vector<Shape>& shapes,
-                           Finish finish, const GpuAllReduce* earlier)
+                           Finish finish, const GpuAllReduce* earlier, DType wire)
     : shapes_(shapes) {
   const int k = static_cast<int>(devices.size());
   auto coll = std::make_shared<GpuCollective>(k);
@@ -559,6 +614,7 @@ GpuAllReduce::GpuAllReduce(const std::vector<Device>& devices, const std::vector
   for (const Device& d : devices) coll->gpu.push_back(d.index);
   for (const Shape& s : shapes) coll->total += numel(s);
   coll->nccl = use_nccl();
+  coll->wire = wire;
   const double timeout_s = nccl_timeout_s();
   coll->barrier.set_deadline(
       timeout_s, "allreduce: a part of the all-reduce over " + gpu_list(coll->gpu) + " waited " +
@@ -566,10 +622,13 @@ GpuAllReduce::GpuAllReduce(const std::vector<Device>& devices, const std::vector
                      "devices' parts: one never joined (its queue is blocked, e.g. by a wait for "
                      "another device, or the devices received collectives in different orders)");
   for (int d = 0; d < k; ++d) {
-    coll->flat.push_back(Tensor::empty({coll->total}, DType::F32, devices[d]));
+    coll->flat.push_back(Tensor::empty({coll->total}, wire, devices[d]));
     if (!coll->nccl) {
+      // run_peer's sum and fetched chunk; run_peer_bf16's sum, widened chunk and fetched chunk
+      // (bfloat16, in the third part).
       const int64_t chunk = coll->chunk_begin(d + 1) - coll->chunk_begin(d);
-      coll->scratch.push_back(Tensor::empty({2 * chunk}, DType::F32, devices[d]));
+      coll->scratch.push_back(
+          Tensor::empty({(wire == DType::BF16 ? 3 : 2) * chunk}, DType::F32, devices[d]));
     }
   }
 #if MGPU_ALLREDUCE_NCCL
@@ -599,10 +658,10 @@ void GpuAllReduce::join(size_t d, const std::vector<Tensor>& tensors) {
 }
 
 void allreduce_gpu(const std::vector<std::vector<Tensor>>& data,
-                   const std::vector<Device>& devices) {
+                   const std::vector<Device>& devices, DType wire) {
   std::vector<Shape> shapes;
   for (const Tensor& t : data[0]) shapes.push_back(t.shape());
-  GpuAllReduce all(devices, shapes);
+  GpuAllReduce all(devices, shapes, Finish::kWait, nullptr, wire);
   // Every queue gets its part in the same host order, so the barriers cannot deadlock.
   std::lock_guard<std::recursive_mutex> order(collective_submission_mutex());
   for (size_t d = 0; d < devices.size(); ++d) all.join(d, data[d]);

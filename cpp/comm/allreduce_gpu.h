@@ -12,9 +12,10 @@
 
 namespace mgpu::comm {
 
-// data and devices already checked by comm::allreduce: k >= 2 distinct GPUs, equal float32 lists.
+// data and devices already checked by comm::allreduce: k >= 2 distinct GPUs, equal float32 lists;
+// wire as allreduce.h's.
 void allreduce_gpu(const std::vector<std::vector<Tensor>>& data,
-                   const std::vector<Device>& devices);
+                   const std::vector<Device>& devices, DType wire = DType::F32);
 
 struct GpuCollective;
 
@@ -38,10 +39,19 @@ struct GpuCollective;
 //              until then, or join_compute() does (a step that failed before that one).
 enum class Finish { kWait, kJoin, kOnComm };
 
+//
+// wire BF16: the packed flat buffer is bfloat16, so half the bytes move. Device d's part rounds
+// its float32 tensors into it on its compute stream (dtype.h's rounding, nearest even:
+// ops::cuda::convert). NCCL sums it as ncclBfloat16 (the emulator: widened, float32 sums in
+// device order, rounded to bfloat16 once; real NCCL: its own order, rounding each partial sum)
+// and the unpack widens the sum into the float32 tensors on the communication stream, where the
+// float32 unpack copies it; the peer-copy path sums as the CPU devices do (allreduce.h), bit for
+// bit, and widens on the compute stream.
 class GpuAllReduce {
  public:
   GpuAllReduce(const std::vector<Device>& devices, const std::vector<Shape>& shapes,
-               Finish finish = Finish::kWait, const GpuAllReduce* earlier = nullptr);
+               Finish finish = Finish::kWait, const GpuAllReduce* earlier = nullptr,
+               DType wire = DType::F32);
   void join(size_t d, const std::vector<Tensor>& tensors);
   // Enqueues on device d's queue, after its part: the compute stream waits for everything on the
   // communication stream so far (this collective's reduction and unpack included), and the

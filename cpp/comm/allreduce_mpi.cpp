@@ -74,14 +74,17 @@ constexpr int64_t kMixedDtypes = 99;
 std::string describe(const Call& c) {
   std::ostringstream out;
   switch (static_cast<Op>(c.op)) {
-    case Op::Allreduce: out << "allreduce of " << c.count << " " << dtype_name(DType::F32); break;
+    case Op::Allreduce:
+      out << "allreduce of " << c.count << " " << dtype_name(static_cast<DType>(c.dtype));
+      break;
     case Op::Broadcast:
       out << "broadcast of " << c.count << " bytes from root " << c.root << ", "
           << (c.dtype == kMixedDtypes ? "mixed dtypes" : dtype_name(static_cast<DType>(c.dtype)));
       break;
     case Op::Barrier: out << "barrier"; break;
     case Op::TrainStep:
-      out << "train_batch gradient all-reduce of " << c.count << " float32 (global batch "
+      out << "train_batch gradient all-reduce of " << c.count << " "
+          << dtype_name(static_cast<DType>(c.dtype)) << " (global batch "
           << (c.tag >> 8) << ", " << (c.tag & 255) << " device(s) per process)";
       break;
     default: out << "unknown collective " << c.op;
@@ -461,11 +464,72 @@ void allreduce_ordered(float* flat, int64_t n, Exchange& reduce, Exchange& gathe
   gather.wait();
 }
 
+// allreduce_ordered in bfloat16 (allreduce_mpi.h's wire BF16): the bfloat16 bits travel as
+// MPI_UINT16_T (MPI has no bfloat16 type), each rank's own values rounded before they leave,
+// each sum added in float32 in rank order from the widened values and rounded once, and the
+// all-gather carries those rounded sums; flat ends with them widened.
+void allreduce_ordered_bf16(float* flat, int64_t n, Exchange& reduce, Exchange& gather) {
+  State& s = state();
+  const int W = s.size, me = s.rank;
+  auto begin = [&](int j) { return n * j / W; };
+  const int64_t b = begin(me), len = begin(me + 1) - b;
+  BFloat16* half = reusable<BFloat16>(1, n + len * W, reduce);
+  BFloat16* slots = half + n;
+  for (int64_t i = 0; i < n; ++i) half[i] = BFloat16(flat[i]);
+  for (int p = 0; p < W; ++p) {
+    if (p == me) continue;
+    reduce.recv(slots + len * p, len, MPI_UINT16_T, p, kTagReduce);
+    reduce.send(half + begin(p), begin(p + 1) - begin(p), MPI_UINT16_T, p, kTagReduce);
+  }
+  reduce.wait();
+  std::memcpy(slots + len * me, half + b, static_cast<size_t>(len) * sizeof(BFloat16));
+  for (int64_t i = 0; i < len; ++i) {
+    float acc = static_cast<float>(slots[i]);
+    for (int p = 1; p < W; ++p) acc += static_cast<float>(slots[len * p + i]);
+    half[b + i] = BFloat16(acc);
+  }
+  reusable<BFloat16>(1, n + len * W, gather);  // the same buffer, kept by the gather's requests
+  for (int p = 0; p < W; ++p) {
+    if (p == me) continue;
+    gather.recv(half + begin(p), begin(p + 1) - begin(p), MPI_UINT16_T, p, kTagGather);
+    gather.send(half + b, len, MPI_UINT16_T, p, kTagGather);
+  }
+  gather.wait();
+  for (int64_t i = 0; i < n; ++i) flat[i] = static_cast<float>(half[i]);
+}
+
+// MPI_Iallreduce's sum of bfloat16 bits (the "mpi" algorithm): inout = bf16(in + inout), the two
+// widened and added in float32, so every partial sum of the library's order is rounded.
+void sum_bf16_op(void* in, void* inout, int* len, MPI_Datatype*) {
+  const BFloat16* a = static_cast<const BFloat16*>(in);
+  BFloat16* b = static_cast<BFloat16*>(inout);
+  for (int i = 0; i < *len; ++i)
+    b[i] = BFloat16(static_cast<float>(a[i]) + static_cast<float>(b[i]));
+}
+
 void run_allreduce(const Call& call, const std::vector<Tensor>& tensors) {
   const int64_t n = call.count;
   Exchange reduce(call, "the reduce-scatter"), gather(call, "the all-gather");
   float* flat = flat_view<float>(tensors, n, reduce);
   gather.keep(tensors[0].storage());
+  if (call.dtype == static_cast<int64_t>(DType::BF16)) {
+    if (state().ordered.load()) {
+      allreduce_ordered_bf16(flat, n, reduce, gather);
+    } else {
+      if (n > INT_MAX)
+        throw ValueError(prefix() + describe(call) + ": more than 2^31 - 1 elements");
+      static MPI_Op op = MPI_OP_NULL;  // made once, under the collective's turn
+      if (op == MPI_OP_NULL) MGPU_MPI_CHECK(MPI_Op_create(sum_bf16_op, 1, &op), "MPI_Op_create");
+      BFloat16* half = reusable<BFloat16>(1, n, reduce);
+      for (int64_t i = 0; i < n; ++i) half[i] = BFloat16(flat[i]);
+      MGPU_MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, half, static_cast<int>(n), MPI_UINT16_T, op,
+                                    state().comm, reduce.collective()), "MPI_Iallreduce");
+      reduce.wait();
+      for (int64_t i = 0; i < n; ++i) flat[i] = static_cast<float>(half[i]);
+    }
+    unpack(tensors, flat);
+    return;
+  }
   if (state().ordered.load()) {
     allreduce_ordered(flat, n, reduce, gather);
   } else {
@@ -547,10 +611,23 @@ NcclWorld& nccl_world(int gpu) {
 // On the device's queue, under the collective's turn: an in-place NCCL sum of each tensor on the
 // device's compute stream (after the work that made them), waited for under the timeout. A
 // failure (the communicator is aborted by then) breaks the world: the ranks are out of step.
+// In bfloat16 (call.dtype) the last tensor is a bfloat16 scratch as long as the largest: each
+// tensor is rounded into it (dtype.h's rounding, ops::cuda::convert), summed as ncclBfloat16 and
+// widened back, all on the compute stream.
 void run_nccl_allreduce(const Call& call, const std::vector<Tensor>& tensors) {
   try {
     NcclWorld& world = nccl_world(call.device.index);
     cudaStream_t stream = gpu::compute_stream(call.device.index);
+    if (call.dtype == static_cast<int64_t>(DType::BF16)) {
+      BFloat16* half = tensors.back().data<BFloat16>();
+      for (size_t i = 0; i + 1 < tensors.size(); ++i) {
+        const Tensor& t = tensors[i];
+        ops::cuda::convert(t.numel(), t.f32(), half, stream);
+        world.allreduce_sum(half, static_cast<size_t>(t.numel()), stream, true);
+        ops::cuda::convert(t.numel(), half, t.f32(), stream);
+      }
+      return;
+    }
     for (const Tensor& t : tensors)
       world.allreduce_sum(t.f32(), static_cast<size_t>(t.numel()), stream);
   } catch (const DeviceError& e) {
@@ -727,8 +804,10 @@ void set_algorithm(const std::string& name) {
 }
 std::string algorithm() { return state().ordered.load() ? "ordered" : "mpi"; }
 
-void allreduce(const std::vector<Tensor>& tensors, Op op, int64_t tag) {
+void allreduce(const std::vector<Tensor>& tensors, Op op, int64_t tag, DType wire) {
   validate("allreduce", tensors, true);
+  MGPU_ASSERT(wire == DType::F32 || wire == DType::BF16, "allreduce: wire dtype ",
+              dtype_name(wire));
   if (!multi_process("allreduce")) return;  // the sum over one process is its own value
 #if MGPU_BUILT_MPI
   // The call every rank describes, whichever transport carries it.
@@ -736,7 +815,7 @@ void allreduce(const std::vector<Tensor>& tensors, Op op, int64_t tag) {
     Call call;
     call.op = static_cast<int64_t>(op);
     call.count = total_elements(tensors);
-    call.dtype = static_cast<int64_t>(DType::F32);
+    call.dtype = static_cast<int64_t>(wire);
     call.tag = tag;
     call.device = tensors[0].device();
     return call;
@@ -744,17 +823,26 @@ void allreduce(const std::vector<Tensor>& tensors, Op op, int64_t tag) {
 #endif
 #if MGPU_BUILT_MPI && MGPU_NCCL_WORLD
   if (!tensors[0].device().is_cpu() && nccl_for_gpus()) {
-    enqueue_collective("distributed.allreduce (NCCL)", describe(), tensors, run_nccl_allreduce);
+    std::vector<Tensor> with_scratch = tensors;  // bfloat16: run_nccl_allreduce's scratch last
+    if (wire == DType::BF16) {
+      int64_t largest = 0;
+      for (const Tensor& t : tensors) largest = std::max(largest, t.numel());
+      with_scratch.push_back(Tensor::empty({largest}, DType::BF16, tensors[0].device(),
+                                           "distributed.allreduce"));
+    }
+    enqueue_collective("distributed.allreduce (NCCL)", describe(), with_scratch,
+                       run_nccl_allreduce);
     return;
   }
 #endif
-  if (staged_through_host(tensors, [&](const std::vector<Tensor>& h) { allreduce(h, op, tag); }))
+  if (staged_through_host(tensors,
+                          [&](const std::vector<Tensor>& h) { allreduce(h, op, tag, wire); }))
     return;
 #if MGPU_BUILT_MPI
   enqueue_collective("distributed.allreduce", describe(), tensors,
                      [](const Call& c, const std::vector<Tensor>& ts) { run_allreduce(c, ts); });
 #endif
-  (void)op, (void)tag;
+  (void)op, (void)tag, (void)wire;
 }
 
 void broadcast(const std::vector<Tensor>& tensors, int root) {

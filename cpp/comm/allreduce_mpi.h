@@ -61,7 +61,16 @@ std::string algorithm();
 // In-place sum across ranks of `tensors` (float32, all on one CPU device; reduced as one flat
 // buffer). Enqueued on that device's queue; returns at once. `op` and `tag` only label the call
 // in the fingerprint and in errors (train_batch passes TrainStep and its batch geometry).
-void allreduce(const std::vector<Tensor>& tensors, Op op = Op::Allreduce, int64_t tag = 0);
+// wire BF16 (a step's comm_dtype) sends half the bytes, bfloat16 bits as MPI_UINT16_T: each rank
+// rounds its own values to bfloat16 (dtype.h's rounding) before they leave; "ordered" adds them,
+// widened, in float32 in rank order and rounds each sum to bfloat16 once (the all-gather carries
+// it), "mpi" runs MPI_Iallreduce with a user-defined sum that rounds every partial sum (the
+// library's order); the tensors end with the sum widened to float32. GPU tensors: staged through
+// host memory so, or on the NCCL transport rounded on the GPU and summed as ncclBfloat16 (NCCL's
+// order, each partial sum rounded; the emulator: rank order, rounded once). The fingerprint
+// carries wire.
+void allreduce(const std::vector<Tensor>& tensors, Op op = Op::Allreduce, int64_t tag = 0,
+               DType wire = DType::F32);
 // Every rank's `tensors` become root's (any dtype, same shapes on every rank). Enqueued.
 void broadcast(const std::vector<Tensor>& tensors, int root);
 // Blocks the host until every rank has reached its barrier (after this rank's queued work on

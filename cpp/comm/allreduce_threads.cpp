@@ -24,6 +24,9 @@ struct Segment {
 
 struct Collective {
   std::vector<std::vector<float*>> ptr;  // ptr[device][tensor]
+  // wire BF16: half[device] holds that device's `total` values in bfloat16, the flat buffer
+  // the other devices read (its own rounded values, then its chunk's sums); empty for float32.
+  std::vector<BFloat16*> half;
   std::vector<Segment> segs;
   int64_t total = 0;
   Barrier barrier;
@@ -41,6 +44,7 @@ struct Collective {
   }
 
   void run(int me) {
+    if (!half.empty()) return run_bf16(me);
     int k = static_cast<int>(ptr.size());
     // Every peer must have finished producing its buffer before anyone reads it.
     barrier.arrive_and_wait();
@@ -68,11 +72,53 @@ struct Collective {
     // Nobody may write its buffer again until every peer has finished reading it.
     barrier.arrive_and_wait();
   }
+
+  // The same in bfloat16 (allreduce.h's wire BF16): every device rounds its own values into its
+  // half buffer; device j sums chunk j of the half buffers (widened, float32, device order) and
+  // rounds the sum into its own half buffer; every device widens each chunk from its owner's.
+  void run_bf16(int me) {
+    const int k = static_cast<int>(ptr.size());
+    constexpr int64_t kBlock = 1 << 14;
+    auto blocks = [&](int64_t off, int64_t n, auto&& body) {
+      parallel_for((n + kBlock - 1) / kBlock, [&](int64_t blk) {
+        const int64_t i0 = off + blk * kBlock, i1 = std::min(off + n, i0 + kBlock);
+        body(i0, i1);
+      });
+    };
+    for_range(0, total, [&](size_t t, int64_t off, int64_t n) {
+      const float* g = ptr[me][t];
+      BFloat16* out = half[me] + segs[t].begin;
+      blocks(off, n, [&](int64_t i0, int64_t i1) {
+        for (int64_t i = i0; i < i1; ++i) out[i] = BFloat16(g[i]);
+      });
+    });
+    barrier.arrive_and_wait();
+    const int64_t lo = chunk_begin(me, k);
+    blocks(lo, chunk_begin(me + 1, k) - lo, [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i) {
+        float acc = static_cast<float>(half[0][i]);
+        for (int d = 1; d < k; ++d) acc += static_cast<float>(half[d][i]);
+        // Device me's own value at i is read by no one else: the sum may replace it.
+        half[me][i] = BFloat16(acc);
+      }
+    });
+    barrier.arrive_and_wait();
+    for (int j = 0; j < k; ++j) {
+      for_range(chunk_begin(j, k), chunk_begin(j + 1, k), [&](size_t t, int64_t off, int64_t n) {
+        const BFloat16* from = half[j] + segs[t].begin;
+        float* to = ptr[me][t];
+        blocks(off, n, [&](int64_t i0, int64_t i1) {
+          for (int64_t i = i0; i < i1; ++i) to[i] = static_cast<float>(from[i]);
+        });
+      });
+    }
+    barrier.arrive_and_wait();
+  }
 };
 
 }  // namespace
 
-void allreduce(const std::vector<std::vector<Tensor>>& data) {
+void allreduce(const std::vector<std::vector<Tensor>>& data, DType wire) {
   MGPU_CHECK_VALUE(!data.empty(), "allreduce: got no tensors; pass one tensor (or one list of "
                    "tensors) per device");
   const size_t k = data.size(), m = data[0].size();
@@ -100,9 +146,11 @@ void allreduce(const std::vector<std::vector<Tensor>>& data) {
                      "across one kind, or copy the tensors to one kind of device first");
     devices.push_back(dev);
   }
+  MGPU_ASSERT(wire == DType::F32 || wire == DType::BF16, "allreduce: wire dtype ",
+              dtype_name(wire));
   if (k == 1) return;  // the sum over one device is itself
 #if MGPU_GPU_BUILD
-  if (!devices[0].is_cpu()) return allreduce_gpu(data, devices);
+  if (!devices[0].is_cpu()) return allreduce_gpu(data, devices, wire);
 #endif
 
   auto coll = std::make_shared<Collective>(static_cast<int>(k));
@@ -113,10 +161,18 @@ void allreduce(const std::vector<std::vector<Tensor>>& data) {
   }
   for (size_t d = 0; d < k; ++d)
     for (size_t t = 0; t < m; ++t) coll->ptr[d][t] = data[d][t].f32();
+  std::vector<std::vector<Tensor>> keep = data;
+  if (wire == DType::BF16) {
+    for (size_t d = 0; d < k; ++d) {
+      const Tensor half = Tensor::empty({coll->total}, DType::BF16, devices[d], "allreduce");
+      coll->half.push_back(half.data<BFloat16>());
+      keep[d].push_back(half);
+    }
+  }
   // Every queue gets its part in the same host order, so the barriers inside cannot deadlock:
   // each queue reaches this collective after all work enqueued on it before (and the lock keeps
   // another host thread's collective from interleaving with this one's parts).
-  enqueue_parts(coll, devices, data, "allreduce");
+  enqueue_parts(coll, devices, keep, "allreduce");
 }
 
 }  // namespace mgpu::comm

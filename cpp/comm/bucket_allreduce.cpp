@@ -14,6 +14,18 @@
 //     joining bucket 1 before device 1 has joined bucket 0) would wait at its barrier for a
 //     device whose queue waits for it.
 // Every path adds in device order, then rank order, so bucketing never changes the bits.
+//
+// wire BF16 (comm_dtype='bf16'): every bucket travels in bfloat16, half the bytes (counted so):
+// each device's float32 bucket is rounded to bfloat16 (dtype.h's rounding, nearest even) on its
+// own queue before it leaves; the sum of the devices' rounded values is added in float32 in
+// device order and rounded to bfloat16 once (allreduce.h's wire: CPU devices' threads, GPUs'
+// peer copies; NCCL's ncclBfloat16 sums on GPUs, allreduce_gpu.h); across ranks, device 0's
+// (bfloat16-valued) sum is summed with the other ranks' the same way in rank order
+// (dist::allreduce's wire; GPUs on NCCL: its ncclBfloat16 sums), so with one device per rank the
+// sum is that of every device's rounded gradients in rank order, rounded once; with several,
+// each process's sum is rounded before the ranks add them. Every bucket ends widened to float32
+// (exact) in the replicas' gradients, and the optimizer updates the float32 parameters with it.
+// Bucketing still never changes the bits: each element is rounded and summed on its own.
 #include "comm/bucket_allreduce.h"
 
 #include "comm/allreduce.h"
@@ -31,8 +43,10 @@ struct BucketPaths {
 };
 
 BucketAllReduce::BucketAllReduce(const std::vector<Device>& devices,
-                                 const std::vector<int64_t>& bucket_sizes, int64_t tag)
-    : devices_(devices), sizes_(bucket_sizes), tag_(tag), cross_(dist::world_size() > 1),
+                                 const std::vector<int64_t>& bucket_sizes, int64_t tag,
+                                 DType wire)
+    : devices_(devices), sizes_(bucket_sizes), tag_(tag), wire_(wire),
+      cross_(dist::world_size() > 1),
       joined_(bucket_sizes.size(), std::vector<Tensor>(devices.size())),
       count_(bucket_sizes.size(), 0), last_part_(devices.size(), -1),
       gpu_(std::make_unique<BucketPaths>()) {
@@ -43,7 +57,7 @@ BucketAllReduce::BucketAllReduce(const std::vector<Device>& devices,
       const Finish finish = last ? Finish::kWait : cross_ ? Finish::kJoin : Finish::kOnComm;
       gpu_->buckets.push_back(std::make_unique<GpuAllReduce>(
           devices, std::vector<Shape>{{sizes_[b]}}, finish,
-          b ? gpu_->buckets.back().get() : nullptr));
+          b ? gpu_->buckets.back().get() : nullptr, wire));
     }
   }
 #endif
@@ -92,7 +106,7 @@ void BucketAllReduce::ready(size_t b, size_t d, const Tensor& bucket) {
   if (gpus && !cross_) part(d);
 #endif
   if (++count_[b] < k) return;
-  count_collective(sizes_[b] * static_cast<int64_t>(sizeof(float)));
+  count_collective(sizes_[b] * static_cast<int64_t>(dtype_size(wire_)));
 #if MGPU_GPU_BUILD
   if (gpus && cross_)
     for (size_t i = 0; i < k; ++i) part(i);
@@ -100,10 +114,10 @@ void BucketAllReduce::ready(size_t b, size_t d, const Tensor& bucket) {
   if (k > 1 && devices_[0].is_cpu()) {
     std::vector<std::vector<Tensor>> data;
     for (const Tensor& t : joined_[b]) data.push_back({t});
-    allreduce(data);
+    allreduce(data, wire_);
   }
   if (cross_) {
-    dist::allreduce({joined_[b][0]}, dist::Op::TrainStep, tag_);
+    dist::allreduce({joined_[b][0]}, dist::Op::TrainStep, tag_, wire_);
     for (size_t i = 1; i < k; ++i) ops::copy(joined_[b][i], joined_[b][0]);
   }
 }

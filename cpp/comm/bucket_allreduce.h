@@ -16,9 +16,10 @@ struct BucketPaths;
 class BucketAllReduce {
  public:
   // devices: one replica each (distinct, one kind, already checked by the step); bucket_sizes:
-  // the floats in each bucket; tag: labels the collectives across ranks (the batch geometry).
+  // the floats in each bucket; tag: labels the collectives across ranks (the batch geometry);
+  // wire: the dtype the gradients travel in (the step's comm_dtype, see the .cpp).
   BucketAllReduce(const std::vector<Device>& devices, const std::vector<int64_t>& bucket_sizes,
-                  int64_t tag);
+                  int64_t tag, DType wire = DType::F32);
   // Releases the devices of buckets not every device joined and, after a step that failed
   // before its last bucket, joins the reductions it started (see the .cpp).
   ~BucketAllReduce();
@@ -31,6 +32,7 @@ class BucketAllReduce {
   std::vector<Device> devices_;
   std::vector<int64_t> sizes_;
   int64_t tag_;
+  DType wire_;
   bool cross_;                               // other ranks take part (mpirun)
   std::vector<std::vector<Tensor>> joined_;  // joined_[b][d]
   std::vector<size_t> count_;                // devices that have called ready() for bucket b

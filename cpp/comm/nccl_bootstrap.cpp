@@ -193,7 +193,7 @@ void NcclWorld::stop_watchdog() noexcept {
   if (watchdog_.joinable()) watchdog_.join();
 }
 
-void NcclWorld::allreduce_sum(float* data, size_t count, cudaStream_t stream) {
+void NcclWorld::allreduce_sum(void* data, size_t count, cudaStream_t stream, bool bf16) {
   ncclComm_t comm = nullptr;
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -205,12 +205,14 @@ void NcclWorld::allreduce_sum(float* data, size_t count, cudaStream_t stream) {
   }
   use_gpu("ncclAllReduce");  // the stream and the communicator belong to gpu_
   const Deadline until = deadline();
-  const std::string what = "ncclAllReduce of " + std::to_string(count) + " float32";
+  const std::string what =
+      "ncclAllReduce of " + std::to_string(count) + (bf16 ? " bfloat16" : " float32");
   arm(until, what);
   std::string error;
   // Outside the lock: the call may wait for the other ranks (the emulator runs it here), and
   // the watchdog's abort is what ends such a wait.
-  ncclResult_t r = ncclAllReduce(data, data, count, ncclFloat, ncclSum, comm, stream);
+  ncclResult_t r = ncclAllReduce(data, data, count, bf16 ? ncclBfloat16 : ncclFloat, ncclSum,
+                                 comm, stream);
   if (r != ncclSuccess && r != ncclInProgress) error = what + ": " + ncclGetErrorString(r);
   // Nonblocking: the collective may still be on its way onto the stream; nothing else may be
   // called or launched there before the communicator's state is ncclSuccess.

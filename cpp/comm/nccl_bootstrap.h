@@ -41,9 +41,10 @@ class NcclWorld {
   int rank() const { return rank_; }
   int size() const { return size_; }
   int gpu() const { return gpu_; }
-  // In-place float32 sum of `count` elements at device pointer `data` across ranks, enqueued on
-  // `stream` after the work already there, and waited for (under the timeout).
-  void allreduce_sum(float* data, size_t count, cudaStream_t stream);
+  // In-place sum of `count` elements at device pointer `data` across ranks, enqueued on
+  // `stream` after the work already there, and waited for (under the timeout): float32, or with
+  // bf16 bfloat16 bits (ncclBfloat16: NCCL's sums, see comm::dist::allreduce).
+  void allreduce_sum(void* data, size_t count, cudaStream_t stream, bool bf16 = false);
   // Ends the communicator: ncclCommFinalize, polled until every rank's is done (under the
   // timeout), then ncclCommDestroy; ncclCommAbort instead after a failure or when finalizing
   // fails or times out. Every rank calls it (finalizing waits for the others). Returns "" or why

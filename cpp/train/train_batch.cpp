@@ -87,19 +87,6 @@ std::vector<Tensor> train_step(const Model& m, const Tensor& X, const Tensor& y,
                    accumulate, " must divide the number of logical shards (", num_shards,
                    "): each micro-batch is a run of whole shards; use an accumulate that divides ",
                    num_shards, ", or a shard count that is a multiple of ", accumulate);
-  if (sgd.comm_dtype == DType::BF16 && num_shards == 0) {
-    const std::vector<Device> devices = devices_of(replicas);
-    const int world = comm::dist::world_size();
-    const bool cpu = devices[0].is_cpu();
-    MGPU_CHECK_VALUE((devices.size() == 1 && world == 1) ||
-                     (cpu && world == 1 && comm::shared_update_enabled()),
-                     op, ": comm_dtype='bf16' reduces in bfloat16 on the CPU devices of one "
-                     "process (their shared update) and in the deterministic step; ",
-                     !cpu ? "the GPUs' bucketed all-reduce"
-                     : world > 1 ? "the bucketed all-reduce across mpirun's ranks"
-                                 : "the bucketed all-reduce that MGPU_CPU_SHARED_UPDATE=0 keeps",
-                     " is float32 only for now: pass deterministic=True, or comm_dtype='float32'");
-  }
   const int64_t classes = m.classes();
   const bool guarded = classes > 0 && !labels_checked_on_host(op, y, classes);
   LabelGuard guard;
@@ -130,7 +117,7 @@ std::vector<Tensor> train_step(const Model& m, const Tensor& X, const Tensor& y,
   if (!shared) {
     std::vector<int64_t> sizes;
     for (const Bucket& b : m.buckets()) sizes.push_back(b.end - b.begin);
-    reduce.emplace(devices, sizes, X.size(0) * 256 + static_cast<int64_t>(L));
+    reduce.emplace(devices, sizes, X.size(0) * 256 + static_cast<int64_t>(L), sgd.comm_dtype);
   }
   // Micro-batch k of `accumulate` is rows micro[k] of X, split over the devices as a batch is;
   // its gradients land in `grads` (the replicas' own buffers) for the first micro-batch, in

@@ -88,9 +88,11 @@ void check_replicas(const char* op, const Model& m, const std::vector<Replica>& 
 // in bfloat16 carries), and every replica's update reads it widened. The deterministic step
 // rounds every node of its tree instead: a shard's gradients, and each partial sum as it is
 // formed (left + right in float32, then rounded); partial sums cross devices and ranks as
-// bfloat16. So the bits still depend on the shard count alone. Runs on CPU devices of one process
-// (the shared update), on one device (nothing is reduced) and in the deterministic step; the
-// bucketed all-reduce (GPUs, mpirun, MGPU_CPU_SHARED_UPDATE=0) refuses it with ValueError.
+// bfloat16. So the bits still depend on the shard count alone. Without shards every path keeps
+// the rounding and the order: the CPU devices' shared update, their bucketed all-reduce
+// (MGPU_CPU_SHARED_UPDATE=0: the same bits), GPUs (the peer copies; NCCL's ncclBfloat16 sums)
+// and mpirun's ranks (rank order; with several devices per rank, each rank's sum is rounded
+// before the ranks add them): comm/bucket_allreduce.cpp. On one device nothing is reduced.
 std::vector<Tensor> train_step(const Model& m, const Tensor& X, const Tensor& y,
                                std::vector<Replica>& replicas, const Sgd& sgd,
                                int64_t num_shards = 0, const char* op = "train_step",

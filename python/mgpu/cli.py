@@ -479,7 +479,7 @@ def main(argv: Optional[List[str]] = None, prog: str = "mgpu") -> int:
                         "LeNet's) run those on bfloat16-rounded operands: about float32's speed, "
                         "not yet faster")
     t.add_argument("--comm-dtype", choices=["float32", "bf16"], default="float32",
-                   help="resnet18 --fused on CPU devices: bf16 all-reduces the gradients in "
+                   help="resnet18 --fused: bf16 all-reduces the gradients in "
                         "bfloat16, half the bytes (rounded to nearest even before the sum, "
                         "summed in float32 in the usual order; --deterministic keeps its bits "
                         "on any device count)")

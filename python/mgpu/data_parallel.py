@@ -413,9 +413,16 @@ class DataParallel(Module):
         sums (device order; deterministic: the shard tree, each partial sum rounded to bfloat16
         as it is formed), and the sum is rounded to bfloat16 once more, as an all-gather in
         bfloat16 carries it; the optimizer updates the float32 parameters with it. So
-        ``deterministic`` keeps the same bits on any device count. CPU devices of one process
-        only for now (the shared update and the deterministic step); on GPUs, under mpirun
-        without ``deterministic``, or with ``MGPU_CPU_SHARED_UPDATE=0`` it raises ValueError.
+        ``deterministic`` keeps the same bits on any device count. The same rounding and order
+        hold for CPU devices' shared update and their bucketed all-reduce
+        (``MGPU_CPU_SHARED_UPDATE=0``: the same bits), and across mpirun's ranks (bfloat16 bits
+        sent as MPI_UINT16_T, rank order; with several devices per rank each rank's sum is
+        rounded before the ranks add them; ``algorithm="mpi"`` rounds every partial sum of MPI's
+        order). GPUs reduce on NCCL as ``ncclBfloat16`` (packed in bfloat16
+        on each GPU, widened back after the sum; real NCCL rounds each partial sum in its own
+        order, the same bits on 2 GPUs; ``MGPU_ALLREDUCE=peer``'s peer copies sum as CPU devices
+        do), across ranks as ``ncclBfloat16`` too, or staged through host memory
+        (``MGPU_DIST_GPU=host``) as CPU devices are.
         """
         shards = shard_count(deterministic, "train_step")
         accumulate = check_accumulate(accumulate, shards, "train_step")

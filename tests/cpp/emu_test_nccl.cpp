@@ -1,5 +1,6 @@
 // tests/cpp/emu_test_nccl.cpp -- the emulated NCCL (cpp/cuda/emu/nccl_emu.h) on 3 emulated GPUs:
 // all-reduce, broadcast and all-gather against host loops (sums in rank order, compared exactly),
+// the bfloat16 all-reduce against hand-computed bits,
 // communicators from ncclCommInitRank on threads and from ncclCommInitAll driven by one thread in
 // a group, the strict emulator (streams behind the host), a mismatched call, ncclCommAbort
 // releasing ranks that wait for a rank that never arrives and freeing the communicator (a later
@@ -109,42 +110,71 @@ TEST_F(Nccl, RanksOnThreadsReduceBroadcastAndGather) {
   }
 }
 
-// One host thread drives every rank in a group, as mgpu's all-reduce does; `strict` runs it on
-// the strict emulator, where the collectives wait in the streams until one of them is
-// synchronised (here only rank 0's, from this thread: it must run the other ranks' work).
-void grouped_allreduce(bool strict) {
-  const size_t n = 777;
-  if (strict) {
-    setenv("MGPU_EMU_STRICT", "1", 1);
-    mgpu::emu::reset_from_env();
-  }
+// One host thread drives every rank in a group, as mgpu's all-reduce does: rank r all-reduces
+// in[r] (of `type`), and every rank must end with `want`. Rank 0's stream is synchronised first,
+// from this thread: on the strict emulator, where the collectives wait in the streams until one
+// of them is synchronised, it must run the other ranks' work.
+template <class T>
+void grouped_allreduce(const std::vector<std::vector<T>>& in, ncclDataType_t type,
+                       const std::vector<T>& want) {
+  const size_t n = want.size();
   std::vector<ncclComm_t> comms(kRanks);
   const int devices[kRanks] = {0, 1, 2};
   ASSERT_EQ(ncclCommInitAll(comms.data(), kRanks, devices), ncclSuccess);
   std::vector<cudaStream_t> streams(kRanks);
-  std::vector<std::unique_ptr<DeviceVector<float>>> data;
+  std::vector<std::unique_ptr<DeviceVector<T>>> data;
   for (int r = 0; r < kRanks; ++r) {
     cudaSetDevice(r);
     cudaStreamCreateWithFlags(&streams[r], cudaStreamNonBlocking);
-    data.push_back(std::make_unique<DeviceVector<float>>(rank_values(r, n)));
+    data.push_back(std::make_unique<DeviceVector<T>>(in[size_t(r)]));
   }
   ASSERT_EQ(ncclGroupStart(), ncclSuccess);
-  for (int r = 0; r < kRanks; ++r)
-    ASSERT_EQ(ncclAllReduce(data[r]->get(), data[r]->get(), n, ncclFloat, ncclSum, comms[r],
+  for (int r = 0; r < kRanks; ++r)  // the group is ended whatever a call returns
+    EXPECT_EQ(ncclAllReduce(data[r]->get(), data[r]->get(), n, type, ncclSum, comms[r],
                             streams[r]),
               ncclSuccess);
   ASSERT_EQ(ncclGroupEnd(), ncclSuccess);
   ASSERT_EQ(cudaStreamSynchronize(streams[0]), cudaSuccess);
-  const std::vector<float> sum = rank_order_sum(n);
   for (int r = 0; r < kRanks; ++r) {
     ASSERT_EQ(cudaStreamSynchronize(streams[r]), cudaSuccess);
-    EXPECT_EQ(data[r]->download(), sum) << "rank " << r;
+    EXPECT_EQ(data[r]->download(), want) << "rank " << r;
     ncclResult_t state = ncclInternalError;
     ASSERT_EQ(ncclCommGetAsyncError(comms[r], &state), ncclSuccess);
     EXPECT_EQ(state, ncclSuccess);
     EXPECT_EQ(ncclCommDestroy(comms[r]), ncclSuccess);
     cudaStreamDestroy(streams[r]);
   }
+}
+
+// float32 sums in rank order; `strict` runs them on the strict emulator.
+void grouped_allreduce(bool strict) {
+  const size_t n = 777;
+  if (strict) {
+    setenv("MGPU_EMU_STRICT", "1", 1);
+    mgpu::emu::reset_from_env();
+  }
+  std::vector<std::vector<float>> in;
+  for (int r = 0; r < kRanks; ++r) in.push_back(rank_values(r, n));
+  grouped_allreduce(in, ncclFloat, rank_order_sum(n));
+}
+
+// ncclBfloat16: every rank's bfloat16 values widened, added in float32 in rank order 0, 1, 2,
+// the sum rounded to bfloat16 once (nearest, ties to even). Columns: one rounding where a
+// rounding per addition gives 1.0 (1 + 2^-8 + 2^-8); ties to even, down and up; rank order (2^24
+// + 1 rounds to 2^24 in float32 before -2^24 comes); a sum below half a bfloat16 step of 2.
+TEST_F(Nccl, Bfloat16SumsInFloat32InRankOrderRoundedOnce) {
+  const std::vector<std::vector<uint16_t>> in = {
+      {0x3f80, 0x3f80, 0x3f81, 0x4b80, 0x3f80, 0xbf80},   // 1, 1, 1 + 2^-7, 2^24, 1, -1
+      {0x3b80, 0x3b80, 0x3b80, 0x3f80, 0x3f80, 0xbb80},   // 2^-8 .., 1, 1, -2^-8
+      {0x3b80, 0x0000, 0x0000, 0xcb80, 0x3b80, 0xbb80}};  // 2^-8, 0, 0, -2^24, 2^-8, -2^-8
+  grouped_allreduce<uint16_t>(in, ncclBfloat16, {0x3f81, 0x3f80, 0x3f82, 0x0000, 0x4000, 0xbf81});
+  // Half precision is not emulated.
+  ncclComm_t comm = nullptr;
+  const int device = 0;
+  ASSERT_EQ(ncclCommInitAll(&comm, 1, &device), ncclSuccess);
+  uint16_t x = 0;
+  EXPECT_EQ(ncclAllReduce(&x, &x, 1, ncclFloat16, ncclSum, comm, nullptr), ncclInvalidArgument);
+  EXPECT_EQ(ncclCommDestroy(comm), ncclSuccess);
 }
 
 TEST_F(Nccl, OneThreadDrivesEveryRankInAGroup) { grouped_allreduce(false); }

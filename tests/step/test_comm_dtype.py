@@ -2,7 +2,8 @@
 gradient is the bfloat16 rounding of the float32 sum of the replicas' bfloat16-rounded gradients
 (checked exactly against a NumPy reference on a network whose step shows its gradients), half the
 bytes of float32 (counted), the same bits on 1, 2 and 3 CPU devices in deterministic mode, float32
-by default unchanged, the plumbing (train_concise, checkpoints, the CLI) and clear errors."""
+by default unchanged, the plumbing (train_concise, checkpoints, the CLI) and clear errors. The
+bucketed all-reduce's bfloat16 paths: test_comm_dtype_bucketed.py, test_comm_dtype_dist.py."""
 import numpy as np
 import pytest
 
@@ -147,9 +148,10 @@ def test_deterministic_bf16_gives_the_same_bits_on_1_2_3_devices():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(mgpu.num_gpus() < 1, reason="needs a GPU (the emulated build has them)")
-def test_gpus_deterministic_bf16_keep_their_bits_and_bucketed_gpus_refuse():
+def test_gpus_deterministic_bf16_keep_their_bits():
     """GPUs run the rounding and the tree's partial sums (bfloat16 between GPUs) as CPU devices
-    do; the GPUs' bits are their own kernels' (as in float32), the same on 1 and 2 GPUs."""
+    do; the GPUs' bits are their own kernels' (as in float32), the same on 1 and 2 GPUs. (The
+    GPUs' bucketed all-reduce in bfloat16: test_comm_dtype_bucketed.py.)"""
     gpus = [mgpu.gpu(i) for i in range(min(2, mgpu.num_gpus()))]
     (calls, nbytes), one = _counted_steps(gpus[:1], "bf16", deterministic=8)
     f32 = _counted_steps(gpus[:1], "float32", deterministic=8)[1]
@@ -159,16 +161,11 @@ def test_gpus_deterministic_bf16_keep_their_bits_and_bucketed_gpus_refuse():
         (c32, b32), _ = _counted_steps(gpus, "float32", deterministic=8)
         assert_bitwise(two, one, "2 GPUs against 1")
         assert c16 == c32 >= 2 and b16 * 2 == b32
-        with pytest.raises(ValueError, match="comm_dtype='bf16'.*GPU"):
-            _counted_steps(gpus, "bf16")
 
 
-def test_bad_comm_dtype_and_unsupported_paths_are_refused(monkeypatch):
+def test_bad_comm_dtype_and_unsupported_paths_are_refused():
     with pytest.raises(ValueError, match="comm_dtype must be 'float32' or 'bf16'.*'float16'"):
         _counted_steps(CPUS[:2], "float16")
-    monkeypatch.setenv("MGPU_CPU_SHARED_UPDATE", "0")
-    with pytest.raises(ValueError, match="comm_dtype='bf16'.*MGPU_CPU_SHARED_UPDATE"):
-        _counted_steps(CPUS[:2], "bf16")
     with pytest.raises(ValueError, match="comm_dtype='bf16' needs fused=True"):
         concise_run(None, None, comm_dtype="bf16")
 

@@ -14,6 +14,7 @@
 #include <random>
 #include <thread>
 
+#include "cuda/emu/bf16.h"
 #include "cuda/emu/internal.h"
 #include "cuda/emu/nccl_clique.h"
 
@@ -137,13 +138,26 @@ void complete(Clique& c, Meet& m) {
   std::vector<char> result;
   switch (m.kind) {
     case Kind::AllReduce: {
+      result.resize(bytes);
+      if (m.elem == 2) {  // ncclBfloat16 (nccl_emu.h): float32 sums in rank order, one rounding
+        unsigned short* out = reinterpret_cast<unsigned short*>(result.data());
+        auto widen = [&](int r, size_t i) {
+          return __bfloat162float(
+              __ushort_as_bfloat16(static_cast<const unsigned short*>(m.send[r])[i]));
+        };
+        for (size_t i = 0; i < m.count; ++i) {
+          float acc = widen(0, i);
+          for (int r = 1; r < n; ++r) acc += widen(r, i);
+          out[i] = mgpu::emu::bf16_bits_rn(acc);
+        }
+        break;
+      }
       std::vector<float> acc(m.count);
       std::memcpy(acc.data(), m.send[0], bytes);
       for (int r = 1; r < n; ++r) {
         const float* x = static_cast<const float*>(m.send[r]);
         for (size_t i = 0; i < m.count; ++i) acc[i] += x[i];
       }
-      result.resize(bytes);
       std::memcpy(result.data(), acc.data(), bytes);
       break;
     }
@@ -509,7 +523,8 @@ size_t elem_size(ncclDataType_t t) {
   switch (t) {
     case ncclInt8:
     case ncclUint8: return 1;
-    case ncclFloat16: return 2;
+    case ncclFloat16:
+    case ncclBfloat16: return 2;
     case ncclInt32:
     case ncclUint32:
     case ncclFloat32: return 4;
@@ -701,8 +716,9 @@ ncclResult_t ncclGroupEnd(void) {
 ncclResult_t ncclAllReduce(const void* sendbuff, void* recvbuff, size_t count,
                            ncclDataType_t datatype, ncclRedOp_t op, ncclComm_t comm,
                            cudaStream_t stream) {
-  if (datatype != ncclFloat || op != ncclSum) return ncclInvalidArgument;
-  return enqueue(Kind::AllReduce, sendbuff, recvbuff, count, sizeof(float), 0, comm, stream);
+  if ((datatype != ncclFloat && datatype != ncclBfloat16) || op != ncclSum)
+    return ncclInvalidArgument;
+  return enqueue(Kind::AllReduce, sendbuff, recvbuff, count, elem_size(datatype), 0, comm, stream);
 }
 
 ncclResult_t ncclBroadcast(const void* sendbuff, void* recvbuff, size_t count,

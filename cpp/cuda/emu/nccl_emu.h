@@ -91,6 +91,7 @@ typedef enum {
   ncclFloat = 7,
   ncclFloat64 = 8,
   ncclDouble = 8,
+  ncclBfloat16 = 9,
 } ncclDataType_t;
 
 typedef enum { ncclSum = 0, ncclProd = 1, ncclMax = 2, ncclMin = 3, ncclAvg = 4 } ncclRedOp_t;
@@ -122,8 +123,13 @@ ncclResult_t ncclCommUserRank(const ncclComm_t comm, int* rank);
 ncclResult_t ncclGroupStart(void);
 ncclResult_t ncclGroupEnd(void);
 
-// Only ncclFloat with ncclSum is emulated (what mgpu uses); other types or ops are
-// ncclInvalidArgument. Broadcast and all-gather copy bytes, so they take any type.
+// Only ncclSum of ncclFloat or ncclBfloat16 is emulated (what mgpu uses); other types or ops
+// are ncclInvalidArgument. Broadcast and all-gather copy bytes, so they take any type.
+// ncclBfloat16: each element is the sum of every rank's value widened to float32 (exact), added
+// in float32 in rank order 0..n-1 and rounded to bfloat16 once, to nearest even (the emulated
+// GPU's __float2bfloat16_rn, cuda/emu/bf16.h). Real NCCL rounds its partial sums to bfloat16 at
+// every step of its ring or tree, in its own order: the same bits on two ranks (one addition),
+// within one bfloat16 rounding per rank on more. Cliques across processes sum so too.
 ncclResult_t ncclAllReduce(const void* sendbuff, void* recvbuff, size_t count,
                            ncclDataType_t datatype, ncclRedOp_t op, ncclComm_t comm,
                            cudaStream_t stream);

@@ -10,6 +10,7 @@
 #include <cstring>
 #include <thread>
 
+#include "cuda/emu/bf16.h"
 #include "cuda/emu/nccl_clique.h"
 
 namespace mgpu::emu::nccl {
@@ -23,6 +24,19 @@ void compute_round(const RemoteOp& op, size_t off, size_t len) {
   switch (op.kind) {
     case Kind::AllReduce: {
       // Rank order 0..n-1, element by element: the in-process clique's sums, bit for bit.
+      if (op.elem == 2) {  // ncclBfloat16 (nccl_emu.h): float32 sums, rounded once
+        unsigned short* out = reinterpret_cast<unsigned short*>(recv + off);
+        auto widen = [&](int r, size_t i) {
+          return __bfloat162float(
+              __ushort_as_bfloat16(reinterpret_cast<const unsigned short*>(link.slot(r))[i]));
+        };
+        for (size_t i = 0; i < len / 2; ++i) {
+          float acc = widen(0, i);
+          for (int r = 1; r < n; ++r) acc += widen(r, i);
+          out[i] = mgpu::emu::bf16_bits_rn(acc);
+        }
+        break;
+      }
       float* out = reinterpret_cast<float*>(recv + off);
       const size_t m = len / sizeof(float);
       for (size_t i = 0; i < m; ++i) {
