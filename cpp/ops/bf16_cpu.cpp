@@ -414,24 +414,20 @@ void bias_gradient(const Conv2dShape& s, const float* dy, float* db) {
   });
 }
 
-// Products of at least this many k (C*R*S) take the bfloat16 products under auto; shorter ones
-// take float32's kernels on rounded operands. Measured with bench conv (AMD EPYC Zen 4, 2
-// threads, batch 64, busy machine): at ResNet-18's stride-2 layers the bf16 products took 31 ms
-// forward against float32's 21 at 64 -> 128 channels 3x3 (k 576) and 4-7 against 3 at the 1x1
-// shortcuts (k 64-256), but 16 against 21 at 128 -> 256 3x3 (k 1152) and 19 against 26 at
-// 256 -> 512 3x3.
-constexpr int64_t kBf16ProductsMinK = 1024;
-
-// How a bf16 conv pass runs under algo: auto and tune take float32's kernels on operands
-// rounded to bfloat16 where those are faster than the bfloat16 products: float32 Winograd
-// F(4x4, 3x3) on the shapes where float32's auto takes it (faster than either bfloat16 kernel at
-// every ResNet-18 3x3 stride-1 layer; it rounds x and dy as it reads them), float32's rule on
-// rounded copies for short products; other shapes and algorithms take the products.
+// How a bf16 conv pass runs under algo. auto and tune take float32's kernels on operands rounded
+// to bfloat16: float32 Winograd F(4x4, 3x3) on the shapes where float32's auto takes it (it
+// rounds x and dy as it reads them), float32's rule on rounded copies elsewhere. Measured with
+// bench conv (AMD EPYC Zen 4, 2 threads, batch 64): Winograd beat both bfloat16 kernels at every
+// ResNet-18 3x3 stride-1 layer; at the stride-2 layers the bf16 products (vdpbf16ps) beat
+// float32's im2col + sgemm at 128 and 256 input channels (16 against 21 ms forward, 19 against
+// 26) but not at 64 (31 against 21) nor at the 1x1 shortcuts, and on the AVX2 path, whose
+// products are float32 FMAs, they lost everywhere (24 against 14 ms at 128 channels). The route
+// must be a function of the shape alone, the same on every path (its bits), so auto never takes
+// the products. direct and im2col take them (the GPU kernels' bits).
 enum class Bf16Route { Products, RoundedWinograd, RoundedRule };
 Bf16Route bf16_route(const Conv2dShape& s, ConvAlgo algo) {
   if (algo != ConvAlgo::Auto && algo != ConvAlgo::Tune) return Bf16Route::Products;
-  if (conv::winograd_by_auto(s)) return Bf16Route::RoundedWinograd;
-  return s.C * s.R * s.S < kBf16ProductsMinK ? Bf16Route::RoundedRule : Bf16Route::Products;
+  return conv::winograd_by_auto(s) ? Bf16Route::RoundedWinograd : Bf16Route::RoundedRule;
 }
 
 thread_local std::vector<float> tl_x_rounded, tl_w_rounded, tl_dy_rounded;

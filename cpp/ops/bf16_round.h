@@ -31,25 +31,47 @@ inline uint32_t to_bf16(float x) {
   return (b + 0x7fffu + ((b >> 16) & 1u)) >> 16;
 }
 
-// The same for 16 lanes of float bits (branch-free: every case computed, then selected by
-// masks). Through references: a 64-byte vector argument or result would change the ABI on the
-// AVX2 path.
-inline void to_bf16(const Vu& b, Vu& out) {
-  const Vu e = b & 0x7f800000u;
-  const Vu zero = (Vu)(e == 0u), special = (Vu)(e == 0x7f800000u);
-  const Vu nan = (Vu)((b & 0x7fffffu) != 0u) & special;
-  const Vu rounded = (b + 0x7fffu + ((b >> 16) & 1u)) >> 16;
-  const Vu top = b >> 16;
+// The same for a vector of lanes of float bits (branch-free: every case computed, then selected
+// by masks), on naturally aligned local vectors: V is a plain vector type (a template argument
+// drops a typedef's aligned(4), so V's loads and stores here may assume V's alignment).
+template <class V>
+inline void to_bf16_lanes(const V& b, V& out) {
+  const V e = b & 0x7f800000u;
+  const V zero = (V)(e == 0u), special = (V)(e == 0x7f800000u);
+  const V nan = (V)((b & 0x7fffffu) != 0u) & special;
+  const V rounded = (b + 0x7fffu + ((b >> 16) & 1u)) >> 16;
+  const V top = b >> 16;
   out = (rounded & ~(zero | special)) | ((top & 0x8000u) & zero) | (top & special) | (nan & 0x40u);
 }
+
+// 16 lanes wherever they lie (Vu: unaligned). Through references: a 64-byte vector argument or
+// result would change the ABI on the AVX2 path.
+typedef uint32_t V16 __attribute__((vector_size(64)));
+inline void to_bf16(const Vu& b, Vu& out) {
+  V16 v, r;
+  std::memcpy(&v, &b, sizeof v);
+  to_bf16_lanes(v, r);
+  std::memcpy(&out, &r, sizeof r);
+}
+
+// The path's native vector: 16 lanes on AVX-512, 8 on AVX2 (where 64-byte generic vectors are
+// split into halves and, in loops, kept on the stack: the rounding then ran several times slower).
+#if defined(__AVX512F__)
+typedef uint32_t Vn __attribute__((vector_size(64)));
+#else
+typedef uint32_t Vn __attribute__((vector_size(32)));
+#endif
 
 // p[i] = p[i] rounded to bfloat16 and widened back to float32 (its low 16 bits zero), in place,
 // for i < 16 * vectors.
 inline void round_vectors(float* p, int64_t vectors) {
-  for (int64_t v = 0; v < vectors; ++v) {
-    Vu r;
-    to_bf16(*reinterpret_cast<const Vu*>(p + 16 * v), r);
-    *reinterpret_cast<Vu*>(p + 16 * v) = r << 16;
+  constexpr int64_t kLanes = sizeof(Vn) / sizeof(uint32_t);
+  for (int64_t i = 0; i < 16 * vectors; i += kLanes) {
+    Vn v, r;
+    std::memcpy(&v, p + i, sizeof v);
+    to_bf16_lanes(v, r);
+    r <<= 16;
+    std::memcpy(p + i, &r, sizeof r);
   }
 }
 

@@ -391,13 +391,12 @@ class DataParallel(Module):
         ``precision="bf16"`` runs the convolutions' and linear layers' products with bfloat16
         operands and float32 sums, as the book's loop does under ``mgpu.autocast("bf16")``
         (``mgpu.amp``); batch norm, the loss and the update stay float32, as do the
-        parameters and the all-reduced (and accumulated) gradients. On CPUs a convolution whose
-        float32 kernel is faster than the bfloat16 products (ResNet-18's 3x3 stride-1 layers,
-        which run Winograd F(4x4, 3x3), and products shorter than 1024 terms) runs that kernel
-        on its operands rounded to bfloat16 (``cpp/ops/bf16.h``): the step is then about as
-        fast as float32's, not yet faster. The bf16 passes give the same bits on every CPU path
-        (and, under ``MGPU_CONV_ALGO=direct``, the GPUs' bits), so ``deterministic`` keeps its
-        promise, with ``accumulate`` too.
+        parameters and the all-reduced (and accumulated) gradients. On CPUs a convolution runs
+        float32's kernels (Winograd F(4x4, 3x3) at ResNet-18's 3x3 stride-1 layers) on its
+        operands rounded to bfloat16, faster than the bfloat16 products there
+        (``cpp/ops/bf16.h``): the step is about as fast as float32's, not yet faster. The bf16
+        passes give the same bits on every CPU path (and, under ``MGPU_CONV_ALGO=direct``, the
+        GPUs' bits), so ``deterministic`` keeps its promise, with ``accumulate`` too.
 
         ``nn.Dropout(p)`` layers drop elements with masks that are a function of (a seed drawn
         from ``mgpu.random`` once per step, the layer's place in the model, the example's row in

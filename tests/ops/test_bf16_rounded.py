@@ -1,11 +1,10 @@
-"""precision="bf16" under MGPU_CONV_ALGO=auto (cpp/ops/bf16.h): at the shapes where float32's
-kernels are faster than the bfloat16 products (every shape float32's auto runs through Winograd
-F(4x4, 3x3), and products shorter than 1024 terms, C*R*S) a conv pass rounds its operands to
-bfloat16 and runs float32's kernels on them; longer products keep the bfloat16 products.
+"""precision="bf16" under MGPU_CONV_ALGO=auto (cpp/ops/bf16.h): a conv pass rounds its operands
+to bfloat16 and runs float32's kernels on them (Winograd F(4x4, 3x3) where float32's auto takes
+it, float32's rule elsewhere), not the bfloat16 products, which direct and im2col keep.
 
 So a pass's result is, bit for bit, the float32 pass on the rounded operands (rounded here by
 NumPy), db included: the sum of the rounded dy, as PyTorch's autocast sums a bfloat16 gradient
-(the products' path sums dy unrounded). Against float64, with u = 2^-8 and
+(the products' path does too, in its own order). Against float64, with u = 2^-8 and
 A = conv(|x|, |w|):
   - direct and im2col kernels: the products of rounded operands are exact in float32, so
     test_bf16.py's bound holds as it stands: ((2u + u^2)(1 + g_k) + g_k) A;
@@ -103,9 +102,10 @@ def test_auto_runs_float32_kernels_on_rounded_operands(monkeypatch, xshape, K, R
     assert rel(dw, dwr) < 1e-5 < rel(dw, dw64) < 2 * U
 
 
-def test_long_products_keep_the_bfloat16_products(monkeypatch):
-    """C*R*S = 1152: auto runs the products, the bits of MGPU_CONV_ALGO=direct's, which float32's
-    kernels on the rounded operands do not give."""
+def test_auto_and_direct_take_different_kernels_at_a_long_product(monkeypatch):
+    """C*R*S = 1152, where the products beat float32 on AVX512_BF16 but not on AVX2: auto still
+    runs float32's kernels on the rounded operands (a route by the shape alone), direct the
+    products."""
     args = ((2, 128, 8, 8), 8, 3, 2, 1)
     x, w, b, dy = data(*args)
     runs = {}
@@ -113,9 +113,11 @@ def test_long_products_keep_the_bfloat16_products(monkeypatch):
         monkeypatch.setenv("MGPU_CONV_ALGO", algo)
         runs[algo] = passes(x, w, b, dy, 2, 1, "bf16")
     rounded = passes(bf16_numpy(x), bf16_numpy(w), b, bf16_numpy(dy), 2, 1, "float32")
+    for i, name in enumerate(("y", "dx", "dw", "db")):
+        assert runs["auto"][i].tobytes() == rounded[i].tobytes(), name
+    # db sums the same rounded dy either way (here exactly: few terms of 8 significant bits).
     for i, name in enumerate(("y", "dx", "dw")):
-        assert runs["auto"][i].tobytes() == runs["direct"][i].tobytes(), name
-        assert runs["auto"][i].tobytes() != rounded[i].tobytes(), name
+        assert runs["auto"][i].tobytes() != runs["direct"][i].tobytes(), name
 
 
 ISA_CODE = """
