@@ -13,15 +13,12 @@ A = conv(|x|, |w|):
     transform: C + 16 in all, doubled for the second-order terms; Tbar = |A^T| sum_c |U_c| Vbar_c
     |A| from winograd_bf16_model.py), plus the rounding's own (2u + u^2) A.
 """
-import os
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 
 import reference as ref
 import winograd_bf16_model as model
+from isa_paths import digests_on_every_path
 from mgpu import _core
 from test_bf16 import U, bf16_numpy, check_bounds, cpu_tensor, gamma, numpy_of
 
@@ -140,16 +137,6 @@ print(mgpu.build_info()["cpu_bf16"], h.hexdigest())
 
 
 def test_same_bits_on_every_isa_path():
-    """The rounding (16 lanes at a time) and float32's kernels give every path's bits."""
-    seen = {}
-    for isa in ("avx2", "avx512", "avx512_bf16"):
-        env = dict(os.environ, MGPU_ISA=isa, MGPU_CONV_ALGO="auto")
-        r = subprocess.run([sys.executable, "-c", ISA_CODE], env=env, capture_output=True,
-                           text=True, timeout=300)
-        if r.returncode != 0 and "lacks AVX-512" in r.stderr:
-            continue
-        assert r.returncode == 0, r.stderr
-        path, digest = r.stdout.split()
-        assert path == isa
-        seen[isa] = digest
-    assert "avx2" in seen and len(set(seen.values())) == 1, seen
+    """The rounding (the path's vector width) and float32's kernels give every path's bits."""
+    seen = digests_on_every_path(ISA_CODE, MGPU_CONV_ALGO="auto")
+    assert len(set(seen.values())) == 1, seen
