@@ -512,29 +512,21 @@ void run_allreduce(const Call& call, const std::vector<Tensor>& tensors) {
   Exchange reduce(call, "the reduce-scatter"), gather(call, "the all-gather");
   float* flat = flat_view<float>(tensors, n, reduce);
   gather.keep(tensors[0].storage());
-  if (call.dtype == static_cast<int64_t>(DType::BF16)) {
-    if (state().ordered.load()) {
-      allreduce_ordered_bf16(flat, n, reduce, gather);
-    } else {
-      if (n > INT_MAX)
-        throw ValueError(prefix() + describe(call) + ": more than 2^31 - 1 elements");
-      static MPI_Op op = MPI_OP_NULL;  // made once, under the collective's turn
-      if (op == MPI_OP_NULL) MGPU_MPI_CHECK(MPI_Op_create(sum_bf16_op, 1, &op), "MPI_Op_create");
-      BFloat16* half = reusable<BFloat16>(1, n, reduce);
-      for (int64_t i = 0; i < n; ++i) half[i] = BFloat16(flat[i]);
-      MGPU_MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, half, static_cast<int>(n), MPI_UINT16_T, op,
-                                    state().comm, reduce.collective()), "MPI_Iallreduce");
-      reduce.wait();
-      for (int64_t i = 0; i < n; ++i) flat[i] = static_cast<float>(half[i]);
-    }
-    unpack(tensors, flat);
-    return;
-  }
+  const bool bf16 = call.dtype == static_cast<int64_t>(DType::BF16);
   if (state().ordered.load()) {
-    allreduce_ordered(flat, n, reduce, gather);
+    (bf16 ? allreduce_ordered_bf16 : allreduce_ordered)(flat, n, reduce, gather);
+  } else if (n > INT_MAX) {
+    throw ValueError(prefix() + describe(call) + ": more than 2^31 - 1 elements");
+  } else if (bf16) {
+    static MPI_Op op = MPI_OP_NULL;  // made once, under the collective's turn
+    if (op == MPI_OP_NULL) MGPU_MPI_CHECK(MPI_Op_create(sum_bf16_op, 1, &op), "MPI_Op_create");
+    BFloat16* half = reusable<BFloat16>(1, n, reduce);
+    for (int64_t i = 0; i < n; ++i) half[i] = BFloat16(flat[i]);
+    MGPU_MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, half, static_cast<int>(n), MPI_UINT16_T, op,
+                                  state().comm, reduce.collective()), "MPI_Iallreduce");
+    reduce.wait();
+    for (int64_t i = 0; i < n; ++i) flat[i] = static_cast<float>(half[i]);
   } else {
-    if (n > INT_MAX)
-      throw ValueError(prefix() + describe(call) + ": more than 2^31 - 1 elements");
     MGPU_MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, flat, static_cast<int>(n), MPI_FLOAT, MPI_SUM,
                                   state().comm, reduce.collective()), "MPI_Iallreduce");
     reduce.wait();
@@ -671,37 +663,6 @@ std::string gpu_transport() {
   if (nccl_for_gpus()) return "nccl";
 #endif
   return "host";
-}
-
-std::string gpu_transport_info() {
-  if (!MGPU_BUILT_MPI) return "none: no MPI back end, one process only (see the MPI line)";
-  const std::string staged = "GPU tensors are copied to cpu(0), summed over MPI and copied back";
-#if MGPU_BUILT_MPI && MGPU_NCCL_WORLD
-  std::string transport;
-  try {
-    transport = gpu_transport();
-  } catch (const ValueError& e) {
-    return std::string("unknown: ") + e.what();
-  }
-  if (transport == "host")
-    return "host (MGPU_DIST_GPU=host): " + staged + "; without it, an NCCL communicator over "
-           "every rank carries them";
-  const std::string nccl = "nccl: an NCCL communicator over every rank (one GPU each), its unique "
-                           "id broadcast over MPI, ";
-  const std::string host = "; MGPU_DIST_GPU=host stages them through host memory instead";
-  if (MGPU_CUDA_EMULATION_BUILD)
-    return nccl + "on the emulator's NCCL (ranks in several processes meet in shared memory)" +
-           host;
-  const int v = nccl_version();
-  return nccl + "NCCL " + std::to_string(v / 10000) + "." + std::to_string(v / 100 % 100) + "." +
-         std::to_string(v % 100) + " (compiled and linked; mgpu's tests run this path on the "
-         "emulator only, never on a real GPU)" + host;
-#else
-  const char* why = !MGPU_GPU_BUILD ? "no GPU backend in this build"
-                    : MGPU_BUILT_CUDA ? "this CUDA build has no NCCL (see the NCCL line)"
-                                      : "no NCCL in this build";
-  return "host: " + staged + " (no NCCL across processes: " + why + ")";
-#endif
 }
 
 bool launched() {
