@@ -5,10 +5,10 @@
 // gradients and everything batch norm, the loss, softmax and the optimizer touch. Only the
 // operands of a matrix product are rounded to bfloat16, while they are packed into the panels the
 // product's register tiles read (as oneDNN's reorders do), and every product accumulates in
-// float32. (Conv passes where float32's kernels are faster round their operands first and run
-// those: see algo below.) The speed comes from AVX512_BF16's vdpbf16ps, two multiply-adds per float32 lane per
-// instruction, and from packed operands half the bytes of float32 ones; a bfloat16 tensor dtype
-// (storage, NumPy / DLPack interop) is a later stage and changes nothing here.
+// float32. (Conv passes under auto round their operands first and run float32's kernels on
+// them: see algo below.) The products' speed comes from AVX512_BF16's vdpbf16ps, two
+// multiply-adds per float32 lane per instruction, and from packed operands half the bytes of
+// float32 ones; the bfloat16 tensor dtype (storage, NumPy / DLPack interop) changes nothing here.
 //
 // The numbers, on every CPU path alike:
 // - float -> bfloat16 rounds to nearest, ties to even; a NaN stays a NaN with its sign and top

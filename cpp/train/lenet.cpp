@@ -47,8 +47,8 @@ const Model& lenet_model(const std::vector<Tensor>& p, ops::Precision precision)
   std::lock_guard<std::mutex> lock(mutex);
   auto& m = (*cache)[{shapes, on_cpu, precision}];
   if (!m) {
-    // bf16 = 1: the layer's products take bfloat16 operands (the conv2d_relu_pool records then
-    // run the conv alone, then relu and the pool: the fused kernel is float32's).
+    // bf16 = 1: the layers' products take bfloat16 operands (on CPU replicas the
+    // conv2d_relu_pool records run their fused kernel on rounded operands: ops/bf16.h).
     const double bf16 = precision == ops::Precision::BF16 ? 1 : 0;
     std::vector<LayerSpec> spec = {
         {"conv2d_relu_pool", {}, {{"pool", 2}, {"bf16", bf16}}, {}, {}},
@@ -104,8 +104,8 @@ std::vector<Tensor> train_batch(const Tensor& X, const Tensor& y,
   Sgd sgd;
   sgd.lr = lr;
   sgd.sum_rule = true;
-  return train_step(lenet_model(params[0], precision), X, y, replicas, sgd, num_shards, "train_batch",
-                    accumulate);
+  return train_step(lenet_model(params[0], precision), X, y, replicas, sgd, num_shards,
+                    "train_batch", accumulate);
 }
 
 std::vector<Tensor> evaluate_batch(const Tensor& X, const Tensor& y,
