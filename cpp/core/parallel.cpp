@@ -4,7 +4,9 @@
 // devices use one each, with no oversubscription from BLAS (which runs single-threaded).
 #include "core/parallel.h"
 
+#include <pthread.h>
 #include <sched.h>
+#include <signal.h>
 
 #include <algorithm>
 #include <atomic>
@@ -81,6 +83,7 @@ class Pool {
 
  private:
   void loop() {
+    block_async_signals();
     t_in_parallel = true;  // a nested parallel_for inside a helper runs serially
     for (;;) {
       std::shared_ptr<Job> job;
@@ -156,6 +159,13 @@ void parallel_for(int64_t n, const std::function<void(int64_t)>& fn) {
   job->closed = true;
   job->idle.wait(lock, [&] { return job->active == 0; });
   if (job->error) std::rethrow_exception(job->error);
+}
+
+void block_async_signals() {
+  sigset_t set;
+  sigfillset(&set);
+  for (int sig : {SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGTRAP, SIGABRT}) sigdelset(&set, sig);
+  pthread_sigmask(SIG_BLOCK, &set, nullptr);
 }
 
 }  // namespace mgpu

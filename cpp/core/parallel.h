@@ -20,4 +20,10 @@ void parallel_for(int64_t n, const std::function<void(int64_t)>& fn);
 int num_threads();
 void set_num_threads(int n);
 
+// Blocks the asynchronous signals (SIGINT, SIGTERM, SIGUSR1, ...; not the synchronous faults) in
+// the calling thread. Every thread mgpu starts calls it first, so that a signal sent to the
+// process reaches Python's main thread, whose handlers act on it, and never interrupts a
+// worker's wait.
+void block_async_signals();
+
 }  // namespace mgpu

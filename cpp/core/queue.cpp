@@ -14,6 +14,7 @@
 
 #include "core/error.h"
 #include "core/gpu.h"
+#include "core/parallel.h"
 #include "core/trace.h"
 
 namespace mgpu {
@@ -265,6 +266,7 @@ static bool is_collective(const char* name) {
 }
 
 void Queue::run() {
+  block_async_signals();
   // The timeline's tracks of this worker: what runs here ("gpu(0)": on a GPU the host-side
   // launches, which on the emulator include the kernels' execution) and its collectives.
   trace::set_thread_track(device_.str());

@@ -14,6 +14,7 @@
 #include <thread>
 #include <utility>
 
+#include "core/parallel.h"
 #include "core/trace.h"
 #include "core/error.h"
 
@@ -210,6 +211,7 @@ struct BatchIterator::Impl {
   }
 
   void run() {
+    block_async_signals();
     trace::set_thread_track("data loader");
     std::vector<int64_t> order;
     uint64_t order_generation = 0;  // generations start at 1, so the first epoch computes it
