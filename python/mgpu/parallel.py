@@ -210,13 +210,12 @@ def train_batch(X: Tensor, y: Tensor, device_params, devices: Sequence[Device],
     ``precision="bf16"`` runs the products of both convolutions and both linear layers (forward,
     data and weight gradients) with bfloat16 operands and float32 sums, as
     ``mgpu.autocast("bf16")`` runs them (cpp/ops/bf16.h: the rounding, the order of the sums, the
-    error bound; on CPUs LeNet's convolutions run float32's faster kernels on their rounded
-    operands); the convolutions then run as conv, relu and pool one after another rather than
-    as float32's fused kernel. Bias, relu, pooling, the loss, the sums across devices and the
-    SGD update stay float32, and so do the parameters (the master weights). The bits are the
-    same on every CPU kernel path (``MGPU_ISA``), and on mgpu's GPU kernels as on the CPU's
-    bfloat16 products (``MGPU_CONV_ALGO=direct``); ``deterministic`` keeps them the same on any
-    number of devices.
+    error bound; on CPUs LeNet's conv blocks run float32's fused conv + relu + pool kernel on
+    their rounded operands, on GPUs conv, relu and pool one after another). Bias, relu,
+    pooling, the loss, the sums across devices and the SGD update stay float32, and so do the
+    parameters (the master weights). The bits are the same on every CPU kernel path
+    (``MGPU_ISA``), and on mgpu's GPU kernels as on the CPU's bfloat16 products
+    (``MGPU_CONV_ALGO=direct``); ``deterministic`` keeps them the same on any number of devices.
     """
     lr = check_lr(lr, "train_batch")
     shards = shard_count(deterministic, "train_batch")
