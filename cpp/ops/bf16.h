@@ -106,8 +106,8 @@ void bf16_mm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const 
 // - auto and tune: the pass rounds x, w and dy to bfloat16 (as float32 values, the rounding
 //   above: ops/bf16_round.h) and runs float32's choice under auto on them: Winograd F(4x4, 3x3)
 //   where float32's auto takes it (conv2d_cpu.h's winograd_by_auto; its transforms round x and
-//   dy as they read them), float32's rule (direct, lanes, im2col + sgemm) on rounded copies
-//   elsewhere. Those were faster than these products at ResNet-18's and LeNet's layers on every
+//   dy as they read them), float32's rule (direct, lanes, im2col + sgemm) elsewhere, rounding
+//   x and dy in its blocks' own copies of them (conv2d_cpu.h's rule_forward_bf16). Those were faster than these products at ResNet-18's and LeNet's layers on every
 //   CPU path but two stride-2 layers on AVX512_BF16 (bf16_cpu.cpp's bf16_route has the figures),
 //   and the route must not depend on the path. The operands are then what the products would
 //   see; a product of two bfloat16 values is exact in float32, so direct and im2col kernels keep

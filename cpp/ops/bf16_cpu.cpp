@@ -416,7 +416,8 @@ void bias_gradient(const Conv2dShape& s, const float* dy, float* db) {
 
 // How a bf16 conv pass runs under algo. auto and tune take float32's kernels on operands rounded
 // to bfloat16: float32 Winograd F(4x4, 3x3) on the shapes where float32's auto takes it (it
-// rounds x and dy as it reads them), float32's rule on rounded copies elsewhere. Measured with
+// rounds x and dy as it reads them), float32's rule elsewhere (rounding x and dy in its blocks'
+// copies of them: conv2d_cpu.h's rule_forward_bf16). Measured with
 // bench conv (AMD EPYC Zen 4, 2 threads, batch 64): Winograd beat both bfloat16 kernels at every
 // ResNet-18 3x3 stride-1 layer; at the stride-2 layers the bf16 products (vdpbf16ps) beat
 // float32's im2col + sgemm at 128 and 256 input channels (16 against 21 ms forward, 19 against
@@ -430,7 +431,7 @@ Bf16Route bf16_route(const Conv2dShape& s, ConvAlgo algo) {
   return conv::winograd_by_auto(s) ? Bf16Route::RoundedWinograd : Bf16Route::RoundedRule;
 }
 
-thread_local std::vector<float> tl_x_rounded, tl_w_rounded, tl_dy_rounded;
+thread_local std::vector<float> tl_w_rounded;
 
 // x's images n0 .. n0 + B rounded, on the device's cores.
 const uint16_t* round_images(const float* x, int64_t n0, int64_t B, int64_t CHW,
@@ -501,8 +502,7 @@ void bf16_conv2d_forward(const Conv2dShape& s, const float* x, const float* w, c
   if (route != Bf16Route::Products) {
     const float* wr = rounded_floats(w, s.K * s.C * s.R * s.S, tl_w_rounded);
     if (route == Bf16Route::RoundedWinograd) return conv::winograd_forward(s, x, wr, b, y, true);
-    const float* xr = rounded_floats(x, s.N * s.C * s.H * s.W, tl_x_rounded);
-    return conv2d_forward_algo(s, xr, wr, b, y, ConvAlgo::Auto);
+    return conv::rule_forward_bf16(s, x, wr, b, y);
   }
   if (conv::winograd_bf16_chosen(s, algo)) {
     return conv::winograd_bf16_forward(s, x, w, b, y, hardware_dot);
@@ -550,9 +550,7 @@ void bf16_conv2d_backward(const Conv2dShape& s, const float* x, const float* w, 
   }
   if (route == Bf16Route::RoundedRule) {
     const float* wr = rounded_floats(w, s.K * CRS, tl_w_rounded);
-    const float* xr = rounded_floats(x, s.N * CHW, tl_x_rounded);
-    const float* dyr = rounded_floats(dy, s.N * s.K * PQ, tl_dy_rounded);
-    return conv2d_backward_algo(s, xr, wr, dyr, dx, dw, db, ConvAlgo::Auto);
+    return conv::rule_backward_bf16(s, x, wr, dy, dx, dw, db);
   }
   if (db) bias_gradient(s, dy, db);
   // A stride-1 square kernel's data gradient is a convolution itself: dy padded by R-1-pad

@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "core/parallel.h"
+#include "ops/bf16_round.h"
 #include "ops/conv2d.h"
 #include "ops/conv2d_cpu/conv2d_cpu.h"
 #include "ops/conv2d_relu_pool.h"
@@ -56,6 +57,16 @@ float sum_lanes(const float* __restrict x, int64_t n) {
   return acc[0];
 }
 
+// The direct paths' rounded copies of x under round_bf16 (below).
+thread_local std::vector<float> tl_rounded;
+
+// dst[0, n) = src[0, n) rounded to bfloat16 (ops/bf16_round.h); returns dst.
+const float* rounded_copy(const float* src, int64_t n, float* dst) {
+  std::copy(src, src + n, dst);
+  bf16::round_in_place(dst, n);
+  return dst;
+}
+
 // Images per block on the im2col path's backward: kBlock, doubled (up to 64) until a block's
 // product is kMinBlockColumns = 512 columns wide (B*P*Q). Backward sums one (K, C*R*S) dw slot
 // per block, so small images (ResNet-18's 7x7 layers: 16 output pixels, 128 columns at 8 images)
@@ -74,17 +85,20 @@ int64_t gemm_block(const Conv2dShape& s) {
 // The forward product, block by block: unfolds each block of B images, multiplies, and hands
 // the block's (K, B*P*Q) product (image-major columns, ld = B*P*Q) to emit(out, ld, n0, B), which
 // runs on the worker that computed it while the product is still in its cache.
-// only_im2col skips the direct and lane paths (MGPU_CONV_ALGO=im2col).
+// only_im2col skips the direct and lane paths (MGPU_CONV_ALGO=im2col). round_bf16 rounds x to
+// bfloat16 (ops/bf16_round.h) in the block's own copy of it (col, the lanes, or one image): the
+// bits of the pass on a rounded copy of x, without that copy.
 template <class Emit>
 void forward_blocks(const Conv2dShape& s, const float* x, const float* w, const Emit& emit,
-                    bool only_im2col = false) {
+                    bool only_im2col = false, bool round_bf16 = false) {
   const int64_t PQ = s.P() * s.Q(), CRS = s.C * s.R * s.S, CHW = s.C * s.H * s.W;
   if (!only_im2col && use_direct(s)) {  // one image at a time: the product is (K, P*Q), ld = P*Q
     const auto direct = direct_forward_kernel(CRS);
     parallel_for((s.N + kBlock - 1) / kBlock, [&](int64_t blk) {
       float* out = scratch(tl_mat, s.K * PQ);
+      float* xr = round_bf16 ? scratch(tl_rounded, CHW) : nullptr;
       for (int64_t n = blk * kBlock; n < std::min(s.N, (blk + 1) * kBlock); ++n) {
-        direct(s, x + n * CHW, w, out);
+        direct(s, round_bf16 ? rounded_copy(x + n * CHW, CHW, xr) : x + n * CHW, w, out);
         emit(out, PQ, n, 1);
       }
     });
@@ -99,6 +113,7 @@ void forward_blocks(const Conv2dShape& s, const float* x, const float* w, const 
       float* outT = xT + kLaneBlock * CHW;
       float* out = scratch(tl_mat, s.K * ld);
       to_lanes(x + n0 * CHW, CHW, B, CHW, xT);
+      if (round_bf16) bf16::round_in_place(xT, kLaneBlock * CHW);
       lanes_forward(s, xT, wP, outT);
       for (int64_t k = 0; k < s.K; ++k) {
         from_lanes(outT + k * PQ * kLaneBlock, PQ, B, out + k * ld, PQ);
@@ -113,6 +128,7 @@ void forward_blocks(const Conv2dShape& s, const float* x, const float* w, const 
     float* col = scratch(tl_col, CRS * ld);
     float* out = scratch(tl_mat, s.K * ld);
     im2col(u, x + n0 * CHW, B, col, ld);
+    if (round_bf16) bf16::round_in_place(col, CRS * ld);
     sgemm(false, false, s.K, ld, CRS, 1.0f, w, CRS, col, ld, 0.0f, out, ld);
     emit(out, ld, n0, B);
   });
@@ -132,10 +148,12 @@ using DirectDw = std::function<void(int64_t, int64_t, float*, float*)>;
 // AMD EPYC Zen 4 under load): 64->128 3x3 stride 2 backward 34 -> 27 ms, 1x1 5.1 -> 3.5 ms.
 constexpr int64_t kDxRowsMin = 144;
 
+// round_bf16 rounds x and the loaded dy to bfloat16 in the blocks' copies of them, as
+// forward_blocks does (direct_fused, which reads dy itself, must then be null).
 template <class Load>
 void backward_blocks(const Conv2dShape& s, const float* x, const float* w, const Load& load,
                      float* dx, float* dw, float* db, const DirectDw& direct_fused = nullptr,
-                     bool only_im2col = false) {
+                     bool only_im2col = false, bool round_bf16 = false) {
   const int64_t PQ = s.P() * s.Q(), CRS = s.C * s.R * s.S, CHW = s.C * s.H * s.W;
   const int64_t KCRS = s.K * CRS, RS = s.R * s.S;
   const Unfold u(s);
@@ -194,11 +212,13 @@ void backward_blocks(const Conv2dShape& s, const float* x, const float* w, const
     }
     float* dyb = scratch(tl_mat, s.K * ld);  // dy of the block as (K, B*P*Q)
     load(dyb, ld, n0, B);
+    if (round_bf16) bf16::round_in_place(dyb, s.K * ld);
     if (lanes) {
       float* xT = scratch(tl_lanes, kLaneBlock * (2 * CHW + s.K * PQ));
       float* dxT = xT + kLaneBlock * CHW;
       float* dyT = dxT + kLaneBlock * CHW;
       to_lanes(x + n0 * CHW, CHW, B, CHW, xT);
+      if (round_bf16) bf16::round_in_place(xT, kLaneBlock * CHW);
       for (int64_t k = 0; k < s.K; ++k) {
         to_lanes(dyb + k * ld, PQ, B, PQ, dyT + k * PQ * kLaneBlock);
       }
@@ -214,16 +234,20 @@ void backward_blocks(const Conv2dShape& s, const float* x, const float* w, const
       return;
     }
     if (direct) {
-      direct_dw(s, x + n0 * CHW, B, dyb, ld, dw_slot(blk), db ? db_slot(blk) : nullptr);
+      const float* xb = x + n0 * CHW;
+      if (round_bf16) xb = rounded_copy(xb, B * CHW, scratch(tl_rounded, B * CHW));
+      direct_dw(s, xb, B, dyb, ld, dw_slot(blk), db ? db_slot(blk) : nullptr);
       if (dx) direct_backward_dx(s, w, B, dyb, ld, dx + n0 * CHW);
       return;
     }
     float* col = scratch(tl_col, CRS * ld);  // col (or its transpose), then reused for dcol
     if (patch_rows) {
       im2col_rows(u, x + n0 * CHW, B, col);
+      if (round_bf16) bf16::round_in_place(col, CRS * ld);
       sgemm(false, false, s.K, CRS, ld, 1.0f, dyb, ld, col, CRS, 0.0f, dw_slot(blk), CRS);
     } else {
       im2col(u, x + n0 * CHW, B, col, ld);
+      if (round_bf16) bf16::round_in_place(col, CRS * ld);
       sgemm(false, true, s.K, CRS, ld, 1.0f, dyb, ld, col, ld, 0.0f, dw_slot(blk), CRS);
     }
     if (db) {
@@ -388,10 +412,12 @@ void conv2d_backward(const Conv2dShape& s, const float* x, const float* w, const
   conv2d_backward_algo(s, x, w, dy, dx, dw, db, conv_algo());
 }
 
-void conv2d_forward_algo(const Conv2dShape& s, const float* x, const float* w, const float* b,
-                         float* y, ConvAlgo algo) {
-  const int64_t PQ = s.P() * s.Q(), KPQ = s.K * PQ;
-  const auto emit = [&](const float* out, int64_t ld, int64_t n0, int64_t B) {
+namespace {
+
+// y = the block products + b, for forward_blocks.
+auto forward_emit(const Conv2dShape& s, const float* b, float* y) {
+  return [&s, b, y](const float* out, int64_t ld, int64_t n0, int64_t B) {
+    const int64_t PQ = s.P() * s.Q(), KPQ = s.K * PQ;
     for (int64_t i = 0; i < B; ++i) {
       for (int64_t k = 0; k < s.K; ++k) {
         const float* __restrict src = out + k * ld + i * PQ;
@@ -401,6 +427,25 @@ void conv2d_forward_algo(const Conv2dShape& s, const float* x, const float* w, c
       }
     }
   };
+}
+
+// A block of dy (N, K, P, Q) as (K, B*P*Q), for backward_blocks.
+auto backward_load(const Conv2dShape& s, const float* dy) {
+  return [&s, dy](float* dyb, int64_t ld, int64_t n0, int64_t B) {
+    const int64_t PQ = s.P() * s.Q(), KPQ = s.K * PQ;
+    for (int64_t i = 0; i < B; ++i) {
+      for (int64_t k = 0; k < s.K; ++k) {
+        copy_floats(dyb + k * ld + i * PQ, dy + (n0 + i) * KPQ + k * PQ, PQ);
+      }
+    }
+  };
+}
+
+}  // namespace
+
+void conv2d_forward_algo(const Conv2dShape& s, const float* x, const float* w, const float* b,
+                         float* y, ConvAlgo algo) {
+  const auto emit = forward_emit(s, b, y);
   // The shape's rule is called directly, not through run_chosen's closure: LeNet's conv2 ran
   // ~20% slower when its block loops were instantiated inside that lambda.
   if (rule_only(s, algo)) return forward_blocks(s, x, w, emit);
@@ -412,19 +457,22 @@ void conv2d_forward_algo(const Conv2dShape& s, const float* x, const float* w, c
 
 void conv2d_backward_algo(const Conv2dShape& s, const float* x, const float* w, const float* dy,
                           float* dx, float* dw, float* db, ConvAlgo algo) {
-  const int64_t PQ = s.P() * s.Q(), KPQ = s.K * PQ;
-  auto load = [&](float* dyb, int64_t ld, int64_t n0, int64_t B) {
-    for (int64_t i = 0; i < B; ++i) {
-      for (int64_t k = 0; k < s.K; ++k) {
-        copy_floats(dyb + k * ld + i * PQ, dy + (n0 + i) * KPQ + k * PQ, PQ);
-      }
-    }
-  };
+  const auto load = backward_load(s, dy);
   if (rule_only(s, algo)) return backward_blocks(s, x, w, load, dx, dw, db);
   run_chosen(s, algo, dx ? 1 : 2, [&](Algo a) {
     if (a == Algo::Winograd) return winograd_backward(s, x, w, dy, dx, dw, db);
     backward_blocks(s, x, w, load, dx, dw, db, nullptr, a == Algo::Im2col);
   });
+}
+
+void conv::rule_forward_bf16(const Conv2dShape& s, const float* x, const float* w, const float* b,
+                             float* y) {
+  forward_blocks(s, x, w, forward_emit(s, b, y), false, true);
+}
+
+void conv::rule_backward_bf16(const Conv2dShape& s, const float* x, const float* w,
+                              const float* dy, float* dx, float* dw, float* db) {
+  backward_blocks(s, x, w, backward_load(s, dy), dx, dw, db, nullptr, false, true);
 }
 
 void conv2d_relu_pool_forward(const Conv2dShape& s, int64_t pool, const float* x, const float* w,

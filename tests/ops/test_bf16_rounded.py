@@ -26,7 +26,8 @@ ROUNDED = [
     pytest.param((2, 16, 10, 10), 16, 3, 1, 1, True, id="3x3-winograd"),
     pytest.param((3, 8, 12, 12), 16, 3, 2, 1, False, id="3x3-stride2-short"),
     pytest.param((2, 16, 7, 7), 8, 1, 2, 0, False, id="1x1-stride2"),
-    pytest.param((4, 1, 12, 12), 6, 5, 1, 0, False, id="5x5-one-channel"),
+    pytest.param((18, 1, 12, 12), 6, 5, 1, 0, False, id="5x5-one-channel-lanes"),
+    pytest.param((9, 1, 18, 18), 4, 3, 1, 0, False, id="3x3-one-channel-direct"),
 ]
 
 

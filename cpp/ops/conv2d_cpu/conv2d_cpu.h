@@ -306,6 +306,16 @@ void lanes_dw(const Conv2dShape& s, const float* xT, const float* dyT, const int
               float* dw);
 void lanes_dx(const Conv2dShape& s, const float* w, const float* dyT, float* dxT);
 
+// ---- conv2d_cpu.cpp: the shape's rule (direct, lanes or im2col + sgemm) for precision bf16 ----
+// conv2d_forward_algo / conv2d_backward_algo under auto for a shape winograd_by_auto leaves to
+// the rule, with x and dy rounded to bfloat16 (ops/bf16_round.h) in the blocks' copies of them
+// (im2col's col, the lanes, a block's images): the bits of the pass on rounded copies of x and
+// dy, db included, without whole-tensor copies; w is not rounded (the caller rounds it).
+void rule_forward_bf16(const Conv2dShape& s, const float* x, const float* w, const float* b,
+                       float* y);
+void rule_backward_bf16(const Conv2dShape& s, const float* x, const float* w, const float* dy,
+                        float* dx, float* dw, float* db);
+
 // ---- winograd.cpp: F(4x4, 3x3) for 3x3 stride-1 convs with pad <= 2 ----
 bool winograd_fits(const Conv2dShape& s);
 // True where MGPU_CONV_ALGO=auto runs shape s through Winograd F(4x4, 3x3) (conv2d_cpu.cpp's
