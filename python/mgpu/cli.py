@@ -249,6 +249,13 @@ def _bench(args) -> int:
                                  compare=args.compare, torch_python=args.torch_python,
                                  torch_threads=args.torch_threads,
                                  builds=args.builds.split(",") if args.builds else (), log=log)
+    elif args.bench == "accuracy":
+        result = bench.bench_accuracy(
+            model=args.model, precisions=args.precision.split(","), seeds=args.seeds,
+            epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, num_gpus=args.num_gpus,
+            limit_batches=args.limit_batches, recompute_batches=args.recompute_batches,
+            data_dir=args.data_dir, synthetic=args.synthetic, checkpoint=args.checkpoint,
+            log=log)
     elif args.bench == "batch_norm":
         result = bench.bench_batch_norm(shape=args.shape, warmup=args.warmup, repeat=args.repeat,
                                         log=log, device=args.device)
@@ -394,6 +401,27 @@ def _bench_parser(sub) -> None:
                    help="leave SGD's momentum buffers out (half the size for ResNet-18)")
     c.add_argument("--dir", default=None,
                    help="where to write (default: the system's temporary directory)")
+    q = kinds.add_parser("accuracy", help="test accuracy after training in float32 and bf16 over "
+                         "seeds (mgpu.bench.accuracy)")
+    q.add_argument("--model", choices=["resnet18", "lenet"], default="resnet18",
+                   help="resnet18: sec. 12.6's recipe, fused; lenet: sec. 12.5's")
+    q.add_argument("--precision", default="float32,bf16", help="from: float32,bf16")
+    q.add_argument("--seeds", type=_ints, default=[0, 1, 2], help="e.g. 0,1,2")
+    q.add_argument("--epochs", type=int, default=None, help="default: resnet18 1, lenet 10")
+    q.add_argument("--lr", type=float, default=None, help="default: resnet18 0.1, lenet 0.2")
+    q.add_argument("--batch-size", type=int, default=256)
+    q.add_argument("--num-gpus", type=int, default=1, help="devices per run")
+    q.add_argument("--limit-batches", type=int, default=0,
+                   help="batches per epoch and evaluation (0: all)")
+    q.add_argument("--recompute-batches", type=int, default=40,
+                   help="resnet18: training batches that recompute batch norm's statistics")
+    data_args(q)
+    q.add_argument("--checkpoint", metavar="DIR", default=None,
+                   help="save each run's state here and resume from it (a sweep of hours "
+                        "survives a kill)")
+    q.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    q.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    q.set_defaults(run=_bench, plot=None)
     a = kinds.add_parser("allreduce", help="all-reduce time, algbw and busbw over sizes")
     common(a, 3, 10)
     a.add_argument("--devices", type=_ints, default=[2], help="device counts k, e.g. 2,3,4")

@@ -1,9 +1,10 @@
 """notebooks/benchmarks.ipynb draws the JSON that `mgpu bench ... --json` and `mgpu advise
 --validate --json` write. Executed like the chapters' notebooks (test_notebooks.py) on a folder
 made here (MGPU_NB_BENCH): tiny real runs of bench train (synthetic data, one batch), bench
-allreduce and bench isa for their JSON's shape, plus two rows made here whose expected printouts
-are known: a peer at 2.5x mgpu's fused step, and advisor predictions with known errors. The
-timings are not checked, only that the notebook reads and draws what the files hold."""
+allreduce, bench isa and bench accuracy for their JSON's shape, plus two rows made here whose
+expected printouts are known: a peer at 2.5x mgpu's fused step, and advisor predictions with
+known errors. The timings are not checked, only that the notebook reads and draws what the files
+hold."""
 import copy
 import pathlib
 
@@ -31,6 +32,9 @@ def folder(tmp_path_factory):
     assert cli.main(["bench", "isa", "--rounds", "1", "--synthetic", "300", "--limit-batches",
                      "2", "--warmup", "0", "--repeat", "1", "--ops-batch", "4", "--batch-size",
                      "32", "--isas", "avx2", "--quiet", "--json", str(d / "isa.json")]) == 0
+    assert cli.main(["bench", "accuracy", "--model", "lenet", "--synthetic", "128",
+                     "--batch-size", "64", "--epochs", "1", "--seeds", "0,1", "--quiet",
+                     "--json", str(d / "accuracy.json")]) == 0
     rows = [{"batch": 64, "devices": 1, "ranks": 1, "step": 0.010, "measured_step": 0.0125,
              "error": 0.010 / 0.0125 - 1},
             {"batch": 64, "devices": 2, "ranks": 1, "step": 0.006, "measured_step": 0.005,
@@ -52,8 +56,9 @@ def _images(cell):
 
 def test_every_file_is_read_and_named_with_its_machine(executed):
     out = _stdout(_cell(executed, "load"))
-    assert "4 result file(s)" in out, out
-    for name, kind in (("advise.json", "advise"), ("allreduce.json", "allreduce"),
+    assert "5 result file(s)" in out, out
+    for name, kind in (("accuracy.json", "accuracy"), ("advise.json", "advise"),
+                       ("allreduce.json", "allreduce"),
                        ("isa.json", "isa"), ("lenet.json", "train lenet")):
         assert f"  {name:<28} {kind:<16} " in out, out
 
@@ -97,4 +102,19 @@ def test_the_advisors_predictions_against_measurement(executed):
     assert "batch 64, 1 device(s) x 1 rank(s): predicted 10.00 ms, measured 12.50 ms, error " \
            "-20.0 %" in out, out
     assert "2 device(s) x 1 rank(s): predicted 6.00 ms, measured 5.00 ms, error +20.0 %" in out
+    assert _images(cell) == 1
+
+
+def test_accuracy_by_precision(folder, executed):
+    r = bench.load(str(folder / "accuracy.json"))
+    cell = _cell(executed, "accuracy")
+    out = _stdout(cell)
+    assert "accuracy.json: lenet, 1 epoch(s), seeds [0, 1]" in out, out
+    for p in ("float32", "bf16"):
+        m = r["summary"][p]["test_acc"]
+        assert (f"  {p:<8} test acc {100 * m['mean']:.2f} % ({100 * m['min']:.2f} to "
+                f"{100 * m['max']:.2f})") in out, out
+    d = r["summary"]["bf16_minus_float32_points"]["test_acc"]
+    assert f"  bf16 - float32: {d:+.2f} points (test acc)" in out, out
+    assert "recomputed BN" not in out  # LeNet has no batch norm
     assert _images(cell) == 1

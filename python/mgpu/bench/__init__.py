@@ -1,4 +1,5 @@
-"""Benchmarks behind ``python -m mgpu bench {train,ops,batch_norm,conv,isa,allreduce,checkpoint}``:
+"""Benchmarks behind ``python -m mgpu bench {train,ops,batch_norm,conv,isa,allreduce,checkpoint,
+accuracy}``:
 plain-dict results (JSON). Every measurement warms up, repeats and keeps each raw time; tables
 show the median and the spread ((max - min) / median), because a shared machine is noisy.
 """
@@ -6,6 +7,7 @@ from __future__ import annotations
 
 from typing import Dict
 
+from .accuracy import bench_accuracy, format_accuracy
 from .allreduce import (
     DEFAULT_SIZES,
     bench_allreduce,
@@ -47,10 +49,12 @@ def format_result(r: Dict) -> str:
     """The readable table for any bench result."""
     return {"train": format_train, "ops": format_ops, "batch_norm": format_batch_norm,
             "allreduce": format_allreduce, "checkpoint": format_checkpoint,
-            "conv": format_conv, "isa": format_isa}[r["benchmark"]](r)
+            "conv": format_conv, "isa": format_isa,
+            "accuracy": format_accuracy}[r["benchmark"]](r)
 
 
-__all__ = ["bench_train", "bench_train_resnet18", "bench_ops", "bench_batch_norm", "bench_conv",
+__all__ = ["bench_accuracy", "bench_train", "bench_train_resnet18", "bench_ops",
+           "bench_batch_norm", "bench_conv",
            "bench_isa", "isa_target", "bench_allreduce", "bench_checkpoint", "format_result",
            "plot", "save", "load",
            "summarize", "measure", "machine_info", "lenet_layer_flops", "lenet_step_flops",

@@ -15,8 +15,11 @@ in the gradient), AdamW multiplies p by 1 - lr * weight_decay first (decoupled w
 m = beta1 m + (1 - beta1) g, v = beta2 v + (1 - beta2) g^2, and
 p = p - lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps). amsgrad keeps the largest
 v seen and divides by it instead (in the book's loop and the fused step alike).
+
+``swa_utils.update_bn(loader, model)`` recomputes batch norm's running statistics from data, as
+PyTorch's does.
 """
-from . import lr_scheduler
+from . import lr_scheduler, swa_utils
 from .optimizers import SGD, Adam, AdamW, Optimizer
 
-__all__ = ["Optimizer", "SGD", "Adam", "AdamW", "lr_scheduler"]
+__all__ = ["Optimizer", "SGD", "Adam", "AdamW", "lr_scheduler", "swa_utils"]
