@@ -274,7 +274,7 @@ def _bench(args) -> int:
 
 
 def _bench_parser(sub) -> None:
-    from .bench import RESNET_PARTS, TRAIN_PARTS
+    from .bench import CONV_ALGOS, RESNET_PARTS, TRAIN_PARTS
     b = sub.add_parser("bench", help="benchmarks: the training step, LeNet's ops, all-reduce")
     kinds = b.add_subparsers(dest="bench", required=True)
 
@@ -364,8 +364,8 @@ def _bench_parser(sub) -> None:
     common(v, 1, 3)
     v.add_argument("--batch", type=int, default=64, help="images per call")
     v.add_argument("--algos", default="direct,winograd",
-                   help="from: direct,im2col,winograd,bf16-direct,bf16-winograd (bf16-NAME: "
-                   "precision bf16 under MGPU_CONV_ALGO=NAME)")
+                   help=f"from: {','.join(CONV_ALGOS)} (bf16-NAME: precision bf16 under "
+                   "MGPU_CONV_ALGO=NAME; bf16-auto is what training runs)")
     v.add_argument("--rounds", type=int, default=3, help="rounds over all algorithms")
     v.add_argument("--layers", default="3x3", choices=["3x3", "stride2"],
                    help="ResNet-18's 3x3 stride-1 layers, or its stride-2 3x3 and 1x1 layers")

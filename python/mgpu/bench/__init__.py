@@ -30,6 +30,7 @@ from .common import (
     save,
     summarize,
 )
+from .conv import ALGOS as CONV_ALGOS
 from .conv import bench_conv, format_conv
 from .isa import bench_isa, format_isa, isa_target
 from .ops import bench_ops, format_ops
@@ -61,4 +62,4 @@ __all__ = ["bench_accuracy", "bench_train", "bench_train_resnet18", "bench_ops",
            "find_torch_python", "find_jax_python", "bus_factor", "parse_size", "format_size",
            "TRAIN_PARTS",
            "RESNET_PARTS", "module_layer_flops", "module_step_flops", "resnet18_step_flops",
-           "DEFAULT_SIZES", "SCHEMA"]
+           "DEFAULT_SIZES", "SCHEMA", "CONV_ALGOS"]
