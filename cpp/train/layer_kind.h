@@ -49,6 +49,10 @@ struct Layer {
                                                   // as the Model is built
   ops::Precision precision = ops::Precision::F32;  // conv2d, conv2d_relu_pool, linear: option
                                                    // bf16 = 1 runs their products in bfloat16
+  bool round_db = false;                   // linear in bf16: the bias gradient sums dy rounded
+                                           // to bfloat16 (nn.Linear, PyTorch's F.linear under
+                                           // autocast), not the float32 dy (the chapter's
+                                           // mm(X, W) + b, whose add is float32)
   bool fused_kernel = false;               // conv2d_relu_pool: its one CPU kernel runs (CPU
                                            // replicas; bf16: where it takes the shape), else
                                            // conv2d, relu, avg_pool2d; fixed as the Model is built

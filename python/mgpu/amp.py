@@ -6,7 +6,8 @@ The operands are rounded to bfloat16 where the C++ kernels pack them, or, for a 
 whose float32 kernel is faster on the CPU (Winograd at ResNet-18's 3x3 layers), as that kernel
 reads them (cpp/ops/bf16.h says how, and what error that costs); outputs are float32, where
 PyTorch's autocast outputs bfloat16 tensors (mgpu's bfloat16 tensors, ``mgpu.bfloat16``, hold
-data for interop and checkpoints; ops take float32 tensors).
+data for interop and checkpoints; ops take float32 tensors). A conv's or linear layer's bias
+gradient is the float32 sum of the bfloat16-rounded output gradient, the one its products see.
 
 An op records the precision it ran with, and its backward (dx, dW) runs with the same, as
 PyTorch's does, whether ``backward()`` is called inside the block or after it::

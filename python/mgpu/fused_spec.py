@@ -191,7 +191,9 @@ def _dropout(b: SpecBuilder, m: Dropout, src: int) -> int:
 
 @emits(Linear)
 def _linear(b: SpecBuilder, m: Linear, src: int) -> int:
-    return b.layer("linear", src, _weight_and_bias(m), bias=m.bias is not None, transpose=True)
+    # round_db: under bf16 the bias gradient sums the rounded dy, as ops.linear's does.
+    return b.layer("linear", src, _weight_and_bias(m), bias=m.bias is not None, transpose=True,
+                   round_db=True)
 
 
 @emits(Residual, exact=True)

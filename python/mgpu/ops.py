@@ -151,7 +151,11 @@ def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
     def backward(dy):
         dx = Tensor(_core.mm(dy._t, weight._t, False, False, prec)) if needs_grad(x) else None
         dw = Tensor(_core.mm(dy._t, x._t, True, False, prec)) if needs_grad(weight) else None
-        db = Tensor(_core.sum_to_shape(dy._t, list(bias.shape))) if needs_grad(bias) else None
+        db = None
+        if needs_grad(bias):
+            # bf16: the sum of dy rounded to bfloat16, the dy the products see (conv2d's db too).
+            g = _core.bf16_round(dy._t) if prec == "bf16" else dy._t
+            db = Tensor(_core.sum_to_shape(g, list(bias.shape)))
         return dx, dw, db
 
     return autograd.attach(out, [x, weight, bias], backward)

@@ -58,6 +58,19 @@ def test_autocast_runs_conv_linear_and_mm_in_bf16_forward_and_backward():
     same(mt.grad.numpy(), bf(dz, a, True, False), "linear dw")
     assert not np.array_equal(mgpu.ops.linear(arr(a), arr(m)).numpy(), z.numpy())
 
+    # linear's bias gradient sums dy rounded to bfloat16 (the dy the products see), as conv's.
+    bias = arr(rng.normal(size=7)).requires_grad_()
+    with mgpu.autocast("bf16"):
+        zb = mgpu.ops.linear(arr(a), arr(m), bias)
+    zb.backward(arr(dz))
+    rounded = mgpu.Tensor(_core.bf16_round(arr(dz)._t)).numpy()
+    assert not np.array_equal(rounded, dz)
+    same(bias.grad.numpy(), mgpu.Tensor(_core.sum_to_shape(arr(rounded)._t, [7])).numpy(),
+         "linear db")
+    np.testing.assert_allclose(bias.grad.numpy(), rounded.astype(np.float64).sum(axis=0),
+                               rtol=1e-6, atol=1e-6)
+    assert not np.array_equal(bias.grad.numpy(), dz.sum(axis=0))
+
 
 def test_autocast_nests_is_per_thread_and_checks_its_dtype():
     assert mgpu.amp.get_precision() == "float32"

@@ -2,6 +2,7 @@
 // y = x W^T (+ b) with W (out, in) when transposed (PyTorch's layout, which Python's Linear uses).
 #include "ops/elementwise.h"
 #include "ops/linear.h"
+#include "ops/precision.h"
 #include "train/layer_kind.h"
 
 namespace mgpu::train {
@@ -9,11 +10,12 @@ namespace mgpu::train {
 const LayerDef linear_layer = [] {
   LayerDef d;
   d.name = "linear";
-  d.options = {"bias", "transpose", "bf16"};
+  d.options = {"bias", "transpose", "bf16", "round_db"};
   d.configure = [](Layer& l, const Options& o, const BuildContext&) {
     l.bias = flag_option(o, "bias", true);
     l.transpose = flag_option(o, "transpose", false);
     l.precision = flag_option(o, "bf16", false) ? ops::Precision::BF16 : ops::Precision::F32;
+    l.round_db = flag_option(o, "round_db", false);
   };
   d.owns = [](const Layer& l) { return std::pair<int, int>{l.bias ? 2 : 1, 0}; };
   d.check_shapes = [](const Layer& l, const Shapes& ps, const Shapes&) {
@@ -43,7 +45,12 @@ const LayerDef linear_layer = [] {
     Tensor dW = l.transpose ? ops::mm(dy, x, true, false, pr) : ops::mm(x, dy, true, false, pr);
     if (need_dx[0]) (*dx)[0] = ops::mm(dy, c.param(0), false, !l.transpose, pr);
     *dp = {dW};
-    if (l.bias) dp->push_back(ops::sum_to_shape(dy, c.param(1).shape()));
+    // round_db (bf16): the bias gradient sums dy rounded to bfloat16, the dy the products see
+    // (as conv2d's db does, and PyTorch's F.linear under autocast).
+    if (l.bias) {
+      const Tensor g = pr == ops::Precision::BF16 && l.round_db ? ops::bf16_round(dy) : dy;
+      dp->push_back(ops::sum_to_shape(g, c.param(1).shape()));
+    }
   };
   return d;
 }();
