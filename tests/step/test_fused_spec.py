@@ -69,9 +69,11 @@ EVERY_SPEC = [
     plain("avg_pool2d", 21, kernel=2, stride=2),             # 22 (Dropout(0.0) emits nothing)
     plain("global_avg_pool", 22),                            # 23
     plain("flatten", 23),                                    # 24
-    ("linear", {"in": 24, "params": [24, 25], "bias": True, "transpose": True}),   # 25
+    ("linear", {"in": 24, "params": [24, 25], "bias": True, "transpose": True,  # 25
+                "round_db": True}),
     plain("dropout", 25, p=0.25),                            # 26
-    ("linear", {"in": 26, "params": [26], "bias": False, "transpose": True}),      # 27
+    ("linear", {"in": 26, "params": [26], "bias": False, "transpose": True,     # 27
+                "round_db": True}),
 ]
 
 
