@@ -6,6 +6,7 @@ Whatever could crash or hang the interpreter runs in a subprocess with a watchdo
 regression is reported as a failing test with the child's output, not a dead test run.
 """
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -287,6 +288,17 @@ def test_cli_refuses_a_nan_learning_rate_in_one_line():
     assert len(r.stderr.strip().splitlines()) == 1 and "learning rate" in r.stderr, r.stderr
 
 
+def _native_stacks(pid: int) -> str:
+    """Every thread's C++ stack of process pid by gdb where it is installed (the rare hang this
+    test has caught twice sat inside the C++ step; faulthandler shows only Python's frames)."""
+    gdb = shutil.which("gdb")
+    if gdb is None:
+        return "(no gdb here for the native stacks)"
+    r = subprocess.run([gdb, "-p", str(pid), "-batch", "-ex", "thread apply all bt 30"],
+                       capture_output=True, text=True, timeout=120)
+    return "native stacks (gdb):\n" + r.stdout[-20000:] + r.stderr[-2000:]
+
+
 def test_cli_ctrl_c_prints_one_line_and_exits_130():
     code = textwrap.dedent("""
         import faulthandler, signal, sys, numpy as np, mgpu, mgpu.train
@@ -309,9 +321,10 @@ def test_cli_ctrl_c_prints_one_line_and_exits_130():
     except subprocess.TimeoutExpired:
         p.send_signal(signal.SIGUSR2)  # every thread's Python stack, to stderr
         time.sleep(1)
+        native = _native_stacks(p.pid)
         p.kill()
         _, err = p.communicate()
-        pytest.fail(f"the CLI did not stop within 60 s of Ctrl-C; its threads:\n{err}")
+        pytest.fail(f"the CLI did not stop within 60 s of Ctrl-C; its threads:\n{err}\n{native}")
     assert p.returncode == 130, (p.returncode, err)
     assert err.strip() == "mgpu: interrupted", err
 
