@@ -304,6 +304,9 @@ def test_cli_ctrl_c_prints_one_line_and_exits_130():
         import faulthandler, signal, sys, numpy as np, mgpu, mgpu.train
         from mgpu.cli import main
         faulthandler.register(signal.SIGUSR2, all_threads=True)  # the test's stack dump on a hang
+        # A terminal's Ctrl-C: a test runner started as a background job of a non-interactive
+        # shell passes SIGINT on ignored, and Python then never raises KeyboardInterrupt.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         loader = mgpu.data.array_loader(np.zeros((4096, 28, 28), "uint8"),
                                         np.zeros(4096, "uint8"), 64)
         mgpu.train.load_data_fashion_mnist = lambda *a, **k: (loader, loader)
