@@ -27,6 +27,7 @@ def test_rows_in_order_and_the_summary_from_them(monkeypatch):
         (0, "float32"), (0, "bf16"), (1, "float32"), (1, "bf16")]
     for x in r["results"]:
         assert 0.0 <= x["test_acc"] <= 1.0 and x["test_acc_recomputed"] is None
+        assert x["epoch_acc"] == [x["test_acc"]]  # one epoch: its accuracy is the last
         assert x["seconds"] > 0
     s = r["summary"]
     for p in ("float32", "bf16"):
@@ -69,6 +70,8 @@ def test_a_resumed_sweep_reports_the_uninterrupted_one(monkeypatch, tmp_path):
     plain = _lenet(epochs=2, seeds=[3])
     for a, b, c in zip(first["results"], again["results"], plain["results"]):
         assert a["test_acc"] == b["test_acc"] == c["test_acc"]
+        assert len(a["epoch_acc"]) == 2 and a["epoch_acc"][-1] == a["test_acc"]
+        assert a["epoch_acc"] == b["epoch_acc"] == c["epoch_acc"]  # kept by the checkpoints
 
 
 def test_resnet18_recomputed_statistics_learn_the_task(monkeypatch):
@@ -83,6 +86,26 @@ def test_resnet18_recomputed_statistics_learn_the_task(monkeypatch):
     assert x["test_acc_recomputed"] > x["test_acc"] + 0.2, x
     assert r["summary"]["bf16"]["test_acc_recomputed"]["mean"] == x["test_acc_recomputed"]
     assert "bf16_minus_float32_points" not in r["summary"]
+
+
+def test_limit_batches_shortens_the_recomputed_evaluation_too(monkeypatch):
+    """Fashion-MNIST's loader, replaced by one that records how it is asked: the training's
+    and the recomputed statistics' evaluation both take --limit-batches."""
+    import mgpu.chapter
+    import mgpu.data
+    from mgpu.bench.accuracy import _synthetic
+    monkeypatch.setenv("MGPU_EMULATED_GPUS", "0")
+    asked = []
+
+    def loader(batch_size, **kw):
+        asked.append(kw.get("limit_batches"))
+        return _synthetic(128, 0, batch_size)
+    monkeypatch.setattr(mgpu.data, "load_data_fashion_mnist", loader)
+    monkeypatch.setattr(mgpu.chapter, "load_data_fashion_mnist", loader)
+    r = bench.bench_accuracy(model="resnet18", batch_size=32, epochs=1, seeds=[0],
+                             precisions=["float32"], recompute_batches=1, limit_batches=2)
+    assert asked == [2, 2]
+    assert r["results"][0]["test_acc_recomputed"] is not None
 
 
 def test_the_command_line_writes_json(monkeypatch, tmp_path, capsys):

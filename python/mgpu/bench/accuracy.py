@@ -8,7 +8,9 @@ inner, so an interrupted sweep has compared pairs. ResNet-18 trains with
 Both report the test accuracy the book's loop prints (ResNet-18: batch norm's running
 statistics). ResNet-18 also reports it with the statistics recomputed from ``recompute_batches``
 training batches (``mgpu.optim.swa_utils.update_bn``: their plain average under the final
-weights). A run's training lines go to the log (stderr), not stdout.
+weights). Each row also keeps the test accuracy after every epoch (``epoch_acc``): LeNet's swings
+by a point or two from one epoch to the next at lr 0.2, so its last value alone is a noisy
+measure. A run's training lines go to the log (stderr), not stdout.
 
 ``checkpoint``: a directory where each run saves its state (``ckpt-PRECISION-SEED``) and from
 which it resumes: a sweep of hours survives a kill and a new session.
@@ -80,16 +82,19 @@ def _run(model: str, seed: int, precision: str, s: Dict, checkpoint: Optional[st
     if model == "lenet":
         r = train(s["num_gpus"], s["batch_size"], s["lr"], s["epochs"], plot=False, **common)
         return dict(seed=seed, precision=precision, test_acc=float(r.test_acc[-1]),
-                    test_acc_recomputed=None, seconds=time.perf_counter() - t0)
+                    test_acc_recomputed=None, epoch_acc=[float(a) for a in r.test_acc],
+                    seconds=time.perf_counter() - t0)
     random.seed(seed)
     net = resnet18(10)
     r = train_concise(net, s["num_gpus"], s["batch_size"], s["lr"], s["epochs"], fused=True,
                       **common)
     if data is None:
-        data = load_data_fashion_mnist(s["batch_size"], data_dir=s["data_dir"])
+        data = load_data_fashion_mnist(s["batch_size"], data_dir=s["data_dir"],
+                                       limit_batches=s["limit_batches"] or None)
     recomputed = _recomputed_accuracy(net, data[0], data[1], try_gpu(0), s["recompute_batches"])
     return dict(seed=seed, precision=precision, test_acc=float(r.test_acc[-1]),
-                test_acc_recomputed=recomputed, seconds=time.perf_counter() - t0)
+                test_acc_recomputed=recomputed, epoch_acc=[float(a) for a in r.test_acc],
+                seconds=time.perf_counter() - t0)
 
 
 def summarize_accuracy(results: List[Dict], precisions: Sequence[str]) -> Dict:
