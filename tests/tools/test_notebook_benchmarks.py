@@ -33,7 +33,7 @@ def folder(tmp_path_factory):
                      "2", "--warmup", "0", "--repeat", "1", "--ops-batch", "4", "--batch-size",
                      "32", "--isas", "avx2", "--quiet", "--json", str(d / "isa.json")]) == 0
     assert cli.main(["bench", "accuracy", "--model", "lenet", "--synthetic", "128",
-                     "--batch-size", "64", "--epochs", "1", "--seeds", "0,1", "--quiet",
+                     "--batch-size", "64", "--epochs", "2", "--seeds", "0,1", "--quiet",
                      "--json", str(d / "accuracy.json")]) == 0
     rows = [{"batch": 64, "devices": 1, "ranks": 1, "step": 0.010, "measured_step": 0.0125,
              "error": 0.010 / 0.0125 - 1},
@@ -109,11 +109,16 @@ def test_accuracy_by_precision(folder, executed):
     r = bench.load(str(folder / "accuracy.json"))
     cell = _cell(executed, "accuracy")
     out = _stdout(cell)
-    assert "accuracy.json: lenet, 1 epoch(s), seeds [0, 1]" in out, out
+    assert "accuracy.json: lenet, 2 epoch(s), seeds [0, 1]" in out, out
     for p in ("float32", "bf16"):
         m = r["summary"][p]["test_acc"]
         assert (f"  {p:<8} test acc {100 * m['mean']:.2f} % ({100 * m['min']:.2f} to "
                 f"{100 * m['max']:.2f})") in out, out
+        # The mean curve over the seeds, epoch by epoch.
+        rows = [x["epoch_acc"] for x in r["results"] if x["precision"] == p]
+        curve = [100 * (a + b) / 2 for a, b in zip(*rows)]
+        assert len(curve) == 2
+        assert (f"  {p:<8} mean test acc by epoch: {curve[0]:.2f} {curve[1]:.2f}\n") in out, out
     d = r["summary"]["bf16_minus_float32_points"]["test_acc"]
     assert f"  bf16 - float32: {d:+.2f} points (test acc)" in out, out
     assert "recomputed BN" not in out  # LeNet has no batch norm
