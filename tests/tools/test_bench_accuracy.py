@@ -91,15 +91,20 @@ def test_resnet18_recomputed_statistics_learn_the_task(monkeypatch):
 def test_limit_batches_shortens_the_recomputed_evaluation_too(monkeypatch):
     """Fashion-MNIST's loader, replaced by one that records how it is asked: the training's
     and the recomputed statistics' evaluation both take --limit-batches."""
+    import numpy as np
+
     import mgpu.chapter
     import mgpu.data
-    from mgpu.bench.accuracy import _synthetic
     monkeypatch.setenv("MGPU_EMULATED_GPUS", "0")
     asked = []
 
     def loader(batch_size, **kw):
         asked.append(kw.get("limit_batches"))
-        return _synthetic(128, 0, batch_size)
+        rng = np.random.default_rng(0)
+        images = rng.integers(0, 256, (128, 28, 28), dtype=np.uint8)
+        data = mgpu.data.array_loader(images, rng.integers(0, 10, 128, dtype=np.uint8),
+                                      batch_size)
+        return data, data
     monkeypatch.setattr(mgpu.data, "load_data_fashion_mnist", loader)
     monkeypatch.setattr(mgpu.chapter, "load_data_fashion_mnist", loader)
     r = bench.bench_accuracy(model="resnet18", batch_size=32, epochs=1, seeds=[0],
