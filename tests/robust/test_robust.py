@@ -289,8 +289,8 @@ def test_cli_refuses_a_nan_learning_rate_in_one_line():
 
 
 def _native_stacks(pid: int) -> str:
-    """Every thread's C++ stack of process pid by gdb where it is installed (the rare hang this
-    test has caught twice sat inside the C++ step; faulthandler shows only Python's frames)."""
+    """Every thread's C++ stack of process pid by gdb where it is installed: a hang inside the
+    C++ step shows there, where faulthandler shows only Python's frames."""
     gdb = shutil.which("gdb")
     if gdb is None:
         return "(no gdb here for the native stacks)"
