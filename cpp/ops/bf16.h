@@ -107,14 +107,18 @@ void bf16_mm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const 
 //   above: ops/bf16_round.h) and runs float32's choice under auto on them: Winograd F(4x4, 3x3)
 //   where float32's auto takes it (conv2d_cpu.h's winograd_by_auto; its transforms round x and
 //   dy as they read them), float32's rule (direct, lanes, im2col + sgemm) elsewhere, rounding
-//   x and dy in its blocks' own copies of them (conv2d_cpu.h's rule_forward_bf16). Those were faster than these products at ResNet-18's and LeNet's layers on every
-//   CPU path but two stride-2 layers on AVX512_BF16 (bf16_cpu.cpp's bf16_route has the figures),
-//   and the route must not depend on the path. The operands are then what the products would
-//   see; a product of two bfloat16 values is exact in float32, so direct and im2col kernels keep
-//   the bound above (another order of the float32 sums), and Winograd adds float32 Winograd's
-//   own error on the rounded operands (tests/ops/test_bf16_rounded.py states it). Every output,
-//   db included (the sum of the rounded dy, as below, in float32's kernel's order), is then
-//   float32's pass on the rounded operands, bit for bit.
+//   x and dy in its blocks' own copies of them (conv2d_cpu.h's rule_forward_bf16). The rule's
+//   lane shapes (LeNet's conv2) then run their own pair products (conv2d_cpu/lanes_bf16.cpp:
+//   vdpbf16ps, or this order's float32 FMAs, on 16 images in lanes); the direct, im2col and
+//   Winograd kernels are float32's. Those were faster than these products at ResNet-18's and
+//   LeNet's layers on every CPU path but two stride-2 layers on AVX512_BF16 (bf16_cpu.cpp's
+//   bf16_route has the figures), and the route must not depend on the path. The operands are
+//   then what the products would see; a product of two bfloat16 values is exact in float32, so
+//   direct, im2col and lane kernels keep the bound above (another order of the float32 sums),
+//   and Winograd adds float32 Winograd's own error on the rounded operands
+//   (tests/ops/test_bf16_rounded.py states it). Every output of the direct, im2col and Winograd
+//   kernels, db included (the sum of the rounded dy, as below, in float32's kernel's order), is
+//   then float32's pass on the rounded operands, bit for bit.
 // - winograd runs the forward of a 3x3 stride-1 shape with pad <= 2, and the data gradient
 //   through it, as Winograd F(2x2, 3x3) with these products over the channels
 //   (conv2d_cpu/winograd_bf16.cpp: its error and bound); dw takes the im2col product.

@@ -96,21 +96,6 @@ void pack_cols(const T* src, int64_t ld, int64_t k, int64_t j0, int64_t width, u
   }
 }
 
-// MXCSR.FTZ|DAZ for the float32-FMA emulation while it runs (vdpbf16ps ignores MXCSR), restored
-// after, so the emulation flushes denormals as vdpbf16ps does.
-struct FlushDenormals {
-  unsigned saved;
-  bool on;
-  explicit FlushDenormals(bool enable) : saved(_mm_getcsr()), on(enable) {
-    if (on) _mm_setcsr(saved | 0x8040u);
-  }
-  ~FlushDenormals() {
-    if (on) _mm_setcsr(saved);
-  }
-  FlushDenormals(const FlushDenormals&) = delete;
-  FlushDenormals& operator=(const FlushDenormals&) = delete;
-};
-
 // The register tile t (kMr x kNr floats, rows kNr apart) += the product of one packed panel pair
 // over `pairs` k pairs, as float32 FMAs: per pair, the odd element's product, then the even one's.
 // A sub-tile of kRows x 16 * kVecs at (r0, c0) at a time: 8 x 32 on AVX-512 (16 accumulators);
@@ -234,12 +219,12 @@ void product_tile_to(const Bf16Product& q, int64_t ip, int64_t jp, const Store& 
   if (q.hardware_dot) {
     tile_dpbf16(pairs, pa, pb, t);
   } else {
-    FlushDenormals ftz(true);
+    const bf16::FlushDenormals ftz(true);
     tile_fma(pairs, pa, pb, t);
   }
 #else
   {
-    FlushDenormals ftz(true);
+    const bf16::FlushDenormals ftz(true);
     tile_fma(pairs, pa, pb, t);
   }
 #endif
@@ -417,7 +402,8 @@ void bias_gradient(const Conv2dShape& s, const float* dy, float* db) {
 // How a bf16 conv pass runs under algo. auto and tune take float32's kernels on operands rounded
 // to bfloat16: float32 Winograd F(4x4, 3x3) on the shapes where float32's auto takes it (it
 // rounds x and dy as it reads them), float32's rule elsewhere (rounding x and dy in its blocks'
-// copies of them: conv2d_cpu.h's rule_forward_bf16). Measured with
+// copies of them: conv2d_cpu.h's rule_forward_bf16; the rule's lane shapes run
+// conv2d_cpu/lanes_bf16.cpp's pair products, which has its figures). Measured with
 // bench conv (AMD EPYC Zen 4, 2 threads, batch 64): Winograd beat both bfloat16 kernels at every
 // ResNet-18 3x3 stride-1 layer; at the stride-2 layers the bf16 products (vdpbf16ps) beat
 // float32's im2col + sgemm at 128 and 256 input channels (16 against 21 ms forward, 19 against
@@ -502,7 +488,7 @@ void bf16_conv2d_forward(const Conv2dShape& s, const float* x, const float* w, c
   if (route != Bf16Route::Products) {
     const float* wr = rounded_floats(w, s.K * s.C * s.R * s.S, tl_w_rounded);
     if (route == Bf16Route::RoundedWinograd) return conv::winograd_forward(s, x, wr, b, y, true);
-    return conv::rule_forward_bf16(s, x, wr, b, y);
+    return conv::rule_forward_bf16(s, x, wr, b, y, hardware_dot);
   }
   if (conv::winograd_bf16_chosen(s, algo)) {
     return conv::winograd_bf16_forward(s, x, w, b, y, hardware_dot);
@@ -550,7 +536,7 @@ void bf16_conv2d_backward(const Conv2dShape& s, const float* x, const float* w, 
   }
   if (route == Bf16Route::RoundedRule) {
     const float* wr = rounded_floats(w, s.K * CRS, tl_w_rounded);
-    return conv::rule_backward_bf16(s, x, wr, dy, dx, dw, db);
+    return conv::rule_backward_bf16(s, x, wr, dy, dx, dw, db, hardware_dot);
   }
   if (db) bias_gradient(s, dy, db);
   // A stride-1 square kernel's data gradient is a convolution itself: dy padded by R-1-pad

@@ -5,6 +5,8 @@
 // of their sign; +-inf stays; a NaN stays a NaN with its sign and top mantissa bits, quieted.
 #pragma once
 
+#include <immintrin.h>
+
 #include <cstdint>
 #include <cstring>
 
@@ -80,5 +82,21 @@ inline void round_in_place(float* p, int64_t n) {
   round_vectors(p, n / 16);
   for (int64_t i = n / 16 * 16; i < n; ++i) p[i] = float_of(to_bf16(p[i]) << 16);
 }
+
+// MXCSR.FTZ|DAZ while the float32-FMA emulation of the bfloat16 products runs (bf16_cpu.cpp,
+// conv2d_cpu/lanes_bf16.cpp), restored after: the emulation then flushes denormals as vdpbf16ps
+// does (vdpbf16ps ignores MXCSR).
+struct FlushDenormals {
+  unsigned saved;
+  bool on;
+  explicit FlushDenormals(bool enable) : saved(_mm_getcsr()), on(enable) {
+    if (on) _mm_setcsr(saved | 0x8040u);
+  }
+  ~FlushDenormals() {
+    if (on) _mm_setcsr(saved);
+  }
+  FlushDenormals(const FlushDenormals&) = delete;
+  FlushDenormals& operator=(const FlushDenormals&) = delete;
+};
 
 }  // namespace mgpu::ops::cpu::MGPU_CPU_ISA::bf16

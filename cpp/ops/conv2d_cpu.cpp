@@ -87,10 +87,12 @@ int64_t gemm_block(const Conv2dShape& s) {
 // runs on the worker that computed it while the product is still in its cache.
 // only_im2col skips the direct and lane paths (MGPU_CONV_ALGO=im2col). round_bf16 rounds x to
 // bfloat16 (ops/bf16_round.h) in the block's own copy of it (col, the lanes, or one image): the
-// bits of the pass on a rounded copy of x, without that copy.
+// bits of the pass on a rounded copy of x, without that copy, except on the lane path, which
+// then runs the bfloat16 pair products (lanes_bf16.cpp; hardware_dot: vdpbf16ps).
 template <class Emit>
 void forward_blocks(const Conv2dShape& s, const float* x, const float* w, const Emit& emit,
-                    bool only_im2col = false, bool round_bf16 = false) {
+                    bool only_im2col = false, bool round_bf16 = false,
+                    bool hardware_dot = false) {
   const int64_t PQ = s.P() * s.Q(), CRS = s.C * s.R * s.S, CHW = s.C * s.H * s.W;
   if (!only_im2col && use_direct(s)) {  // one image at a time: the product is (K, P*Q), ld = P*Q
     const auto direct = direct_forward_kernel(CRS);
@@ -105,16 +107,22 @@ void forward_blocks(const Conv2dShape& s, const float* x, const float* w, const 
     return;
   }
   if (!only_im2col && use_lanes(s)) {  // blocks of 16 images in lanes; the product goes back to (K, B*P*Q)
-    float* wP = scratch(tl_weights, s.K * CRS);
-    pack_forward_weights(s, w, wP);
+    float* wP = round_bf16 ? nullptr : scratch(tl_weights, s.K * CRS);
+    const LanesBf16Weights wq = round_bf16 ? lanes_bf16_forward_weights(s, w, hardware_dot)
+                                           : LanesBf16Weights{nullptr, nullptr};
+    if (wP) pack_forward_weights(s, w, wP);
     parallel_for((s.N + kLaneBlock - 1) / kLaneBlock, [&](int64_t blk) {
       const int64_t n0 = blk * kLaneBlock, B = std::min(s.N - n0, kLaneBlock), ld = B * PQ;
       float* xT = scratch(tl_lanes, kLaneBlock * (CHW + s.K * PQ));
       float* outT = xT + kLaneBlock * CHW;
       float* out = scratch(tl_mat, s.K * ld);
       to_lanes(x + n0 * CHW, CHW, B, CHW, xT);
-      if (round_bf16) bf16::round_in_place(xT, kLaneBlock * CHW);
-      lanes_forward(s, xT, wP, outT);
+      if (round_bf16) {
+        bf16::round_in_place(xT, kLaneBlock * CHW);
+        lanes_bf16_forward(s, xT, wq, outT, hardware_dot);
+      } else {
+        lanes_forward(s, xT, wP, outT);
+      }
       for (int64_t k = 0; k < s.K; ++k) {
         from_lanes(outT + k * PQ * kLaneBlock, PQ, B, out + k * ld, PQ);
       }
@@ -149,11 +157,13 @@ using DirectDw = std::function<void(int64_t, int64_t, float*, float*)>;
 constexpr int64_t kDxRowsMin = 144;
 
 // round_bf16 rounds x and the loaded dy to bfloat16 in the blocks' copies of them, as
-// forward_blocks does (direct_fused, which reads dy itself, must then be null).
+// forward_blocks does, the lane path then running the pair products (direct_fused, which reads
+// x and dy itself, must be given them rounded).
 template <class Load>
 void backward_blocks(const Conv2dShape& s, const float* x, const float* w, const Load& load,
                      float* dx, float* dw, float* db, const DirectDw& direct_fused = nullptr,
-                     bool only_im2col = false, bool round_bf16 = false) {
+                     bool only_im2col = false, bool round_bf16 = false,
+                     bool hardware_dot = false) {
   const int64_t PQ = s.P() * s.Q(), CRS = s.C * s.R * s.S, CHW = s.C * s.H * s.W;
   const int64_t KCRS = s.K * CRS, RS = s.R * s.S;
   const Unfold u(s);
@@ -203,6 +213,9 @@ void backward_blocks(const Conv2dShape& s, const float* x, const float* w, const
       }
     }
   }
+  const LanesBf16Weights wq = lanes && round_bf16 && dx
+                                  ? lanes_bf16_dx_weights(s, w, hardware_dot)
+                                  : LanesBf16Weights{nullptr, nullptr};
 
   auto run_block = [&](int64_t blk) {
     const int64_t n0 = blk * block, B = std::min(s.N - n0, block), ld = B * PQ;
@@ -222,15 +235,18 @@ void backward_blocks(const Conv2dShape& s, const float* x, const float* w, const
       for (int64_t k = 0; k < s.K; ++k) {
         to_lanes(dyb + k * ld, PQ, B, PQ, dyT + k * PQ * kLaneBlock);
       }
-      lanes_dw(s, xT, dyT, xoff, dw_slot(blk));
       if (db) {
         float* dbs = db_slot(blk);
         for (int64_t k = 0; k < s.K; ++k) dbs[k] = sum_lanes(dyb + k * ld, ld);
       }
-      if (dx) {
-        lanes_dx(s, w, dyT, dxT);
-        from_lanes(dxT, CHW, B, dx + n0 * CHW, CHW);
+      if (round_bf16) {
+        lanes_bf16_backward(s, xT, dyT, xoff, wq, dw_slot(blk), dx ? dxT : nullptr,
+                            hardware_dot);
+      } else {
+        lanes_dw(s, xT, dyT, xoff, dw_slot(blk));
+        if (dx) lanes_dx(s, w, dyT, dxT);
       }
+      if (dx) from_lanes(dxT, CHW, B, dx + n0 * CHW, CHW);
       return;
     }
     if (direct) {
@@ -466,26 +482,29 @@ void conv2d_backward_algo(const Conv2dShape& s, const float* x, const float* w, 
 }
 
 void conv::rule_forward_bf16(const Conv2dShape& s, const float* x, const float* w, const float* b,
-                             float* y) {
-  forward_blocks(s, x, w, forward_emit(s, b, y), false, true);
+                             float* y, bool hardware_dot) {
+  forward_blocks(s, x, w, forward_emit(s, b, y), false, true, hardware_dot);
 }
 
 void conv::rule_backward_bf16(const Conv2dShape& s, const float* x, const float* w,
-                              const float* dy, float* dx, float* dw, float* db) {
-  backward_blocks(s, x, w, backward_load(s, dy), dx, dw, db, nullptr, false, true);
+                              const float* dy, float* dx, float* dw, float* db,
+                              bool hardware_dot) {
+  backward_blocks(s, x, w, backward_load(s, dy), dx, dw, db, nullptr, false, true, hardware_dot);
 }
 
 void conv2d_relu_pool_forward(const Conv2dShape& s, int64_t pool, const float* x, const float* w,
-                              const float* b, uint8_t* mask, float* pooled) {
+                              const float* b, uint8_t* mask, float* pooled, bool bf16,
+                              bool hardware_dot) {
   const int64_t P = s.P(), Q = s.Q(), PQ = P * Q;
   const int64_t pooled_plane = (P / pool) * (Q / pool);
   if (use_direct(s) && pool == 2) {  // the whole block in registers, image by image
     const auto fused = direct_relu_pool2_kernel(s.C * s.R * s.S);
     const int64_t CHW = s.C * s.H * s.W;
     parallel_for((s.N + kBlock - 1) / kBlock, [&](int64_t blk) {
+      float* xr = bf16 ? scratch(tl_rounded, CHW) : nullptr;
       for (int64_t n = blk * kBlock; n < std::min(s.N, (blk + 1) * kBlock); ++n) {
-        fused(s, x + n * CHW, w, b, mask ? mask + n * s.K * PQ : nullptr,
-              pooled + n * s.K * pooled_plane);
+        fused(s, bf16 ? rounded_copy(x + n * CHW, CHW, xr) : x + n * CHW, w, b,
+              mask ? mask + n * s.K * PQ : nullptr, pooled + n * s.K * pooled_plane);
       }
     });
     return;
@@ -500,12 +519,12 @@ void conv2d_relu_pool_forward(const Conv2dShape& s, int64_t pool, const float* x
                              acc);
       }
     }
-  });
+  }, false, bf16, hardware_dot);
 }
 
 void conv2d_relu_pool_backward(const Conv2dShape& s, int64_t pool, const float* x, const float* w,
                                const uint8_t* mask, const float* dpooled, float* dx, float* dw,
-                               float* db) {
+                               float* db, bool bf16, bool hardware_dot) {
   const int64_t P = s.P(), Q = s.Q(), PQ = P * Q;
   const int64_t pooled_plane = (P / pool) * (Q / pool);
   auto load = [&](float* dyb, int64_t ld, int64_t n0, int64_t B) {
@@ -523,10 +542,12 @@ void conv2d_relu_pool_backward(const Conv2dShape& s, int64_t pool, const float* 
     const auto fn = direct_pool2_backward_kernel(s.C * s.R * s.S);
     const int64_t CHW = s.C * s.H * s.W;
     direct_fused = [&, fn, CHW](int64_t n0, int64_t B, float* dws, float* dbs) {
-      fn(s, x + n0 * CHW, B, mask + n0 * s.K * PQ, dpooled + n0 * s.K * pooled_plane, dws, dbs);
+      const float* xb = x + n0 * CHW;
+      if (bf16) xb = rounded_copy(xb, B * CHW, scratch(tl_rounded, B * CHW));
+      fn(s, xb, B, mask + n0 * s.K * PQ, dpooled + n0 * s.K * pooled_plane, dws, dbs);
     };
   }
-  backward_blocks(s, x, w, load, dx, dw, db, direct_fused);
+  backward_blocks(s, x, w, load, dx, dw, db, direct_fused, false, bf16, hardware_dot);
 }
 
 }  // namespace mgpu::ops::cpu::MGPU_CPU_ISA

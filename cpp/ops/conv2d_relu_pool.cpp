@@ -33,8 +33,8 @@ Conv2dShape check_fused(const char* op, const Tensor& x, const Tensor& w, int64_
   return s;
 }
 
-// The calling thread's rounded copies (bf16).
-thread_local std::vector<float> tl_x, tl_w, tl_dpooled;
+// The calling thread's rounded copies (bf16): the kernels round x in their blocks.
+thread_local std::vector<float> tl_w, tl_dpooled;
 
 const float* rounded(const float* x, int64_t n, std::vector<float>& buf) {
   if (static_cast<int64_t>(buf.size()) < n) buf.resize(static_cast<size_t>(n));
@@ -68,10 +68,10 @@ Conv2dReluPool conv2d_relu_pool_forward(const Tensor& x, const Tensor& w, const 
   enqueue_on(x.device(), op,
              [s, pool, xp = x.f32(), wp = w.f32(), bp = b.f32(),
               mp = keep_mask ? out.mask.data<uint8_t>() : nullptr, pp = out.pooled.f32(),
-              bf16 = precision == Precision::BF16] {
-               const float* xr = bf16 ? rounded(xp, s.N * s.C * s.H * s.W, tl_x) : xp;
+              bf16 = precision == Precision::BF16,
+              dot = precision == Precision::BF16 && cpu::bf16_hardware_dot()] {
                const float* wr = bf16 ? rounded(wp, s.K * s.C * s.R * s.S, tl_w) : wp;
-               cpu::conv2d_relu_pool_forward(s, pool, xr, wr, bp, mp, pp);
+               cpu::conv2d_relu_pool_forward(s, pool, xp, wr, bp, mp, pp, bf16, dot);
              },
              x, w, b, out.mask, out.pooled);
   return out;
@@ -98,13 +98,14 @@ Conv2dGrads conv2d_relu_pool_backward(const Tensor& x, const Tensor& w, const Te
   enqueue_on(x.device(), op,
              [s, pool, xp = x.f32(), wp = w.f32(), mp = mask.data<uint8_t>(), dp = dpooled.f32(),
               dxp = need_dx ? g.dx.f32() : nullptr, dwp = g.dw.f32(), dbp = g.db.f32(),
-              bf16 = precision == Precision::BF16] {
+              bf16 = precision == Precision::BF16,
+              dot = precision == Precision::BF16 && cpu::bf16_hardware_dot()] {
                if (!bf16) return cpu::conv2d_relu_pool_backward(s, pool, xp, wp, mp, dp, dxp, dwp,
-                                                                dbp);
+                                                                dbp, false, false);
                const int64_t pooled = s.N * s.K * (s.P() / pool) * (s.Q() / pool);
-               cpu::conv2d_relu_pool_backward(s, pool, rounded(xp, s.N * s.C * s.H * s.W, tl_x),
-                                              rounded(wp, s.K * s.C * s.R * s.S, tl_w), mp,
-                                              rounded(dp, pooled, tl_dpooled), dxp, dwp, dbp);
+               cpu::conv2d_relu_pool_backward(s, pool, xp, rounded(wp, s.K * s.C * s.R * s.S, tl_w),
+                                              mp, rounded(dp, pooled, tl_dpooled), dxp, dwp, dbp,
+                                              true, dot);
              },
              x, w, mask, dpooled, g.dx, g.dw, g.db);
   return g;

@@ -36,19 +36,23 @@ Conv2dGrads conv2d_relu_pool_backward(const Tensor& x, const Tensor& w, const Te
                                       int64_t pool, bool need_dx,
                                       Precision precision = Precision::F32);
 // True where the kernels take precision bf16 for x (N, C, H, W) and w (K, C, R, S), stride 1, no
-// padding, under algo: a CPU device, pool a power of two, and conv2d's bf16 passes running
-// float32's rule on rounded operands for that shape (cpu::bf16_rounds_for_rule).
+// padding, under algo: a CPU device, pool a power of two, and conv2d's bf16 passes running the
+// shape's rule on rounded operands for that shape (cpu::bf16_rounds_for_rule), so the fused
+// passes compute conv2d's bits.
 bool conv2d_relu_pool_takes_bf16(const Tensor& x, const Tensor& w, int64_t pool, ConvAlgo algo);
 
 namespace cpu {
 // Computed block by block while the conv's product is in cache. mask and b may be null.
-// Preconditions: conv2d's, and 1 <= pool <= min(P, Q).
+// Preconditions: conv2d's, and 1 <= pool <= min(P, Q). bf16: the conv runs as conv2d's bf16
+// pass under the rule (cpu::bf16_rounds_for_rule's shapes), rounding x in its blocks; w (and, in
+// backward, dpooled) must come rounded to bfloat16; hardware_dot as bf16.h's.
 void conv2d_relu_pool_forward(const Conv2dShape& s, int64_t pool, const float* x, const float* w,
-                              const float* b, uint8_t* mask, float* pooled);
+                              const float* b, uint8_t* mask, float* pooled, bool bf16 = false,
+                              bool hardware_dot = false);
 // Writes dx, dw, db without materialising dy; dx and db may be null.
 void conv2d_relu_pool_backward(const Conv2dShape& s, int64_t pool, const float* x, const float* w,
                                const uint8_t* mask, const float* dpooled, float* dx, float* dw,
-                               float* db);
+                               float* db, bool bf16 = false, bool hardware_dot = false);
 }  // namespace cpu
 
 }  // namespace mgpu::ops

@@ -67,12 +67,12 @@ std::string cpu_model();
   X(std::string, conv_autotune_report, (), ())                                                   \
   X(void, conv2d_relu_pool_forward,                                                               \
     (const Conv2dShape& s, int64_t pool, const float* x, const float* w, const float* b,          \
-     uint8_t* mask, float* pooled),                                                               \
-    (s, pool, x, w, b, mask, pooled))                                                             \
+     uint8_t* mask, float* pooled, bool bf16, bool hardware_dot),                                 \
+    (s, pool, x, w, b, mask, pooled, bf16, hardware_dot))                                         \
   X(void, conv2d_relu_pool_backward,                                                              \
     (const Conv2dShape& s, int64_t pool, const float* x, const float* w, const uint8_t* mask,     \
-     const float* dpooled, float* dx, float* dw, float* db),                                      \
-    (s, pool, x, w, mask, dpooled, dx, dw, db))                                                   \
+     const float* dpooled, float* dx, float* dw, float* db, bool bf16, bool hardware_dot),        \
+    (s, pool, x, w, mask, dpooled, dx, dw, db, bf16, hardware_dot))                               \
   X(void, avg_pool2d_forward,                                                                     \
     (int64_t N, int64_t C, int64_t H, int64_t W, int64_t kh, int64_t kw, int64_t sh, int64_t sw,  \
      const float* x, float* y),                                                                   \

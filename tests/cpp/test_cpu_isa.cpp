@@ -123,17 +123,19 @@ TEST_P(CpuIsaTest, FusedReluPoolSameBits) {
   Floats pooled[2] = {Floats(np), Floats(np)}, dx[2] = {Floats(nx), Floats(nx)};
   Floats dw[2] = {Floats(nw), Floats(nw)}, db[2] = {Floats(s.K), Floats(s.K)};
   avx2::conv2d_relu_pool_forward(s, pool, x.data(), w.data(), b.data(), mask[0].data(),
-                                 pooled[0].data());
+                                 pooled[0].data(), false, false);
   avx512::conv2d_relu_pool_forward(s, pool, x.data(), w.data(), b.data(), mask[1].data(),
-                                   pooled[1].data());
+                                   pooled[1].data(), false, false);
   EXPECT_TRUE(same_bits("mask", mask[0], mask[1]));
   EXPECT_TRUE(same_bits("pooled", pooled[0], pooled[1]));
   // The first layer's backward skips dx (null), as LeNet's does; the others compute it.
   const bool need_dx = s.C > 1;
   avx2::conv2d_relu_pool_backward(s, pool, x.data(), w.data(), mask[0].data(), dpooled.data(),
-                                  need_dx ? dx[0].data() : nullptr, dw[0].data(), db[0].data());
+                                  need_dx ? dx[0].data() : nullptr, dw[0].data(), db[0].data(),
+                                  false, false);
   avx512::conv2d_relu_pool_backward(s, pool, x.data(), w.data(), mask[0].data(), dpooled.data(),
-                                    need_dx ? dx[1].data() : nullptr, dw[1].data(), db[1].data());
+                                    need_dx ? dx[1].data() : nullptr, dw[1].data(), db[1].data(),
+                                    false, false);
   EXPECT_TRUE(same_bits("dx", dx[0], dx[1]));
   EXPECT_TRUE(same_bits("dw", dw[0], dw[1]));
   EXPECT_TRUE(same_bits("db", db[0], db[1]));

@@ -295,6 +295,36 @@ void direct_backward_dx(const Conv2dShape& s, const float* __restrict w, int64_t
 
 // ---- lanes.cpp: blocks of kLaneBlock images side by side in vector lanes ----
 constexpr int64_t kLaneBlock = 16;
+// The lane kernels' register tiles, each its accumulators next to their operands and one broadcast
+// weight in the register file (lanes.cpp; lanes_bf16.cpp's float32 emulation, whose tiles hold
+// the same registers, takes the same sizes):
+// AVX-512 (32 zmm): at most 8 x 3 forward, 5 x 5 dw, 5 x 5 and 10 x 1 dx (<= 25 vectors). Chosen
+// by alternating timed runs of LeNet's conv2 on one core: forward 5 x 3 -> 8 x 3 was ~14%
+// faster, dx 4 x 5 -> 5 x 5 ~4%; 10 x 2 forward and 2 x 10 dw ran out of registers.
+// AVX2 (16 ymm): 3 x 3 forward, 3 x 4 dw, 2 x 5 dx and 10 x 1 dx columns (<= 12 accumulators
+// next to their loads and a broadcast). Chosen by CPU-time runs of LeNet's conv2 on one Zen 4
+// core among 3x3 / 4x3 / 5x2 / 6x2 forward, 2x5 / 2x6 / 3x4 / 4x2 dw, 2x5 / 4x3 / 5x2 dx.
+#ifndef MGPU_LANES_FWD_KT  // the AVX2 tiles can be set at compile time, to time alternatives
+#define MGPU_LANES_FWD_KT 3
+#define MGPU_LANES_FWD_QT 3
+#define MGPU_LANES_DW_KT 3
+#define MGPU_LANES_DW_JT 4
+#define MGPU_LANES_DX_CT 2
+#define MGPU_LANES_DX_WT 5
+#endif
+#if defined(__AVX512F__)
+constexpr int kFwdKT = 8, kFwdQT = 3, kDwKT = 5, kDwJT = 5, kDxCT = 5, kDxWT = 5;
+#else
+constexpr int kFwdKT = MGPU_LANES_FWD_KT, kFwdQT = MGPU_LANES_FWD_QT, kDwKT = MGPU_LANES_DW_KT,
+              kDwJT = MGPU_LANES_DW_JT, kDxCT = MGPU_LANES_DX_CT, kDxWT = MGPU_LANES_DX_WT;
+#endif
+// Border columns of dx: one column, up to 10 input channels (AVX-512), 5 with both halves'
+// accumulators (AVX2: 10 of 16 registers).
+#ifndef MGPU_LANES_DX_COLUMN_CT
+#define MGPU_LANES_DX_COLUMN_CT 5
+#endif
+constexpr int kDxColumnCT = kW == 16 ? 10 : MGPU_LANES_DX_COLUMN_CT;
+
 bool use_lanes(const Conv2dShape& s);
 void to_lanes(const float* __restrict x, int64_t e_stride, int64_t B, int64_t E,
               float* __restrict xT);
@@ -306,15 +336,39 @@ void lanes_dw(const Conv2dShape& s, const float* xT, const float* dyT, const int
               float* dw);
 void lanes_dx(const Conv2dShape& s, const float* w, const float* dyT, float* dxT);
 
+// ---- lanes_bf16.cpp: the lane blocks' bfloat16 products (precision bf16) ----
+// The lane convolutions with vdpbf16ps's pair products (or their float32-FMA emulation, the same
+// bits), for precision bf16. Weights are packed once per call into the calling thread's scratch
+// (valid until its next call of the same function): words where hardware_dot (vdpbf16ps) is set,
+// floats elsewhere; the passes take the same hardware_dot. xT (C, H, W, 16) and dyT (K, P, Q, 16)
+// are lanes of values already rounded to bfloat16 (ops/bf16_round.h); w is rounded as packed.
+struct LanesBf16Weights {
+  const uint32_t* words;
+  const float* floats;
+};
+LanesBf16Weights lanes_bf16_forward_weights(const Conv2dShape& s, const float* w,
+                                            bool hardware_dot);
+LanesBf16Weights lanes_bf16_dx_weights(const Conv2dShape& s, const float* w, bool hardware_dot);
+// One block: outT (K, P, Q, 16) = the products of xT with w.
+void lanes_bf16_forward(const Conv2dShape& s, const float* xT, const LanesBf16Weights& wP,
+                        float* outT, bool hardware_dot);
+// One block: dw (K, C*R*S) from xT and dyT (xoff as lanes_dw's), and dxT (C, H, W, 16) unless
+// null (wD then unused).
+void lanes_bf16_backward(const Conv2dShape& s, const float* xT, const float* dyT,
+                         const int64_t* xoff, const LanesBf16Weights& wD, float* dw, float* dxT,
+                         bool hardware_dot);
+
 // ---- conv2d_cpu.cpp: the shape's rule (direct, lanes or im2col + sgemm) for precision bf16 ----
 // conv2d_forward_algo / conv2d_backward_algo under auto for a shape winograd_by_auto leaves to
 // the rule, with x and dy rounded to bfloat16 (ops/bf16_round.h) in the blocks' copies of them
-// (im2col's col, the lanes, a block's images): the bits of the pass on rounded copies of x and
-// dy, db included, without whole-tensor copies; w is not rounded (the caller rounds it).
+// (im2col's col, the lanes, a block's images), without whole-tensor copies; w is not rounded (the
+// caller rounds it). The direct and im2col shapes give the bits of float32's pass on rounded
+// copies of x and dy, db included; the lane shapes run lanes_bf16.cpp's pair products on the
+// rounded lanes (hardware_dot: vdpbf16ps), and db is the sum of the rounded dy as elsewhere.
 void rule_forward_bf16(const Conv2dShape& s, const float* x, const float* w, const float* b,
-                       float* y);
+                       float* y, bool hardware_dot);
 void rule_backward_bf16(const Conv2dShape& s, const float* x, const float* w, const float* dy,
-                        float* dx, float* dw, float* db);
+                        float* dx, float* dw, float* db, bool hardware_dot);
 
 // ---- winograd.cpp: F(4x4, 3x3) for 3x3 stride-1 convs with pad <= 2 ----
 bool winograd_fits(const Conv2dShape& s);

@@ -16,33 +16,7 @@ namespace mgpu::ops::cpu::MGPU_CPU_ISA::conv {
 // shape alone. Missing images of a short last block are zero lanes.
 // On the AVX2 path each tile runs twice, over lanes 0-7 and 8-15 (kHalves), with 8-float
 // vectors; the sums per lane are the same, so are the bits.
-// Tiles (accumulators next to their operands and one broadcast weight in the register file):
-// AVX-512 (32 zmm): at most 8 x 3 forward, 5 x 5 dw, 5 x 5 and 10 x 1 dx (<= 25 vectors). Chosen
-// by alternating timed runs of LeNet's conv2 on one core: forward 5 x 3 -> 8 x 3 was ~14%
-// faster, dx 4 x 5 -> 5 x 5 ~4%; 10 x 2 forward and 2 x 10 dw ran out of registers.
-// AVX2 (16 ymm): 3 x 3 forward, 3 x 4 dw, 2 x 5 dx and 10 x 1 dx columns (<= 12 accumulators
-// next to their loads and a broadcast). Chosen by CPU-time runs of LeNet's conv2 on one Zen 4
-// core among 3x3 / 4x3 / 5x2 / 6x2 forward, 2x5 / 2x6 / 3x4 / 4x2 dw, 2x5 / 4x3 / 5x2 dx.
-#ifndef MGPU_LANES_FWD_KT  // the AVX2 tiles can be set at compile time, to time alternatives
-#define MGPU_LANES_FWD_KT 3
-#define MGPU_LANES_FWD_QT 3
-#define MGPU_LANES_DW_KT 3
-#define MGPU_LANES_DW_JT 4
-#define MGPU_LANES_DX_CT 2
-#define MGPU_LANES_DX_WT 5
-#endif
-#if defined(__AVX512F__)
-constexpr int kFwdKT = 8, kFwdQT = 3, kDwKT = 5, kDwJT = 5, kDxCT = 5, kDxWT = 5;
-#else
-constexpr int kFwdKT = MGPU_LANES_FWD_KT, kFwdQT = MGPU_LANES_FWD_QT, kDwKT = MGPU_LANES_DW_KT,
-              kDwJT = MGPU_LANES_DW_JT, kDxCT = MGPU_LANES_DX_CT, kDxWT = MGPU_LANES_DX_WT;
-#endif
-// Border columns of dx: one column, up to 10 input channels (AVX-512), 5 with both halves'
-// accumulators (AVX2: 10 of 16 registers).
-#ifndef MGPU_LANES_DX_COLUMN_CT
-#define MGPU_LANES_DX_COLUMN_CT 5
-#endif
-constexpr int kDxColumnCT = kW == 16 ? 10 : MGPU_LANES_DX_COLUMN_CT;
+// Tiles: conv2d_cpu.h's kFwdKT and the others (lanes_bf16.cpp's emulation shares them).
 
 bool use_lanes(const Conv2dShape& s) {
   return s.stride == 1 && s.pad == 0 && !use_direct(s) &&
