@@ -77,6 +77,18 @@ void emu_forward_tile(const Conv2dShape& s, const float* __restrict xT,
   const float* __restrict wtile = wE + k0 * Cp * s.R * s.S * 2;
   for (int h = 0; h < kLaneBlock; h += kW) {
     V acc[KT][QT] = {};
+    // One channel's products at tap (r, t): x from plane xc, weights from wa[0 .. KT).
+    auto term = [&](const float* xc, const float* wa) {
+      V xv[QT];
+#pragma GCC unroll 8
+      for (int m = 0; m < QT; ++m) xv[m] = loadw(xc + m * kLaneBlock);
+#pragma GCC unroll 8
+      for (int a = 0; a < KT; ++a) {
+        const V w = broadcast_v(wa + a);
+#pragma GCC unroll 8
+        for (int m = 0; m < QT; ++m) acc[a][m] = fma_v(xv[m], w, acc[a][m]);
+      }
+    };
     int64_t j = 0;
     for (int64_t cp = 0; cp < Cp; ++cp) {
       const bool has_hi = 2 * cp + 1 < s.C;
@@ -86,25 +98,14 @@ void emu_forward_tile(const Conv2dShape& s, const float* __restrict xT,
         const int64_t row = ((p + r) * s.W + q0) * kLaneBlock;
         for (int64_t t = 0; t < s.S; ++t, ++j) {
           const float* wj = wtile + 2 * j * KT;
-          V xv[QT];
-#pragma GCC unroll 8
-          for (int m = 0; m < QT; ++m) {
-            xv[m] = has_hi ? loadw(xhi + row + (t + m) * kLaneBlock) : V{};
+          if (has_hi) {
+            term(xhi + row + t * kLaneBlock, wj);
+          } else {  // the missing channel: a zero x times a zero weight
+            for (int a = 0; a < KT; ++a) {
+              for (int m = 0; m < QT; ++m) acc[a][m] = fma_v(V{}, V{}, acc[a][m]);
+            }
           }
-#pragma GCC unroll 8
-          for (int a = 0; a < KT; ++a) {
-            const V wa = broadcast_v(wj + a);
-#pragma GCC unroll 8
-            for (int m = 0; m < QT; ++m) acc[a][m] = fma_v(xv[m], wa, acc[a][m]);
-          }
-#pragma GCC unroll 8
-          for (int m = 0; m < QT; ++m) xv[m] = loadw(xlo + row + (t + m) * kLaneBlock);
-#pragma GCC unroll 8
-          for (int a = 0; a < KT; ++a) {
-            const V wa = broadcast_v(wj + KT + a);
-#pragma GCC unroll 8
-            for (int m = 0; m < QT; ++m) acc[a][m] = fma_v(xv[m], wa, acc[a][m]);
-          }
+          term(xlo + row + t * kLaneBlock, wj + KT);
         }
       }
     }
@@ -176,31 +177,32 @@ void emu_dx_tile(const Conv2dShape& s, const float* __restrict w, const float* _
   const int64_t P = s.P(), Q = s.Q(), RS = s.R * s.S, CRS = s.C * RS;
   for (int l0 = 0; l0 < kLaneBlock; l0 += kW) {
     V acc[CT][WT] = {};
+    // One output channel's products at tap t: dy from d (column w0 - t), weights wk[a * RS].
+    auto term = [&](const float* d, const float* wk) {
+      V dv[WT];
+#pragma GCC unroll 8
+      for (int m = 0; m < WT; ++m) dv[m] = loadw(d + m * kLaneBlock);
+#pragma GCC unroll 8
+      for (int a = 0; a < CT; ++a) {
+        const V wa = broadcast_v(wk + a * RS);
+#pragma GCC unroll 8
+        for (int m = 0; m < WT; ++m) acc[a][m] = fma_v(dv[m], wa, acc[a][m]);
+      }
+    };
     for (int64_t kp = 0; kp < (s.K + 1) / 2; ++kp) {
       const bool has_hi = 2 * kp + 1 < s.K;
       for (int64_t r = r_lo; r <= r_hi; ++r) {
         const float* dlo = dyT + ((2 * kp * P + h - r) * Q + w0) * kLaneBlock + l0;
-        const float* dhi = dlo + P * Q * kLaneBlock;
         const float* wlo = w + ((2 * kp * s.C + c0) * s.R + r) * s.S;
-        const float* whi = wlo + CRS;
         for (int64_t t = 0; t < s.S; ++t) {
-          V dv[WT];
-#pragma GCC unroll 8
-          for (int m = 0; m < WT; ++m) dv[m] = has_hi ? loadw(dhi + (m - t) * kLaneBlock) : V{};
-#pragma GCC unroll 8
-          for (int a = 0; a < CT; ++a) {
-            const V wa = has_hi ? broadcast_v(whi + a * RS + t) : V{};
-#pragma GCC unroll 8
-            for (int m = 0; m < WT; ++m) acc[a][m] = fma_v(dv[m], wa, acc[a][m]);
+          if (has_hi) {
+            term(dlo + P * Q * kLaneBlock - t * kLaneBlock, wlo + CRS + t);
+          } else {  // the missing channel: a zero dy times a zero weight
+            for (int a = 0; a < CT; ++a) {
+              for (int m = 0; m < WT; ++m) acc[a][m] = fma_v(V{}, V{}, acc[a][m]);
+            }
           }
-#pragma GCC unroll 8
-          for (int m = 0; m < WT; ++m) dv[m] = loadw(dlo + (m - t) * kLaneBlock);
-#pragma GCC unroll 8
-          for (int a = 0; a < CT; ++a) {
-            const V wa = broadcast_v(wlo + a * RS + t);
-#pragma GCC unroll 8
-            for (int m = 0; m < WT; ++m) acc[a][m] = fma_v(dv[m], wa, acc[a][m]);
-          }
+          term(dlo - t * kLaneBlock, wlo + t);
         }
       }
     }
