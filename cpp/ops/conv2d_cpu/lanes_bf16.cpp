@@ -136,27 +136,27 @@ void emu_dw_tile(const Conv2dShape& s, const float* __restrict xT, const float* 
     for (int64_t p = 0; p < P; ++p) {
       const float* dyrow = dyT + (k0 * P + p) * Q * kLaneBlock + h * kW;
       const int64_t xrow = p * s.W * kLaneBlock;
-      auto column = [&](int64_t q) {
-        V d[KT];
+      for (int64_t q = 0; q < Q; q += 2) {
+#pragma GCC unroll 2
+        for (int64_t e = 1; e >= 0; --e) {  // column q + 1's products, then column q's
+          const int64_t qe = q + e;
+          if (qe == Q) {  // past the last column: a zero dy times x at column Q + t
+            for (int b = 0; b < JT; ++b) {
+              const V xv = hi_in_row[b] ? loadw(xj[b] + xrow + qe * kLaneBlock) : V{};
+              for (int a = 0; a < KT; ++a) acc[a][b] = fma_v(V{}, xv, acc[a][b]);
+            }
+            continue;
+          }
+          V d[KT];
 #pragma GCC unroll 8
-        for (int a = 0; a < KT; ++a) d[a] = loadw(dyrow + a * k_step + q * kLaneBlock);
+          for (int a = 0; a < KT; ++a) d[a] = loadw(dyrow + a * k_step + qe * kLaneBlock);
 #pragma GCC unroll 8
-        for (int b = 0; b < JT; ++b) {
-          const V xv = loadw(xj[b] + xrow + q * kLaneBlock);
+          for (int b = 0; b < JT; ++b) {
+            const V xv = loadw(xj[b] + xrow + qe * kLaneBlock);
 #pragma GCC unroll 8
-          for (int a = 0; a < KT; ++a) acc[a][b] = fma_v(d[a], xv, acc[a][b]);
+            for (int a = 0; a < KT; ++a) acc[a][b] = fma_v(d[a], xv, acc[a][b]);
+          }
         }
-      };
-      for (int64_t q = 0; q + 1 < Q; q += 2) {
-        column(q + 1);
-        column(q);
-      }
-      if (Q % 2 == 1) {
-        for (int b = 0; b < JT; ++b) {
-          const V xv = hi_in_row[b] ? loadw(xj[b] + xrow + Q * kLaneBlock) : V{};
-          for (int a = 0; a < KT; ++a) acc[a][b] = fma_v(V{}, xv, acc[a][b]);
-        }
-        column(Q - 1);
       }
     }
     for (int a = 0; a < KT; ++a) {
@@ -214,8 +214,22 @@ void emu_dx_tile(const Conv2dShape& s, const float* __restrict w, const float* _
   }
 }
 
+// acc[a] += one output channel's dy (both halves of the lanes at de) times its weights we[a * RS].
+template <int CT>
+__attribute__((always_inline)) inline void column_term(V (&acc)[CT][kHalves], const float* de,
+                                                       const float* we, int64_t RS) {
+  V d[kHalves];
+  for (int l = 0; l < kHalves; ++l) d[l] = loadw(de + l * kW);
+#pragma GCC unroll 16
+  for (int a = 0; a < CT; ++a) {
+    const V wa = broadcast_v(we + a * RS);
+    for (int l = 0; l < kHalves; ++l) acc[a][l] = fma_v(d[l], wa, acc[a][l]);
+  }
+}
+
 // dx of one border column v (taps t in [t_lo, t_hi]) for CT input channels: the sum over
-// (r, t, output-channel pair) in order, both halves of the lanes in one pass.
+// (output-channel pair, r, t) in order, both halves of the lanes in one pass. A missing last
+// channel's pair comes in a loop of its own, so the main loop's accumulators stay in registers.
 template <int CT>
 void emu_dx_column(const Conv2dShape& s, const float* __restrict w, const float* __restrict dyT,
                    int64_t h, int64_t r_lo, int64_t r_hi, int64_t v, int64_t t_lo, int64_t t_hi,
@@ -223,28 +237,25 @@ void emu_dx_column(const Conv2dShape& s, const float* __restrict w, const float*
   const int64_t P = s.P(), Q = s.Q(), RS = s.R * s.S, CRS = s.C * RS;
   const int64_t k_step = P * Q * kLaneBlock;
   V acc[CT][kHalves] = {};
-  for (int64_t r = r_lo; r <= r_hi; ++r) {
-    for (int64_t t = t_lo; t <= t_hi; ++t) {
-      const float* dv = dyT + ((h - r) * Q + v - t) * kLaneBlock;
-      const float* wv = w + (c0 * s.R + r) * s.S + t;
-      auto channel = [&](int64_t k) {
-        V d[kHalves];
-        for (int l = 0; l < kHalves; ++l) d[l] = loadw(dv + k * k_step + l * kW);
-#pragma GCC unroll 16
-        for (int a = 0; a < CT; ++a) {
-          const V wa = broadcast_v(wv + k * CRS + a * RS);
-          for (int l = 0; l < kHalves; ++l) acc[a][l] = fma_v(d[l], wa, acc[a][l]);
-        }
-      };
-      for (int64_t k = 0; k + 1 < s.K; k += 2) {
-        channel(k + 1);
-        channel(k);
+  for (int64_t k = 0; k + 1 < s.K; k += 2) {
+    for (int64_t r = r_lo; r <= r_hi; ++r) {
+      for (int64_t t = t_lo; t <= t_hi; ++t) {
+        const float* de = dyT + ((k * P + h - r) * Q + v - t) * kLaneBlock;
+        const float* we = w + ((k * s.C + c0) * s.R + r) * s.S + t;
+        column_term(acc, de + k_step, we + CRS, RS);  // channel k + 1's products first
+        column_term(acc, de, we, RS);
       }
-      if (s.K % 2 == 1) {
-        for (int a = 0; a < CT; ++a) {
+    }
+  }
+  if (s.K % 2 == 1) {
+    const int64_t k = s.K - 1;
+    for (int64_t r = r_lo; r <= r_hi; ++r) {
+      for (int64_t t = t_lo; t <= t_hi; ++t) {
+        for (int a = 0; a < CT; ++a) {  // the missing channel: a zero dy times a zero weight
           for (int l = 0; l < kHalves; ++l) acc[a][l] = fma_v(V{}, V{}, acc[a][l]);
         }
-        channel(s.K - 1);
+        column_term(acc, dyT + ((k * P + h - r) * Q + v - t) * kLaneBlock,
+                    w + ((k * s.C + c0) * s.R + r) * s.S + t, RS);
       }
     }
   }
@@ -450,15 +461,13 @@ void hw_dx_column(const Conv2dShape& s, const uint32_t* __restrict wD,
                   const uint32_t* __restrict dyK, int64_t h, int64_t r_lo, int64_t r_hi, int64_t v,
                   int64_t t_lo, int64_t t_hi, int64_t c0, float* __restrict dxT) {
   const int64_t P = s.P(), Q = s.Q(), RS = s.R * s.S;
-  const int64_t k_step = P * Q * kLaneBlock, w_step = s.C * RS;
   __m512 acc[CT];
   for (int a = 0; a < CT; ++a) acc[a] = _mm512_setzero_ps();
-  for (int64_t r = r_lo; r <= r_hi; ++r) {
-    for (int64_t t = t_lo; t <= t_hi; ++t) {
-      const uint32_t* dv = dyK + ((h - r) * Q + v - t) * kLaneBlock;
-      const uint32_t* wv = wD + (c0 * s.R + r) * s.S + t;
-      for (int64_t kp = 0; kp < (s.K + 1) / 2; ++kp, dv += k_step, wv += w_step) {
-        const __m512i d = load_pairs(dv);
+  for (int64_t kp = 0; kp < (s.K + 1) / 2; ++kp) {
+    for (int64_t r = r_lo; r <= r_hi; ++r) {
+      for (int64_t t = t_lo; t <= t_hi; ++t) {
+        const __m512i d = load_pairs(dyK + ((kp * P + h - r) * Q + v - t) * kLaneBlock);
+        const uint32_t* wv = wD + ((kp * s.C + c0) * s.R + r) * s.S + t;
 #pragma GCC unroll 16
         for (int a = 0; a < CT; ++a) acc[a] = dot(acc[a], d, broadcast_pair(wv + a * RS));
       }
