@@ -110,9 +110,11 @@ void bf16_mm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const 
 //   x and dy in its blocks' own copies of them (conv2d_cpu.h's rule_forward_bf16). The rule's
 //   lane shapes (LeNet's conv2) then run their own pair products (conv2d_cpu/lanes_bf16.cpp:
 //   vdpbf16ps, or this order's float32 FMAs, on 16 images in lanes); the direct, im2col and
-//   Winograd kernels are float32's. Those were faster than these products at ResNet-18's and
-//   LeNet's layers on every CPU path but two stride-2 layers on AVX512_BF16 (bf16_cpu.cpp's
-//   bf16_route has the figures), and the route must not depend on the path. The operands are
+//   Winograd kernels are float32's: they were faster than these products at ResNet-18's layers
+//   and LeNet's conv1 on every CPU path but two stride-2 layers on AVX512_BF16 (bf16_cpu.cpp's
+//   bf16_route has the figures), and the route must not depend on the path. The lane products
+//   are faster than float32's lane kernels on AVX512_BF16 and slower on the other paths
+//   (lanes_bf16.cpp has the figures). The operands are
 //   then what the products would see; a product of two bfloat16 values is exact in float32, so
 //   direct, im2col and lane kernels keep the bound above (another order of the float32 sums),
 //   and Winograd adds float32 Winograd's own error on the rounded operands

@@ -17,7 +17,8 @@
 // conv2d_relu_pool_* (LeNet's conv + relu + avg-pool blocks) share the block loops and apply
 // the shape's rule (no Winograd).
 // The algorithms live in cpp/ops/conv2d_cpu/ (im2col.cpp, direct.cpp, lanes.cpp, relu_pool.cpp,
-// winograd.cpp); this file picks one and runs the block loops around it.
+// winograd.cpp; lanes_bf16.cpp for the lane path in precision bf16); this file picks one and runs
+// the block loops around it.
 #include <algorithm>
 #include <array>
 #include <chrono>
