@@ -260,62 +260,18 @@ constexpr auto kLanesDxColumn =
 
 // One block's forward: outT (K, P, Q, 16) from xT and the packed weights.
 void lanes_forward(const Conv2dShape& s, const float* xT, const float* wP, float* outT) {
-  const int64_t P = s.P(), Q = s.Q();
-  for (int64_t p = 0; p < P; ++p) {
-    for (int64_t q0 = 0; q0 < Q; q0 += kFwdQT) {
-      const int64_t nq = std::min<int64_t>(kFwdQT, Q - q0);
-      for (int64_t k0 = 0; k0 < s.K; k0 += kFwdKT) {
-        const int64_t nk = std::min<int64_t>(kFwdKT, s.K - k0);
-        kLanesForward[static_cast<size_t>(nk - 1)][static_cast<size_t>(nq - 1)](s, xT, wP, p, q0,
-                                                                                k0, outT);
-      }
-    }
-  }
+  lanes_forward_loops(kLanesForward, s, xT, wP, outT);
 }
 
 // One block's dw (K, C*R*S) from xT and dyT (K, P, Q, 16).
 void lanes_dw(const Conv2dShape& s, const float* xT, const float* dyT, const int64_t* xoff,
               float* dw) {
-  const int64_t CRS = s.C * s.R * s.S;
-  for (int64_t k0 = 0; k0 < s.K; k0 += kDwKT) {
-    const int64_t nk = std::min<int64_t>(kDwKT, s.K - k0);
-    for (int64_t j0 = 0; j0 < CRS; j0 += kDwJT) {
-      const int64_t nj = std::min<int64_t>(kDwJT, CRS - j0);
-      kLanesDw[static_cast<size_t>(nk - 1)][static_cast<size_t>(nj - 1)](s, xT, dyT, xoff, k0, j0,
-                                                                         dw);
-    }
-  }
+  lanes_dw_loops(kLanesDw, s, xT, dyT, xoff, dw);
 }
 
-// One block's dxT (C, H, W, 16) from dyT. Row h sees the taps r in [max(0, h - P + 1),
-// min(R - 1, h)], column v the taps t in [max(0, v - Q + 1), min(S - 1, v)]: the interior
-// columns, which see all S, go in tiles of kDxWT columns, the border columns one at a time.
+// One block's dxT (C, H, W, 16) from dyT.
 void lanes_dx(const Conv2dShape& s, const float* w, const float* dyT, float* dxT) {
-  const int64_t P = s.P(), Q = s.Q();
-  const int64_t in_lo = s.S - 1, in_hi = std::max(in_lo, Q);  // interior columns [in_lo, in_hi)
-  for (int64_t h = 0; h < s.H; ++h) {
-    const int64_t r_lo = std::max<int64_t>(0, h - P + 1), r_hi = std::min<int64_t>(s.R - 1, h);
-    for (int64_t v = 0; v < s.W; ++v) {
-      if (v == in_lo && in_hi > in_lo) {
-        for (int64_t w0 = in_lo; w0 < in_hi; w0 += kDxWT) {
-          const int64_t nw = std::min<int64_t>(kDxWT, in_hi - w0);
-          for (int64_t c0 = 0; c0 < s.C; c0 += kDxCT) {
-            const int64_t nc = std::min<int64_t>(kDxCT, s.C - c0);
-            kLanesDx[static_cast<size_t>(nc - 1)][static_cast<size_t>(nw - 1)](
-                s, w, dyT, h, r_lo, r_hi, w0, c0, dxT);
-          }
-        }
-        v = in_hi - 1;
-        continue;
-      }
-      const int64_t t_lo = std::max<int64_t>(0, v - Q + 1), t_hi = std::min<int64_t>(s.S - 1, v);
-      for (int64_t c0 = 0; c0 < s.C; c0 += kDxColumnCT) {
-        const int64_t nc = std::min<int64_t>(kDxColumnCT, s.C - c0);
-        kLanesDxColumn[static_cast<size_t>(nc - 1)](s, w, dyT, h, r_lo, r_hi, v, t_lo, t_hi, c0,
-                                                    dxT);
-      }
-    }
-  }
+  lanes_dx_loops(kLanesDx, kLanesDxColumn, s, w, dyT, dxT);
 }
 
 }  // namespace mgpu::ops::cpu::MGPU_CPU_ISA::conv

@@ -505,65 +505,6 @@ constexpr auto kEmuDx = table_1_to<kDxCT, kDxWT>(
 constexpr auto kEmuDxColumn =
     table_1_to<kDxColumnCT>([](auto a) { return &emu_dx_column<decltype(a)::value>; });
 
-// The block loops of lanes.cpp's lanes_forward, lanes_dw and lanes_dx around one way's tiles
-// (Forward, Dw, Dx, Column: kHw* or kEmu*; X the operands: packed pairs or rounded lanes).
-template <class Table, class X, class Wt>
-void forward_loops(const Table& table, const Conv2dShape& s, const X* x, const Wt* w,
-                   float* outT) {
-  const int64_t P = s.P(), Q = s.Q();
-  for (int64_t p = 0; p < P; ++p) {
-    for (int64_t q0 = 0; q0 < Q; q0 += kFwdQT) {
-      const int64_t nq = std::min<int64_t>(kFwdQT, Q - q0);
-      for (int64_t k0 = 0; k0 < s.K; k0 += kFwdKT) {
-        const int64_t nk = std::min<int64_t>(kFwdKT, s.K - k0);
-        table[static_cast<size_t>(nk - 1)][static_cast<size_t>(nq - 1)](s, x, w, p, q0, k0, outT);
-      }
-    }
-  }
-}
-
-template <class Table, class X>
-void dw_loops(const Table& table, const Conv2dShape& s, const X* x, const X* dy,
-              const int64_t* xoff, float* dw) {
-  const int64_t CRS = s.C * s.R * s.S;
-  for (int64_t k0 = 0; k0 < s.K; k0 += kDwKT) {
-    const int64_t nk = std::min<int64_t>(kDwKT, s.K - k0);
-    for (int64_t j0 = 0; j0 < CRS; j0 += kDwJT) {
-      const int64_t nj = std::min<int64_t>(kDwJT, CRS - j0);
-      table[static_cast<size_t>(nk - 1)][static_cast<size_t>(nj - 1)](s, x, dy, xoff, k0, j0, dw);
-    }
-  }
-}
-
-template <class Tiles, class Columns, class X, class Wt>
-void dx_loops(const Tiles& tiles, const Columns& columns, const Conv2dShape& s, const Wt* w,
-              const X* dy, float* dxT) {
-  const int64_t P = s.P(), Q = s.Q();
-  const int64_t in_lo = s.S - 1, in_hi = std::max(in_lo, Q);  // interior columns [in_lo, in_hi)
-  for (int64_t h = 0; h < s.H; ++h) {
-    const int64_t r_lo = std::max<int64_t>(0, h - P + 1), r_hi = std::min<int64_t>(s.R - 1, h);
-    for (int64_t v = 0; v < s.W; ++v) {
-      if (v == in_lo && in_hi > in_lo) {
-        for (int64_t w0 = in_lo; w0 < in_hi; w0 += kDxWT) {
-          const int64_t nw = std::min<int64_t>(kDxWT, in_hi - w0);
-          for (int64_t c0 = 0; c0 < s.C; c0 += kDxCT) {
-            const int64_t nc = std::min<int64_t>(kDxCT, s.C - c0);
-            tiles[static_cast<size_t>(nc - 1)][static_cast<size_t>(nw - 1)](s, w, dy, h, r_lo,
-                                                                            r_hi, w0, c0, dxT);
-          }
-        }
-        v = in_hi - 1;
-        continue;
-      }
-      const int64_t t_lo = std::max<int64_t>(0, v - Q + 1), t_hi = std::min<int64_t>(s.S - 1, v);
-      for (int64_t c0 = 0; c0 < s.C; c0 += kDxColumnCT) {
-        const int64_t nc = std::min<int64_t>(kDxColumnCT, s.C - c0);
-        columns[static_cast<size_t>(nc - 1)](s, w, dy, h, r_lo, r_hi, v, t_lo, t_hi, c0, dxT);
-      }
-    }
-  }
-}
-
 // The calling thread's packed weights and each worker's packed lanes.
 thread_local std::vector<uint32_t> tl_weight_words, tl_words;
 thread_local std::vector<float> tl_weight_floats;
@@ -609,11 +550,11 @@ void lanes_bf16_forward(const Conv2dShape& s, const float* xT, const LanesBf16We
     const int64_t E = s.H * s.W;
     uint32_t* xP = grow(tl_words, (s.C + 1) / 2 * E * kLaneBlock);
     pack_channel_pairs(xT, s.C, E, xP);
-    return forward_loops(kHwForward, s, xP, wP.words, outT);
+    return lanes_forward_loops(kHwForward, s, xP, wP.words, outT);
   }
 #endif
   const bf16::FlushDenormals ftz(true);
-  forward_loops(kEmuForward, s, xT, wP.floats, outT);
+  lanes_forward_loops(kEmuForward, s, xT, wP.floats, outT);
 }
 
 void lanes_bf16_backward(const Conv2dShape& s, const float* xT, const float* dyT,
@@ -628,16 +569,16 @@ void lanes_bf16_backward(const Conv2dShape& s, const float* xT, const float* dyT
     uint32_t* dyQ = xS + nx * kLaneBlock;
     pack_column_pairs(xT, s.C * s.H, s.W, s.W, 1, xS);
     pack_column_pairs(dyT, s.K * P, Q, Qp, 2, dyQ);
-    dw_loops(kHwDw, s, xS, dyQ, xoff, dw);
+    lanes_dw_loops(kHwDw, s, xS, dyQ, xoff, dw);
     if (!dxT) return;
     uint32_t* dyK = dyQ + ndq * kLaneBlock;
     pack_channel_pairs(dyT, s.K, P * Q, dyK);
-    return dx_loops(kHwDx, kHwDxColumn, s, wD.words, dyK, dxT);
+    return lanes_dx_loops(kHwDx, kHwDxColumn, s, wD.words, dyK, dxT);
   }
 #endif
   const bf16::FlushDenormals ftz(true);
-  dw_loops(kEmuDw, s, xT, dyT, xoff, dw);
-  if (dxT) dx_loops(kEmuDx, kEmuDxColumn, s, wD.floats, dyT, dxT);
+  lanes_dw_loops(kEmuDw, s, xT, dyT, xoff, dw);
+  if (dxT) lanes_dx_loops(kEmuDx, kEmuDxColumn, s, wD.floats, dyT, dxT);
 }
 
 }  // namespace mgpu::ops::cpu::MGPU_CPU_ISA::conv
