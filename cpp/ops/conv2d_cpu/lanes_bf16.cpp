@@ -21,10 +21,10 @@
 //
 // Measured at LeNet's conv2 (batch 256, 20 -> 50 channels, 5x5 on 13x13; AMD EPYC Zen 4, 2
 // threads, CPU time, float32's lane kernels against these, interleaved, 2026-12-07): hw 1.6x
-// float32 forward, 1.35x dw (of its 9 columns' 5 pairs, the last is half padding), 2x dx; the LeNet step
-// 1.5-1.6x. The emulation on the AVX2 path (same CPU): 0.9x forward, 0.85x dw, 0.75-0.8x dx,
-// the LeNet step 0.75-0.85x of float32's, where float32's lane kernels on the rounded operands
-// (before these) gave 0.9-1.0x: the price of one set of bits on every path.
+// float32 forward, 1.35x dw (of its 9 columns' 5 pairs, the last is half padding), 2x dx; the
+// LeNet step 1.5-1.6x. The emulation on the AVX2 path (same CPU): 0.9x forward, 0.85x dw,
+// 0.75-0.8x dx, the LeNet step 0.75-0.85x of float32's, where float32's lane kernels on the
+// rounded operands (before these) gave 0.9-1.0x: the price of one set of bits on every path.
 #include <immintrin.h>
 
 #include <vector>
@@ -290,7 +290,8 @@ inline uint32_t weight_pair(float hi, float lo) {
 }
 
 // xP (ceil(C/2), E) channel pairs of lanes xT (C, E, 16).
-void pack_channel_pairs(const float* __restrict xT, int64_t C, int64_t E, uint32_t* __restrict out) {
+void pack_channel_pairs(const float* __restrict xT, int64_t C, int64_t E,
+                        uint32_t* __restrict out) {
   for (int64_t cp = 0; cp < (C + 1) / 2; ++cp) {
     const float* lo = xT + 2 * cp * E * kLaneBlock;
     const float* hi = 2 * cp + 1 < C ? lo + E * kLaneBlock : nullptr;
