@@ -15,11 +15,11 @@ import pytest
 
 import reference as ref
 from isa_paths import digests_on_every_path
-from mgpu import _core
-from test_bf16 import U, bf16_numpy, check_bounds, cpu_tensor, gamma, numpy_of
+from test_bf16 import U, bf16_numpy, check_bounds, gamma
+from test_bf16_rounded import data, passes
 
 LANES = [
-    # N, C, H(=W), K, R: 2 blocks of 16 images (the second short), odd and even C, K and P = Q.
+    # (N, C, H, W), K, R: two blocks of 16 images (the second short), odd and even C, K and Q.
     pytest.param((18, 6, 12, 12), 10, 5, id="even-channels"),
     pytest.param((17, 5, 11, 11), 7, 5, id="odd-channels-odd-columns"),
     pytest.param((18, 1, 12, 12), 6, 5, id="one-channel"),
@@ -28,25 +28,13 @@ LANES = [
 ]
 
 
-def passes(x, w, b, dy, precision):
-    y = _core.conv2d_forward(cpu_tensor(x), cpu_tensor(w), cpu_tensor(b), 1, 0,
-                             precision=precision)
-    g = _core.conv2d_backward(cpu_tensor(x), cpu_tensor(w), cpu_tensor(dy), 1, 0, True, True,
-                              precision=precision)
-    return [numpy_of(y)] + [numpy_of(t) for t in g]
-
-
 @pytest.mark.parametrize("xshape,K,R", LANES)
 def test_lane_passes_within_the_bfloat16_bound(monkeypatch, xshape, K, R):
     monkeypatch.setenv("MGPU_CONV_ALGO", "auto")
-    rng = np.random.default_rng(5)
     N, C, H, W = xshape
     P, Q = H - R + 1, W - R + 1
-    x = rng.standard_normal(xshape).astype(np.float32)
-    w = rng.standard_normal((K, C, R, R)).astype(np.float32)
-    b = rng.standard_normal(K).astype(np.float32)
-    dy = rng.standard_normal((N, K, P, Q)).astype(np.float32)
-    y, dx, dw, db = passes(x, w, b, dy, "bf16")
+    x, w, b, dy = data(xshape, K, R, 1, 0, seed=5)
+    y, dx, dw, db = passes(x, w, b, dy, 1, 0, "bf16")
 
     xr, wr, dyr = bf16_numpy(x), bf16_numpy(w), bf16_numpy(dy)
     ax, aw, ady = np.abs(x), np.abs(w), np.abs(dy)
@@ -71,7 +59,7 @@ def test_lane_passes_within_the_bfloat16_bound(monkeypatch, xshape, K, R):
     if C > 1 and K > 1 and R * R * C > 16:
         # The pair products, not float32's lane kernels on the rounded operands (another order
         # of the same sums: equal in some elements, not in all).
-        y32, dx32, dw32, _ = passes(xr, wr, b, dyr, "float32")
+        y32, dx32, dw32, _ = passes(xr, wr, b, dyr, 1, 0, "float32")
         for name, got, other in (("y", y, y32), ("dx", dx, dx32), ("dw", dw, dw32)):
             assert got.tobytes() != other.tobytes(), f"{name}: float32's kernel ran"
 
