@@ -1,16 +1,18 @@
 """LeNet's fused step with precision="bf16" on GPUs: the products run ops/bf16_gpu.h's kernels,
-which give the CPU kernels' bits (tests/gpu/test_bf16_gpu.py), so the step keeps
+which give the CPU's bfloat16 products' bits (tests/gpu/test_bf16_gpu.py), so the step keeps
 tests/step/test_lenet_bf16.py's bound against the NumPy float64 step with bfloat16-rounded
-operands; the deterministic step gives the same bits on 1 and 2 GPUs. The float32 ops around the
-products (the loss, the bias sums) may differ from the CPU's in their last bits on a GPU, so
-the GPU step is compared with the CPU's to float tolerance."""
+operands; the deterministic step gives the same bits on 1 and 2 GPUs. The CPU step differs in
+its last bits: its convolutions sum in other orders (float32's kernels on rounded operands, the
+lane convolutions' pair products), and a last-bit difference can round a later operand to the
+other bfloat16 neighbour. So the GPU step is compared with the CPU's within the reference's own
+bound (both lie within it), not bit for bit."""
 import numpy as np
 import pytest
 
 import mgpu
-from conftest import assert_close
 from test_lenet_bf16 import (
     LR,
+    TIGHT,
     check_against_reference,
     exact,
     fused_step,
@@ -34,8 +36,8 @@ def test_lenet_bf16_step_on_two_gpus_is_the_rounded_reference_and_the_cpus():
     after, losses = fused_step(X, y, params, gpus(), "bf16")
     got = check_against_reference(X, y, params, after, losses[0], "bf16 step on 2 gpus")
     cpu, cpu_losses = fused_step(X, y, params, [mgpu.cpu(0), mgpu.cpu(1)], "bf16")
-    for i, (a, c) in enumerate(zip(after, cpu)):
-        assert_close(a, c, "elementwise", f"param {i}: gpus vs cpu devices")
+    for i, (d, c) in enumerate(zip(got, updates(params, cpu))):
+        assert normwise(d, c) <= 2 * TIGHT, f"param {i}: gpus vs cpu devices"
     # ... and bf16 took effect on the GPUs: float32's step is elsewhere, beyond its rounding.
     after32, _ = fused_step(X, y, params, gpus(), "float32")
     _, grads_x = reference_step(X, y, params, exact)
