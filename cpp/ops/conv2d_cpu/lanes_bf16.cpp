@@ -235,8 +235,10 @@ __attribute__((always_inline)) inline void column_term(V (&acc)[CT][kHalves], co
 }
 
 // dx of one border column v (taps t in [t_lo, t_hi]) for CT input channels: the sum over
-// (output-channel pair, r, t) in order, both halves of the lanes in one pass. A missing last
-// channel's pair comes in a loop of its own, so the main loop's accumulators stay in registers.
+// (output-channel pair, r, t) in order, both halves of the lanes in one pass; an odd K's last
+// pair (a zero term, then channel K - 1's) in a loop of its own. (On the AVX2 path GCC keeps a
+// copy of the accumulators in memory here, a store after every pair's terms; 4 channels instead
+// of 5, or the pairs innermost, did not change that nor the time.)
 template <int CT>
 void emu_dx_column(const Conv2dShape& s, const float* __restrict w, const float* __restrict dyT,
                    int64_t h, int64_t r_lo, int64_t r_hi, int64_t v, int64_t t_lo, int64_t t_hi,
