@@ -360,15 +360,16 @@ def _bench_parser(sub) -> None:
                    help="x shape, e.g. 256,64,28,28")
     n.add_argument("--device", default="cpu:0", help="the device to time, e.g. cpu:0 or gpu:0")
     v = kinds.add_parser("conv", help="the CPU conv's algorithms (MGPU_CONV_ALGO) at ResNet-18's "
-                         "3x3 (or stride-2) layers, interleaved")
+                         "3x3 (or stride-2, or LeNet's) layers, interleaved")
     common(v, 1, 3)
     v.add_argument("--batch", type=int, default=64, help="images per call")
     v.add_argument("--algos", default="direct,winograd",
                    help=f"from: {','.join(CONV_ALGOS)} (bf16-NAME: precision bf16 under "
                    "MGPU_CONV_ALGO=NAME; bf16-auto is what training runs)")
     v.add_argument("--rounds", type=int, default=3, help="rounds over all algorithms")
-    v.add_argument("--layers", default="3x3", choices=["3x3", "stride2"],
-                   help="ResNet-18's 3x3 stride-1 layers, or its stride-2 3x3 and 1x1 layers")
+    v.add_argument("--layers", default="3x3", choices=["3x3", "stride2", "lenet"],
+                   help="ResNet-18's 3x3 stride-1 layers, its stride-2 3x3 and 1x1 layers, or "
+                   "LeNet's two convs")
     v.add_argument("--device", default="cpu:0", help="the CPU device to time")
     v.add_argument("--onednn", metavar="PATH", default=None,
                    help="also time oneDNN's convolution with this onednn_conv_bench (made by "

@@ -554,6 +554,26 @@ def test_conv_times_resnet18_stride2_layers(tmp_path):
         bench.bench_conv(batch=1, layers="stride4")
 
 
+def test_conv_times_lenet_layers_under_the_rule_in_both_precisions(tmp_path):
+    """--layers lenet with --algos auto,bf16-auto: LeNet's two convs (pad 0, stride 1) under the
+    per-shape rule in float32 and bf16, GFLOP/s from each shape's 2 N K C R S P Q."""
+    before = os.environ.get("MGPU_CONV_ALGO")
+    code, text, r = _run(["bench", "conv", "--batch", "2", "--rounds", "1", "--repeat", "1",
+                          "--warmup", "0", "--algos", "auto,bf16-auto", "--layers", "lenet"],
+                         tmp_path, "conv")
+    assert code == 0
+    assert [(x["C"], x["H"], x["K"], x["R"], x["stride"], x["pad"], x["algo"])
+            for x in r["layers"]] == [
+        (c, h, k, rr, 1, 0, a) for c, h, k, rr in ((1, 28, 20, 3), (20, 13, 50, 5))
+        for a in ("auto", "bf16-auto")]
+    for x in r["layers"]:
+        P = x["H"] - x["R"] + 1
+        flops = 2 * 2 * x["K"] * x["C"] * x["R"] ** 2 * P * P
+        assert x["gflops_forward"] == pytest.approx(flops / x["forward"]["median"] / 1e9)
+    assert "20->50 5x5 s1 13x13" in text
+    assert os.environ.get("MGPU_CONV_ALGO") == before  # the caller's value is put back
+
+
 def _isa_round(scale, step):
     """One round of one path for bench isa's summary: conv2 and relu1 at ``scale`` times the
     base times (seconds), the fused steps at ``step``."""

@@ -1,5 +1,6 @@
 """``bench conv``: the CPU conv's algorithms (MGPU_CONV_ALGO) side by side at ResNet-18's 3x3
-stride-1 layers (or its stride-2 3x3 and 1x1 layers: ``--layers stride2``), forward and backward
+stride-1 layers (or its stride-2 3x3 and 1x1 layers: ``--layers stride2``; LeNet's: ``--layers
+lenet``), forward and backward
 (dx, dw, db), interleaved round by round so a change of load hits every algorithm alike;
 optionally oneDNN's convolution beside them (a peer program, cpp/bench/onednn_conv.cpp, run in
 its own process in every round; it times 3x3 stride-1 layers only)."""
@@ -22,12 +23,16 @@ RESNET18_3X3 = [(64, 28), (128, 14), (256, 7), (512, 4)]
 # Its stride-2 convs, the first of blocks 2-4 and their 1x1 shortcuts: (C, H, K, R, stride, pad)
 RESNET18_STRIDE2 = [(64, 28, 128, 3, 2, 1), (128, 14, 256, 3, 2, 1), (256, 7, 512, 3, 2, 1),
                     (64, 28, 128, 1, 2, 0), (128, 14, 256, 1, 2, 0), (256, 7, 512, 1, 2, 0)]
-LAYER_SETS = {"3x3": RESNET18_3X3, "stride2": RESNET18_STRIDE2}
-# bf16-NAME: precision "bf16" (ops/bf16.h) under MGPU_CONV_ALGO=NAME (bf16-auto: the default,
-# float32 Winograd F(4x4, 3x3) on operands rounded to bfloat16 where float32's auto takes
-# Winograd; bf16-winograd: F(2x2, 3x3) with bfloat16 products; bf16-direct: im2col with bfloat16
-# products).
-ALGOS = ("direct", "im2col", "winograd", "bf16-auto", "bf16-direct", "bf16-winograd")
+# LeNet's two convs in the multi-GPU chapter (d2l 12.5): 1 -> 20 3x3 on 28x28, 20 -> 50 5x5 on
+# 13x13 (the lane kernels' shape, conv2d_cpu/lanes.cpp)
+LENET = [(1, 28, 20, 3, 1, 0), (20, 13, 50, 5, 1, 0)]
+LAYER_SETS = {"3x3": RESNET18_3X3, "stride2": RESNET18_STRIDE2, "lenet": LENET}
+# auto: float32's per-shape rule, what training runs (cpp/ops/conv2d_cpu.cpp); bf16-NAME:
+# precision "bf16" (ops/bf16.h) under MGPU_CONV_ALGO=NAME (bf16-auto: the default, float32
+# Winograd F(4x4, 3x3) on operands rounded to bfloat16 where float32's auto takes Winograd, and
+# bfloat16 pair products on the lane shapes; bf16-winograd: F(2x2, 3x3) with bfloat16 products;
+# bf16-direct: im2col with bfloat16 products).
+ALGOS = ("auto", "direct", "im2col", "winograd", "bf16-auto", "bf16-direct", "bf16-winograd")
 
 
 def bench_conv(batch: int = 64, algos: Sequence[str] = ("direct", "winograd"), rounds: int = 3,
@@ -131,9 +136,9 @@ def _run_onednn(path: str, batch: int, C: int, H: int, repeat: int, warmup: int,
 
 def format_conv(r: Dict) -> str:
     s = r["settings"]
-    lines = [f"mgpu bench conv: ResNet-18's layers on {s['device']}, batch {s['batch']} "
-             "(\"64ch 28x28\": K = C, 3x3, stride 1, pad 1; stride-2 layers as C->K RxR s2 HxH, "
-             "pad 1 for 3x3, 0 for 1x1)"]
+    lines = [f"mgpu bench conv: layers on {s['device']}, batch {s['batch']} "
+             "(\"64ch 28x28\": ResNet-18's K = C, 3x3, stride 1, pad 1; the others as "
+             "C->K RxR sS HxH, pad 1 for ResNet-18's 3x3, 0 for its 1x1 and for LeNet's)"]
     lines += machine_lines(r)
     lines.append(f"{s['rounds']} rounds x {s['repeat']} samples per algorithm, interleaved; "
                  "median; GFLOP/s as the direct conv's 2 * N*K*C*R*S*P*Q (backward: twice that)")
