@@ -296,8 +296,8 @@ void direct_backward_dx(const Conv2dShape& s, const float* __restrict w, int64_t
 // ---- lanes.cpp: blocks of kLaneBlock images side by side in vector lanes ----
 constexpr int64_t kLaneBlock = 16;
 // The lane kernels' register tiles, each its accumulators next to their operands and one broadcast
-// weight in the register file (lanes.cpp; lanes_bf16.cpp's float32 emulation, whose tiles hold
-// the same registers, takes the same sizes):
+// weight in the register file (lanes.cpp; lanes_bf16.cpp's float32 emulation takes the same
+// sizes on the AVX-512 path and its own on the AVX2 path):
 // AVX-512 (32 zmm): at most 8 x 3 forward, 5 x 5 dw, 5 x 5 and 10 x 1 dx (<= 25 vectors). Chosen
 // by alternating timed runs of LeNet's conv2 on one core: forward 5 x 3 -> 8 x 3 was ~14%
 // faster, dx 4 x 5 -> 5 x 5 ~4%; 10 x 2 forward and 2 x 10 dw ran out of registers.
@@ -339,15 +339,22 @@ void lanes_dx(const Conv2dShape& s, const float* w, const float* dyT, float* dxT
 // The block loops around the lane kernels' tiles, for lanes.cpp's float32 tiles and
 // lanes_bf16.cpp's pair products alike: table[nk - 1][nq - 1] etc. is the tile kernel for a tile
 // of that size (table_1_to), X and Wt the operands' types (floats, or packed pairs).
+// The tile sizes are the tables' sizes.
+template <class Table>
+constexpr int64_t rows_of = std::tuple_size_v<Table>;
+template <class Table>
+constexpr int64_t cols_of = std::tuple_size_v<typename Table::value_type>;
+
 template <class Table, class X, class Wt>
 void lanes_forward_loops(const Table& table, const Conv2dShape& s, const X* x, const Wt* w,
                          float* outT) {
+  constexpr int64_t KT = rows_of<Table>, QT = cols_of<Table>;
   const int64_t P = s.P(), Q = s.Q();
   for (int64_t p = 0; p < P; ++p) {
-    for (int64_t q0 = 0; q0 < Q; q0 += kFwdQT) {
-      const int64_t nq = std::min<int64_t>(kFwdQT, Q - q0);
-      for (int64_t k0 = 0; k0 < s.K; k0 += kFwdKT) {
-        const int64_t nk = std::min<int64_t>(kFwdKT, s.K - k0);
+    for (int64_t q0 = 0; q0 < Q; q0 += QT) {
+      const int64_t nq = std::min<int64_t>(QT, Q - q0);
+      for (int64_t k0 = 0; k0 < s.K; k0 += KT) {
+        const int64_t nk = std::min<int64_t>(KT, s.K - k0);
         table[static_cast<size_t>(nk - 1)][static_cast<size_t>(nq - 1)](s, x, w, p, q0, k0, outT);
       }
     }
@@ -357,11 +364,12 @@ void lanes_forward_loops(const Table& table, const Conv2dShape& s, const X* x, c
 template <class Table, class X>
 void lanes_dw_loops(const Table& table, const Conv2dShape& s, const X* x, const X* dy,
                     const int64_t* xoff, float* dw) {
+  constexpr int64_t KT = rows_of<Table>, JT = cols_of<Table>;
   const int64_t CRS = s.C * s.R * s.S;
-  for (int64_t k0 = 0; k0 < s.K; k0 += kDwKT) {
-    const int64_t nk = std::min<int64_t>(kDwKT, s.K - k0);
-    for (int64_t j0 = 0; j0 < CRS; j0 += kDwJT) {
-      const int64_t nj = std::min<int64_t>(kDwJT, CRS - j0);
+  for (int64_t k0 = 0; k0 < s.K; k0 += KT) {
+    const int64_t nk = std::min<int64_t>(KT, s.K - k0);
+    for (int64_t j0 = 0; j0 < CRS; j0 += JT) {
+      const int64_t nj = std::min<int64_t>(JT, CRS - j0);
       table[static_cast<size_t>(nk - 1)][static_cast<size_t>(nj - 1)](s, x, dy, xoff, k0, j0, dw);
     }
   }
@@ -370,6 +378,8 @@ void lanes_dw_loops(const Table& table, const Conv2dShape& s, const X* x, const 
 template <class Tiles, class Columns, class X, class Wt>
 void lanes_dx_loops(const Tiles& tiles, const Columns& columns, const Conv2dShape& s,
                     const Wt* w, const X* dy, float* dxT) {
+  constexpr int64_t CT = rows_of<Tiles>, WT = cols_of<Tiles>;
+  constexpr int64_t column_ct = std::tuple_size_v<Columns>;
   const int64_t P = s.P(), Q = s.Q();
   // Row h sees the taps r in [max(0, h - P + 1), min(R - 1, h)], column v the taps t in
   // [max(0, v - Q + 1), min(S - 1, v)]: the interior columns, which see all S, go in tiles of
@@ -379,10 +389,10 @@ void lanes_dx_loops(const Tiles& tiles, const Columns& columns, const Conv2dShap
     const int64_t r_lo = std::max<int64_t>(0, h - P + 1), r_hi = std::min<int64_t>(s.R - 1, h);
     for (int64_t v = 0; v < s.W; ++v) {
       if (v == in_lo && in_hi > in_lo) {
-        for (int64_t w0 = in_lo; w0 < in_hi; w0 += kDxWT) {
-          const int64_t nw = std::min<int64_t>(kDxWT, in_hi - w0);
-          for (int64_t c0 = 0; c0 < s.C; c0 += kDxCT) {
-            const int64_t nc = std::min<int64_t>(kDxCT, s.C - c0);
+        for (int64_t w0 = in_lo; w0 < in_hi; w0 += WT) {
+          const int64_t nw = std::min<int64_t>(WT, in_hi - w0);
+          for (int64_t c0 = 0; c0 < s.C; c0 += CT) {
+            const int64_t nc = std::min<int64_t>(CT, s.C - c0);
             tiles[static_cast<size_t>(nc - 1)][static_cast<size_t>(nw - 1)](s, w, dy, h, r_lo,
                                                                             r_hi, w0, c0, dxT);
           }
@@ -391,8 +401,8 @@ void lanes_dx_loops(const Tiles& tiles, const Columns& columns, const Conv2dShap
         continue;
       }
       const int64_t t_lo = std::max<int64_t>(0, v - Q + 1), t_hi = std::min<int64_t>(s.S - 1, v);
-      for (int64_t c0 = 0; c0 < s.C; c0 += kDxColumnCT) {
-        const int64_t nc = std::min<int64_t>(kDxColumnCT, s.C - c0);
+      for (int64_t c0 = 0; c0 < s.C; c0 += column_ct) {
+        const int64_t nc = std::min<int64_t>(column_ct, s.C - c0);
         columns[static_cast<size_t>(nc - 1)](s, w, dy, h, r_lo, r_hi, v, t_lo, t_hi, c0, dxT);
       }
     }

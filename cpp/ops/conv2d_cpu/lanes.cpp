@@ -16,7 +16,8 @@ namespace mgpu::ops::cpu::MGPU_CPU_ISA::conv {
 // shape alone. Missing images of a short last block are zero lanes.
 // On the AVX2 path each tile runs twice, over lanes 0-7 and 8-15 (kHalves), with 8-float
 // vectors; the sums per lane are the same, so are the bits.
-// Tiles: conv2d_cpu.h's kFwdKT and the others (lanes_bf16.cpp's emulation shares them).
+// Tiles: conv2d_cpu.h's kFwdKT and the others (lanes_bf16.cpp's emulation shares them on the
+// AVX-512 path).
 
 bool use_lanes(const Conv2dShape& s) {
   return s.stride == 1 && s.pad == 0 && !use_direct(s) &&
