@@ -22,9 +22,12 @@
 // Measured at LeNet's conv2 (batch 256, 20 -> 50 channels, 5x5 on 13x13; AMD EPYC Zen 4, 2
 // threads, CPU time, float32's lane kernels against these, interleaved, 2026-12-07): hw 1.6x
 // float32 forward, 1.35x dw (of its 9 columns' 5 pairs, the last is half padding), 2x dx; the
-// LeNet step 1.5-1.6x. The emulation on the AVX2 path (same CPU): 0.9x forward, 0.85x dw,
-// 0.75-0.8x dx, the LeNet step 0.75-0.85x of float32's, where float32's lane kernels on the
-// rounded operands (before these) gave 0.9-1.0x: the price of one set of bits on every path.
+// LeNet step 1.5-1.6x. The emulation on the AVX2 path does float32's FMAs in another order, so
+// at best float32's speed: one block, one thread, MGPU_ISA=avx2 on the same CPU (2026-12-08),
+// 0.93x float32 forward, 0.82x dw (the padding's tenth column), 0.86-0.9x dx; the LeNet step
+// 0.85-0.9x of float32's (with the first version of these tiles, before the sliding windows and
+// the flat border-column loop: 0.75-0.8x; float32's lane kernels on the rounded operands, before
+// the pair products: 0.9-1.0x). The price of one set of bits on every path.
 #include <immintrin.h>
 
 #include <vector>
@@ -37,6 +40,37 @@ namespace mgpu::ops::cpu::MGPU_CPU_ISA::conv {
 namespace {
 
 // ---- emu: float32 FMAs on the rounded lanes, in vdpbf16ps's order ----
+// The emulation's tiles. AVX-512: lanes.cpp's. AVX2 (16 ymm registers): 5 x 2 forward and dx
+// tiles (10 accumulators and two 2-column windows), 3 x 4 dw, 5 channels per dx border column,
+// chosen by single-thread runs of one block of LeNet's conv2 against 3 x 3, 4 x 2, 3 x 2, 6 x 2
+// and 6 x 1 forward, 2 x 5, 3 x 3 and 4 x 2 dx, 4 x 3, 2 x 6, 5 x 2 and 2 x 5 dw, 3, 4 and 6
+// column channels (AMD EPYC Zen 4 under MGPU_ISA=avx2, 2026-12-08). They can be set at compile
+// time, to time alternatives.
+#ifndef MGPU_EMU_FWD_KT
+#define MGPU_EMU_FWD_KT 5
+#define MGPU_EMU_FWD_QT 2
+#endif
+#ifndef MGPU_EMU_DX_CT
+#define MGPU_EMU_DX_CT 5
+#define MGPU_EMU_DX_WT 2
+#endif
+#ifndef MGPU_EMU_DW_KT
+#define MGPU_EMU_DW_KT 3
+#define MGPU_EMU_DW_JT 4
+#endif
+#ifndef MGPU_EMU_DX_COLUMN_CT
+#define MGPU_EMU_DX_COLUMN_CT 5
+#endif
+#if defined(__AVX512F__)
+constexpr int kEmuFwdKT = kFwdKT, kEmuFwdQT = kFwdQT, kEmuDxCT = kDxCT, kEmuDxWT = kDxWT;
+constexpr int kEmuDwKT = kDwKT, kEmuDwJT = kDwJT, kEmuDxColumnCT = kDxColumnCT;
+#else
+constexpr int kEmuFwdKT = MGPU_EMU_FWD_KT, kEmuFwdQT = MGPU_EMU_FWD_QT;
+constexpr int kEmuDxCT = MGPU_EMU_DX_CT, kEmuDxWT = MGPU_EMU_DX_WT;
+constexpr int kEmuDwKT = MGPU_EMU_DW_KT, kEmuDwJT = MGPU_EMU_DW_JT;
+constexpr int kEmuDxColumnCT = MGPU_EMU_DX_COLUMN_CT;
+#endif
+
 inline V fma_v(V a, V b, V c) {
 #if defined(__AVX512F__)
   return (V)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
@@ -53,13 +87,13 @@ inline V broadcast_v(const float* p) {
 #endif
 }
 
-// w packed for emu_forward_tile: output channels in tiles of kFwdKT (the last narrower), tile k0's
+// w packed for emu_forward_tile: output channels in tiles of kEmuFwdKT (the last narrower), tile k0's
 // weights from wE + k0 * ceil(C/2) * R * S * 2; for each (channel pair, r, t) in order, the tile's
 // high channel's weights, then its low channel's (a missing high channel's are zeros).
 void pack_forward_emu(const Conv2dShape& s, const float* __restrict w, float* __restrict wE) {
   const int64_t Cp = (s.C + 1) / 2, RS = s.R * s.S, CRS = s.C * RS;
-  for (int64_t k0 = 0; k0 < s.K; k0 += kFwdKT) {
-    const int64_t nk = std::min<int64_t>(kFwdKT, s.K - k0);
+  for (int64_t k0 = 0; k0 < s.K; k0 += kEmuFwdKT) {
+    const int64_t nk = std::min<int64_t>(kEmuFwdKT, s.K - k0);
     float* tile = wE + k0 * Cp * RS * 2;
     for (int64_t cp = 0; cp < Cp; ++cp) {
       for (int64_t rs = 0; rs < RS; ++rs) {
@@ -75,7 +109,10 @@ void pack_forward_emu(const Conv2dShape& s, const float* __restrict w, float* __
 }
 
 // Forward tile: outT[k0 + a, p, q0 + m] for a < KT, m < QT from xT (C, H, W, 16), the sum over
-// (channel pair, r, t) in order, the high channel's product first.
+// (channel pair, r, t) in order, the high channel's product first. Along t each channel's row is
+// read through a window of QT columns that slides by one: a new load per tap and channel, not QT
+// (as GCC makes of lanes.cpp's float32 tile by itself; with the two channels' terms interleaved
+// it reloaded every column, and the tile ran ~0.8x float32's on the AVX2 path).
 template <int KT, int QT>
 void emu_forward_tile(const Conv2dShape& s, const float* __restrict xT,
                       const float* __restrict wE, int64_t p, int64_t q0, int64_t k0,
@@ -84,11 +121,8 @@ void emu_forward_tile(const Conv2dShape& s, const float* __restrict xT,
   const float* __restrict wtile = wE + k0 * Cp * s.R * s.S * 2;
   for (int h = 0; h < kLaneBlock; h += kW) {
     V acc[KT][QT] = {};
-    // One channel's products at tap (r, t): x from plane xc, weights from wa[0 .. KT).
-    auto term = [&](const float* xc, const float* wa) {
-      V xv[QT];
-#pragma GCC unroll 8
-      for (int m = 0; m < QT; ++m) xv[m] = loadw(xc + m * kLaneBlock);
+    // One channel's products at a tap: its window xv (columns t .. t + QT - 1), weights wa[0, KT).
+    auto term = [&](const V (&xv)[QT], const float* wa) {
 #pragma GCC unroll 8
       for (int a = 0; a < KT; ++a) {
         const V w = broadcast_v(wa + a);
@@ -96,23 +130,31 @@ void emu_forward_tile(const Conv2dShape& s, const float* __restrict xT,
         for (int m = 0; m < QT; ++m) acc[a][m] = fma_v(xv[m], w, acc[a][m]);
       }
     };
-    int64_t j = 0;
+    const float* wj = wtile;
     for (int64_t cp = 0; cp < Cp; ++cp) {
       const bool has_hi = 2 * cp + 1 < s.C;
       const float* xlo = xT + 2 * cp * E * kLaneBlock + h;
       const float* xhi = xlo + E * kLaneBlock;
       for (int64_t r = 0; r < s.R; ++r) {
         const int64_t row = ((p + r) * s.W + q0) * kLaneBlock;
-        for (int64_t t = 0; t < s.S; ++t, ++j) {
-          const float* wj = wtile + 2 * j * KT;
-          if (has_hi) {
-            term(xhi + row + t * kLaneBlock, wj);
-          } else {  // the missing channel: a zero x times a zero weight
-            for (int a = 0; a < KT; ++a) {
-              for (int m = 0; m < QT; ++m) acc[a][m] = fma_v(V{}, V{}, acc[a][m]);
-            }
+        // The windows before tap 0: columns -1 .. QT - 2 (slot 0 is shifted out unread).
+        V xh[QT], xl[QT];
+#pragma GCC unroll 8
+        for (int m = 1; m < QT; ++m) {
+          xh[m] = has_hi ? loadw(xhi + row + (m - 1) * kLaneBlock) : V{};
+          xl[m] = loadw(xlo + row + (m - 1) * kLaneBlock);
+        }
+        for (int64_t t = 0; t < s.S; ++t, wj += 2 * KT) {
+#pragma GCC unroll 8
+          for (int m = 0; m + 1 < QT; ++m) {
+            xh[m] = xh[m + 1];
+            xl[m] = xl[m + 1];
           }
-          term(xlo + row + t * kLaneBlock, wj + KT);
+          const int64_t last = row + (t + QT - 1) * kLaneBlock;
+          xh[QT - 1] = has_hi ? loadw(xhi + last) : V{};
+          xl[QT - 1] = loadw(xlo + last);
+          term(xh, wj);  // a missing high channel: zero x times zero weights
+          term(xl, wj + KT);
         }
       }
     }
@@ -177,18 +219,18 @@ void emu_dw_tile(const Conv2dShape& s, const float* __restrict xT, const float* 
 
 // dx tile for interior columns: dxT[c0 + a, h, w0 + m] for a < CT, m < WT, the sum over
 // (output-channel pair, r, t) in order, r in [r_lo, r_hi], the high channel's product first.
+// Column w0 + m reads dy at column w0 + m - t: along t each channel's dy row is read through a
+// window of WT columns that slides by one (as emu_forward_tile's x).
 template <int CT, int WT>
 void emu_dx_tile(const Conv2dShape& s, const float* __restrict w, const float* __restrict dyT,
                  int64_t h, int64_t r_lo, int64_t r_hi, int64_t w0, int64_t c0,
                  float* __restrict dxT) {
   const int64_t P = s.P(), Q = s.Q(), RS = s.R * s.S, CRS = s.C * RS;
+  const int64_t k_step = P * Q * kLaneBlock;
   for (int l0 = 0; l0 < kLaneBlock; l0 += kW) {
     V acc[CT][WT] = {};
-    // One output channel's products at tap t: dy from d (column w0 - t), weights wk[a * RS].
-    auto term = [&](const float* d, const float* wk) {
-      V dv[WT];
-#pragma GCC unroll 8
-      for (int m = 0; m < WT; ++m) dv[m] = loadw(d + m * kLaneBlock);
+    // One output channel's products at a tap: its window dv, weights wk[a * RS].
+    auto term = [&](const V (&dv)[WT], const float* wk) {
 #pragma GCC unroll 8
       for (int a = 0; a < CT; ++a) {
         const V wa = broadcast_v(wk + a * RS);
@@ -200,16 +242,31 @@ void emu_dx_tile(const Conv2dShape& s, const float* __restrict w, const float* _
       const bool has_hi = 2 * kp + 1 < s.K;
       for (int64_t r = r_lo; r <= r_hi; ++r) {
         const float* dlo = dyT + ((2 * kp * P + h - r) * Q + w0) * kLaneBlock + l0;
+        const float* dhi = dlo + k_step;
         const float* wlo = w + ((2 * kp * s.C + c0) * s.R + r) * s.S;
+        // The windows before tap 0: columns w0 + 1 .. w0 + WT (the last is shifted out unread).
+        V dh[WT], dl[WT];
+#pragma GCC unroll 8
+        for (int m = 0; m + 1 < WT; ++m) {
+          dh[m] = has_hi ? loadw(dhi + (m + 1) * kLaneBlock) : V{};
+          dl[m] = loadw(dlo + (m + 1) * kLaneBlock);
+        }
         for (int64_t t = 0; t < s.S; ++t) {
+#pragma GCC unroll 8
+          for (int m = WT - 1; m > 0; --m) {
+            dh[m] = dh[m - 1];
+            dl[m] = dl[m - 1];
+          }
+          dl[0] = loadw(dlo - t * kLaneBlock);
           if (has_hi) {
-            term(dlo + P * Q * kLaneBlock - t * kLaneBlock, wlo + CRS + t);
+            dh[0] = loadw(dhi - t * kLaneBlock);
+            term(dh, wlo + CRS + t);
           } else {  // the missing channel: a zero dy times a zero weight
             for (int a = 0; a < CT; ++a) {
               for (int m = 0; m < WT; ++m) acc[a][m] = fma_v(V{}, V{}, acc[a][m]);
             }
           }
-          term(dlo - t * kLaneBlock, wlo + t);
+          term(dl, wlo + t);
         }
       }
     }
@@ -223,54 +280,68 @@ void emu_dx_tile(const Conv2dShape& s, const float* __restrict w, const float* _
 
 // acc[a] += one output channel's dy (both halves of the lanes at de) times its weights we[a * RS].
 template <int CT>
-__attribute__((always_inline)) inline void column_term(V (&acc)[CT][kHalves], const float* de,
+__attribute__((always_inline)) inline void column_term(V (&acc)[CT * kHalves], const float* de,
                                                        const float* we, int64_t RS) {
   V d[kHalves];
+#pragma GCC unroll 2
   for (int l = 0; l < kHalves; ++l) d[l] = loadw(de + l * kW);
 #pragma GCC unroll 16
   for (int a = 0; a < CT; ++a) {
     const V wa = broadcast_v(we + a * RS);
-    for (int l = 0; l < kHalves; ++l) acc[a][l] = fma_v(d[l], wa, acc[a][l]);
+#pragma GCC unroll 2
+    for (int l = 0; l < kHalves; ++l) acc[a * kHalves + l] = fma_v(d[l], wa, acc[a * kHalves + l]);
   }
 }
 
+// Each thread's list of a border column's taps (emu_dx_column).
+thread_local std::vector<int64_t> tl_column_taps;
+
 // dx of one border column v (taps t in [t_lo, t_hi]) for CT input channels: the sum over
 // (output-channel pair, r, t) in order, both halves of the lanes in one pass; an odd K's last
-// pair (a zero term, then channel K - 1's) in a loop of its own. (On the AVX2 path GCC keeps a
-// copy of the accumulators in memory here, a store after every pair's terms; 4 channels instead
-// of 5, or the pairs innermost, did not change that nor the time.)
+// pair (a zero term, then channel K - 1's) in a loop of its own. The taps (r, t) the column sees
+// are listed first, so that one flat loop runs over (pair, tap): with the pair, r and t loops
+// nested (1 to 4 taps t per row at LeNet's conv2) dx took ~9 % longer on the AVX2 path.
 template <int CT>
 void emu_dx_column(const Conv2dShape& s, const float* __restrict w, const float* __restrict dyT,
                    int64_t h, int64_t r_lo, int64_t r_hi, int64_t v, int64_t t_lo, int64_t t_hi,
                    int64_t c0, float* __restrict dxT) {
   const int64_t P = s.P(), Q = s.Q(), RS = s.R * s.S, CRS = s.C * RS;
   const int64_t k_step = P * Q * kLaneBlock;
-  V acc[CT][kHalves] = {};
-  for (int64_t k = 0; k + 1 < s.K; k += 2) {
-    for (int64_t r = r_lo; r <= r_hi; ++r) {
-      for (int64_t t = t_lo; t <= t_hi; ++t) {
-        const float* de = dyT + ((k * P + h - r) * Q + v - t) * kLaneBlock;
-        const float* we = w + ((k * s.C + c0) * s.R + r) * s.S + t;
-        column_term(acc, de + k_step, we + CRS, RS);  // channel k + 1's products first
-        column_term(acc, de, we, RS);
-      }
+  // Tap i's offsets from channel k's dy plane and weights, in (r, t) order: at most R * S each.
+  if (static_cast<int64_t>(tl_column_taps.size()) < 2 * RS) {
+    tl_column_taps.resize(static_cast<size_t>(2 * RS));
+  }
+  int64_t* __restrict d_off = tl_column_taps.data();
+  int64_t* __restrict w_off = d_off + RS;
+  int64_t taps = 0;
+  for (int64_t r = r_lo; r <= r_hi; ++r) {
+    for (int64_t t = t_lo; t <= t_hi; ++t, ++taps) {
+      d_off[taps] = ((h - r) * Q + v - t) * kLaneBlock;
+      w_off[taps] = (c0 * s.R + r) * s.S + t;
     }
   }
-  if (s.K % 2 == 1) {
-    const int64_t k = s.K - 1;
-    for (int64_t r = r_lo; r <= r_hi; ++r) {
-      for (int64_t t = t_lo; t <= t_hi; ++t) {
-        for (int a = 0; a < CT; ++a) {  // the missing channel: a zero dy times a zero weight
-          for (int l = 0; l < kHalves; ++l) acc[a][l] = fma_v(V{}, V{}, acc[a][l]);
-        }
-        column_term(acc, dyT + ((k * P + h - r) * Q + v - t) * kLaneBlock,
-                    w + ((k * s.C + c0) * s.R + r) * s.S + t, RS);
-      }
+  V acc[CT * kHalves] = {};
+  // dk and wk: channel k's dy plane and weights, k the pair's low channel.
+  const float* dk = dyT;
+  const float* wk = w;
+  for (int64_t n = 0, i = 0; n < s.K / 2 * taps; ++n) {
+    column_term<CT>(acc, dk + k_step + d_off[i], wk + CRS + w_off[i], RS);  // channel k + 1's
+    column_term<CT>(acc, dk + d_off[i], wk + w_off[i], RS);
+    if (++i == taps) {
+      i = 0;
+      dk += 2 * k_step;
+      wk += 2 * CRS;
+    }
+  }
+  if (s.K % 2 == 1) {  // the last channel's pair: a zero term, then channel K - 1's
+    for (int64_t i = 0; i < taps; ++i) {
+      for (int a = 0; a < CT * kHalves; ++a) acc[a] = fma_v(V{}, V{}, acc[a]);
+      column_term<CT>(acc, dk + d_off[i], wk + w_off[i], RS);
     }
   }
   for (int a = 0; a < CT; ++a) {
     for (int l = 0; l < kHalves; ++l) {
-      storew(dxT + (((c0 + a) * s.H + h) * s.W + v) * kLaneBlock + l * kW, acc[a][l]);
+      storew(dxT + (((c0 + a) * s.H + h) * s.W + v) * kLaneBlock + l * kW, acc[a * kHalves + l]);
     }
   }
 }
@@ -499,14 +570,14 @@ constexpr auto kHwDxColumn =
 #pragma GCC pop_options
 #endif
 
-constexpr auto kEmuForward = table_1_to<kFwdKT, kFwdQT>(
+constexpr auto kEmuForward = table_1_to<kEmuFwdKT, kEmuFwdQT>(
     [](auto a, auto b) { return &emu_forward_tile<decltype(a)::value, decltype(b)::value>; });
-constexpr auto kEmuDw = table_1_to<kDwKT, kDwJT>(
+constexpr auto kEmuDw = table_1_to<kEmuDwKT, kEmuDwJT>(
     [](auto a, auto b) { return &emu_dw_tile<decltype(a)::value, decltype(b)::value>; });
-constexpr auto kEmuDx = table_1_to<kDxCT, kDxWT>(
+constexpr auto kEmuDx = table_1_to<kEmuDxCT, kEmuDxWT>(
     [](auto a, auto b) { return &emu_dx_tile<decltype(a)::value, decltype(b)::value>; });
 constexpr auto kEmuDxColumn =
-    table_1_to<kDxColumnCT>([](auto a) { return &emu_dx_column<decltype(a)::value>; });
+    table_1_to<kEmuDxColumnCT>([](auto a) { return &emu_dx_column<decltype(a)::value>; });
 
 // The calling thread's packed weights and each worker's packed lanes.
 thread_local std::vector<uint32_t> tl_weight_words, tl_words;
