@@ -375,7 +375,9 @@ void lanes_dw_loops(const Table& table, const Conv2dShape& s, const X* x, const 
   }
 }
 
-template <class Tiles, class Columns, class X, class Wt>
+// tail_columns: the interior columns past the last full tile go to the column kernel (given all
+// the taps) instead of a narrower tile; only where both sum in the same order.
+template <bool tail_columns = false, class Tiles, class Columns, class X, class Wt>
 void lanes_dx_loops(const Tiles& tiles, const Columns& columns, const Conv2dShape& s,
                     const Wt* w, const X* dy, float* dxT) {
   constexpr int64_t CT = rows_of<Tiles>, WT = cols_of<Tiles>;
@@ -383,8 +385,10 @@ void lanes_dx_loops(const Tiles& tiles, const Columns& columns, const Conv2dShap
   const int64_t P = s.P(), Q = s.Q();
   // Row h sees the taps r in [max(0, h - P + 1), min(R - 1, h)], column v the taps t in
   // [max(0, v - Q + 1), min(S - 1, v)]: the interior columns, which see all S, go in tiles of
-  // kDxWT columns, the border columns one at a time.
-  const int64_t in_lo = s.S - 1, in_hi = std::max(in_lo, Q);  // interior columns [in_lo, in_hi)
+  // WT columns, the border columns one at a time.
+  const int64_t in_lo = s.S - 1;
+  int64_t in_hi = std::max(in_lo, Q);  // interior columns [in_lo, in_hi)
+  if (tail_columns) in_hi = in_lo + (in_hi - in_lo) / WT * WT;
   for (int64_t h = 0; h < s.H; ++h) {
     const int64_t r_lo = std::max<int64_t>(0, h - P + 1), r_hi = std::min<int64_t>(s.R - 1, h);
     for (int64_t v = 0; v < s.W; ++v) {

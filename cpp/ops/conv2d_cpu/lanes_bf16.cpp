@@ -664,7 +664,7 @@ void lanes_bf16_backward(const Conv2dShape& s, const float* xT, const float* dyT
 #endif
   const bf16::FlushDenormals ftz(true);
   lanes_dw_loops(kEmuDw, s, xT, dyT, xoff, dw);
-  if (dxT) lanes_dx_loops(kEmuDx, kEmuDxColumn, s, wD.floats, dyT, dxT);
+  if (dxT) lanes_dx_loops<true>(kEmuDx, kEmuDxColumn, s, wD.floats, dyT, dxT);
 }
 
 }  // namespace mgpu::ops::cpu::MGPU_CPU_ISA::conv
