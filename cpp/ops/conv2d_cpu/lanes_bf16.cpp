@@ -24,10 +24,11 @@
 // float32 forward, 1.35x dw (of its 9 columns' 5 pairs, the last is half padding), 2x dx; the
 // LeNet step 1.5-1.6x. The emulation on the AVX2 path does float32's FMAs in another order, so
 // at best float32's speed: one block, one thread, MGPU_ISA=avx2 on the same CPU (2026-12-08),
-// 0.93x float32 forward, 0.82x dw (the padding's tenth column), 0.86-0.9x dx; the LeNet step
-// 0.85-0.9x of float32's (with the first version of these tiles, before the sliding windows and
-// the flat border-column loop: 0.75-0.8x; float32's lane kernels on the rounded operands, before
-// the pair products: 0.9-1.0x). The price of one set of bits on every path.
+// 0.93x float32 forward, 0.91x dw (which adds the padding's tenth column), 0.9x dx; the LeNet
+// step 0.9x of float32's (the first version of these tiles, before the sliding windows, the flat
+// border-column loop and the padding on the add ports: 0.75-0.8x; float32's lane kernels on the
+// rounded operands, before the pair products: 0.9-1.0x). The price of one set of bits on every
+// path.
 #include <immintrin.h>
 
 #include <vector>
@@ -96,9 +97,9 @@ inline V broadcast_v(const float* p) {
 #endif
 }
 
-// w packed for emu_forward_tile: output channels in tiles of kEmuFwdKT (the last narrower), tile k0's
-// weights from wE + k0 * ceil(C/2) * R * S * 2; for each (channel pair, r, t) in order, the tile's
-// high channel's weights, then its low channel's (a missing high channel's are zeros).
+// w packed for emu_forward_tile: output channels in tiles of kEmuFwdKT (the last narrower), tile
+// k0's weights from wE + k0 * ceil(C/2) * R * S * 2; for each (channel pair, r, t) in order, the
+// tile's high channel's weights, then its low channel's (a missing high channel's are zeros).
 void pack_forward_emu(const Conv2dShape& s, const float* __restrict w, float* __restrict wE) {
   const int64_t Cp = (s.C + 1) / 2, RS = s.R * s.S, CRS = s.C * RS;
   for (int64_t k0 = 0; k0 < s.K; k0 += kEmuFwdKT) {
